@@ -1,0 +1,38 @@
+// NVSHMEM signal and atomic calls, wrapped once under names that say what they (do not) order.
+// Facts from NVSHMEM 3.4.5's headers (shared REFERENCE.md §3): signal SET is a plain volatile store
+// and ADD a relaxed atomicAdd_system — neither fences; signal_wait_until is a volatile spin with no
+// acquire after it; atomic_or is a relaxed atomicOr_system. Callers add the fences; see protocol/.
+#pragma once
+
+#include "chunkring/comm/nvshmem.cuh"
+
+namespace chunkring::comm {
+
+using u64 = ::cuda::std::uint64_t;
+
+// Relaxed remote store of `value` into `signal` on `pe`. NOTES: not a release by itself.
+__device__ __forceinline__ void signal_set_relaxed(u64* signal, u64 value, int pe) {
+    nvshmemx_signal_op(signal, value, NVSHMEM_SIGNAL_SET, pe);
+}
+
+// Spin until the local `signal` equals `value`. NOTES: no acquire; an acquire fence must follow.
+__device__ __forceinline__ void signal_wait_eq_relaxed(u64* signal, u64 value) {
+    nvshmem_signal_wait_until(signal, NVSHMEM_CMP_EQ, value);
+}
+
+// Relaxed remote OR of `bits` into `word` on `pe`. NOTES: a release fence must precede it.
+__device__ __forceinline__ void atomic_or_relaxed(u64* word, u64 bits, int pe) {
+    nvshmem_uint64_atomic_or(word, bits, pe);
+}
+
+// Relaxed remote compare-and-swap; returns the value found. NOTES: a release fence must precede it.
+__device__ __forceinline__ u64 atomic_cas_relaxed(u64* word, u64 expected, u64 desired, int pe) {
+    return nvshmem_uint64_atomic_compare_swap(word, expected, desired, pe);
+}
+
+// Relaxed remote fetch. NOTES: an acquire fence must follow before dependent reads.
+__device__ __forceinline__ u64 atomic_fetch_relaxed(const u64* word, int pe) {
+    return nvshmem_uint64_atomic_fetch(word, pe);
+}
+
+}  // namespace chunkring::comm

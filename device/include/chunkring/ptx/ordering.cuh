@@ -1,0 +1,55 @@
+// Memory-ordering primitives, named <operation>_<order>_<scope>. This is the only file with `asm`.
+//
+// Scope: every word chunkring's protocol touches is written by one GPU (or process) and read by
+// another, so the protocol uses `.sys` scope throughout; the PTX memory model only pairs a release
+// with an acquire across GPUs when both sides use `.sys`. Every statement carries a "memory" clobber
+// so the compiler cannot move ordinary loads and stores across it.
+#pragma once
+
+#include <cuda/std/cstdint>
+
+namespace chunkring::ptx {
+
+using u32 = ::cuda::std::uint32_t;
+using u64 = ::cuda::std::uint64_t;
+
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* ptr) {
+    u64 value;
+    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ u64 ld_relaxed_sys(const u64* ptr) {
+    u64 value;
+    asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ u32 ld_relaxed_sys(const u32* ptr) {
+    u32 value;
+    asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void st_release_sys(u64* ptr, u64 value) {
+    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys(u64* ptr, u64 value) {
+    asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+// A release or acquire *fence*: with a relaxed (or NVSHMEM's volatile) store after it, it forms a
+// release pattern; with a relaxed load before it, an acquire pattern (PTX ISA, memory consistency model).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Nanoseconds from the global timer. Watchdogs use it rather than clock64(), whose rate varies.
+__device__ __forceinline__ u64 globaltimer_ns() {
+    u64 ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns) : : "memory");
+    return ns;
+}
+
+__device__ __forceinline__ void nanosleep(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns) : "memory"); }
+
+}  // namespace chunkring::ptx

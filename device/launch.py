@@ -1,0 +1,91 @@
+"""Typed launches: each kernel declares its parameters once, and every call is checked against them.
+
+A wrong dtype, a CPU tensor, a non-contiguous view or an out-of-range integer is a
+``ChunkringUsageError`` before anything is enqueued. Scalars are converted to the exact NumPy type the
+kernel expects (cuda.core would pass a bare Python int as a pointer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+
+__all__ = ["Param", "KernelLibrary"]
+
+_SCALARS = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter: ``kind`` is ``"ptr"`` (a CUDA tensor of ``dtype``) or a scalar kind."""
+
+    name: str
+    kind: str
+    dtype: object = None  # torch.dtype, for pointers
+
+    def __post_init__(self):
+        if self.kind != "ptr" and self.kind not in _SCALARS:
+            raise ChunkringUsageError(f"unknown parameter kind {self.kind!r}", field=self.name)
+        if self.kind == "ptr" and self.dtype is None:
+            raise ChunkringUsageError("a pointer parameter needs its dtype", field=self.name)
+
+    def convert(self, value, device):
+        import torch
+
+        if self.kind == "ptr":
+            if not isinstance(value, torch.Tensor):
+                raise ChunkringUsageError(f"expected a torch.Tensor, got {type(value).__name__}", field=self.name)
+            if value.dtype != self.dtype:
+                raise ChunkringUsageError(f"expected dtype {self.dtype}, got {value.dtype}", field=self.name)
+            if not value.is_contiguous():
+                raise ChunkringUsageError("tensor must be contiguous", field=self.name)
+            if value.device != device:
+                raise ChunkringUsageError(f"tensor is on {value.device}, kernel runs on {device}", field=self.name)
+            return value.data_ptr()
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ChunkringUsageError(f"expected an integer, got {type(value).__name__}", field=self.name)
+        info = np.iinfo(_SCALARS[self.kind])
+        if not info.min <= int(value) <= info.max:
+            raise ChunkringUsageError(f"{value} does not fit {self.kind}", field=self.name)
+        return _SCALARS[self.kind](value)
+
+
+class KernelLibrary:
+    """A compiled kernel library registered with NVSHMEM, with checked launches of its kernels."""
+
+    def __init__(self, runtime, build_result, signatures: dict[str, tuple[Param, ...]]):
+        self.runtime = runtime
+        self.build = build_result
+        self._signatures = dict(signatures)
+        runtime.load(build_result.object_code)
+        try:
+            self._kernels = {name: build_result.object_code.get_kernel(name) for name in self._signatures}
+        except Exception as exc:
+            raise ChunkringRuntimeError(f"kernel missing from {build_result.name}: {exc}") from exc
+
+    def __repr__(self) -> str:
+        return f"KernelLibrary({self.build.name!r}, kernels={sorted(self._signatures)})"
+
+    def launch(self, name: str, *args, grid=1, block=128, stream=None, shared_bytes: int = 0) -> None:
+        """Enqueue kernel ``name`` on ``stream`` (a torch stream; the current one by default)."""
+        import torch
+        from cuda.core import LaunchConfig, launch
+
+        if name not in self._signatures:
+            raise ChunkringUsageError(f"no kernel {name!r} in {self.build.name}", field="name")
+        params = self._signatures[name]
+        if len(args) != len(params):
+            raise ChunkringUsageError(f"{name} takes {len(params)} arguments, got {len(args)}", field="args")
+        device = self.runtime.torch_device
+        values = [param.convert(arg, device) for param, arg in zip(params, args)]
+        torch_stream = stream if stream is not None else torch.cuda.current_stream(device)
+        if torch_stream.device != device:
+            raise ChunkringUsageError(f"stream is on {torch_stream.device}, kernel runs on {device}", field="stream")
+        stream_obj = self.runtime.device.create_stream(torch_stream)
+        try:
+            launch(stream_obj, LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes), self._kernels[name], *values)
+        except Exception as exc:
+            raise ChunkringRuntimeError(f"launch of {name} failed: {exc}") from exc

@@ -1,0 +1,99 @@
+"""Bring-up check: every PE exchanges checked data through NVSHMEM signals and atomics.
+
+Passes when every PE received every word its left neighbour sent in every round and PE 0 saw every
+PE's acknowledgement bit. Also measures the raw signal ping-pong between PE 0 and PE 1, the floor the
+ring protocol is later compared against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chunkring.device import KernelLibrary, Param, build
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+
+
+@dataclass(frozen=True)
+class CONFIG:
+    rounds: int = 8
+    words_per_pe: int = 65536
+    pingpong_iters: int = 2000
+
+    def __post_init__(self):
+        if not 1 <= self.rounds <= 1024:
+            raise ChunkringUsageError("must be in [1, 1024]", field="rounds")
+        if not 1 <= self.words_per_pe <= 1 << 26:
+            raise ChunkringUsageError("must be in [1, 2**26]", field="words_per_pe")
+        if not 1 <= self.pingpong_iters <= 1 << 24:
+            raise ChunkringUsageError("must be in [1, 2**24]", field="pingpong_iters")
+
+
+def _signatures():
+    import torch
+
+    u64p = lambda name: Param(name, "ptr", torch.int64)  # noqa: E731 - 64-bit words travel as int64 tensors
+    return {
+        "selftest_ring_pass": (
+            u64p("send"), u64p("recv"), u64p("signal"), u64p("mask"), Param("errors", "ptr", torch.int32),
+            Param("n_words", "i32"), Param("round", "u64"),
+        ),
+        "selftest_pingpong": (
+            u64p("signal"), Param("peer", "i32"), Param("iters", "i32"), Param("initiator", "i32"), u64p("elapsed_ns"),
+        ),
+    }
+
+
+def run(runtime, config: CONFIG) -> dict:
+    """Run the check on every PE; returns this PE's figures. Raises on any data or ack error."""
+    import torch
+
+    if runtime.world_size > 64:
+        raise ChunkringUsageError("the bring-up ack mask holds 64 PEs", field="world_size")
+    built = build("selftest")
+    lib = KernelLibrary(runtime, built, _signatures())
+    send = runtime.alloc(config.words_per_pe, torch.int64)
+    recv = runtime.alloc(config.words_per_pe, torch.int64)
+    signal = runtime.alloc(1, torch.int64)
+    mask = runtime.alloc(config.rounds + 1, torch.int64)
+    errors = torch.zeros(1, dtype=torch.int32, device=runtime.torch_device)
+    runtime.barrier()
+
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for rnd in range(1, config.rounds + 1):
+        lib.launch("selftest_ring_pass", send, recv, signal, mask, errors, config.words_per_pe, rnd, block=512)
+        runtime.barrier()  # the next round's put must not land before this round's check
+    stop.record()
+    torch.cuda.synchronize()
+    bad_words = int(errors.item())
+    if bad_words:
+        raise ChunkringRuntimeError(f"PE {runtime.rank}: {bad_words} words arrived wrong in the ring pass")
+    if runtime.rank == 0:
+        full = (1 << runtime.world_size) - 1
+        seen = [int(m) & ((1 << 64) - 1) for m in mask[1:].tolist()]
+        missing = [(rnd + 1, hex(m)) for rnd, m in enumerate(seen) if m != full]
+        if missing:
+            raise ChunkringRuntimeError(f"PE 0: ack masks incomplete (round, mask): {missing}; want {hex(full)}")
+
+    figures = {
+        "ring_pass_rounds": config.rounds,
+        "ring_pass_ms_per_round": start.elapsed_time(stop) / config.rounds,
+        "kernel_compile_s": built.seconds,
+        "kernel_cache_hit": int(built.cache_hit),
+    }
+    if runtime.world_size >= 2:
+        figures["pingpong_rtt_us"] = _pingpong(runtime, lib, signal, config.pingpong_iters)
+    return figures
+
+
+def _pingpong(runtime, lib, signal, iters: int) -> float | None:
+    import torch
+
+    signal.zero_()
+    runtime.barrier()
+    elapsed = torch.zeros(1, dtype=torch.int64, device=runtime.torch_device)
+    if runtime.rank in (0, 1):
+        lib.launch("selftest_pingpong", signal, 1 - runtime.rank, iters, int(runtime.rank == 0), elapsed, block=32)
+    torch.cuda.synchronize()
+    runtime.barrier()
+    return elapsed.item() / iters / 1e3 if runtime.rank == 0 else None

@@ -1,0 +1,87 @@
+"""One rank of a chunkring job: bring up, run the job, report, tear down. Started by ``chunkring-launch``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+
+from chunkring import init
+from chunkring.errors import ChunkringError, ChunkringUsageError
+
+from .config import from_table, load_table
+from .jobs import JOBS
+
+
+def run_job(job: str, config_name: str, *, json_path: str | None = None) -> int:
+    """Run ``job`` in this process (one rank); rank 0 prints the table. Returns the exit status."""
+    module = JOBS[job]
+    try:
+        config = from_table(module.CONFIG, load_table(config_name), job=job)
+    except ChunkringUsageError as exc:
+        print(f"chunkring-launch: bad config: {exc}", file=sys.stderr)
+        return 2
+    runtime = None
+    try:
+        runtime = init()
+        figures = module.run(runtime, config)
+        all_figures = _gather(runtime, figures)
+        if runtime.rank == 0:
+            _print_table(job, runtime, all_figures)
+            if json_path:
+                with open(json_path, "w") as out:
+                    json.dump({"job": job, "ranks": runtime.world_size, "figures": all_figures}, out, indent=2)
+        runtime.close()
+        return 0
+    except ChunkringError as exc:
+        rank = runtime.rank if runtime else "?"
+        print(f"chunkring-launch: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception:
+        traceback.print_exc()
+    _abort_others(runtime)
+    return 1
+
+
+def _gather(runtime, figures: dict) -> list:
+    if runtime.world_size == 1:
+        return [figures]
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.gather(figures, root=0)
+
+
+def _abort_others(runtime) -> None:
+    # A rank that fails alone would leave the others waiting in a collective forever.
+    if runtime is not None and runtime.world_size > 1:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
+
+def _print_table(job: str, runtime, all_figures: list) -> None:
+    import torch
+
+    keys = sorted({k for f in all_figures for k in f})
+    print(f"chunkring {job}: PASS on {runtime.world_size} rank(s), {torch.cuda.get_device_name(runtime.ordinal)}")
+    width = max(len(k) for k in keys) if keys else 0
+    print(f"{'figure':<{width}}  " + "  ".join(f"rank {r:<4}" for r in range(len(all_figures))))
+    for key in keys:
+        cells = []
+        for figures in all_figures:
+            value = figures.get(key)
+            cells.append(f"{value:<9.3f}" if isinstance(value, float) else f"{str(value if value is not None else '-'):<9}")
+        print(f"{key:<{width}}  " + "  ".join(cells))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m chunkring.launcher.worker")
+    parser.add_argument("job", choices=sorted(JOBS))
+    parser.add_argument("config")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    return run_job(args.job, args.config, json_path=args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

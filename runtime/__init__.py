@@ -1,0 +1,20 @@
+"""chunkring: stream MoE token chunks into expert-parallel dispatch through an NVSHMEM ring of slots.
+
+Start here: ``rt = chunkring.init()`` (a collective under mpirun, or a single process), then the ring
+and layer APIs; ``rt.close()`` at the end.
+"""
+
+from .bringup import Runtime, current, init
+from .errors import ChunkringError, ChunkringRuntimeError, ChunkringUsageError, NoGpuError
+from .ranks import RankInfo
+
+__all__ = [
+    "ChunkringError",
+    "ChunkringRuntimeError",
+    "ChunkringUsageError",
+    "NoGpuError",
+    "RankInfo",
+    "Runtime",
+    "current",
+    "init",
+]

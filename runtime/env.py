@@ -1,0 +1,72 @@
+"""Every environment variable chunkring reads or sets, in one place.
+
+Our own knobs live under the ``CHUNKRING_`` prefix. The multicast variables are not knobs: NVLink
+multicast must stay off on every machine we run on (a program using it can take a shared host's GPUs
+out of service), so we set them and refuse to run if someone set them otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import ChunkringUsageError
+
+__all__ = [
+    "MULTICAST_OFF",
+    "apply_process_defaults",
+    "cache_dir",
+    "watchdog_timeout_s",
+]
+
+#: Variables that keep NVLink multicast (NVLS) off in NVSHMEM, NCCL and torch symmetric memory.
+MULTICAST_OFF = {
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+
+#: Defaults for a job whose ranks all sit on one node: no network transport, no NCCL inside NVSHMEM,
+#: and the UID bootstrap on loopback (the isolated GPU host has no other interface worth trying).
+SINGLE_NODE_DEFAULTS = {
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_NCCL": "1",
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+}
+
+
+def apply_process_defaults(environ: dict | None = None, *, single_node: bool) -> dict:
+    """Force multicast off and fill single-node defaults; returns ``environ`` (``os.environ`` by default).
+
+    Raises ``ChunkringUsageError`` if a multicast variable was set to a value that turns multicast on.
+    Must run before NVSHMEM, NCCL or torch symmetric memory initialise (they read these once).
+    """
+    env = os.environ if environ is None else environ
+    for name, value in MULTICAST_OFF.items():
+        if env.get(name, value) != value:
+            raise ChunkringUsageError(
+                f"NVLink multicast must stay off: expected {name}={value}, found {env[name]!r}", field=name
+            )
+        env[name] = value
+    if single_node:
+        for name, value in SINGLE_NODE_DEFAULTS.items():
+            env.setdefault(name, value)
+    return env
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are cached (``CHUNKRING_CACHE_DIR``, default ``~/.cache/chunkring``)."""
+    root = os.environ.get("CHUNKRING_CACHE_DIR") or Path.home() / ".cache" / "chunkring"
+    return Path(root) / "kernels"
+
+
+def watchdog_timeout_s() -> float:
+    """Seconds a device spin-wait may last before it reports who is stuck (``CHUNKRING_TIMEOUT_S``, 100)."""
+    raw = os.environ.get("CHUNKRING_TIMEOUT_S", "100")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ChunkringUsageError(f"not a number: {raw!r}", field="CHUNKRING_TIMEOUT_S") from None
+    if not 0 < value <= 24 * 3600:
+        raise ChunkringUsageError(f"must be in (0, 86400] seconds, got {value}", field="CHUNKRING_TIMEOUT_S")
+    return value

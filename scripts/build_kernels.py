@@ -1,0 +1,24 @@
+"""Compile every kernel source (or load it from the cache) and report the time each took."""
+
+import argparse
+import json
+
+from chunkring.device import build, kernel_sources, nvshmem_version
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", help="write {kernel: {seconds, cache_hit}} here")
+    args = parser.parse_args()
+    report = {}
+    for name in kernel_sources():
+        result = build(name)
+        report[name] = {"seconds": round(result.seconds, 4), "cache_hit": result.cache_hit, "key": result.cache_key}
+        print(f"{name:<24} {'cache' if result.cache_hit else 'compiled':<9} {result.seconds:8.3f} s  (NVSHMEM {nvshmem_version()})")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# On a GPU host without network: install the wheel bundle, build the kernels (cold, then from the cache),
+# run the GPU test suite with 1 rank and with N ranks on one GPU under MPS, run the main job, and
+# write one JSON summary per suite run into $RESULTS (default tests/gpu_results).
+#   CHUNKRING_COMMIT=<sha> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle=${1:-.whl}
+ranks=${2:-4}
+results=${RESULTS:-tests/gpu_results}
+logs=${LOGS:-${OUT:-/tmp}/logs}
+mkdir -p "$results" "$logs"
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export CHUNKRING_CACHE_DIR=${CHUNKRING_CACHE_DIR:-/tmp/chunkring-cache}
+
+# Keep the host's torch: install only what the image lacks, without dependency resolution.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$bundle"/*.whl || exit 1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+
+python3 scripts/build_kernels.py --json "$logs/build_cold.json" 2>&1 | tee "$logs/build.log"
+python3 scripts/build_kernels.py --json "$logs/build_warm.json" 2>&1 | tee -a "$logs/build.log"
+
+run_suite() {  # name ranks command...
+    local name=$1 n=$2; shift 2
+    local start=$SECONDS
+    "$@" 2>&1 | tee "$logs/$name.log"
+    local rc=${PIPESTATUS[0]}
+    python3 scripts/gpu_summary.py --suite "$name" --ranks "$n" --rc "$rc" --seconds $((SECONDS - start)) \
+        --junit "$logs/$name".xml* --build "$logs/build_cold.json" "$logs/build_warm.json" \
+        --command "$*" --out "$results/$name.json"
+    return "$rc"
+}
+status=0
+run_suite gpu-1rank 1 python3 -m pytest tests -q -x --junitxml="$logs/gpu-1rank.xml" || status=1
+
+# Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
+export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+nvidia-cuda-mps-control -d
+run_suite "gpu-${ranks}rank-mps" "$ranks" mpirun -np "$ranks" --oversubscribe --timeout 300 \
+    -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CHUNKRING_CACHE_DIR \
+    bash -c "exec python3 -m pytest --with-mpi tests/gpu tests/mpi -q -x --junitxml=$logs/gpu-${ranks}rank-mps.xml.\$OMPI_COMM_WORLD_RANK" \
+    || status=1
+chunkring-launch --np "$ranks" bringup --json "$logs/main_${ranks}rank.json" 2>&1 | tee "$logs/main.log" || status=1
+echo quit | nvidia-cuda-mps-control
+chunkring-launch bringup --json "$logs/main_1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1
+exit $status

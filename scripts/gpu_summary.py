@@ -1,0 +1,80 @@
+"""Write one JSON summary of a GPU suite run from its JUnit XML file(s) and the kernel build reports."""
+
+import argparse
+import json
+import os
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def junit_counts(path: str) -> dict:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for suite in suites:
+        for key in total:
+            total[key] += int(suite.get(key, 0))
+    failed = total["failures"] + total["errors"]
+    return {"passed": total["tests"] - failed - total["skipped"], "failed": failed, "skipped": total["skipped"]}
+
+
+def gpu_facts() -> dict:
+    import torch
+
+    facts = {"gpu": "none", "gpus": 0, "driver": None}
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+        facts["gpus"] = torch.cuda.device_count()
+    try:
+        facts["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                         capture_output=True, text=True, timeout=30).stdout.split()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        pass
+    facts["torch"] = torch.__version__
+    return facts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--suite", required=True)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--rc", type=int, required=True)
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--junit", nargs="*", default=[])
+    parser.add_argument("--build", nargs="*", default=[])
+    parser.add_argument("--command", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from chunkring.device import nvshmem_version
+
+    per_rank = [junit_counts(p) for p in sorted(args.junit) if Path(p).is_file()]
+    counts = per_rank[0] if per_rank else {"passed": 0, "failed": 0, "skipped": 0}
+    # Every rank runs the same tests: report rank 0's counts, but any rank's failure counts.
+    counts["failed"] = max([c["failed"] for c in per_rank] + [0 if args.rc == 0 else max(1, counts["failed"])])
+    figures = {"suite_seconds": args.seconds}
+    for path in args.build:
+        if Path(path).is_file():
+            tag = Path(path).stem
+            for kernel, info in json.loads(Path(path).read_text()).items():
+                figures[f"{tag}_{kernel}_s"] = info["seconds"]
+    summary = {
+        "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"),
+        **gpu_facts(),
+        "ranks": args.ranks,
+        "suite": args.suite,
+        "command": args.command,
+        "exit_status": args.rc,
+        **counts,
+        "ranks_reporting": len(per_rank),
+        "nvshmem": nvshmem_version(),
+        "figures": figures,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Every kernel source compiles with NVRTC against the NVSHMEM the GPU host runs (no GPU needed),
+and the on-disk cache is keyed so that a changed input recompiles and an unchanged one does not."""
+
+import pytest
+
+from chunkring.device import build, kernel_sources, nvshmem_version
+from chunkring.errors import ChunkringUsageError
+
+#: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove
+#: that the host accepts our kernels.
+GPU_HOST_NVSHMEM = "3.4.5"
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("CHUNKRING_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+
+
+def test_headers_are_the_gpu_hosts_nvshmem():
+    assert nvshmem_version() == GPU_HOST_NVSHMEM
+
+
+@pytest.mark.parametrize("name", kernel_sources())
+def test_kernel_compiles_and_caches(name):
+    first = build(name)
+    assert first.object_code.code[:4] == b"\x7fELF"
+    second = build(name)
+    assert second.cache_hit and second.cache_key == first.cache_key
+    assert bytes(second.object_code.code) == bytes(first.object_code.code)
+
+
+def test_selftest_exports_its_kernels():
+    code = bytes(build("selftest").object_code.code)
+    for symbol in (b"selftest_ring_pass", b"selftest_pingpong"):
+        assert symbol in code
+
+
+def test_defines_change_the_key():
+    assert build("selftest", defines={"CHUNKRING_UNUSED": 1}).cache_key != build("selftest").cache_key
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"name": "nope"}, "name"),
+    ({"name": "selftest", "arch": "90"}, "arch"),
+    ({"name": "selftest", "defines": {"lower": 1}}, "defines"),
+    ({"name": "selftest", "defines": {"X": "a b"}}, "defines"),
+])
+def test_bad_build_requests(kwargs, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        build(**kwargs)
+    assert info.value.field == field

@@ -1,0 +1,55 @@
+"""Shared test plumbing: GPU skipping, the per-process runtime, and the MPI abort-on-failure hook."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+UNDER_MPI = "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+HAVE_GPU = _gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible: torch.cuda.device_count() == 0)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # Under mpirun, a rank that fails alone would leave its peers blocked in the next collective until
+    # the outer timeout. Abort the whole job instead, so a failure ends the run in seconds.
+    outcome = yield
+    report = outcome.get_result()
+    if UNDER_MPI and report.failed and int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1"))) > 1:
+        from mpi4py import MPI
+
+        sys.stderr.write(f"\n[rank {MPI.COMM_WORLD.Get_rank()}] {item.nodeid} failed; aborting the MPI job\n")
+        sys.stderr.write(report.longreprtext + "\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def runtime():
+    """This process's chunkring runtime (CUDA + NVSHMEM), shared by every GPU test, closed at the end."""
+    import chunkring
+
+    rt = chunkring.init()
+    yield rt
+    rt.close()

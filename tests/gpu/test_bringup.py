@@ -1,0 +1,48 @@
+"""Bring-up on the GPU: symmetric tensors line up across PEs, and the NVSHMEM self-test kernels
+(signal_op, signal_wait_until, atomic_or, putmem) move checked data between every pair of neighbours.
+Runs with 1 rank or under `mpirun -np N` (several ranks may share one GPU under MPS)."""
+
+import pytest
+import torch
+
+from chunkring.errors import ChunkringUsageError
+from chunkring.launcher.jobs import bringup
+
+pytestmark = pytest.mark.gpu
+
+
+def test_symmetric_tensor_is_visible_at_every_peer(runtime):
+    mine = runtime.alloc((4, 8), torch.int32)
+    mine.fill_(runtime.rank + 1)
+    runtime.barrier()
+    for pe in range(runtime.world_size):
+        peer = runtime.peer(mine, pe)
+        assert peer.shape == mine.shape
+        assert torch.all(peer == pe + 1), f"PE {pe}'s tensor seen from PE {runtime.rank}"
+    runtime.barrier()
+    runtime.free(mine)
+
+
+def test_ring_pass_and_acks(runtime):
+    figures = bringup.run(runtime, bringup.CONFIG(rounds=4, words_per_pe=1 << 15, pingpong_iters=200))
+    assert figures["ring_pass_rounds"] == 4
+    if runtime.world_size >= 2 and runtime.rank == 0:
+        assert figures["pingpong_rtt_us"] > 0
+
+
+def test_launch_rejects_bad_arguments_before_enqueueing(runtime):
+    from chunkring.device import KernelLibrary, build
+
+    lib = KernelLibrary(runtime, build("selftest"), bringup._signatures())
+    wrong = torch.zeros(4, dtype=torch.float32, device=runtime.torch_device)
+    with pytest.raises(ChunkringUsageError, match="expected dtype"):
+        lib.launch("selftest_pingpong", wrong, 0, 1, 1, wrong)
+    with pytest.raises(ChunkringUsageError, match="takes 5 arguments"):
+        lib.launch("selftest_pingpong", wrong)
+
+
+def test_free_twice_is_refused(runtime):
+    t = runtime.alloc(16, torch.int64)
+    runtime.free(t)
+    with pytest.raises(ChunkringUsageError):
+        runtime.free(t)

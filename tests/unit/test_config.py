@@ -1,0 +1,44 @@
+"""Job configs: presets load; unknown keys, wrong types and out-of-range values are typed errors."""
+
+import pytest
+
+from chunkring.errors import ChunkringUsageError
+from chunkring.launcher.config import from_table, load_table
+from chunkring.launcher.jobs import JOBS
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_every_job_has_a_valid_preset(job):
+    config = from_table(JOBS[job].CONFIG, load_table(job), job=job)
+    assert isinstance(config, JOBS[job].CONFIG)
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(ChunkringUsageError, match="bringup"):
+        load_table("no-such-preset")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ChunkringUsageError):
+        load_table(str(tmp_path / "absent.toml"))
+
+
+def test_bad_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("rounds = = 3")
+    with pytest.raises(ChunkringUsageError):
+        load_table(str(path))
+
+
+@pytest.mark.parametrize("table,field", [
+    ({"rounds": 0}, "rounds"),
+    ({"rounds": "8"}, "rounds"),
+    ({"rounds": True}, "rounds"),
+    ({"words_per_pe": 1 << 27}, "words_per_pe"),
+    ({"colour": 1}, "config"),
+    ({"job": "other"}, "job"),
+])
+def test_bringup_rejects(table, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        from_table(JOBS["bringup"].CONFIG, table, job="bringup")
+    assert info.value.field == field

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
 ranks=${2:-4}
 results=${RESULTS:-tests/gpu_results}
-logs=${LOGS:-${OUT:-/tmp}/logs}
+logs=${LOGS:-/tmp/chunkring-logs}
 mkdir -p "$results" "$logs"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -45,4 +45,6 @@ run_suite "gpu-${ranks}rank-mps" "$ranks" mpirun -np "$ranks" --oversubscribe --
 chunkring-launch --np "$ranks" bringup --json "$logs/main_${ranks}rank.json" 2>&1 | tee "$logs/main.log" || status=1
 echo quit | nvidia-cuda-mps-control
 chunkring-launch bringup --json "$logs/main_1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1
+# One combined log comes back from the device machine (it returns few files).
+[ -n "${OUT:-}" ] && cat "$logs"/*.log > "$OUT/suite.log"
 exit $status

@@ -33,7 +33,7 @@ def test_failing_rank_aborts_the_job(tmp_path):
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     cmd += [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider", str(tmp_path)]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
     elapsed = time.monotonic() - start

@@ -7,13 +7,18 @@ and layer APIs; ``rt.close()`` at the end.
 from .bringup import Runtime, current, init
 from .errors import ChunkringError, ChunkringRuntimeError, ChunkringUsageError, NoGpuError
 from .ranks import RankInfo
+from .ring import Ring
+from .ring_spec import PayloadFormat, RingSpec
 
 __all__ = [
     "ChunkringError",
     "ChunkringRuntimeError",
     "ChunkringUsageError",
     "NoGpuError",
+    "PayloadFormat",
     "RankInfo",
+    "Ring",
+    "RingSpec",
     "Runtime",
     "current",
     "init",

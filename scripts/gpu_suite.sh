@@ -33,14 +33,14 @@ run_suite() {  # name ranks command...
     return "$rc"
 }
 status=0
-run_suite gpu-1rank 1 python3 -m pytest tests -q -x --junitxml="$logs/gpu-1rank.xml" || status=1
+run_suite gpu-1rank 1 python3 -m pytest tests -q -rs --durations=8 --junitxml="$logs/gpu-1rank.xml" || status=1
 
 # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
 export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
 nvidia-cuda-mps-control -d
 run_suite "gpu-${ranks}rank-mps" "$ranks" mpirun -np "$ranks" --oversubscribe --timeout 300 \
     -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CHUNKRING_CACHE_DIR \
-    bash -c "exec python3 -m pytest --with-mpi tests/gpu tests/mpi -q -x --junitxml=$logs/gpu-${ranks}rank-mps.xml.\$OMPI_COMM_WORLD_RANK" \
+    bash -c "exec python3 -m pytest --with-mpi tests/gpu tests/mpi -q -rs --junitxml=$logs/gpu-${ranks}rank-mps.xml.\$OMPI_COMM_WORLD_RANK" \
     || status=1
 chunkring-launch --np "$ranks" bringup --json "$logs/main_${ranks}rank.json" 2>&1 | tee "$logs/main.log" || status=1
 echo quit | nvidia-cuda-mps-control

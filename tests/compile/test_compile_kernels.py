@@ -4,6 +4,7 @@ and the on-disk cache is keyed so that a changed input recompiles and an unchang
 import pytest
 
 from chunkring.device import build, kernel_sources, nvshmem_version
+from chunkring.device.ring_kernels import MUTANTS
 from chunkring.errors import ChunkringUsageError
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove
@@ -49,3 +50,10 @@ def test_bad_build_requests(kwargs, field):
     with pytest.raises(ChunkringUsageError) as info:
         build(**kwargs)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_every_protocol_mutant_compiles(mutant):
+    # The mutants are the stress suite's negative controls; a mutant that fails to build proves nothing.
+    code = bytes(build("ring_stress", defines={"CHUNKRING_MUTANT": MUTANTS[mutant]}).object_code.code)
+    assert b"ring_stress" in code and b"litmus_mp" in code

@@ -1,0 +1,181 @@
+// The ring protocol's device API: what a producer calls to fill and publish a slot, and what a
+// consumer calls to wait for it and give it back. Every ordering rule of docs/PROTOCOL.md is here
+// and nowhere else. All functions are block-level: every thread of the block calls them together.
+//
+// Ownership (who writes which word):
+//   slot payload + meta of source r ........ r's producer (local stores), read by every consumer
+//   route_ready[r][s], layout_ready[r][s] ... r's producer, by remote SET into each destination's
+//                                            own buffer, so every consumer spins on local memory
+//   ack[s] words of owner r ................. r's producer arms them (tag, empty mask) before
+//                                            publishing; each consumer d sets bit d by remote CAS
+//   consumed[s], control[next_seq] .......... r's producer;  cursor[src] ... this rank's consumer
+//   control[epoch] .......................... the host, in the collective reset, between kernels
+#pragma once
+
+#include "chunkring/comm/signal.cuh"
+#include "chunkring/layout/ring_desc.cuh"
+#include "chunkring/protocol/rules.cuh"
+#include "chunkring/protocol/status.cuh"
+#include "chunkring/ptx/ordering.cuh"
+
+namespace chunkring::protocol {
+
+using namespace chunkring::layout;
+
+__device__ __forceinline__ u32 epoch_bits(const RingDesc& d) { return static_cast<u32>(d.epoch_bits); }
+
+// NOTES: relaxed - the host writes the epoch in the reset, stream-ordered before this kernel began.
+__device__ __forceinline__ u64 current_epoch(const RingDesc& d) { return ptx::ld_relaxed_sys(control_word(d, kControlEpoch)); }
+
+__device__ __forceinline__ u64 gen_of(const RingDesc& d, u64 epoch, u64 seq) {
+    return make_gen(epoch, lap_of(seq, d.num_slots), epoch_bits(d));
+}
+
+// Thread 0 decides, the whole block follows.
+__device__ __forceinline__ bool block_agree(bool thread0_ok) {
+    __shared__ bool ok;
+    if (threadIdx.x == 0) ok = thread0_ok;
+    __syncthreads();
+    const bool result = ok;
+    __syncthreads();
+    return result;
+}
+
+// ---------------------------------------------------------------- producer (owner of the slot)
+
+// Before writing chunk `seq` into its slot: wait until every destination acknowledged the chunk
+// that last used the slot (seq - S), then arm the slot's ack words for `seq`.
+// Orders: every consumer's reads of chunk seq - S (their release fence + CAS) happen-before our
+// acquire fence, which precedes every store of ours to the slot.
+__device__ __forceinline__ bool begin_chunk(const RingDesc& d, u64 epoch, u64 seq) {
+    bool ok = true;
+    if (threadIdx.x == 0) {
+        const u64 slot = slot_of(seq, d.num_slots), lap = lap_of(seq, d.num_slots);
+        const u32 bits = epoch_bits(d), words = ack_words_used(static_cast<u32>(d.world_size));
+        if (!lap_fits(lap, bits)) {
+            record_error(d, ErrorCode::kLapOverflow, Site::kPublish, d.my_pe, slot, seq_mask(bits) - 1, lap);
+            ok = false;
+        }
+        if (ok && lap >= 1 && kMutant != Mutant::kNoAckWait) {
+            const u64 previous = gen_of(d, epoch, seq - d.num_slots);
+            for (u32 w = 0; ok && w < words; ++w) {
+                const u64 want = ack_value(ack_tag(previous, bits), ack_full_mask(w, static_cast<u32>(d.world_size)));
+                u64* word = ack_word(d, slot, w);
+                // NOTES: relaxed polling; the acquire fence below orders what follows.
+                ok = spin_until(d, Site::kWaitReusable, w, slot, want, [&](u64& observed) {
+                    observed = ptx::ld_relaxed_sys(word);
+                    return observed == want ? 1 : 0;
+                });
+            }
+            if (ok) {
+                ptx::fence_acq_rel_sys();  // acquire: consumers' reads of the old chunk before our overwrite
+                // NOTES: relaxed - diagnostic for the host, read after the kernel ends.
+                ptx::st_relaxed_sys(consumed_word(d, slot), previous);
+            }
+        }
+        if (ok) {
+            const u32 tag = ack_tag(gen_of(d, epoch, seq), bits);
+            // NOTES: relaxed - the release fence in publish() orders these before any consumer can
+            // see the chunk, hence before any consumer's CAS on them.
+            for (u32 w = 0; w < words; ++w) ptx::st_relaxed_sys(ack_word(d, slot, w), ack_value(tag, 0));
+        }
+    }
+    return block_agree(ok);
+}
+
+enum class ReadyKind : u32 { kRoute = 0, kLayout = 1 };
+
+// Publish one part of chunk `seq` to every destination. Call after the block wrote that part:
+// route = topk_idx, topk_weights and meta; layout = x and x_sf. The two are independent and may be
+// published in either order; a consumer reads the slot only once both are ready.
+// Orders: the block's payload stores -> __syncthreads -> per signalling thread a system-scope release
+// fence -> the remote SET (a plain store in NVSHMEM 3.4.5, so the fence is what makes it a release).
+__device__ __forceinline__ void publish(const RingDesc& d, u64 epoch, u64 seq, ReadyKind kind) {
+    __syncthreads();
+    const u64 slot = slot_of(seq, d.num_slots), gen = gen_of(d, epoch, seq);
+    u64* word = kind == ReadyKind::kRoute ? route_ready_word(d, d.my_pe, slot) : layout_ready_word(d, d.my_pe, slot);
+    for (u64 dest = threadIdx.x; dest < d.world_size; dest += blockDim.x) {
+        if constexpr (kMutant != Mutant::kNoReleaseFence) ptx::fence_acq_rel_sys();
+        comm::signal_set_relaxed(word, gen, static_cast<int>(dest));
+    }
+}
+
+// After both parts of chunk `seq` are published: advance the producer's persistent cursor.
+__device__ __forceinline__ void end_chunk(const RingDesc& d, u64 seq) {
+    __syncthreads();
+    // NOTES: relaxed - only this producer reads it, in a later kernel (stream-ordered).
+    if (threadIdx.x == 0) ptx::st_relaxed_sys(control_word(d, kControlNextSeq), seq + 1);
+}
+
+// ---------------------------------------------------------------- consumer (any rank)
+
+// Wait until source `src` published both parts of chunk `seq`.
+// Orders: the observed generations -> system-scope acquire fence -> __syncthreads -> the block's
+// reads of the slot. A value of another epoch, or of a later lap, is an error, never accepted.
+__device__ __forceinline__ bool wait_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq) {
+    bool ok = true;
+    if (threadIdx.x == 0) {
+        const u64 slot = slot_of(seq, d.num_slots), want = gen_of(d, epoch, seq);
+        const u32 bits = epoch_bits(d);
+        for (u32 k = 0; ok && k < 2; ++k) {
+            const bool route = k == 0;
+            const u64* word = route ? route_ready_word(d, src, slot) : layout_ready_word(d, src, slot);
+            const Site site = route ? Site::kWaitRoute : Site::kWaitLayout;
+            // NOTES: relaxed polling; the acquire fence below orders the payload reads.
+            ok = spin_until(d, site, src, slot, want, [&](u64& observed) {
+                observed = ptx::ld_relaxed_sys(word);
+                switch (classify_gen(observed, want, bits)) {
+                    case GenState::kReady: return 1;
+                    case GenState::kNotYet: return 0;
+                    case GenState::kStaleEpoch: record_error(d, ErrorCode::kStaleEpoch, site, src, slot, want, observed); return -1;
+                    default: record_error(d, ErrorCode::kGenerationAhead, site, src, slot, want, observed); return -1;
+                }
+            });
+        }
+        if (ok && kMutant != Mutant::kNoAcquireFence) ptx::fence_acq_rel_sys();  // acquire
+    }
+    return block_agree(ok);
+}
+
+// A pointer to `local`'s counterpart in `src`'s buffer for direct loads (NVLink or same GPU), or
+// an error when the peer is only reachable through a network transport.
+template <typename T>
+__device__ __forceinline__ const T* peer_view(const RingDesc& d, const T* local, u64 src) {
+    return static_cast<const T*>(nvshmem_ptr(local, static_cast<int>(src)));
+}
+
+// Give chunk `seq` of source `src` back: after every thread finished reading it, set our bit in
+// the owner's ack word - by compare-and-swap, only if the word is armed for this very generation.
+// Orders: the block's reads -> __syncthreads -> system-scope release fence -> remote CAS.
+__device__ __forceinline__ bool ack_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq) {
+    __syncthreads();
+    bool ok = true;
+    if (threadIdx.x == 0) {
+        const u64 slot = slot_of(seq, d.num_slots);
+        const u32 me = static_cast<u32>(d.my_pe), bit = ack_bit_of(me);
+        const u32 tag = ack_tag(gen_of(d, epoch, seq), epoch_bits(d));
+        u64* word = ack_word(d, slot, ack_word_of(me));
+        ptx::fence_acq_rel_sys();  // release: our reads of the slot before the owner may reuse it
+        u64 current = ack_value(tag, 0);
+        for (;;) {
+            const u64 found = comm::atomic_cas_relaxed(word, current, current | bit, static_cast<int>(src));
+            if (found == current) break;
+            if (ack_value_tag(found) != tag) {
+                record_error(d, ErrorCode::kAckTagMismatch, Site::kAck, src, slot, ack_value(tag, bit), found);
+                ok = false;
+                break;
+            }
+            if (ack_value_mask(found) & bit) {
+                record_error(d, ErrorCode::kDoubleAck, Site::kAck, src, slot, ack_value(tag, bit), found);
+                ok = false;
+                break;
+            }
+            current = found;  // another destination's bit landed first: retry with it included
+        }
+        // NOTES: relaxed - only this consumer reads its cursor, in later chunk steps or kernels.
+        if (ok) ptx::st_relaxed_sys(cursor_word(d, src), seq + 1);
+    }
+    return block_agree(ok);
+}
+
+}  // namespace chunkring::protocol

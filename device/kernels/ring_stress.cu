@@ -1,0 +1,216 @@
+// Protocol stress kernels: producers and consumers exchange self-describing chunks through the real
+// protocol (protocol/ring.cuh), with random delays on both sides and memory-stress blocks beside them.
+// Built with CHUNKRING_MUTANT=<n> they run a deliberately broken protocol, which the tests must catch.
+//
+// ring_stress grid: block 0 = this rank's producer, block 1 = its consumer, blocks 2.. = memory stress.
+#include "chunkring/protocol/ring.cuh"
+
+using namespace chunkring;
+using namespace chunkring::protocol;
+
+namespace {
+
+__device__ __forceinline__ u64 mix(u64 x) {  // splitmix64 finaliser
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27; x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// Word w of token row t of chunk seq from source src in epoch: identity, order and tearing all show.
+__device__ __forceinline__ u64 row_word(u64 src, u64 epoch, u64 seq, u64 t, u64 w) {
+    return mix((src << 56) ^ (epoch << 44) ^ (seq << 20) ^ (t << 8) ^ w) | 1ull;
+}
+__device__ __forceinline__ int route_expert(const RingDesc& d, u64 src, u64 seq, u64 t, u64 k) {
+    return (t + k) % 5 == 4 ? -1 : static_cast<int>(mix(src ^ (seq << 16) ^ (t << 4) ^ k) % d.num_experts);
+}
+__device__ __forceinline__ float route_weight(u64 seq, u64 t, u64 k) { return static_cast<float>((seq * 7 + t * 3 + k) % 1021) * 0.5f; }
+__device__ __forceinline__ float layout_scale(u64 src, u64 seq, u64 t, u64 j) { return static_cast<float>((src * 131 + seq * 17 + t + j) % 4093); }
+
+// Spin for a pseudo-random time in [0, max_ns), by the global timer.
+__device__ __forceinline__ void random_delay(u64 seed, u64 a, u64 b, u32 max_ns) {
+    if (max_ns == 0 || threadIdx.x != 0) return;
+    const u64 until = ptx::globaltimer_ns() + mix(seed ^ (a << 32) ^ b) % max_ns;
+    while (ptx::globaltimer_ns() < until) {}
+}
+
+__device__ void produce_invocation(const RingDesc& d, u64 epoch, u64 n_tokens, u64 seed, u32 max_delay_ns) {
+    const u64 me = d.my_pe, T = d.tokens_per_slot;
+    const u64 n_chunks = n_tokens == 0 ? 1 : (n_tokens + T - 1) / T;  // an empty rank still says "done"
+    u64 seq = ptx::ld_relaxed_sys(control_word(d, kControlNextSeq));
+    for (u64 c = 0; c < n_chunks; ++c, ++seq) {
+        if (!begin_chunk(d, epoch, seq)) return;
+        random_delay(seed, me, seq, max_delay_ns);
+        __syncthreads();
+        const u64 slot = slot_of(seq, d.num_slots);
+        const u64 base = c * T, count = n_tokens - base < T ? n_tokens - base : T;
+        const bool route_first = mix(seed ^ seq ^ (me << 40)) & 1;
+        for (int part = 0; part < 2; ++part) {
+            if ((part == 0) == route_first) {
+                int* idx = slot_topk_idx(d, slot);
+                float* weight = slot_topk_weights(d, slot);
+                for (u64 i = threadIdx.x; i < count * d.topk; i += blockDim.x) {
+                    idx[i] = route_expert(d, me, seq, i / d.topk, i % d.topk);
+                    weight[i] = route_weight(seq, i / d.topk, i % d.topk);
+                }
+                if (threadIdx.x == 0) {
+                    u64* meta = slot_meta(d, slot);
+                    meta[kMetaTokenBase] = base;
+                    meta[kMetaNumTokens] = count;
+                    meta[kMetaFlags] = c + 1 == n_chunks ? kMetaEndOfStream : 0;
+                }
+                publish(d, epoch, seq, ReadyKind::kRoute);
+            } else {
+                u64* x = reinterpret_cast<u64*>(slot_x(d, slot));
+                const u64 row_words = d.x_row_bytes / 8;
+                for (u64 i = threadIdx.x; i < count * row_words; i += blockDim.x)
+                    x[i] = row_word(me, epoch, seq, i / row_words, i % row_words);
+                float* sf = slot_x_sf(d, slot);
+                for (u64 i = threadIdx.x; i < count * d.x_sf_row_floats; i += blockDim.x)
+                    sf[i] = layout_scale(me, seq, i / d.x_sf_row_floats, i % d.x_sf_row_floats);
+                publish(d, epoch, seq, ReadyKind::kLayout);
+            }
+        }
+        end_chunk(d, seq);
+    }
+}
+
+// Check every word of chunk seq from src; returns false (after recording) on the first mismatch.
+__device__ bool check_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, u64 expect_base, u64* out_count, bool* out_eos) {
+    const u64 slot = slot_of(seq, d.num_slots);
+    __shared__ u64 bad_expected, bad_observed;
+    __shared__ int bad;
+    const u64* meta = peer_view(d, slot_meta(d, slot), src);
+    const u64* x = peer_view(d, reinterpret_cast<const u64*>(slot_x(d, slot)), src);
+    const float* sf = peer_view(d, slot_x_sf(d, slot), src);
+    const int* idx = peer_view(d, slot_topk_idx(d, slot), src);
+    const float* weight = peer_view(d, slot_topk_weights(d, slot), src);
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    if (meta == nullptr || x == nullptr) {
+        if (threadIdx.x == 0) record_error(d, ErrorCode::kPeerUnreachable, Site::kPayload, src, slot, 0, 0);
+        return false;
+    }
+    const u64 count = meta[kMetaNumTokens], base = meta[kMetaTokenBase];
+    const bool eos = meta[kMetaFlags] & kMetaEndOfStream;
+    auto flag = [&](u64 expected, u64 observed) {
+        if (atomicCAS(&bad, 0, 1) == 0) { bad_expected = expected; bad_observed = observed; }
+    };
+    if (threadIdx.x == 0 && (base != expect_base || count > d.tokens_per_slot || (count == 0 && !eos)))
+        flag(expect_base, base);
+    const u64 row_words = d.x_row_bytes / 8;
+    for (u64 i = threadIdx.x; i < count * row_words && count <= d.tokens_per_slot; i += blockDim.x) {
+        const u64 want = row_word(src, epoch, seq, i / row_words, i % row_words);
+        if (x[i] != want) flag(want, x[i]);
+    }
+    for (u64 i = threadIdx.x; i < count * d.x_sf_row_floats && count <= d.tokens_per_slot; i += blockDim.x)
+        if (sf[i] != layout_scale(src, seq, i / d.x_sf_row_floats, i % d.x_sf_row_floats)) flag(seq, __float_as_uint(sf[i]));
+    for (u64 i = threadIdx.x; i < count * d.topk && count <= d.tokens_per_slot; i += blockDim.x) {
+        if (idx[i] != route_expert(d, src, seq, i / d.topk, i % d.topk)) flag(seq, static_cast<u64>(idx[i]));
+        if (weight[i] != route_weight(seq, i / d.topk, i % d.topk)) flag(seq, __float_as_uint(weight[i]));
+    }
+    __syncthreads();
+    if (bad) {
+        if (threadIdx.x == 0) record_error(d, ErrorCode::kPayloadMismatch, Site::kPayload, src, slot, bad_expected, bad_observed);
+        return false;
+    }
+    *out_count = count;
+    *out_eos = eos;
+    return true;
+}
+
+__device__ void consume_invocation(const RingDesc& d, u64 epoch, u64 seed, u32 max_delay_ns, unsigned long long* received) {
+    __shared__ u64 active, seen[kMaxWorldSize], seq_of_src;
+    __shared__ u64 count;
+    __shared__ bool eos;
+    if (threadIdx.x == 0) active = d.world_size == 64 ? ~0ull : (1ull << d.world_size) - 1;
+    for (u64 s = threadIdx.x; s < d.world_size; s += blockDim.x) seen[s] = 0;
+    __syncthreads();
+    // One chunk step visits every source still active, in rank order; no global count is needed.
+    while (active) {
+        for (u64 src = 0; src < d.world_size; ++src) {
+            if (!(active >> src & 1)) continue;
+            // NOTES: relaxed - this block alone writes its cursor (in ack_chunk).
+            if (threadIdx.x == 0) seq_of_src = ptx::ld_relaxed_sys(cursor_word(d, src));
+            __syncthreads();
+            const u64 seq = seq_of_src;
+            if (!wait_chunk(d, epoch, src, seq)) return;
+            random_delay(seed ^ 0x55, src, seq, max_delay_ns);
+            __syncthreads();
+            u64 n = 0;
+            bool last = false;
+            if (!check_chunk(d, epoch, src, seq, seen[src], &n, &last)) return;
+            if (threadIdx.x == 0) { count = n; eos = last; }
+            if (!ack_chunk(d, epoch, src, seq)) return;
+            if (threadIdx.x == 0) {
+                seen[src] += count;
+                received[src] += count;
+                if (eos) active &= ~(1ull << src);
+            }
+            __syncthreads();
+        }
+    }
+}
+
+}  // namespace
+
+// plan[i * world_size + r]: tokens rank r produces in invocation i. received[r]: tokens this rank
+// consumed from r (the host compares with the plan). stress: scratch words hammered by blocks >= 2
+// until the consumer finishes; stress[0] is the stop flag.
+extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, int invocations, u64 seed,
+                                       unsigned max_delay_ns, unsigned long long* received, u64* stress, u64 stress_words) {
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d)) return;
+    const u64 epoch = current_epoch(d);
+    if (blockIdx.x == 0) {
+        for (int i = 0; i < invocations && !has_error(d); ++i)
+            produce_invocation(d, epoch, static_cast<u64>(plan[i * d.world_size + d.my_pe]), seed + i, max_delay_ns);
+    } else if (blockIdx.x == 1) {
+        for (int i = 0; i < invocations && !has_error(d); ++i) consume_invocation(d, epoch, seed + i, max_delay_ns, received);
+        __syncthreads();
+        if (threadIdx.x == 0) ptx::st_relaxed_sys(stress, 1);  // NOTES: relaxed stop flag; stress blocks only poll it
+    } else {
+        // Memory stress: read-modify-write scattered lines so caches and the memory system stay busy.
+        u64 x = mix(seed ^ blockIdx.x ^ (static_cast<u64>(threadIdx.x) << 20));
+        const u64 deadline = ptx::globaltimer_ns() + d.timeout_ns;
+        while (ptx::ld_relaxed_sys(stress) == 0 && !has_error(d) && ptx::globaltimer_ns() < deadline) {
+            for (int k = 0; k < 64; ++k) {
+                x = mix(x);
+                u64* p = stress + 16 + x % (stress_words - 16);
+                *p = *p + x;
+            }
+        }
+    }
+}
+
+// Message-passing litmus across PEs: the writer PE stores data then a flag into the reader PE's
+// memory (release fence between, unless the mutant removes it); the reader sees the flag, fences
+// (acquire), and reads the data. A reader that sees flag i but data < i counts a violation.
+// Each warp lane pair works on its own line; stress blocks run beside them.
+extern "C" __global__ void litmus_mp(u64* lines, int writer, int reader, int iters, unsigned long long* violations) {
+    const int me = nvshmem_my_pe();
+    const u64 lane = blockIdx.x * blockDim.x + threadIdx.x;
+    u64* data = lines + lane * 32;  // data and flag 128 B apart: different lines
+    u64* flag = data + 16;
+    if (me == writer) {
+        u64* remote_data = static_cast<u64*>(nvshmem_ptr(data, reader));
+        u64* remote_flag = static_cast<u64*>(nvshmem_ptr(flag, reader));
+        if (remote_data == nullptr) return;
+        for (u64 i = 1; i <= static_cast<u64>(iters); ++i) {
+            ptx::st_relaxed_sys(remote_data, i);
+            if constexpr (kMutant != Mutant::kNoReleaseFence) ptx::fence_acq_rel_sys();
+            ptx::st_relaxed_sys(remote_flag, i);
+        }
+    } else if (me == reader) {
+        unsigned long long bad = 0;
+        const u64 deadline = ptx::globaltimer_ns() + 10ull * 1000 * 1000 * 1000;
+        for (u64 seen = 0; seen < static_cast<u64>(iters) && ptx::globaltimer_ns() < deadline;) {
+            const u64 f = ptx::ld_relaxed_sys(flag);
+            if (f == seen) continue;
+            if constexpr (kMutant != Mutant::kNoAcquireFence) ptx::fence_acq_rel_sys();
+            const u64 v = ptx::ld_relaxed_sys(data);
+            bad += v < f;
+            seen = f;
+        }
+        if (bad) atomicAdd(violations, bad);
+    }
+}

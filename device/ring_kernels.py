@@ -1,0 +1,95 @@
+"""Launch wrappers for the protocol stress and litmus kernels (device/kernels/ring_stress.cu)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from chunkring.errors import ChunkringUsageError
+
+from .compiler import build
+from .launch import KernelLibrary, Param
+
+__all__ = ["MUTANTS", "StressLibrary", "StressPlan"]
+
+#: protocol/mutants.cuh Mutant values (append-only).
+MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4}
+
+
+def _signatures():
+    import torch
+
+    return {
+        "ring_stress": (
+            Param("desc", "ptr", torch.int64), Param("plan", "ptr", torch.int32), Param("invocations", "i32"),
+            Param("seed", "u64"), Param("max_delay_ns", "u32"), Param("received", "ptr", torch.int64),
+            Param("stress", "ptr", torch.int64), Param("stress_words", "u64"),
+        ),
+        "litmus_mp": (
+            Param("lines", "ptr", torch.int64), Param("writer", "i32"), Param("reader", "i32"),
+            Param("iters", "i32"), Param("violations", "ptr", torch.int64),
+        ),
+    }
+
+
+@dataclass(frozen=True)
+class StressPlan:
+    """Tokens each rank produces in each invocation: ``tokens[i][r]`` (0 = an empty rank that round)."""
+
+    tokens: np.ndarray  # [invocations, world_size] int32
+
+    @classmethod
+    def random(cls, rng: np.random.Generator, invocations: int, world_size: int, max_tokens: int,
+               empty_ranks: tuple[int, ...] = ()) -> "StressPlan":
+        tokens = rng.integers(0, max_tokens + 1, size=(invocations, world_size), dtype=np.int32)
+        # Zero is over-represented on purpose: it is the case peers' issue trackers are full of.
+        tokens[rng.random((invocations, world_size)) < 0.15] = 0
+        for rank in empty_ranks:
+            tokens[:, rank] = 0
+        return cls(tokens)
+
+    def chunks(self, tokens_per_slot: int) -> np.ndarray:
+        """Chunks each rank publishes per invocation: an empty rank still publishes one (end of stream)."""
+        return np.maximum(1, -(-self.tokens // tokens_per_slot))
+
+
+class StressLibrary:
+    """The stress kernels built for one protocol variant (``mutant`` names one of ``MUTANTS``)."""
+
+    def __init__(self, runtime, mutant: str = "none"):
+        if mutant not in MUTANTS:
+            raise ChunkringUsageError(f"unknown mutant {mutant!r}; have {sorted(MUTANTS)}", field="mutant")
+        self.mutant = mutant
+        self.runtime = runtime
+        self.library = KernelLibrary(runtime, build("ring_stress", defines={"CHUNKRING_MUTANT": MUTANTS[mutant]}), _signatures())
+
+    def run_stress(self, ring, plan: StressPlan, *, seed: int, max_delay_ns: int, stress_blocks: int = 4,
+                   stream=None):
+        """Enqueue one ring_stress launch; returns the ``received`` tensor [world_size] (tokens per source)."""
+        import torch
+
+        if plan.tokens.ndim != 2 or plan.tokens.shape[1] != ring.spec.world_size:
+            raise ChunkringUsageError(f"plan must be [invocations, {ring.spec.world_size}]", field="plan")
+        if not 0 <= stress_blocks <= 128:
+            raise ChunkringUsageError("must be in [0, 128]", field="stress_blocks")
+        device = self.runtime.torch_device
+        plan_dev = torch.from_numpy(np.ascontiguousarray(plan.tokens, dtype=np.int32)).to(device)
+        received = torch.zeros(ring.spec.world_size, dtype=torch.int64, device=device)
+        stress = torch.zeros(1 << 20, dtype=torch.int64, device=device)
+        self.library.launch("ring_stress", ring.desc, plan_dev, plan.tokens.shape[0], seed, max_delay_ns, received,
+                            stress, stress.numel(), grid=2 + stress_blocks, block=256, stream=stream)
+        return received
+
+    def run_litmus(self, writer: int, reader: int, iters: int, lanes: int = 256):
+        """Message-passing litmus between two PEs; returns the violation count seen by ``reader``."""
+        import torch
+
+        lines = self.runtime.alloc(lanes * 32, torch.int64)
+        violations = torch.zeros(1, dtype=torch.int64, device=self.runtime.torch_device)
+        self.runtime.barrier()
+        self.library.launch("litmus_mp", lines, writer, reader, iters, violations, grid=lanes // 32, block=32)
+        torch.cuda.synchronize()
+        self.runtime.barrier()
+        self.runtime.free(lines)
+        return int(violations.item())

@@ -1,0 +1,115 @@
+"""``Ring``: one chunk ring in the NVSHMEM symmetric heap, shared by every rank of the job.
+
+The ring's buffer, descriptor and epoch live on the device; kernels advance every counter themselves,
+so a launch (or a CUDA-graph replay) needs no host-supplied value. The host only resets the ring
+between runs (a collective that bumps the epoch) and reads the status record after kernels end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .env import watchdog_timeout_s
+from .errors import ChunkringRuntimeError, ChunkringUsageError
+from .layout import CONTROL, RingLayout
+from .ring_spec import RingSpec
+from .status import StatusRecord
+
+__all__ = ["Ring"]
+
+
+class Ring:
+    """A ring of ``spec.num_slots`` chunk slots per rank. This is a collective: every rank constructs
+    it with an identical ``spec`` (checked; every rank fails alike otherwise).
+
+    Attributes: ``spec``, ``layout``, ``views`` (dict of typed tensors over this rank's buffer: ``x``
+    [S, T, H], ``x_sf`` [S, T, H/128] fp32, ``topk_idx`` [S, T, K] int32, ``topk_weights`` [S, T, K] fp32,
+    ``meta`` [S, 4] int64, ...), ``desc`` (the device descriptor, a uint64 tensor viewed as int64).
+    """
+
+    def __init__(self, runtime, spec: RingSpec, *, timeout_s: float | None = None):
+        if not isinstance(spec, RingSpec):
+            raise ChunkringUsageError(f"expected a RingSpec, got {type(spec).__name__}", field="spec")
+        if spec.world_size != runtime.world_size:
+            raise ChunkringUsageError(f"spec is for {spec.world_size} ranks, the job has {runtime.world_size}",
+                                      field="world_size")
+        timeout_s = watchdog_timeout_s() if timeout_s is None else timeout_s
+        if not 0 < timeout_s <= 24 * 3600:
+            raise ChunkringUsageError(f"must be in (0, 86400] seconds, got {timeout_s}", field="timeout_s")
+        _check_identical(runtime, (spec, timeout_s))
+        self.runtime = runtime
+        self.spec = spec
+        self.layout = RingLayout(spec)
+        self.buffer = runtime.alloc(self.layout.total_bytes, torch.uint8)
+        self.views = self.layout.views(self.buffer)
+        desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(), timeout_ns=int(timeout_s * 1e9))
+        self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
+        self._destroyed = False
+        self.reset()
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._destroyed else f"epoch {self.epoch}"
+        return f"Ring({self.spec}, {self.layout.total_bytes} B/rank, {state})"
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise ChunkringUsageError("this Ring was destroyed")
+
+    @property
+    def epoch(self) -> int:
+        self._check_alive()
+        return int(self.views["control"][CONTROL["epoch"]].item())
+
+    def reset(self) -> None:
+        """Start a new epoch: zero every generation, ack, cursor and status word, and bump the epoch.
+
+        A collective, between kernels. Any signal or ack still in flight from the previous epoch (an
+        aborted run) carries the old epoch and can never satisfy a wait of the new one.
+        """
+        self._check_alive()
+        torch.cuda.synchronize(self.runtime.torch_device)
+        self.runtime.barrier()  # every rank's kernels of the old epoch have ended
+        epoch = int(self.views["control"][CONTROL["epoch"]].item()) + 1
+        if epoch >= 1 << self.spec.epoch_bits:
+            raise ChunkringRuntimeError(f"epoch field exhausted after {epoch - 1} resets; allocate a new Ring")
+        for name in ("route_ready", "layout_ready", "ack", "consumed", "cursor", "control", "status", "meta"):
+            self.views[name].zero_()
+        self.views["control"][CONTROL["epoch"]] = epoch
+        torch.cuda.synchronize(self.runtime.torch_device)
+        self.runtime.barrier()  # nobody publishes into the new epoch before everyone has zeroed
+
+    def status(self) -> StatusRecord:
+        """This rank's status record (synchronises the device)."""
+        self._check_alive()
+        return StatusRecord.from_words(self.views["status"].tolist())
+
+    def check(self) -> None:
+        """Raise ``ChunkringRuntimeError`` if any kernel of this rank recorded a protocol error."""
+        record = self.status()
+        if not record.ok:
+            raise ChunkringRuntimeError(record.describe(self.spec.epoch_bits))
+
+    def destroy(self) -> None:
+        """Free the ring's symmetric memory. A collective."""
+        if self._destroyed:
+            return
+        self.runtime.free(self.buffer)
+        self._destroyed = True
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+
+def _check_identical(runtime, value) -> None:
+    """Fail every rank alike if the ranks passed different arguments to a collective constructor."""
+    if runtime.world_size == 1:
+        return
+    from mpi4py import MPI
+
+    everyone = MPI.COMM_WORLD.allgather(value)
+    if any(v != everyone[0] for v in everyone):
+        diff = {rank: v for rank, v in enumerate(everyone) if v != everyone[0]}
+        raise ChunkringUsageError(f"ranks disagree (rank 0 has {everyone[0]}, others {diff})", field="spec")

@@ -1,0 +1,112 @@
+"""``RingSpec``: the shape of a chunk ring, validated before anything is allocated.
+
+Every limit here protects a protocol invariant (docs/PROTOCOL.md); an error names the field at fault.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .errors import ChunkringUsageError
+
+__all__ = ["PayloadFormat", "RingSpec", "MAX_WORLD_SIZE", "ACK_BITS_PER_WORD", "FP8_SCALE_BLOCK"]
+
+#: Ack words hold a 32-bit generation tag and a 32-bit rank mask (docs/PROTOCOL.md, "Acks"); a slot
+#: carries two of them, so up to 64 destination ranks can acknowledge one chunk.
+ACK_BITS_PER_WORD = 32
+ACK_WORDS_PER_SLOT = 2
+MAX_WORLD_SIZE = ACK_BITS_PER_WORD * ACK_WORDS_PER_SLOT
+#: Channels sharing one fp32 scale in the FP8 payload.
+FP8_SCALE_BLOCK = 128
+#: Rows are moved in 16-byte vectors.
+ROW_ALIGN_BYTES = 16
+
+
+class PayloadFormat(enum.IntEnum):
+    """How token activations sit in a slot. Values cross into device code: append only."""
+
+    FP8_E4M3 = 0  # x: float8_e4m3fn [T, H]; x_sf: float32 [T, H / 128]
+    BF16 = 1  # x: bfloat16 [T, H]; no scales
+
+    @property
+    def element_bytes(self) -> int:
+        return 1 if self is PayloadFormat.FP8_E4M3 else 2
+
+    @property
+    def has_scales(self) -> bool:
+        return self is PayloadFormat.FP8_E4M3
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """Shape of the ring every rank allocates identically.
+
+    world_size: ranks taking part (1..64).   num_slots: slots per source rank.
+    tokens_per_slot: token rows per chunk.   hidden: channels per token row.
+    payload: FP8 e4m3 with fp32 per-128 scales, or bf16.
+    topk: routed experts per token.          num_experts: experts in the layer (divisible by world_size).
+    epoch_bits: high bits of every generation that hold the epoch; the rest count laps.
+    laps_per_epoch: laps of one slot that must fit before a reset is required.
+    """
+
+    world_size: int
+    num_slots: int
+    tokens_per_slot: int
+    hidden: int
+    payload: PayloadFormat
+    topk: int
+    num_experts: int
+    epoch_bits: int = 16
+    laps_per_epoch: int = 1 << 40
+
+    def __post_init__(self):
+        for name in ("world_size", "num_slots", "tokens_per_slot", "hidden", "topk", "num_experts",
+                     "epoch_bits", "laps_per_epoch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ChunkringUsageError(f"must be an int, got {type(value).__name__}", field=name)
+        try:
+            object.__setattr__(self, "payload", PayloadFormat(self.payload))
+        except ValueError:
+            raise ChunkringUsageError(f"unknown payload format {self.payload!r}", field="payload") from None
+        _check_range("world_size", self.world_size, 1, MAX_WORLD_SIZE,
+                     f"ack masks hold {MAX_WORLD_SIZE} ranks ({ACK_WORDS_PER_SLOT} words x {ACK_BITS_PER_WORD} bits)")
+        _check_range("num_slots", self.num_slots, 1, 1 << 16)
+        _check_range("tokens_per_slot", self.tokens_per_slot, 1, 1 << 16)
+        _check_range("hidden", self.hidden, 1, 1 << 16)
+        row_bytes = self.hidden * self.payload.element_bytes
+        if row_bytes % ROW_ALIGN_BYTES:
+            raise ChunkringUsageError(f"a token row ({row_bytes} B) must be a multiple of {ROW_ALIGN_BYTES} B",
+                                      field="hidden")
+        if self.payload.has_scales and self.hidden % FP8_SCALE_BLOCK:
+            raise ChunkringUsageError(f"FP8 scales cover {FP8_SCALE_BLOCK} channels; hidden must be a multiple",
+                                      field="hidden")
+        _check_range("num_experts", self.num_experts, 1, 1 << 15)
+        if self.num_experts % self.world_size:
+            raise ChunkringUsageError(f"{self.num_experts} experts do not split evenly over {self.world_size} ranks",
+                                      field="num_experts")
+        _check_range("topk", self.topk, 1, min(self.num_experts, 32))
+        # The seq field must hold every lap of an epoch, and the ack tag needs 16 bits of each field.
+        _check_range("epoch_bits", self.epoch_bits, 16, 32)
+        _check_range("laps_per_epoch", self.laps_per_epoch, 1, self.max_laps,
+                     f"{self.seq_bits}-bit lap field (64 - epoch_bits)")
+
+    @property
+    def seq_bits(self) -> int:
+        return 64 - self.epoch_bits
+
+    @property
+    def max_laps(self) -> int:
+        """Laps a slot can make in one epoch: the seq field counts lap + 1 and 0 means 'never'."""
+        return (1 << self.seq_bits) - 1
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+
+def _check_range(field: str, value: int, low: int, high: int, why: str = "") -> None:
+    if not low <= value <= high:
+        suffix = f" ({why})" if why else ""
+        raise ChunkringUsageError(f"must be in [{low}, {high}], got {value}{suffix}", field=field)

@@ -1,0 +1,101 @@
+"""Decode the status record protocol kernels leave in a ring (device/include/chunkring/protocol/status.cuh)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .layout import STATUS
+
+__all__ = ["ErrorCode", "Site", "StatusRecord"]
+
+
+class ErrorCode(enum.IntEnum):
+    """Mirrors protocol/status.cuh ErrorCode (append-only)."""
+
+    NONE = 0
+    TIMEOUT = 1
+    STALE_EPOCH = 2
+    GENERATION_AHEAD = 3
+    ACK_TAG_MISMATCH = 4
+    BAD_DESCRIPTOR = 5
+    LAP_OVERFLOW = 6
+    PAYLOAD_MISMATCH = 7
+    PEER_UNREACHABLE = 8
+    DOUBLE_ACK = 9
+
+
+class Site(enum.IntEnum):
+    """Mirrors protocol/status.cuh Site (append-only)."""
+
+    NONE = 0
+    WAIT_ROUTE = 1
+    WAIT_LAYOUT = 2
+    WAIT_REUSABLE = 3
+    ACK = 4
+    PAYLOAD = 5
+    DESCRIPTOR = 6
+    PUBLISH = 7
+
+
+_WHAT = {
+    Site.WAIT_ROUTE: "waiting for source {peer}'s route of slot {slot}",
+    Site.WAIT_LAYOUT: "waiting for source {peer}'s layout of slot {slot}",
+    Site.WAIT_REUSABLE: "waiting for every rank's ack of slot {slot} (ack word {peer})",
+    Site.ACK: "acknowledging source {peer}'s slot {slot}",
+    Site.PAYLOAD: "checking source {peer}'s slot {slot}",
+    Site.DESCRIPTOR: "checking the ring descriptor",
+    Site.PUBLISH: "publishing slot {slot}",
+}
+
+
+@dataclass(frozen=True)
+class StatusRecord:
+    """The first error a rank's kernels recorded (``code == NONE`` when there was none)."""
+
+    code: ErrorCode
+    pe: int
+    peer: int
+    slot: int
+    expected: int
+    observed: int
+    site: Site
+    count: int
+
+    @classmethod
+    def from_words(cls, words) -> "StatusRecord":
+        w = [int(v) & ((1 << 64) - 1) for v in words]
+        return cls(
+            code=_enum_or_int(ErrorCode, w[STATUS["code"]]),
+            pe=w[STATUS["pe"]],
+            peer=w[STATUS["peer"]],
+            slot=w[STATUS["slot"]],
+            expected=w[STATUS["expected"]],
+            observed=w[STATUS["observed"]],
+            site=_enum_or_int(Site, w[STATUS["site"]]),
+            count=w[STATUS["count"]],
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.code == ErrorCode.NONE
+
+    def describe(self, epoch_bits: int = 16) -> str:
+        if self.ok:
+            return "no error"
+        where = _WHAT.get(self.site, "at site {site}").format(peer=self.peer, slot=self.slot, site=self.site)
+        return (f"PE {self.pe}: {self.code.name if isinstance(self.code, ErrorCode) else self.code} while {where}: "
+                f"expected {_gen(self.expected, epoch_bits)}, observed {_gen(self.observed, epoch_bits)} "
+                f"({self.count} error(s) recorded)")
+
+
+def _enum_or_int(kind, value):
+    try:
+        return kind(value)
+    except ValueError:
+        return value
+
+
+def _gen(value: int, epoch_bits: int) -> str:
+    seq_bits = 64 - epoch_bits
+    return f"0x{value:x} (epoch {value >> seq_bits}, lap field {value & ((1 << seq_bits) - 1)})"

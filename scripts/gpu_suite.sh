@@ -33,7 +33,8 @@ run_suite() {  # name ranks command...
     return "$rc"
 }
 status=0
-run_suite gpu-1rank 1 python3 -m pytest tests -q -rs --durations=8 --junitxml="$logs/gpu-1rank.xml" || status=1
+run_suite gpu-1rank 1 python3 -m pytest tests --ignore=tests/stress -q -rs --durations=8 --junitxml="$logs/gpu-1rank.xml" || status=1
+run_suite stress-1rank 1 python3 -m pytest tests/stress -q -rA --junitxml="$logs/stress-1rank.xml" || status=1
 
 # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
 export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
@@ -41,6 +42,10 @@ nvidia-cuda-mps-control -d
 run_suite "gpu-${ranks}rank-mps" "$ranks" mpirun -np "$ranks" --oversubscribe --timeout 300 \
     -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CHUNKRING_CACHE_DIR \
     bash -c "exec python3 -m pytest --with-mpi tests/gpu tests/mpi -q -rs --junitxml=$logs/gpu-${ranks}rank-mps.xml.\$OMPI_COMM_WORLD_RANK" \
+    || status=1
+run_suite "stress-${ranks}rank-mps" "$ranks" mpirun -np "$ranks" --oversubscribe --timeout 400 \
+    -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CHUNKRING_CACHE_DIR \
+    bash -c "exec python3 -m pytest --with-mpi tests/stress -q -rA --junitxml=$logs/stress-${ranks}rank-mps.xml.\$OMPI_COMM_WORLD_RANK" \
     || status=1
 chunkring-launch --np "$ranks" bringup --json "$logs/main_${ranks}rank.json" 2>&1 | tee "$logs/main.log" || status=1
 echo quit | nvidia-cuda-mps-control

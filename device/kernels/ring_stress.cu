@@ -33,12 +33,13 @@ __device__ __forceinline__ void random_delay(u64 seed, u64 a, u64 b, u32 max_ns)
     while (ptx::globaltimer_ns() < until) {}
 }
 
-__device__ void produce_invocation(const RingDesc& d, u64 epoch, u64 n_tokens, u64 seed, u32 max_delay_ns) {
+// Returns false (uniformly across the block) once the protocol reported an error.
+__device__ bool produce_invocation(const RingDesc& d, u64 epoch, u64 n_tokens, u64 seed, u32 max_delay_ns) {
     const u64 me = d.my_pe, T = d.tokens_per_slot;
     const u64 n_chunks = n_tokens == 0 ? 1 : (n_tokens + T - 1) / T;  // an empty rank still says "done"
     u64 seq = ptx::ld_relaxed_sys(control_word(d, kControlNextSeq));
     for (u64 c = 0; c < n_chunks; ++c, ++seq) {
-        if (!begin_chunk(d, epoch, seq)) return;
+        if (!begin_chunk(d, epoch, seq)) return false;
         random_delay(seed, me, seq, max_delay_ns);
         __syncthreads();
         const u64 slot = slot_of(seq, d.num_slots);
@@ -72,9 +73,11 @@ __device__ void produce_invocation(const RingDesc& d, u64 epoch, u64 n_tokens, u
         }
         end_chunk(d, seq);
     }
+    return true;
 }
 
 // Check every word of chunk seq from src; returns false (after recording) on the first mismatch.
+// Every return is uniform across the block: the verdict lives in shared memory.
 __device__ bool check_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, u64 expect_base, u64* out_count, bool* out_eos) {
     const u64 slot = slot_of(seq, d.num_slots);
     __shared__ u64 bad_expected, bad_observed;
@@ -109,7 +112,9 @@ __device__ bool check_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, u64 
         if (weight[i] != route_weight(seq, i / d.topk, i % d.topk)) flag(seq, __float_as_uint(weight[i]));
     }
     __syncthreads();
-    if (bad) {
+    const bool failed = bad;
+    __syncthreads();  // everyone has read `bad` before the next call may reset it
+    if (failed) {
         if (threadIdx.x == 0) record_error(d, ErrorCode::kPayloadMismatch, Site::kPayload, src, slot, bad_expected, bad_observed);
         return false;
     }
@@ -118,7 +123,8 @@ __device__ bool check_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, u64 
     return true;
 }
 
-__device__ void consume_invocation(const RingDesc& d, u64 epoch, u64 seed, u32 max_delay_ns, unsigned long long* received) {
+// Returns false (uniformly across the block) once the protocol reported an error.
+__device__ bool consume_invocation(const RingDesc& d, u64 epoch, u64 seed, u32 max_delay_ns, unsigned long long* received) {
     __shared__ u64 active, seen[kMaxWorldSize], seq_of_src;
     __shared__ u64 count;
     __shared__ bool eos;
@@ -133,14 +139,14 @@ __device__ void consume_invocation(const RingDesc& d, u64 epoch, u64 seed, u32 m
             if (threadIdx.x == 0) seq_of_src = ptx::ld_relaxed_sys(cursor_word(d, src));
             __syncthreads();
             const u64 seq = seq_of_src;
-            if (!wait_chunk(d, epoch, src, seq)) return;
+            if (!wait_chunk(d, epoch, src, seq)) return false;
             random_delay(seed ^ 0x55, src, seq, max_delay_ns);
             __syncthreads();
             u64 n = 0;
             bool last = false;
-            if (!check_chunk(d, epoch, src, seq, seen[src], &n, &last)) return;
+            if (!check_chunk(d, epoch, src, seq, seen[src], &n, &last)) return false;
             if (threadIdx.x == 0) { count = n; eos = last; }
-            if (!ack_chunk(d, epoch, src, seq)) return;
+            if (!ack_chunk(d, epoch, src, seq)) return false;
             if (threadIdx.x == 0) {
                 seen[src] += count;
                 received[src] += count;
@@ -149,6 +155,7 @@ __device__ void consume_invocation(const RingDesc& d, u64 epoch, u64 seed, u32 m
             __syncthreads();
         }
     }
+    return true;
 }
 
 }  // namespace
@@ -162,10 +169,11 @@ extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, in
     if (!check_descriptor(d)) return;
     const u64 epoch = current_epoch(d);
     if (blockIdx.x == 0) {
-        for (int i = 0; i < invocations && !has_error(d); ++i)
-            produce_invocation(d, epoch, static_cast<u64>(plan[i * d.world_size + d.my_pe]), seed + i, max_delay_ns);
+        for (int i = 0; i < invocations; ++i)
+            if (!produce_invocation(d, epoch, static_cast<u64>(plan[i * d.world_size + d.my_pe]), seed + i, max_delay_ns)) break;
     } else if (blockIdx.x == 1) {
-        for (int i = 0; i < invocations && !has_error(d); ++i) consume_invocation(d, epoch, seed + i, max_delay_ns, received);
+        for (int i = 0; i < invocations; ++i)
+            if (!consume_invocation(d, epoch, seed + i, max_delay_ns, received)) break;
         __syncthreads();
         if (threadIdx.x == 0) ptx::st_relaxed_sys(stress, 1);  // NOTES: relaxed stop flag; stress blocks only poll it
     } else {
@@ -184,7 +192,9 @@ extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, in
 
 // Message-passing litmus across PEs: the writer PE stores data then a flag into the reader PE's
 // memory (release fence between, unless the mutant removes it); the reader sees the flag, fences
-// (acquire), and reads the data. A reader that sees flag i but data < i counts a violation.
+// (acquire), and reads the data. A reader that sees flag i but data < i counts a violation. The data
+// accesses are plain (weak) loads and stores, as payload accesses are: L1 may serve a stale copy
+// unless the acquire fence invalidates it.
 // Each warp lane pair works on its own line; stress blocks run beside them.
 extern "C" __global__ void litmus_mp(u64* lines, int writer, int reader, int iters, unsigned long long* violations) {
     const int me = nvshmem_my_pe();
@@ -196,7 +206,7 @@ extern "C" __global__ void litmus_mp(u64* lines, int writer, int reader, int ite
         u64* remote_flag = static_cast<u64*>(nvshmem_ptr(flag, reader));
         if (remote_data == nullptr) return;
         for (u64 i = 1; i <= static_cast<u64>(iters); ++i) {
-            ptx::st_relaxed_sys(remote_data, i);
+            *remote_data = i;  // NOTES: weak data store, like a payload row
             if constexpr (kMutant != Mutant::kNoReleaseFence) ptx::fence_acq_rel_sys();
             ptx::st_relaxed_sys(remote_flag, i);
         }
@@ -207,7 +217,7 @@ extern "C" __global__ void litmus_mp(u64* lines, int writer, int reader, int ite
             const u64 f = ptx::ld_relaxed_sys(flag);
             if (f == seen) continue;
             if constexpr (kMutant != Mutant::kNoAcquireFence) ptx::fence_acq_rel_sys();
-            const u64 v = ptx::ld_relaxed_sys(data);
+            const u64 v = *data;  // NOTES: weak data load, like a payload read (may hit a stale L1 line)
             bad += v < f;
             seen = f;
         }

@@ -4,7 +4,9 @@ by the stress suite. A clean run of the real protocol proves little unless these
 Scenarios: `no_ack_wait` - one slot, a fast producer and slow consumers, so reuse before the acks
 overwrites unread chunks; `ignore_epoch` - stale ready words of an old epoch after a reset;
 `no_release_fence` / `no_acquire_fence` - the ring stress under memory stress plus the cross-PE
-message-passing litmus. The mutation score is passed / total of this file."""
+message-passing litmus (two ranks or more). The mutation score is the share of
+test_mutant_is_caught cases that pass. These run after the GPU suite (scripts/gpu_suite.sh): a mutant
+that escapes fails its test, and under mpirun the abort hook then ends the job."""
 
 import numpy as np
 import pytest

@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""Model-check docs/model/ring.pml (the chunkring protocol) with SPIN.
+
+For every configuration -- the correct model in a few sizes, with and without
+the stale epoch-1 injector, interleaved and SERIALIZED, plus one run per
+injected bug -- this runs ``spin -a`` with the configuration's macros,
+compiles ``pan.c`` with gcc and runs ``./pan``, all in a temporary directory
+(nothing is written into the repository).
+
+pan is compiled with -DSAFETY (assertions + invalid end states; no liveness
+claims are checked), -DCOLLAPSE (lossless state compression) and a -DMEMLIM
+bound.  No -DBITSTATE / hash compaction: every search is exhaustive.
+
+Expectations:
+  * a correct configuration must report ``errors: 0`` from a complete search;
+  * a bug variant must report ``errors: >= 1`` and the first counterexample
+    must violate the property the bug is expected to break.
+A check fails if pan's output lacks the ``errors:`` line, or reports search
+truncation (max search depth too small, memory bound reached).
+
+Usage: check_model.py [--only NAME ...] [--json PATH] [--jobs N] [--keep] [--list]
+Exit status: 0 if every check met its expectation, 1 otherwise, 2 on usage
+errors or missing tools.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "docs" / "model" / "ring.pml"
+
+DEPTH = 100_000          # pan -m; the deepest search here is < 1000 steps
+MEMLIM_MB = 3072         # pan -DMEMLIM; reaching it counts as truncation
+TIMEOUT_S = 300          # per pan run
+
+PASS = "pass"
+CEX = "counterexample"
+COMPLETION = "COMPLETION"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    macros: tuple[str, ...]
+    expect: str                     # PASS or CEX
+    prop: str | None = None         # property the counterexample must violate
+    why: str = ""
+    hashbits: int = 24              # pan -w
+
+
+CONFIGS: tuple[Config, ...] = (
+    # ---- correct model: every property holds, completion included
+    Config("w2s1", ("W=2", "S=1"), PASS, why="interleaved, 2 ranks, 1 slot"),
+    Config("w2s1_stale", ("W=2", "S=1", "INJECT"), PASS,
+           why="stale epoch-1 SETs/acks: never accepted, errors only if stale"),
+    Config("w2s2", ("W=2", "S=2"), PASS, why="interleaved, 2 slots"),
+    Config("w2s2_stale", ("W=2", "S=2", "INJECT", "STALE_SEQS=1"), PASS,
+           why="2 slots with stale injection (stale seq 1 only)", hashbits=25),
+    Config("w3s1", ("W=3", "S=1"), PASS, why="3 ranks (rank 2: 1 chunk/inv)"),
+    Config("serial_w2s1", ("W=2", "S=1", "SERIALIZED"), PASS,
+           why="stream-serialized, 1 chunk/source/inv"),
+    Config("serial_w2s2", ("W=2", "S=2", "SERIALIZED"), PASS,
+           why="stream-serialized, 2 chunks/source/inv"),
+    Config("serial_w2s1_stale", ("W=2", "S=1", "SERIALIZED", "INJECT"), PASS,
+           why="stream-serialized with stale injection"),
+    Config("serial_w3s1", ("W=3", "S=1", "SERIALIZED"), PASS,
+           why="stream-serialized, 3 ranks"),
+    # ---- bug variants: each must give a counterexample for its own reason
+    Config("bug_no_ack_wait", ("W=2", "S=1", "BUG_NO_ACK_WAIT"), CEX,
+           "NO_OVERWRITE_BEFORE_EVERY_ACK",
+           "P1 skipped: slot rewritten while a destination still reads q-S"),
+    Config("bug_publish_before_data", ("W=2", "S=1", "BUG_PUBLISH_BEFORE_DATA"),
+           CEX, "NO_READ_BEFORE_PUBLISH",
+           "ready SET before the payload store: consumer reads the old payload"),
+    Config("bug_no_epoch", ("W=2", "S=1", "INJECT", "BUG_NO_EPOCH"), CEX,
+           "STALE_NEVER_ACCEPTED",
+           "gen without epoch: late epoch-1 SET accepted as chunk 0"),
+    Config("bug_narrow_gen", ("W=2", "S=1", "BUG_NARROW_GEN"), CEX, COMPLETION,
+           "1-bit seq wraps: lap 0's gen (seq 1) looks 'newer' than lap 1's "
+           "(seq 0) -> spurious ERROR; an ABA acceptance is not reachable"),
+    Config("bug_skip_eos_empty", ("W=2", "S=1", "BUG_SKIP_EOS_EMPTY"), CEX,
+           COMPLETION, "empty rank publishes nothing: consumers wait forever"),
+    Config("bug_untagged_ack", ("W=2", "S=1", "INJECT", "BUG_UNTAGGED_ACK"), CEX,
+           "ACKS_RIGHT_GEN",
+           "late epoch-1 ack ORed into this epoch's mask: P1 sees a forged full mask"),
+)
+BY_NAME = {c.name: c for c in CONFIGS}
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    expect: str
+    macros: list[str]
+    errors: int | None = None
+    states: int | None = None
+    depth: int | None = None
+    seconds: float = 0.0            # spin + gcc + pan wall time
+    pan_seconds: float | None = None
+    violated: str | None = None     # property of the first counterexample
+    expected_property: str | None = None
+    truncated: str | None = None    # why the search is incomplete, if it is
+    ok: bool = False
+    detail: str = ""
+    workdir: str | None = None
+
+
+def tools_missing() -> list[str]:
+    return [t for t in ("spin", "gcc") if shutil.which(t) is None]
+
+
+def _run(cmd: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def parse_pan(out: str) -> dict:
+    """Extract errors / states / depth / truncation / violated property."""
+    info: dict = {}
+    m = re.search(r"\berrors:\s*(\d+)", out)
+    info["errors"] = int(m.group(1)) if m else None
+    m = re.search(r"([\d.e+]+)\s+states, stored", out)
+    info["states"] = int(float(m.group(1))) if m else None
+    m = re.search(r"depth reached\s+(\d+)", out)
+    info["depth"] = int(m.group(1)) if m else None
+    m = re.search(r"pan: elapsed time\s+([\d.e+-]+)", out)
+    info["pan_seconds"] = float(m.group(1)) if m else None
+    trunc = []
+    if "depth too small" in out:
+        trunc.append("max search depth too small")
+    if "reached -DMEMLIM bound" in out or "out of memory" in out:
+        trunc.append("memory bound reached")
+    if "hash table is full" in out:
+        trunc.append("hash table full")
+    info["truncated"] = "; ".join(trunc) or None
+    info["incomplete"] = "Search not completed" in out
+    # first counterexample: "pan:1: assertion violated (NAME&&...)" or
+    # "pan:1: invalid end state" (a deadlock: COMPLETION)
+    m = re.search(r"^pan:\d+: (assertion violated|invalid end state)(?: \((\w+)&&)?",
+                  out, re.M)
+    if not m:
+        info["violated"] = None
+    elif m.group(1) == "invalid end state":
+        info["violated"] = COMPLETION + " (invalid end state)"
+    else:
+        info["violated"] = m.group(2) or "UNNAMED_ASSERTION"
+    return info
+
+
+def run_config(cfg: Config | str, keep: bool = False, model: Path = MODEL) -> Result:
+    """Run one configuration; return its Result (``ok`` = expectation met)."""
+    if isinstance(cfg, str):
+        cfg = BY_NAME[cfg]
+    res = Result(cfg.name, cfg.expect, list(cfg.macros),
+                 expected_property=cfg.prop)
+    work = tempfile.mkdtemp(prefix=f"chunkring-spin-{cfg.name}-")
+    t0 = time.monotonic()
+    try:
+        shutil.copy(model, os.path.join(work, "ring.pml"))
+        defs = [f"-D{m}" for m in cfg.macros]
+        steps = [
+            (["spin", *defs, "-a", "ring.pml"], 120),
+            (["gcc", "-O2", "-w", "-DSAFETY", "-DCOLLAPSE",
+              f"-DMEMLIM={MEMLIM_MB}", "-o", "pan", "pan.c"], 300),
+        ]
+        for cmd, tmo in steps:
+            p = _run(cmd, work, tmo)
+            if p.returncode != 0:
+                res.detail = f"{cmd[0]} failed: {(p.stdout + p.stderr).strip()[-800:]}"
+                return res
+        p = _run(["./pan", f"-m{DEPTH}", f"-w{cfg.hashbits}"], work, TIMEOUT_S)
+        out = p.stdout + p.stderr
+        with open(os.path.join(work, "pan.out"), "w") as f:
+            f.write(out)
+        info = parse_pan(out)
+        res.errors, res.states, res.depth = info["errors"], info["states"], info["depth"]
+        res.pan_seconds, res.violated = info["pan_seconds"], info["violated"]
+        res.truncated = info["truncated"]
+        if res.errors is None:
+            res.detail = "no 'errors:' line in pan output: " + out.strip()[-800:]
+        elif res.truncated:
+            res.detail = f"search truncated: {res.truncated}"
+        elif cfg.expect == PASS:
+            if res.errors:
+                res.detail = f"unexpected counterexample: {res.violated}"
+            elif info["incomplete"]:
+                res.detail = "search not completed"
+            else:
+                res.ok = True
+        else:
+            if not res.errors:
+                res.detail = "bug not detected (0 errors)"
+            elif not (res.violated or "").startswith(cfg.prop):
+                res.detail = f"counterexample violates {res.violated}, expected {cfg.prop}"
+            else:
+                res.ok = True
+    except subprocess.TimeoutExpired as e:
+        res.detail = f"timeout: {' '.join(map(str, e.cmd))}"
+    finally:
+        res.seconds = round(time.monotonic() - t0, 2)
+        if keep:
+            res.workdir = work
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def print_table(results: list[Result]) -> None:
+    cols = ("config", "expected", "errors", "states", "seconds", "violated", "verdict")
+    rows = []
+    for r in results:
+        exp = r.expect if r.expect == PASS else f"cex:{r.expected_property}"
+        rows.append((r.name, exp,
+                     "-" if r.errors is None else str(r.errors),
+                     "-" if r.states is None else str(r.states),
+                     f"{r.seconds:.1f}", r.violated or "-",
+                     "OK" if r.ok else "FAIL: " + " ".join(r.detail.split())[:160]))
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"
+    print(fmt.format(*cols))
+    print(fmt.format(*("-" * w for w in widths)))
+    for row in rows:
+        print(fmt.format(*row))
+    for r in results:
+        if r.workdir:
+            print(f"{r.name}: kept {r.workdir}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", metavar="NAME",
+                    help="run only this configuration (repeatable, or comma-separated)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="parallel pan runs (default: min(2, cpus))")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the temp dirs (pan.out, trail) for inspection")
+    ap.add_argument("--list", action="store_true", help="list configurations")
+    args = ap.parse_args(argv)
+
+    if args.list:
+        for c in CONFIGS:
+            exp = c.expect if c.expect == PASS else f"counterexample ({c.prop})"
+            print(f"{c.name:26} {' '.join('-D' + m for m in c.macros):50} {exp}: {c.why}")
+        return 0
+    selected = list(CONFIGS)
+    if args.only:
+        names = [n for item in args.only for n in item.split(",") if n]
+        unknown = [n for n in names if n not in BY_NAME]
+        if unknown:
+            print(f"unknown configuration(s): {', '.join(unknown)}; "
+                  f"known: {', '.join(BY_NAME)}", file=sys.stderr)
+            return 2
+        selected = [BY_NAME[n] for n in names]
+    missing = tools_missing()
+    if missing:
+        print(f"missing tools on PATH: {', '.join(missing)}", file=sys.stderr)
+        return 2
+
+    t0 = time.monotonic()
+    # start the expensive configurations first
+    order = sorted(selected, key=lambda c: c.name not in ("w2s2_stale", "w3s1"))
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as ex:
+        futs = {c.name: ex.submit(run_config, c, args.keep) for c in order}
+        results = [futs[c.name].result() for c in selected]
+    total = time.monotonic() - t0
+
+    print_table(results)
+    bad = [r.name for r in results if not r.ok]
+    print(f"\n{len(results) - len(bad)}/{len(results)} checks OK in {total:.1f} s"
+          + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": str(MODEL.relative_to(REPO)), "total_seconds": round(total, 2),
+                       "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""SPIN model check of the chunkring ring protocol (docs/model/ring.pml).
+
+One test per configuration of scripts/check_model.py.  The correct model
+(W=2/S=1, W=2/S=2, W=3/S=1, with and without the stale epoch-1 injector,
+interleaved and SERIALIZED) must verify with 0 errors and a complete search;
+every injected bug must produce a counterexample against its own rule.
+
+Rules pinned (property names as in ring.pml):
+  NO_READ_BEFORE_PUBLISH         payload read after WAIT READY is chunk (r, q)
+                                 (BUG_PUBLISH_BEFORE_DATA breaks it)
+  NO_OVERWRITE_BEFORE_EVERY_ACK  P1 WAIT REUSABLE: slot s is rewritten for q
+                                 only after every destination read q-S
+                                 (BUG_NO_ACK_WAIT breaks it)
+  NO_ABA                         accepted ready words belong to chunk (r, q)
+  ACKS_RIGHT_GEN                 the ack CAS is tagged with (epoch, seq): a full
+                                 mask is made of acks of q-S of this epoch
+                                 (BUG_UNTAGGED_ACK + a late epoch-1 ack breaks it)
+  STALE_NEVER_ACCEPTED           the epoch in the generation rejects late
+                                 epoch-1 SETs (BUG_NO_EPOCH breaks it)
+  COMPLETION                     every chunk consumed, no deadlock, no ERROR
+                                 without a stale cause; an empty rank still
+                                 publishes one empty eos chunk
+                                 (BUG_SKIP_EOS_EMPTY deadlocks; BUG_NARROW_GEN's
+                                 wrapped seq makes the consumer report a false
+                                 ERROR on the previous lap's generation)
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+_DRIVER = Path(__file__).resolve().parents[2] / "scripts" / "check_model.py"
+_spec = importlib.util.spec_from_file_location("chunkring_check_model", _DRIVER)
+check_model = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = check_model   # dataclasses need the module registered
+_spec.loader.exec_module(check_model)
+
+_MISSING = [t for t in ("spin", "gcc") if shutil.which(t) is None]
+pytestmark = pytest.mark.skipif(
+    bool(_MISSING), reason=f"SPIN model check needs {' and '.join(_MISSING)} on PATH")
+
+
+@pytest.mark.parametrize("cfg", check_model.CONFIGS, ids=lambda c: c.name)
+def test_spin_config(cfg):
+    res = check_model.run_config(cfg)
+    summary = (f"{cfg.name} ({' '.join(cfg.macros)}): errors={res.errors} "
+               f"states={res.states} violated={res.violated} {res.detail}")
+    assert res.errors is not None, "pan printed no 'errors:' line: " + summary
+    assert res.truncated is None, "search truncated: " + summary
+    if cfg.expect == check_model.PASS:
+        assert res.errors == 0, "correct model has a counterexample: " + summary
+    else:
+        assert res.errors >= 1, f"bug not detected ({cfg.why}): " + summary
+        assert res.violated and res.violated.startswith(cfg.prop), (
+            f"counterexample violates the wrong rule, expected {cfg.prop}: " + summary)
+    assert res.ok, summary

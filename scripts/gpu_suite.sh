@@ -9,7 +9,7 @@ bundle=${1:-.whl}
 ranks=${2:-4}
 results=${RESULTS:-tests/gpu_results}
 logs=${LOGS:-/tmp/chunkring-logs}
-mkdir -p "$results" "$logs"
+mkdir -p "$results" "$logs" "${BENCH_RESULTS:-benchmarks/results}"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export CHUNKRING_CACHE_DIR=${CHUNKRING_CACHE_DIR:-/tmp/chunkring-cache}
@@ -47,6 +47,9 @@ run_suite "stress-${ranks}rank-mps" "$ranks" mpirun -np "$ranks" --oversubscribe
     -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CHUNKRING_CACHE_DIR \
     bash -c "exec python3 -m pytest --with-mpi tests/stress -q -rA --junitxml=$logs/stress-${ranks}rank-mps.xml.\$OMPI_COMM_WORLD_RANK" \
     || status=1
+mpirun -np 2 --oversubscribe --timeout 120 -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+    -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT python3 benchmarks/bench_ring_latency.py \
+    --json "${BENCH_RESULTS:-benchmarks/results}/ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
 chunkring-launch --np "$ranks" bringup --json "$logs/main_${ranks}rank.json" 2>&1 | tee "$logs/main.log" || status=1
 echo quit | nvidia-cuda-mps-control
 chunkring-launch bringup --json "$logs/main_1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1

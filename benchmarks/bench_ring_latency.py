@@ -1,0 +1,82 @@
+"""Ring protocol latency beside the raw NVSHMEM signal floor, measured in the same run.
+
+    mpirun -np 2 python benchmarks/bench_ring_latency.py [--iters N] [--json PATH]
+
+Prints, on rank 0: raw signal ping-pong one-way latency (selftest_pingpong / 2), ring publish->observe
+(ring_publish_pingpong / 2), and the full slot round trip (publish -> consume -> ack by every rank ->
+reusable), each with its ratio to the raw floor. Needs at least two ranks (one GPU is fine under MPS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+import chunkring
+from chunkring import Ring, RingSpec
+from chunkring.device import KernelLibrary, Param, build
+from chunkring.launcher.jobs import bringup
+from chunkring.ring_spec import PayloadFormat
+
+
+def bench_library(runtime):
+    sig = (Param("desc", "ptr", torch.int64), Param("iters", "i32"), Param("elapsed_ns", "ptr", torch.int64))
+    return KernelLibrary(runtime, build("ring_bench"), {"ring_publish_pingpong": sig, "ring_slot_roundtrip": sig})
+
+
+def timed(runtime, ring, lib, kernel, iters, grid):
+    elapsed = torch.zeros(1, dtype=torch.int64, device=runtime.torch_device)
+    ring.reset()
+    lib.launch(kernel, ring.desc, iters, elapsed, grid=grid, block=32)
+    torch.cuda.synchronize()
+    ring.check()
+    runtime.barrier()
+    return elapsed.item() / iters / 1e3  # µs per iteration on PE 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    runtime = chunkring.init()
+    if runtime.world_size < 2:
+        print("bench_ring_latency: needs at least two ranks (mpirun -np 2 ...)", file=sys.stderr)
+        runtime.close()
+        return 2
+    selftest = KernelLibrary(runtime, build("selftest"), bringup._signatures())
+    raw_rtt = bringup._pingpong(runtime, selftest, runtime.alloc(1, torch.int64), args.iters)
+    lib = bench_library(runtime)
+    common = dict(world_size=runtime.world_size, tokens_per_slot=1, hidden=128, payload=PayloadFormat.BF16,
+                  topk=1, num_experts=runtime.world_size)
+    with Ring(runtime, RingSpec(num_slots=args.iters, **common), timeout_s=30) as wide:
+        publish_rtt = timed(runtime, wide, lib, "ring_publish_pingpong", args.iters, grid=1)
+    with Ring(runtime, RingSpec(num_slots=1, **common), timeout_s=30) as one_slot:
+        slot_round_trip = timed(runtime, one_slot, lib, "ring_slot_roundtrip", args.iters, grid=2)
+    if runtime.rank == 0:
+        floor = raw_rtt / 2
+        rows = [("raw signal one-way (floor)", floor), ("ring publish -> observe", publish_rtt / 2),
+                ("ring slot round trip", slot_round_trip)]
+        print(f"ring latency, {runtime.world_size} ranks on {torch.cuda.get_device_name(runtime.ordinal)}, {args.iters} iters")
+        print(f"{'measurement':<30} {'us':>8} {'x floor':>8}")
+        for name, value in rows:
+            print(f"{name:<30} {value:8.3f} {value / floor:8.2f}")
+        if args.json:
+            figures = {"raw_signal_one_way_us": floor, "publish_observe_us": publish_rtt / 2,
+                       "slot_round_trip_us": slot_round_trip, "publish_observe_over_floor": publish_rtt / 2 / floor,
+                       "slot_round_trip_over_floor": slot_round_trip / floor}
+            summary = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(0),
+                       "gpus": torch.cuda.device_count(), "ranks": runtime.world_size, "suite": "bench_ring_latency",
+                       "command": " ".join(sys.argv), "passed": 1, "failed": 0, "skipped": 0, "figures": figures}
+            with open(args.json, "w") as out:
+                json.dump(summary, out, indent=2)
+    runtime.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+// Protocol latency microbenchmarks (benchmarks/bench_ring_latency.py), through the real device API.
+//
+// ring_publish_pingpong: PE 0 and PE 1 take turns publishing a chunk of their own ring and waiting
+//   for the other's; half the round trip is one publish -> observe. Needs num_slots >= iters, so no
+//   slot is reused (no ack waits) inside the measurement.
+// ring_slot_roundtrip: PE 0 produces into a one-slot ring; every PE consumes and acknowledges. Each
+//   iteration is one full slot round trip: publish -> consume -> ack by every rank -> reusable.
+#include "chunkring/protocol/ring.cuh"
+
+using namespace chunkring;
+using namespace chunkring::protocol;
+
+extern "C" __global__ void ring_publish_pingpong(const RingDesc* desc, int iters, unsigned long long* elapsed_ns) {
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d) || d.my_pe > 1 || d.num_slots < static_cast<u64>(iters)) return;
+    const u64 epoch = current_epoch(d), me = d.my_pe, other = 1 - me;
+    const u64 start = ptx::globaltimer_ns();
+    for (u64 seq = 0; seq < static_cast<u64>(iters); ++seq) {
+        if (me == 1 && !wait_chunk(d, epoch, other, seq)) return;
+        if (!begin_chunk(d, epoch, seq)) return;
+        publish(d, epoch, seq, ReadyKind::kRoute);
+        publish(d, epoch, seq, ReadyKind::kLayout);
+        end_chunk(d, seq);
+        if (me == 0 && !wait_chunk(d, epoch, other, seq)) return;
+    }
+    if (threadIdx.x == 0) *elapsed_ns = ptx::globaltimer_ns() - start;
+}
+
+extern "C" __global__ void ring_slot_roundtrip(const RingDesc* desc, int iters, unsigned long long* elapsed_ns) {
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d)) return;
+    const u64 epoch = current_epoch(d);
+    if (blockIdx.x == 0) {
+        if (d.my_pe != 0) return;
+        const u64 start = ptx::globaltimer_ns();
+        // iters + 1 chunks: the last begin_chunk waits for the acks of chunk iters - 1.
+        for (u64 seq = 0; seq <= static_cast<u64>(iters); ++seq) {
+            if (!begin_chunk(d, epoch, seq)) return;
+            if (seq == static_cast<u64>(iters)) break;
+            publish(d, epoch, seq, ReadyKind::kRoute);
+            publish(d, epoch, seq, ReadyKind::kLayout);
+            end_chunk(d, seq);
+        }
+        if (threadIdx.x == 0) *elapsed_ns = ptx::globaltimer_ns() - start;
+    } else {
+        for (u64 seq = 0; seq < static_cast<u64>(iters); ++seq)
+            if (!wait_chunk(d, epoch, 0, seq) || !ack_chunk(d, epoch, 0, seq)) return;
+    }
+}

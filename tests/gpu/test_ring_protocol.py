@@ -43,15 +43,19 @@ def run_and_check(runtime, ring, stress, plan, *, seed, max_delay_ns):
 def test_ten_thousand_chunks(runtime, stress, num_slots, payload):
     rng = np.random.default_rng(1234)  # every rank draws the same plan: no communication needed
     ring = make_ring(runtime, num_slots, payload)
-    consumed = published = 0
-    for launch in range(4):  # several launches in one epoch: counters persist on the device
-        empty = (launch % runtime.world_size,) if runtime.world_size > 1 else ()
-        plan = StressPlan.random(rng, invocations=600 // runtime.world_size + 100, world_size=runtime.world_size,
+    consumed = published = launches = 0
+    # Several launches in one epoch (counters persist on the device) until every rank has consumed
+    # 10,000 chunks; every rank consumes every chunk, so all ranks agree on when to stop.
+    while consumed < 10_000:
+        assert launches < 40, "plan too small to reach 10,000 chunks"
+        empty = (launches % runtime.world_size,) if runtime.world_size > 1 else ()
+        plan = StressPlan.random(rng, invocations=300, world_size=runtime.world_size,
                                  max_tokens=3 * TOKENS_PER_SLOT * num_slots, empty_ranks=empty)
-        consumed += run_and_check(runtime, ring, stress, plan, seed=launch * 7919 + runtime.rank, max_delay_ns=2000)
+        consumed += run_and_check(runtime, ring, stress, plan, seed=launches * 7919 + runtime.rank, max_delay_ns=2000)
         published += int(plan.chunks(TOKENS_PER_SLOT)[:, runtime.rank].sum())
+        launches += 1
     assert int(ring.views["control"][CONTROL["next_seq"]].item()) == published
-    assert consumed >= 10_000, consumed
+    assert launches >= 2, "ring wrap across launches (graph-replay-like) was not exercised"
     ring.destroy()
 
 

@@ -94,8 +94,17 @@ def test_real_protocol_passes_every_scenario(runtime):
     assert scenario(runtime, "none") == []
 
 
+#: Fence mutants need a machine whose memory system can show the reordering they allow. With every
+#: rank on one GPU (one L2), neither the ring stress nor the message-passing litmus has shown a
+#: violation without the fences (tests/gpu_results/, docs/PROTOCOL.md "Evidence"); these cases are
+#: expected to escape there and must be caught on a multi-GPU NVLink node.
+FENCE_MUTANTS = ("no_release_fence", "no_acquire_fence")
+
+
 @pytest.mark.parametrize("mutant", [m for m in MUTANTS if m != "none"])
 def test_mutant_is_caught(runtime, mutant):
     caught = scenario(runtime, mutant)
     print(f"mutant {mutant}: {'CAUGHT: ' + caught[0] if caught else 'ESCAPED'}")
+    if not caught and mutant in FENCE_MUTANTS and torch.cuda.device_count() == 1:
+        pytest.xfail(f"{mutant} escaped: all ranks share one GPU's L2, where this reordering was never observed")
     assert caught, f"mutant {mutant} escaped the stress suite"

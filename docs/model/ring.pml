@@ -1,0 +1,375 @@
+/*
+ * chunkring -- SPIN model of the chunk-ring publish / consume / ack protocol
+ * as implemented on the GPU.  Driven by scripts/check_model.py and pinned by
+ * tests/model/test_spin_model.py.
+ *
+ * Processes: producer(r) and consumer(d) for every rank, each running NINV
+ * invocations (replays) back to back, with no coupling between them except
+ * through the protocol words; with -DINJECT two injectors that deliver late
+ * messages of an aborted epoch-1 run.  Spin interleaves sequentially
+ * consistently, so "[release]" is the program order "payload store before
+ * ready SET" and "[acquire]" is "payload load after the ready load".
+ *
+ * Atomicity: atomic / d_step wrap only what is one operation in the
+ * implementation -- a single store or load (plus ghost bookkeeping and the
+ * assertions on what was just observed), the ack CAS, an injector's single
+ * late message -- and the payload store / load of one part (the payload is
+ * one abstract value).  WAIT READY polls the route word, then the layout
+ * word, as wait_chunk() in device/include/chunkring/protocol/ring.cuh does.
+ *
+ * Macros (all optional):
+ *   -DW=2|3 -DS=1|2  ranks; ring slots per rank
+ *   -DNINV=2         invocations (replays) per rank
+ *   -DN0=n           chunks per invocation of rank 0 (default 2; S when
+ *                    SERIALIZED).  Rank 1 is the EMPTY rank (zero tokens: one
+ *                    empty eos chunk); ranks >= 2 publish NOTHER (default 1)
+ *   -DSERIALIZED     stream-serialized execution (no overlap)
+ *   -DINJECT         stale epoch-1 SET / ack injectors
+ *   -DSTALE_SEQS=n   stale values carry seq 1..n (default 2)
+ *   bug variants and the property their counterexample breaks (W=2, S=1):
+ *     BUG_NO_ACK_WAIT          P1 skipped   -> NO_OVERWRITE_BEFORE_EVERY_ACK
+ *     BUG_PUBLISH_BEFORE_DATA  P3 reversed  -> NO_READ_BEFORE_PUBLISH
+ *     BUG_NO_EPOCH    (INJECT) no epoch     -> STALE_NEVER_ACCEPTED
+ *     BUG_NARROW_GEN           1-bit seq    -> COMPLETION (false ERROR, below)
+ *     BUG_SKIP_EOS_EMPTY       no empty eos -> COMPLETION (deadlock)
+ *     BUG_UNTAGGED_ACK (INJECT) OR ack      -> ACKS_RIGHT_GEN
+ *
+ * Properties (the hidden constants carry the name into pan's message
+ * "assertion violated (NAME&&...)"):
+ *   NO_READ_BEFORE_PUBLISH         after WAIT READY the slot holds chunk (r,q)
+ *                                  in both parts, with its count and eos
+ *   NO_OVERWRITE_BEFORE_EVERY_ACK  slot s is rewritten for q (lap >= 1) only
+ *                                  after every destination read q-S
+ *   NO_ABA                         the accepted ready words were published
+ *                                  for exactly chunk (r,q)
+ *   ACKS_RIGHT_GEN                 a full mask seen by P1 consists of bits set
+ *                                  by consumers that read q-S of this epoch
+ *   STALE_NEVER_ACCEPTED           an epoch-1 value is never accepted
+ *   COMPLETION                     every chunk consumed once; no ERROR report
+ *                                  without a real stale cause; plus pan's
+ *                                  invalid-end-state check (no deadlock)
+ */
+
+/* ------------------------------------------------------------ sizes ---- */
+#ifndef W
+#define W 2
+#endif
+#ifndef S
+#define S 1
+#endif
+#ifndef NINV
+#define NINV 2
+#endif
+#ifndef N0
+#ifdef SERIALIZED
+#define N0 S
+#else
+#define N0 2
+#endif
+#endif
+#ifndef NOTHER
+#define NOTHER 1
+#endif
+#ifndef STALE_SEQS
+#define STALE_SEQS 2
+#endif
+#define EMPTY_RANK 1
+
+/* chunks per invocation the consumers expect from r (empty rank: one chunk) */
+#define NEXP(r)   ((r) == 0 -> N0 : ((r) == EMPTY_RANK -> 1 : NOTHER))
+#ifdef BUG_SKIP_EOS_EMPTY
+#define NPUB(r)   ((r) == EMPTY_RANK -> 0 : NEXP(r))  /* BUG: empty rank silent */
+#else
+#define NPUB(r)   NEXP(r)                            /* chunks r publishes */
+#endif
+#define TOKENS(r)     ((r) == EMPTY_RANK -> 0 : 1)   /* token count of a chunk */
+#define EXP_EOS(r, q) (((q) + 1) % NEXP(r) == 0)     /* last of its invocation */
+#define FULL          ((1 << W) - 1)                 /* ack mask of all ranks */
+
+/* ------------------------------------------------------- generations ---- */
+/* gen(q) = (epoch << SEQ_BITS) | (lap(q) + 1), 0 = never published; the ack
+ * tag is the same folded (epoch, seq) value.  The model runs in epoch 2:
+ * the collective reset after the aborted epoch-1 run zeroed every word. */
+#define EPOCH        2
+#define STALE_EPOCH  1
+#ifdef BUG_NARROW_GEN
+/* BUG: seq field too narrow, wraps mod 2.  While d waits for q, its word can
+ * only hold gen(q-S) or gen(q) (P1 keeps the producer within one lap), and
+ * one bit still tells adjacent laps apart: no ABA acceptance is reachable.
+ * The wrap breaks the "seq larger than expected" rule instead: lap 0's seq 1
+ * looks ahead of lap 1's wrapped seq 0, so a consumer reports a false ERROR. */
+#define SEQ_BITS 1
+#else
+#define SEQ_BITS 3            /* here at most NINV*N0/S = 4 laps */
+#endif
+#define SEQ_MASK ((1 << SEQ_BITS) - 1)
+#ifdef BUG_NO_EPOCH
+#define MKGEN(ep, sq) ((sq) & SEQ_MASK)                    /* BUG: no epoch */
+#else
+#define MKGEN(ep, sq) (((ep) << SEQ_BITS) | ((sq) & SEQ_MASK))
+#endif
+#define GEN(q)       MKGEN(EPOCH, (q) / S + 1)
+#define TAG(g)       (g)
+#define EPOCH_OF(g)  ((g) >> SEQ_BITS)
+#define SEQ_OF(g)    ((g) & SEQ_MASK)
+
+/* A ready word is a short: low byte = the protocol value (a gen), high byte =
+ * GHOST id of its writer: q+1 of the chunk whose publish wrote it, or
+ * STALE_GHOST for an injected epoch-1 SET.  The protocol only uses WGEN(). */
+#define STALE_GHOST    100
+#define WGEN(w)        ((w) & 255)
+#define WGHOST(w)      ((w) >> 8)
+#define PUBWORD(q, g)  ((((q) + 1) << 8) | (g))
+#define STALE_WORD(sq) ((STALE_GHOST << 8) | MKGEN(STALE_EPOCH, sq))
+/* WAIT READY error rule: nonzero and (other epoch, or same epoch and a seq
+ * larger than expected) */
+#define BAD(w, g) (WGEN(w) != 0 && (EPOCH_OF(WGEN(w)) != EPOCH_OF(g) || \
+                                    SEQ_OF(WGEN(w)) > SEQ_OF(g)))
+
+/* ------------------------------------------------------------ state ---- */
+#define SIX(r, s)    ((r) * S + (s))               /* slot s owned by r */
+#define RIX(d, r, s) (((d) * W + (r)) * S + (s))   /* word at d for (r, s) */
+
+short route_ready_gen[W * W * S];   /* at every d, SET remotely by source r */
+short layout_ready_gen[W * W * S];
+byte  route_pay[W * S];    /* slot payload at owner r: q+1 of the chunk; the */
+byte  layout_pay[W * S];   /* metadata (count, eos) goes with the route part */
+byte  count[W * S];
+bit   eos[W * S];
+byte  ack_tag[W * S];      /* ack[s] = (tag, mask) at owner r */
+byte  ack_mask[W * S];
+byte  consumed_gen[W * S];
+bit   error_reported;      /* a consumer reported an ERROR */
+#ifdef SERIALIZED
+byte  prod_fin, cons_fin;  /* stream order: producers / consumers finished */
+#endif
+/* ghosts, never read by the protocol */
+byte  armed_q[W * S];      /* q+1 of the chunk ack[s] is armed for */
+byte  ack_prov[W * S];     /* mask bits set by a consumer that read that chunk */
+byte  readers[W * S];      /* destinations that finished reading the slot */
+
+hidden byte NO_READ_BEFORE_PUBLISH = 1;
+hidden byte NO_OVERWRITE_BEFORE_EVERY_ACK = 1;
+hidden byte NO_ABA = 1;
+hidden byte ACKS_RIGHT_GEN = 1;
+hidden byte STALE_NEVER_ACCEPTED = 1;
+hidden byte COMPLETION = 1;
+#define CHECK(P, c) assert(P && (c))
+
+/* ERROR: the reporting consumer stops; the host then tears the run down, so
+ * every other wait may give up (ABORT) and end at its end_abort label.  An
+ * error is only legitimate if a stale epoch-1 value caused it (COMPLETION). */
+#define REPORT_ERROR(stale_cause) CHECK(COMPLETION, stale_cause); error_reported = 1
+
+/* -------------------------------------------------------- producer ---- */
+/* NO_OVERWRITE_BEFORE_EVERY_ACK, checked at the first payload store of chunk
+ * q (route or layout, whichever comes first); then the ghost restarts */
+inline overwrite_check() {
+  if
+  :: !first_done ->
+     CHECK(NO_OVERWRITE_BEFORE_EVERY_ACK, q < S || readers[j] == FULL);
+     readers[j] = 0; first_done = 1
+  :: else
+  fi
+}
+/* P3 route: write route payload (+ count, eos = last chunk of invocation) */
+inline write_route() {
+  d_step { overwrite_check(); route_pay[j] = q + 1;
+           count[j] = TOKENS(r); eos[j] = (k == NPUB(r)) }
+}
+/* P3 route publish: for each d, route_ready_gen[r][s]@d = g (one remote SET each) */
+inline publish_route() {
+  for (d : 0 .. W - 1) { route_ready_gen[RIX(d, r, s)] = PUBWORD(q, g) }
+}
+/* P3 layout: write layout payload */
+inline write_layout() {
+  d_step { overwrite_check(); layout_pay[j] = q + 1 }
+}
+/* P3 layout publish: for each d, layout_ready_gen[r][s]@d = g */
+inline publish_layout() {
+  for (d : 0 .. W - 1) { layout_ready_gen[RIX(d, r, s)] = PUBWORD(q, g) }
+}
+#ifdef BUG_PUBLISH_BEFORE_DATA   /* BUG: signal before data */
+#define ROUTE_PART  publish_route(); write_route()
+#define LAYOUT_PART publish_layout(); write_layout()
+#else                            /* data; [release]; signal */
+#define ROUTE_PART  write_route(); publish_route()
+#define LAYOUT_PART write_layout(); publish_layout()
+#endif
+
+proctype producer(byte r)
+{
+  byte q = 0;            /* next_seq: persists across invocations */
+  byte inv, k, s, g, j, d;
+  bit  first_done;
+
+  for (inv : 0 .. NINV - 1) {
+#ifdef SERIALIZED
+    /* SERIALIZED: start after every consumer of invocation inv-1 finished */
+    if :: cons_fin >= W * inv :: error_reported -> goto end_abort fi;
+#endif
+    /* one invocation: n_r >= 1 chunks, the last with eos=1; the empty rank
+     * publishes exactly one empty eos chunk (BUG_SKIP_EOS_EMPTY: none) */
+    for (k : 1 .. NPUB(r)) {
+      s = q % S; g = GEN(q); j = SIX(r, s);
+      /* P1 WAIT REUSABLE (lap >= 1): ack[s] == (tag(gen(q-S)), FULL) [acquire] */
+      if
+      :: q >= S ->
+#ifndef BUG_NO_ACK_WAIT
+         if
+         :: atomic { ack_tag[j] == TAG(GEN(q - S)) && ack_mask[j] == FULL ->
+              CHECK(ACKS_RIGHT_GEN, ack_prov[j] == FULL) }
+         :: error_reported -> goto end_abort                 /* ABORT */
+         fi;
+#endif
+         consumed_gen[j] = GEN(q - S)       /* P1: then consumed_gen[s] */
+      :: else
+      fi;
+      /* P2 arm: ack[s] = (tag(g), 0), a local store before the publishes */
+      d_step { ack_tag[j] = TAG(g); ack_mask[j] = 0; armed_q[j] = q + 1; ack_prov[j] = 0 }
+      /* P3: route and layout parts, each written then published, either order */
+      first_done = 0;
+      if
+      :: ROUTE_PART; LAYOUT_PART
+      :: LAYOUT_PART; ROUTE_PART
+      fi;
+      q++
+    }
+#ifdef SERIALIZED
+    prod_fin++;
+#endif
+  }
+end_abort: skip
+}
+
+/* -------------------------------------------------------- consumer ---- */
+/* WAIT READY on one word of d's own memory: spin until it holds g; a BAD
+ * value seen while waiting is an ERROR: reported, never accepted */
+inline wait_ready(word) {
+  if
+  :: atomic { WGEN(word) == g ->            /* accepted; ghost checks: */
+       CHECK(STALE_NEVER_ACCEPTED, WGHOST(word) != STALE_GHOST);
+       CHECK(NO_ABA, WGHOST(word) == q + 1) }
+  :: atomic { BAD(word, g) ->
+       REPORT_ERROR(WGHOST(word) == STALE_GHOST) }; goto end_abort
+  :: error_reported -> goto end_abort                        /* ABORT */
+  fi
+}
+/* one chunk step of consumer d on active source r */
+inline chunk_step() {
+  q = cursor[r]; s = q % S; g = GEN(q); i = RIX(d, r, s); j = SIX(r, s);
+  /* WAIT READY: route_ready_gen[r][s] == g, then layout_ready_gen[r][s] == g */
+  wait_ready(route_ready_gen[i]);
+  wait_ready(layout_ready_gen[i]);
+  /* [acquire]; read payload and eos from r's slot: route part, layout part */
+  d_step { e = eos[j];
+           CHECK(NO_READ_BEFORE_PUBLISH, route_pay[j] == q + 1 &&
+                 count[j] == TOKENS(r) && e == EXP_EOS(r, q)) }
+  d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
+           readers[j] = readers[j] | (1 << d) }    /* ghost: d done reading */
+  /* ACK: CAS on r's ack[s]: tag == tag(g) -> set bit d, else ERROR (the ack
+   * is not counted) */
+  atomic {
+#ifdef BUG_UNTAGGED_ACK
+    ack_mask[j] = ack_mask[j] | (1 << d);          /* BUG: OR, no tag check */
+#else
+    if
+    :: ack_tag[j] == TAG(g) -> ack_mask[j] = ack_mask[j] | (1 << d)
+    :: else -> REPORT_ERROR(false); goto end_abort /* never a stale cause */
+    fi;
+#endif
+    /* ghost provenance: the bit is right iff ack[s] is armed for (r, q) */
+    if :: armed_q[j] == q + 1 -> ack_prov[j] = ack_prov[j] | (1 << d) :: else fi
+  }
+  cursor[r]++;
+  if :: e -> act[r] = 0; nact-- :: else fi        /* eos: active[r] = 0 */
+}
+
+proctype consumer(byte d)
+{
+  byte cursor[W];        /* cursor[r]: next q expected from r (persists) */
+  bit  act[W];           /* active[r] */
+  byte nact, inv, r, q, s, g, i, j;
+  bit  e;
+
+  for (inv : 0 .. NINV - 1) {
+#ifdef SERIALIZED
+    /* SERIALIZED: start after every producer of invocation inv finished */
+    if :: prod_fin >= W * (inv + 1) :: error_reported -> goto end_abort fi;
+#endif
+    /* active[r] = 1 for all r */
+    d_step { r = 0; do :: r < W -> act[r] = 1; r++ :: else -> break od; nact = W; r = 0 }
+    /* while any active: each active source r in rank order gets a chunk step */
+    do
+    :: nact > 0 ->
+       for (r : 0 .. W - 1) {
+         if :: act[r] -> chunk_step() :: else fi
+       }
+    :: else -> break
+    od;
+#ifdef SERIALIZED
+    cons_fin++;
+#endif
+  }
+  /* COMPLETION: every chunk of every source consumed exactly once */
+  for (r : 0 .. W - 1) { CHECK(COMPLETION, cursor[r] == NINV * NEXP(r)) }
+end_abort: skip
+}
+
+/* --------------------------------------------------- stale injectors ---- */
+#ifdef INJECT
+/* A late remote SET of the aborted epoch-1 run lands on some destination's
+ * route or layout word for some (r, s), at any time after the reset, or
+ * never.  The choices are cleared inside the atomic (no state blow-up). */
+proctype stale_set()
+{
+  byte sd, sr, ss, sq;
+  if
+  :: atomic { select (sd : 0 .. W - 1); select (sr : 0 .. W - 1);
+              select (ss : 0 .. S - 1); select (sq : 1 .. STALE_SEQS);
+              if
+              :: route_ready_gen[RIX(sd, sr, ss)] = STALE_WORD(sq)
+              :: layout_ready_gen[RIX(sd, sr, ss)] = STALE_WORD(sq)
+              fi;
+              sd = 0; sr = 0; ss = 0; sq = 0 }
+  :: skip
+  fi
+}
+
+/* A late ack of the epoch-1 run: tag(epoch 1, sq) with the bit of rank sd,
+ * executed at owner sr on ack[ss] by the same ack code as the consumer's
+ * ACK; it never sets ack_prov (it is not an ack of this epoch). */
+proctype stale_ack()
+{
+  byte sd, sr, ss, sq;
+  if
+  :: atomic { select (sd : 0 .. W - 1); select (sr : 0 .. W - 1);
+              select (ss : 0 .. S - 1); select (sq : 1 .. STALE_SEQS);
+#ifdef BUG_UNTAGGED_ACK
+              ack_mask[SIX(sr, ss)] = ack_mask[SIX(sr, ss)] | (1 << sd);
+#else
+              if
+              :: ack_tag[SIX(sr, ss)] == TAG(MKGEN(STALE_EPOCH, sq)) ->
+                 ack_mask[SIX(sr, ss)] = ack_mask[SIX(sr, ss)] | (1 << sd)
+              :: else                                   /* CAS fails */
+              fi;
+#endif
+              sd = 0; sr = 0; ss = 0; sq = 0 }
+  :: skip
+  fi
+}
+#endif
+
+init {
+  byte x;
+#ifdef SERIALIZED
+  /* SERIALIZED is valid only with <= S chunks per source per invocation */
+  assert(N0 <= S && NOTHER <= S);
+#endif
+  atomic {
+    for (x : 0 .. W - 1) { run producer(x); run consumer(x) }
+#ifdef INJECT
+    run stale_set(); run stale_ack()
+#endif
+  }
+}

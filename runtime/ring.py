@@ -89,6 +89,12 @@ class Ring:
         if not record.ok:
             raise ChunkringRuntimeError(record.describe(self.spec.epoch_bits))
 
+    def publish_chunk(self, **tensors) -> None:
+        """Publish torch tensors as this rank's next chunk, stream-ordered (see ``ring_io.publish_chunk``)."""
+        from .ring_io import publish_chunk
+
+        publish_chunk(self, **tensors)
+
     def destroy(self) -> None:
         """Free the ring's symmetric memory. A collective."""
         if self._destroyed:

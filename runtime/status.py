@@ -23,6 +23,7 @@ class ErrorCode(enum.IntEnum):
     PAYLOAD_MISMATCH = 7
     PEER_UNREACHABLE = 8
     DOUBLE_ACK = 9
+    BAD_METADATA = 10
 
 
 class Site(enum.IntEnum):

@@ -1,0 +1,68 @@
+"""The stream-ordered host API: torch tensors published chunk by chunk from a producer stream arrive,
+gathered by a consumer on another stream, at every rank - exact bytes, right rows, right counts - with
+ring wrap inside one invocation, empty ranks, partial last chunks, and several invocations per epoch."""
+
+import numpy as np
+import pytest
+import torch
+
+from chunkring import Ring, RingSpec
+from chunkring.ring_io import GatherOutputs, gather, publish_chunk
+from chunkring.ring_spec import PayloadFormat
+
+pytestmark = pytest.mark.gpu
+
+T, H, K = 8, 256, 4
+
+
+def source_tensors(spec, src, invocation, n, device):
+    """What rank `src` sends in `invocation`: a function of (src, invocation) alone, so every rank can
+    build every source's reference without communication."""
+    g = torch.Generator(device="cpu").manual_seed(1000 * invocation + src)
+    x = torch.randn(n, H, generator=g).to(torch.float8_e4m3fn if spec.payload == PayloadFormat.FP8_E4M3 else torch.bfloat16)
+    x_sf = torch.rand(n, H // 128, generator=g) if spec.payload == PayloadFormat.FP8_E4M3 else None
+    idx = torch.randint(-1, spec.num_experts, (n, K), generator=g, dtype=torch.int32)
+    w = torch.rand(n, K, generator=g)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(x), to(x_sf), to(idx), to(w)
+
+
+@pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
+@pytest.mark.parametrize("num_slots", [1, 2])
+def test_publish_and_gather(runtime, payload, num_slots):
+    W = runtime.world_size
+    spec = RingSpec(world_size=W, num_slots=num_slots, tokens_per_slot=T, hidden=H, payload=payload, topk=K,
+                    num_experts=4 * W)
+    rng = np.random.default_rng(5)
+    capacity = 5 * T
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    with Ring(runtime, spec, timeout_s=30) as ring:
+        for invocation in range(6):
+            counts = rng.choice([0, 1, T - 1, T, T + 1, capacity], size=W)  # same on every rank
+            if invocation == 0 and W > 1:
+                counts[W - 1] = 0  # a whole-empty rank
+            out = GatherOutputs(ring, capacity)
+            for t in (out.x.view(torch.uint8), out.topk_idx, out.topk_weights, out.x_sf):
+                t.fill_(-7 if t.dtype == torch.int32 else 0x55 if t.dtype == torch.uint8 else -7.0)  # sentinels
+            torch.cuda.synchronize()
+            # Producer work first, consumer on its own stream (docs/PROTOCOL.md, progress).
+            n = int(counts[runtime.rank])
+            x, x_sf, idx, w = source_tensors(spec, runtime.rank, invocation, n, runtime.torch_device)
+            with torch.cuda.stream(producer):
+                for base in range(0, max(n, 1), T):
+                    rows = slice(base, min(n, base + T))
+                    publish_chunk(ring, x=x[rows], x_sf=None if x_sf is None else x_sf[rows], topk_idx=idx[rows],
+                                  topk_weights=w[rows], token_base=base, end_of_stream=base + T >= n)
+            gather(ring, out, stream=consumer)
+            torch.cuda.synchronize()
+            ring.check()
+            assert out.counts.tolist() == counts.tolist()
+            for src in range(W):
+                m = int(counts[src])
+                rx, rsf, ridx, rw = source_tensors(spec, src, invocation, m, runtime.torch_device)
+                assert torch.equal(out.x[src, :m].view(torch.uint8), rx.view(torch.uint8)), src
+                assert torch.equal(out.topk_idx[src, :m], ridx) and torch.equal(out.topk_weights[src, :m], rw)
+                if rsf is not None:
+                    assert torch.equal(out.x_sf[src, :m], rsf)
+                assert bool((out.topk_idx[src, m:] == -7).all()), "rows nobody sent were written"
+            runtime.barrier()

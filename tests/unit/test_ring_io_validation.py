@@ -1,0 +1,54 @@
+"""publish_chunk and gather check every argument before anything is enqueued (no GPU needed)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from chunkring.errors import ChunkringUsageError
+from chunkring.ring_io import GatherOutputs, gather, publish_chunk
+from chunkring.ring_spec import PayloadFormat, RingSpec
+
+SPEC = RingSpec(world_size=2, num_slots=2, tokens_per_slot=8, hidden=256, payload=PayloadFormat.FP8_E4M3, topk=4,
+                num_experts=8)
+# A stand-in ring whose device is the CPU, so the checks run without a GPU.
+RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=torch.device("cpu")), _check_alive=lambda: None)
+
+
+def good(n=3):
+    return dict(x=torch.zeros(n, 256, dtype=torch.float8_e4m3fn), x_sf=torch.zeros(n, 2), topk_idx=torch.zeros(n, 4, dtype=torch.int32),
+                topk_weights=torch.zeros(n, 4), token_base=0, end_of_stream=True)
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"x": torch.zeros(9, 256, dtype=torch.float8_e4m3fn)}, "x"),
+    ({"x": torch.zeros(3, 256, dtype=torch.bfloat16)}, "x"),
+    ({"x": torch.zeros(3, 128, dtype=torch.float8_e4m3fn)}, "x"),
+    ({"x": torch.zeros(256, dtype=torch.float8_e4m3fn)}, "x"),
+    ({"x_sf": None}, "x_sf"),
+    ({"x_sf": torch.zeros(3, 2, dtype=torch.float64)}, "x_sf"),
+    ({"topk_idx": torch.zeros(3, 4, dtype=torch.int64)}, "topk_idx"),
+    ({"topk_idx": torch.zeros(3, 5, dtype=torch.int32)}, "topk_idx"),
+    ({"topk_weights": torch.zeros(4, 3).t()}, "topk_weights"),
+    ({"token_base": -1}, "token_base"),
+    ({"token_base": 1.0}, "token_base"),
+    ({"end_of_stream": 1}, "end_of_stream"),
+])
+def test_publish_rejects(change, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        publish_chunk(RING, **{**good(), **change})
+    assert info.value.field == field
+
+
+def test_empty_chunk_must_end_the_stream():
+    with pytest.raises(ChunkringUsageError, match="empty chunk"):
+        publish_chunk(RING, **{**good(0), "end_of_stream": False})
+
+
+def test_gather_rejects_bad_outputs():
+    with pytest.raises(ChunkringUsageError) as info:
+        gather(RING, object())
+    assert info.value.field == "out"
+    with pytest.raises(ChunkringUsageError) as info:
+        GatherOutputs(RING, -1)
+    assert info.value.field == "capacity"

@@ -65,6 +65,8 @@ class KernelLibrary:
             self._kernels = {name: build_result.object_code.get_kernel(name) for name in self._signatures}
         except Exception as exc:
             raise ChunkringRuntimeError(f"kernel missing from {build_result.name}: {exc}") from exc
+        for name, kernel in self._kernels.items():
+            _load_now(name, kernel)
 
     def __repr__(self) -> str:
         return f"KernelLibrary({self.build.name!r}, kernels={sorted(self._signatures)})"
@@ -89,3 +91,21 @@ class KernelLibrary:
             launch(stream_obj, LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes), self._kernels[name], *values)
         except Exception as exc:
             raise ChunkringRuntimeError(f"launch of {name} failed: {exc}") from exc
+
+
+def _load_now(name: str, kernel) -> None:
+    """Load ``kernel`` into the current context now, not at its first launch.
+
+    Under CUDA's lazy loading, a kernel's first launch loads its code, and that load can wait for
+    kernels already running. Our kernels spin on each other: a consumer launched for the first time
+    while a producer spins for its acknowledgements would wait for that producer forever (seen on the
+    H200 until the watchdog fired). Loading every kernel up front removes the hazard.
+    """
+    from cuda.bindings import driver
+
+    err, function = driver.cuKernelGetFunction(kernel.handle)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ChunkringRuntimeError(f"cuKernelGetFunction({name}) failed: {err}")
+    err, _ = driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ChunkringRuntimeError(f"loading {name} failed: {err}")

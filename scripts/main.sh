@@ -6,10 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${CHUNKRING_VENV:-.venv}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-[ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
-# shellcheck disable=SC1091
-. "$venv/bin/activate"
-python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+if python3 -c "import torch" 2>/dev/null && [ ! -x "$venv/bin/python" ]; then
+    # This Python already has torch (e.g. a GPU host's image, itself often a venv): keep it and its
+    # CUDA build, and install chunkring beside it.
+    python() { python3 "$@"; }
+else
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    # shellcheck disable=SC1091
+    . "$venv/bin/activate"
+    python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+fi
 if [ -d "${CHUNKRING_WHEELS:-.whl}" ]; then
     # Offline GPU host: its image holds torch, CUDA Python and NVSHMEM; add the bundled wheels
     # (scripts/make_wheel_bundle.sh) without resolving dependencies against an unreachable index.

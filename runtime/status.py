@@ -85,9 +85,16 @@ class StatusRecord:
         if self.ok:
             return "no error"
         where = _WHAT.get(self.site, "at site {site}").format(peer=self.peer, slot=self.slot, site=self.site)
-        return (f"PE {self.pe}: {self.code.name if isinstance(self.code, ErrorCode) else self.code} while {where}: "
-                f"expected {_gen(self.expected, epoch_bits)}, observed {_gen(self.observed, epoch_bits)} "
-                f"({self.count} error(s) recorded)")
+        code = self.code.name if isinstance(self.code, ErrorCode) else self.code
+        if self.site in (Site.WAIT_REUSABLE, Site.ACK):  # ack words: tag:32 | rank mask:32
+            word = self.peer if self.site == Site.WAIT_REUSABLE else 0
+            values = f"expected {_ack(self.expected)}, observed {_ack(self.observed)}"
+            missing = [word * 32 + bit for bit in range(32) if (self.expected & ~self.observed) >> bit & 1]
+            if self.site == Site.WAIT_REUSABLE and missing and self.expected >> 32 == self.observed >> 32:
+                values += f"; no ack yet from rank(s) {missing}"
+        else:
+            values = f"expected {_gen(self.expected, epoch_bits)}, observed {_gen(self.observed, epoch_bits)}"
+        return f"PE {self.pe}: {code} while {where}: {values} ({self.count} error(s) recorded)"
 
 
 def _enum_or_int(kind, value):
@@ -100,3 +107,7 @@ def _enum_or_int(kind, value):
 def _gen(value: int, epoch_bits: int) -> str:
     seq_bits = 64 - epoch_bits
     return f"0x{value:x} (epoch {value >> seq_bits}, lap field {value & ((1 << seq_bits) - 1)})"
+
+
+def _ack(value: int) -> str:
+    return f"tag 0x{value >> 32:08x} mask 0x{value & 0xFFFFFFFF:08x}"

@@ -3,6 +3,7 @@
 # run the GPU test suite with 1 rank and with N ranks on one GPU under MPS, run the main job, and
 # write one JSON summary per suite run into $RESULTS (default tests/gpu_results).
 #   CHUNKRING_COMMIT=<sha> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS]
+# Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
@@ -29,7 +30,7 @@ run_suite() {  # name ranks command...
     local rc=${PIPESTATUS[0]}
     python3 scripts/gpu_summary.py --suite "$name" --ranks "$n" --rc "$rc" --seconds $((SECONDS - start)) \
         --junit "$logs/$name".xml* --build "$logs/build_cold.json" "$logs/build_warm.json" \
-        --command "$*" --out "$results/$name.json"
+        --command "$*" --out "$results/${CHUNKRING_COMMIT:-unknown}-$name.json"
     return "$rc"
 }
 status=0
@@ -49,7 +50,7 @@ run_suite "stress-${ranks}rank-mps" "$ranks" mpirun -np "$ranks" --oversubscribe
     || status=1
 mpirun -np 2 --oversubscribe --timeout 120 -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
     -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT python3 benchmarks/bench_ring_latency.py \
-    --json "${BENCH_RESULTS:-benchmarks/results}/ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
+    --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
 chunkring-launch --np "$ranks" bringup --json "$logs/main_${ranks}rank.json" 2>&1 | tee "$logs/main.log" || status=1
 echo quit | nvidia-cuda-mps-control
 chunkring-launch bringup --json "$logs/main_1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1

@@ -59,40 +59,20 @@ extern "C" __global__ void ring_gather(const RingDesc* desc, unsigned char* out_
                                        float* out_topk_weights, long long* out_counts, long long capacity) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
-    const u64 epoch = current_epoch(d), cap = static_cast<u64>(capacity);
-    __shared__ u64 active, seq_of_src;
-    if (threadIdx.x == 0) active = d.world_size == 64 ? ~0ull : (1ull << d.world_size) - 1;
-    __syncthreads();
-    while (active) {
-        for (u64 src = 0; src < d.world_size; ++src) {
-            if (!(active >> src & 1)) continue;
-            // NOTES: relaxed - this consumer alone writes its cursor (in ack_chunk).
-            if (threadIdx.x == 0) seq_of_src = ptx::ld_relaxed_sys(cursor_word(d, src));
-            __syncthreads();
-            const u64 seq = seq_of_src, slot = slot_of(seq, d.num_slots);
-            if (!wait_chunk(d, epoch, src, seq)) return;
-            const u64* meta = peer_view(d, slot_meta(d, slot), src);
-            if (meta == nullptr) {
-                if (threadIdx.x == 0) record_error(d, ErrorCode::kPeerUnreachable, Site::kPayload, src, slot, 0, 0);
-                return;
-            }
-            const u64 base = meta[kMetaTokenBase], n = meta[kMetaNumTokens];
-            const bool eos = meta[kMetaFlags] & kMetaEndOfStream;
-            if (n > d.tokens_per_slot || base > cap || n > cap - base) {  // never index with an unchecked count
-                if (threadIdx.x == 0) record_error(d, ErrorCode::kBadMetadata, Site::kPayload, src, slot, cap, base + n);
-                return;
-            }
-            const u64 row = src * cap + base;
-            block_copy16(out_x + row * d.x_row_bytes, peer_view(d, slot_x(d, slot), src), n * d.x_row_bytes);
-            block_copy4(out_x_sf + row * d.x_sf_row_floats, peer_view(d, slot_x_sf(d, slot), src), n * d.x_sf_row_floats);
-            block_copy4(out_topk_idx + row * d.topk, peer_view(d, slot_topk_idx(d, slot), src), n * d.topk);
-            block_copy4(out_topk_weights + row * d.topk, peer_view(d, slot_topk_weights(d, slot), src), n * d.topk);
-            if (!ack_chunk(d, epoch, src, seq)) return;
-            if (threadIdx.x == 0) {
-                out_counts[src] += static_cast<long long>(n);
-                if (eos) active &= ~(1ull << src);
-            }
-            __syncthreads();
+    const u64 cap = static_cast<u64>(capacity);
+    consume_invocation(d, current_epoch(d), [&](u64 src, u64 seq, u64 slot) {
+        const u64* meta = peer_view(d, slot_meta(d, slot), src);
+        const u64 base = meta[kMetaTokenBase], n = meta[kMetaNumTokens];
+        if (n > d.tokens_per_slot || base > cap || n > cap - base) {  // never index with an unchecked count
+            if (threadIdx.x == 0) record_error(d, ErrorCode::kBadMetadata, Site::kPayload, src, slot, cap, base + n);
+            return false;
         }
-    }
+        const u64 row = src * cap + base;
+        block_copy16(out_x + row * d.x_row_bytes, peer_view(d, slot_x(d, slot), src), n * d.x_row_bytes);
+        block_copy4(out_x_sf + row * d.x_sf_row_floats, peer_view(d, slot_x_sf(d, slot), src), n * d.x_sf_row_floats);
+        block_copy4(out_topk_idx + row * d.topk, peer_view(d, slot_topk_idx(d, slot), src), n * d.topk);
+        block_copy4(out_topk_weights + row * d.topk, peer_view(d, slot_topk_weights(d, slot), src), n * d.topk);
+        if (threadIdx.x == 0) out_counts[src] += static_cast<long long>(n);
+        return true;
+    });
 }

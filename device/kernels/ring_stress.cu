@@ -78,7 +78,7 @@ __device__ bool produce_invocation(const RingDesc& d, u64 epoch, u64 n_tokens, u
 
 // Check every word of chunk seq from src; returns false (after recording) on the first mismatch.
 // Every return is uniform across the block: the verdict lives in shared memory.
-__device__ bool check_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, u64 expect_base, u64* out_count, bool* out_eos) {
+__device__ bool check_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, u64 expect_base, u64* out_count) {
     const u64 slot = slot_of(seq, d.num_slots);
     __shared__ u64 bad_expected, bad_observed;
     __shared__ int bad;
@@ -119,43 +119,26 @@ __device__ bool check_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, u64 
         return false;
     }
     *out_count = count;
-    *out_eos = eos;
     return true;
 }
 
-// Returns false (uniformly across the block) once the protocol reported an error.
-__device__ bool consume_invocation(const RingDesc& d, u64 epoch, u64 seed, u32 max_delay_ns, unsigned long long* received) {
-    __shared__ u64 active, seen[kMaxWorldSize], seq_of_src;
-    __shared__ u64 count;
-    __shared__ bool eos;
-    if (threadIdx.x == 0) active = d.world_size == 64 ? ~0ull : (1ull << d.world_size) - 1;
+// One invocation through the protocol's consumer loop, every chunk checked word by word.
+__device__ bool consume_and_check(const RingDesc& d, u64 epoch, u64 seed, u32 max_delay_ns, unsigned long long* received) {
+    __shared__ u64 seen[kMaxWorldSize];  // tokens seen per source this invocation: the next token base
     for (u64 s = threadIdx.x; s < d.world_size; s += blockDim.x) seen[s] = 0;
     __syncthreads();
-    // One chunk step visits every source still active, in rank order; no global count is needed.
-    while (active) {
-        for (u64 src = 0; src < d.world_size; ++src) {
-            if (!(active >> src & 1)) continue;
-            // NOTES: relaxed - this block alone writes its cursor (in ack_chunk).
-            if (threadIdx.x == 0) seq_of_src = ptx::ld_relaxed_sys(cursor_word(d, src));
-            __syncthreads();
-            const u64 seq = seq_of_src;
-            if (!wait_chunk(d, epoch, src, seq)) return false;
-            random_delay(seed ^ 0x55, src, seq, max_delay_ns);
-            __syncthreads();
-            u64 n = 0;
-            bool last = false;
-            if (!check_chunk(d, epoch, src, seq, seen[src], &n, &last)) return false;
-            if (threadIdx.x == 0) { count = n; eos = last; }
-            if (!ack_chunk(d, epoch, src, seq)) return false;
-            if (threadIdx.x == 0) {
-                seen[src] += count;
-                received[src] += count;
-                if (eos) active &= ~(1ull << src);
-            }
-            __syncthreads();
+    return consume_invocation(d, epoch, [&](u64 src, u64 seq, u64) {
+        random_delay(seed ^ 0x55, src, seq, max_delay_ns);
+        __syncthreads();
+        u64 n = 0;
+        if (!check_chunk(d, epoch, src, seq, seen[src], &n)) return false;
+        __syncthreads();  // every thread has read seen[src]
+        if (threadIdx.x == 0) {
+            seen[src] += n;
+            received[src] += n;
         }
-    }
-    return true;
+        return true;
+    });
 }
 
 }  // namespace
@@ -173,7 +156,7 @@ extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, in
             if (!produce_invocation(d, epoch, static_cast<u64>(plan[i * d.world_size + d.my_pe]), seed + i, max_delay_ns)) break;
     } else if (blockIdx.x == 1) {
         for (int i = 0; i < invocations; ++i)
-            if (!consume_invocation(d, epoch, seed + i, max_delay_ns, received)) break;
+            if (!consume_and_check(d, epoch, seed + i, max_delay_ns, received)) break;
         __syncthreads();
         if (threadIdx.x == 0) ptx::st_relaxed_sys(stress, 1);  // NOTES: relaxed stop flag; stress blocks only poll it
     } else {

@@ -178,4 +178,41 @@ __device__ __forceinline__ bool ack_chunk(const RingDesc& d, u64 epoch, u64 src,
     return block_agree(ok);
 }
 
+// ---------------------------------------------------------------- one invocation, consumer side
+
+// Consume one invocation: chunk steps over the sources still active (rank order within a step), each
+// chunk waited for, handed to `visit(src, seq, slot)` (block-level; returns false after recording an
+// error), then acknowledged; a source drops out after its end-of-stream chunk. No global token count
+// is needed, and an empty source (one empty end-of-stream chunk) stalls nobody.
+// Returns false, uniformly across the block, once any step failed.
+template <typename Visit>
+__device__ bool consume_invocation(const RingDesc& d, u64 epoch, Visit visit) {
+    __shared__ u64 active, step_seq;
+    __shared__ bool step_eos, step_ok;
+    if (threadIdx.x == 0) active = d.world_size == 64 ? ~0ull : (1ull << d.world_size) - 1;
+    __syncthreads();
+    while (active) {
+        for (u64 src = 0; src < d.world_size; ++src) {
+            if (!(active >> src & 1)) continue;
+            // NOTES: relaxed - this consumer alone writes its cursor (in ack_chunk).
+            if (threadIdx.x == 0) step_seq = ptx::ld_relaxed_sys(cursor_word(d, src));
+            __syncthreads();
+            const u64 seq = step_seq, slot = slot_of(seq, d.num_slots);
+            if (!wait_chunk(d, epoch, src, seq)) return false;
+            if (threadIdx.x == 0) {
+                const u64* meta = peer_view(d, slot_meta(d, slot), src);
+                step_ok = meta != nullptr;
+                if (step_ok) step_eos = meta[kMetaFlags] & kMetaEndOfStream;
+                else record_error(d, ErrorCode::kPeerUnreachable, Site::kPayload, src, slot, 0, 0);
+            }
+            __syncthreads();
+            if (!step_ok || !visit(src, seq, slot)) return false;
+            if (!ack_chunk(d, epoch, src, seq)) return false;
+            if (threadIdx.x == 0 && step_eos) active &= ~(1ull << src);
+            __syncthreads();
+        }
+    }
+    return true;
+}
+
 }  // namespace chunkring::protocol

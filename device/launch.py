@@ -103,7 +103,7 @@ def _load_now(name: str, kernel) -> None:
     """
     from cuda.bindings import driver
 
-    err, function = driver.cuKernelGetFunction(kernel.handle)
+    err, function = driver.cuKernelGetFunction(driver.CUkernel(int(kernel.handle)))
     if err != driver.CUresult.CUDA_SUCCESS:
         raise ChunkringRuntimeError(f"cuKernelGetFunction({name}) failed: {err}")
     err, _ = driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from chunkring.errors import ChunkringUsageError
 
-__all__ = ["load_table", "from_table"]
+__all__ = ["load_table", "from_table", "parse_overrides"]
 
 
 def load_table(name_or_path: str) -> dict:
@@ -46,3 +46,19 @@ def from_table(cls, table: dict, *, job: str):
         if isinstance(expected, type) and not (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
             raise ChunkringUsageError(f"expected {expected.__name__}, got {value!r}", field=key)
     return cls(**table)
+
+
+def parse_overrides(items) -> dict:
+    """``["rounds=32", "name=x"]`` -> ``{"rounds": 32, "name": "x"}``, values read as TOML values
+    (ints, floats, booleans, quoted strings) with bare words taken as strings. Types are checked later,
+    by :func:`from_table`, against the job's config."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ChunkringUsageError(f"expected key=value, got {item!r}", field="overrides")
+        try:
+            out[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = raw
+    return out

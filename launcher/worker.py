@@ -7,18 +7,18 @@ import json
 import sys
 import traceback
 
-from chunkring import init
+from chunkring import RankInfo, init
 from chunkring.errors import ChunkringError, ChunkringUsageError
 
-from .config import from_table, load_table
+from .config import from_table, load_table, parse_overrides
 from .jobs import JOBS
 
 
-def run_job(job: str, config_name: str, *, json_path: str | None = None) -> int:
+def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None = None) -> int:
     """Run ``job`` in this process (one rank); rank 0 prints the table. Returns the exit status."""
     module = JOBS[job]
     try:
-        config = from_table(module.CONFIG, load_table(config_name), job=job)
+        config = from_table(module.CONFIG, {**load_table(config_name), **parse_overrides(overrides)}, job=job)
     except ChunkringUsageError as exc:
         print(f"chunkring-launch: bad config: {exc}", file=sys.stderr)
         return 2
@@ -35,7 +35,7 @@ def run_job(job: str, config_name: str, *, json_path: str | None = None) -> int:
         runtime.close()
         return 0
     except ChunkringError as exc:
-        rank = runtime.rank if runtime else "?"
+        rank = runtime.rank if runtime else RankInfo.from_env().rank
         print(f"chunkring-launch: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
     except Exception:
         traceback.print_exc()
@@ -52,8 +52,10 @@ def _gather(runtime, figures: dict) -> list:
 
 
 def _abort_others(runtime) -> None:
-    # A rank that fails alone would leave the others waiting in a collective forever.
-    if runtime is not None and runtime.world_size > 1:
+    # A rank that fails alone would leave the others waiting in a collective forever - also when it
+    # failed before its runtime existed (the others then wait in NVSHMEM's bootstrap).
+    world_size = runtime.world_size if runtime is not None else RankInfo.from_env().world_size
+    if world_size > 1:
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
@@ -78,9 +80,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkring.launcher.worker")
     parser.add_argument("job", choices=sorted(JOBS))
     parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    return run_job(args.job, args.config, json_path=args.json)
+    return run_job(args.job, args.config, args.overrides, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,78 @@
+"""chunkring-launch: argument and config checks happen once, before any rank starts; the generated
+mpirun command forwards what every rank needs; a failing rank ends a real mpirun job in seconds."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from chunkring.errors import ChunkringUsageError
+from chunkring.launcher import cli
+from chunkring.launcher.config import parse_overrides
+
+
+def run_cli(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", *argv], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_dry_run_prints_command_and_environment():
+    proc = run_cli("--dry-run", "--np", "4", "--mps", "--hostfile", "hosts.txt", "bringup", "rounds=3")
+    assert proc.returncode == 0, proc.stderr
+    env_line, cmd_line = proc.stdout.strip().splitlines()
+    assert "NVSHMEM_DISABLE_NVLS=1" in env_line and "CUDA_MPS_PIPE_DIRECTORY=" in env_line
+    assert cmd_line.startswith("mpirun -np 4 --timeout 600")
+    assert "--hostfile hosts.txt" in cmd_line
+    for name in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "CUDA_MPS_PIPE_DIRECTORY"):
+        assert f"-x {name}" in cmd_line
+    assert cmd_line.endswith("-m chunkring.launcher.worker bringup bringup rounds=3")
+
+
+def test_forwarding_is_by_prefix():
+    args = SimpleNamespace(timeout=5, hostfile=None, host=None, job="bringup", config=None, overrides=[], json="r.json")
+    cmd = cli.mpirun_command(args, 2, {"CHUNKRING_TIMEOUT_S": "9", "HOME": "/root", "NVSHMEM_DEBUG": "INFO"})
+    assert "-x" in cmd and "CHUNKRING_TIMEOUT_S" in cmd and "NVSHMEM_DEBUG" in cmd and "HOME" not in cmd
+    assert cmd[-2:] == ["--json", "r.json"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["bringup", "rounds=x"], "rounds: expected int"),
+    (["bringup", "colour=1"], "unknown keys ['colour']"),
+    (["bringup", "rounds"], "expected key=value"),
+    (["--config", "nope", "bringup"], "unknown preset"),
+])
+def test_bad_config_is_reported_once_with_exit_2(argv, needle):
+    proc = run_cli(*argv)
+    assert proc.returncode == 2
+    assert proc.stderr.count(needle) == 1 and "Traceback" not in proc.stderr
+
+
+def test_mutually_exclusive_hosts():
+    assert run_cli("--hostfile", "a", "--host", "b", "bringup").returncode == 2
+
+
+def test_overrides_are_toml_values():
+    assert parse_overrides(["a=3", "b=2.5", "c=true", 'd="x y"', "e=word"]) == {
+        "a": 3, "b": 2.5, "c": True, "d": "x y", "e": "word"}
+    with pytest.raises(ChunkringUsageError):
+        parse_overrides(["=3"])
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_a_failing_rank_ends_a_real_mpirun_job(tmp_path):
+    # Without a GPU every rank fails at bring-up; with one missing GPU only some would, and the
+    # others would wait in NVSHMEM's bootstrap: the worker aborts the job either way.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--timeout", "120"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += [sys.executable, "-m", "chunkring.launcher.worker", "bringup", "bringup"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "NoGpuError" in proc.stderr
+    assert time.monotonic() - start < 60

@@ -28,7 +28,8 @@ def _signatures():
         ),
         "litmus_mp": (
             Param("lines", "ptr", torch.int64), Param("writer", "i32"), Param("reader", "i32"),
-            Param("iters", "i32"), Param("violations", "ptr", torch.int64),
+            Param("iters", "i32"), Param("violations", "ptr", torch.int64), Param("mp_blocks", "i32"),
+            Param("stress", "ptr", torch.int64), Param("stress_words", "u64"),
         ),
     }
 
@@ -81,14 +82,21 @@ class StressLibrary:
                             stress, stress.numel(), grid=2 + stress_blocks, block=256, stream=stream)
         return received
 
-    def run_litmus(self, writer: int, reader: int, iters: int, lanes: int = 256):
-        """Message-passing litmus between two PEs; returns the violation count seen by ``reader``."""
+    def run_litmus(self, writer: int, reader: int, iters: int, lanes: int = 256, stress_blocks: int = 16):
+        """Message-passing litmus between two PEs, beside ``stress_blocks`` memory-stress blocks on
+        every PE; returns the violation count seen by ``reader``."""
         import torch
 
+        if lanes <= 0 or lanes % 32:
+            raise ChunkringUsageError("must be a positive multiple of 32", field="lanes")
+        if not 0 <= stress_blocks <= 128:
+            raise ChunkringUsageError("must be in [0, 128]", field="stress_blocks")
         lines = self.runtime.alloc(lanes * 32, torch.int64)
         violations = torch.zeros(1, dtype=torch.int64, device=self.runtime.torch_device)
+        stress = torch.zeros(1 << 20, dtype=torch.int64, device=self.runtime.torch_device)
         self.runtime.barrier()
-        self.library.launch("litmus_mp", lines, writer, reader, iters, violations, grid=lanes // 32, block=32)
+        self.library.launch("litmus_mp", lines, writer, reader, iters, violations, lanes // 32, stress, stress.numel(),
+                            grid=lanes // 32 + stress_blocks, block=32)
         torch.cuda.synchronize()
         self.runtime.barrier()
         self.runtime.free(lines)

@@ -33,6 +33,21 @@ __device__ __forceinline__ void random_delay(u64 seed, u64 a, u64 b, u32 max_ns)
     while (ptx::globaltimer_ns() < until) {}
 }
 
+// Memory stress: read-modify-write scattered lines of `stress[16..words)` so caches and the memory
+// system stay busy beside the protocol, until `stop()` or 10 s. stress[0..16) is left to the caller.
+template <typename Stop>
+__device__ void memory_stress(u64* stress, u64 words, u64 seed, Stop stop) {
+    u64 x = mix(seed ^ blockIdx.x ^ (static_cast<u64>(threadIdx.x) << 20));
+    const u64 deadline = ptx::globaltimer_ns() + 10ull * 1000 * 1000 * 1000;
+    while (!stop() && ptx::globaltimer_ns() < deadline) {
+        for (int k = 0; k < 64; ++k) {
+            x = mix(x);
+            u64* p = stress + 16 + x % (words - 16);
+            *p = *p + x;
+        }
+    }
+}
+
 // Returns false (uniformly across the block) once the protocol reported an error.
 __device__ bool produce_invocation(const RingDesc& d, u64 epoch, u64 n_tokens, u64 seed, u32 max_delay_ns) {
     const u64 me = d.my_pe, T = d.tokens_per_slot;
@@ -160,16 +175,7 @@ extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, in
         __syncthreads();
         if (threadIdx.x == 0) ptx::st_relaxed_sys(stress, 1);  // NOTES: relaxed stop flag; stress blocks only poll it
     } else {
-        // Memory stress: read-modify-write scattered lines so caches and the memory system stay busy.
-        u64 x = mix(seed ^ blockIdx.x ^ (static_cast<u64>(threadIdx.x) << 20));
-        const u64 deadline = ptx::globaltimer_ns() + d.timeout_ns;
-        while (ptx::ld_relaxed_sys(stress) == 0 && !has_error(d) && ptx::globaltimer_ns() < deadline) {
-            for (int k = 0; k < 64; ++k) {
-                x = mix(x);
-                u64* p = stress + 16 + x % (stress_words - 16);
-                *p = *p + x;
-            }
-        }
+        memory_stress(stress, stress_words, seed, [&] { return ptx::ld_relaxed_sys(stress) != 0 || has_error(d); });
     }
 }
 
@@ -177,9 +183,9 @@ extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, in
 // memory (release fence between, unless the mutant removes it); the reader sees the flag, fences
 // (acquire), and reads the data. A reader that sees flag i but data < i counts a violation. The data
 // accesses are plain (weak) loads and stores, as payload accesses are: L1 may serve a stale copy
-// unless the acquire fence invalidates it.
-// Each warp lane pair works on its own line; stress blocks run beside them.
-extern "C" __global__ void litmus_mp(u64* lines, int writer, int reader, int iters, unsigned long long* violations) {
+// unless the acquire fence invalidates it. Blocks [0, mp_blocks) run one message-passing pair per
+// thread, each on its own lines; blocks >= mp_blocks stress memory until every pair block is done.
+__device__ void litmus_lane(u64* lines, int writer, int reader, int iters, unsigned long long* violations) {
     const int me = nvshmem_my_pe();
     const u64 lane = blockIdx.x * blockDim.x + threadIdx.x;
     u64* data = lines + lane * 32;  // data and flag 128 B apart: different lines
@@ -205,5 +211,17 @@ extern "C" __global__ void litmus_mp(u64* lines, int writer, int reader, int ite
             seen = f;
         }
         if (bad) atomicAdd(violations, bad);
+    }
+}
+
+extern "C" __global__ void litmus_mp(u64* lines, int writer, int reader, int iters, unsigned long long* violations,
+                                     int mp_blocks, u64* stress, u64 stress_words) {
+    if (blockIdx.x < static_cast<unsigned>(mp_blocks)) {
+        litmus_lane(lines, writer, reader, iters, violations);
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(stress), 1ull);  // this pair block is done
+    } else {
+        // NOTES: relaxed - the done count only stops the stress early.
+        memory_stress(stress, stress_words, iters, [&] { return ptx::ld_relaxed_sys(stress) >= static_cast<u64>(mp_blocks); });
     }
 }

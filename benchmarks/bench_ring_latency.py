@@ -48,8 +48,8 @@ def main() -> int:
         print("bench_ring_latency: needs at least two ranks (mpirun -np 2 ...)", file=sys.stderr)
         runtime.close()
         return 2
-    selftest = KernelLibrary(runtime, build("selftest"), bringup._signatures())
-    raw_rtt = bringup._pingpong(runtime, selftest, runtime.alloc(1, torch.int64), args.iters)
+    selftest = KernelLibrary(runtime, build("selftest"), bringup.signatures())
+    raw_rtt = bringup.pingpong(runtime, selftest, runtime.alloc(1, torch.int64), args.iters)
     lib = bench_library(runtime)
     common = dict(world_size=runtime.world_size, tokens_per_slot=1, hidden=128, payload=PayloadFormat.BF16,
                   topk=1, num_experts=runtime.world_size)

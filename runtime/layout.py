@@ -96,6 +96,7 @@ class RingLayout:
         fp8 = spec.payload is PayloadFormat.FP8_E4M3
         self.ready_row_words = _round_up(S, LINE // WORD)  # a source's words never share a line with another's
         self.ack_slot_words = LINE // WORD  # a slot's ack words own their line
+        assert ACK_WORDS_PER_SLOT <= self.ack_slot_words
         regions = [
             ("x", (S, T, H), "float8_e4m3fn" if fp8 else "bfloat16"),
             ("x_sf", (S, T, H // FP8_SCALE_BLOCK if fp8 else 0), "float32"),

@@ -28,7 +28,8 @@ class CONFIG:
             raise ChunkringUsageError("must be in [1, 2**24]", field="pingpong_iters")
 
 
-def _signatures():
+def signatures():
+    """Parameter lists of the self-test kernels (device/kernels/selftest.cu), for KernelLibrary."""
     import torch
 
     u64p = lambda name: Param(name, "ptr", torch.int64)  # noqa: E731 - 64-bit words travel as int64 tensors
@@ -50,7 +51,7 @@ def run(runtime, config: CONFIG) -> dict:
     if runtime.world_size > 64:
         raise ChunkringUsageError("the bring-up ack mask holds 64 PEs", field="world_size")
     built = build("selftest")
-    lib = KernelLibrary(runtime, built, _signatures())
+    lib = KernelLibrary(runtime, built, signatures())
     send = runtime.alloc(config.words_per_pe, torch.int64)
     recv = runtime.alloc(config.words_per_pe, torch.int64)
     signal = runtime.alloc(1, torch.int64)
@@ -82,11 +83,13 @@ def run(runtime, config: CONFIG) -> dict:
         "kernel_cache_hit": int(built.cache_hit),
     }
     if runtime.world_size >= 2:
-        figures["pingpong_rtt_us"] = _pingpong(runtime, lib, signal, config.pingpong_iters)
+        figures["pingpong_rtt_us"] = pingpong(runtime, lib, signal, config.pingpong_iters)
     return figures
 
 
-def _pingpong(runtime, lib, signal, iters: int) -> float | None:
+def pingpong(runtime, lib, signal, iters: int) -> float | None:
+    """Raw NVSHMEM signal round trip between PE 0 and PE 1 in microseconds (on PE 0; None elsewhere).
+    A collective: every PE calls it; ``signal`` is a one-word symmetric int64 tensor."""
     import torch
 
     signal.zero_()

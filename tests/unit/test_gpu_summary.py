@@ -1,0 +1,47 @@
+"""The GPU suite summary counts what JUnit recorded (rank 0's counts, any rank's failures) and keeps
+the keys every committed result must have."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="{errors}"
+failures="{failures}" skipped="{skipped}" tests="{tests}"></testsuite></testsuites>"""
+
+
+def write(path, **counts):
+    path.write_text(JUNIT.format(**counts))
+    return str(path)
+
+
+def summarise(tmp_path, rc, *junit):
+    out = tmp_path / "summary.json"
+    build = tmp_path / "build_cold.json"
+    build.write_text(json.dumps({"selftest": {"seconds": 4.1, "cache_hit": False, "key": "k"}}))
+    subprocess.run([sys.executable, str(REPO / "scripts/gpu_summary.py"), "--suite", "s", "--ranks", str(len(junit)),
+                    "--rc", str(rc), "--seconds", "12", "--junit", *junit, "--build", str(build), "--command", "c",
+                    "--out", str(out)], check=True, capture_output=True, env={"CHUNKRING_COMMIT": "abc1234", "PATH": ""})
+    return json.loads(out.read_text())
+
+
+def test_counts_and_required_keys(tmp_path):
+    s = summarise(tmp_path, 0, write(tmp_path / "r0.xml", errors=0, failures=0, skipped=2, tests=10))
+    for key in ("commit", "gpu", "gpus", "ranks", "suite", "command", "passed", "failed", "skipped", "figures"):
+        assert key in s
+    assert (s["commit"], s["passed"], s["failed"], s["skipped"]) == ("abc1234", 8, 0, 2)
+    assert s["figures"]["build_cold_selftest_s"] == 4.1 and s["figures"]["suite_seconds"] == 12
+
+
+def test_any_rank_failure_counts(tmp_path):
+    r0 = write(tmp_path / "r0.xml", errors=0, failures=0, skipped=0, tests=5)
+    r1 = write(tmp_path / "r1.xml", errors=1, failures=1, skipped=0, tests=5)
+    s = summarise(tmp_path, 1, r0, r1)
+    assert s["passed"] == 5 and s["failed"] == 2 and s["ranks_reporting"] == 2
+
+
+def test_a_crash_without_junit_is_a_failure(tmp_path):
+    s = summarise(tmp_path, 1, str(tmp_path / "missing.xml"))
+    assert s["failed"] >= 1 and s["passed"] == 0

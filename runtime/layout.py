@@ -122,6 +122,19 @@ class RingLayout:
     def __repr__(self) -> str:
         return f"RingLayout({self.spec}, total_bytes={self.total_bytes})"
 
+    @property
+    def payload_bytes_per_token(self) -> int:
+        """Bytes one token row occupies across x, x_sf, topk_idx and topk_weights."""
+        return sum(self.regions[name].nbytes for name in ("x", "x_sf", "topk_idx", "topk_weights")) // (
+            self.spec.num_slots * self.spec.tokens_per_slot)
+
+    def full_input_bytes(self, max_tokens_per_rank: int) -> int:
+        """The batch-ready contract's per-rank input region (every token's x, x_sf, topk_idx and
+        topk_weights at once), which the ring replaces when streaming."""
+        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 0:
+            raise ChunkringUsageError(f"must be a non-negative int, got {max_tokens_per_rank!r}", field="max_tokens_per_rank")
+        return max_tokens_per_rank * self.payload_bytes_per_token
+
     def views(self, buffer) -> dict:
         """Typed torch views of every region of ``buffer`` (a uint8 tensor of ``total_bytes``)."""
         import torch

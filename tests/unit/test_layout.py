@@ -77,3 +77,14 @@ def test_descriptor_values():
     assert layout.descriptor(my_pe=0, base=0, timeout_ns=1).dtype == np.uint64
     with pytest.raises(ChunkringUsageError):
         layout.descriptor(my_pe=4, base=0, timeout_ns=1)
+
+
+def test_memory_against_the_full_input_region():
+    spec = RingSpec(8, 2, 512, 7168, PayloadFormat.FP8_E4M3, 8, 256)
+    layout = RingLayout(spec)
+    assert layout.payload_bytes_per_token == 7168 + 56 * 4 + 8 * 4 + 8 * 4
+    assert layout.full_input_bytes(8192) == 8192 * layout.payload_bytes_per_token
+    # The slots dominate: 2 x 512 of 8192 tokens is 1/8 of the input region, plus a few lines of words.
+    assert layout.full_input_bytes(1024) < layout.total_bytes < layout.full_input_bytes(1024) + 64 * 1024
+    with pytest.raises(ChunkringUsageError):
+        layout.full_input_bytes(-1)

@@ -6,20 +6,26 @@ and layer APIs; ``rt.close()`` at the end.
 
 from .bringup import Runtime, current, init
 from .errors import ChunkringError, ChunkringRuntimeError, ChunkringUsageError, NoGpuError
+from .partition import SmPartition
 from .ranks import RankInfo
 from .ring import Ring
+from .ring_io import GatherOutputs, gather, publish_chunk
 from .ring_spec import PayloadFormat, RingSpec
 
 __all__ = [
     "ChunkringError",
     "ChunkringRuntimeError",
     "ChunkringUsageError",
+    "GatherOutputs",
     "NoGpuError",
     "PayloadFormat",
     "RankInfo",
     "Ring",
     "RingSpec",
     "Runtime",
+    "SmPartition",
     "current",
+    "gather",
     "init",
+    "publish_chunk",
 ]

@@ -82,6 +82,24 @@ class StressLibrary:
                             stress, stress.numel(), grid=2 + stress_blocks, block=256, stream=stream)
         return received
 
+    def run_stale_epoch(self, ring, tokens: int):
+        """Reset ``ring``, then let a late ready signal of the previous epoch (what its lap 0 published)
+        land in every ready word of slot 0 before producers publish (they wait ~50 ms first). Returns
+        this rank's status record: the real protocol reports STALE_EPOCH and accepts nothing. A collective.
+        """
+        import torch
+
+        ring.reset()
+        stale = ((ring.epoch - 1) << (64 - ring.spec.epoch_bits)) | 1
+        for name in ("route_ready", "layout_ready"):
+            ring.views[name][:, 0] = stale
+        torch.cuda.synchronize()
+        self.runtime.barrier()
+        plan = StressPlan(np.full((1, ring.spec.world_size), tokens, dtype=np.int32))
+        self.run_stress(ring, plan, seed=11, max_delay_ns=50_000_000)
+        torch.cuda.synchronize()
+        return ring.status()
+
     def run_litmus(self, writer: int, reader: int, iters: int, lanes: int = 256, stress_blocks: int = 16):
         """Message-passing litmus between two PEs, beside ``stress_blocks`` memory-stress blocks on
         every PE; returns the violation count seen by ``reader``."""

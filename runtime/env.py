@@ -16,6 +16,7 @@ __all__ = [
     "MULTICAST_OFF",
     "apply_process_defaults",
     "cache_dir",
+    "check_timeout_s",
     "watchdog_timeout_s",
 ]
 
@@ -67,6 +68,11 @@ def watchdog_timeout_s() -> float:
         value = float(raw)
     except ValueError:
         raise ChunkringUsageError(f"not a number: {raw!r}", field="CHUNKRING_TIMEOUT_S") from None
-    if not 0 < value <= 24 * 3600:
-        raise ChunkringUsageError(f"must be in (0, 86400] seconds, got {value}", field="CHUNKRING_TIMEOUT_S")
-    return value
+    return check_timeout_s(value, field="CHUNKRING_TIMEOUT_S")
+
+
+def check_timeout_s(value: float, *, field: str) -> float:
+    """A watchdog limit must be positive and at most a day (its nanoseconds must fit the descriptor)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 24 * 3600:
+        raise ChunkringUsageError(f"must be in (0, 86400] seconds, got {value!r}", field=field)
+    return float(value)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .env import watchdog_timeout_s
+from .env import check_timeout_s, watchdog_timeout_s
 from .errors import ChunkringRuntimeError, ChunkringUsageError
 from .layout import CONTROL, RingLayout
 from .ring_spec import RingSpec
@@ -33,9 +33,7 @@ class Ring:
         if spec.world_size != runtime.world_size:
             raise ChunkringUsageError(f"spec is for {spec.world_size} ranks, the job has {runtime.world_size}",
                                       field="world_size")
-        timeout_s = watchdog_timeout_s() if timeout_s is None else timeout_s
-        if not 0 < timeout_s <= 24 * 3600:
-            raise ChunkringUsageError(f"must be in (0, 86400] seconds, got {timeout_s}", field="timeout_s")
+        timeout_s = watchdog_timeout_s() if timeout_s is None else check_timeout_s(timeout_s, field="timeout_s")
         _check_identical(runtime, (spec, timeout_s))
         self.runtime = runtime
         self.spec = spec
@@ -88,12 +86,6 @@ class Ring:
         record = self.status()
         if not record.ok:
             raise ChunkringRuntimeError(record.describe(self.spec.epoch_bits))
-
-    def publish_chunk(self, **tensors) -> None:
-        """Publish torch tensors as this rank's next chunk, stream-ordered (see ``ring_io.publish_chunk``)."""
-        from .ring_io import publish_chunk
-
-        publish_chunk(self, **tensors)
 
     def destroy(self) -> None:
         """Free the ring's symmetric memory. A collective."""

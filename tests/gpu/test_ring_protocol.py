@@ -81,18 +81,7 @@ def test_reset_then_run_again(runtime, stress):
 
 def test_stale_signal_of_an_old_epoch_is_reported_not_accepted(runtime, stress):
     ring = make_ring(runtime, 1, timeout_s=5.0)
-    ring.reset()
-    bits = ring.spec.epoch_bits
-    stale = ((ring.epoch - 1) << (64 - bits)) | 1  # what lap 0 of the previous epoch published
-    # A late signal of an aborted run lands in every ready word after the reset.
-    for name in ("route_ready", "layout_ready"):
-        ring.views[name][:, 0] = stale
-    torch.cuda.synchronize()
-    runtime.barrier()
-    plan = StressPlan(np.full((1, runtime.world_size), TOKENS_PER_SLOT, dtype=np.int32))
-    stress.run_stress(ring, plan, seed=11, max_delay_ns=50_000_000)  # producers wait long before publishing
-    torch.cuda.synchronize()
-    record = ring.status()
+    record = stress.run_stale_epoch(ring, TOKENS_PER_SLOT)
     assert record.code == ErrorCode.STALE_EPOCH, record.describe()
     with pytest.raises(ChunkringRuntimeError, match="STALE_EPOCH"):
         ring.check()

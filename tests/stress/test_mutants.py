@@ -60,16 +60,7 @@ def scenario(runtime, mutant: str) -> list:
         ring.destroy()
     if mutant in ("ignore_epoch", "none"):
         ring = _ring(runtime, 1)
-        ring.reset()
-        stale = ((ring.epoch - 1) << (64 - ring.spec.epoch_bits)) | 1
-        for name in ("route_ready", "layout_ready"):
-            ring.views[name][:, 0] = stale
-        torch.cuda.synchronize()
-        runtime.barrier()
-        plan = StressPlan(np.full((1, runtime.world_size), T, dtype=np.int32))
-        lib.run_stress(ring, plan, seed=11, max_delay_ns=50_000_000)
-        torch.cuda.synchronize()
-        record = ring.status()
+        record = lib.run_stale_epoch(ring, T)
         caught.append(None if record.code == ErrorCode.STALE_EPOCH else f"stale value not rejected: {record.describe()}")
         runtime.barrier()
         ring.destroy()

@@ -38,3 +38,12 @@ def test_bad_timeout(monkeypatch, raw):
 def test_timeout_default(monkeypatch):
     monkeypatch.delenv("CHUNKRING_TIMEOUT_S", raising=False)
     assert watchdog_timeout_s() == 100.0
+
+
+@pytest.mark.parametrize("value", [0, -1.0, 86401, float("nan"), True, "10"])
+def test_check_timeout_rejects(value):
+    from chunkring.env import check_timeout_s
+
+    with pytest.raises(ChunkringUsageError) as info:
+        check_timeout_s(value, field="timeout_s")
+    assert info.value.field == "timeout_s"

@@ -14,6 +14,7 @@ mkdir -p "$results" "$logs" "${BENCH_RESULTS:-benchmarks/results}"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export CHUNKRING_CACHE_DIR=${CHUNKRING_CACHE_DIR:-/tmp/chunkring-cache}
+export CHUNKRING_COMMIT=${CHUNKRING_COMMIT:-unknown}  # forwarded to ranks by name: it must be set
 
 # Keep the host's torch: install only what the image lacks, without dependency resolution.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$bundle"/*.whl || exit 1
@@ -40,16 +41,17 @@ run_suite stress-1rank 1 python3 -m pytest tests/stress -q -rA --junitxml="$logs
 # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
 export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
 nvidia-cuda-mps-control -d
-run_suite "gpu-${ranks}rank-mps" "$ranks" mpirun -np "$ranks" --oversubscribe --timeout 300 \
-    -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CHUNKRING_CACHE_DIR \
-    bash -c "exec python3 -m pytest --with-mpi tests/gpu tests/mpi -q -rs --junitxml=$logs/gpu-${ranks}rank-mps.xml.\$OMPI_COMM_WORLD_RANK" \
-    || status=1
-run_suite "stress-${ranks}rank-mps" "$ranks" mpirun -np "$ranks" --oversubscribe --timeout 400 \
-    -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CHUNKRING_CACHE_DIR \
-    bash -c "exec python3 -m pytest --with-mpi tests/stress -q -rA --junitxml=$logs/stress-${ranks}rank-mps.xml.\$OMPI_COMM_WORLD_RANK" \
-    || status=1
-mpirun -np 2 --oversubscribe --timeout 120 -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
-    -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT python3 benchmarks/bench_ring_latency.py \
+# mpirun forwarding what every rank needs: the carried packages, the MPS pipe, the kernel cache.
+mpi=(mpirun --oversubscribe -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
+     -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT)
+mpi_pytest() {  # suite timeout pytest-args...: one JUnit file per rank
+    local suite=$1 limit=$2; shift 2
+    run_suite "$suite" "$ranks" "${mpi[@]}" -np "$ranks" --timeout "$limit" \
+        bash -c "exec python3 -m pytest --with-mpi $* --junitxml=$logs/$suite.xml.\$OMPI_COMM_WORLD_RANK"
+}
+mpi_pytest "gpu-${ranks}rank-mps" 300 tests/gpu tests/mpi -q -rs || status=1
+mpi_pytest "stress-${ranks}rank-mps" 400 tests/stress -q -rA || status=1
+"${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \
     --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
 chunkring-launch --np "$ranks" bringup --json "$logs/main_${ranks}rank.json" 2>&1 | tee "$logs/main.log" || status=1
 echo quit | nvidia-cuda-mps-control

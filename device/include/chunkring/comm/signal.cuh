@@ -30,9 +30,4 @@ __device__ __forceinline__ u64 atomic_cas_relaxed(u64* word, u64 expected, u64 d
     return nvshmem_uint64_atomic_compare_swap(word, expected, desired, pe);
 }
 
-// Relaxed remote fetch. NOTES: an acquire fence must follow before dependent reads.
-__device__ __forceinline__ u64 atomic_fetch_relaxed(const u64* word, int pe) {
-    return nvshmem_uint64_atomic_fetch(word, pe);
-}
-
 }  // namespace chunkring::comm

@@ -13,26 +13,10 @@ namespace chunkring::ptx {
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
-__device__ __forceinline__ u64 ld_acquire_sys(const u64* ptr) {
-    u64 value;
-    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
-    return value;
-}
-
 __device__ __forceinline__ u64 ld_relaxed_sys(const u64* ptr) {
     u64 value;
     asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
     return value;
-}
-
-__device__ __forceinline__ u32 ld_relaxed_sys(const u32* ptr) {
-    u32 value;
-    asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
-    return value;
-}
-
-__device__ __forceinline__ void st_release_sys(u64* ptr, u64 value) {
-    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
 __device__ __forceinline__ void st_relaxed_sys(u64* ptr, u64 value) {
@@ -49,7 +33,5 @@ __device__ __forceinline__ u64 globaltimer_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns) : : "memory");
     return ns;
 }
-
-__device__ __forceinline__ void nanosleep(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns) : "memory"); }
 
 }  // namespace chunkring::ptx

@@ -7,13 +7,17 @@ kernel expects (cuda.core would pass a bare Python int as a pointer).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
-__all__ = ["Param", "KernelLibrary"]
+__all__ = ["KernelLibrary", "Param", "library_for"]
+
+#: Loaded libraries per Runtime, by source name (freed with the Runtime).
+_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 _SCALARS = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64}
 
@@ -109,3 +113,13 @@ def _load_now(name: str, kernel) -> None:
     err, _ = driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise ChunkringRuntimeError(f"loading {name} failed: {err}")
+
+
+def library_for(runtime, source: str, signatures: dict[str, tuple[Param, ...]]) -> KernelLibrary:
+    """The library built from ``device/kernels/<source>.cu``, loaded once per Runtime."""
+    from .compiler import build
+
+    loaded = _LOADED.setdefault(runtime, {})
+    if source not in loaded:
+        loaded[source] = KernelLibrary(runtime, build(source), signatures)
+    return loaded[source]

@@ -6,6 +6,7 @@ and layer APIs; ``rt.close()`` at the end.
 
 from .bringup import Runtime, current, init
 from .errors import ChunkringError, ChunkringRuntimeError, ChunkringUsageError, NoGpuError
+from .moe_layer import ChunkedMoE, MoEConfig, MoELayer
 from .partition import SmPartition
 from .ranks import RankInfo
 from .ring import Ring
@@ -13,10 +14,13 @@ from .ring_io import GatherOutputs, gather, publish_chunk
 from .ring_spec import PayloadFormat, RingSpec
 
 __all__ = [
+    "ChunkedMoE",
     "ChunkringError",
     "ChunkringRuntimeError",
     "ChunkringUsageError",
     "GatherOutputs",
+    "MoEConfig",
+    "MoELayer",
     "NoGpuError",
     "PayloadFormat",
     "RankInfo",

@@ -13,12 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ChunkringUsageError
+from .moe_producer import E4M3_MAX, quantize_rows_fp8
 from .ring_spec import FP8_SCALE_BLOCK
 
 __all__ = ["E4M3_MAX", "dequantize_fp8_per128", "moe_reference", "quantize_fp8_per128"]
-
-#: Largest finite float8_e4m3fn value (e4m3fn has no infinity; the all-ones code is NaN).
-E4M3_MAX = 448.0
 
 
 def quantize_fp8_per128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,14 +33,7 @@ def quantize_fp8_per128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ChunkringUsageError(f"H = {h} must be a multiple of {FP8_SCALE_BLOCK} (one scale per block)", field="x")
     if not bool(torch.isfinite(x).all()):
         raise ChunkringUsageError("must be finite (an inf or NaN has no e4m3 scale)", field="x")
-    blocks = x.to(torch.float32).reshape(n, h // FP8_SCALE_BLOCK, FP8_SCALE_BLOCK)
-    scale = blocks.abs().amax(dim=-1) / E4M3_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    # fp32 division can land the absmax element a hair above 448 (448.00003). torch's CPU cast saturates,
-    # but a non-saturating cast (cvt without .satfinite) gives NaN; the clamp keeps the reference
-    # independent of that policy.
-    scaled = (blocks / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
-    return scaled.to(torch.float8_e4m3fn).reshape(n, h), scale
+    return quantize_rows_fp8(x)
 
 
 def dequantize_fp8_per128(x_fp8: torch.Tensor, x_sf: torch.Tensor) -> torch.Tensor:

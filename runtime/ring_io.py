@@ -6,8 +6,6 @@ before anything is enqueued.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .errors import ChunkringUsageError
@@ -15,37 +13,31 @@ from .ring_spec import FP8_SCALE_BLOCK, PayloadFormat
 
 __all__ = ["publish_chunk", "gather", "GatherOutputs"]
 
-#: The kernel library per Runtime (loaded on first use; freed with the Runtime).
-_LIBRARIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
 
 def _library(runtime):
-    from chunkring.device import KernelLibrary, Param, build
+    from chunkring.device import Param, library_for
 
-    key = runtime
-    if key not in _LIBRARIES:
-        desc = Param("desc", "ptr", torch.int64)
-        signatures = {
-            "ring_publish_tensors": (
-                desc, Param("x", "ptr", torch.uint8), Param("x_sf", "ptr", torch.float32),
-                Param("topk_idx", "ptr", torch.int32), Param("topk_weights", "ptr", torch.float32),
-                Param("n_tokens", "i32"), Param("token_base", "i64"), Param("end_of_stream", "i32"),
-            ),
-            "ring_gather": (
-                desc, Param("out_x", "ptr", torch.uint8), Param("out_x_sf", "ptr", torch.float32),
-                Param("out_topk_idx", "ptr", torch.int32), Param("out_topk_weights", "ptr", torch.float32),
-                Param("out_counts", "ptr", torch.int64), Param("capacity", "i64"),
-            ),
-        }
-        _LIBRARIES[key] = KernelLibrary(runtime, build("ring_host_api"), signatures)
-    return _LIBRARIES[key]
+    desc = Param("desc", "ptr", torch.int64)
+    return library_for(runtime, "ring_host_api", {
+        "ring_publish_tensors": (
+            desc, Param("x", "ptr", torch.uint8), Param("x_sf", "ptr", torch.float32),
+            Param("topk_idx", "ptr", torch.int32), Param("topk_weights", "ptr", torch.float32),
+            Param("n_tokens", "i32"), Param("token_base", "i64"), Param("end_of_stream", "i32"),
+        ),
+        "ring_gather": (
+            desc, Param("out_x", "ptr", torch.uint8), Param("out_x_sf", "ptr", torch.float32),
+            Param("out_topk_idx", "ptr", torch.int32), Param("out_topk_weights", "ptr", torch.float32),
+            Param("out_counts", "ptr", torch.int64), Param("capacity", "i64"),
+        ),
+    })
 
 
 def _x_dtype(spec):
     return torch.float8_e4m3fn if spec.payload is PayloadFormat.FP8_E4M3 else torch.bfloat16
 
 
-def _check(name, tensor, shape, dtype, device):
+def check_tensor(name, tensor, shape, dtype, device):
+    """A typed error naming ``name`` unless ``tensor`` is a contiguous ``dtype`` tensor of ``shape`` on ``device``."""
     if not isinstance(tensor, torch.Tensor):
         raise ChunkringUsageError(f"expected a torch.Tensor, got {type(tensor).__name__}", field=name)
     if tuple(tensor.shape) != tuple(shape):
@@ -53,7 +45,7 @@ def _check(name, tensor, shape, dtype, device):
     if tensor.dtype != dtype:
         raise ChunkringUsageError(f"expected dtype {dtype}, got {tensor.dtype}", field=name)
     if tensor.device != device:
-        raise ChunkringUsageError(f"tensor is on {tensor.device}, the ring on {device}", field=name)
+        raise ChunkringUsageError(f"tensor is on {tensor.device}, expected {device}", field=name)
     if not tensor.is_contiguous():
         raise ChunkringUsageError("tensor must be contiguous", field=name)
 
@@ -73,13 +65,13 @@ def publish_chunk(ring, *, x, x_sf, topk_idx, topk_weights, token_base: int, end
     n = x.shape[0]
     if n > spec.tokens_per_slot:
         raise ChunkringUsageError(f"{n} rows exceed tokens_per_slot={spec.tokens_per_slot}", field="x")
-    _check("x", x, (n, spec.hidden), _x_dtype(spec), device)
+    check_tensor("x", x, (n, spec.hidden), _x_dtype(spec), device)
     if spec.payload.has_scales:
-        _check("x_sf", x_sf, (n, spec.hidden // FP8_SCALE_BLOCK), torch.float32, device)
+        check_tensor("x_sf", x_sf, (n, spec.hidden // FP8_SCALE_BLOCK), torch.float32, device)
     elif x_sf is not None:
         raise ChunkringUsageError("bf16 payloads carry no scales; pass None", field="x_sf")
-    _check("topk_idx", topk_idx, (n, spec.topk), torch.int32, device)
-    _check("topk_weights", topk_weights, (n, spec.topk), torch.float32, device)
+    check_tensor("topk_idx", topk_idx, (n, spec.topk), torch.int32, device)
+    check_tensor("topk_weights", topk_weights, (n, spec.topk), torch.float32, device)
     if isinstance(token_base, bool) or not isinstance(token_base, int) or token_base < 0:
         raise ChunkringUsageError(f"must be a non-negative int, got {token_base!r}", field="token_base")
     if not isinstance(end_of_stream, bool):

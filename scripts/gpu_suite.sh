@@ -51,18 +51,23 @@ nvidia-cuda-mps-control -d
 # mpirun forwarding what every rank needs: the carried packages, the MPS pipe, the kernel cache.
 mpi=(mpirun --oversubscribe -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
      -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT)
-mpi_pytest() {  # suite timeout pytest-args...: one JUnit file per rank
-    local suite=$1 limit=$2; shift 2
-    run_suite "$suite" "$ranks" "${mpi[@]}" -np "$ranks" --timeout "$limit" \
+mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
+    local suite=$1 n=$2 limit=$3; shift 3
+    run_suite "$suite" "$n" "${mpi[@]}" -np "$n" --timeout "$limit" \
         bash -c "exec python3 -m pytest --with-mpi $* --junitxml=$logs/$suite.xml.\$OMPI_COMM_WORLD_RANK"
 }
-mpi_pytest "gpu-${ranks}rank-mps" 300 tests/gpu tests/mpi -q -rs "${limits[*]}" || status=1
-mpi_pytest "stress-${ranks}rank-mps" 400 tests/stress -q -rA "${limits[*]}" || status=1
+mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 300 tests/gpu tests/mpi -q -rs "${limits[*]}" || status=1
+mpi_pytest "moe-2rank-mps" 2 200 tests/gpu/test_moe_layer.py -q -rs "${limits[*]}" || status=1
+mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1
 "${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \
     --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
-chunkring-launch --np "$ranks" bringup --json "$logs/main_${ranks}rank.json" 2>&1 | tee "$logs/main.log" || status=1
+for job in bringup run; do
+    chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1
+done
 echo quit | nvidia-cuda-mps-control
-chunkring-launch bringup --json "$logs/main_1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1
+for job in bringup run; do
+    chunkring-launch $job --json "$results/${CHUNKRING_COMMIT}-${job}-1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1
+done
 # One combined log comes back from the device machine (it returns few files).
 [ -n "${OUT:-}" ] && cat "$logs"/*.log > "$OUT/suite.log"
 exit $status

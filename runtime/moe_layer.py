@@ -1,0 +1,357 @@
+"""The expert-parallel MoE layer: batch-ready by default, streamed on request.
+
+Every rank owns ``num_experts / world_size`` experts and a batch of up to ``max_tokens_per_rank``
+tokens. A call runs two streams on each rank:
+
+* producer stream: zero this rank's combine rows; publish the batch into a ring (batch-ready: the
+  whole batch as one chunk into a one-slot ring of ``max_tokens_per_rank`` rows - the full per-rank
+  input region of today's contract; streamed: chunk by chunk, each as soon as its router / TopK /
+  quantisation finished, into the ``front_num_slots`` x ``front_tokens_per_slot`` ring); wait until
+  every rank acknowledged every chunk (``moe_drain``); reduce the combine rows over k into the output.
+* consumer stream: chunk steps (device/kernels/moe_stream.cu and :mod:`chunkring.moe_dispatch`):
+  pull every active source's next chunk, plan, L1 -> SwiGLU -> L2, push weighted rows to their
+  sources' combine buffers, acknowledge.
+
+A consumer acknowledges a chunk only after its combine rows landed (the RFC's conservative slot-reuse
+rule), so a drained producer knows its combine buffer is complete: no barrier, no global token count,
+no host synchronisation. Both modes share the weights, kernels and output layout; a streamed call
+differs only in which ring it uses and how its producers publish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ChunkringUsageError
+from .moe_dispatch import expert_forward, gather_rows, plan_step, step_capacity
+from .moe_producer import quantize_rows_fp8, route
+from .ring import Ring, _check_identical
+from .ring_io import check_tensor, publish_chunk
+from .ring_spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+
+__all__ = ["ChunkedMoE", "MoEConfig", "MoELayer", "init_weights"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shapes of one MoE layer, identical on every rank.
+
+    num_experts, topk: routed experts and choices per token.  hidden, intermediate: H and I (the
+    experts' w13 is [2I, H], w2 is [H, I]).  max_tokens_per_rank: capacity of one call's batch per rank.
+    payload: what travels between ranks (FP8 e4m3 with per-128 fp32 scales, or bf16).
+    front_num_slots, front_tokens_per_slot: the streaming ring (both or neither; neither = batch-ready only).
+    block_m: rows each expert group is padded to (the grouped GEMM's row block).
+    """
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    topk: int
+    max_tokens_per_rank: int
+    payload: PayloadFormat = PayloadFormat.FP8_E4M3
+    front_num_slots: int | None = None
+    front_tokens_per_slot: int | None = None
+    block_m: int = 16
+
+    def __post_init__(self):
+        for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "block_m"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ChunkringUsageError(f"must be a positive int, got {value!r}", field=name)
+        try:
+            object.__setattr__(self, "payload", PayloadFormat(self.payload))
+        except ValueError:
+            raise ChunkringUsageError(f"unknown payload format {self.payload!r}", field="payload") from None
+        if self.intermediate % 8:  # grouped GEMM operands need 16-byte rows
+            raise ChunkringUsageError(f"must be a multiple of 8, got {self.intermediate}", field="intermediate")
+        if (self.front_num_slots is None) != (self.front_tokens_per_slot is None):
+            raise ChunkringUsageError("set both front_num_slots and front_tokens_per_slot, or neither",
+                                      field="front_num_slots" if self.front_num_slots is None else "front_tokens_per_slot")
+        for name in ("front_num_slots", "front_tokens_per_slot"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ChunkringUsageError(f"must be a positive int or None, got {value!r}", field=name)
+        if self.front_tokens_per_slot is not None and self.front_tokens_per_slot > self.max_tokens_per_rank:
+            raise ChunkringUsageError(f"{self.front_tokens_per_slot} exceeds max_tokens_per_rank="
+                                      f"{self.max_tokens_per_rank}", field="front_tokens_per_slot")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the layer has a streaming ring (``streaming=True`` calls need one)."""
+        return self.front_num_slots is not None
+
+    def ring_spec(self, world_size: int, *, streamed: bool) -> RingSpec:
+        """The spec of the streaming ring, or of the one-slot batch-ready ring. Checks the shared fields."""
+        slots, tokens = (self.front_num_slots, self.front_tokens_per_slot) if streamed else (1, self.max_tokens_per_rank)
+        return RingSpec(world_size=world_size, num_slots=slots, tokens_per_slot=tokens, hidden=self.hidden,
+                        payload=self.payload, topk=self.topk, num_experts=self.num_experts)
+
+
+class _Stage:
+    """What one rank's consumer pulls per chunk step from a ring, and its step bookkeeping."""
+
+    def __init__(self, spec: RingSpec, device):
+        W, T, H, K = spec.world_size, spec.tokens_per_slot, spec.hidden, spec.topk
+        x_dtype = torch.float8_e4m3fn if spec.payload.has_scales else torch.bfloat16
+        self.x = torch.zeros((W, T, H), dtype=x_dtype, device=device)
+        self.sf = torch.zeros((W, T, H // FP8_SCALE_BLOCK if spec.payload.has_scales else 0), dtype=torch.float32,
+                              device=device)
+        self.idx = torch.zeros((W, T, K), dtype=torch.int32, device=device)
+        self.w = torch.zeros((W, T, K), dtype=torch.float32, device=device)
+        self.meta = torch.zeros((W, 4), dtype=torch.int64, device=device)
+        self.ended = torch.zeros(W, dtype=torch.int32, device=device)
+
+
+def _kernels(runtime):
+    from chunkring.device import Param, library_for
+
+    desc = Param("desc", "ptr", torch.int64)
+    meta = Param("step_meta", "ptr", torch.int64)
+    return library_for(runtime, "moe_stream", {
+        "moe_pull_step": (
+            desc, Param("ended", "ptr", torch.int32), meta, Param("stage_x", "ptr", torch.uint8),
+            Param("stage_sf", "ptr", torch.float32), Param("stage_idx", "ptr", torch.int32),
+            Param("stage_w", "ptr", torch.float32), Param("token_capacity", "i64"), Param("expert_lo", "i32"),
+            Param("expert_hi", "i32"),
+        ),
+        "moe_combine_push": (
+            desc, Param("weighted", "ptr", torch.float32), Param("row_src", "ptr", torch.int64),
+            Param("row_token", "ptr", torch.int64), Param("row_k", "ptr", torch.int64),
+            Param("combine", "ptr", torch.float32), Param("hidden", "i64"),
+        ),
+        "moe_ack_step": (desc, meta),
+        "moe_drain": (desc,),
+    })
+
+
+class MoELayer:
+    """The layer's symmetric buffers and its two call modes. A collective to construct: every rank
+    passes an identical :class:`MoEConfig` (checked).
+
+    ``partition``: an :class:`chunkring.SmPartition` whose producer and consumer streams the calls use
+    (otherwise the layer makes two ordinary streams).  ``timeout_s``: the rings' watchdog limit.
+
+    Call with the batch already routed (today's MegaMoE contract) - :meth:`run` - or with hidden states
+    and a router, so the layer's own producers route, quantise and publish - :meth:`forward`. Either
+    call returns bfloat16 [n, H] and is stream-ordered after torch's current stream; neither waits on
+    the host. Errors found on the device (timeouts, bad metadata) are raised by :meth:`check`.
+    """
+
+    def __init__(self, runtime, config: MoEConfig, *, partition=None, timeout_s: float | None = None):
+        if not isinstance(config, MoEConfig):
+            raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")
+        world = runtime.world_size
+        if config.num_experts % world:
+            raise ChunkringUsageError(f"{config.num_experts} experts do not split evenly over {world} ranks",
+                                      field="num_experts")
+        specs = [config.ring_spec(world, streamed=False)]
+        if config.streaming:
+            specs.append(config.ring_spec(world, streamed=True))
+        _check_identical(runtime, config)
+        self.runtime, self.config = runtime, config
+        self.experts_per_rank = config.num_experts // world
+        self.first_expert = runtime.rank * self.experts_per_rank
+        device = runtime.torch_device
+        self._kernels = _kernels(runtime)
+        self.rings = [Ring(runtime, spec, timeout_s=timeout_s) for spec in specs]
+        self._stages = [_Stage(spec, device) for spec in specs]
+        # One fp32 row per (token, k) of this rank's batch; consumers write into it from their GPUs.
+        self.combine = runtime.alloc((config.max_tokens_per_rank * config.topk, config.hidden), torch.float32)
+        for pe in range(world):
+            if runtime.peer(self.combine, pe) is None:
+                raise ChunkringUsageError(f"PE {pe} is not load/store reachable from PE {runtime.rank}; the "
+                                          "combine push needs NVLink or the same GPU", field="runtime")
+        if partition is not None:
+            self._producer, self._consumer = partition.producer_stream, partition.consumer_stream
+        else:
+            self._producer, self._consumer = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def __repr__(self) -> str:
+        return f"MoELayer({self.config}, rank {self.runtime.rank} of {self.runtime.world_size})"
+
+    # ------------------------------------------------------------------ public calls
+
+    def run(self, x, x_sf, topk_idx, topk_weights, w13, w2, *, streaming: bool = False, out=None) -> torch.Tensor:
+        """The layer on a routed batch: x [n, H] (float8_e4m3fn with x_sf float32 [n, H/128], or bfloat16
+        with x_sf None, per ``payload``), topk_idx int32 [n, K] (-1 = masked), topk_weights float32 [n, K];
+        this rank's experts w13 bfloat16 [E_local, 2I, H] and w2 bfloat16 [E_local, H, I]. Streamed, the
+        batch is published chunk by chunk; either way the output is bfloat16 [n, H] (``out`` if given).
+        """
+        cfg = self.config
+        n = self._check_batch("x", x, torch.float8_e4m3fn if cfg.payload.has_scales else torch.bfloat16)
+        if cfg.payload.has_scales:
+            check_tensor("x_sf", x_sf, (n, cfg.hidden // FP8_SCALE_BLOCK), torch.float32, x.device)
+        elif x_sf is not None:
+            raise ChunkringUsageError("bf16 payloads carry no scales; pass None", field="x_sf")
+        check_tensor("topk_idx", topk_idx, (n, cfg.topk), torch.int32, x.device)
+        check_tensor("topk_weights", topk_weights, (n, cfg.topk), torch.float32, x.device)
+        ring, out = self._prepare(n, w13, w2, streaming, out)
+
+        def produce(start: int, end: int):
+            return x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end], topk_weights[start:end]
+
+        return self._invoke(ring, self._stages[self.rings.index(ring)], n, produce, (x, x_sf, topk_idx, topk_weights),
+                            w13, w2, out)
+
+    def forward(self, hidden, router_weight, w13, w2, *, streaming: bool = False, out=None) -> torch.Tensor:
+        """The layer with its own producers: per chunk (streamed) or for the whole batch, router GEMM
+        (``router_weight`` bfloat16 [E, H]) -> top-k softmax weights -> FP8 quantisation (FP8 payload)
+        -> publish. ``hidden`` bfloat16 [n, H]; weights as in :meth:`run`; returns bfloat16 [n, H]."""
+        cfg = self.config
+        n = self._check_batch("hidden", hidden, torch.bfloat16)
+        check_tensor("router_weight", router_weight, (cfg.num_experts, cfg.hidden), torch.bfloat16, hidden.device)
+        ring, out = self._prepare(n, w13, w2, streaming, out)
+
+        def produce(start: int, end: int):
+            rows = hidden[start:end]
+            topk_idx, topk_weights = route(rows, router_weight, cfg.topk)
+            x, x_sf = quantize_rows_fp8(rows) if cfg.payload.has_scales else (rows, None)
+            return x, x_sf, topk_idx, topk_weights
+
+        return self._invoke(ring, self._stages[self.rings.index(ring)], n, produce, (hidden, router_weight), w13, w2,
+                            out)
+
+    def check(self) -> None:
+        """Raise ``ChunkringRuntimeError`` with the device's diagnostic if any call recorded an error
+        (synchronises the device)."""
+        for ring in self.rings:
+            ring.check()
+
+    def reset(self) -> None:
+        """Start a new epoch on every ring (a collective; after an error, before calling again)."""
+        for ring in self.rings:
+            ring.reset()
+
+    def memory(self) -> dict[str, int]:
+        """Symmetric bytes per rank: the full input region (batch-ready ring), the streaming ring, the
+        combine buffer."""
+        report = {"full_input_region_bytes": self.rings[0].layout.total_bytes,
+                  "combine_bytes": self.combine.numel() * self.combine.element_size()}
+        if self.config.streaming:
+            report["streaming_ring_bytes"] = self.rings[1].layout.total_bytes
+        return report
+
+    def destroy(self) -> None:
+        """Free the symmetric buffers (a collective)."""
+        for ring in self.rings:
+            ring.destroy()
+        if self.combine is not None:
+            self.runtime.free(self.combine)
+            self.combine = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_batch(self, name: str, x, dtype) -> int:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ChunkringUsageError("expected a 2-D tensor [n, hidden]", field=name)
+        n = x.shape[0]
+        if n > self.config.max_tokens_per_rank:
+            raise ChunkringUsageError(f"{n} tokens exceed max_tokens_per_rank={self.config.max_tokens_per_rank}",
+                                      field=name)
+        check_tensor(name, x, (n, self.config.hidden), dtype, self.runtime.torch_device)
+        return n
+
+    def _prepare(self, n: int, w13, w2, streaming: bool, out):
+        cfg, device = self.config, self.runtime.torch_device
+        if self.combine is None:
+            raise ChunkringUsageError("this MoELayer was destroyed")
+        if not isinstance(streaming, bool):
+            raise ChunkringUsageError("must be a bool", field="streaming")
+        if streaming and not cfg.streaming:
+            raise ChunkringUsageError("streaming=True needs front_num_slots and front_tokens_per_slot in the "
+                                      "MoEConfig", field="streaming")
+        E, H, inter = self.experts_per_rank, cfg.hidden, cfg.intermediate
+        check_tensor("w13", w13, (E, 2 * inter, H), torch.bfloat16, device)
+        check_tensor("w2", w2, (E, H, inter), torch.bfloat16, device)
+        if out is None:
+            out = torch.empty((n, H), dtype=torch.bfloat16, device=device)
+        else:
+            check_tensor("out", out, (n, H), torch.bfloat16, device)
+        return self.rings[1 if streaming else 0], out
+
+    def _invoke(self, ring: Ring, stage: _Stage, n: int, produce, inputs, w13, w2, out) -> torch.Tensor:
+        cfg, spec = self.config, ring.spec
+        K, H, T = cfg.topk, cfg.hidden, spec.tokens_per_slot
+        caller = torch.cuda.current_stream(self.runtime.torch_device)
+        producer, consumer = self._producer, self._consumer
+        producer.wait_stream(caller)
+        consumer.wait_stream(caller)
+        for tensor in (*inputs, w13, w2, out):
+            if tensor is not None:  # the caller may free them once its stream passed this call
+                tensor.record_stream(producer)
+                tensor.record_stream(consumer)
+        kernels = self._kernels
+
+        # Producer work is enqueued first (partition.py: the work-queue policy).
+        with torch.cuda.stream(producer):
+            # Before our first publish: no consumer writes a row of ours before seeing a chunk of ours.
+            self.combine[:n * K].zero_()
+            starts = range(0, n, T) if n else [0]
+            for start in starts:
+                end = min(start + T, n)
+                x, x_sf, topk_idx, topk_weights = produce(start, end)
+                publish_chunk(ring, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights, token_base=start,
+                              end_of_stream=end == n, stream=producer)
+            kernels.launch("moe_drain", ring.desc, block=32, stream=producer)
+            out.copy_(self.combine[:n * K].view(n, K, H).sum(dim=1))
+
+        capacity = step_capacity(spec.world_size, T, K, self.experts_per_rank, cfg.block_m)
+        steps = -(-cfg.max_tokens_per_rank // T)
+        with torch.cuda.stream(consumer):
+            stage.ended.zero_()
+            for _ in range(steps):
+                kernels.launch("moe_pull_step", ring.desc, stage.ended, stage.meta, stage.x.view(torch.uint8), stage.sf,
+                               stage.idx, stage.w, cfg.max_tokens_per_rank, self.first_expert,
+                               self.first_expert + self.experts_per_rank, grid=spec.world_size, block=256,
+                               stream=consumer)
+                plan = plan_step(stage.idx, stage.w, stage.meta, first_expert=self.first_expert,
+                                 experts_per_rank=self.experts_per_rank, block_m=cfg.block_m, capacity=capacity)
+                rows = gather_rows(plan, stage.x, stage.sf if spec.payload.has_scales else None)
+                weighted = expert_forward(plan, rows, w13, w2)
+                kernels.launch("moe_combine_push", ring.desc, weighted, plan.src_rank, plan.token_index, plan.topk_pos,
+                               self.combine, H, grid=capacity, block=128, stream=consumer)
+                kernels.launch("moe_ack_step", ring.desc, stage.meta, grid=spec.world_size, block=32, stream=consumer)
+
+        caller.wait_stream(producer)
+        caller.wait_stream(consumer)
+        return out
+
+
+
+def init_weights(config: MoEConfig, generator: torch.Generator | None = None):
+    """Every expert's weights and the router, bfloat16 on the CPU, drawn from ``generator`` as scaled
+    normal samples: router [E, H], w13 [E, 2I, H], w2 [E, H, I]. Ranks that seed alike draw alike, so
+    each can keep its own experts and still compute a reference over all of them."""
+    E, H, inter = config.num_experts, config.hidden, config.intermediate
+
+    def draw(*shape, fan_in):
+        return (torch.randn(*shape, generator=generator) / fan_in**0.5).to(torch.bfloat16)
+
+    return draw(E, H, fan_in=H), draw(E, 2 * inter, H, fan_in=H), draw(E, H, inter, fan_in=inter)
+
+
+class ChunkedMoE(torch.nn.Module):
+    """An ``nn.Module`` over a :class:`MoELayer` that owns the router and this rank's expert weights
+    (bfloat16: ``router_weight`` [E, H], ``w13`` [E_local, 2I, H], ``w2`` [E_local, H, I]).
+
+    ``forward(hidden, streaming=False)`` routes ``hidden`` bfloat16 [n, H] and returns bfloat16 [n, H].
+    Weights start as :func:`init_weights` draws from ``generator`` (a CPU ``torch.Generator``); the
+    module keeps the router and this rank's experts.
+    """
+
+    def __init__(self, layer: MoELayer, *, generator: torch.Generator | None = None):
+        super().__init__()
+        if not isinstance(layer, MoELayer):
+            raise ChunkringUsageError(f"expected a MoELayer, got {type(layer).__name__}", field="layer")
+        self.layer = layer
+        router, w13, w2 = init_weights(layer.config, generator)
+        device = layer.runtime.torch_device
+        mine = slice(layer.first_expert, layer.first_expert + layer.experts_per_rank)
+        self.router_weight = torch.nn.Parameter(router.to(device), requires_grad=False)
+        self.w13 = torch.nn.Parameter(w13[mine].contiguous().to(device), requires_grad=False)
+        self.w2 = torch.nn.Parameter(w2[mine].contiguous().to(device), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor, streaming: bool = False) -> torch.Tensor:
+        return self.layer.forward(hidden, self.router_weight, self.w13, self.w2, streaming=streaming)

@@ -1,0 +1,207 @@
+"""The MoE layer on the GPU, batch-ready and streamed, against the fp32 reference of the same math
+(relative error at most 1e-2; NaN or an unwritten row never passes) and against each other:
+token counts 0, 1, C-1, C, C+1, many chunks with a partial last one, uneven counts and a whole-empty
+rank; top-k 1, 2, 6, 8; one and several experts per rank; uniform routing, everything to one expert,
+idle experts, masked choices; 1, 2 and 4 slots (ring wrap inside a call); FP8 and bf16 payloads;
+fresh data every iteration and NaN-filled outputs. Also: the layer's own producers (router -> TopK ->
+FP8) streamed and batch-ready, bitwise determinism, and no host synchronisation in a streamed call.
+
+Every rank derives every input from (case, iteration, rank) seeds, so it computes the reference of its
+own tokens without communication; each rank checks its own output."""
+
+import math
+
+import pytest
+import torch
+
+from chunkring import ChunkedMoE, MoEConfig, MoELayer
+from chunkring.moe_layer import init_weights
+from chunkring.moe_reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.moe_producer import route
+from chunkring.ring_spec import PayloadFormat
+
+pytestmark = pytest.mark.gpu
+
+H, INTER = 256, 128
+ITERATIONS = 3
+
+# (payload, topk, experts per rank, front_num_slots, C = front_tokens_per_slot, tokens, routing)
+CASES = [
+    ("fp8", 2, 1, 2, 8, "C", "uniform"),
+    ("fp8", 2, 3, 1, 8, "many", "uniform"),
+    ("fp8", 6, 2, 4, 8, "many", "uniform"),
+    ("fp8", 8, 2, 2, 8, "uneven", "masked"),
+    ("fp8", 1, 1, 1, 8, "C+1", "one_expert"),
+    ("fp8", 2, 3, 2, 8, "empty_rank", "idle"),
+    ("fp8", 2, 1, 2, 8, "zero", "uniform"),
+    ("fp8", 2, 1, 2, 8, "one", "uniform"),
+    ("fp8", 2, 1, 4, 8, "C-1", "uniform"),
+    ("bf16", 2, 3, 2, 8, "many", "uniform"),
+    ("bf16", 8, 2, 4, 8, "uneven", "one_expert"),
+    ("bf16", 6, 1, 1, 16, "empty_rank", "masked"),
+]
+
+
+def tokens_of(pattern, C, rank, world):
+    many = 3 * C + 5  # four chunks, the last partial
+    return {"zero": 0, "one": 1, "C-1": C - 1, "C": C, "C+1": C + 1, "many": many,
+            "uneven": [many, 1, 0, C + 1][rank % 4],
+            "empty_rank": 0 if rank == world - 1 else many}[pattern]
+
+
+def routing(n, num_experts, topk, mode, gen):
+    """int32 topk_idx [n, K] and float32 topk_weights [n, K]."""
+    if mode == "one_expert":
+        idx = torch.zeros(n, topk, dtype=torch.int64)  # duplicates: each (token, k) counts
+    elif mode == "idle":  # two experts take everything, the rest idle
+        idx = torch.randint(0, 2, (n, topk), generator=gen) * (num_experts - 1)
+    else:
+        idx = torch.rand(n, num_experts, generator=gen).argsort(dim=1)[:, :topk]
+        if mode == "masked":
+            idx[torch.rand(n, topk, generator=gen) < 0.3] = -1
+    return idx.to(torch.int32), torch.rand(n, topk, generator=gen) + 0.1
+
+
+def weights(num_experts, gen):
+    w13 = (torch.randn(num_experts, 2 * INTER, H, generator=gen) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(num_experts, H, INTER, generator=gen) / INTER**0.5).to(torch.bfloat16)
+    return w13, w2
+
+
+def rel_error(out, ref):
+    assert not bool(torch.isnan(out).any()), "NaN in the output (an unwritten row, or a NaN result)"
+    if ref.numel() == 0:
+        return 0.0
+    return float((out.float() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_layer_matches_reference(runtime, case):
+    payload, topk, per_rank, slots, C, pattern, mode = case
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    per_rank = max(per_rank, math.ceil(topk / W))  # top-k never exceeds the experts
+    num_experts = per_rank * W
+    cfg = MoEConfig(num_experts=num_experts, hidden=H, intermediate=INTER, topk=topk, max_tokens_per_rank=3 * C + 8,
+                    payload=PayloadFormat.FP8_E4M3 if payload == "fp8" else PayloadFormat.BF16,
+                    front_num_slots=slots, front_tokens_per_slot=C)
+    layer = MoELayer(runtime, cfg, timeout_s=60)
+    try:
+        w13, w2 = weights(num_experts, torch.Generator().manual_seed(CASES.index(case)))
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        w13_local, w2_local = w13[mine].contiguous().to(device), w2[mine].contiguous().to(device)
+        for it in range(ITERATIONS):
+            gen = torch.Generator().manual_seed(10_000 * CASES.index(case) + 100 * it + rank)
+            n = tokens_of(pattern, C, rank, W)
+            x32 = torch.randn(n, H, generator=gen)
+            idx, w = routing(n, num_experts, topk, mode, gen)
+            if payload == "fp8":
+                xq, sf = quantize_fp8_per128(x32)
+                x_in = dequantize_fp8_per128(xq, sf)
+            else:
+                xq, sf = x32.to(torch.bfloat16), None
+                x_in = xq.float()
+            ref = moe_reference(x_in.to(device), idx.to(device), w.to(device), w13.float().to(device),
+                                w2.float().to(device))
+            args = [t if t is None else t.to(device) for t in (xq, sf, idx, w)]
+            outs = {}
+            for streaming in (False, True):
+                out = torch.full((n, H), float("nan"), dtype=torch.bfloat16, device=device)  # sentinel
+                layer.run(*args, w13_local, w2_local, streaming=streaming, out=out)
+                torch.cuda.synchronize()
+                layer.check()
+                outs[streaming] = out
+                err = rel_error(out, ref)
+                assert err <= 1e-2, f"streaming={streaming} iteration {it}: relative error {err:.2e}"
+            assert rel_error(outs[True], outs[False].float()) <= 1e-2
+    finally:
+        layer.destroy()
+
+
+def test_batch_ready_is_bitwise_deterministic_and_streamed_call_never_syncs(runtime):
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=40,
+                    front_num_slots=2, front_tokens_per_slot=8)
+    layer = MoELayer(runtime, cfg, timeout_s=60)
+    try:
+        gen = torch.Generator().manual_seed(7 + rank)
+        xq, sf = quantize_fp8_per128(torch.randn(37, H, generator=gen))
+        idx, w = routing(37, cfg.num_experts, 2, "uniform", gen)
+        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(3))
+        mine = slice(rank * 2, rank * 2 + 2)
+        args = [t.to(device) for t in (xq, sf, idx, w, w13[mine].contiguous(), w2[mine].contiguous())]
+        for streaming in (False, True):
+            first = layer.run(*args, streaming=streaming).clone()
+            torch.cuda.synchronize()
+            for _ in range(3):
+                assert torch.equal(layer.run(*args, streaming=streaming), first), f"streaming={streaming}"
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the call raises
+        try:
+            out = layer.run(*args, streaming=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        layer.check()
+        assert torch.equal(out, layer.run(*args, streaming=True))
+    finally:
+        layer.destroy()
+
+
+@pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
+def test_module_with_its_own_producers(runtime, payload):
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    cfg = MoEConfig(num_experts=4 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=64, payload=payload,
+                    front_num_slots=2, front_tokens_per_slot=16)
+    layer = MoELayer(runtime, cfg, timeout_s=60)
+    try:
+        module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(11))
+        router, w13, w2 = init_weights(cfg, torch.Generator().manual_seed(11))  # every expert: the reference's
+        assert torch.equal(module.router_weight.cpu(), router)
+        for n in (0, 1, 16, 61):
+            hidden = torch.randn(n, H, generator=torch.Generator().manual_seed(n + 100 * rank)).to(torch.bfloat16)
+            hidden = hidden.to(device)
+            idx, w = route(hidden, module.router_weight, cfg.topk)
+            if payload == PayloadFormat.FP8_E4M3:
+                x_in = dequantize_fp8_per128(*quantize_fp8_per128(hidden.float()))
+            else:
+                x_in = hidden.float()
+            ref = moe_reference(x_in, idx, w, w13.float().to(device), w2.float().to(device))
+            for streaming in (False, True):
+                out = module(hidden, streaming=streaming)
+                torch.cuda.synchronize()
+                layer.check()
+                assert rel_error(out, ref) <= 1e-2, (n, streaming)
+    finally:
+        layer.destroy()
+
+
+def test_bad_input_is_refused_before_gpu_work(runtime):
+    from chunkring import ChunkringUsageError
+
+    W, device = runtime.world_size, runtime.torch_device
+    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=16)
+    layer = MoELayer(runtime, cfg, timeout_s=60)
+    try:
+        xq = torch.zeros(4, H, dtype=torch.float8_e4m3fn, device=device)
+        sf = torch.ones(4, H // 128, device=device)
+        idx = torch.zeros(4, 2, dtype=torch.int32, device=device)
+        w = torch.ones(4, 2, device=device)
+        w13 = torch.zeros(2, 2 * INTER, H, dtype=torch.bfloat16, device=device)
+        w2 = torch.zeros(2, H, INTER, dtype=torch.bfloat16, device=device)
+        bad = {
+            "x": dict(x=torch.zeros(17, H, dtype=torch.float8_e4m3fn, device=device)),
+            "x_sf": dict(x_sf=None),
+            "topk_idx": dict(topk_idx=idx.long()),
+            "w13": dict(w13=w13[:1]),
+            "w2": dict(w2=w2.float()),
+            "streaming": dict(streaming=True),  # no streaming ring in this config
+        }
+        for field, change in bad.items():
+            kwargs = dict(x=xq, x_sf=sf, topk_idx=idx, topk_weights=w, w13=w13, w2=w2)
+            kwargs.update(change)
+            streaming = kwargs.pop("streaming", False)
+            with pytest.raises(ChunkringUsageError) as info:
+                layer.run(**kwargs, streaming=streaming)
+            assert info.value.field == field
+    finally:
+        layer.destroy()

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-from chunkring.env import MULTICAST_OFF
+from chunkring.env import EAGER_LOADING, MULTICAST_OFF
 from chunkring.errors import ChunkringError, ChunkringUsageError
 
 from .config import from_table, load_table, parse_overrides
@@ -30,6 +30,7 @@ from .jobs import JOBS
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
 #: Variables every rank must see: ours, NVSHMEM's and the MPS pipe (Open MPI forwards only what -x names).
 FORWARDED_PREFIXES = ("CHUNKRING_", "NVSHMEM_", "NCCL_", "TORCH_SYMM_MEM_", "CUDA_MPS_", "CUDA_VISIBLE_DEVICES",
+                      "CUDA_MODULE_LOADING",
                       "PYTHONPATH")
 
 
@@ -132,7 +133,7 @@ def _launch(args) -> int:
               "NVIDIA GPU (torch.cuda.device_count() == 0).", file=sys.stderr)
         return EXIT_NO_GPU
     ranks = args.np or max(gpus, 1)
-    environ = dict(os.environ, **MULTICAST_OFF)
+    environ = {**EAGER_LOADING, **os.environ, **MULTICAST_OFF}
     with private_mps(environ, dry_run=args.dry_run) if args.mps else contextlib.nullcontext():
         if ranks == 1 and not (args.hostfile or args.host or args.dry_run):
             os.environ.update(environ)

@@ -4,7 +4,15 @@ Start here: ``rt = chunkring.init()`` (a collective under mpirun, or a single pr
 and layer APIs; ``rt.close()`` at the end.
 """
 
-from .bringup import Runtime, current, init
+import os as _os
+
+from .env import EAGER_LOADING as _EAGER_LOADING
+
+# Before anything initialises CUDA in this process (env.EAGER_LOADING says why); an explicit setting wins.
+for _name, _value in _EAGER_LOADING.items():
+    _os.environ.setdefault(_name, _value)
+
+from .bringup import Runtime, current, init  # noqa: E402
 from .errors import ChunkringError, ChunkringRuntimeError, ChunkringUsageError, NoGpuError
 from .moe_layer import ChunkedMoE, MoEConfig, MoELayer
 from .partition import SmPartition

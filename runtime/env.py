@@ -13,8 +13,10 @@ from pathlib import Path
 from .errors import ChunkringUsageError
 
 __all__ = [
+    "EAGER_LOADING",
     "MULTICAST_OFF",
     "apply_process_defaults",
+    "module_loading_is_eager",
     "cache_dir",
     "check_timeout_s",
     "watchdog_timeout_s",
@@ -27,6 +29,12 @@ MULTICAST_OFF = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 }
 
+#: Load every kernel when CUDA initialises. Under lazy loading (CUDA's default) a kernel's first launch
+#: loads its module, and that load may wait for the kernels already running; chunkring's producers and
+#: consumers spin on each other, so a first launch of any kernel (ours or torch's) beside a spinning one
+#: can deadlock until the watchdog fires (seen on the H200). CUDA reads this once, when it initialises.
+EAGER_LOADING = {"CUDA_MODULE_LOADING": "EAGER"}
+
 #: Defaults for a job whose ranks all sit on one node: no network transport, no NCCL inside NVSHMEM,
 #: and the UID bootstrap on loopback (the isolated GPU host has no other interface worth trying).
 SINGLE_NODE_DEFAULTS = {
@@ -37,7 +45,7 @@ SINGLE_NODE_DEFAULTS = {
 
 
 def apply_process_defaults(environ: dict | None = None, *, single_node: bool) -> dict:
-    """Force multicast off and fill single-node defaults; returns ``environ`` (``os.environ`` by default).
+    """Force multicast off, default to eager module loading, fill single-node defaults; returns ``environ`` (``os.environ`` by default).
 
     Raises ``ChunkringUsageError`` if a multicast variable was set to a value that turns multicast on.
     Must run before NVSHMEM, NCCL or torch symmetric memory initialise (they read these once).
@@ -49,6 +57,8 @@ def apply_process_defaults(environ: dict | None = None, *, single_node: bool) ->
                 f"NVLink multicast must stay off: expected {name}={value}, found {env[name]!r}", field=name
             )
         env[name] = value
+    for name, value in EAGER_LOADING.items():
+        env.setdefault(name, value)
     if single_node:
         for name, value in SINGLE_NODE_DEFAULTS.items():
             env.setdefault(name, value)
@@ -76,3 +86,15 @@ def check_timeout_s(value: float, *, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 24 * 3600:
         raise ChunkringUsageError(f"must be in (0, 86400] seconds, got {value!r}", field=field)
     return float(value)
+
+
+def module_loading_is_eager() -> bool:
+    """Whether this process's CUDA driver loads modules eagerly (see ``EAGER_LOADING``)."""
+    from cuda.bindings import driver
+
+    err, mode = driver.cuModuleGetLoadingMode()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        from .errors import ChunkringRuntimeError
+
+        raise ChunkringRuntimeError(f"cuModuleGetLoadingMode failed: {err}")
+    return mode == driver.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING

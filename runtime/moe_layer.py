@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .env import module_loading_is_eager
 from .errors import ChunkringUsageError
 from .moe_dispatch import expert_forward, gather_rows, plan_step, step_capacity
 from .moe_producer import quantize_rows_fp8, route
@@ -149,6 +150,11 @@ class MoELayer:
         specs = [config.ring_spec(world, streamed=False)]
         if config.streaming:
             specs.append(config.ring_spec(world, streamed=True))
+        if not module_loading_is_eager():
+            raise ChunkringUsageError(
+                "CUDA loads modules lazily in this process, which can deadlock a producer and a consumer "
+                "that spin on each other; set CUDA_MODULE_LOADING=EAGER before CUDA initialises (import "
+                "chunkring before torch touches the GPU, or use chunkring-launch)", field="CUDA_MODULE_LOADING")
         _check_identical(runtime, config)
         self.runtime, self.config = runtime, config
         self.experts_per_rank = config.num_experts // world

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+# Before torch initialises CUDA below: the MoE layer refuses lazy module loading (chunkring.env).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 UNDER_MPI = "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
 
 

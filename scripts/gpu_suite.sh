@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU host without network: install the wheel bundle, build the kernels (cold, then from the cache),
 # run the GPU test suite with 1 rank and with N ranks on one GPU under MPS, run the main job, and
-# write one JSON summary per suite run into $RESULTS (default tests/gpu_results).
+# write one JSON summary per suite run into $RESULTS (default tests/gpu_results); with $OUT set (the
+# device tool), also pack them and the log into $OUT/gpu_results.tgz.
 #   CHUNKRING_COMMIT=<sha> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS]
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
@@ -68,6 +69,9 @@ echo quit | nvidia-cuda-mps-control
 for job in bringup run; do
     chunkring-launch $job --json "$results/${CHUNKRING_COMMIT}-${job}-1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1
 done
-# One combined log comes back from the device machine (it returns few files).
-[ -n "${OUT:-}" ] && cat "$logs"/*.log > "$OUT/suite.log"
+# The device machine returns at most 8 files: send one archive of the summaries and the combined log.
+if [ -n "${OUT:-}" ]; then
+    cat "$logs"/*.log > "$results/suite.log"
+    tar -C "$results" -czf "$OUT/gpu_results.tgz" .
+fi
 exit $status

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 
@@ -31,7 +32,7 @@ def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None =
             _print_table(job, runtime, all_figures)
             if json_path:
                 with open(json_path, "w") as out:
-                    json.dump({"job": job, "ranks": runtime.world_size, "figures": all_figures}, out, indent=2)
+                    json.dump(report(job, config, runtime, all_figures), out, indent=2)
         runtime.close()
         return 0
     except ChunkringError as exc:
@@ -41,6 +42,43 @@ def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None =
         traceback.print_exc()
     _abort_others(runtime)
     return 1
+
+
+def report(job: str, config, runtime, all_figures: list) -> dict:
+    """The machine-readable result of a passed job: what ran where, and every rank's figures (keys
+    ``rank<r>_<figure>``), in the shape of the committed result files (tests/gpu_results/README.md)."""
+    import dataclasses
+
+    import torch
+
+    from chunkring.device import nvshmem_version
+
+    figures = {f"rank{r}_{key}": value for r, f in enumerate(all_figures) for key, value in f.items()}
+    return {
+        "commit": os.environ.get("CHUNKRING_COMMIT") or _git_commit(),
+        "gpu": torch.cuda.get_device_name(runtime.ordinal),
+        "gpus": torch.cuda.device_count(),
+        "ranks": runtime.world_size,
+        "suite": job,
+        "command": " ".join(["chunkring-launch", job] + [f"{k}={v!r}" for k, v in dataclasses.asdict(config).items()]),
+        "passed": 1,
+        "failed": 0,
+        "skipped": 0,
+        "config": dataclasses.asdict(config),
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "nvshmem": nvshmem_version()},
+        "figures": figures,
+    }
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def _gather(runtime, figures: dict) -> list:

@@ -42,3 +42,18 @@ def test_bringup_rejects(table, field):
     with pytest.raises(ChunkringUsageError) as info:
         from_table(JOBS["bringup"].CONFIG, table, job="bringup")
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("table,field", [
+    ({"payload": "fp4"}, "payload"),
+    ({"tokens_per_rank": 600}, "tokens_per_rank"),
+    ({"iterations": 0}, "iterations"),
+    ({"tolerance": 1.5}, "tolerance"),
+    ({"intermediate": 100}, "intermediate"),  # the layer's own check, before any rank starts
+    ({"front_tokens_per_slot": 1024}, "front_tokens_per_slot"),
+    ({"topk": 1.0}, "topk"),
+])
+def test_run_rejects(table, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        from_table(JOBS["run"].CONFIG, {**load_table("run"), **table}, job="run")
+    assert info.value.field == field

@@ -57,3 +57,14 @@ def test_run_rejects(table, field):
     with pytest.raises(ChunkringUsageError) as info:
         from_table(JOBS["run"].CONFIG, {**load_table("run"), **table}, job="run")
     assert info.value.field == field
+
+
+def test_every_preset_is_valid_for_its_job():
+    from importlib import resources
+
+    presets = [p.name[:-5] for p in resources.files("chunkring.configs").iterdir() if p.name.endswith(".toml")]
+    assert {"bringup", "run", "prefill_8xh200", "decode_8xh200"} <= set(presets)
+    for name in presets:
+        table = load_table(name)
+        job = table["job"]
+        assert isinstance(from_table(JOBS[job].CONFIG, table, job=job), JOBS[job].CONFIG), name

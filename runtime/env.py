@@ -45,7 +45,7 @@ SINGLE_NODE_DEFAULTS = {
 
 
 def apply_process_defaults(environ: dict | None = None, *, single_node: bool) -> dict:
-    """Force multicast off, default to eager module loading, fill single-node defaults; returns ``environ`` (``os.environ`` by default).
+    """Force multicast off and fill single-node defaults; returns ``environ`` (``os.environ`` by default).
 
     Raises ``ChunkringUsageError`` if a multicast variable was set to a value that turns multicast on.
     Must run before NVSHMEM, NCCL or torch symmetric memory initialise (they read these once).
@@ -57,8 +57,6 @@ def apply_process_defaults(environ: dict | None = None, *, single_node: bool) ->
                 f"NVLink multicast must stay off: expected {name}={value}, found {env[name]!r}", field=name
             )
         env[name] = value
-    for name, value in EAGER_LOADING.items():
-        env.setdefault(name, value)
     if single_node:
         for name, value in SINGLE_NODE_DEFAULTS.items():
             env.setdefault(name, value)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .moe_plan import padded_rows_bound
 from .ring_spec import FP8_SCALE_BLOCK
 
 __all__ = ["StepPlan", "expert_forward", "plan_step"]
@@ -33,7 +32,8 @@ STEP_ACTIVE, STEP_TOKEN_BASE, STEP_NUM_TOKENS, STEP_SEQ = range(4)
 
 @dataclass(frozen=True, eq=False)
 class StepPlan:
-    """Where a step's rows go at this rank, as fixed-shape device tensors (P = ``capacity``).
+    """Where a step's rows go at this rank, as fixed-shape device tensors (P = ``capacity``, sized by
+    :func:`chunkring.moe_plan.padded_rows_bound`).
 
     expert_offsets int64 [E_local + 1]: group e is padded rows [offsets[e], offsets[e + 1]), a multiple
     of ``block_m`` each; rows from offsets[-1] to P are unused.   counts int64 [E_local]: real rows.
@@ -53,11 +53,6 @@ class StepPlan:
     def real(self) -> torch.Tensor:
         """bool [P]: rows that carry a (token, k) choice."""
         return self.src_rank >= 0
-
-
-def step_capacity(world_size: int, tokens_per_slot: int, topk: int, experts_per_rank: int, block_m: int) -> int:
-    """P: the padded rows one step can produce at one rank (:func:`chunkring.moe_plan.padded_rows_bound`)."""
-    return padded_rows_bound(tokens_per_slot, topk, world_size, experts_per_rank, block_m)
 
 
 def plan_step(stage_idx: torch.Tensor, stage_w: torch.Tensor, step_meta: torch.Tensor, *, first_expert: int,

@@ -26,7 +26,8 @@ import torch
 
 from .env import module_loading_is_eager
 from .errors import ChunkringUsageError
-from .moe_dispatch import expert_forward, gather_rows, plan_step, step_capacity
+from .moe_dispatch import expert_forward, gather_rows, plan_step
+from .moe_plan import padded_rows_bound
 from .moe_producer import quantize_rows_fp8, route
 from .ring import Ring, _check_identical
 from .ring_io import check_tensor, publish_chunk
@@ -162,7 +163,7 @@ class MoELayer:
         device = runtime.torch_device
         self._kernels = _kernels(runtime)
         self.rings = [Ring(runtime, spec, timeout_s=timeout_s) for spec in specs]
-        self._stages = [_Stage(spec, device) for spec in specs]
+        self._stages = [_Stage(spec, device) for spec in specs]  # self._stages[i] is what rings[i]'s steps pull
         # One fp32 row per (token, k) of this rank's batch; consumers write into it from their GPUs.
         self.combine = runtime.alloc((config.max_tokens_per_rank * config.topk, config.hidden), torch.float32)
         for pe in range(world):
@@ -193,13 +194,12 @@ class MoELayer:
             raise ChunkringUsageError("bf16 payloads carry no scales; pass None", field="x_sf")
         check_tensor("topk_idx", topk_idx, (n, cfg.topk), torch.int32, x.device)
         check_tensor("topk_weights", topk_weights, (n, cfg.topk), torch.float32, x.device)
-        ring, out = self._prepare(n, w13, w2, streaming, out)
+        which, out = self._prepare(n, w13, w2, streaming, out)
 
         def produce(start: int, end: int):
             return x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end], topk_weights[start:end]
 
-        return self._invoke(ring, self._stages[self.rings.index(ring)], n, produce, (x, x_sf, topk_idx, topk_weights),
-                            w13, w2, out)
+        return self._invoke(which, n, produce, (x, x_sf, topk_idx, topk_weights), w13, w2, out)
 
     def forward(self, hidden, router_weight, w13, w2, *, streaming: bool = False, out=None) -> torch.Tensor:
         """The layer with its own producers: per chunk (streamed) or for the whole batch, router GEMM
@@ -208,7 +208,7 @@ class MoELayer:
         cfg = self.config
         n = self._check_batch("hidden", hidden, torch.bfloat16)
         check_tensor("router_weight", router_weight, (cfg.num_experts, cfg.hidden), torch.bfloat16, hidden.device)
-        ring, out = self._prepare(n, w13, w2, streaming, out)
+        which, out = self._prepare(n, w13, w2, streaming, out)
 
         def produce(start: int, end: int):
             rows = hidden[start:end]
@@ -216,8 +216,7 @@ class MoELayer:
             x, x_sf = quantize_rows_fp8(rows) if cfg.payload.has_scales else (rows, None)
             return x, x_sf, topk_idx, topk_weights
 
-        return self._invoke(ring, self._stages[self.rings.index(ring)], n, produce, (hidden, router_weight), w13, w2,
-                            out)
+        return self._invoke(which, n, produce, (hidden, router_weight), w13, w2, out)
 
     def check(self) -> None:
         """Raise ``ChunkringRuntimeError`` with the device's diagnostic if any call recorded an error
@@ -275,9 +274,11 @@ class MoELayer:
             out = torch.empty((n, H), dtype=torch.bfloat16, device=device)
         else:
             check_tensor("out", out, (n, H), torch.bfloat16, device)
-        return self.rings[1 if streaming else 0], out
+        return (1 if streaming else 0), out
 
-    def _invoke(self, ring: Ring, stage: _Stage, n: int, produce, inputs, w13, w2, out) -> torch.Tensor:
+    def _invoke(self, which: int, n: int, produce, inputs, w13, w2, out) -> torch.Tensor:
+        """Enqueue one call on ring ``which`` (0: batch-ready, 1: streaming)."""
+        ring, stage = self.rings[which], self._stages[which]
         cfg, spec = self.config, ring.spec
         K, H, T = cfg.topk, cfg.hidden, spec.tokens_per_slot
         caller = torch.cuda.current_stream(self.runtime.torch_device)
@@ -303,7 +304,7 @@ class MoELayer:
             kernels.launch("moe_drain", ring.desc, block=32, stream=producer)
             out.copy_(self.combine[:n * K].view(n, K, H).sum(dim=1))
 
-        capacity = step_capacity(spec.world_size, T, K, self.experts_per_rank, cfg.block_m)
+        capacity = padded_rows_bound(T, K, spec.world_size, self.experts_per_rank, cfg.block_m)
         steps = -(-cfg.max_tokens_per_rank // T)
         with torch.cuda.stream(consumer):
             stage.ended.zero_()

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-# Before torch initialises CUDA below: the MoE layer refuses lazy module loading (chunkring.env).
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# Imported before torch initialises CUDA below: importing chunkring defaults CUDA_MODULE_LOADING to
+# EAGER (chunkring.env.EAGER_LOADING), which the MoE layer requires.
+import chunkring
 
 UNDER_MPI = "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
 
@@ -51,8 +52,6 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def runtime():
     """This process's chunkring runtime (CUDA + NVSHMEM), shared by every GPU test, closed at the end."""
-    import chunkring
-
     rt = chunkring.init()
     yield rt
     rt.close()

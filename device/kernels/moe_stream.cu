@@ -9,9 +9,11 @@
 //                      conservative rule), so an acknowledged chunk's results have landed at its source
 // and each source, after publishing its last chunk, runs moe_drain before reducing its combine buffer.
 #include "chunkring/protocol/ring.cuh"
+#include "chunkring/util/copy.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;
+using chunkring::util::block_copy4;
 
 namespace {
 
@@ -19,12 +21,6 @@ constexpr u32 kWarp = 32;
 
 // Per source rank, what a step pulled: read by the torch plan and by moe_ack_step.
 enum StepMetaWord : u64 { kStepActive = 0, kStepTokenBase = 1, kStepNumTokens = 2, kStepSeq = 3, kStepMetaWords = 4 };
-
-__device__ __forceinline__ void block_copy4(void* dst, const void* src, u64 words) {
-    auto* d = static_cast<unsigned*>(dst);
-    const auto* s = static_cast<const unsigned*>(src);
-    for (u64 i = threadIdx.x; i < words; i += blockDim.x) d[i] = s[i];
-}
 
 }  // namespace
 

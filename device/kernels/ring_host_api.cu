@@ -3,26 +3,12 @@
 // gathers every chunk of one invocation from every source into dense per-source outputs.
 // Both go through the device API of protocol/ring.cuh; neither takes a host-supplied generation.
 #include "chunkring/protocol/ring.cuh"
+#include "chunkring/util/copy.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;
-
-namespace {
-
-// 16-byte vector copy of `bytes` (a multiple of 16, as RingSpec guarantees for rows) by the block.
-__device__ __forceinline__ void block_copy16(void* dst, const void* src, u64 bytes) {
-    auto* d = static_cast<int4*>(dst);
-    const auto* s = static_cast<const int4*>(src);
-    for (u64 i = threadIdx.x; i < bytes / 16; i += blockDim.x) d[i] = s[i];
-}
-
-__device__ __forceinline__ void block_copy4(void* dst, const void* src, u64 words) {
-    auto* d = static_cast<unsigned*>(dst);
-    const auto* s = static_cast<const unsigned*>(src);
-    for (u64 i = threadIdx.x; i < words; i += blockDim.x) d[i] = s[i];
-}
-
-}  // namespace
+using chunkring::util::block_copy16;
+using chunkring::util::block_copy4;
 
 // Publish rows [0, n_tokens) of the given tensors as this rank's next chunk. One block.
 // x: [n, hidden] payload bytes; x_sf: [n, hidden/128] fp32 (FP8 only); topk_idx/topk_weights: [n, topk].

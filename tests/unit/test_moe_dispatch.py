@@ -6,8 +6,8 @@ fp32 reference for bf16 and FP8 payloads. The same code runs on the GPU inside t
 import torch
 from hypothesis import given, settings
 
-from chunkring.moe_dispatch import STEP_NUM_TOKENS, STEP_TOKEN_BASE, expert_forward, gather_rows, plan_step, step_capacity
-from chunkring.moe_plan import plan_streamed
+from chunkring.moe_dispatch import STEP_NUM_TOKENS, STEP_TOKEN_BASE, expert_forward, gather_rows, plan_step
+from chunkring.moe_plan import padded_rows_bound, plan_streamed
 from chunkring.moe_reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
 from tests.unit.test_moe_plan import make_routes, scenarios
 
@@ -36,7 +36,7 @@ def test_plan_step_matches_the_host_planner(sc):
     idx_list, w_list = make_routes(sc["ns"], sc["num_experts"], sc["topk"], sc["mode"], sc["seed"])
     gen = torch.Generator().manual_seed(sc["seed"] + 1)
     W, T, K, E = sc["world"], sc["tokens_per_slot"], sc["topk"], sc["experts_per_rank"]
-    capacity = step_capacity(W, T, K, E, sc["block_m"])
+    capacity = padded_rows_bound(T, K, W, E, sc["block_m"])
     for dest in range(W):
         host = plan_streamed(idx_list, w_list, tokens_per_slot=T, dest_rank=dest, world_size=W,
                              num_experts=sc["num_experts"], block_m=sc["block_m"])
@@ -71,7 +71,7 @@ def run_loopback(payload, ns, num_experts, world, topk, tokens_per_slot, hidden=
     combine = [torch.zeros(n * topk, hidden) for n in ns]
     steps = max(max(1, -(-n // tokens_per_slot)) for n in ns)
     T = tokens_per_slot
-    capacity = step_capacity(world, T, topk, E, block_m)
+    capacity = padded_rows_bound(T, topk, world, E, block_m)
     for step in range(steps):
         stage_idx, stage_w, meta = stage_step(idx_list, w_list, step, T, num_experts, gen)
         dtype = torch.float8_e4m3fn if payload == "fp8" else torch.bfloat16

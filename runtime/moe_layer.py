@@ -175,6 +175,16 @@ class MoELayer:
         else:
             self._producer, self._consumer = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
+    @property
+    def producer_stream(self) -> torch.cuda.Stream:
+        """The stream a call's producers (route, quantise, publish, drain, reduce) run on."""
+        return self._producer
+
+    @property
+    def consumer_stream(self) -> torch.cuda.Stream:
+        """The stream a call's consumer steps (pull, experts, combine push, ack) run on."""
+        return self._consumer
+
     def __repr__(self) -> str:
         return f"MoELayer({self.config}, rank {self.runtime.rank} of {self.runtime.world_size})"
 

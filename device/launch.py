@@ -24,22 +24,28 @@ _SCALARS = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64
 
 @dataclass(frozen=True)
 class Param:
-    """One kernel parameter: ``kind`` is ``"ptr"`` (a CUDA tensor of ``dtype``) or a scalar kind."""
+    """One kernel parameter: ``kind`` is ``"ptr"`` (a CUDA tensor of ``dtype``; ``None`` passes a null
+    pointer if ``nullable``) or a scalar kind."""
 
     name: str
     kind: str
     dtype: object = None  # torch.dtype, for pointers
+    nullable: bool = False
 
     def __post_init__(self):
         if self.kind != "ptr" and self.kind not in _SCALARS:
             raise ChunkringUsageError(f"unknown parameter kind {self.kind!r}", field=self.name)
         if self.kind == "ptr" and self.dtype is None:
             raise ChunkringUsageError("a pointer parameter needs its dtype", field=self.name)
+        if self.nullable and self.kind != "ptr":
+            raise ChunkringUsageError("only a pointer parameter can be nullable", field=self.name)
 
     def convert(self, value, device):
         import torch
 
         if self.kind == "ptr":
+            if value is None and self.nullable:
+                return 0  # cuda.core passes a Python int as intptr_t: the null pointer
             if not isinstance(value, torch.Tensor):
                 raise ChunkringUsageError(f"expected a torch.Tensor, got {type(value).__name__}", field=self.name)
             if value.dtype != self.dtype:
@@ -74,6 +80,12 @@ class KernelLibrary:
 
     def __repr__(self) -> str:
         return f"KernelLibrary({self.build.name!r}, kernels={sorted(self._signatures)})"
+
+    def resident_blocks_per_sm(self, name: str, block: int, shared_bytes: int = 0) -> int:
+        """How many blocks of kernel ``name`` one SM holds at once (the occupancy calculator)."""
+        if name not in self._kernels:
+            raise ChunkringUsageError(f"no kernel {name!r} in {self.build.name}", field="name")
+        return int(self._kernels[name].occupancy.max_active_blocks_per_multiprocessor(block, shared_bytes))
 
     def launch(self, name: str, *args, grid=1, block=128, stream=None, shared_bytes: int = 0) -> None:
         """Enqueue kernel ``name`` on ``stream`` (a torch stream; the current one by default)."""

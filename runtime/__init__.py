@@ -13,7 +13,14 @@ for _name, _value in _EAGER_LOADING.items():
     _os.environ.setdefault(_name, _value)
 
 from .bringup import Runtime, current, init  # noqa: E402
-from .errors import ChunkringError, ChunkringRuntimeError, ChunkringUsageError, NoGpuError
+from .errors import (
+    ChunkringDeviceError,
+    ChunkringError,
+    ChunkringRuntimeError,
+    ChunkringTimeoutError,
+    ChunkringUsageError,
+    NoGpuError,
+)
 from .moe_layer import ChunkedMoE, MoEConfig, MoELayer
 from .partition import SmPartition
 from .ranks import RankInfo
@@ -23,8 +30,10 @@ from .ring_spec import PayloadFormat, RingSpec
 
 __all__ = [
     "ChunkedMoE",
+    "ChunkringDeviceError",
     "ChunkringError",
     "ChunkringRuntimeError",
+    "ChunkringTimeoutError",
     "ChunkringUsageError",
     "GatherOutputs",
     "MoEConfig",

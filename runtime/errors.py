@@ -3,10 +3,14 @@
 ``ChunkringUsageError``: the caller asked for something impossible or unsafe (bad shape, bad config,
 wrong stream, a destroyed object). Raised before any GPU work starts.
 
-``ChunkringRuntimeError``: the machine failed us (CUDA, NVRTC, NVSHMEM, MPI, a device-side watchdog).
+``ChunkringRuntimeError``: the machine failed us (CUDA, NVRTC, NVSHMEM, MPI). Its subclass
+``ChunkringDeviceError`` carries the record a kernel wrote (a failed check, a bad peer value), and
+``ChunkringTimeoutError`` the record of a device watchdog that fired: who waited, where, for whom, on
+which slot, what it expected and what it last saw.
 """
 
-__all__ = ["ChunkringError", "ChunkringUsageError", "ChunkringRuntimeError", "NoGpuError"]
+__all__ = ["ChunkringError", "ChunkringUsageError", "ChunkringRuntimeError", "ChunkringDeviceError",
+           "ChunkringTimeoutError", "NoGpuError"]
 
 
 class ChunkringError(Exception):
@@ -23,6 +27,18 @@ class ChunkringUsageError(ChunkringError, ValueError):
 
 class ChunkringRuntimeError(ChunkringError, RuntimeError):
     """A CUDA, NVRTC, NVSHMEM or MPI operation failed, or a device watchdog fired."""
+
+
+class ChunkringDeviceError(ChunkringRuntimeError):
+    """A kernel recorded an error; ``record`` is the :class:`chunkring.status.StatusRecord`."""
+
+    def __init__(self, message: str, record):
+        super().__init__(message)
+        self.record = record
+
+
+class ChunkringTimeoutError(ChunkringDeviceError):
+    """A device spin-wait outlasted the watchdog limit; ``record`` says which wait and on whom."""
 
 
 class NoGpuError(ChunkringRuntimeError):

@@ -190,11 +190,17 @@ class MoELayer:
 
     # ------------------------------------------------------------------ public calls
 
-    def run(self, x, x_sf, topk_idx, topk_weights, w13, w2, *, streaming: bool = False, out=None) -> torch.Tensor:
+    def run(self, x, x_sf, topk_idx, topk_weights, w13, w2, *, streaming: bool = False, out=None,
+            num_tokens=None) -> torch.Tensor:
         """The layer on a routed batch: x [n, H] (float8_e4m3fn with x_sf float32 [n, H/128], or bfloat16
         with x_sf None, per ``payload``), topk_idx int32 [n, K] (-1 = masked), topk_weights float32 [n, K];
         this rank's experts w13 bfloat16 [E_local, 2I, H] and w2 bfloat16 [E_local, H, I]. Streamed, the
         batch is published chunk by chunk; either way the output is bfloat16 [n, H] (``out`` if given).
+
+        ``num_tokens`` (int32 [1] on the device, optional): only the first ``num_tokens`` rows are real,
+        read on the device when the call runs - so a CUDA graph captured with ``n`` rows replays with any
+        count the caller writes there first. Output rows past it are zero; a count outside [0, n] is
+        reported by :meth:`check` and clamped.
         """
         cfg = self.config
         n = self._check_batch("x", x, torch.float8_e4m3fn if cfg.payload.has_scales else torch.bfloat16)
@@ -204,21 +210,23 @@ class MoELayer:
             raise ChunkringUsageError("bf16 payloads carry no scales; pass None", field="x_sf")
         check_tensor("topk_idx", topk_idx, (n, cfg.topk), torch.int32, x.device)
         check_tensor("topk_weights", topk_weights, (n, cfg.topk), torch.float32, x.device)
-        which, out = self._prepare(n, w13, w2, streaming, out)
+        which, out = self._prepare(n, w13, w2, streaming, out, num_tokens)
 
         def produce(start: int, end: int):
             return x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end], topk_weights[start:end]
 
-        return self._invoke(which, n, produce, (x, x_sf, topk_idx, topk_weights), w13, w2, out)
+        return self._invoke(which, n, produce, (x, x_sf, topk_idx, topk_weights), w13, w2, out, num_tokens)
 
-    def forward(self, hidden, router_weight, w13, w2, *, streaming: bool = False, out=None) -> torch.Tensor:
+    def forward(self, hidden, router_weight, w13, w2, *, streaming: bool = False, out=None,
+                num_tokens=None) -> torch.Tensor:
         """The layer with its own producers: per chunk (streamed) or for the whole batch, router GEMM
         (``router_weight`` bfloat16 [E, H]) -> top-k softmax weights -> FP8 quantisation (FP8 payload)
-        -> publish. ``hidden`` bfloat16 [n, H]; weights as in :meth:`run`; returns bfloat16 [n, H]."""
+        -> publish. ``hidden`` bfloat16 [n, H]; weights and ``num_tokens`` as in :meth:`run`; returns
+        bfloat16 [n, H]."""
         cfg = self.config
         n = self._check_batch("hidden", hidden, torch.bfloat16)
         check_tensor("router_weight", router_weight, (cfg.num_experts, cfg.hidden), torch.bfloat16, hidden.device)
-        which, out = self._prepare(n, w13, w2, streaming, out)
+        which, out = self._prepare(n, w13, w2, streaming, out, num_tokens)
 
         def produce(start: int, end: int):
             rows = hidden[start:end]
@@ -226,7 +234,7 @@ class MoELayer:
             x, x_sf = quantize_rows_fp8(rows) if cfg.payload.has_scales else (rows, None)
             return x, x_sf, topk_idx, topk_weights
 
-        return self._invoke(which, n, produce, (hidden, router_weight), w13, w2, out)
+        return self._invoke(which, n, produce, (hidden, router_weight), w13, w2, out, num_tokens)
 
     def check(self) -> None:
         """Raise ``ChunkringRuntimeError`` with the device's diagnostic if any call recorded an error
@@ -268,7 +276,7 @@ class MoELayer:
         check_tensor(name, x, (n, self.config.hidden), dtype, self.runtime.torch_device)
         return n
 
-    def _prepare(self, n: int, w13, w2, streaming: bool, out):
+    def _prepare(self, n: int, w13, w2, streaming: bool, out, num_tokens):
         cfg, device = self.config, self.runtime.torch_device
         if self.combine is None:
             raise ChunkringUsageError("this MoELayer was destroyed")
@@ -284,9 +292,11 @@ class MoELayer:
             out = torch.empty((n, H), dtype=torch.bfloat16, device=device)
         else:
             check_tensor("out", out, (n, H), torch.bfloat16, device)
+        if num_tokens is not None:
+            check_tensor("num_tokens", num_tokens, (1,), torch.int32, device)
         return (1 if streaming else 0), out
 
-    def _invoke(self, which: int, n: int, produce, inputs, w13, w2, out) -> torch.Tensor:
+    def _invoke(self, which: int, n: int, produce, inputs, w13, w2, out, num_tokens) -> torch.Tensor:
         """Enqueue one call on ring ``which`` (0: batch-ready, 1: streaming)."""
         ring, stage = self.rings[which], self._stages[which]
         cfg, spec = self.config, ring.spec
@@ -295,7 +305,7 @@ class MoELayer:
         producer, consumer = self._producer, self._consumer
         producer.wait_stream(caller)
         consumer.wait_stream(caller)
-        for tensor in (*inputs, w13, w2, out):
+        for tensor in (*inputs, w13, w2, out, num_tokens):
             if tensor is not None:  # the caller may free them once its stream passed this call
                 tensor.record_stream(producer)
                 tensor.record_stream(consumer)
@@ -310,7 +320,8 @@ class MoELayer:
                 end = min(start + T, n)
                 x, x_sf, topk_idx, topk_weights = produce(start, end)
                 publish_chunk(ring, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights, token_base=start,
-                              end_of_stream=end == n, stream=producer)
+                              end_of_stream=end == n, valid_tokens=num_tokens,
+                              batch_rows=None if num_tokens is None else n, stream=producer)
             kernels.launch("moe_drain", ring.desc, block=32, stream=producer)
             out.copy_(self.combine[:n * K].view(n, K, H).sum(dim=1))
 
@@ -353,7 +364,8 @@ class ChunkedMoE(torch.nn.Module):
     """An ``nn.Module`` over a :class:`MoELayer` that owns the router and this rank's expert weights
     (bfloat16: ``router_weight`` [E, H], ``w13`` [E_local, 2I, H], ``w2`` [E_local, H, I]).
 
-    ``forward(hidden, streaming=False)`` routes ``hidden`` bfloat16 [n, H] and returns bfloat16 [n, H].
+    ``forward(hidden, streaming=False, num_tokens=None)`` routes ``hidden`` bfloat16 [n, H] and returns
+    bfloat16 [n, H] (``num_tokens`` as in :meth:`MoELayer.run`).
     Weights start as :func:`init_weights` draws from ``generator`` (a CPU ``torch.Generator``); the
     module keeps the router and this rank's experts.
     """
@@ -370,5 +382,6 @@ class ChunkedMoE(torch.nn.Module):
         self.w13 = torch.nn.Parameter(w13[mine].contiguous().to(device), requires_grad=False)
         self.w2 = torch.nn.Parameter(w2[mine].contiguous().to(device), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor, streaming: bool = False) -> torch.Tensor:
-        return self.layer.forward(hidden, self.router_weight, self.w13, self.w2, streaming=streaming)
+    def forward(self, hidden: torch.Tensor, streaming: bool = False, num_tokens: torch.Tensor | None = None):
+        return self.layer.forward(hidden, self.router_weight, self.w13, self.w2, streaming=streaming,
+                                  num_tokens=num_tokens)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from .env import check_timeout_s, watchdog_timeout_s
-from .errors import ChunkringRuntimeError, ChunkringUsageError
+from .errors import ChunkringDeviceError, ChunkringRuntimeError, ChunkringTimeoutError, ChunkringUsageError
 from .layout import CONTROL, RingLayout
 from .ring_spec import RingSpec
-from .status import StatusRecord
+from .status import ErrorCode, StatusRecord
 
 __all__ = ["Ring"]
 
@@ -82,10 +82,12 @@ class Ring:
         return StatusRecord.from_words(self.views["status"].tolist())
 
     def check(self) -> None:
-        """Raise ``ChunkringRuntimeError`` if any kernel of this rank recorded a protocol error."""
+        """Raise if any kernel of this rank recorded an error: ``ChunkringTimeoutError`` for a watchdog,
+        ``ChunkringDeviceError`` otherwise; either carries the decoded record as ``.record``."""
         record = self.status()
         if not record.ok:
-            raise ChunkringRuntimeError(record.describe(self.spec.epoch_bits))
+            kind = ChunkringTimeoutError if record.code == ErrorCode.TIMEOUT else ChunkringDeviceError
+            raise kind(record.describe(self.spec.epoch_bits), record)
 
     def destroy(self) -> None:
         """Free the ring's symmetric memory. A collective."""

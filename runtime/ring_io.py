@@ -11,7 +11,9 @@ import torch
 from .errors import ChunkringUsageError
 from .ring_spec import FP8_SCALE_BLOCK, PayloadFormat
 
-__all__ = ["publish_chunk", "gather", "GatherOutputs"]
+__all__ = ["publish_chunk", "gather", "gather_grid_limit", "GatherOutputs"]
+
+_GATHER_BLOCK = 512
 
 
 def _library(runtime):
@@ -23,11 +25,13 @@ def _library(runtime):
             desc, Param("x", "ptr", torch.uint8), Param("x_sf", "ptr", torch.float32),
             Param("topk_idx", "ptr", torch.int32), Param("topk_weights", "ptr", torch.float32),
             Param("n_tokens", "i32"), Param("token_base", "i64"), Param("end_of_stream", "i32"),
+            Param("valid_tokens", "ptr", torch.int32, nullable=True), Param("batch_rows", "i64"),
         ),
         "ring_gather": (
             desc, Param("out_x", "ptr", torch.uint8), Param("out_x_sf", "ptr", torch.float32),
             Param("out_topk_idx", "ptr", torch.int32), Param("out_topk_weights", "ptr", torch.float32),
             Param("out_counts", "ptr", torch.int64), Param("capacity", "i64"),
+            Param("arrivals", "ptr", torch.int32),
         ),
     })
 
@@ -50,13 +54,21 @@ def check_tensor(name, tensor, shape, dtype, device):
         raise ChunkringUsageError("tensor must be contiguous", field=name)
 
 
-def publish_chunk(ring, *, x, x_sf, topk_idx, topk_weights, token_base: int, end_of_stream: bool, stream=None):
+def publish_chunk(ring, *, x, x_sf, topk_idx, topk_weights, token_base: int, end_of_stream: bool,
+                  valid_tokens=None, batch_rows: int | None = None, stream=None):
     """Publish ``x`` [n, H] (fp8 e4m3 or bf16, per the spec), ``x_sf`` [n, H/128] fp32 (FP8 only, else
     None), ``topk_idx`` [n, K] int32 (-1 = masked) and ``topk_weights`` [n, K] fp32 as this rank's next
-    chunk, ordered on ``stream`` (default: current). ``n <= tokens_per_slot``; ``n == 0`` is allowed
-    (an empty rank publishes one empty chunk with ``end_of_stream=True``). The call waits on the
-    device, not the host, until the slot is free. ``token_base`` and ``end_of_stream`` are host values:
-    fixed at capture time if this is captured in a CUDA graph.
+    chunk - rows ``[token_base, token_base + n)`` of its batch - ordered on ``stream`` (default:
+    current). ``n <= tokens_per_slot``; ``n == 0`` is allowed (an empty rank publishes one empty chunk
+    with ``end_of_stream=True``). The call waits on the device, not the host, until the slot is free.
+
+    ``token_base`` and ``end_of_stream`` are host values, fixed at capture time if this is captured in
+    a CUDA graph. For a count that changes between replays pass ``valid_tokens`` (int32 [1] on the
+    device: the batch's real token count, read when the kernel runs) and ``batch_rows`` (the batch's
+    capacity): the chunk then publishes only its rows below the count, ends the stream at the count
+    (``end_of_stream`` is ignored), and publishes nothing if it lies wholly past the count - except at
+    ``token_base == 0``, which publishes the empty end-of-stream chunk of an empty rank. A count outside
+    ``[0, batch_rows]`` is recorded as ``BAD_METADATA`` (raised by ``ring.check()``) and clamped.
     """
     ring._check_alive()
     spec, device = ring.spec, ring.runtime.torch_device
@@ -76,12 +88,20 @@ def publish_chunk(ring, *, x, x_sf, topk_idx, topk_weights, token_base: int, end
         raise ChunkringUsageError(f"must be a non-negative int, got {token_base!r}", field="token_base")
     if not isinstance(end_of_stream, bool):
         raise ChunkringUsageError("must be a bool", field="end_of_stream")
-    if n == 0 and not end_of_stream:
+    if (valid_tokens is None) != (batch_rows is None):
+        raise ChunkringUsageError("pass valid_tokens and batch_rows together, or neither",
+                                  field="batch_rows" if batch_rows is None else "valid_tokens")
+    if valid_tokens is not None:
+        check_tensor("valid_tokens", valid_tokens, (1,), torch.int32, device)
+        if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < token_base + n:
+            raise ChunkringUsageError(f"must be an int >= token_base + rows = {token_base + n}, got {batch_rows!r}",
+                                      field="batch_rows")
+    elif n == 0 and not end_of_stream:
         raise ChunkringUsageError("an empty chunk must end the stream (only an empty rank sends one)", field="x")
     scales = x_sf if x_sf is not None else topk_weights  # never read for bf16: zero scale floats per row
     _library(ring.runtime).launch(
         "ring_publish_tensors", ring.desc, x.view(torch.uint8), scales, topk_idx, topk_weights, n, token_base,
-        int(end_of_stream), block=512, stream=stream)
+        int(end_of_stream), valid_tokens, 0 if batch_rows is None else batch_rows, block=512, stream=stream)
 
 
 class GatherOutputs:
@@ -100,16 +120,38 @@ class GatherOutputs:
         self.topk_idx = torch.empty((W, capacity, spec.topk), dtype=torch.int32, device=device)
         self.topk_weights = torch.empty((W, capacity, spec.topk), dtype=torch.float32, device=device)
         self.counts = torch.zeros(W, dtype=torch.int64, device=device)
+        # Per (source, slot): blocks of a multi-block gather done with the current chunk.
+        self.arrivals = torch.zeros((W, spec.num_slots), dtype=torch.int32, device=device)
 
 
-def gather(ring, out: GatherOutputs, *, stream=None) -> None:
+def gather(ring, out: GatherOutputs, *, grid: int = 1, stream=None) -> None:
     """Consume one invocation - every chunk of every source up to its end of stream - into ``out``,
     on ``stream``. Rows land at ``[source, token_base + t]``; rows nobody sent keep their old value.
     A chunk that would not fit ``out.capacity`` is reported through the ring's status, not written.
+
+    ``grid`` blocks consume together (each copies a share of every chunk). A grid that fills the GPU
+    and is launched before the producers is the persistent consumer that starves them unless an
+    :class:`chunkring.SmPartition` confines it (docs/PROTOCOL.md, "Progress"); keep it within what
+    can be resident at once, or the blocks that never start stall the rest until the watchdog fires.
     """
     ring._check_alive()
     if not isinstance(out, GatherOutputs):
         raise ChunkringUsageError(f"expected GatherOutputs, got {type(out).__name__}", field="out")
+    if out.arrivals.shape[0] != ring.spec.world_size or out.arrivals.shape[1] != ring.spec.num_slots:
+        raise ChunkringUsageError("these outputs were made for another ring", field="out")
+    if isinstance(grid, bool) or not isinstance(grid, int) or not 1 <= grid <= 65535:
+        raise ChunkringUsageError(f"must be an int in [1, 65535], got {grid!r}", field="grid")
+    stream = stream if stream is not None else torch.cuda.current_stream(ring.runtime.torch_device)
+    with torch.cuda.stream(stream):
+        out.arrivals.zero_()  # a failed earlier gather may have left counts behind
     _library(ring.runtime).launch(
         "ring_gather", ring.desc, out.x.view(torch.uint8), out.x_sf, out.topk_idx, out.topk_weights, out.counts,
-        out.capacity, block=512, stream=stream)
+        out.capacity, out.arrivals, grid=grid, block=_GATHER_BLOCK, stream=stream)
+
+
+def gather_grid_limit(ring, sms: int) -> int:
+    """The largest :func:`gather` grid whose blocks are all resident at once on ``sms`` SMs: the
+    persistent-consumer shape that occupies those SMs completely."""
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+        raise ChunkringUsageError(f"must be a positive int, got {sms!r}", field="sms")
+    return sms * _library(ring.runtime).resident_blocks_per_sm("ring_gather", _GATHER_BLOCK)

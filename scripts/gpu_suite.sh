@@ -57,7 +57,7 @@ mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
     run_suite "$suite" "$n" "${mpi[@]}" -np "$n" --timeout "$limit" \
         bash -c "exec python3 -m pytest --with-mpi $* --junitxml=$logs/$suite.xml.\$OMPI_COMM_WORLD_RANK"
 }
-mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 300 tests/gpu tests/mpi -q -rs "${limits[*]}" || status=1
+mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 420 tests/gpu tests/mpi -q -rs "${limits[*]}" || status=1
 mpi_pytest "moe-2rank-mps" 2 200 tests/gpu/test_moe_layer.py -q -rs "${limits[*]}" || status=1
 mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1
 "${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \

@@ -1,6 +1,7 @@
 """The stream-ordered host API: torch tensors published chunk by chunk from a producer stream arrive,
 gathered by a consumer on another stream, at every rank - exact bytes, right rows, right counts - with
-ring wrap inside one invocation, empty ranks, partial last chunks, and several invocations per epoch."""
+ring wrap inside one invocation, empty ranks, partial last chunks, and several invocations per epoch;
+gathered by one block and by several that share each chunk."""
 
 import numpy as np
 import pytest
@@ -29,7 +30,8 @@ def source_tensors(spec, src, invocation, n, device):
 
 @pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
 @pytest.mark.parametrize("num_slots", [1, 2])
-def test_publish_and_gather(runtime, payload, num_slots):
+@pytest.mark.parametrize("grid", [1, 7])
+def test_publish_and_gather(runtime, payload, num_slots, grid):
     W = runtime.world_size
     spec = RingSpec(world_size=W, num_slots=num_slots, tokens_per_slot=T, hidden=H, payload=payload, topk=K,
                     num_experts=4 * W)
@@ -53,7 +55,7 @@ def test_publish_and_gather(runtime, payload, num_slots):
                     rows = slice(base, min(n, base + T))
                     publish_chunk(ring, x=x[rows], x_sf=None if x_sf is None else x_sf[rows], topk_idx=idx[rows],
                                   topk_weights=w[rows], token_base=base, end_of_stream=base + T >= n)
-            gather(ring, out, stream=consumer)
+            gather(ring, out, grid=grid, stream=consumer)
             torch.cuda.synchronize()
             ring.check()
             assert out.counts.tolist() == counts.tolist()

@@ -39,3 +39,11 @@ def test_param_declaration_errors():
         Param("p", "ptr")
     with pytest.raises(ChunkringUsageError):
         Param("p", "f16")
+
+
+def test_nullable_pointer_passes_null_only_when_declared():
+    assert Param("count", "ptr", torch.int32, nullable=True).convert(None, CUDA0) == 0
+    with pytest.raises(ChunkringUsageError, match="torch.Tensor"):
+        Param("count", "ptr", torch.int32).convert(None, CUDA0)
+    with pytest.raises(ChunkringUsageError, match="nullable"):
+        Param("n", "i32", nullable=True)

@@ -33,6 +33,12 @@ def good(n=3):
     ({"token_base": -1}, "token_base"),
     ({"token_base": 1.0}, "token_base"),
     ({"end_of_stream": 1}, "end_of_stream"),
+    ({"valid_tokens": torch.zeros(1, dtype=torch.int32)}, "batch_rows"),
+    ({"batch_rows": 8}, "valid_tokens"),
+    ({"valid_tokens": torch.zeros(1, dtype=torch.int64), "batch_rows": 8}, "valid_tokens"),
+    ({"valid_tokens": torch.zeros(2, dtype=torch.int32), "batch_rows": 8}, "valid_tokens"),
+    ({"valid_tokens": torch.zeros(1, dtype=torch.int32), "batch_rows": 2}, "batch_rows"),
+    ({"valid_tokens": torch.zeros(1, dtype=torch.int32), "batch_rows": True}, "batch_rows"),
 ])
 def test_publish_rejects(change, field):
     with pytest.raises(ChunkringUsageError) as info:
@@ -52,3 +58,7 @@ def test_gather_rejects_bad_outputs():
     with pytest.raises(ChunkringUsageError) as info:
         GatherOutputs(RING, -1)
     assert info.value.field == "capacity"
+    for grid in (0, 65536, 2.0, True):
+        with pytest.raises(ChunkringUsageError) as info:
+            gather(RING, GatherOutputs(RING, 4), grid=grid)
+        assert info.value.field == "grid"

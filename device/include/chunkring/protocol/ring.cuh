@@ -202,24 +202,52 @@ __device__ __forceinline__ bool ack_chunk(const RingDesc& d, u64 epoch, u64 src,
 
 // ---------------------------------------------------------------- one invocation, consumer side
 
+// Every block of the grid consuming a chunk together: the last block to finish it acknowledges it.
+// `arrivals` counts finished blocks per (source, slot); it is zero between chunks (the last block
+// zeroes it), and zeroed by the host before a kernel that may follow a failed one. With `arrivals`
+// null, the calling block is the rank's only consumer block and acknowledges directly.
+// Orders: each block's reads of the chunk -> __syncthreads -> GPU-scope release fence -> arrival; the
+// last arrival -> GPU-scope acquire fence -> ack_chunk (whose system-scope release fence then covers
+// every block's reads).
+__device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, unsigned* arrivals) {
+    if (arrivals == nullptr) return ack_chunk(d, epoch, src, seq);
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned* count = arrivals + src * d.num_slots + slot_of(seq, d.num_slots);
+        ptx::fence_acq_rel_gpu();  // release: this block's reads before its arrival
+        last = atomicAdd(count, 1u) == gridDim.x - 1;
+        if (last) {
+            ptx::fence_acq_rel_gpu();  // acquire: every other block's reads before the ack
+            *count = 0;  // nobody touches it again before our ack lets the slot be reused
+        }
+    }
+    __syncthreads();
+    return last ? ack_chunk(d, epoch, src, seq) : true;
+}
+
 // Consume one invocation: chunk steps over the sources still active (rank order within a step), each
 // chunk waited for, handed to `visit(src, seq, slot)` (block-level; returns false after recording an
-// error), then acknowledged; a source drops out after its end-of-stream chunk. No global token count
-// is needed, and an empty source (one empty end-of-stream chunk) stalls nobody.
+// error), then acknowledged; a source drops out after its end-of-stream chunk. No global token count is
+// needed, and an empty source (one empty end-of-stream chunk) stalls nobody.
+// With `arrivals` [world_size * num_slots] (see finish_chunk), every block of the grid runs this and
+// visits every chunk, each doing its share of the work; with null, one block consumes alone. Each block starts from the
+// consumer's cursors, read before its first arrival - hence before any block of this kernel can ack
+// and advance them.
 // Returns false, uniformly across the block, once any step failed.
 template <typename Visit>
-__device__ bool consume_invocation(const RingDesc& d, u64 epoch, Visit visit) {
-    __shared__ u64 active, step_seq;
+__device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arrivals, Visit visit) {
+    __shared__ u64 active, next_seq[kMaxWorldSize];
     __shared__ bool step_eos, step_ok;
+    // NOTES: relaxed - only this consumer writes its cursors (ack_chunk), in earlier kernels or, within
+    // this kernel, only after every block arrived at a chunk, i.e. after every block read them here.
+    for (u64 src = threadIdx.x; src < d.world_size; src += blockDim.x) next_seq[src] = ptx::ld_relaxed_sys(cursor_word(d, src));
     if (threadIdx.x == 0) active = d.world_size == 64 ? ~0ull : (1ull << d.world_size) - 1;
     __syncthreads();
     while (active) {
         for (u64 src = 0; src < d.world_size; ++src) {
             if (!(active >> src & 1)) continue;
-            // NOTES: relaxed - this consumer alone writes its cursor (in ack_chunk).
-            if (threadIdx.x == 0) step_seq = ptx::ld_relaxed_sys(cursor_word(d, src));
-            __syncthreads();
-            const u64 seq = step_seq, slot = slot_of(seq, d.num_slots);
+            const u64 seq = next_seq[src], slot = slot_of(seq, d.num_slots);
             if (!wait_chunk(d, epoch, src, seq)) return false;
             if (threadIdx.x == 0) {
                 const u64* meta = peer_view(d, slot_meta(d, slot), src);
@@ -229,8 +257,11 @@ __device__ bool consume_invocation(const RingDesc& d, u64 epoch, Visit visit) {
             }
             __syncthreads();
             if (!step_ok || !visit(src, seq, slot)) return false;
-            if (!ack_chunk(d, epoch, src, seq)) return false;
-            if (threadIdx.x == 0 && step_eos) active &= ~(1ull << src);
+            if (!finish_chunk(d, epoch, src, seq, arrivals)) return false;
+            if (threadIdx.x == 0) {
+                next_seq[src] = seq + 1;
+                if (step_eos) active &= ~(1ull << src);
+            }
             __syncthreads();
         }
     }

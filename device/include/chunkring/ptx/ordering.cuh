@@ -27,6 +27,9 @@ __device__ __forceinline__ void st_relaxed_sys(u64* ptr, u64 value) {
 // release pattern; with a relaxed load before it, an acquire pattern (PTX ISA, memory consistency model).
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// The same fence at GPU scope: for orderings between blocks of one kernel on one GPU.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 // Nanoseconds from the global timer. Watchdogs use it rather than clock64(), whose rate varies.
 __device__ __forceinline__ u64 globaltimer_ns() {
     u64 ns;

@@ -1,0 +1,164 @@
+"""CUDA-graph capture and replay of the MoE layer's streamed call (and the batch-ready one).
+
+A call is captured once with fixed shapes: ``max_tokens`` rows, the real count in a device int32 that
+the test rewrites before every replay (zero on some ranks in some replays, rarely a multiple of the
+chunk size). Before each replay fresh inputs are written into the captured tensors; after it an eager
+call on the same layer (same rings, so eager calls and replays interleave on the ring's device-resident
+sequence numbers and wrap its slots) computes the same output, which must match bit for bit - the same
+kernels in the same order - and every 100th replay is also checked against the fp32 reference.
+
+A replay takes no value from the host: generations, epochs and cursors live on the device, so a graph
+that had baked in a host counter would wait for a chunk that never comes (watchdog) or read stale
+chunks (mismatch) from its second replay on.
+"""
+
+import pytest
+import torch
+
+from chunkring import MoEConfig, MoELayer
+from chunkring.moe_reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+
+from tests.gpu.test_moe_layer import H, rel_error, routing, weights
+
+pytestmark = pytest.mark.gpu
+
+REPLAYS = 1000
+C, SLOTS, MAX_TOKENS, TOPK = 16, 2, 72, 2  # up to five chunks through a two-slot ring: it wraps inside a call
+
+
+class Batch:
+    """The captured call's inputs, written in place before each replay."""
+
+    def __init__(self, runtime, cfg):
+        device = runtime.torch_device
+        self.x = torch.zeros(MAX_TOKENS, H, dtype=torch.float8_e4m3fn, device=device)
+        self.sf = torch.zeros(MAX_TOKENS, H // 128, device=device)
+        self.idx = torch.zeros(MAX_TOKENS, TOPK, dtype=torch.int32, device=device)
+        self.w = torch.zeros(MAX_TOKENS, TOPK, device=device)
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.cfg, self.rank, self.world = cfg, runtime.rank, runtime.world_size
+        self.x_in = None  # the dequantised input of the last fill, for the reference
+
+    def fill(self, step: int) -> int:
+        """Fresh inputs for ``step``; returns this rank's real token count."""
+        gen = torch.Generator().manual_seed(1_000_003 * step + self.rank)
+        n = 0 if (step + self.rank) % 7 == 0 else int(torch.randint(1, MAX_TOKENS + 1, (1,), generator=gen))
+        xq, sf = quantize_fp8_per128(torch.randn(MAX_TOKENS, H, generator=gen))
+        idx, w = routing(MAX_TOKENS, self.cfg.num_experts, TOPK, "masked" if step % 3 else "uniform", gen)
+        for dst, src in ((self.x, xq), (self.sf, sf), (self.idx, idx), (self.w, w)):
+            dst.copy_(src)
+        self.count.fill_(n)
+        self.x_in = dequantize_fp8_per128(xq, sf)
+        return n
+
+    def args(self):
+        return self.x, self.sf, self.idx, self.w
+
+
+def make_layer(runtime):
+    W = runtime.world_size
+    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                    front_num_slots=SLOTS, front_tokens_per_slot=C)
+    layer = MoELayer(runtime, cfg, timeout_s=60)
+    w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(5))
+    mine = slice(runtime.rank * 2, runtime.rank * 2 + 2)
+    device = runtime.torch_device
+    experts = (w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
+    return layer, experts, (w13.float().to(device), w2.float().to(device))
+
+
+def capture(layer, batch, experts, out, *, streaming):
+    """One eager warm-up call, then the captured call; any host synchronisation inside raises."""
+    layer.run(*batch.args(), *experts, streaming=streaming, out=out, num_tokens=batch.count)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="global"):
+            layer.run(*batch.args(), *experts, streaming=streaming, out=out, num_tokens=batch.count)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return graph
+
+
+def check_replay(layer, batch, experts, graph, out, step, *, streaming, reference=None):
+    n = batch.fill(step)
+    graph.replay()
+    replayed = out.clone()
+    eager = layer.run(*batch.args(), *experts, streaming=streaming, num_tokens=batch.count)
+    torch.cuda.synchronize()
+    layer.check()
+    assert torch.equal(replayed, eager), f"replay {step} (n={n}) differs from the eager call"
+    assert not bool(replayed[n:].any()), f"replay {step}: rows past the real count {n} are not zero"
+    if reference is not None:
+        w13, w2 = reference
+        device = out.device
+        ref = moe_reference(batch.x_in[:n].to(device), batch.idx[:n], batch.w[:n], w13, w2)
+        assert rel_error(replayed[:n], ref) <= 1e-2, f"replay {step}"
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
+def test_replays_match_eager_calls(runtime, streaming):
+    layer, experts, reference = make_layer(runtime)
+    try:
+        batch = Batch(runtime, layer.config)
+        out = torch.zeros(MAX_TOKENS, H, dtype=torch.bfloat16, device=runtime.torch_device)
+        graph = capture(layer, batch, experts, out, streaming=streaming)
+        replays = REPLAYS if streaming else REPLAYS // 10
+        for step in range(replays):
+            check_replay(layer, batch, experts, graph, out, step, streaming=streaming,
+                         reference=reference if step % 100 == 0 else None)
+        # A reset between replay series: the graph reads the new epoch from device memory.
+        layer.reset()
+        for step in range(replays, replays + 20):
+            check_replay(layer, batch, experts, graph, out, step, streaming=streaming, reference=reference)
+    finally:
+        layer.destroy()
+
+
+def test_capture_after_reset_and_no_allocation_during_replay(runtime):
+    layer, experts, reference = make_layer(runtime)
+    try:
+        batch = Batch(runtime, layer.config)
+        out = torch.zeros(MAX_TOKENS, H, dtype=torch.bfloat16, device=runtime.torch_device)
+        layer.run(*batch.args(), *experts, streaming=True, num_tokens=batch.count)
+        layer.reset()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocated_bytes.all.current"]
+        graph = capture(layer, batch, experts, out, streaming=True)
+        # Whatever the captured region allocated lives in the graph's private pool and was released
+        # when capture ended: nothing it allocated is still held.
+        assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == before
+        batch.fill(1)
+        stats = torch.cuda.memory_stats()
+        for _ in range(50):
+            graph.replay()
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_stats()
+        for key in ("allocation.all.allocated", "segment.all.allocated", "allocated_bytes.all.current"):
+            assert after[key] == stats[key], f"{key} changed during replays"
+        layer.check()
+        for step in range(2, 12):
+            check_replay(layer, batch, experts, graph, out, step, streaming=True, reference=reference)
+    finally:
+        layer.destroy()
+
+
+def test_bad_count_is_reported_not_used(runtime):
+    """A count outside [0, n] is clamped on the device and reported by check() - never an index."""
+    from chunkring import ChunkringDeviceError
+
+    if runtime.world_size > 1:
+        pytest.skip("an error on one rank stalls its peers until their watchdog; one rank shows the report")
+    layer, experts, _ = make_layer(runtime)
+    try:
+        batch = Batch(runtime, layer.config)
+        batch.fill(1)
+        batch.count.fill_(MAX_TOKENS + 5)
+        layer.run(*batch.args(), *experts, streaming=True, num_tokens=batch.count)
+        torch.cuda.synchronize()
+        with pytest.raises(ChunkringDeviceError, match="BAD_METADATA") as info:
+            layer.check()
+        assert info.value.record.observed == MAX_TOKENS + 5 and info.value.record.expected == MAX_TOKENS
+    finally:
+        layer.destroy()

@@ -1,0 +1,186 @@
+"""Progress (docs/PROTOCOL.md, "Progress"): a call completes whatever order its two sides run in, and a
+wait that cannot complete ends in a typed error naming who was waited for - never a hang.
+
+* serialized: every producer runs to completion (host-synchronised) before any consumer starts;
+* consumer first with the smallest grid (one block), the ring wrapping inside the call;
+* consumer first with a grid that fills its green-context partition (the persistent-consumer shape);
+* negative control: the same grid filling the whole GPU without a partition starves the producer, and
+  the watchdog reports it (in-process: kernels return instead of trapping, so the context survives);
+* a producer delayed by seconds on one rank, an empty rank, through the MoE layer on a partition;
+* a rank that never publishes: every rank's consumer times out with the record naming it.
+"""
+
+import time
+
+import pytest
+import torch
+
+from chunkring import ChunkringTimeoutError, MoEConfig, MoELayer, Ring, RingSpec, SmPartition
+from chunkring.moe_reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.ring_io import GatherOutputs, gather, gather_grid_limit, publish_chunk
+from chunkring.ring_spec import PayloadFormat
+from chunkring.status import Site
+from tests.gpu.test_moe_layer import H, rel_error, routing, weights
+from tests.gpu.test_ring_host_api import K, T, source_tensors
+
+pytestmark = pytest.mark.gpu
+
+SPIN_FIRST_S = 0.3  # how long the consumer spins alone before any producer is enqueued
+
+
+def make_ring(runtime, num_slots, timeout_s=30.0):
+    W = runtime.world_size
+    spec = RingSpec(world_size=W, num_slots=num_slots, tokens_per_slot=T, hidden=H, payload=PayloadFormat.FP8_E4M3,
+                    topk=K, num_experts=4 * W)
+    return Ring(runtime, spec, timeout_s=timeout_s)
+
+
+def counts_for(world: int, chunks: int) -> list[int]:
+    """Tokens per rank: the last rank empty, the others ``chunks`` chunks with a partial last one."""
+    return [0 if world > 1 and r == world - 1 else chunks * T - 3 for r in range(world)]
+
+
+def publish_all(runtime, ring, n, invocation, stream):
+    x, x_sf, idx, w = source_tensors(ring.spec, runtime.rank, invocation, n, runtime.torch_device)
+    with torch.cuda.stream(stream):
+        for base in range(0, max(n, 1), T):
+            rows = slice(base, min(n, base + T))
+            publish_chunk(ring, x=x[rows], x_sf=x_sf[rows], topk_idx=idx[rows], topk_weights=w[rows], token_base=base,
+                          end_of_stream=base + T >= n)
+
+
+def check_gathered(runtime, ring, out, counts, invocation):
+    torch.cuda.synchronize()
+    ring.check()
+    assert out.counts.tolist() == counts
+    for src, m in enumerate(counts):
+        rx, rsf, ridx, rw = source_tensors(ring.spec, src, invocation, m, runtime.torch_device)
+        assert torch.equal(out.x[src, :m].view(torch.uint8), rx.view(torch.uint8)), src
+        assert torch.equal(out.x_sf[src, :m], rsf) and torch.equal(out.topk_idx[src, :m], ridx), src
+
+
+def test_producers_complete_before_the_consumer_starts(runtime):
+    """Serialized execution: at most S chunks per source, so no producer waits for an ack."""
+    slots = 3
+    counts = counts_for(runtime.world_size, slots)
+    with make_ring(runtime, slots) as ring:
+        for invocation in range(3):
+            out = GatherOutputs(ring, slots * T)
+            publish_all(runtime, ring, counts[runtime.rank], invocation, torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            runtime.barrier()  # every rank's producers have finished
+            gather(ring, out, grid=1)
+            check_gathered(runtime, ring, out, counts, invocation)
+            runtime.barrier()
+
+
+def test_consumer_first_with_the_smallest_grid(runtime):
+    """One consumer block, launched first and spinning; five chunks wrap a two-slot ring."""
+    counts = counts_for(runtime.world_size, 5)
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    with make_ring(runtime, 2) as ring:
+        out = GatherOutputs(ring, 5 * T)
+        torch.cuda.synchronize()
+        gather(ring, out, grid=1, stream=consumer)
+        time.sleep(SPIN_FIRST_S)
+        publish_all(runtime, ring, counts[runtime.rank], 0, producer)
+        check_gathered(runtime, ring, out, counts, 0)
+
+
+def test_consumer_first_filling_its_partition(runtime):
+    """The persistent-consumer shape: every SM of the consumer partition full of spinning blocks before
+    any producer runs. The producers, on their own partition, still run."""
+    counts = counts_for(runtime.world_size, 5)
+    with make_ring(runtime, 2) as ring, SmPartition(runtime, producer_sms=16) as part:
+        # Ranks sharing one GPU under MPS share the consumer partition's SMs: split its capacity.
+        grid = max(1, gather_grid_limit(ring, part.consumer_sms) // runtime.world_size)
+        for invocation in range(2):
+            out = GatherOutputs(ring, 5 * T)
+            torch.cuda.synchronize()
+            runtime.barrier()
+            gather(ring, out, grid=grid, stream=part.consumer_stream)
+            time.sleep(SPIN_FIRST_S)
+            publish_all(runtime, ring, counts[runtime.rank], invocation, part.producer_stream)
+            check_gathered(runtime, ring, out, counts, invocation)
+
+
+def test_consumer_filling_the_gpu_without_a_partition_starves_the_producer(runtime):
+    """Negative control for the test above: the watchdog fires, naming the wait and the silent source."""
+    if runtime.world_size > 1:
+        pytest.skip("one rank owns the whole GPU only when it runs alone")
+    sms = torch.cuda.get_device_properties(runtime.torch_device).multi_processor_count
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    with make_ring(runtime, 2, timeout_s=3.0) as ring:
+        out = GatherOutputs(ring, 5 * T)
+        torch.cuda.synchronize()
+        gather(ring, out, grid=gather_grid_limit(ring, sms), stream=consumer)
+        time.sleep(SPIN_FIRST_S)
+        publish_all(runtime, ring, 5 * T - 3, 0, producer)
+        torch.cuda.synchronize()
+        with pytest.raises(ChunkringTimeoutError) as info:
+            ring.check()
+        record = info.value.record
+        assert (record.site, record.peer, record.slot, record.observed) == (Site.WAIT_ROUTE, 0, 0, 0), record
+        assert "TIMEOUT while waiting" in str(info.value)
+        # The context survived (no trap): a reset and a normal call work.
+        ring.reset()
+        out = GatherOutputs(ring, T)
+        publish_all(runtime, ring, T, 1, producer)
+        gather(ring, out, stream=consumer)
+        check_gathered(runtime, ring, out, [T], 1)
+
+
+def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
+    W = runtime.world_size
+    with make_ring(runtime, 1, timeout_s=2.0) as ring:
+        out = GatherOutputs(ring, T)
+        if runtime.rank != 0:  # rank 0 never publishes
+            publish_all(runtime, ring, T, 0, torch.cuda.current_stream())
+        gather(ring, out)
+        torch.cuda.synchronize()
+        with pytest.raises(ChunkringTimeoutError) as info:
+            ring.check()
+        record = info.value.record
+        assert (record.pe, record.site, record.peer, record.slot, record.observed) == (
+            runtime.rank, Site.WAIT_ROUTE, 0, 0, 0), record
+        runtime.barrier()
+        ring.reset()
+        out = GatherOutputs(ring, T)
+        publish_all(runtime, ring, T, 1, torch.cuda.current_stream())
+        gather(ring, out)
+        check_gathered(runtime, ring, out, [T] * W, 1)
+
+
+def test_layer_on_a_partition_with_a_delayed_producer_and_an_empty_rank(runtime):
+    """The streamed layer on green-context streams; the last rank sleeps 3 s before its call (its peers'
+    consumers wait for it), the first rank has no tokens."""
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=2, max_tokens_per_rank=64,
+                    front_num_slots=2, front_tokens_per_slot=16)
+    w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(9))
+    mine = slice(rank * 2, rank * 2 + 2)
+    experts = (w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
+    gen = torch.Generator().manual_seed(40 + rank)
+    n = 0 if rank == 0 and W > 1 else 61
+    xq, sf = quantize_fp8_per128(torch.randn(n, H, generator=gen))
+    idx, w = routing(n, cfg.num_experts, 2, "uniform", gen)
+    ref = moe_reference(dequantize_fp8_per128(xq, sf).to(device), idx.to(device), w.to(device),
+                        w13.float().to(device), w2.float().to(device))
+    args = [t.to(device) for t in (xq, sf, idx, w)]
+    with SmPartition(runtime, producer_sms=16) as part:
+        layer = MoELayer(runtime, cfg, partition=part, timeout_s=60)
+        try:
+            plain = None
+            for delayed in (False, True):
+                runtime.barrier()
+                if delayed and rank == W - 1:
+                    time.sleep(3.0)
+                out = layer.run(*args, *experts, streaming=True)
+                torch.cuda.synchronize()
+                layer.check()
+                assert rel_error(out, ref) <= 1e-2
+                if plain is not None:
+                    assert torch.equal(out, plain)
+                plain = out
+        finally:
+            layer.destroy()

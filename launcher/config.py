@@ -9,7 +9,7 @@ from pathlib import Path
 
 from chunkring.errors import ChunkringUsageError
 
-__all__ = ["load_table", "from_table", "parse_overrides"]
+__all__ = ["from_table", "load_table", "parse_overrides"]
 
 
 def load_table(name_or_path: str) -> dict:
@@ -43,6 +43,8 @@ def from_table(cls, table: dict, *, job: str):
     for key, value in table.items():
         expected = fields[key].type
         expected = {"int": int, "float": float, "str": str, "bool": bool}.get(expected, expected)
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            table[key] = value = float(value)  # duration_s=600 means 600.0
         if isinstance(expected, type) and not (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
             raise ChunkringUsageError(f"expected {expected.__name__}, got {value!r}", field=key)
     return cls(**table)

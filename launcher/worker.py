@@ -1,31 +1,61 @@
-"""One rank of a chunkring job: bring up, run the job, report, tear down. Started by ``chunkring-launch``."""
+"""One rank of a chunkring job: bring up, run the job, report, tear down. Started by ``chunkring-launch``.
+
+A failing rank writes its diagnostic to the launcher's job directory (``CHUNKRING_JOB_DIR``); only the
+first rank to fail also prints it, so the user reads one diagnostic, not one per rank. Then it aborts
+the MPI job, so no rank waits in a collective. Without a job directory (run under your own mpirun) every
+failing rank prints its own.
+"""
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import traceback
 
 from chunkring import RankInfo, init
 from chunkring.errors import ChunkringError, ChunkringUsageError
 
+from . import exitcodes, progress
 from .config import from_table, load_table, parse_overrides
+from .jobdir import JOB_DIR_VAR, record_failure, stack_path
 from .jobs import JOBS
 
 
-def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None = None) -> int:
+class HostRuntime:
+    """What a job that needs no GPU (``NEEDS_GPU = False``) gets instead of :func:`chunkring.init`: its
+    rank, the world size and a barrier, through MPI."""
+
+    def __init__(self, info: RankInfo):
+        self.rank, self.world_size = info.rank, info.world_size
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Barrier()
+
+    def close(self) -> None:
+        pass
+
+
+def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None = None,
+            show_progress: bool = False) -> int:
     """Run ``job`` in this process (one rank); rank 0 prints the table. Returns the exit status."""
     module = JOBS[job]
     try:
         config = from_table(module.CONFIG, {**load_table(config_name), **parse_overrides(overrides)}, job=job)
     except ChunkringUsageError as exc:
         print(f"chunkring-launch: bad config: {exc}", file=sys.stderr)
-        return 2
+        return exitcodes.USAGE
+    progress.enable(show_progress)
+    _dump_stack_on_sigterm()
     runtime = None
     try:
-        runtime = init()
+        runtime = init() if getattr(module, "NEEDS_GPU", True) else HostRuntime(RankInfo.from_env())
         figures = module.run(runtime, config)
         all_figures = _gather(runtime, figures)
         if runtime.rank == 0:
@@ -34,14 +64,40 @@ def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None =
                 with open(json_path, "w") as out:
                     json.dump(report(job, config, runtime, all_figures), out, indent=2)
         runtime.close()
-        return 0
+        return exitcodes.PASSED
+    except KeyboardInterrupt:  # the launcher forwarded Ctrl-C to a single worker: it reports that itself
+        _abort_others(runtime)
+        return exitcodes.INTERRUPTED
     except ChunkringError as exc:
-        rank = runtime.rank if runtime else RankInfo.from_env().rank
-        print(f"chunkring-launch: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
-    except Exception:
-        traceback.print_exc()
+        _report_failure(runtime, f"{type(exc).__name__}: {exc}")
+    except Exception:  # noqa: BLE001 - any error of any rank must end the whole job, with its diagnostic
+        _report_failure(runtime, traceback.format_exc().rstrip("\n"))
     _abort_others(runtime)
-    return 1
+    return exitcodes.FAILED
+
+
+def _rank(runtime) -> int:
+    return runtime.rank if runtime is not None else RankInfo.from_env().rank
+
+
+def _report_failure(runtime, what: str) -> None:
+    rank = _rank(runtime)
+    text = f"chunkring-launch: rank {rank}: {what}\n"
+    job_dir = os.environ.get(JOB_DIR_VAR)
+    if job_dir and not record_failure(job_dir, rank, text):
+        return  # another rank failed first and printed its diagnostic; ours is in the job directory
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def _dump_stack_on_sigterm() -> None:
+    """When the job is ended from outside (--timeout, Ctrl-C: Open MPI sends SIGTERM first), write this
+    rank's Python stack to the job directory, then die as SIGTERM would: where a hung rank waited."""
+    job_dir = os.environ.get(JOB_DIR_VAR)
+    if not job_dir or not hasattr(signal, "SIGTERM"):
+        return
+    stack_file = open(stack_path(job_dir, RankInfo.from_env().rank), "w")  # noqa: SIM115 - kept open for the handler
+    faulthandler.register(signal.SIGTERM, file=stack_file, all_threads=True, chain=True)
 
 
 def report(job: str, config, runtime, all_figures: list) -> dict:
@@ -56,7 +112,7 @@ def report(job: str, config, runtime, all_figures: list) -> dict:
     figures = {f"rank{r}_{key}": value for r, f in enumerate(all_figures) for key, value in f.items()}
     return {
         "commit": os.environ.get("CHUNKRING_COMMIT") or _git_commit(),
-        "gpu": torch.cuda.get_device_name(runtime.ordinal),
+        "gpu": _device_name(runtime),
         "gpus": torch.cuda.device_count(),
         "ranks": runtime.world_size,
         "suite": job,
@@ -74,7 +130,7 @@ def _git_commit() -> str:
     import subprocess
 
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, timeout=10,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
@@ -99,18 +155,24 @@ def _abort_others(runtime) -> None:
         MPI.COMM_WORLD.Abort(1)
 
 
-def _print_table(job: str, runtime, all_figures: list) -> None:
+def _device_name(runtime) -> str:
+    if isinstance(runtime, HostRuntime):
+        return "host only (no GPU)"
     import torch
 
+    return torch.cuda.get_device_name(runtime.ordinal)
+
+
+def _print_table(job: str, runtime, all_figures: list) -> None:
     keys = sorted({k for f in all_figures for k in f})
-    print(f"chunkring {job}: PASS on {runtime.world_size} rank(s), {torch.cuda.get_device_name(runtime.ordinal)}")
+    print(f"chunkring {job}: PASS on {runtime.world_size} rank(s), {_device_name(runtime)}")
     width = max(len(k) for k in keys) if keys else 0
     print(f"{'figure':<{width}}  " + "  ".join(f"rank {r:<4}" for r in range(len(all_figures))))
     for key in keys:
         cells = []
         for figures in all_figures:
             value = figures.get(key)
-            cells.append(f"{value:<9.3f}" if isinstance(value, float) else f"{str(value if value is not None else '-'):<9}")
+            cells.append(f"{value:<9.3g}" if isinstance(value, float) else f"{value if value is not None else '-'!s:<9}")
         print(f"{key:<{width}}  " + "  ".join(cells))
 
 
@@ -120,8 +182,9 @@ def main(argv=None) -> int:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--progress", action="store_true", help="rank 0 reports progress to the launcher")
     args = parser.parse_args(argv)
-    return run_job(args.job, args.config, args.overrides, json_path=args.json)
+    return run_job(args.job, args.config, args.overrides, json_path=args.json, show_progress=args.progress)
 
 
 if __name__ == "__main__":

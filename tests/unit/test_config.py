@@ -63,8 +63,42 @@ def test_every_preset_is_valid_for_its_job():
     from importlib import resources
 
     presets = [p.name[:-5] for p in resources.files("chunkring.configs").iterdir() if p.name.endswith(".toml")]
-    assert {"bringup", "run", "prefill_8xh200", "decode_8xh200"} <= set(presets)
+    assert {"bringup", "run", "stress", "chaos", "prefill_8xh200", "decode_8xh200"} <= set(presets)
     for name in presets:
         table = load_table(name)
         job = table["job"]
         assert isinstance(from_table(JOBS[job].CONFIG, table, job=job), JOBS[job].CONFIG), name
+
+
+def test_jobs_share_the_layer_fields():
+    from chunkring.launcher.jobs.moe_workload import LayerFields
+
+    for job in ("run", "stress"):
+        assert issubclass(JOBS[job].CONFIG, LayerFields)
+        with pytest.raises(ChunkringUsageError, match="colour"):
+            from_table(JOBS[job].CONFIG, {**load_table(job), "colour": 1}, job=job)
+
+
+def test_the_test_job_is_registered_only_on_request():
+    import os
+    import subprocess
+    import sys
+
+    code = "from chunkring.launcher.jobs import JOBS; print(sorted(JOBS))"
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={k: v for k, v in os.environ.items() if k != "CHUNKRING_TEST_JOBS"})
+    asked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=dict(os.environ, CHUNKRING_TEST_JOBS="1"))
+    assert "fault" not in plain.stdout and "fault" in asked.stdout
+
+
+def test_an_int_is_taken_for_a_float_but_not_the_reverse():
+    config = from_table(JOBS["stress"].CONFIG, {**load_table("stress"), "iterations": 0, "duration_s": 600},
+                        job="stress")
+    assert config.duration_s == 600.0 and isinstance(config.duration_s, float)
+    with pytest.raises(ChunkringUsageError) as info:
+        from_table(JOBS["stress"].CONFIG, {**load_table("stress"), "iterations": 10.0}, job="stress")
+    assert info.value.field == "iterations"
+    with pytest.raises(ChunkringUsageError) as info:
+        from_table(JOBS["stress"].CONFIG, {**load_table("stress"), "tolerance": True}, job="stress")
+    assert info.value.field == "tolerance"

@@ -16,7 +16,7 @@ from chunkring.launcher.config import parse_overrides
 
 
 def run_cli(*argv, env=None):
-    return subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", *argv], check=False, capture_output=True, text=True,
                           timeout=120, env=env)
 
 
@@ -30,6 +30,40 @@ def test_dry_run_prints_command_and_environment():
     for name in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "CUDA_MPS_PIPE_DIRECTORY"):
         assert f"-x {name}" in cmd_line
     assert cmd_line.endswith("-m chunkring.launcher.worker bringup bringup rounds=3")
+
+
+def test_dry_run_of_the_stress_job():
+    proc = run_cli("--dry-run", "--np", "4", "--mps", "--timeout", "900", "--no-progress", "stress", "iterations=0",
+                   "duration_s=600")
+    assert proc.returncode == 0, proc.stderr
+    env_line, cmd_line = proc.stdout.strip().splitlines()
+    assert "CHUNKRING_JOB_DIR=" in env_line and "-x CHUNKRING_JOB_DIR" in cmd_line
+    assert cmd_line.startswith("mpirun -np 4 --timeout 900")
+    assert cmd_line.endswith("-m chunkring.launcher.worker stress stress iterations=0 duration_s=600")
+
+
+def test_dry_run_with_one_rank_shows_the_worker_command():
+    proc = run_cli("--dry-run", "--np", "1", "--config", "chaos", "stress", "chaos=delay")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].endswith("-m chunkring.launcher.worker stress chaos chaos=delay")
+
+
+def test_progress_is_asked_of_the_worker_only_when_drawn():
+    args = SimpleNamespace(job="stress", config=None, overrides=["seed=3"], json=None)
+    assert cli.worker_command(args)[-3:] == ["stress", "stress", "seed=3"]
+    assert cli.worker_command(args, progress=True)[-1] == "--progress"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["stress", "chaos=fire"], "chaos: must be one of"),
+    (["stress", "iterations=0"], "iterations: set iterations > 0 or duration_s > 0"),
+    (["--config", "chaos", "stress", "chaos_iteration=99"], "chaos_iteration: must be in [0, iterations=40)"),
+    (["stress", "front_num_slots=6"], "front_num_slots: a full call"),
+])
+def test_bad_stress_config_is_reported_once_with_exit_2(argv, needle):
+    proc = run_cli(*argv)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count(needle) == 1 and "Traceback" not in proc.stderr
 
 
 def test_forwarding_is_by_prefix():
@@ -72,7 +106,7 @@ def test_a_failing_rank_ends_a_real_mpirun_job(tmp_path):
         cmd.append("--allow-run-as-root")
     cmd += [sys.executable, "-m", "chunkring.launcher.worker", "bringup", "bringup"]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
     assert proc.returncode != 0
     assert "NoGpuError" in proc.stderr
     assert time.monotonic() - start < 60

@@ -1,0 +1,117 @@
+"""What the MoE jobs (``run``, ``stress``) share: the layer's config fields, the seeded weights and
+batches, and the check of an output against the fp32 reference of the same math."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+
+
+@dataclass(frozen=True)
+class LayerFields:
+    """Config keys of one MoE layer (``chunkring.MoEConfig``), its check tolerance and the seed."""
+
+    num_experts: int = 16
+    hidden: int = 1024
+    intermediate: int = 512
+    topk: int = 4
+    max_tokens_per_rank: int = 512
+    payload: str = "fp8"
+    front_num_slots: int = 2
+    front_tokens_per_slot: int = 128
+    tolerance: float = 1e-2
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.payload not in ("fp8", "bf16"):
+            raise ChunkringUsageError(f"must be 'fp8' or 'bf16', got {self.payload!r}", field="payload")
+        if not 0 < self.tolerance < 1:
+            raise ChunkringUsageError("must be in (0, 1)", field="tolerance")
+        self.layer_config()  # the layer's own checks, before any rank starts GPU work
+
+    def layer_config(self):
+        from chunkring import MoEConfig, PayloadFormat
+
+        return MoEConfig(num_experts=self.num_experts, hidden=self.hidden, intermediate=self.intermediate,
+                         topk=self.topk, max_tokens_per_rank=self.max_tokens_per_rank,
+                         payload=PayloadFormat.FP8_E4M3 if self.payload == "fp8" else PayloadFormat.BF16,
+                         front_num_slots=self.front_num_slots, front_tokens_per_slot=self.front_tokens_per_slot)
+
+
+@dataclass
+class Weights:
+    """Every expert's weights (the reference needs all of them) and this rank's slice (the layer's)."""
+
+    router: object      # bfloat16 [E, H]
+    w13_all: object     # float32 [E, 2I, H]
+    w2_all: object      # float32 [E, H, I]
+    w13: object         # bfloat16 [E_local, 2I, H]
+    w2: object          # bfloat16 [E_local, H, I]
+
+
+def seeded_weights(cfg, seed: int, first_expert: int, experts_per_rank: int, device) -> Weights:
+    """The weights ``chunkring.ChunkedMoE`` draws from ``torch.Generator().manual_seed(seed)``, identical
+    on every rank."""
+    import torch
+
+    from chunkring.moe_layer import init_weights
+
+    router, w13, w2 = init_weights(cfg, torch.Generator().manual_seed(seed))
+    mine = slice(first_expert, first_expert + experts_per_rank)
+    return Weights(router=router.to(device), w13_all=w13.float().to(device), w2_all=w2.float().to(device),
+                   w13=w13[mine].contiguous().to(device), w2=w2[mine].contiguous().to(device))
+
+
+def seeded_hidden(n: int, hidden: int, seed: int, device):
+    """bfloat16 [n, hidden] hidden states drawn from a CPU generator seeded with ``seed``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, hidden, generator=gen).to(torch.bfloat16).to(device)
+
+
+@dataclass
+class RoutedBatch:
+    """One rank's routed batch as ``MoELayer.run`` takes it, and the fp32 input the payload carries."""
+
+    x: object            # float8_e4m3fn or bfloat16 [n, H]
+    x_sf: object         # float32 [n, H/128], or None for a bf16 payload
+    topk_idx: object     # int32 [n, K]
+    topk_weights: object  # float32 [n, K]
+    x_ref: object        # float32 [n, H]: what the reference computes on
+
+
+def route_batch(hidden, router, topk: int, payload: str) -> RoutedBatch:
+    """Route ``hidden`` bfloat16 [n, H] as the layer's producers do, and quantise it for the payload."""
+    from chunkring.moe_producer import route
+    from chunkring.moe_reference import dequantize_fp8_per128, quantize_fp8_per128
+
+    idx, weights = route(hidden, router, topk)
+    if payload == "fp8":
+        x, x_sf = quantize_fp8_per128(hidden)
+        return RoutedBatch(x, x_sf, idx, weights, dequantize_fp8_per128(x, x_sf))
+    return RoutedBatch(hidden, None, idx, weights, hidden.float())
+
+
+def reference_output(batch: RoutedBatch, weights: Weights):
+    """float32 [n, H]: the layer's math in fp32 over every expert."""
+    from chunkring.moe_reference import moe_reference
+
+    return moe_reference(batch.x_ref, batch.topk_idx, batch.topk_weights, weights.w13_all, weights.w2_all)
+
+
+def check_output(out, ref, *, tolerance: float, what: str) -> tuple[float, float]:
+    """(relative error, max abs error) of ``out`` against ``ref``; raises ``ChunkringRuntimeError`` naming
+    ``what`` on NaN or when the relative (Frobenius) error exceeds ``tolerance``."""
+    import torch
+
+    if ref.numel() == 0:
+        return 0.0, 0.0
+    diff = out.float() - ref
+    if bool(torch.isnan(diff).any()):
+        raise ChunkringRuntimeError(f"{what}: output holds NaN")
+    rel = float(diff.norm() / ref.norm().clamp(min=1e-30))
+    if rel > tolerance:
+        raise ChunkringRuntimeError(f"{what}: relative error {rel:.3e} > {tolerance}")
+    return rel, float(diff.abs().max())

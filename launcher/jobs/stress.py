@@ -1,0 +1,217 @@
+"""Stress: many calls of one MoE layer on randomised batches, every output checked against the fp32
+reference, with optional delays and chaos.
+
+Each iteration every rank calls ``MoELayer.run`` on its own routed batch: streamed, except every
+``batch_every``-th iteration, which is batch-ready. Token counts are drawn per rank and iteration: 10 %
+of draws an empty rank (0 tokens), 10 % a full one (``max_tokens_per_rank``), 15 % a multiple of
+``front_tokens_per_slot``, the rest anything in [1, max] (mostly not a multiple). The rings persist
+across calls, so slots wrap; the config must allow more chunks per call than the ring has slots.
+
+With probability ``delay_probability`` an iteration also delays one side of one rank: that rank
+enqueues ``torch.cuda._sleep(cycles)`` on its layer's producer or consumer stream before the call (the
+call's streams wait for the caller's stream, and work already queued on them runs first).
+
+Chaos (``chaos``, on rank ``chaos_rank`` at iteration ``chaos_iteration``): ``"delay"`` sleeps on the
+host for ``chaos_delay_s`` before the call (shorter than the device watchdog, so the job must still
+pass); ``"kill"`` SIGKILLs the rank (the launcher must end the job with status 5 and a line naming it).
+
+Everything random is drawn from ``seed`` and the iteration number, so every rank draws the same plan
+and a run can be repeated. In ``duration_s`` mode rank 0 decides when to stop and tells the others.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+
+from chunkring.errors import ChunkringUsageError
+
+from ..progress import progress
+from .moe_workload import LayerFields, check_output, reference_output, route_batch, seeded_hidden, seeded_weights
+
+CHAOS = ("none", "delay", "kill")
+SIDES = ("producer", "consumer")
+#: Shares of the token-count draws (the rest: uniform in [1, max_tokens_per_rank]).
+EMPTY_SHARE, FULL_SHARE, MULTIPLE_SHARE = 0.10, 0.10, 0.15
+
+
+@dataclass(frozen=True)
+class CONFIG(LayerFields):
+    iterations: int = 200          # iterations to run; 0: run for duration_s instead
+    duration_s: float = 0.0        # seconds to run (rank 0's clock) when iterations = 0
+    batch_every: int = 4           # every k-th iteration is batch-ready; 0: never
+    delay_probability: float = 0.25
+    delay_cycles_max: int = 2_000_000   # GPU clock cycles (2e6 ~ 1 ms on an H200)
+    chaos: str = "none"
+    chaos_rank: int = 1
+    chaos_iteration: int = 10
+    chaos_delay_s: float = 5.0
+
+    def __post_init__(self):
+        if (self.iterations > 0) == (self.duration_s > 0):
+            raise ChunkringUsageError("set iterations > 0 or duration_s > 0 (the other 0)", field="iterations")
+        if not 0 <= self.iterations <= 10_000_000:
+            raise ChunkringUsageError("must be in [0, 10000000]", field="iterations")
+        if not 0 <= self.duration_s <= 7 * 86400:
+            raise ChunkringUsageError("must be in [0, 604800]", field="duration_s")
+        if not 0 <= self.batch_every <= 1_000_000:
+            raise ChunkringUsageError("must be in [0, 1000000]", field="batch_every")
+        if not 0 <= self.delay_probability <= 1:
+            raise ChunkringUsageError("must be in [0, 1]", field="delay_probability")
+        if not 1 <= self.delay_cycles_max <= 2_000_000_000:
+            raise ChunkringUsageError("must be in [1, 2e9] (2e9 cycles ~ 1 s)", field="delay_cycles_max")
+        self._check_chaos()
+        super().__post_init__()
+        if -(-self.max_tokens_per_rank // self.front_tokens_per_slot) <= self.front_num_slots:
+            raise ChunkringUsageError(
+                f"a full call of {self.max_tokens_per_rank} tokens in {self.front_tokens_per_slot}-token chunks "
+                f"never wraps a ring of {self.front_num_slots} slots; stress needs more chunks per call than slots",
+                field="front_num_slots")
+
+    def _check_chaos(self):
+        from chunkring.env import watchdog_timeout_s
+
+        if self.chaos not in CHAOS:
+            raise ChunkringUsageError(f"must be one of {list(CHAOS)}, got {self.chaos!r}", field="chaos")
+        if self.chaos_rank < 0:
+            raise ChunkringUsageError("must be a rank (>= 0)", field="chaos_rank")
+        if self.chaos_iteration < 0 or (self.iterations and self.chaos_iteration >= self.iterations):
+            raise ChunkringUsageError(f"must be in [0, iterations={self.iterations})", field="chaos_iteration")
+        watchdog = watchdog_timeout_s()
+        if self.chaos == "delay" and not 0 < self.chaos_delay_s < watchdog:
+            raise ChunkringUsageError(f"must be in (0, {watchdog:g}): shorter than the device watchdog "
+                                      "(CHUNKRING_TIMEOUT_S), so the job must still pass", field="chaos_delay_s")
+
+
+@dataclass(frozen=True)
+class Delay:
+    rank: int
+    side: str      # "producer" or "consumer"
+    cycles: int
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    """What every rank does in one iteration (identical on every rank)."""
+
+    streaming: bool
+    tokens: tuple[int, ...]   # per rank
+    delay: Delay | None
+
+
+def plan_iteration(config: CONFIG, iteration: int, world_size: int) -> IterationPlan:
+    """The iteration's plan, drawn from ``config.seed`` and ``iteration`` alone."""
+    rng = random.Random(f"chunkring-stress/{config.seed}/{iteration}")
+    streaming = not (config.batch_every and (iteration + 1) % config.batch_every == 0)
+    tokens = tuple(_draw_tokens(rng, config.max_tokens_per_rank, config.front_tokens_per_slot)
+                   for _ in range(world_size))
+    delay = None
+    if rng.random() < config.delay_probability:
+        delay = Delay(rng.randrange(world_size), rng.choice(SIDES), rng.randint(1, config.delay_cycles_max))
+    return IterationPlan(streaming, tokens, delay)
+
+
+def _draw_tokens(rng: random.Random, most: int, per_slot: int) -> int:
+    share = rng.random()
+    if share < EMPTY_SHARE:
+        return 0
+    if share < EMPTY_SHARE + FULL_SHARE:
+        return most
+    if share < EMPTY_SHARE + FULL_SHARE + MULTIPLE_SHARE:
+        return per_slot * rng.randint(1, most // per_slot)
+    return rng.randint(1, most)
+
+
+def run(runtime, config: CONFIG) -> dict:
+    """Run the iterations on this rank; returns this rank's figures. Raises on any wrong output."""
+    import torch
+
+    from chunkring import MoELayer
+
+    if config.chaos != "none" and config.chaos_rank >= runtime.world_size:
+        raise ChunkringUsageError(f"rank {config.chaos_rank} does not exist in a world of {runtime.world_size}",
+                                  field="chaos_rank")
+    cfg = config.layer_config()
+    layer = MoELayer(runtime, cfg)
+    try:
+        weights = seeded_weights(cfg, config.seed, layer.first_expert, layer.experts_per_rank, runtime.torch_device)
+        return _iterate(runtime, config, layer, weights)
+    finally:
+        torch.cuda.synchronize()
+        runtime.barrier()
+        layer.destroy()
+
+
+def _iterate(runtime, config: CONFIG, layer, weights) -> dict:
+    tally = {"iterations": 0, "streamed_calls": 0, "batch_calls": 0, "empty_calls": 0, "tokens": 0,
+             "delays_injected": 0, "max_abs_error": 0.0, "max_rel_error": 0.0}
+    bar = progress("stress", runtime.rank, total=config.iterations or None, duration_s=config.duration_s or None)
+    start = time.monotonic()
+    iteration = 0
+    while _keep_going(runtime, config, iteration, start):
+        plan = plan_iteration(config, iteration, runtime.world_size)
+        rel, abs_err = _one_call(runtime, config, layer, weights, iteration, plan, tally)
+        tally["max_rel_error"] = max(tally["max_rel_error"], rel)
+        tally["max_abs_error"] = max(tally["max_abs_error"], abs_err)
+        iteration += 1
+        tally["iterations"] = iteration
+        bar.update(iteration, f"max rel err {tally['max_rel_error']:.2e}")
+    bar.close(iteration, f"max rel err {tally['max_rel_error']:.2e}")
+    tally["wall_s"] = time.monotonic() - start
+    return tally
+
+
+def _keep_going(runtime, config: CONFIG, iteration: int, start: float) -> bool:
+    """Whether to run ``iteration``; by count on every rank, or by rank 0's clock, which it shares."""
+    if config.iterations:
+        return iteration < config.iterations
+    go = time.monotonic() - start < config.duration_s
+    if runtime.world_size == 1:
+        return go
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.bcast(go, root=0)
+
+
+def _one_call(runtime, config: CONFIG, layer, weights, iteration: int, plan: IterationPlan, tally: dict):
+    """Build this rank's batch and reference, inject what the plan says, call, check."""
+    import torch
+
+    rank, cfg = runtime.rank, layer.config
+    n = plan.tokens[rank]
+    seed = (config.seed * 1_000_003 + iteration) * 4099 + rank  # distinct per (seed, iteration, rank)
+    hidden = seeded_hidden(n, cfg.hidden, seed, runtime.torch_device)
+    batch = route_batch(hidden, weights.router, cfg.topk, config.payload)
+    ref = reference_output(batch, weights)
+    if config.chaos != "none" and rank == config.chaos_rank and iteration == config.chaos_iteration:
+        _chaos(config)
+    if plan.delay is not None and plan.delay.rank == rank:
+        stream = layer.producer_stream if plan.delay.side == "producer" else layer.consumer_stream
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(plan.delay.cycles)
+        tally["delays_injected"] += 1
+    out = _call(layer, batch, weights, plan.streaming)
+    torch.cuda.synchronize()
+    layer.check()
+    mode = "streamed" if plan.streaming else "batch"
+    tally[f"{mode}_calls"] += 1
+    tally["tokens"] += n
+    tally["empty_calls"] += n == 0
+    return check_output(out, ref, tolerance=config.tolerance,
+                        what=f"rank {rank}: iteration {iteration} ({mode}, {n} tokens)")
+
+
+def _call(layer, batch, weights, streaming: bool):
+    # CUDA-graph replay joins here as a third kind of call once the capture API lands.
+    return layer.run(batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights, weights.w13, weights.w2,
+                     streaming=streaming)
+
+
+def _chaos(config: CONFIG) -> None:
+    if config.chaos == "delay":
+        time.sleep(config.chaos_delay_s)
+    elif config.chaos == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,81 @@
+"""The stress job's plan: reproducible from the seed and iteration alone (every rank draws the same),
+with empty ranks, full ones and counts that are not a multiple of the slot, batch-ready every k-th
+call, and delays within their bounds."""
+
+import pytest
+
+from chunkring.errors import ChunkringUsageError
+from chunkring.launcher.config import from_table, load_table
+from chunkring.launcher.jobs.stress import CONFIG, SIDES, plan_iteration
+
+
+def preset(**changes):
+    return from_table(CONFIG, {**load_table("stress"), **changes}, job="stress")
+
+
+def test_plan_is_a_function_of_seed_and_iteration():
+    config = preset()
+    assert [plan_iteration(config, i, 4) for i in range(50)] == [plan_iteration(config, i, 4) for i in range(50)]
+    assert plan_iteration(config, 3, 4) != plan_iteration(preset(seed=1), 3, 4)
+
+
+def test_token_counts_cover_the_edges():
+    config = preset()
+    counts = [n for i in range(400) for n in plan_iteration(config, i, 4).tokens]
+    per_slot, most = config.front_tokens_per_slot, config.max_tokens_per_rank
+    assert all(0 <= n <= most for n in counts)
+    assert 0 in counts and most in counts
+    assert any(n % per_slot for n in counts) and any(n and n % per_slot == 0 for n in counts)
+    assert any(-(-n // per_slot) > config.front_num_slots for n in counts)  # calls that wrap the ring
+
+
+def test_every_kth_call_is_batch_ready():
+    config = preset(batch_every=3)
+    assert [plan_iteration(config, i, 2).streaming for i in range(6)] == [True, True, False] * 2
+    assert all(plan_iteration(preset(batch_every=0), i, 2).streaming for i in range(20))
+
+
+def test_delays_stay_in_bounds():
+    config = preset(delay_probability=0.5, delay_cycles_max=1000)
+    delays = [plan_iteration(config, i, 3).delay for i in range(200)]
+    drawn = [d for d in delays if d is not None]
+    assert 50 < len(drawn) < 150
+    assert all(0 <= d.rank < 3 and d.side in SIDES and 1 <= d.cycles <= 1000 for d in drawn)
+    assert {d.side for d in drawn} == set(SIDES)
+    assert all(plan_iteration(preset(delay_probability=0.0), i, 3).delay is None for i in range(50))
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"iterations": 0}, "iterations"),                      # neither a count nor a duration
+    ({"duration_s": 60.0}, "iterations"),                   # both
+    ({"iterations": -1}, "iterations"),
+    ({"batch_every": -1}, "batch_every"),
+    ({"delay_probability": 1.5}, "delay_probability"),
+    ({"delay_cycles_max": 0}, "delay_cycles_max"),
+    ({"chaos": "fire"}, "chaos"),
+    ({"chaos_rank": -1}, "chaos_rank"),
+    ({"chaos_iteration": 200}, "chaos_iteration"),          # never reached in 200 iterations
+    ({"chaos": "delay", "chaos_delay_s": 1000.0}, "chaos_delay_s"),  # past the device watchdog
+    ({"front_num_slots": 8}, "front_num_slots"),            # 6 chunks per call never wrap 8 slots
+    ({"front_tokens_per_slot": 600}, "front_tokens_per_slot"),
+    ({"payload": "fp4"}, "payload"),
+    ({"iterations": 1.5}, "iterations"),
+])
+def test_stress_rejects(changes, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        preset(**changes)
+    assert info.value.field == field
+
+
+def test_duration_mode_and_chaos_delay_within_the_watchdog(monkeypatch):
+    assert preset(iterations=0, duration_s=30.0).duration_s == 30.0
+    monkeypatch.setenv("CHUNKRING_TIMEOUT_S", "4")
+    with pytest.raises(ChunkringUsageError, match="chaos_delay_s"):
+        preset(chaos="delay", chaos_delay_s=5.0)
+    assert preset(chaos="delay", chaos_delay_s=3.0).chaos == "delay"
+
+
+def test_chaos_preset_kills_one_rank():
+    config = from_table(CONFIG, load_table("chaos"), job="stress")
+    assert (config.chaos, config.chaos_rank) == ("kill", 1)
+    assert config.chaos_iteration < config.iterations

@@ -215,7 +215,7 @@ class MoELayer:
         def produce(start: int, end: int):
             return x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end], topk_weights[start:end]
 
-        return self._invoke(which, n, produce, (x, x_sf, topk_idx, topk_weights), w13, w2, out, num_tokens)
+        return self._invoke(which, n, produce, w13, w2, out, num_tokens)
 
     def forward(self, hidden, router_weight, w13, w2, *, streaming: bool = False, out=None,
                 num_tokens=None) -> torch.Tensor:
@@ -234,7 +234,7 @@ class MoELayer:
             x, x_sf = quantize_rows_fp8(rows) if cfg.payload.has_scales else (rows, None)
             return x, x_sf, topk_idx, topk_weights
 
-        return self._invoke(which, n, produce, (hidden, router_weight), w13, w2, out, num_tokens)
+        return self._invoke(which, n, produce, w13, w2, out, num_tokens)
 
     def check(self) -> None:
         """Raise ``ChunkringRuntimeError`` with the device's diagnostic if any call recorded an error
@@ -296,7 +296,7 @@ class MoELayer:
             check_tensor("num_tokens", num_tokens, (1,), torch.int32, device)
         return (1 if streaming else 0), out
 
-    def _invoke(self, which: int, n: int, produce, inputs, w13, w2, out, num_tokens) -> torch.Tensor:
+    def _invoke(self, which: int, n: int, produce, w13, w2, out, num_tokens) -> torch.Tensor:
         """Enqueue one call on ring ``which`` (0: batch-ready, 1: streaming)."""
         ring, stage = self.rings[which], self._stages[which]
         cfg, spec = self.config, ring.spec
@@ -305,10 +305,10 @@ class MoELayer:
         producer, consumer = self._producer, self._consumer
         producer.wait_stream(caller)
         consumer.wait_stream(caller)
-        for tensor in (*inputs, w13, w2, out, num_tokens):
-            if tensor is not None:  # the caller may free them once its stream passed this call
-                tensor.record_stream(producer)
-                tensor.record_stream(consumer)
+        # No record_stream on the caller's tensors: the caller's stream waits for both side streams at
+        # the end of the call, so its frees (stream-ordered on it) already come after our last use. That
+        # also keeps the allocator from ever recording events on a partition's streams, which may be
+        # closed before those tensors are freed.
         kernels = self._kernels
 
         # Producer work is enqueued first (partition.py: the work-queue policy).

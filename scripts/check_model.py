@@ -7,14 +7,21 @@ injected bug -- this runs ``spin -a`` with the configuration's macros,
 compiles ``pan.c`` with gcc and runs ``./pan``, all in a temporary directory
 (nothing is written into the repository).
 
-pan is compiled with -DSAFETY (assertions + invalid end states; no liveness
-claims are checked), -DCOLLAPSE (lossless state compression) and a -DMEMLIM
-bound.  No -DBITSTATE / hash compaction: every search is exhaustive.
+Each configuration is one of three checks:
+  * safety: pan compiled with -DSAFETY (assertions + invalid end states);
+  * liveness, weakly fair: the model built with -DLIVENESS (busy-wait protocol
+    waits and the ltl claim ALL_FINISH, see ring.pml), pan run with ``-a -f``:
+    an acceptance cycle is a weakly fair run in which some producer or
+    consumer never finishes;
+  * liveness, no fairness: the same with ``-a`` alone (every run counts).
+Every pan is compiled with -DCOLLAPSE (lossless state compression) and a
+-DMEMLIM bound.  No -DBITSTATE / hash compaction: every search is exhaustive.
 
 Expectations:
   * a correct configuration must report ``errors: 0`` from a complete search;
   * a bug variant must report ``errors: >= 1`` and the first counterexample
-    must violate the property the bug is expected to break.
+    must violate the property the bug is expected to break -- for liveness
+    ``ALL_FINISH (acceptance cycle)``, so the kind of counterexample counts.
 A check fails if pan's output lacks the ``errors:`` line, or reports search
 truncation (max search depth too small, memory bound reached).
 
@@ -47,6 +54,12 @@ TIMEOUT_S = 300          # per pan run
 PASS = "pass"
 CEX = "counterexample"
 COMPLETION = "COMPLETION"
+ALL_FINISH_CYCLE = "ALL_FINISH (acceptance cycle)"
+
+SAFETY = "safety"
+LIVE_FAIR = "live-wf"           # liveness under weak fairness: pan -a -f
+LIVE_ANY = "live-nofair"        # liveness over every run: pan -a
+PAN_FLAGS = {SAFETY: (), LIVE_FAIR: ("-a", "-f"), LIVE_ANY: ("-a",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +70,11 @@ class Config:
     prop: str | None = None         # property the counterexample must violate
     why: str = ""
     hashbits: int = 24              # pan -w
+    check: str = SAFETY             # SAFETY, LIVE_FAIR or LIVE_ANY
+
+    def defines(self) -> tuple[str, ...]:
+        """The spin macros: a liveness check builds the LIVENESS model."""
+        return self.macros + (() if self.check == SAFETY else ("LIVENESS",))
 
 
 CONFIGS: tuple[Config, ...] = (
@@ -94,6 +112,27 @@ CONFIGS: tuple[Config, ...] = (
     Config("bug_untagged_ack", ("W=2", "S=1", "INJECT", "BUG_UNTAGGED_ACK"), CEX,
            "ACKS_RIGHT_GEN",
            "late epoch-1 ack ORed into this epoch's mask: P1 sees a forged full mask"),
+    # ---- liveness (ALL_FINISH): every producer and consumer finishes
+    Config("live_w2s1", ("W=2", "S=1"), PASS, check=LIVE_FAIR,
+           why="interleaved, rank 1 empty, ring wraps in the call: fair runs finish"),
+    Config("live_w2s2", ("W=2", "S=2"), PASS, check=LIVE_FAIR,
+           why="interleaved, 2 slots: fair runs finish"),
+    Config("live_w2s1_unfair", ("W=2", "S=1"), CEX, ALL_FINISH_CYCLE, check=LIVE_ANY,
+           why="interleaved needs fairness: a spinning consumer starves the producers"),
+    # serialized passes even without fairness: no wait is ever polled twice
+    Config("live_serial_w2s1", ("W=2", "S=1", "SERIALIZED"), PASS, check=LIVE_ANY,
+           why="stream-serialized, 1 chunk/source/inv: finishes under any schedule"),
+    Config("live_serial_w2s2", ("W=2", "S=2", "SERIALIZED"), PASS, check=LIVE_ANY,
+           why="stream-serialized, 2 chunks/source/inv: finishes under any schedule"),
+    Config("live_serial_w3s1", ("W=3", "S=1", "SERIALIZED"), PASS, check=LIVE_ANY,
+           why="stream-serialized, 3 ranks: finishes under any schedule"),
+    Config("live_serial_wrap", ("W=2", "S=1", "SERIALIZED", "N0=2"), CEX,
+           ALL_FINISH_CYCLE, check=LIVE_FAIR,
+           why="serialized with 2 > S chunks: rank 0 spins on an ack of its own "
+               "call, whose consumer cannot start (the guarantee's boundary)"),
+    Config("live_bug_skip_eos_empty", ("W=2", "S=1", "BUG_SKIP_EOS_EMPTY"), CEX,
+           ALL_FINISH_CYCLE, check=LIVE_FAIR,
+           why="empty rank publishes nothing: consumers spin forever, fairly"),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -101,6 +140,7 @@ BY_NAME = {c.name: c for c in CONFIGS}
 @dataclasses.dataclass
 class Result:
     name: str
+    check: str
     expect: str
     macros: list[str]
     errors: int | None = None
@@ -121,7 +161,7 @@ def tools_missing() -> list[str]:
 
 
 def _run(cmd: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False,
                           timeout=timeout)
 
 
@@ -145,14 +185,19 @@ def parse_pan(out: str) -> dict:
         trunc.append("hash table full")
     info["truncated"] = "; ".join(trunc) or None
     info["incomplete"] = "Search not completed" in out
-    # first counterexample: "pan:1: assertion violated (NAME&&...)" or
-    # "pan:1: invalid end state" (a deadlock: COMPLETION)
-    m = re.search(r"^pan:\d+: (assertion violated|invalid end state)(?: \((\w+)&&)?",
-                  out, re.M)
+    # first counterexample: "pan:1: assertion violated (NAME&&...)",
+    # "pan:1: invalid end state" (a deadlock: COMPLETION) or "pan:1:
+    # acceptance cycle" (a run violating the claim pan names in its
+    # "never claim + (NAME)" line)
+    m = re.search(r"^pan:\d+: (assertion violated|invalid end state|acceptance cycle)"
+                  r"(?: \((\w+)&&)?", out, re.MULTILINE)
+    claim = re.search(r"never claim\s+\+ \((\w+)\)", out)
     if not m:
         info["violated"] = None
     elif m.group(1) == "invalid end state":
         info["violated"] = COMPLETION + " (invalid end state)"
+    elif m.group(1) == "acceptance cycle":
+        info["violated"] = (claim.group(1) if claim else "UNNAMED_CLAIM") + " (acceptance cycle)"
     else:
         info["violated"] = m.group(2) or "UNNAMED_ASSERTION"
     return info
@@ -162,24 +207,26 @@ def run_config(cfg: Config | str, keep: bool = False, model: Path = MODEL) -> Re
     """Run one configuration; return its Result (``ok`` = expectation met)."""
     if isinstance(cfg, str):
         cfg = BY_NAME[cfg]
-    res = Result(cfg.name, cfg.expect, list(cfg.macros),
+    res = Result(cfg.name, cfg.check, cfg.expect, list(cfg.defines()),
                  expected_property=cfg.prop)
     work = tempfile.mkdtemp(prefix=f"chunkring-spin-{cfg.name}-")
     t0 = time.monotonic()
     try:
         shutil.copy(model, os.path.join(work, "ring.pml"))
-        defs = [f"-D{m}" for m in cfg.macros]
+        defs = [f"-D{m}" for m in cfg.defines()]
         steps = [
             (["spin", *defs, "-a", "ring.pml"], 120),
-            (["gcc", "-O2", "-w", "-DSAFETY", "-DCOLLAPSE",
-              f"-DMEMLIM={MEMLIM_MB}", "-o", "pan", "pan.c"], 300),
+            # -DSAFETY leaves the cycle search out of pan
+            (["gcc", "-O2", "-w", *(("-DSAFETY",) if cfg.check == SAFETY else ()),
+              "-DCOLLAPSE", f"-DMEMLIM={MEMLIM_MB}", "-o", "pan", "pan.c"], 300),
         ]
         for cmd, tmo in steps:
             p = _run(cmd, work, tmo)
             if p.returncode != 0:
                 res.detail = f"{cmd[0]} failed: {(p.stdout + p.stderr).strip()[-800:]}"
                 return res
-        p = _run(["./pan", f"-m{DEPTH}", f"-w{cfg.hashbits}"], work, TIMEOUT_S)
+        p = _run(["./pan", *PAN_FLAGS[cfg.check], f"-m{DEPTH}", f"-w{cfg.hashbits}"],
+                 work, TIMEOUT_S)
         out = p.stdout + p.stderr
         with open(os.path.join(work, "pan.out"), "w") as f:
             f.write(out)
@@ -217,11 +264,12 @@ def run_config(cfg: Config | str, keep: bool = False, model: Path = MODEL) -> Re
 
 
 def print_table(results: list[Result]) -> None:
-    cols = ("config", "expected", "errors", "states", "seconds", "violated", "verdict")
+    cols = ("config", "check", "expected", "errors", "states", "seconds", "violated",
+            "verdict")
     rows = []
     for r in results:
         exp = r.expect if r.expect == PASS else f"cex:{r.expected_property}"
-        rows.append((r.name, exp,
+        rows.append((r.name, r.check, exp,
                      "-" if r.errors is None else str(r.errors),
                      "-" if r.states is None else str(r.states),
                      f"{r.seconds:.1f}", r.violated or "-",
@@ -252,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for c in CONFIGS:
             exp = c.expect if c.expect == PASS else f"counterexample ({c.prop})"
-            print(f"{c.name:26} {' '.join('-D' + m for m in c.macros):50} {exp}: {c.why}")
+            print(f"{c.name:26} {c.check:11} {' '.join('-D' + m for m in c.defines()):50} "
+                  f"{exp}: {c.why}")
         return 0
     selected = list(CONFIGS)
     if args.only:
@@ -270,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     # start the expensive configurations first
-    order = sorted(selected, key=lambda c: c.name not in ("w2s2_stale", "w3s1"))
+    order = sorted(selected, key=lambda c: c.name not in ("w2s2_stale", "w3s1", "live_w2s2"))
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as ex:
         futs = {c.name: ex.submit(run_config, c, args.keep) for c in order}
         results = [futs[c.name].result() for c in selected]

@@ -23,7 +23,9 @@
  *   -DN0=n           chunks per invocation of rank 0 (default 2; S when
  *                    SERIALIZED).  Rank 1 is the EMPTY rank (zero tokens: one
  *                    empty eos chunk); ranks >= 2 publish NOTHER (default 1)
- *   -DSERIALIZED     stream-serialized execution (no overlap)
+ *   -DSERIALIZED     stream-serialized execution (no overlap); with N0 > S
+ *                    the ring wraps inside the call: it cannot finish
+ *   -DLIVENESS       busy-wait protocol waits + the ltl claim ALL_FINISH
  *   -DINJECT         stale epoch-1 SET / ack injectors
  *   -DSTALE_SEQS=n   stale values carry seq 1..n (default 2)
  *   bug variants and the property their counterexample breaks (W=2, S=1):
@@ -33,6 +35,8 @@
  *     BUG_NARROW_GEN           1-bit seq    -> COMPLETION (false ERROR, below)
  *     BUG_SKIP_EOS_EMPTY       no empty eos -> COMPLETION (deadlock)
  *     BUG_UNTAGGED_ACK (INJECT) OR ack      -> ACKS_RIGHT_GEN
+ *   and under LIVENESS: BUG_SKIP_EOS_EMPTY, and SERIALIZED with N0=2 > S=1
+ *   -> ALL_FINISH (an acceptance cycle even under weak fairness)
  *
  * Properties (the hidden constants carry the name into pan's message
  * "assertion violated (NAME&&...)"):
@@ -48,6 +52,36 @@
  *   COMPLETION                     every chunk consumed once; no ERROR report
  *                                  without a real stale cause; plus pan's
  *                                  invalid-end-state check (no deadlock)
+ *   ALL_FINISH (LIVENESS, ltl)     <> every producer and every consumer has
+ *                                  finished all NINV invocations
+ *
+ * Liveness.  In the safety runs a protocol wait is a blocking guard.  Every
+ * loop of the model is bounded, so that state graph has no cycle: there
+ * "<> ALL_FINISH" would only restate the invalid-end-state check, and no
+ * scheduling question could arise.  On the GPU a wait is a busy-wait, so
+ * under LIVENESS it is one: a failed poll is a step (POLL_AGAIN) and the
+ * waiter stays enabled.  pan -a then searches for an acceptance cycle of
+ * the never claim (the negated formula): an infinite run (a deadlock
+ * included, by stuttering) in which someone never finishes.  With pan -f only weakly fair runs
+ * count -- every process that stays enabled keeps being scheduled, i.e.
+ * every launched block keeps running, the GPU's forward progress for
+ * resident blocks.  Weak fairness suffices because every awaited condition
+ * is stable: a ready word keeps gen(q) until this consumer's ack (P1), a
+ * full ack mask stays until its producer re-arms, the stream-order counters
+ * only grow; a condition that came and went would need strong fairness and
+ * would show up as a fair cycle of polls that all miss.  The SERIALIZED
+ * stream-order waits stay blocking guards: there the kernel has not been
+ * launched yet, it does not spin.  Results (scripts/check_model.py):
+ *   - interleaved (rank 1 empty) finishes under weak fairness, and only
+ *     under it: without -f a consumer spinning forever starves the
+ *     producers (the SM-starvation case: overlap needs both sides running);
+ *   - SERIALIZED with <= S chunks per source finishes with no fairness at
+ *     all: no wait ever polls twice, no kernel needs another one running;
+ *   - SERIALIZED with N0 > S: the producer spins on an ack of its own
+ *     invocation, whose consumer cannot start -- a fair cycle, the
+ *     guarantee's boundary;
+ *   - BUG_SKIP_EOS_EMPTY: the consumers spin forever on the empty rank.
+ * No timeout is modelled: a pass means the timeout never has to fire.
  */
 
 /* ------------------------------------------------------------ sizes ---- */
@@ -140,8 +174,9 @@ byte  ack_tag[W * S];      /* ack[s] = (tag, mask) at owner r */
 byte  ack_mask[W * S];
 byte  consumed_gen[W * S];
 bit   error_reported;      /* a consumer reported an ERROR */
-#ifdef SERIALIZED
-byte  prod_fin, cons_fin;  /* stream order: producers / consumers finished */
+#if defined(SERIALIZED) || defined(LIVENESS)
+byte  prod_fin, cons_fin;  /* invocations finished by producers / consumers:
+                            * stream order, and the liveness claim */
 #endif
 /* ghosts, never read by the protocol */
 byte  armed_q[W * S];      /* q+1 of the chunk ack[s] is armed for */
@@ -155,6 +190,24 @@ hidden byte ACKS_RIGHT_GEN = 1;
 hidden byte STALE_NEVER_ACCEPTED = 1;
 hidden byte COMPLETION = 1;
 #define CHECK(P, c) assert(P && (c))
+
+#ifdef LIVENESS
+/* every producer and consumer finishes all NINV invocations (that the right
+ * chunks were consumed is COMPLETION, the safety runs' business: pan stops a
+ * path once the claim is satisfied) */
+ltl ALL_FINISH { <> (prod_fin == W * NINV && cons_fin == W * NINV) }
+#endif
+
+/* A protocol wait (P1 WAIT REUSABLE, WAIT READY) is a do-loop whose options
+ * all leave it.  Safety runs: a blocking guard, so a wait that is never
+ * satisfied is an invalid end state.  LIVENESS: the GPU's busy-wait -- a
+ * failed poll is a step of its own, the waiter stays enabled, and pan -f's
+ * weak fairness must keep scheduling it. */
+#ifdef LIVENESS
+#define POLL_AGAIN :: else
+#else
+#define POLL_AGAIN
+#endif
 
 /* ERROR: the reporting consumer stops; the host then tears the run down, so
  * every other wait may give up (ABORT) and end at its end_abort label.  An
@@ -216,11 +269,12 @@ proctype producer(byte r)
       if
       :: q >= S ->
 #ifndef BUG_NO_ACK_WAIT
-         if
+         do
          :: atomic { ack_tag[j] == TAG(GEN(q - S)) && ack_mask[j] == FULL ->
-              CHECK(ACKS_RIGHT_GEN, ack_prov[j] == FULL) }
+              CHECK(ACKS_RIGHT_GEN, ack_prov[j] == FULL) }; break
          :: error_reported -> goto end_abort                 /* ABORT */
-         fi;
+         POLL_AGAIN
+         od;
 #endif
          consumed_gen[j] = GEN(q - S)       /* P1: then consumed_gen[s] */
       :: else
@@ -235,7 +289,7 @@ proctype producer(byte r)
       fi;
       q++
     }
-#ifdef SERIALIZED
+#if defined(SERIALIZED) || defined(LIVENESS)
     prod_fin++;
 #endif
   }
@@ -246,14 +300,15 @@ end_abort: skip
 /* WAIT READY on one word of d's own memory: spin until it holds g; a BAD
  * value seen while waiting is an ERROR: reported, never accepted */
 inline wait_ready(word) {
-  if
+  do
   :: atomic { WGEN(word) == g ->            /* accepted; ghost checks: */
        CHECK(STALE_NEVER_ACCEPTED, WGHOST(word) != STALE_GHOST);
-       CHECK(NO_ABA, WGHOST(word) == q + 1) }
+       CHECK(NO_ABA, WGHOST(word) == q + 1) }; break
   :: atomic { BAD(word, g) ->
        REPORT_ERROR(WGHOST(word) == STALE_GHOST) }; goto end_abort
   :: error_reported -> goto end_abort                        /* ABORT */
-  fi
+  POLL_AGAIN
+  od
 }
 /* one chunk step of consumer d on active source r */
 inline chunk_step() {
@@ -261,8 +316,9 @@ inline chunk_step() {
   /* WAIT READY: route_ready_gen[r][s] == g, then layout_ready_gen[r][s] == g */
   wait_ready(route_ready_gen[i]);
   wait_ready(layout_ready_gen[i]);
-  /* [acquire]; read payload and eos from r's slot: route part, layout part */
-  d_step { e = eos[j];
+  /* [acquire]; read payload and eos from r's slot: route part, layout part
+   * (atomic, not d_step: SPIN forbids wait_ready's break to jump into one) */
+  atomic { e = eos[j];
            CHECK(NO_READ_BEFORE_PUBLISH, route_pay[j] == q + 1 &&
                  count[j] == TOKENS(r) && e == EXP_EOS(r, q)) }
   d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
@@ -307,7 +363,7 @@ proctype consumer(byte d)
        }
     :: else -> break
     od;
-#ifdef SERIALIZED
+#if defined(SERIALIZED) || defined(LIVENESS)
     cons_fin++;
 #endif
   }
@@ -362,10 +418,6 @@ proctype stale_ack()
 
 init {
   byte x;
-#ifdef SERIALIZED
-  /* SERIALIZED is valid only with <= S chunks per source per invocation */
-  assert(N0 <= S && NOTHER <= S);
-#endif
   atomic {
     for (x : 0 .. W - 1) { run producer(x); run consumer(x) }
 #ifdef INJECT

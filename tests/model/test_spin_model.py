@@ -23,6 +23,19 @@ Rules pinned (property names as in ring.pml):
                                  (BUG_SKIP_EOS_EMPTY deadlocks; BUG_NARROW_GEN's
                                  wrapped seq makes the consumer report a false
                                  ERROR on the previous lap's generation)
+
+Liveness (ltl ALL_FINISH: eventually every producer and consumer has finished
+all invocations; protocol waits modelled as busy-waits), pinned by name below:
+  live_w2s1, live_w2s2           interleaved, rank 1 empty: holds under weak
+                                 fairness (pan -a -f)
+  live_w2s1_unfair               ... and not without it: a spinning consumer
+                                 starves the producers (acceptance cycle)
+  live_serial_w2s1, _w2s2, _w3s1 SERIALIZED, <= S chunks per source: holds with
+                                 no fairness assumption at all (pan -a)
+  live_serial_wrap               SERIALIZED with 2 > S chunks: acceptance cycle
+                                 under weak fairness (the guarantee's boundary)
+  live_bug_skip_eos_empty        the empty rank's missing eos: acceptance cycle
+                                 under weak fairness
 """
 from __future__ import annotations
 
@@ -42,6 +55,29 @@ _spec.loader.exec_module(check_model)
 _MISSING = [t for t in ("spin", "gcc") if shutil.which(t) is None]
 pytestmark = pytest.mark.skipif(
     bool(_MISSING), reason=f"SPIN model check needs {' and '.join(_MISSING)} on PATH")
+
+
+LIVENESS_PINNED = {
+    "live_w2s1": (check_model.LIVE_FAIR, check_model.PASS),
+    "live_w2s2": (check_model.LIVE_FAIR, check_model.PASS),
+    "live_w2s1_unfair": (check_model.LIVE_ANY, check_model.CEX),
+    "live_serial_w2s1": (check_model.LIVE_ANY, check_model.PASS),
+    "live_serial_w2s2": (check_model.LIVE_ANY, check_model.PASS),
+    "live_serial_w3s1": (check_model.LIVE_ANY, check_model.PASS),
+    "live_serial_wrap": (check_model.LIVE_FAIR, check_model.CEX),
+    "live_bug_skip_eos_empty": (check_model.LIVE_FAIR, check_model.CEX),
+}
+
+
+def test_liveness_configs_pinned():
+    """The liveness checks exist with their fairness mode and expectation; a
+    liveness counterexample must be an ALL_FINISH acceptance cycle."""
+    live = {c.name: c for c in check_model.CONFIGS if c.check != check_model.SAFETY}
+    assert {n: (c.check, c.expect) for n, c in live.items()} == LIVENESS_PINNED
+    for c in live.values():
+        assert "LIVENESS" in c.defines()
+        if c.expect == check_model.CEX:
+            assert c.prop == check_model.ALL_FINISH_CYCLE, c.name
 
 
 @pytest.mark.parametrize("cfg", check_model.CONFIGS, ids=lambda c: c.name)

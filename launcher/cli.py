@@ -1,7 +1,7 @@
 """``chunkring-launch``: start a chunkring job on the local GPUs, one process per rank, through mpirun.
 
     chunkring-launch run                              # the MoE layer, checked and timed (one rank per GPU)
-    chunkring-launch --np 4 --mps stress duration_s=60   # four ranks on one GPU under MPS, randomised calls
+    chunkring-launch --np 4 --mps stress iterations=0 duration_s=60   # 4 ranks on one GPU (MPS), randomised calls
     chunkring-launch --np 4 --mps stress --config chaos  # one rank killed on purpose: must end with status 5
     chunkring-launch bringup rounds=32                # override config keys (typed, checked)
     chunkring-launch --dry-run --np 8 --hostfile hosts bringup   # print the mpirun command and environment
@@ -9,6 +9,7 @@
 
 Jobs: bringup (NVSHMEM signals/atomics check), run (the MoE layer, batch-ready and streamed, checked and
 timed), stress (many randomised calls, each checked; optional delays and chaos), doctor (this machine).
+Each job's keys, with their meaning, are in its preset (configs/JOB.toml) and docs/LAUNCHER.md.
 Inside an existing MPI job (``mpirun ... chunkring-launch JOB``) it runs the job directly in each rank.
 
 A failing rank's diagnostic is printed once (the first rank to fail; the others' are kept in a job
@@ -69,7 +70,7 @@ def parse_args(argv):
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is drawn only when stderr is a terminal)")
     parser.add_argument("--dry-run", action="store_true", help="print the mpirun command and environment, run nothing")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value may come before or after the options
     if args.np is not None and not 1 <= args.np <= 1024:
         parser.error("--np must be in [1, 1024]")
     if args.timeout <= 0:

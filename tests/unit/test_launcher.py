@@ -48,6 +48,13 @@ def test_dry_run_with_one_rank_shows_the_worker_command():
     assert proc.stdout.strip().splitlines()[-1].endswith("-m chunkring.launcher.worker stress chaos chaos=delay")
 
 
+def test_overrides_may_follow_options():
+    proc = run_cli("--dry-run", "--np", "2", "stress", "seed=3", "--timeout", "50", "chaos=delay")
+    assert proc.returncode == 0, proc.stderr
+    cmd_line = proc.stdout.strip().splitlines()[-1]
+    assert "--timeout 50" in cmd_line and cmd_line.endswith("worker stress stress seed=3 chaos=delay")
+
+
 def test_progress_is_asked_of_the_worker_only_when_drawn():
     args = SimpleNamespace(job="stress", config=None, overrides=["seed=3"], json=None)
     assert cli.worker_command(args)[-3:] == ["stress", "stress", "seed=3"]

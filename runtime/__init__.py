@@ -16,6 +16,7 @@ from .bringup import Runtime, current, init  # noqa: E402
 from .errors import (
     ChunkringDeviceError,
     ChunkringError,
+    ChunkringInputError,
     ChunkringRuntimeError,
     ChunkringTimeoutError,
     ChunkringUsageError,
@@ -32,6 +33,7 @@ __all__ = [
     "ChunkedMoE",
     "ChunkringDeviceError",
     "ChunkringError",
+    "ChunkringInputError",
     "ChunkringRuntimeError",
     "ChunkringTimeoutError",
     "ChunkringUsageError",

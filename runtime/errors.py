@@ -6,11 +6,12 @@ wrong stream, a destroyed object). Raised before any GPU work starts.
 ``ChunkringRuntimeError``: the machine failed us (CUDA, NVRTC, NVSHMEM, MPI). Its subclass
 ``ChunkringDeviceError`` carries the record a kernel wrote (a failed check, a bad peer value), and
 ``ChunkringTimeoutError`` the record of a device watchdog that fired: who waited, where, for whom, on
-which slot, what it expected and what it last saw.
+which slot, what it expected and what it last saw; ``ChunkringInputError`` the first malformed value a
+consumer masked (docs/PROTOCOL.md, "What a consumer trusts").
 """
 
 __all__ = ["ChunkringError", "ChunkringUsageError", "ChunkringRuntimeError", "ChunkringDeviceError",
-           "ChunkringTimeoutError", "NoGpuError"]
+           "ChunkringInputError", "ChunkringTimeoutError", "NoGpuError"]
 
 
 class ChunkringError(Exception):
@@ -39,6 +40,12 @@ class ChunkringDeviceError(ChunkringRuntimeError):
 
 class ChunkringTimeoutError(ChunkringDeviceError):
     """A device spin-wait outlasted the watchdog limit; ``record`` says which wait and on whom."""
+
+
+class ChunkringInputError(ChunkringDeviceError):
+    """A consumer masked malformed slot contents (an out-of-range expert, a NaN scale, an impossible
+    count): the call completed by the documented masking rule, but its output is not what the caller
+    meant. ``record`` is the :class:`chunkring.status.InputRecord` of the first such value."""
 
 
 class NoGpuError(ChunkringRuntimeError):

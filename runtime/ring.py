@@ -10,10 +10,16 @@ from __future__ import annotations
 import torch
 
 from .env import check_timeout_s, watchdog_timeout_s
-from .errors import ChunkringDeviceError, ChunkringRuntimeError, ChunkringTimeoutError, ChunkringUsageError
-from .layout import CONTROL, RingLayout
+from .errors import (
+    ChunkringDeviceError,
+    ChunkringInputError,
+    ChunkringRuntimeError,
+    ChunkringTimeoutError,
+    ChunkringUsageError,
+)
+from .layout import CONTROL, STATUS, RingLayout
 from .ring_spec import RingSpec
-from .status import ErrorCode, StatusRecord
+from .status import ErrorCode, InputRecord, StatusRecord
 
 __all__ = ["Ring"]
 
@@ -81,13 +87,25 @@ class Ring:
         self._check_alive()
         return StatusRecord.from_words(self.views["status"].tolist())
 
+    def input_status(self) -> InputRecord:
+        """The first malformed slot value this rank's consumers masked, if any (synchronises the device)."""
+        self._check_alive()
+        return InputRecord.from_words(self.views["status"].tolist(), self.runtime.rank)
+
     def check(self) -> None:
         """Raise if any kernel of this rank recorded an error: ``ChunkringTimeoutError`` for a watchdog,
-        ``ChunkringDeviceError`` otherwise; either carries the decoded record as ``.record``."""
-        record = self.status()
+        ``ChunkringDeviceError`` for another protocol error (both leave the ring to :meth:`reset`), or
+        ``ChunkringInputError`` if a consumer masked malformed slot contents (the ring stays usable; the
+        report is cleared once raised). Each carries the decoded record as ``.record``."""
+        record, masked = self.status(), self.input_status()
         if not record.ok:
             kind = ChunkringTimeoutError if record.code == ErrorCode.TIMEOUT else ChunkringDeviceError
-            raise kind(record.describe(self.spec.epoch_bits), record)
+            also = f"; also {masked.describe()}" if not masked.ok else ""
+            raise kind(record.describe(self.spec.epoch_bits) + also, record)
+        if not masked.ok:
+            self.views["status"][STATUS["input_field"]:STATUS["input_count"] + 1].zero_()
+            torch.cuda.synchronize(self.runtime.torch_device)
+            raise ChunkringInputError(masked.describe(), masked)
 
     def destroy(self) -> None:
         """Free the ring's symmetric memory. A collective."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .layout import STATUS
 
-__all__ = ["ErrorCode", "Site", "StatusRecord"]
+__all__ = ["ErrorCode", "InputField", "InputRecord", "Site", "StatusRecord"]
 
 
 class ErrorCode(enum.IntEnum):
@@ -23,7 +23,27 @@ class ErrorCode(enum.IntEnum):
     PAYLOAD_MISMATCH = 7
     PEER_UNREACHABLE = 8
     DOUBLE_ACK = 9
-    BAD_METADATA = 10
+    BAD_METADATA = 10  # retired: malformed metadata is masked and reported as an InputRecord
+
+
+class InputField(enum.IntEnum):
+    """Mirrors protocol/validate.cuh InputField (append-only): what a consumer masked, and how."""
+
+    NONE = 0
+    TOPK_IDX = 1  # outside [-1, num_experts): the choice is masked (-1)
+    X_SF = 2  # NaN or infinite: the scale is read as 0
+    NUM_TOKENS = 3  # above tokens_per_slot: the chunk is read as empty
+    TOKEN_BASE = 4  # base + count beyond the consumer's output: the chunk is read as empty
+    VALID_TOKENS = 5  # the device token count outside [0, batch rows]: clamped
+
+
+_MASKED_AS = {
+    InputField.TOPK_IDX: "masked as -1",
+    InputField.X_SF: "read as 0",
+    InputField.NUM_TOKENS: "chunk read as empty",
+    InputField.TOKEN_BASE: "chunk read as empty",
+    InputField.VALID_TOKENS: "clamped",
+}
 
 
 class Site(enum.IntEnum):
@@ -95,6 +115,48 @@ class StatusRecord:
         else:
             values = f"expected {_gen(self.expected, epoch_bits)}, observed {_gen(self.observed, epoch_bits)}"
         return f"PE {self.pe}: {code} while {where}: {values} ({self.count} error(s) recorded)"
+
+
+@dataclass(frozen=True)
+class InputRecord:
+    """The first malformed value this rank's consumers masked (``count`` of them in all; 0 = none)."""
+
+    field: InputField
+    pe: int
+    source: int
+    slot: int
+    row: int
+    column: int
+    value: int  # raw 64-bit word: a sign-extended int, or a float's bits
+    count: int
+
+    @classmethod
+    def from_words(cls, words, pe: int) -> "InputRecord":
+        w = [int(v) & ((1 << 64) - 1) for v in words]
+        return cls(field=_enum_or_int(InputField, w[STATUS["input_field"]]), pe=pe, source=w[STATUS["input_source"]],
+                   slot=w[STATUS["input_slot"]], row=w[STATUS["input_row"]], column=w[STATUS["input_column"]],
+                   value=w[STATUS["input_value"]], count=w[STATUS["input_count"]])
+
+    @property
+    def ok(self) -> bool:
+        return self.count == 0
+
+    def shown_value(self):
+        if self.field == InputField.X_SF:
+            import struct
+
+            return struct.unpack("<f", struct.pack("<I", self.value & 0xFFFFFFFF))[0]
+        return self.value - (1 << 64) if self.value >> 63 else self.value
+
+    def describe(self) -> str:
+        if self.ok:
+            return "no malformed input"
+        name = self.field.name if isinstance(self.field, InputField) else self.field
+        where = (f"source {self.source}'s slot {self.slot}" if self.field != InputField.VALID_TOKENS
+                 else f"rank {self.source}'s num_tokens")
+        cell = f" row {self.row} column {self.column}" if self.field in (InputField.TOPK_IDX, InputField.X_SF) else ""
+        return (f"PE {self.pe}: malformed {name} in {where}{cell}: {self.shown_value()!r} "
+                f"({_MASKED_AS.get(self.field, 'masked')}; {self.count} value(s) masked in all)")
 
 
 def _enum_or_int(kind, value):

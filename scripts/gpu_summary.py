@@ -19,6 +19,17 @@ def junit_counts(path: str) -> dict:
     return {"passed": total["tests"] - failed - total["skipped"], "failed": failed, "skipped": total["skipped"]}
 
 
+def junit_figures(path: str) -> dict:
+    """Numeric test-suite properties (pytest's ``record_testsuite_property``): figures tests report."""
+    figures = {}
+    for prop in ET.parse(path).getroot().iter("property"):
+        try:
+            figures[prop.get("name")] = float(prop.get("value"))
+        except (TypeError, ValueError):
+            pass
+    return figures
+
+
 def gpu_facts() -> dict:
     import torch
 
@@ -54,6 +65,9 @@ def main() -> None:
     # Every rank runs the same tests: report rank 0's counts, but any rank's failure counts.
     counts["failed"] = max([c["failed"] for c in per_rank] + [0 if args.rc == 0 else max(1, counts["failed"])])
     figures = {"suite_seconds": args.seconds}
+    for path in sorted(args.junit):
+        if Path(path).is_file():
+            figures.update(junit_figures(path))
     for path in args.build:
         if Path(path).is_file():
             tag = Path(path).stem

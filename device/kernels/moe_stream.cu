@@ -9,6 +9,7 @@
 //                      conservative rule), so an acknowledged chunk's results have landed at its source
 // and each source, after publishing its last chunk, runs moe_drain before reducing its combine buffer.
 #include "chunkring/protocol/ring.cuh"
+#include "chunkring/protocol/validate.cuh"
 #include "chunkring/util/copy.cuh"
 
 using namespace chunkring;
@@ -24,11 +25,11 @@ enum StepMetaWord : u64 { kStepActive = 0, kStepTokenBase = 1, kStepNumTokens = 
 
 }  // namespace
 
-// One block per source rank. If the source's stream has not ended: wait for its next chunk, check the
-// chunk's metadata against this layer's bounds, copy topk_idx/topk_weights of every row, and x/x_sf of
-// the rows with a choice in [expert_lo, expert_hi). The other rows of the stage keep stale bytes: the
-// plan never reads them. A source whose chunk fails a check is reported and treated as ended (its
-// producer's watchdog then reports the missing acknowledgement); nothing is indexed with an unchecked value.
+// One block per source rank. If the source's stream has not ended: wait for its next chunk, copy
+// topk_idx/topk_weights of every row, and x/x_sf of the rows with a choice in [expert_lo, expert_hi).
+// Every value used as a count, an index or a scale is checked first (protocol/validate.cuh: masked and
+// reported, never trusted); the chunk is acknowledged either way, so a malformed chunk stalls nobody.
+// The other rows of the stage keep stale bytes: the plan never reads them.
 //   ended [W] int32 (1 = stream ended; zeroed by the host before the first step of an invocation)
 //   step_meta [W, 4] int64 (StepMetaWord)
 //   stage_x [W, T, x_row_bytes]   stage_sf [W, T, x_sf_row_floats]   stage_idx / stage_w [W, T, K]
@@ -39,8 +40,8 @@ extern "C" __global__ void moe_pull_step(const RingDesc* desc, int* ended, long 
     if (!check_descriptor(d)) return;
     const u64 src = blockIdx.x, T = d.tokens_per_slot, K = d.topk;
     long long* meta_out = step_meta + src * kStepMetaWords;
-    __shared__ u64 s_seq, s_base, s_n;
-    __shared__ bool s_ok, s_eos;
+    __shared__ u64 s_seq, s_n;
+    __shared__ bool s_ok;
     if (ended[src]) {  // block-uniform: one word, read by every thread
         if (threadIdx.x == 0) meta_out[kStepActive] = meta_out[kStepNumTokens] = 0;
         return;
@@ -52,28 +53,29 @@ extern "C" __global__ void moe_pull_step(const RingDesc* desc, int* ended, long 
     const u64 seq = s_seq, slot = slot_of(seq, d.num_slots);
     bool ok = wait_chunk(d, epoch, src, seq);
     if (threadIdx.x == 0) {
-        s_ok = false;
         const u64* meta = ok ? peer_view(d, slot_meta(d, slot), src) : nullptr;
         if (ok && meta == nullptr) record_error(d, ErrorCode::kPeerUnreachable, Site::kPayload, src, slot, 0, 0);
-        if (meta != nullptr) {
-            s_base = meta[kMetaTokenBase];
-            s_n = meta[kMetaNumTokens];
-            s_eos = meta[kMetaFlags] & kMetaEndOfStream;
-            const u64 cap = static_cast<u64>(token_capacity);
-            s_ok = s_n <= T && s_base <= cap && s_n <= cap - s_base;
-            if (!s_ok) record_error(d, ErrorCode::kBadMetadata, Site::kPayload, src, slot, cap, s_base + s_n);
+        s_ok = meta != nullptr;
+        u64 base = 0;
+        s_n = 0;
+        if (s_ok) {
+            base = meta[kMetaTokenBase];
+            s_n = checked_chunk_rows(d, src, slot, base, meta[kMetaNumTokens], static_cast<u64>(token_capacity));
+            if (meta[kMetaFlags] & kMetaEndOfStream) ended[src] = 1;
+        } else {
+            ended[src] = 1;  // a recorded error: the rank's waits now stop, its call ends
         }
         meta_out[kStepActive] = s_ok;
-        meta_out[kStepTokenBase] = s_ok ? static_cast<long long>(s_base) : 0;
-        meta_out[kStepNumTokens] = s_ok ? static_cast<long long>(s_n) : 0;
+        meta_out[kStepTokenBase] = s_n ? static_cast<long long>(base) : 0;
+        meta_out[kStepNumTokens] = static_cast<long long>(s_n);
         meta_out[kStepSeq] = static_cast<long long>(seq);
-        if (!s_ok || s_eos) ended[src] = 1;
     }
     __syncthreads();
     if (!s_ok) return;
     const u64 n = s_n;
     int* idx = stage_idx + src * T * K;
-    block_copy4(idx, peer_view(d, slot_topk_idx(d, slot), src), n * K);
+    const int* peer_idx = peer_view(d, slot_topk_idx(d, slot), src);
+    for (u64 i = threadIdx.x; i < n * K; i += blockDim.x) idx[i] = checked_expert(d, src, slot, i / K, i % K, peer_idx[i]);
     block_copy4(stage_w + src * T * K, peer_view(d, slot_topk_weights(d, slot), src), n * K);
     __syncthreads();
 
@@ -93,7 +95,8 @@ extern "C" __global__ void moe_pull_step(const RingDesc* desc, int* ended, long 
         const auto* from = reinterpret_cast<const int4*>(peer_x + row * row_bytes);
         auto* to = reinterpret_cast<int4*>(stage_x + dst_row * row_bytes);
         for (u64 i = lane; i < row_bytes / 16; i += kWarp) to[i] = from[i];
-        for (u64 i = lane; i < sf_floats; i += kWarp) stage_sf[dst_row * sf_floats + i] = peer_sf[row * sf_floats + i];
+        for (u64 i = lane; i < sf_floats; i += kWarp)
+            stage_sf[dst_row * sf_floats + i] = checked_scale(d, src, slot, row, i, peer_sf[row * sf_floats + i]);
     }
 }
 

@@ -3,6 +3,7 @@
 // gathers every chunk of one invocation from every source into dense per-source outputs.
 // Both go through the device API of protocol/ring.cuh; neither takes a host-supplied generation.
 #include "chunkring/protocol/ring.cuh"
+#include "chunkring/protocol/validate.cuh"
 #include "chunkring/util/copy.cuh"
 
 using namespace chunkring;
@@ -18,7 +19,7 @@ using chunkring::util::block_copy4;
 // captured with fixed shapes replays with whatever count the caller wrote. The chunk then carries
 // only the rows below it and ends the stream if it reaches it; a chunk wholly past it publishes
 // nothing (its stream already ended), except the first, which an empty rank still publishes, empty.
-// A count outside [0, batch_rows] is reported (kBadMetadata) and clamped, never used as an index.
+// A count outside [0, batch_rows] is clamped and reported (protocol/validate.cuh), never used as an index.
 extern "C" __global__ void ring_publish_tensors(const RingDesc* desc, const unsigned char* x, const float* x_sf,
                                                 const int* topk_idx, const float* topk_weights, int n_tokens,
                                                 long long token_base, int end_of_stream, const int* valid_tokens,
@@ -31,8 +32,7 @@ extern "C" __global__ void ring_publish_tensors(const RingDesc* desc, const unsi
         const long long asked = *valid_tokens;
         const long long valid = asked < 0 ? 0 : (asked > batch_rows ? batch_rows : asked);
         if (asked != valid && threadIdx.x == 0 && token_base == 0)  // reported once per call, by its first chunk
-            record_error(d, ErrorCode::kBadMetadata, Site::kPublish, d.my_pe, 0, static_cast<u64>(batch_rows),
-                         static_cast<u64>(asked));
+            report_input(d, InputField::kValidTokens, d.my_pe, 0, 0, 0, static_cast<u64>(asked));
         if (token_base > 0 && token_base >= valid) return;  // block-uniform
         const u64 left = static_cast<u64>(valid - token_base);
         n = left < n ? left : n;
@@ -60,7 +60,8 @@ extern "C" __global__ void ring_publish_tensors(const RingDesc* desc, const unsi
 
 // Consume one invocation: every chunk of every source until each has sent its end of stream, copying
 // rows to out_*[src][token_base + t] and adding the counts to out_counts[src]. Outputs hold
-// `capacity` rows per source; a chunk that would not fit is reported (kBadMetadata), not written.
+// `capacity` rows per source; a chunk that would not fit is read as empty and reported
+// (protocol/validate.cuh), never written.
 // Any grid: every block waits for every chunk and copies its contiguous share of the rows;
 // the last block done with a chunk acknowledges it (arrivals [W * S], zeroed by the host before the
 // launch). One block is the smallest consumer; a grid that fills its SMs is the persistent-consumer
@@ -73,14 +74,12 @@ extern "C" __global__ void ring_gather(const RingDesc* desc, unsigned char* out_
     const u64 cap = static_cast<u64>(capacity);
     consume_invocation(d, current_epoch(d), arrivals, [&](u64 src, u64 seq, u64 slot) {
         const u64* meta = peer_view(d, slot_meta(d, slot), src);
-        const u64 base = meta[kMetaTokenBase], n = meta[kMetaNumTokens];
-        if (n > d.tokens_per_slot || base > cap || n > cap - base) {  // never index with an unchecked count
-            if (threadIdx.x == 0) record_error(d, ErrorCode::kBadMetadata, Site::kPayload, src, slot, cap, base + n);
-            return false;
-        }
+        const u64 base = meta[kMetaTokenBase];
+        const u64 n = checked_chunk_rows(d, src, slot, base, meta[kMetaNumTokens], cap,
+                                         threadIdx.x == 0 && blockIdx.x == 0);  // all check, one reports
         // This block's share: rows [lo, hi) of the chunk, copied in bulk.
         const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x, rows = hi - lo;
-        const u64 row = src * cap + base + lo, row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats, K = d.topk;
+        const u64 row = src * cap + (n ? base : 0) + lo, row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats, K = d.topk;
         const auto* x = static_cast<const unsigned char*>(peer_view(d, slot_x(d, slot), src));
         block_copy16(out_x + row * row_bytes, x + lo * row_bytes, rows * row_bytes);
         block_copy4(out_x_sf + row * sf_floats, peer_view(d, slot_x_sf(d, slot), src) + lo * sf_floats, rows * sf_floats);

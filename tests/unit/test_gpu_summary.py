@@ -45,3 +45,12 @@ def test_any_rank_failure_counts(tmp_path):
 def test_a_crash_without_junit_is_a_failure(tmp_path):
     s = summarise(tmp_path, 1, str(tmp_path / "missing.xml"))
     assert s["failed"] >= 1 and s["passed"] == 0
+
+
+def test_numeric_suite_properties_become_figures(tmp_path):
+    path = tmp_path / "r0.xml"
+    path.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest" errors="0" failures="0" skipped="0" '
+                    'tests="1"><properties><property name="fuzz_cases_x_sf_rank0" value="220"/>'
+                    '<property name="note" value="text"/></properties></testsuite></testsuites>')
+    s = summarise(tmp_path, 0, str(path))
+    assert s["figures"]["fuzz_cases_x_sf_rank0"] == 220 and "note" not in s["figures"]

@@ -1,8 +1,14 @@
 """Status records decode into messages that say who is stuck: ready-word generations with their epoch
 and lap, ack words with their tag, mask and the ranks whose ack is missing."""
 
+import re
+import struct
+from pathlib import Path
+
 from chunkring.layout import STATUS
-from chunkring.status import ErrorCode, Site, StatusRecord
+from chunkring.status import ErrorCode, InputField, InputRecord, Site, StatusRecord
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def record(**fields):
@@ -39,3 +45,31 @@ def test_negative_words_from_torch_are_read_as_unsigned():
 
 def test_unknown_codes_survive():
     assert record(code=99, site=42).code == 99
+
+
+def input_record(**fields):
+    words = [0] * 16
+    for name, value in fields.items():
+        words[STATUS[f"input_{name}"]] = int(value)
+    return InputRecord.from_words(words, pe=3)
+
+
+def test_masked_inputs_say_what_where_and_how():
+    assert input_record().ok
+    r = input_record(field=InputField.TOPK_IDX, source=1, slot=2, row=5, column=7, value=-9, count=4)
+    assert r.shown_value() == -9
+    assert r.describe() == ("PE 3: malformed TOPK_IDX in source 1's slot 2 row 5 column 7: -9 "
+                            "(masked as -1; 4 value(s) masked in all)")
+    nan_bits = struct.unpack("<I", struct.pack("<f", float("inf")))[0]
+    assert "X_SF" in input_record(field=InputField.X_SF, value=nan_bits, count=1).describe()
+    assert input_record(field=InputField.X_SF, value=nan_bits, count=1).shown_value() == float("inf")
+    assert "rank 0's num_tokens: 99 (clamped" in input_record(field=InputField.VALID_TOKENS, value=99, count=1).describe()
+
+
+def test_enums_mirror_the_cuda_headers():
+    headers = REPO / "device" / "include" / "chunkring" / "protocol"
+    for enum_type, header in ((ErrorCode, "status.cuh"), (Site, "status.cuh"), (InputField, "validate.cuh")):
+        text = (headers / header).read_text()
+        for member in enum_type:
+            camel = "".join(part.capitalize() for part in member.name.split("_"))
+            assert re.search(rf"\bk{camel} = {member.value}\b", text), (enum_type.__name__, member.name)

@@ -50,6 +50,10 @@ enum ControlWord : u64 { kControlEpoch = 0, kControlNextSeq = 1 };
 enum StatusWord : u64 {
     kStatusCode = 0, kStatusPe = 1, kStatusPeer = 2, kStatusSlot = 3,
     kStatusExpected = 4, kStatusObserved = 5, kStatusSite = 6, kStatusCount = 7,
+    // The first malformed input a consumer masked (protocol/validate.cuh): not an error of the protocol.
+    kStatusInputField = 8, kStatusInputSource = 9, kStatusInputSlot = 10, kStatusInputRow = 11,
+    kStatusInputColumn = 12, kStatusInputValue = 13,
+    kStatusInputCount = 14,
 };
 enum MetaWord : u64 { kMetaTokenBase = 0, kMetaNumTokens = 1, kMetaFlags = 2, kMetaWords = 4 };
 constexpr u64 kMetaEndOfStream = 1;

@@ -25,7 +25,7 @@ enum class ErrorCode : unsigned long long {
     kPayloadMismatch = 7,  // (test kernels) a row did not hold what its producer wrote
     kPeerUnreachable = 8,  // a peer's slot is not load/store reachable from here
     kDoubleAck = 9,        // an ack bit was already set for this generation
-    kBadMetadata = 10,     // a slot's token count or token base does not fit the consumer's bounds
+    kBadMetadata = 10,     // retired: malformed slot metadata is now masked and reported (validate.cuh)
 };
 
 // Where a wait or check happened; append-only, mirrored by runtime/status.py Site.

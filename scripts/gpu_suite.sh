@@ -69,6 +69,21 @@ echo quit | nvidia-cuda-mps-control
 for job in bringup run; do
     chunkring-launch $job --json "$results/${CHUNKRING_COMMIT}-${job}-1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1
 done
+# The launcher's own MPS daemon: stress, chaos (a delayed rank must pass; a killed rank must end the job
+# with status 5 and leave no daemon behind), doctor.
+launch() {  # expected-status name args...
+    local want=$1 name=$2; shift 2
+    local start=$SECONDS
+    chunkring-launch --np "$ranks" --mps "$@" --timeout 300 2>&1 | tee "$logs/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "chunkring-launch $* -> status $rc (expected $want) in $((SECONDS - start)) s" | tee -a "$logs/$name.log"
+    pgrep -a nvidia-cuda-mps && { echo "an MPS daemon outlived the job"; status=1; }
+    [ "$rc" = "$want" ] || status=1
+}
+launch 0 stress stress iterations=100 --json "$results/${CHUNKRING_COMMIT}-stress-${ranks}rank-mps.json"
+launch 0 chaos-delay stress --config chaos chaos=delay --json "$results/${CHUNKRING_COMMIT}-chaos-delay-${ranks}rank-mps.json"
+launch 5 chaos-kill stress --config chaos
+chunkring-launch doctor 2>&1 | tee "$logs/doctor.log" || status=1
 # The device machine returns at most 8 files: send one archive of the summaries and the combined log.
 if [ -n "${OUT:-}" ]; then
     cat "$logs"/*.log > "$results/suite.log"

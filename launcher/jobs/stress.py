@@ -2,7 +2,9 @@
 reference, with optional delays and chaos.
 
 Each iteration every rank calls ``MoELayer.run`` on its own routed batch: streamed, except every
-``batch_every``-th iteration, which is batch-ready. Token counts are drawn per rank and iteration: 10 %
+``batch_every``-th iteration, which is batch-ready, and every ``graph_every``-th, which replays one
+CUDA graph of a streamed call captured once at ``max_tokens_per_rank`` rows (the batch copied into the
+captured inputs, its token count into the device count the graph reads). Token counts are drawn per rank and iteration: 10 %
 of draws an empty rank (0 tokens), 10 % a full one (``max_tokens_per_rank``), 15 % a multiple of
 ``front_tokens_per_slot``, the rest anything in [1, max] (mostly not a multiple). The rings persist
 across calls, so slots wrap; the config must allow more chunks per call than the ring has slots.
@@ -43,6 +45,7 @@ class CONFIG(LayerFields):
     iterations: int = 200          # iterations to run; 0: run for duration_s instead
     duration_s: float = 0.0        # seconds to run (rank 0's clock) when iterations = 0
     batch_every: int = 4           # every k-th iteration is batch-ready; 0: never
+    graph_every: int = 3           # every k-th iteration replays a captured streamed call; 0: never
     delay_probability: float = 0.25
     delay_cycles_max: int = 2_000_000   # GPU clock cycles (2e6 ~ 1 ms on an H200)
     chaos: str = "none"
@@ -59,6 +62,8 @@ class CONFIG(LayerFields):
             raise ChunkringUsageError("must be in [0, 604800]", field="duration_s")
         if not 0 <= self.batch_every <= 1_000_000:
             raise ChunkringUsageError("must be in [0, 1000000]", field="batch_every")
+        if not (self.graph_every == 0 or 2 <= self.graph_every <= 1_000_000):
+            raise ChunkringUsageError("must be 0 or in [2, 1000000] (the first call is eager)", field="graph_every")
         if not 0 <= self.delay_probability <= 1:
             raise ChunkringUsageError("must be in [0, 1]", field="delay_probability")
         if not 1 <= self.delay_cycles_max <= 2_000_000_000:
@@ -97,7 +102,7 @@ class Delay:
 class IterationPlan:
     """What every rank does in one iteration (identical on every rank)."""
 
-    streaming: bool
+    mode: str                 # "streamed", "batch" or "graph" (a replay of a captured streamed call)
     tokens: tuple[int, ...]   # per rank
     delay: Delay | None
 
@@ -105,13 +110,17 @@ class IterationPlan:
 def plan_iteration(config: CONFIG, iteration: int, world_size: int) -> IterationPlan:
     """The iteration's plan, drawn from ``config.seed`` and ``iteration`` alone."""
     rng = random.Random(f"chunkring-stress/{config.seed}/{iteration}")
-    streaming = not (config.batch_every and (iteration + 1) % config.batch_every == 0)
+    mode = "streamed"
+    if config.batch_every and (iteration + 1) % config.batch_every == 0:
+        mode = "batch"
+    elif config.graph_every and (iteration + 1) % config.graph_every == 0:
+        mode = "graph"
     tokens = tuple(_draw_tokens(rng, config.max_tokens_per_rank, config.front_tokens_per_slot)
                    for _ in range(world_size))
     delay = None
     if rng.random() < config.delay_probability:
         delay = Delay(rng.randrange(world_size), rng.choice(SIDES), rng.randint(1, config.delay_cycles_max))
-    return IterationPlan(streaming, tokens, delay)
+    return IterationPlan(mode, tokens, delay)
 
 
 def _draw_tokens(rng: random.Random, most: int, per_slot: int) -> int:
@@ -146,14 +155,15 @@ def run(runtime, config: CONFIG) -> dict:
 
 
 def _iterate(runtime, config: CONFIG, layer, weights) -> dict:
-    tally = {"iterations": 0, "streamed_calls": 0, "batch_calls": 0, "empty_calls": 0, "tokens": 0,
+    tally = {"iterations": 0, "streamed_calls": 0, "batch_calls": 0, "graph_calls": 0, "empty_calls": 0, "tokens": 0,
              "delays_injected": 0, "max_abs_error": 0.0, "max_rel_error": 0.0}
     bar = progress("stress", runtime.rank, total=config.iterations or None, duration_s=config.duration_s or None)
     start = time.monotonic()
     iteration = 0
+    replay = GraphCall(layer, weights, config.payload)
     while _keep_going(runtime, config, iteration, start):
         plan = plan_iteration(config, iteration, runtime.world_size)
-        rel, abs_err = _one_call(runtime, config, layer, weights, iteration, plan, tally)
+        rel, abs_err = _one_call(runtime, config, layer, weights, replay, iteration, plan, tally)
         tally["max_rel_error"] = max(tally["max_rel_error"], rel)
         tally["max_abs_error"] = max(tally["max_abs_error"], abs_err)
         iteration += 1
@@ -176,7 +186,7 @@ def _keep_going(runtime, config: CONFIG, iteration: int, start: float) -> bool:
     return MPI.COMM_WORLD.bcast(go, root=0)
 
 
-def _one_call(runtime, config: CONFIG, layer, weights, iteration: int, plan: IterationPlan, tally: dict):
+def _one_call(runtime, config: CONFIG, layer, weights, replay, iteration: int, plan: IterationPlan, tally: dict):
     """Build this rank's batch and reference, inject what the plan says, call, check."""
     import torch
 
@@ -193,10 +203,14 @@ def _one_call(runtime, config: CONFIG, layer, weights, iteration: int, plan: Ite
         with torch.cuda.stream(stream):
             torch.cuda._sleep(plan.delay.cycles)
         tally["delays_injected"] += 1
-    out = _call(layer, batch, weights, plan.streaming)
+    if plan.mode == "graph":
+        out = replay(batch)
+    else:
+        out = layer.run(batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights, weights.w13, weights.w2,
+                        streaming=plan.mode == "streamed")
     torch.cuda.synchronize()
     layer.check()
-    mode = "streamed" if plan.streaming else "batch"
+    mode = plan.mode
     tally[f"{mode}_calls"] += 1
     tally["tokens"] += n
     tally["empty_calls"] += n == 0
@@ -204,10 +218,40 @@ def _one_call(runtime, config: CONFIG, layer, weights, iteration: int, plan: Ite
                         what=f"rank {rank}: iteration {iteration} ({mode}, {n} tokens)")
 
 
-def _call(layer, batch, weights, streaming: bool):
-    # CUDA-graph replay joins here as a third kind of call once the capture API lands.
-    return layer.run(batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights, weights.w13, weights.w2,
-                     streaming=streaming)
+class GraphCall:
+    """A streamed call captured once (at its first use) with ``max_tokens_per_rank`` rows; a call copies
+    the batch into the captured inputs and its length into the device token count, then replays. The
+    capture runs nothing, so ranks need not capture together; each replay is one collective call."""
+
+    def __init__(self, layer, weights, payload: str):
+        self.layer, self.weights, self.payload = layer, weights, payload
+        self.graph = None
+
+    def _capture(self, batch):
+        import torch
+
+        cfg, device = self.layer.config, self.layer.runtime.torch_device
+        rows = cfg.max_tokens_per_rank
+        self.inputs = [None if t is None else torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=device)
+                       for t in (batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights)]
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.out = torch.empty((rows, cfg.hidden), dtype=torch.bfloat16, device=device)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.layer.run(*self.inputs, self.weights.w13, self.weights.w2, streaming=True, out=self.out,
+                           num_tokens=self.count)
+
+    def __call__(self, batch):
+        if self.graph is None:
+            self._capture(batch)
+        n = batch.x.shape[0]
+        for captured, fresh in zip(self.inputs, (batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights)):
+            if captured is not None:
+                captured[:n].copy_(fresh)
+        self.count.fill_(n)
+        self.graph.replay()
+        return self.out[:n].clone()
 
 
 def _chaos(config: CONFIG) -> None:

@@ -29,10 +29,13 @@ def test_token_counts_cover_the_edges():
     assert any(-(-n // per_slot) > config.front_num_slots for n in counts)  # calls that wrap the ring
 
 
-def test_every_kth_call_is_batch_ready():
-    config = preset(batch_every=3)
-    assert [plan_iteration(config, i, 2).streaming for i in range(6)] == [True, True, False] * 2
-    assert all(plan_iteration(preset(batch_every=0), i, 2).streaming for i in range(20))
+def test_every_kth_call_is_batch_ready_or_a_graph_replay():
+    config = preset(batch_every=3, graph_every=0)
+    assert [plan_iteration(config, i, 2).mode for i in range(6)] == ["streamed", "streamed", "batch"] * 2
+    assert all(plan_iteration(preset(batch_every=0, graph_every=0), i, 2).mode == "streamed" for i in range(20))
+    modes = [plan_iteration(preset(batch_every=4, graph_every=3), i, 2).mode for i in range(12)]
+    assert modes == ["streamed", "streamed", "graph", "batch", "streamed", "graph",
+                     "streamed", "batch", "graph", "streamed", "streamed", "batch"]  # batch wins a tie
 
 
 def test_delays_stay_in_bounds():
@@ -50,6 +53,7 @@ def test_delays_stay_in_bounds():
     ({"duration_s": 60.0}, "iterations"),                   # both
     ({"iterations": -1}, "iterations"),
     ({"batch_every": -1}, "batch_every"),
+    ({"graph_every": 1}, "graph_every"),                    # the first call must be eager
     ({"delay_probability": 1.5}, "delay_probability"),
     ({"delay_cycles_max": 0}, "delay_cycles_max"),
     ({"chaos": "fire"}, "chaos"),

@@ -77,7 +77,9 @@ launch() {  # expected-status name args...
     chunkring-launch --np "$ranks" --mps "$@" --timeout 300 2>&1 | tee "$logs/$name.log"
     local rc=${PIPESTATUS[0]}
     echo "chunkring-launch $* -> status $rc (expected $want) in $((SECONDS - start)) s" | tee -a "$logs/$name.log"
-    pgrep -a nvidia-cuda-mps && { echo "an MPS daemon outlived the job"; status=1; }
+    # A live MPS process (not a zombie left for init to reap) would mean the daemon outlived the job.
+    ps -eo stat=,pid=,comm= | awk '$1 !~ /^Z/ && $3 ~ /nvidia-cuda-mps/ {print; found=1} END {exit !found}' &&
+        { echo "an MPS daemon outlived the job"; status=1; }
     [ "$rc" = "$want" ] || status=1
 }
 launch 0 stress stress iterations=100 --json "$results/${CHUNKRING_COMMIT}-stress-${ranks}rank-mps.json"

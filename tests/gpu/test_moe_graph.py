@@ -12,6 +12,8 @@ that had baked in a host counter would wait for a chunk that never comes (watchd
 chunks (mismatch) from its second replay on.
 """
 
+import gc
+
 import pytest
 import torch
 
@@ -124,12 +126,17 @@ def test_capture_after_reset_and_no_allocation_during_replay(runtime):
         layer.run(*batch.args(), *experts, streaming=True, num_tokens=batch.count)
         layer.reset()
         torch.cuda.synchronize()
-        held = lambda: torch.cuda.memory_stats()["allocated_bytes.all.current"]  # noqa: E731
-        empty_graphs = [torch.cuda.CUDAGraph() for _ in range(2)]  # kept alive, like the graph below
-        for empty in empty_graphs:  # the second shows what torch itself keeps per captured graph
+
+        def held():  # bytes held by live tensors, after freeing what is already garbage
+            gc.collect()  # torch.cuda.graph collects too: garbage must not count as a capture's effect
+            return torch.cuda.memory_stats()["allocated_bytes.all.current"]
+
+        scratch = torch.zeros(8, device=runtime.torch_device)
+        trivial_graphs = [torch.cuda.CUDAGraph() for _ in range(2)]  # kept alive, like the graph below
+        for trivial in trivial_graphs:  # the second shows what torch itself keeps per captured graph
             before = held()
-            with torch.cuda.graph(empty):
-                pass
+            with torch.cuda.graph(trivial):
+                scratch.add_(1)
             graph_overhead = held() - before
         before = held()
         graph = capture(layer, batch, experts, out, streaming=True)

@@ -82,8 +82,8 @@ launch() {  # expected-status name args...
         { echo "an MPS daemon outlived the job"; status=1; }
     [ "$rc" = "$want" ] || status=1
 }
-launch 0 stress stress iterations=100 --json "$results/${CHUNKRING_COMMIT}-stress-${ranks}rank-mps.json"
-launch 0 chaos-delay stress --config chaos chaos=delay --json "$results/${CHUNKRING_COMMIT}-chaos-delay-${ranks}rank-mps.json"
+launch 0 stress stress iterations=100 --json "$results/${CHUNKRING_COMMIT}-launch-stress-${ranks}rank-mps.json"
+launch 0 chaos-delay stress --config chaos chaos=delay --json "$results/${CHUNKRING_COMMIT}-launch-chaos-delay-${ranks}rank-mps.json"
 launch 5 chaos-kill stress --config chaos
 chunkring-launch doctor 2>&1 | tee "$logs/doctor.log" || status=1
 # The device machine returns at most 8 files: send one archive of the summaries and the combined log.

@@ -3,9 +3,9 @@
 
 import os
 
-from . import bringup, run, stress
+from . import bench, bringup, run, stress
 
-JOBS = {"bringup": bringup, "run": run, "stress": stress}
+JOBS = {"bench": bench, "bringup": bringup, "run": run, "stress": stress}
 
 # The launcher's own tests add a job that misbehaves on purpose (no GPU needed).
 if os.environ.get("CHUNKRING_TEST_JOBS") == "1":

@@ -1,8 +1,10 @@
-"""What the MoE jobs (``run``, ``stress``) share: the layer's config fields, the seeded weights and
-batches, and the check of an output against the fp32 reference of the same math."""
+"""What the MoE jobs (``run``, ``stress``, ``bench``) share: the layer's config fields, the layer on its
+SM partition, the seeded weights and batches, and the check of an output against the fp32 reference of
+the same math."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
@@ -22,10 +24,13 @@ class LayerFields:
     front_tokens_per_slot: int = 128
     tolerance: float = 1e-2
     seed: int = 0
+    producer_sms: int = 0  # SMs of the producers' green-context partition (the consumer gets the rest); 0: none
 
     def __post_init__(self):
         if self.payload not in ("fp8", "bf16"):
             raise ChunkringUsageError(f"must be 'fp8' or 'bf16', got {self.payload!r}", field="payload")
+        if self.producer_sms < 0:
+            raise ChunkringUsageError("must be >= 0 (0: no partition)", field="producer_sms")
         if not 0 < self.tolerance < 1:
             raise ChunkringUsageError("must be in (0, 1)", field="tolerance")
         self.layer_config()  # the layer's own checks, before any rank starts GPU work
@@ -37,6 +42,29 @@ class LayerFields:
                          topk=self.topk, max_tokens_per_rank=self.max_tokens_per_rank,
                          payload=PayloadFormat.FP8_E4M3 if self.payload == "fp8" else PayloadFormat.BF16,
                          front_num_slots=self.front_num_slots, front_tokens_per_slot=self.front_tokens_per_slot)
+
+
+@contextlib.contextmanager
+def open_layer(runtime, fields: LayerFields, config=None):
+    """The job's ``MoELayer`` (``config``: a MoEConfig, default ``fields.layer_config()``), on an
+    ``SmPartition`` of ``fields.producer_sms`` producer SMs if that is set; destroyed (a collective,
+    after every rank's work ended) and the partition closed on exit."""
+    import torch
+
+    from chunkring import MoELayer, SmPartition
+
+    partition = SmPartition(runtime, fields.producer_sms) if fields.producer_sms else None
+    try:
+        layer = MoELayer(runtime, config or fields.layer_config(), partition=partition)
+        try:
+            yield layer
+        finally:
+            torch.cuda.synchronize()
+            runtime.barrier()
+            layer.destroy()
+    finally:
+        if partition is not None:
+            partition.close()
 
 
 @dataclass

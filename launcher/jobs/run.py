@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from chunkring.errors import ChunkringUsageError
 
 from ..progress import progress
-from .moe_workload import LayerFields, check_output, reference_output, route_batch, seeded_hidden, seeded_weights
+from .moe_workload import (
+    LayerFields,
+    check_output,
+    open_layer,
+    reference_output,
+    route_batch,
+    seeded_hidden,
+    seeded_weights,
+)
 
 
 @dataclass(frozen=True)
@@ -37,12 +45,11 @@ def run(runtime, config: CONFIG) -> dict:
     """Check and time the layer on this rank; returns this rank's figures."""
     import torch
 
-    from chunkring import ChunkedMoE, MoELayer
+    from chunkring import ChunkedMoE
 
     cfg = config.layer_config()
     device = runtime.torch_device
-    layer = MoELayer(runtime, cfg)
-    try:
+    with open_layer(runtime, config, cfg) as layer:
         module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(config.seed))
         weights = seeded_weights(cfg, config.seed, layer.first_expert, layer.experts_per_rank, device)
         hidden = seeded_hidden(config.tokens_per_rank, cfg.hidden, config.seed * 1000 + 1 + runtime.rank, device)
@@ -62,10 +69,6 @@ def run(runtime, config: CONFIG) -> dict:
         figures["full_input_region_MiB"] = memory["full_input_region_bytes"] / 2**20
         figures["streaming_ring_MiB"] = memory["streaming_ring_bytes"] / 2**20
         return figures
-    finally:
-        torch.cuda.synchronize()
-        runtime.barrier()
-        layer.destroy()
 
 
 def _median_ms(call, runtime, config: CONFIG, *, label: str) -> float:

@@ -32,7 +32,15 @@ from dataclasses import dataclass
 from chunkring.errors import ChunkringUsageError
 
 from ..progress import progress
-from .moe_workload import LayerFields, check_output, reference_output, route_batch, seeded_hidden, seeded_weights
+from .moe_workload import (
+    LayerFields,
+    check_output,
+    open_layer,
+    reference_output,
+    route_batch,
+    seeded_hidden,
+    seeded_weights,
+)
 
 CHAOS = ("none", "delay", "kill")
 SIDES = ("producer", "consumer")
@@ -136,22 +144,13 @@ def _draw_tokens(rng: random.Random, most: int, per_slot: int) -> int:
 
 def run(runtime, config: CONFIG) -> dict:
     """Run the iterations on this rank; returns this rank's figures. Raises on any wrong output."""
-    import torch
-
-    from chunkring import MoELayer
-
     if config.chaos != "none" and config.chaos_rank >= runtime.world_size:
         raise ChunkringUsageError(f"rank {config.chaos_rank} does not exist in a world of {runtime.world_size}",
                                   field="chaos_rank")
     cfg = config.layer_config()
-    layer = MoELayer(runtime, cfg)
-    try:
+    with open_layer(runtime, config, cfg) as layer:
         weights = seeded_weights(cfg, config.seed, layer.first_expert, layer.experts_per_rank, runtime.torch_device)
         return _iterate(runtime, config, layer, weights)
-    finally:
-        torch.cuda.synchronize()
-        runtime.barrier()
-        layer.destroy()
 
 
 def _iterate(runtime, config: CONFIG, layer, weights) -> dict:

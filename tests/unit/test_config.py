@@ -59,11 +59,26 @@ def test_run_rejects(table, field):
     assert info.value.field == field
 
 
+@pytest.mark.parametrize("table,field", [
+    ({"tokens": "16,x"}, "tokens"),
+    ({"tokens": "0"}, "tokens"),
+    ({"tokens": "4096"}, "tokens"),          # above max_tokens_per_rank
+    ({"chunks": ""}, "chunks"),
+    ({"chunks": "64,4096"}, "chunks"),
+    ({"rotate": 0}, "rotate"),
+    ({"producer_sms": -8}, "producer_sms"),
+])
+def test_bench_rejects(table, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        from_table(JOBS["bench"].CONFIG, {**load_table("bench"), **table}, job="bench")
+    assert info.value.field == field
+
+
 def test_every_preset_is_valid_for_its_job():
     from importlib import resources
 
     presets = [p.name[:-5] for p in resources.files("chunkring.configs").iterdir() if p.name.endswith(".toml")]
-    assert {"bringup", "run", "stress", "chaos", "prefill_8xh200", "decode_8xh200"} <= set(presets)
+    assert {"bench", "bringup", "run", "stress", "chaos", "prefill_8xh200", "decode_8xh200"} <= set(presets)
     for name in presets:
         table = load_table(name)
         job = table["job"]
@@ -73,7 +88,7 @@ def test_every_preset_is_valid_for_its_job():
 def test_jobs_share_the_layer_fields():
     from chunkring.launcher.jobs.moe_workload import LayerFields
 
-    for job in ("run", "stress"):
+    for job in ("bench", "run", "stress"):
         assert issubclass(JOBS[job].CONFIG, LayerFields)
         with pytest.raises(ChunkringUsageError, match="colour"):
             from_table(JOBS[job].CONFIG, {**load_table(job), "colour": 1}, job=job)

@@ -33,7 +33,7 @@ from .ring import Ring, _check_identical
 from .ring_io import check_tensor, publish_chunk
 from .ring_spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 
-__all__ = ["ChunkedMoE", "MoEConfig", "MoELayer", "init_weights"]
+__all__ = ["ChunkedMoE", "MoEConfig", "MoELayer", "init_weights", "moe_kernel_signatures"]
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,13 @@ class _Stage:
         self.ended = torch.zeros(W, dtype=torch.int32, device=device)
 
 
-def _kernels(runtime):
-    from chunkring.device import Param, library_for
+def moe_kernel_signatures() -> dict:
+    """The parameters of device/kernels/moe_stream.cu's kernels, as ``chunkring.device`` launches them."""
+    from chunkring.device import Param
 
     desc = Param("desc", "ptr", torch.int64)
     meta = Param("step_meta", "ptr", torch.int64)
-    return library_for(runtime, "moe_stream", {
+    return {
         "moe_pull_step": (
             desc, Param("ended", "ptr", torch.int32), meta, Param("stage_x", "ptr", torch.uint8),
             Param("stage_sf", "ptr", torch.float32), Param("stage_idx", "ptr", torch.int32),
@@ -125,7 +126,7 @@ def _kernels(runtime):
         ),
         "moe_ack_step": (desc, meta),
         "moe_drain": (desc,),
-    })
+    }
 
 
 class MoELayer:
@@ -161,7 +162,9 @@ class MoELayer:
         self.experts_per_rank = config.num_experts // world
         self.first_expert = runtime.rank * self.experts_per_rank
         device = runtime.torch_device
-        self._kernels = _kernels(runtime)
+        from chunkring.device import library_for
+
+        self._kernels = library_for(runtime, "moe_stream", moe_kernel_signatures())
         self.rings = [Ring(runtime, spec, timeout_s=timeout_s) for spec in specs]
         self._stages = [_Stage(spec, device) for spec in specs]  # self._stages[i] is what rings[i]'s steps pull
         # One fp32 row per (token, k) of this rank's batch; consumers write into it from their GPUs.
@@ -241,6 +244,13 @@ class MoELayer:
         (synchronises the device)."""
         for ring in self.rings:
             ring.check()
+
+    def set_timeout(self, seconds: float) -> None:
+        """The watchdog limit of the calls enqueued after this on the current stream (every ring's; see
+        :meth:`chunkring.Ring.set_timeout`). The constructor's ``timeout_s`` or ``CHUNKRING_TIMEOUT_S`` set
+        the first one."""
+        for ring in self.rings:
+            ring.set_timeout(seconds)
 
     def reset(self) -> None:
         """Start a new epoch on every ring (a collective; after an error, before calling again)."""

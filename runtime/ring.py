@@ -17,7 +17,7 @@ from .errors import (
     ChunkringTimeoutError,
     ChunkringUsageError,
 )
-from .layout import CONTROL, STATUS, RingLayout
+from .layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
 from .ring_spec import RingSpec
 from .status import ErrorCode, InputRecord, StatusRecord
 
@@ -81,6 +81,14 @@ class Ring:
         self.views["control"][CONTROL["epoch"]] = epoch
         torch.cuda.synchronize(self.runtime.torch_device)
         self.runtime.barrier()  # nobody publishes into the new epoch before everyone has zeroed
+
+    def set_timeout(self, seconds: float) -> None:
+        """Change this rank's watchdog limit for every wait of the kernels enqueued after this call on
+        the current stream (and on streams that wait for it, as a layer call's do). Stream-ordered and
+        graph-capturable: no host synchronisation."""
+        self._check_alive()
+        seconds = check_timeout_s(seconds, field="seconds")
+        self.desc[DESC_FIELDS.index("timeout_ns")].fill_(int(seconds * 1e9))
 
     def status(self) -> StatusRecord:
         """This rank's status record (synchronises the device)."""

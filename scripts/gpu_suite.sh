@@ -62,6 +62,11 @@ mpi_pytest "moe-2rank-mps" 2 200 tests/gpu/test_moe_layer.py -q -rs "${limits[*]
 mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1
 "${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \
     --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
+for n in 1 "$ranks"; do
+    "${mpi[@]}" -np "$n" --timeout 120 python3 benchmarks/bench_input_checks.py \
+        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-input_checks_${n}rank_mps.json" 2>&1 |
+        tee -a "$logs/bench.log" || status=1
+done
 for job in bringup run; do
     chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1
 done

@@ -4,7 +4,7 @@ and the on-disk cache is keyed so that a changed input recompiles and an unchang
 import pytest
 
 from chunkring.device import build, kernel_sources, nvshmem_version
-from chunkring.device.ring_kernels import MUTANTS
+from chunkring.device.ring_kernels import MUTANTS, NO_INPUT_CHECKS
 from chunkring.errors import ChunkringUsageError
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove
@@ -57,3 +57,9 @@ def test_every_protocol_mutant_compiles(mutant):
     # The mutants are the stress suite's negative controls; a mutant that fails to build proves nothing.
     code = bytes(build("ring_stress", defines={"CHUNKRING_MUTANT": MUTANTS[mutant]}).object_code.code)
     assert b"ring_stress" in code and b"litmus_mp" in code
+
+
+def test_consumer_input_checks_compile_out_only_in_their_mutant():
+    checked = bytes(build("moe_stream").object_code.code)
+    unchecked = bytes(build("moe_stream", defines={"CHUNKRING_MUTANT": NO_INPUT_CHECKS}).object_code.code)
+    assert unchecked[:4] == b"\x7fELF" and unchecked != checked

@@ -168,3 +168,31 @@ def test_gather_masks_and_reports_corrupted_metadata(runtime, record_testsuite_p
             runtime.barrier()
     for field, number in counts.items():
         record_testsuite_property(f"fuzz_cases_{field.name.lower()}_rank{rank}", number)
+
+
+def test_negative_control_without_the_checks_a_bad_expert_goes_unreported(runtime):
+    """With validate.cuh compiled out (the NO_INPUT_CHECKS mutant), the same corruption raises nothing:
+    the reports asserted above come from the checks, not from anything else."""
+    from chunkring.device import KernelLibrary, build
+    from chunkring.device.ring_kernels import NO_INPUT_CHECKS
+    from chunkring.moe_layer import moe_kernel_signatures
+
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                    front_num_slots=2, front_tokens_per_slot=C)
+    layer = MoELayer(runtime, cfg, timeout_s=30)
+    try:
+        layer._kernels = KernelLibrary(runtime, build("moe_stream", defines={"CHUNKRING_MUTANT": NO_INPUT_CHECKS}),
+                                       moe_kernel_signatures())
+        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(2))
+        mine = slice(rank * 2, rank * 2 + 2)
+        gen = torch.Generator().manual_seed(rank)
+        xq, sf = quantize_fp8_per128(torch.randn(MAX_TOKENS, H, generator=gen))
+        idx, w = routing(MAX_TOKENS, cfg.num_experts, TOPK, "uniform", gen)
+        idx[3, 1] = cfg.num_experts + 5  # out of range on every rank: every consumer reads it
+        layer.run(*(t.to(device) for t in (xq, sf, idx, w)), w13[mine].contiguous().to(device),
+                  w2[mine].contiguous().to(device), streaming=True)
+        torch.cuda.synchronize()
+        layer.check()  # nothing reported: the fuzz test above would fail against this build
+    finally:
+        layer.destroy()

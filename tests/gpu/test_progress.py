@@ -131,13 +131,17 @@ def test_consumer_filling_the_gpu_without_a_partition_starves_the_producer(runti
 
 
 def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
+    """Also: the watchdog limit set for one call (``set_timeout``) is the one that fires."""
     W = runtime.world_size
-    with make_ring(runtime, 1, timeout_s=2.0) as ring:
+    with make_ring(runtime, 1, timeout_s=60.0) as ring:
         out = GatherOutputs(ring, T)
         if runtime.rank != 0:  # rank 0 never publishes
             publish_all(runtime, ring, T, 0, torch.cuda.current_stream())
+        ring.set_timeout(2.0)
+        start = time.monotonic()
         gather(ring, out)
         torch.cuda.synchronize()
+        assert time.monotonic() - start < 20, "the 2 s limit set for this call did not apply"
         with pytest.raises(ChunkringTimeoutError) as info:
             ring.check()
         record = info.value.record
@@ -145,6 +149,7 @@ def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
             runtime.rank, Site.WAIT_ROUTE, 0, 0, 0), record
         runtime.barrier()
         ring.reset()
+        ring.set_timeout(60.0)
         out = GatherOutputs(ring, T)
         publish_all(runtime, ring, T, 1, torch.cuda.current_stream())
         gather(ring, out)

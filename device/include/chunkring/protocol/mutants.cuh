@@ -15,6 +15,7 @@ enum class Mutant : unsigned {
     kNoAcquireFence = 2,  // wait: payload reads are not ordered after the observed generation
     kNoAckWait = 3,       // reuse: the producer overwrites a slot without waiting for every ack
     kIgnoreEpoch = 4,     // wait: generations are compared without their epoch
+    kNoInputChecks = 5,   // consume: slot values used as counts, indices and scales unchecked (validate.cuh)
 };
 
 constexpr Mutant kMutant = static_cast<Mutant>(CHUNKRING_MUTANT);

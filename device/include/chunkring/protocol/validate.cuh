@@ -15,6 +15,7 @@
 #pragma once
 
 #include "chunkring/layout/ring_desc.cuh"
+#include "chunkring/protocol/mutants.cuh"
 #include "chunkring/protocol/rules.cuh"
 
 namespace chunkring::protocol {
@@ -43,6 +44,7 @@ __device__ __noinline__ void report_input(const RingDesc& d, InputField field, u
 // `capacity` rows; otherwise 0 (reported if `report`: when every thread checks, one reports).
 __device__ __forceinline__ u64 checked_chunk_rows(const RingDesc& d, u64 src, u64 slot, u64 base, u64 n, u64 capacity,
                                                   bool report = true) {
+    if constexpr (kMutant == Mutant::kNoInputChecks) return n;
     if (n > d.tokens_per_slot) {
         if (report) report_input(d, InputField::kNumTokens, src, slot, 0, 0, n);
         return 0;
@@ -56,6 +58,7 @@ __device__ __forceinline__ u64 checked_chunk_rows(const RingDesc& d, u64 src, u6
 
 // A top-k choice: an expert in [0, num_experts), or -1 (masked; out-of-range values are reported).
 __device__ __forceinline__ int checked_expert(const RingDesc& d, u64 src, u64 slot, u64 row, u64 k, int expert) {
+    if constexpr (kMutant == Mutant::kNoInputChecks) return expert;
     if (expert >= -1 && static_cast<long long>(expert) < static_cast<long long>(d.num_experts)) return expert;
     report_input(d, InputField::kTopkIdx, src, slot, row, k, static_cast<u64>(static_cast<long long>(expert)));
     return -1;
@@ -63,6 +66,7 @@ __device__ __forceinline__ int checked_expert(const RingDesc& d, u64 src, u64 sl
 
 // An FP8 block scale: finite, or 0 (reported).
 __device__ __forceinline__ float checked_scale(const RingDesc& d, u64 src, u64 slot, u64 row, u64 column, float scale) {
+    if constexpr (kMutant == Mutant::kNoInputChecks) return scale;
     if (isfinite(scale)) return scale;
     report_input(d, InputField::kXSf, src, slot, row, column, __float_as_uint(scale));
     return 0.0f;

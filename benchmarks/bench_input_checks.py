@@ -1,0 +1,101 @@
+"""What the consumer's input checks cost (protocol/validate.cuh): the MoE pull kernel with the checks
+against the same kernel built without them (the NO_INPUT_CHECKS mutant), on the same published chunks.
+
+    python benchmarks/bench_input_checks.py [--tokens 256] [--hidden 4096] [--topk 6] [--experts 256] [--json PATH]
+    mpirun -np 4 python benchmarks/bench_input_checks.py ...     (several ranks: every source's chunk)
+
+Every rank publishes one full chunk (not end-of-stream, so a pull leaves the source active and the same
+chunk can be pulled again: nothing is acknowledged until the reset at the end), then times ``--launches``
+pulls of every source's chunk per build, median of ``--repeats`` rounds (CUDA events). The checks are
+per value read (one compare per top-k choice, one ``isfinite`` per scale), so the figure is per chunk step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+import chunkring
+from chunkring import MoEConfig, MoELayer
+from chunkring.device import KernelLibrary, build
+from chunkring.device.ring_kernels import NO_INPUT_CHECKS
+from chunkring.moe_layer import moe_kernel_signatures
+from chunkring.moe_producer import quantize_rows_fp8, route
+from chunkring.ring_io import publish_chunk
+
+
+def pull_us(layer, library, launches: int, repeats: int) -> float:
+    """Median µs per pull step (every source's chunk) with ``library``'s moe_pull_step."""
+    ring, stage, cfg = layer.rings[1], layer._stages[1], layer.config
+    args = (ring.desc, stage.ended, stage.meta, stage.x.view(torch.uint8), stage.sf, stage.idx, stage.w,
+            cfg.max_tokens_per_rank, layer.first_expert, layer.first_expert + layer.experts_per_rank)
+    rounds = []
+    for _ in range(repeats + 1):  # the first round warms up
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(launches):
+            library.launch("moe_pull_step", *args, grid=ring.spec.world_size, block=256)
+        stop.record()
+        stop.synchronize()
+        rounds.append(start.elapsed_time(stop) * 1e3 / launches)
+    return statistics.median(rounds[1:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=256, help="rows per chunk (front_tokens_per_slot)")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--topk", type=int, default=6)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--launches", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    runtime = chunkring.init()
+    device = runtime.torch_device
+    cfg = MoEConfig(num_experts=args.experts, hidden=args.hidden, intermediate=128, topk=args.topk,
+                    max_tokens_per_rank=args.tokens, front_num_slots=2, front_tokens_per_slot=args.tokens)
+    layer = MoELayer(runtime, cfg, timeout_s=60)
+    try:
+        gen = torch.Generator(device).manual_seed(runtime.rank)
+        hidden = torch.randn(args.tokens, args.hidden, generator=gen, device=device).to(torch.bfloat16)
+        router = torch.randn(args.experts, args.hidden, generator=gen, device=device).to(torch.bfloat16)
+        idx, w = route(hidden, router, args.topk)
+        x, x_sf = quantize_rows_fp8(hidden)
+        publish_chunk(layer.rings[1], x=x, x_sf=x_sf, topk_idx=idx, topk_weights=w, token_base=0,
+                      end_of_stream=False)
+        torch.cuda.synchronize()
+        runtime.barrier()
+        unchecked = KernelLibrary(runtime, build("moe_stream", defines={"CHUNKRING_MUTANT": NO_INPUT_CHECKS}),
+                                  moe_kernel_signatures())
+        checked_us = pull_us(layer, layer._kernels, args.launches, args.repeats)
+        unchecked_us = pull_us(layer, unchecked, args.launches, args.repeats)
+        layer.check()
+        runtime.barrier()
+        layer.reset()  # the chunks were pulled but never acknowledged
+    finally:
+        layer.destroy()
+    if runtime.rank == 0:
+        figures = {"pull_checked_us": checked_us, "pull_unchecked_us": unchecked_us,
+                   "checks_us_per_step": checked_us - unchecked_us,
+                   "checks_share_of_pull": (checked_us - unchecked_us) / checked_us}
+        print(f"input checks, {runtime.world_size} rank(s), chunk {args.tokens} x {args.hidden}, top-{args.topk}: "
+              f"pull step {checked_us:.2f} us checked, {unchecked_us:.2f} us unchecked, "
+              f"checks {checked_us - unchecked_us:+.2f} us per step ({figures['checks_share_of_pull']:+.1%})")
+        if args.json:
+            summary = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(0),
+                       "gpus": torch.cuda.device_count(), "ranks": runtime.world_size, "suite": "bench_input_checks",
+                       "command": " ".join(sys.argv), "passed": 1, "failed": 0, "skipped": 0, "figures": figures}
+            with open(args.json, "w") as out:
+                json.dump(summary, out, indent=2)
+    runtime.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -62,10 +62,7 @@ class MoEConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ChunkringUsageError(f"must be a positive int, got {value!r}", field=name)
-        try:
-            object.__setattr__(self, "payload", PayloadFormat(self.payload))
-        except ValueError:
-            raise ChunkringUsageError(f"unknown payload format {self.payload!r}", field="payload") from None
+        object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
         if self.intermediate % 8:  # grouped GEMM operands need 16-byte rows
             raise ChunkringUsageError(f"must be a multiple of 8, got {self.intermediate}", field="intermediate")
         if (self.front_num_slots is None) != (self.front_tokens_per_slot is None):

@@ -29,6 +29,16 @@ class PayloadFormat(enum.IntEnum):
     FP8_E4M3 = 0  # x: float8_e4m3fn [T, H]; x_sf: float32 [T, H / 128]
     BF16 = 1  # x: bfloat16 [T, H]; no scales
 
+    @classmethod
+    def checked(cls, value, *, field: str = "payload") -> "PayloadFormat":
+        """``value`` as a PayloadFormat: a member, or its int value (not a bool or a float that merely
+        compares equal to one); anything else is a ``ChunkringUsageError`` naming ``field``."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value in cls._value2member_map_:
+            return cls(value)
+        raise ChunkringUsageError(f"unknown payload format {value!r}; use chunkring.PayloadFormat", field=field)
+
     @property
     def element_bytes(self) -> int:
         return 1 if self is PayloadFormat.FP8_E4M3 else 2
@@ -66,10 +76,7 @@ class RingSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ChunkringUsageError(f"must be an int, got {type(value).__name__}", field=name)
-        try:
-            object.__setattr__(self, "payload", PayloadFormat(self.payload))
-        except ValueError:
-            raise ChunkringUsageError(f"unknown payload format {self.payload!r}", field="payload") from None
+        object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
         _check_range("world_size", self.world_size, 1, MAX_WORLD_SIZE,
                      f"ack masks hold {MAX_WORLD_SIZE} ranks ({ACK_WORDS_PER_SLOT} words x {ACK_BITS_PER_WORD} bits)")
         _check_range("num_slots", self.num_slots, 1, 1 << 16)

@@ -14,6 +14,8 @@ GOOD = dict(num_experts=16, hidden=256, intermediate=128, topk=4, max_tokens_per
     (dict(topk=-1), "topk"),
     (dict(max_tokens_per_rank=1.5), "max_tokens_per_rank"),
     (dict(payload="fp4"), "payload"),
+    (dict(payload=True), "payload"),   # an IntEnum would take True for BF16
+    (dict(payload=1.0), "payload"),
     (dict(front_num_slots=2), "front_tokens_per_slot"),
     (dict(front_tokens_per_slot=8), "front_num_slots"),
     (dict(front_num_slots=0, front_tokens_per_slot=8), "front_num_slots"),

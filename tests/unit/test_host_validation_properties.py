@@ -1,0 +1,182 @@
+"""Hypothesis properties of the host-side checks (issue 10): for any arguments, a public call either
+accepts them - and then hands the device exactly what was asked - or raises ``ChunkringUsageError``
+naming one of the arguments that is wrong, before anything is enqueued. Never another exception.
+
+The calls run against CPU stand-ins (the checks compare devices, so CPU tensors on a CPU "device" pass
+exactly where CUDA tensors on the layer's GPU would)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import chunkring.ring_io as ring_io
+from chunkring import ChunkringUsageError, MoEConfig, MoELayer, PayloadFormat, RingSpec
+
+CPU = torch.device("cpu")
+H, K, T, E = 256, 4, 8, 8
+SPEC = RingSpec(world_size=2, num_slots=2, tokens_per_slot=T, hidden=H, payload=PayloadFormat.FP8_E4M3, topk=K,
+                num_experts=E)
+RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=CPU), desc=None, _check_alive=lambda: None)
+
+DTYPES = [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int32, torch.int64]
+odd_values = st.one_of(st.integers(-3, 70_000), st.booleans(), st.floats(allow_nan=False, width=32), st.none(),
+                       st.text(max_size=3))
+
+
+@st.composite
+def tensors(draw, good_shape, good_dtype):
+    """A tensor that is right, or wrong in its shape, dtype or layout; or not a tensor at all."""
+    kind = draw(st.sampled_from(["good", "good", "shape", "dtype", "layout", "none"]))
+    if kind == "none":
+        return None
+    shape = list(good_shape)
+    dtype = good_dtype
+    if kind == "shape":
+        axis = draw(st.integers(0, len(shape) - 1))
+        shape[axis] = draw(st.integers(0, 12).filter(lambda v: v != good_shape[axis]))
+    if kind == "dtype":
+        dtype = draw(st.sampled_from([d for d in DTYPES if d != good_dtype]))
+    if kind == "layout" and len(shape) == 2 and shape[0] > 1 and shape[1] > 1:
+        return torch.zeros(shape[::-1], dtype=torch.float32).to(dtype).t()
+    return torch.zeros(shape, dtype=torch.float32).to(dtype)
+
+
+def is_good(t, shape, dtype):
+    return isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.is_contiguous()
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(0, T + 1), data=st.data())
+def test_publish_chunk_accepts_exactly_the_valid_arguments(n, data, monkeypatch_module):
+    args = {
+        "x": data.draw(tensors((n, H), torch.float8_e4m3fn)),
+        "x_sf": data.draw(tensors((n, H // 128), torch.float32)),
+        "topk_idx": data.draw(tensors((n, K), torch.int32)),
+        "topk_weights": data.draw(tensors((n, K), torch.float32)),
+        "token_base": data.draw(st.one_of(st.integers(-2, 100), st.booleans(), st.floats(0, 4))),
+        "end_of_stream": data.draw(st.one_of(st.booleans(), st.integers(0, 1))),
+    }
+    wrong = set()
+    x = args["x"]
+    rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+    if rows is None or rows > T or not is_good(x, (rows, H), torch.float8_e4m3fn):
+        wrong.add("x")
+    for name, cols, dtype in (("x_sf", H // 128, torch.float32), ("topk_idx", K, torch.int32),
+                              ("topk_weights", K, torch.float32)):
+        if rows is None or not is_good(args[name], (rows, cols), dtype):
+            wrong.add(name)
+    base = args["token_base"]
+    if isinstance(base, bool) or not isinstance(base, int) or base < 0:
+        wrong.add("token_base")
+    if not isinstance(args["end_of_stream"], bool):
+        wrong.add("end_of_stream")
+    if rows == 0 and args["end_of_stream"] is False:
+        wrong.add("x")
+    launches = monkeypatch_module
+    launches.clear()
+    if wrong:
+        with pytest.raises(ChunkringUsageError) as info:
+            ring_io.publish_chunk(RING, **args)
+        assert info.value.field in wrong, (info.value.field, wrong)
+        assert not launches
+    else:
+        ring_io.publish_chunk(RING, **args)
+        (name, launched), = launches
+        assert name == "ring_publish_tensors"
+        assert launched[5:8] == (rows, base, int(args["end_of_stream"]))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    """publish_chunk's launches, recorded instead of enqueued (there is no GPU here)."""
+    launches = []
+
+    class Recorder:
+        def launch(self, name, *args, **kwargs):
+            launches.append((name, args))
+
+    saved = ring_io._library
+    ring_io._library = lambda runtime: Recorder()
+    yield launches
+    ring_io._library = saved
+
+
+FIELDS = ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "payload", "front_num_slots",
+          "front_tokens_per_slot", "block_m")
+
+
+@settings(max_examples=400, deadline=None)
+@given(values=st.fixed_dictionaries({name: odd_values for name in FIELDS}),
+       use=st.sets(st.sampled_from(FIELDS)))
+def test_moe_config_is_valid_or_names_a_field(values, use):
+    kwargs = dict(num_experts=16, hidden=256, intermediate=128, topk=4, max_tokens_per_rank=64)
+    kwargs.update({name: values[name] for name in use})
+    try:
+        cfg = MoEConfig(**kwargs)
+    except ChunkringUsageError as exc:
+        assert exc.field in FIELDS
+        return
+    for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "block_m"):
+        value = getattr(cfg, name)
+        assert type(value) is int and value >= 1, name
+    assert cfg.intermediate % 8 == 0 and isinstance(cfg.payload, PayloadFormat)
+    given_payload = kwargs.get("payload", PayloadFormat.FP8_E4M3)
+    assert type(given_payload) in (int, PayloadFormat), f"payload {given_payload!r} accepted"  # not True, not 1.0
+    assert (cfg.front_num_slots is None) == (cfg.front_tokens_per_slot is None)
+    if cfg.streaming:
+        assert 1 <= cfg.front_tokens_per_slot <= cfg.max_tokens_per_rank and cfg.front_num_slots >= 1
+
+
+def layer_on_cpu(config: MoEConfig, world: int = 2) -> MoELayer:
+    """A MoELayer's host half on a CPU stand-in runtime: its checks run, its device work is recorded."""
+    layer = MoELayer.__new__(MoELayer)
+    layer.runtime = SimpleNamespace(torch_device=CPU, world_size=world, rank=0)
+    layer.config = config
+    layer.experts_per_rank = config.num_experts // world
+    layer.first_expert = 0
+    layer.combine = object()  # not destroyed
+    layer.calls = []
+    layer._invoke = lambda which, n, produce, w13, w2, out, num_tokens: layer.calls.append((which, n)) or out
+    return layer
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(0, 20), data=st.data())
+def test_layer_run_accepts_exactly_the_valid_arguments(n, data):
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=64, topk=K, max_tokens_per_rank=16,
+                    front_num_slots=2, front_tokens_per_slot=8)
+    layer = layer_on_cpu(cfg)
+    El = layer.experts_per_rank
+    good = {
+        "x": ((n, H), torch.float8_e4m3fn), "x_sf": ((n, H // 128), torch.float32),
+        "topk_idx": ((n, K), torch.int32), "topk_weights": ((n, K), torch.float32),
+        "w13": ((El, 128, H), torch.bfloat16), "w2": ((El, H, 64), torch.bfloat16),
+        "out": ((n, H), torch.bfloat16), "num_tokens": ((1,), torch.int32),
+    }
+    args = {name: data.draw(tensors(shape, dtype)) for name, (shape, dtype) in good.items()}
+    streaming = data.draw(st.one_of(st.booleans(), st.just(1)))
+    # The batch size is x's: every per-token argument is judged against it.
+    x = args["x"]
+    rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+    per_token = {"x": H, "x_sf": H // 128, "topk_idx": K, "topk_weights": K, "out": H}
+    wrong = set()
+    for name, (shape, dtype) in good.items():
+        expected = (rows, per_token[name]) if name in per_token else shape
+        if (rows is None and name in per_token) or not is_good(args[name], expected, dtype):
+            wrong.add(name)
+    wrong -= {name for name in ("out", "num_tokens") if args[name] is None}  # optional
+    if rows is None or rows > cfg.max_tokens_per_rank:
+        wrong.add("x")
+    if not isinstance(streaming, bool):
+        wrong.add("streaming")
+    if wrong:
+        with pytest.raises(ChunkringUsageError) as info:
+            layer.run(**args, streaming=streaming)
+        assert info.value.field in wrong, (info.value.field, wrong)
+        assert not layer.calls
+    else:
+        layer.run(**args, streaming=streaming)
+        assert layer.calls == [(1 if streaming else 0, rows)]

@@ -68,7 +68,7 @@ def publish_chunk(ring, *, x, x_sf, topk_idx, topk_weights, token_base: int, end
     capacity): the chunk then publishes only its rows below the count, ends the stream at the count
     (``end_of_stream`` is ignored), and publishes nothing if it lies wholly past the count - except at
     ``token_base == 0``, which publishes the empty end-of-stream chunk of an empty rank. A count outside
-    ``[0, batch_rows]`` is recorded as ``BAD_METADATA`` (raised by ``ring.check()``) and clamped.
+    ``[0, batch_rows]`` is clamped and reported (``ChunkringInputError`` from ``ring.check()``).
     """
     ring._check_alive()
     spec, device = ring.spec, ring.runtime.torch_device

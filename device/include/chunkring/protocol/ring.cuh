@@ -231,9 +231,9 @@ __device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 s
 // error), then acknowledged; a source drops out after its end-of-stream chunk. No global token count is
 // needed, and an empty source (one empty end-of-stream chunk) stalls nobody.
 // With `arrivals` [world_size * num_slots] (see finish_chunk), every block of the grid runs this and
-// visits every chunk, each doing its share of the work; with null, one block consumes alone. Each block starts from the
-// consumer's cursors, read before its first arrival - hence before any block of this kernel can ack
-// and advance them.
+// visits every chunk, each doing its share of the work; with null, one block consumes alone. Each
+// block starts from the consumer's cursors, read before its first arrival - hence before any block of
+// this kernel can ack and advance them.
 // Returns false, uniformly across the block, once any step failed.
 template <typename Visit>
 __device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arrivals, Visit visit) {
@@ -241,7 +241,8 @@ __device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arriv
     __shared__ bool step_eos, step_ok;
     // NOTES: relaxed - only this consumer writes its cursors (ack_chunk), in earlier kernels or, within
     // this kernel, only after every block arrived at a chunk, i.e. after every block read them here.
-    for (u64 src = threadIdx.x; src < d.world_size; src += blockDim.x) next_seq[src] = ptx::ld_relaxed_sys(cursor_word(d, src));
+    for (u64 src = threadIdx.x; src < d.world_size; src += blockDim.x)
+        next_seq[src] = ptx::ld_relaxed_sys(cursor_word(d, src));
     if (threadIdx.x == 0) active = d.world_size == 64 ? ~0ull : (1ull << d.world_size) - 1;
     __syncthreads();
     while (active) {

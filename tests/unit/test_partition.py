@@ -31,3 +31,14 @@ def test_any_accepted_plan_obeys_the_rules(total, min_partition, alignment, prod
         return
     assert plan.producer_sms % alignment == 0 and plan.producer_sms >= min_partition
     assert plan.consumer_sms >= min_partition and plan.producer_sms + plan.consumer_sms == total
+
+
+def test_one_hardware_queue_is_refused_before_any_gpu_work(monkeypatch):
+    # Work-queue policy (runtime/partition.py): with a single connection the partitions share one
+    # hardware queue, and a producer starved behind the consumer on the H200 even with the SM split.
+    from chunkring import SmPartition
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ChunkringUsageError) as info:
+        SmPartition(runtime=None, producer_sms=16)  # refused before the runtime is touched
+    assert info.value.field == "CUDA_DEVICE_MAX_CONNECTIONS"

@@ -2,7 +2,8 @@
 """Model-check docs/model/ring.pml (the chunkring protocol) with SPIN.
 
 For every configuration -- the correct model in a few sizes, with and without
-the stale epoch-1 injector, interleaved and SERIALIZED, plus one run per
+the stale epoch-1 injector, interleaved and SERIALIZED, with one consumer block
+per rank and with two (-DBLOCKS=2, the multi-block consumer), plus one run per
 injected bug -- this runs ``spin -a`` with the configuration's macros,
 compiles ``pan.c`` with gcc and runs ``./pan``, all in a temporary directory
 (nothing is written into the repository).
@@ -133,6 +134,32 @@ CONFIGS: tuple[Config, ...] = (
     Config("live_bug_skip_eos_empty", ("W=2", "S=1", "BUG_SKIP_EOS_EMPTY"), CEX,
            ALL_FINISH_CYCLE, check=LIVE_FAIR,
            why="empty rank publishes nothing: consumers spin forever, fairly"),
+    # ---- multi-block consumer (C3', -DBLOCKS=2): every block of a consumer
+    # rank reads every chunk and arrives on a per-(source, slot) counter; the
+    # last arrival zeroes it and acks.  NO_OVERWRITE_BEFORE_EVERY_ACK demands
+    # every block's read.  Larger runs (S=2 with two invocations, fair
+    # liveness) leave the time budget: S=2 runs one invocation with a wrap.
+    Config("blk2_w2s1", ("W=2", "S=1", "BLOCKS=2"), PASS,
+           why="2 consumer blocks per rank, interleaved, two invocations "
+               "(cursors re-read from memory at each kernel start)"),
+    Config("blk2_w2s2", ("W=2", "S=2", "BLOCKS=2", "NINV=1", "N0=3"), PASS,
+           hashbits=26,
+           why="2 blocks, 2 slots (two arrival counters of a source live at "
+               "once), one invocation of 3 chunks from rank 0 (wraps slot 0)"),
+    Config("blk2_serial_w2s1", ("W=2", "S=1", "BLOCKS=2", "SERIALIZED"), PASS,
+           why="2 blocks, stream-serialized, 1 chunk/source/inv"),
+    Config("bug_ack_first_arrival", ("W=2", "S=1", "BLOCKS=2", "BUG_ACK_FIRST_ARRIVAL"),
+           CEX, "NO_OVERWRITE_BEFORE_EVERY_ACK",
+           "the first block to arrive acks: the owner rewrites the slot while "
+           "another block of that rank has not read it yet"),
+    Config("bug_reset_after_ack", ("W=2", "S=1", "BLOCKS=2", "BUG_RESET_AFTER_ACK"),
+           CEX, COMPLETION,
+           "the last block zeroes the count after its ack: a block's arrival at "
+           "the slot's next chunk is wiped, that chunk is never acked and the "
+           "rank's cursor is left behind (re-consumed by the next call)"),
+    Config("live_blk2_serial_w2s1", ("W=2", "S=1", "BLOCKS=2", "SERIALIZED"), PASS,
+           check=LIVE_ANY,
+           why="2 blocks, stream-serialized: finishes under any schedule"),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -319,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     # start the expensive configurations first
-    order = sorted(selected, key=lambda c: c.name not in ("w2s2_stale", "w3s1", "live_w2s2"))
+    order = sorted(selected, key=lambda c: c.name not in (
+        "w2s2_stale", "blk2_w2s2", "w3s1", "live_w2s2", "blk2_w2s1"))
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as ex:
         futs = {c.name: ex.submit(run_config, c, args.keep) for c in order}
         results = [futs[c.name].result() for c in selected]

@@ -6,16 +6,30 @@
  * Processes: producer(r) and consumer(d) for every rank, each running NINV
  * invocations (replays) back to back, with no coupling between them except
  * through the protocol words; with -DINJECT two injectors that deliver late
- * messages of an aborted epoch-1 run.  Spin interleaves sequentially
- * consistently, so "[release]" is the program order "payload store before
- * ready SET" and "[acquire]" is "payload load after the ready load".
+ * messages of an aborted epoch-1 run.  With -DBLOCKS=n (n > 1) rank d's
+ * consumer is n block processes consumer(d, b), the multi-block consumer of
+ * PROTOCOL.md's edge C3' (finish_chunk / consume_invocation with arrivals):
+ * every block waits for every chunk, reads it, then ARRIVES (atomicAdd on
+ * the per-(source, slot) count arrivals[r][s] at d); the block whose arrival
+ * makes the count n zeroes it and only then acks (the same CAS as a single
+ * block) and stores d's cursor for r.  Each block keeps its own next_seq,
+ * read from d's cursors (cursor_mem) at kernel start; kernel inv of rank d
+ * starts after all n blocks of kernel inv-1 finished (stream order).
+ * Spin interleaves sequentially consistently, so "[release]" is the program
+ * order "payload store before ready SET" and "[acquire]" is "payload load
+ * after the ready load".
  *
  * Atomicity: atomic / d_step wrap only what is one operation in the
  * implementation -- a single store or load (plus ghost bookkeeping and the
  * assertions on what was just observed), the ack CAS, an injector's single
- * late message -- and the payload store / load of one part (the payload is
- * one abstract value).  WAIT READY polls the route word, then the layout
- * word, as wait_chunk() in device/include/chunkring/protocol/ring.cuh does.
+ * late message, a block's arrival (one atomicAdd and its returned count) --
+ * and the payload store / load of one part (the payload is one abstract
+ * value), and a block's read of its cursors at kernel start (no one writes
+ * them then: every ack of the kernel needs that block's later arrival).  The
+ * last arrival's zeroing of the count, its ack CAS and its cursor store are
+ * three separate steps, as on the GPU.  WAIT READY polls the route word,
+ * then the layout word, as wait_chunk() in
+ * device/include/chunkring/protocol/ring.cuh does.
  *
  * Macros (all optional):
  *   -DW=2|3 -DS=1|2  ranks; ring slots per rank
@@ -28,6 +42,9 @@
  *   -DLIVENESS       busy-wait protocol waits + the ltl claim ALL_FINISH
  *   -DINJECT         stale epoch-1 SET / ack injectors
  *   -DSTALE_SEQS=n   stale values carry seq 1..n (default 2)
+ *   -DBLOCKS=n       consumer blocks per rank (default 1: the single-block
+ *                    path, arrivals == nullptr, unchanged).  W=2, BLOCKS=2
+ *                    is 7 processes: pan -f then needs gcc -DNFAIR=3
  *   bug variants and the property their counterexample breaks (W=2, S=1):
  *     BUG_NO_ACK_WAIT          P1 skipped   -> NO_OVERWRITE_BEFORE_EVERY_ACK
  *     BUG_PUBLISH_BEFORE_DATA  P3 reversed  -> NO_READ_BEFORE_PUBLISH
@@ -35,6 +52,18 @@
  *     BUG_NARROW_GEN           1-bit seq    -> COMPLETION (false ERROR, below)
  *     BUG_SKIP_EOS_EMPTY       no empty eos -> COMPLETION (deadlock)
  *     BUG_UNTAGGED_ACK (INJECT) OR ack      -> ACKS_RIGHT_GEN
+ *   and with BLOCKS=2:
+ *     BUG_ACK_FIRST_ARRIVAL    the first arrival acks (the last one still
+ *                              zeroes the count) -> NO_OVERWRITE_BEFORE_EVERY_ACK
+ *                              (the owner rewrites the slot while the other
+ *                              block of that rank has not read it).  Paths
+ *                              that end in a false ack-tag ERROR instead exist
+ *                              too (a block's late arrival is counted for the
+ *                              slot's next chunk); the process creation order
+ *                              in init makes pan meet the overwrite first
+ *     BUG_RESET_AFTER_ACK      count zeroed after the ack -> COMPLETION (a
+ *                              block's arrival at the slot's next chunk is
+ *                              wiped: never acked, cursor left behind)
  *   and under LIVENESS: BUG_SKIP_EOS_EMPTY, and SERIALIZED with N0=2 > S=1
  *   -> ALL_FINISH (an acceptance cycle even under weak fairness)
  *
@@ -43,7 +72,9 @@
  *   NO_READ_BEFORE_PUBLISH         after WAIT READY the slot holds chunk (r,q)
  *                                  in both parts, with its count and eos
  *   NO_OVERWRITE_BEFORE_EVERY_ACK  slot s is rewritten for q (lap >= 1) only
- *                                  after every destination read q-S
+ *                                  after every destination read q-S -- with
+ *                                  BLOCKS > 1, every block of every
+ *                                  destination (ghost bit RBIT(d, b))
  *   NO_ABA                         the accepted ready words were published
  *                                  for exactly chunk (r,q)
  *   ACKS_RIGHT_GEN                 a full mask seen by P1 consists of bits set
@@ -51,7 +82,9 @@
  *   STALE_NEVER_ACCEPTED           an epoch-1 value is never accepted
  *   COMPLETION                     every chunk consumed once; no ERROR report
  *                                  without a real stale cause; plus pan's
- *                                  invalid-end-state check (no deadlock)
+ *                                  invalid-end-state check (no deadlock);
+ *                                  BLOCKS > 1: by every block, and d's cursors
+ *                                  in memory are right after the last kernel
  *   ALL_FINISH (LIVENESS, ltl)     <> every producer and every consumer has
  *                                  finished all NINV invocations
  *
@@ -80,7 +113,14 @@
  *   - SERIALIZED with N0 > S: the producer spins on an ack of its own
  *     invocation, whose consumer cannot start -- a fair cycle, the
  *     guarantee's boundary;
- *   - BUG_SKIP_EOS_EMPTY: the consumers spin forever on the empty rank.
+ *   - BUG_SKIP_EOS_EMPTY: the consumers spin forever on the empty rank;
+ *   - BLOCKS=2, SERIALIZED: finishes with no fairness (in check_model.py);
+ *     BLOCKS=2 interleaved, NINV=1 (ring wraps in the call): finishes under
+ *     weak fairness -- a one-off run, too big for check_model.py: spin
+ *     -DW=2 -DS=1 -DBLOCKS=2 -DNINV=1 -DLIVENESS -a; gcc -DNFAIR=3
+ *     -DCOLLAPSE -DMEMLIM=10000; ./pan -a -f -w28: 27.2 M states, 266 s,
+ *     3.7 GB.  Weak fairness here also means every block of the grid is
+ *     resident (the last arrival must come), as a co-resident grid is.
  * No timeout is modelled: a pass means the timeout never has to fire.
  */
 
@@ -107,6 +147,9 @@
 #ifndef STALE_SEQS
 #define STALE_SEQS 2
 #endif
+#ifndef BLOCKS
+#define BLOCKS 1          /* consumer blocks per rank; 1 = the single-block path */
+#endif
 #define EMPTY_RANK 1
 
 /* chunks per invocation the consumers expect from r (empty rank: one chunk) */
@@ -119,6 +162,10 @@
 #define TOKENS(r)     ((r) == EMPTY_RANK -> 0 : 1)   /* token count of a chunk */
 #define EXP_EOS(r, q) (((q) + 1) % NEXP(r) == 0)     /* last of its invocation */
 #define FULL          ((1 << W) - 1)                 /* ack mask of all ranks */
+#define CONSUMERS     (W * BLOCKS)                   /* consumer processes */
+/* ghost reader bit of block b of rank d; every block of every rank */
+#define RBIT(d, b)    (1 << ((d) * BLOCKS + (b)))
+#define RFULL         ((1 << CONSUMERS) - 1)
 
 /* ------------------------------------------------------- generations ---- */
 /* gen(q) = (epoch << SEQ_BITS) | (lap(q) + 1), 0 = never published; the ack
@@ -175,13 +222,24 @@ byte  ack_mask[W * S];
 byte  consumed_gen[W * S];
 bit   error_reported;      /* a consumer reported an ERROR */
 #if defined(SERIALIZED) || defined(LIVENESS)
-byte  prod_fin, cons_fin;  /* invocations finished by producers / consumers:
+byte  prod_fin, cons_fin;  /* invocations finished by producers / consumer
+                            * blocks (BLOCKS per rank):
                             * stream order, and the liveness claim */
 #endif
 /* ghosts, never read by the protocol */
 byte  armed_q[W * S];      /* q+1 of the chunk ack[s] is armed for */
 byte  ack_prov[W * S];     /* mask bits set by a consumer that read that chunk */
-byte  readers[W * S];      /* destinations that finished reading the slot */
+byte  readers[W * S];      /* RBIT(d, b): block b of destination d finished
+                            * reading the slot (BLOCKS = 1: bit d) */
+#if BLOCKS > 1
+/* multi-block consumer (C3'), all at destination d */
+byte  arrivals[W * W * S]; /* RIX(d, r, s): blocks of d done with r's slot s */
+byte  cursor_mem[W * W];   /* CIX(d, r): d's cursor for source r, written by
+                            * the acking block, read by every block at start */
+byte  kfin[W];             /* blocks of d that finished their current kernel:
+                            * stream order between d's consumer kernels */
+#define CIX(d, r)    ((d) * W + (r))
+#endif
 
 hidden byte NO_READ_BEFORE_PUBLISH = 1;
 hidden byte NO_OVERWRITE_BEFORE_EVERY_ACK = 1;
@@ -195,7 +253,7 @@ hidden byte COMPLETION = 1;
 /* every producer and consumer finishes all NINV invocations (that the right
  * chunks were consumed is COMPLETION, the safety runs' business: pan stops a
  * path once the claim is satisfied) */
-ltl ALL_FINISH { <> (prod_fin == W * NINV && cons_fin == W * NINV) }
+ltl ALL_FINISH { <> (prod_fin == W * NINV && cons_fin == CONSUMERS * NINV) }
 #endif
 
 /* A protocol wait (P1 WAIT REUSABLE, WAIT READY) is a do-loop whose options
@@ -220,7 +278,7 @@ ltl ALL_FINISH { <> (prod_fin == W * NINV && cons_fin == W * NINV) }
 inline overwrite_check() {
   if
   :: !first_done ->
-     CHECK(NO_OVERWRITE_BEFORE_EVERY_ACK, q < S || readers[j] == FULL);
+     CHECK(NO_OVERWRITE_BEFORE_EVERY_ACK, q < S || readers[j] == RFULL);
      readers[j] = 0; first_done = 1
   :: else
   fi
@@ -259,7 +317,7 @@ proctype producer(byte r)
   for (inv : 0 .. NINV - 1) {
 #ifdef SERIALIZED
     /* SERIALIZED: start after every consumer of invocation inv-1 finished */
-    if :: cons_fin >= W * inv :: error_reported -> goto end_abort fi;
+    if :: cons_fin >= CONSUMERS * inv :: error_reported -> goto end_abort fi;
 #endif
     /* one invocation: n_r >= 1 chunks, the last with eos=1; the empty rank
      * publishes exactly one empty eos chunk (BUG_SKIP_EOS_EMPTY: none) */
@@ -310,21 +368,9 @@ inline wait_ready(word) {
   POLL_AGAIN
   od
 }
-/* one chunk step of consumer d on active source r */
-inline chunk_step() {
-  q = cursor[r]; s = q % S; g = GEN(q); i = RIX(d, r, s); j = SIX(r, s);
-  /* WAIT READY: route_ready_gen[r][s] == g, then layout_ready_gen[r][s] == g */
-  wait_ready(route_ready_gen[i]);
-  wait_ready(layout_ready_gen[i]);
-  /* [acquire]; read payload and eos from r's slot: route part, layout part
-   * (atomic, not d_step: SPIN forbids wait_ready's break to jump into one) */
-  atomic { e = eos[j];
-           CHECK(NO_READ_BEFORE_PUBLISH, route_pay[j] == q + 1 &&
-                 count[j] == TOKENS(r) && e == EXP_EOS(r, q)) }
-  d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
-           readers[j] = readers[j] | (1 << d) }    /* ghost: d done reading */
-  /* ACK: CAS on r's ack[s]: tag == tag(g) -> set bit d, else ERROR (the ack
-   * is not counted) */
+/* ACK (C3): CAS on r's ack[s]: tag == tag(g) -> set bit d, else ERROR (the
+ * ack is not counted).  One atomic step: the remote CAS. */
+inline ack_cas() {
   atomic {
 #ifdef BUG_UNTAGGED_ACK
     ack_mask[j] = ack_mask[j] | (1 << d);          /* BUG: OR, no tag check */
@@ -337,21 +383,99 @@ inline chunk_step() {
     /* ghost provenance: the bit is right iff ack[s] is armed for (r, q) */
     if :: armed_q[j] == q + 1 -> ack_prov[j] = ack_prov[j] | (1 << d) :: else fi
   }
+}
+
+#if BLOCKS > 1
+/* C3' (finish_chunk with arrivals): block b of rank d is done reading chunk
+ * (r, q).  ARRIVE is atomicAdd(&arrivals[r][s], 1): one atomic step, and its
+ * result (got, the count this block made) is the block's own.  The block that
+ * makes the count BLOCKS (gridDim) is the last arrival: it zeroes the count
+ * (a plain store, a step of its own), then acks (the CAS, a step of its own),
+ * then stores d's cursor for r (ack_chunk's relaxed store, a step of its
+ * own).  The GPU-scope fences around the arrival are the program order here
+ * (Spin is sequentially consistent). */
+inline arrive() {
+  d_step { arrivals[i]++; got = arrivals[i] }      /* atomicAdd */
+  if
+  :: got == BLOCKS ->                              /* the last arrival */
+#ifndef BUG_RESET_AFTER_ACK
+     arrivals[i] = 0;                              /* [acquire]; zero count */
+#endif
+#ifndef BUG_ACK_FIRST_ARRIVAL
+     ack_cas();                                    /* then C3 */
+     cursor_mem[CIX(d, r)] = q + 1;
+#endif
+#ifdef BUG_RESET_AFTER_ACK
+     arrivals[i] = 0;                              /* BUG: zeroed after the ack */
+#endif
+     got = 0
+#ifdef BUG_ACK_FIRST_ARRIVAL
+  :: got == 1 ->                                   /* BUG: the first arrival acks */
+     ack_cas();
+     cursor_mem[CIX(d, r)] = q + 1;
+     got = 0
+#endif
+  :: else -> got = 0
+  fi
+}
+#endif
+
+/* one chunk step of consumer d (with BLOCKS > 1: of its block b) on active
+ * source r */
+inline chunk_step() {
+  q = cursor[r]; s = q % S; g = GEN(q); i = RIX(d, r, s); j = SIX(r, s);
+  /* WAIT READY: route_ready_gen[r][s] == g, then layout_ready_gen[r][s] == g */
+  wait_ready(route_ready_gen[i]);
+  wait_ready(layout_ready_gen[i]);
+  /* [acquire]; read payload and eos from r's slot: route part, layout part
+   * (atomic, not d_step: SPIN forbids wait_ready's break to jump into one) */
+  atomic { e = eos[j];
+           CHECK(NO_READ_BEFORE_PUBLISH, route_pay[j] == q + 1 &&
+                 count[j] == TOKENS(r) && e == EXP_EOS(r, q)) }
+#if BLOCKS > 1
+  d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
+           readers[j] = readers[j] | RBIT(d, b) }  /* ghost: block b of d done */
+  arrive();
+#else
+  d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
+           readers[j] = readers[j] | (1 << d) }    /* ghost: d done reading */
+  ack_cas();
+#endif
   cursor[r]++;
   if :: e -> act[r] = 0; nact-- :: else fi        /* eos: active[r] = 0 */
 }
 
+#if BLOCKS > 1
+proctype consumer(byte d; byte b)   /* block b of rank d's consumer grid */
+#else
 proctype consumer(byte d)
+#endif
 {
-  byte cursor[W];        /* cursor[r]: next q expected from r (persists) */
+  byte cursor[W];        /* cursor[r]: next q expected from r (BLOCKS = 1: it
+                          * persists; BLOCKS > 1: the block's next_seq) */
   bit  act[W];           /* active[r] */
   byte nact, inv, r, q, s, g, i, j;
   bit  e;
+#if BLOCKS > 1
+  byte got;              /* the count this block's arrival made */
+#endif
 
   for (inv : 0 .. NINV - 1) {
 #ifdef SERIALIZED
     /* SERIALIZED: start after every producer of invocation inv finished */
     if :: prod_fin >= W * (inv + 1) :: error_reported -> goto end_abort fi;
+#endif
+#if BLOCKS > 1
+    /* stream order: kernel inv starts after every block of kernel inv-1 of
+     * this rank finished (a blocking guard: the kernel is not launched yet,
+     * it does not spin).  Then the block reads d's cursors into its own
+     * next_seq: one step, since no one writes them concurrently -- every ack
+     * of this kernel needs this block's arrival, which comes later (and if
+     * one did, COMPLETION / NO_ABA would see the wrong chunk consumed). */
+    if :: kfin[d] >= BLOCKS * inv :: error_reported -> goto end_abort fi;
+    d_step { r = 0;
+             do :: r < W -> cursor[r] = cursor_mem[CIX(d, r)]; r++ :: else -> break od;
+             r = 0 }
 #endif
     /* active[r] = 1 for all r */
     d_step { r = 0; do :: r < W -> act[r] = 1; r++ :: else -> break od; nact = W; r = 0 }
@@ -363,12 +487,25 @@ proctype consumer(byte d)
        }
     :: else -> break
     od;
+#if BLOCKS > 1
+    kfin[d]++;
+#endif
 #if defined(SERIALIZED) || defined(LIVENESS)
     cons_fin++;
 #endif
   }
   /* COMPLETION: every chunk of every source consumed exactly once */
   for (r : 0 .. W - 1) { CHECK(COMPLETION, cursor[r] == NINV * NEXP(r)) }
+#if BLOCKS > 1
+  /* ... and, once every block is done, d's cursors in memory (where the next
+   * call starts) are right too */
+  if
+  :: b == 0 ->
+     if :: kfin[d] == BLOCKS * NINV :: error_reported -> goto end_abort fi;
+     for (r : 0 .. W - 1) { CHECK(COMPLETION, cursor_mem[CIX(d, r)] == NINV * NEXP(r)) }
+  :: else
+  fi;
+#endif
 end_abort: skip
 }
 
@@ -418,8 +555,27 @@ proctype stale_ack()
 
 init {
   byte x;
+#if BLOCKS > 1
+  byte y;
+#endif
   atomic {
+#if BLOCKS > 1
+    /* created in reverse, so that pan's depth-first search, which tries the
+     * highest pid first, schedules producer(0) first, then rank 0's blocks
+     * in order, ...: a complete search does not depend on the order, only
+     * which counterexample of a bug variant is met first (see
+     * BUG_ACK_FIRST_ARRIVAL above) */
+    x = W;
+    do
+    :: x > 0 -> x--;
+       y = BLOCKS;
+       do :: y > 0 -> y--; run consumer(x, y) :: else -> break od;
+       run producer(x)
+    :: else -> break
+    od
+#else
     for (x : 0 .. W - 1) { run producer(x); run consumer(x) }
+#endif
 #ifdef INJECT
     run stale_set(); run stale_ack()
 #endif

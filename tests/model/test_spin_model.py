@@ -36,6 +36,19 @@ all invocations; protocol waits modelled as busy-waits), pinned by name below:
                                  under weak fairness (the guarantee's boundary)
   live_bug_skip_eos_empty        the empty rank's missing eos: acceptance cycle
                                  under weak fairness
+  live_blk2_serial_w2s1          SERIALIZED with 2 consumer blocks per rank:
+                                 holds with no fairness assumption
+
+Multi-block consumer (PROTOCOL.md edge C3', ring.pml -DBLOCKS=2: each block
+reads every chunk and arrives on a per-(source, slot) count; the last arrival
+zeroes it, then acks), pinned by name below:
+  blk2_w2s1, blk2_w2s2,          every property holds, NO_OVERWRITE_BEFORE_EVERY_ACK
+  blk2_serial_w2s1               demanding the read of every block of every rank
+  bug_ack_first_arrival          the first arrival acks: the slot is rewritten
+                                 while another block still has to read it
+                                 (NO_OVERWRITE_BEFORE_EVERY_ACK)
+  bug_reset_after_ack            the count is zeroed after the ack: an arrival
+                                 at the slot's next chunk is lost (COMPLETION)
 """
 from __future__ import annotations
 
@@ -66,6 +79,17 @@ LIVENESS_PINNED = {
     "live_serial_w3s1": (check_model.LIVE_ANY, check_model.PASS),
     "live_serial_wrap": (check_model.LIVE_FAIR, check_model.CEX),
     "live_bug_skip_eos_empty": (check_model.LIVE_FAIR, check_model.CEX),
+    "live_blk2_serial_w2s1": (check_model.LIVE_ANY, check_model.PASS),
+}
+
+BLOCKS_PINNED = {
+    "blk2_w2s1": (check_model.SAFETY, check_model.PASS, None),
+    "blk2_w2s2": (check_model.SAFETY, check_model.PASS, None),
+    "blk2_serial_w2s1": (check_model.SAFETY, check_model.PASS, None),
+    "bug_ack_first_arrival": (check_model.SAFETY, check_model.CEX,
+                              "NO_OVERWRITE_BEFORE_EVERY_ACK"),
+    "bug_reset_after_ack": (check_model.SAFETY, check_model.CEX, check_model.COMPLETION),
+    "live_blk2_serial_w2s1": (check_model.LIVE_ANY, check_model.PASS, None),
 }
 
 
@@ -78,6 +102,20 @@ def test_liveness_configs_pinned():
         assert "LIVENESS" in c.defines()
         if c.expect == check_model.CEX:
             assert c.prop == check_model.ALL_FINISH_CYCLE, c.name
+
+
+def test_multiblock_configs_pinned():
+    """The multi-block consumer checks exist with their mode, expectation and
+    expected property, all with 2 blocks per rank; every other check keeps the
+    single-block model (BLOCKS unset)."""
+    blk = {c.name: c for c in check_model.CONFIGS
+           if any(m.startswith("BLOCKS=") for m in c.macros)}
+    assert {n: (c.check, c.expect, c.prop) for n, c in blk.items()} == BLOCKS_PINNED
+    for c in blk.values():
+        assert "BLOCKS=2" in c.macros, c.name
+    for c in check_model.CONFIGS:   # the multi-block bugs need blocks
+        if {"BUG_ACK_FIRST_ARRIVAL", "BUG_RESET_AFTER_ACK"} & set(c.macros):
+            assert c.name in blk, c.name
 
 
 @pytest.mark.parametrize("cfg", check_model.CONFIGS, ids=lambda c: c.name)

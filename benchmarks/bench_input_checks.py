@@ -13,8 +13,6 @@ per value read (one compare per top-k choice, one ``isfinite`` per scale), so th
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 
@@ -27,6 +25,8 @@ from chunkring.device.ring_kernels import NO_INPUT_CHECKS
 from chunkring.moe_layer import moe_kernel_signatures
 from chunkring.moe_producer import quantize_rows_fp8, route
 from chunkring.ring_io import publish_chunk
+
+import result_file  # benchmarks/result_file.py: the script's own folder is on sys.path
 
 
 def pull_us(layer, library, launches: int, repeats: int) -> float:
@@ -88,11 +88,7 @@ def main() -> int:
               f"pull step {checked_us:.2f} us checked, {unchecked_us:.2f} us unchecked, "
               f"checks {checked_us - unchecked_us:+.2f} us per step ({figures['checks_share_of_pull']:+.1%})")
         if args.json:
-            summary = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(0),
-                       "gpus": torch.cuda.device_count(), "ranks": runtime.world_size, "suite": "bench_input_checks",
-                       "command": " ".join(sys.argv), "passed": 1, "failed": 0, "skipped": 0, "figures": figures}
-            with open(args.json, "w") as out:
-                json.dump(summary, out, indent=2)
+            result_file.write(args.json, suite="bench_input_checks", world_size=runtime.world_size, figures=figures)
     runtime.close()
     return 0
 

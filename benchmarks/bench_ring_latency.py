@@ -10,8 +10,6 @@ reusable), each with its ratio to the raw floor. Needs at least two ranks (one G
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
@@ -21,6 +19,8 @@ from chunkring import Ring, RingSpec
 from chunkring.device import KernelLibrary, Param, build
 from chunkring.launcher.jobs import bringup
 from chunkring.ring_spec import PayloadFormat
+
+import result_file  # benchmarks/result_file.py: the script's own folder is on sys.path
 
 
 def bench_library(runtime):
@@ -69,11 +69,7 @@ def main() -> int:
             figures = {"raw_signal_one_way_us": floor, "publish_observe_us": publish_rtt / 2,
                        "slot_round_trip_us": slot_round_trip, "publish_observe_over_floor": publish_rtt / 2 / floor,
                        "slot_round_trip_over_floor": slot_round_trip / floor}
-            summary = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(0),
-                       "gpus": torch.cuda.device_count(), "ranks": runtime.world_size, "suite": "bench_ring_latency",
-                       "command": " ".join(sys.argv), "passed": 1, "failed": 0, "skipped": 0, "figures": figures}
-            with open(args.json, "w") as out:
-                json.dump(summary, out, indent=2)
+            result_file.write(args.json, suite="bench_ring_latency", world_size=runtime.world_size, figures=figures)
     runtime.close()
     return 0
 

@@ -40,8 +40,6 @@ from .jobdir import JOB_DIR_VAR
 from .jobs import JOBS
 from .supervise import PREFIX, SignalCatcher, conclude, supervise
 
-# Kept for callers of the old names.
-EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = exitcodes.FAILED, exitcodes.USAGE, exitcodes.NO_GPU
 #: Variables every rank must see: ours, NVSHMEM's and the MPS pipe (Open MPI forwards only what -x names).
 FORWARDED_PREFIXES = ("CHUNKRING_", "NVSHMEM_", "NCCL_", "TORCH_SYMM_MEM_", "CUDA_MPS_", "CUDA_VISIBLE_DEVICES",
                       "CUDA_MODULE_LOADING",

@@ -31,7 +31,7 @@ def _library(runtime):
             desc, Param("out_x", "ptr", torch.uint8), Param("out_x_sf", "ptr", torch.float32),
             Param("out_topk_idx", "ptr", torch.int32), Param("out_topk_weights", "ptr", torch.float32),
             Param("out_counts", "ptr", torch.int64), Param("capacity", "i64"),
-            Param("arrivals", "ptr", torch.int32),
+            Param("arrivals", "ptr", torch.int32, nullable=True),
         ),
     })
 
@@ -141,12 +141,15 @@ def gather(ring, out: GatherOutputs, *, grid: int = 1, stream=None) -> None:
         raise ChunkringUsageError("these outputs were made for another ring", field="out")
     if isinstance(grid, bool) or not isinstance(grid, int) or not 1 <= grid <= 65535:
         raise ChunkringUsageError(f"must be an int in [1, 65535], got {grid!r}", field="grid")
-    stream = stream if stream is not None else torch.cuda.current_stream(ring.runtime.torch_device)
-    with torch.cuda.stream(stream):
-        out.arrivals.zero_()  # a failed earlier gather may have left counts behind
+    arrivals = None  # one block acknowledges each chunk itself: no arrival count to keep
+    if grid > 1:
+        arrivals = out.arrivals
+        stream = stream if stream is not None else torch.cuda.current_stream(ring.runtime.torch_device)
+        with torch.cuda.stream(stream):
+            arrivals.zero_()  # a failed earlier gather may have left counts behind
     _library(ring.runtime).launch(
         "ring_gather", ring.desc, out.x.view(torch.uint8), out.x_sf, out.topk_idx, out.topk_weights, out.counts,
-        out.capacity, out.arrivals, grid=grid, block=_GATHER_BLOCK, stream=stream)
+        out.capacity, arrivals, grid=grid, block=_GATHER_BLOCK, stream=stream)
 
 
 def gather_grid_limit(ring, sms: int) -> int:

@@ -85,7 +85,7 @@ class StatusRecord:
 
     @classmethod
     def from_words(cls, words) -> "StatusRecord":
-        w = [int(v) & ((1 << 64) - 1) for v in words]
+        w = _unsigned(words)
         return cls(
             code=_enum_or_int(ErrorCode, w[STATUS["code"]]),
             pe=w[STATUS["pe"]],
@@ -132,7 +132,7 @@ class InputRecord:
 
     @classmethod
     def from_words(cls, words, pe: int) -> "InputRecord":
-        w = [int(v) & ((1 << 64) - 1) for v in words]
+        w = _unsigned(words)
         return cls(field=_enum_or_int(InputField, w[STATUS["input_field"]]), pe=pe, source=w[STATUS["input_source"]],
                    slot=w[STATUS["input_slot"]], row=w[STATUS["input_row"]], column=w[STATUS["input_column"]],
                    value=w[STATUS["input_value"]], count=w[STATUS["input_count"]])
@@ -157,6 +157,11 @@ class InputRecord:
         cell = f" row {self.row} column {self.column}" if self.field in (InputField.TOPK_IDX, InputField.X_SF) else ""
         return (f"PE {self.pe}: malformed {name} in {where}{cell}: {self.shown_value()!r} "
                 f"({_MASKED_AS.get(self.field, 'masked')}; {self.count} value(s) masked in all)")
+
+
+def _unsigned(words) -> list[int]:
+    """Status words as the device wrote them: torch reads the int64 region as signed."""
+    return [int(v) & ((1 << 64) - 1) for v in words]
 
 
 def _enum_or_int(kind, value):

@@ -64,7 +64,7 @@ extern "C" __global__ void ring_publish_tensors(const RingDesc* desc, const unsi
 // (protocol/validate.cuh), never written.
 // Any grid: every block waits for every chunk and copies its contiguous share of the rows;
 // the last block done with a chunk acknowledges it (arrivals [W * S], zeroed by the host before the
-// launch). One block is the smallest consumer; a grid that fills its SMs is the persistent-consumer
+// launch; null for a one-block grid, which acknowledges directly). One block is the smallest consumer; a grid that fills its SMs is the persistent-consumer
 // shape whose progress the SM partition protects.
 extern "C" __global__ void ring_gather(const RingDesc* desc, unsigned char* out_x, float* out_x_sf, int* out_topk_idx,
                                        float* out_topk_weights, long long* out_counts, long long capacity,

@@ -52,15 +52,19 @@ class CONFIG(LayerFields):
     warmup: int = 3
     rotate: int = 4                # hidden-state buffers cycled through
 
+    @property
+    def token_counts(self) -> tuple[int, ...]:
+        return _ints(self.tokens, "tokens")
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        return _ints(self.chunks, "chunks")
+
     def __post_init__(self):
-        for value in _ints(self.tokens, "tokens"):
-            if value > self.max_tokens_per_rank:
-                raise ChunkringUsageError(f"{value} exceeds max_tokens_per_rank={self.max_tokens_per_rank}",
-                                          field="tokens")
-        for value in _ints(self.chunks, "chunks"):
-            if value > self.max_tokens_per_rank:
-                raise ChunkringUsageError(f"{value} exceeds max_tokens_per_rank={self.max_tokens_per_rank}",
-                                          field="chunks")
+        for field, values in (("tokens", self.token_counts), ("chunks", self.chunk_sizes)):
+            if max(values) > self.max_tokens_per_rank:
+                raise ChunkringUsageError(f"{max(values)} exceeds max_tokens_per_rank={self.max_tokens_per_rank}",
+                                          field=field)
         for name, top in (("iterations", 100_000), ("warmup", 1000), ("rotate", 64)):
             if not 1 <= getattr(self, name) <= top:
                 raise ChunkringUsageError(f"must be in [1, {top}]", field=name)
@@ -70,13 +74,13 @@ class CONFIG(LayerFields):
 def run(runtime, config: CONFIG) -> dict:
     """Every shape's figures on this rank, keyed ``n<tokens>_c<chunk>_<figure>``."""
     figures = {}
-    bar = progress("bench", runtime.rank, total=len(_ints(config.chunks, "chunks")) * len(_ints(config.tokens, "tokens")))
+    bar = progress("bench", runtime.rank, total=len(config.chunk_sizes) * len(config.token_counts))
     done = 0
-    for chunk in _ints(config.chunks, "chunks"):
+    for chunk in config.chunk_sizes:
         cfg = replace(config.layer_config(), front_tokens_per_slot=chunk)
         with open_layer(runtime, config, cfg) as layer:
             model = _Model(layer, config)
-            for n in _ints(config.tokens, "tokens"):
+            for n in config.token_counts:
                 shape = model.measure(n, chunk)
                 figures.update({f"n{n}_c{chunk}_{key}": value for key, value in shape.items()})
                 done += 1

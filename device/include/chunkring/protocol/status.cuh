@@ -39,12 +39,20 @@ __device__ __forceinline__ bool has_error(const RingDesc& d) {
     return ptx::ld_relaxed_sys(layout::status_word(d, layout::kStatusCode)) != 0;
 }
 
+// One more record of a kind (the status words `count` and `code_word` name it): counted always, and
+// claimed by the first caller only - the one that then fills the record's other words (the host reads
+// them after the kernel ends). Shared by the error record here and validate.cuh's input record.
+__device__ __forceinline__ bool claim_first_record(const RingDesc& d, layout::StatusWord count,
+                                                   layout::StatusWord code_word, u64 code) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(layout::status_word(d, count)), 1ull);
+    return atomicCAS(reinterpret_cast<unsigned long long*>(layout::status_word(d, code_word)), 0ull, code) == 0ull;
+}
+
 __device__ __noinline__ void record_error(const RingDesc& d, ErrorCode code, Site site, u64 peer, u64 slot,
                                           u64 expected, u64 observed) {
     using namespace layout;
-    atomicAdd(reinterpret_cast<unsigned long long*>(status_word(d, kStatusCount)), 1ull);
     const auto code_value = static_cast<unsigned long long>(code);
-    if (atomicCAS(reinterpret_cast<unsigned long long*>(status_word(d, kStatusCode)), 0ull, code_value) != 0ull) return;
+    if (!claim_first_record(d, kStatusCount, kStatusCode, code_value)) return;
     *status_word(d, kStatusPe) = d.my_pe;
     *status_word(d, kStatusPeer) = peer;
     *status_word(d, kStatusSlot) = slot;

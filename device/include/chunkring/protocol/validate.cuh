@@ -17,6 +17,7 @@
 #include "chunkring/layout/ring_desc.cuh"
 #include "chunkring/protocol/mutants.cuh"
 #include "chunkring/protocol/rules.cuh"
+#include "chunkring/protocol/status.cuh"
 
 namespace chunkring::protocol {
 
@@ -30,9 +31,7 @@ enum class InputField : unsigned long long {
 __device__ __noinline__ void report_input(const RingDesc& d, InputField field, u64 source, u64 slot, u64 row,
                                           u64 column, u64 value) {
     using namespace layout;
-    atomicAdd(reinterpret_cast<unsigned long long*>(status_word(d, kStatusInputCount)), 1ull);
-    const auto code = static_cast<unsigned long long>(field);
-    if (atomicCAS(reinterpret_cast<unsigned long long*>(status_word(d, kStatusInputField)), 0ull, code) != 0ull) return;
+    if (!claim_first_record(d, kStatusInputCount, kStatusInputField, static_cast<u64>(field))) return;
     *status_word(d, kStatusInputSource) = source;
     *status_word(d, kStatusInputSlot) = slot;
     *status_word(d, kStatusInputRow) = row;

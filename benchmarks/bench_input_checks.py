@@ -4,10 +4,11 @@ against the same kernel built without them (the NO_INPUT_CHECKS mutant), on the 
     python benchmarks/bench_input_checks.py [--tokens 256] [--hidden 4096] [--topk 6] [--experts 256] [--json PATH]
     mpirun -np 4 python benchmarks/bench_input_checks.py ...     (several ranks: every source's chunk)
 
-Every rank publishes one full chunk (not end-of-stream, so a pull leaves the source active and the same
-chunk can be pulled again: nothing is acknowledged until the reset at the end), then times ``--launches``
-pulls of every source's chunk per build, median of ``--repeats`` rounds (CUDA events). The checks are
-per value read (one compare per top-k choice, one ``isfinite`` per scale), so the figure is per chunk step.
+Every rank publishes one full end-of-stream chunk; the pull holds a source's last chunk unacknowledged
+(the layer acknowledges it after its combine), so the same chunks can be pulled again: nothing is
+acknowledged until the reset at the end. Times ``--launches`` pulls of every source's chunk per build,
+median of ``--repeats`` rounds (CUDA events), with the layer's pull grid. The checks are per value read
+(one compare per top-k choice, one ``isfinite`` per scale), so the figure is per chunk pulled.
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ import result_file  # benchmarks/result_file.py: the script's own folder is on s
 
 
 def pull_us(layer, library, launches: int, repeats: int) -> float:
-    """Median µs per pull step (every source's chunk) with ``library``'s moe_pull_step."""
-    ring, stage, cfg = layer.rings[1], layer._stages[1], layer.config
-    args = (ring.desc, stage.ended, stage.meta, stage.x.view(torch.uint8), stage.sf, stage.idx, stage.w,
-            cfg.max_tokens_per_rank, layer.first_expert, layer.first_expert + layer.experts_per_rank)
+    """Median µs per pull (every source's chunk) with ``library``'s moe_pull."""
+    ring, stage, cfg = layer.rings[1], layer._stage, layer.config
+    arrivals = layer._arrivals[1] if layer._pull_grid > 1 else None  # untouched: last chunks are held
+    args = (ring.desc, arrivals, stage.held, stage.x.view(torch.uint8), stage.sf, stage.idx, stage.w,
+            cfg.max_tokens_per_rank, layer.first_expert, layer.first_expert + layer.experts_per_rank, None, 0)
     rounds = []
     for _ in range(repeats + 1):  # the first round warms up
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(launches):
-            library.launch("moe_pull_step", *args, grid=ring.spec.world_size, block=256)
+            library.launch("moe_pull", *args, grid=layer._pull_grid, block=256)
         stop.record()
         stop.synchronize()
         rounds.append(start.elapsed_time(stop) * 1e3 / launches)
@@ -68,7 +70,7 @@ def main() -> int:
         idx, w = route(hidden, router, args.topk)
         x, x_sf = quantize_rows_fp8(hidden)
         publish_chunk(layer.rings[1], x=x, x_sf=x_sf, topk_idx=idx, topk_weights=w, token_base=0,
-                      end_of_stream=False)
+                      end_of_stream=True)
         torch.cuda.synchronize()
         runtime.barrier()
         unchecked = KernelLibrary(runtime, build("moe_stream", defines={"CHUNKRING_MUTANT": NO_INPUT_CHECKS}),
@@ -85,8 +87,8 @@ def main() -> int:
                    "checks_us_per_step": checked_us - unchecked_us,
                    "checks_share_of_pull": (checked_us - unchecked_us) / checked_us}
         print(f"input checks, {runtime.world_size} rank(s), chunk {args.tokens} x {args.hidden}, top-{args.topk}: "
-              f"pull step {checked_us:.2f} us checked, {unchecked_us:.2f} us unchecked, "
-              f"checks {checked_us - unchecked_us:+.2f} us per step ({figures['checks_share_of_pull']:+.1%})")
+              f"pull {checked_us:.2f} us checked, {unchecked_us:.2f} us unchecked, "
+              f"checks {checked_us - unchecked_us:+.2f} us per chunk ({figures['checks_share_of_pull']:+.1%})")
         if args.json:
             result_file.write(args.json, suite="bench_input_checks", world_size=runtime.world_size, figures=figures)
     runtime.close()

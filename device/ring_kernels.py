@@ -11,13 +11,16 @@ from chunkring.errors import ChunkringUsageError
 from .compiler import build
 from .launch import KernelLibrary, Param
 
-__all__ = ["MUTANTS", "NO_INPUT_CHECKS", "StressLibrary", "StressPlan"]
+__all__ = ["MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "StressLibrary", "StressPlan"]
 
 #: protocol/mutants.cuh Mutant values (append-only): the protocol's, which the stress suite must catch.
 MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4}
 #: The consumer-input mutant (protocol/validate.cuh checks off): caught by tests/gpu/test_fuzz_inputs.py,
 #: and the baseline that benchmarks/bench_input_checks.py measures the checks' cost against.
 NO_INPUT_CHECKS = 5
+#: The MoE layer's mutant: a source's last chunk acknowledged at its pull, before the combine rows that
+#: the acknowledgement promises its owner (caught by tests/gpu/test_moe_layer.py).
+NO_HELD_ACK = 6
 
 
 def _signatures():

@@ -113,6 +113,7 @@ def report(job: str, config, runtime, all_figures: list) -> dict:
     return {
         "commit": os.environ.get("CHUNKRING_COMMIT") or _git_commit(),
         "gpu": _device_name(runtime),
+        "driver": _driver_version(),
         "gpus": torch.cuda.device_count(),
         "ranks": runtime.world_size,
         "suite": job,
@@ -124,6 +125,18 @@ def report(job: str, config, runtime, all_figures: list) -> dict:
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "nvshmem": nvshmem_version()},
         "figures": figures,
     }
+
+
+def _driver_version() -> str:
+    """The NVIDIA driver's version as nvidia-smi prints it (e.g. 580.159.04), or "unknown"."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], check=False,
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.split("\n")[0].strip() or "unknown"
 
 
 def _git_commit() -> str:

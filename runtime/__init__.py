@@ -28,6 +28,7 @@ from .ranks import RankInfo
 from .ring import Ring
 from .ring_io import GatherOutputs, gather, publish_chunk
 from .ring_spec import PayloadFormat, RingSpec
+from .timeline import Event, Timeline
 
 __all__ = [
     "ChunkedMoE",
@@ -37,6 +38,7 @@ __all__ = [
     "ChunkringRuntimeError",
     "ChunkringTimeoutError",
     "ChunkringUsageError",
+    "Event",
     "GatherOutputs",
     "MoEConfig",
     "MoELayer",
@@ -47,6 +49,7 @@ __all__ = [
     "RingSpec",
     "Runtime",
     "SmPartition",
+    "Timeline",
     "current",
     "gather",
     "init",

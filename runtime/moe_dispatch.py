@@ -1,17 +1,18 @@
-"""One chunk step of the MoE consumer, in torch, on fixed shapes: plan the rows a step pulled into
-expert groups (chunk-local expert pools, RFC option 1), run L1 -> SwiGLU -> L2 on them, and weight
-the results by ``topk_weights``.
+"""The MoE consumer's expert work of one call, in torch, on fixed shapes: plan the rows a call pulled into
+expert groups (one group per local expert over every chunk of every source: cross-chunk groups sealed
+by the end of every stream, RFC dispatch option 2), run L1 -> SwiGLU -> L2 on them, and weight the
+results by ``topk_weights``.
 
 Every shape here depends only on the layer's configuration, never on token counts or routing, and
-nothing reads a device value on the host: a step needs no host synchronisation and can be captured
-in a CUDA graph. The same functions run on CPU tensors, where the tests check :func:`plan_step`
+nothing reads a device value on the host: the work needs no host synchronisation and can be captured
+in a CUDA graph. The same functions run on CPU tensors, where the tests check :func:`plan_experts`
 against the host planner (:mod:`chunkring.moe_plan`) row for row.
 
-Inputs of a step (written by the ``moe_pull_step`` kernel, device/kernels/moe_stream.cu), for W
-source ranks, T rows per chunk, K choices:
-    stage_idx int32 [W, T, K], stage_w float32 [W, T, K]: the chunk's routing (rows >= n: stale);
-    step_meta int64 [W, 4]: (active, token_base, num_tokens, seq) per source (inactive: n = 0);
-    stage_x [W, T, H] (float8_e4m3fn or bfloat16) and stage_sf float32 [W, T, H/128]: the payload of
+Inputs (written by the ``moe_pull`` kernel, device/kernels/moe_stream.cu), for W source ranks, N rows
+per source (``max_tokens_per_rank``), K choices, every row at its token index:
+    stage_idx int32 [W, N, K], stage_w float32 [W, N, K]: the routing of every pulled row; rows no
+    chunk brought hold -1 (the layer refills them before each call), so they are planned nowhere;
+    stage_x [W, N, H] (float8_e4m3fn or bfloat16) and stage_sf float32 [W, N, H/128]: the payload of
     the rows with a choice on this rank (other rows: stale, never read).
 """
 
@@ -24,27 +25,22 @@ import torch.nn.functional as F
 
 from .ring_spec import FP8_SCALE_BLOCK
 
-__all__ = ["StepPlan", "expert_forward", "plan_step"]
-
-#: step_meta columns (device/kernels/moe_stream.cu StepMetaWord).
-STEP_ACTIVE, STEP_TOKEN_BASE, STEP_NUM_TOKENS, STEP_SEQ = range(4)
-
+__all__ = ["ExpertPlan", "expert_forward", "plan_experts"]
 
 @dataclass(frozen=True, eq=False)
-class StepPlan:
-    """Where a step's rows go at this rank, as fixed-shape device tensors (P = ``capacity``, sized by
+class ExpertPlan:
+    """Where a call's rows go at this rank, as fixed-shape device tensors (P = ``capacity``, sized by
     :func:`chunkring.moe_plan.padded_rows_bound`).
 
     expert_offsets int64 [E_local + 1]: group e is padded rows [offsets[e], offsets[e + 1]), a multiple
     of ``block_m`` each; rows from offsets[-1] to P are unused.   counts int64 [E_local]: real rows.
-    Per padded row [P]: src_rank, src_row (row in the chunk), topk_pos, token_index (int64, -1 on
-    padding rows) and weight (float32, 0 on padding rows).
+    Per padded row [P]: src_rank, token_index (the row's index at its source and in the stage), topk_pos
+    (int64, -1 on padding rows) and weight (float32, 0 on padding rows).
     """
 
     expert_offsets: torch.Tensor
     counts: torch.Tensor
     src_rank: torch.Tensor
-    src_row: torch.Tensor
     topk_pos: torch.Tensor
     token_index: torch.Tensor
     weight: torch.Tensor
@@ -55,9 +51,9 @@ class StepPlan:
         return self.src_rank >= 0
 
 
-def plan_step(stage_idx: torch.Tensor, stage_w: torch.Tensor, step_meta: torch.Tensor, *, first_expert: int,
-              experts_per_rank: int, block_m: int, capacity: int) -> StepPlan:
-    """Group the step's (source, row, k) choices routed to experts [first_expert, first_expert + E_local)
+def plan_experts(stage_idx: torch.Tensor, stage_w: torch.Tensor, *, first_expert: int, experts_per_rank: int,
+                 block_m: int, capacity: int) -> ExpertPlan:
+    """Group the pulled (source, row, k) choices routed to experts [first_expert, first_expert + E_local)
     by local expert, in (source, row, k) order within a group, each group padded to ``block_m`` rows.
 
     A choice outside this rank's experts - another rank's expert, a masked -1, or any other value - is
@@ -68,10 +64,8 @@ def plan_step(stage_idx: torch.Tensor, stage_w: torch.Tensor, step_meta: torch.T
     E = experts_per_rank
     device = stage_idx.device
     M = W * T * K
-    num_rows = step_meta[:, STEP_NUM_TOKENS]
-    row_valid = torch.arange(T, device=device)[None, :] < num_rows[:, None]  # [W, T]
     local = stage_idx.to(torch.int64) - first_expert
-    mine = (local >= 0) & (local < E) & row_valid[:, :, None]
+    mine = (local >= 0) & (local < E)
     # Group key per choice, in flattened (source, row, k) order; E = "not for this rank".
     key = torch.where(mine, local, E).reshape(-1)
     counts_all = torch.zeros(E + 1, dtype=torch.int64, device=device)
@@ -94,35 +88,35 @@ def plan_step(stage_idx: torch.Tensor, stage_w: torch.Tensor, step_meta: torch.T
     real = row_choice >= 0
     safe = row_choice.clamp(min=0)
     src = safe // (T * K)
-    row = safe // K % T
-    base = step_meta[:, STEP_TOKEN_BASE][src]
+    row = safe // K % T  # a row's index in the stage is its token index
     pad = torch.full_like(row_choice, -1)
-    return StepPlan(
+    return ExpertPlan(
         expert_offsets=offsets,
         counts=counts,
         src_rank=torch.where(real, src, pad),
-        src_row=torch.where(real, row, pad),
         topk_pos=torch.where(real, safe % K, pad),
-        token_index=torch.where(real, base + row, pad),
+        token_index=torch.where(real, row, pad),
         weight=torch.where(real, stage_w.reshape(-1)[safe], torch.zeros((), device=device)),
     )
 
 
-def gather_rows(plan: StepPlan, stage_x: torch.Tensor, stage_sf: torch.Tensor | None) -> torch.Tensor:
-    """bfloat16 [P, H]: each planned row's activations (FP8 rows dequantised with their per-128 scales);
-    padding rows are zero, so no stale byte of the stage can reach a real row's result."""
+def gather_rows(plan: ExpertPlan, stage_x: torch.Tensor, stage_sf: torch.Tensor | None) -> torch.Tensor:
+    """bfloat16 [P, H]: each planned row's activations (FP8 rows dequantised with their per-128 scales).
+    Padding rows hold whatever stage row 0 holds, maybe stale NaN bytes: no GEMM mixes rows, so they can
+    reach only their own (padding) results, which the combine push skips. No masking pass is spent on them."""
     W, T, H = stage_x.shape
-    flat = (plan.src_rank.clamp(min=0) * T + plan.src_row.clamp(min=0))
+    flat = plan.src_rank.clamp(min=0) * T + plan.token_index.clamp(min=0)
     rows = stage_x.reshape(W * T, H)[flat].to(torch.float32)
     if stage_sf is not None:
         scales = stage_sf.reshape(W * T, H // FP8_SCALE_BLOCK)[flat]
         rows = (rows.reshape(-1, H // FP8_SCALE_BLOCK, FP8_SCALE_BLOCK) * scales.unsqueeze(-1)).reshape(-1, H)
-    return torch.where(plan.real[:, None], rows, 0.0).to(torch.bfloat16)
+    return rows.to(torch.bfloat16)
 
 
-def expert_forward(plan: StepPlan, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """float32 [P, H]: ``weight * w2[e] @ (silu(gate) * up)``, ``[gate, up] = w13[e] @ row``, per planned row;
-    zero on padding rows.
+def expert_forward(plan: ExpertPlan, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """float32 [P, H]: ``weight * w2[e] @ (silu(gate) * up)``, ``[gate, up] = w13[e] @ row``, per planned row.
+    Padding rows (and rows past ``offsets[-1]``, which the GEMMs leave unwritten) hold garbage, maybe NaN:
+    the combine push skips them (``src_rank`` -1), so no pass is spent zeroing them.
 
     rows bfloat16 [P, H];  w13 bfloat16 [E_local, 2I, H] (gate rows first);  w2 bfloat16 [E_local, H, I].
     The GEMMs are ``torch._grouped_mm`` with the plan's device-side group ends: one launch per layer for
@@ -134,6 +128,5 @@ def expert_forward(plan: StepPlan, rows: torch.Tensor, w13: torch.Tensor, w2: to
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
     inter = w13.shape[1] // 2
     act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(torch.bfloat16)
-    out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
-    # where, not a product: rows past offsets[-1] are whatever the GEMM left there (maybe NaN).
-    return torch.where(plan.real[:, None], out.float() * plan.weight[:, None], 0.0)
+    out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends).float()
+    return out.mul_(plan.weight[:, None])

@@ -8,14 +8,21 @@ tokens. A call runs two streams on each rank:
   input region of today's contract; streamed: chunk by chunk, each as soon as its router / TopK /
   quantisation finished, into the ``front_num_slots`` x ``front_tokens_per_slot`` ring); wait until
   every rank acknowledged every chunk (``moe_drain``); reduce the combine rows over k into the output.
-* consumer stream: chunk steps (device/kernels/moe_stream.cu and :mod:`chunkring.moe_dispatch`):
-  pull every active source's next chunk, plan, L1 -> SwiGLU -> L2, push weighted rows to their
-  sources' combine buffers, acknowledge.
+* consumer stream (device/kernels/moe_stream.cu and :mod:`chunkring.moe_dispatch`): pull every
+  source's chunks as they arrive into a per-call stage at their token index, freeing each slot as soon
+  as it is copied; then plan every pulled row, L1 -> SwiGLU -> L2 once per expert, push the weighted
+  rows to their sources' combine buffers, and acknowledge each source's last chunk, held until then.
 
-A consumer acknowledges a chunk only after its combine rows landed (the RFC's conservative slot-reuse
-rule), so a drained producer knows its combine buffer is complete: no barrier, no global token count,
-no host synchronisation. Both modes share the weights, kernels and output layout; a streamed call
-differs only in which ring it uses and how its producers publish.
+Expert work happens once per call, after every source's stream ended, however many chunks arrived:
+chunk-local expert groups (computing each chunk as it lands) re-read every active expert's weights
+per chunk, which measured 1.5-18x slower than batch-ready at DeepSeek-like shapes
+(benchmarks/results/README.md). What streaming overlaps is the producers' work with the pull of the
+chunks already published.
+
+A source's last chunk is acknowledged only after its combine rows landed, so a drained producer knows
+its combine buffer is complete: no barrier, no global token count, no host synchronisation. Both modes
+share the weights, kernels, stage and output layout; a streamed call differs only in which ring it uses
+and how its producers publish.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import torch
 
 from .env import module_loading_is_eager
 from .errors import ChunkringUsageError
-from .moe_dispatch import expert_forward, gather_rows, plan_step
+from .moe_dispatch import expert_forward, gather_rows, plan_experts
 from .moe_plan import padded_rows_bound
+from .timeline import Event, Timeline
 from .moe_producer import quantize_rows_fp8, route
 from .ring import Ring, _check_identical
 from .ring_io import check_tensor, publish_chunk
@@ -89,18 +97,19 @@ class MoEConfig:
 
 
 class _Stage:
-    """What one rank's consumer pulls per chunk step from a ring, and its step bookkeeping."""
+    """What one rank's consumer pulls in a call, from either ring: every source's rows at their token
+    index (``N = max_tokens_per_rank`` rows per source), and the pull's bookkeeping."""
 
-    def __init__(self, spec: RingSpec, device):
-        W, T, H, K = spec.world_size, spec.tokens_per_slot, spec.hidden, spec.topk
-        x_dtype = torch.float8_e4m3fn if spec.payload.has_scales else torch.bfloat16
-        self.x = torch.zeros((W, T, H), dtype=x_dtype, device=device)
-        self.sf = torch.zeros((W, T, H // FP8_SCALE_BLOCK if spec.payload.has_scales else 0), dtype=torch.float32,
-                              device=device)
-        self.idx = torch.zeros((W, T, K), dtype=torch.int32, device=device)
-        self.w = torch.zeros((W, T, K), dtype=torch.float32, device=device)
-        self.meta = torch.zeros((W, 4), dtype=torch.int64, device=device)
-        self.ended = torch.zeros(W, dtype=torch.int32, device=device)
+    def __init__(self, config: "MoEConfig", world_size: int, device):
+        W, N, H, K = world_size, config.max_tokens_per_rank, config.hidden, config.topk
+        fp8 = config.payload.has_scales
+        self.x = torch.zeros((W, N, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=device)
+        self.sf = torch.zeros((W, N, H // FP8_SCALE_BLOCK if fp8 else 0), dtype=torch.float32, device=device)
+        # -1 (planned nowhere) is refilled before every pull: a row no chunk brought is never computed.
+        self.idx = torch.full((W, N, K), -1, dtype=torch.int32, device=device)
+        self.w = torch.zeros((W, N, K), dtype=torch.float32, device=device)
+        # Per source: the seq of its last chunk, whose acknowledgement waits for the combine (-1: none).
+        self.held = torch.full((W,), -1, dtype=torch.int64, device=device)
 
 
 def moe_kernel_signatures() -> dict:
@@ -108,22 +117,29 @@ def moe_kernel_signatures() -> dict:
     from chunkring.device import Param
 
     desc = Param("desc", "ptr", torch.int64)
-    meta = Param("step_meta", "ptr", torch.int64)
+    trace = (Param("trace", "ptr", torch.int64, nullable=True), Param("trace_capacity", "i64"))
     return {
-        "moe_pull_step": (
-            desc, Param("ended", "ptr", torch.int32), meta, Param("stage_x", "ptr", torch.uint8),
-            Param("stage_sf", "ptr", torch.float32), Param("stage_idx", "ptr", torch.int32),
-            Param("stage_w", "ptr", torch.float32), Param("token_capacity", "i64"), Param("expert_lo", "i32"),
-            Param("expert_hi", "i32"),
+        "moe_pull": (
+            desc, Param("arrivals", "ptr", torch.int32, nullable=True), Param("held", "ptr", torch.int64),
+            Param("stage_x", "ptr", torch.uint8), Param("stage_sf", "ptr", torch.float32),
+            Param("stage_idx", "ptr", torch.int32), Param("stage_w", "ptr", torch.float32),
+            Param("token_capacity", "i64"), Param("expert_lo", "i32"), Param("expert_hi", "i32"), *trace,
         ),
         "moe_combine_push": (
             desc, Param("weighted", "ptr", torch.float32), Param("row_src", "ptr", torch.int64),
             Param("row_token", "ptr", torch.int64), Param("row_k", "ptr", torch.int64),
             Param("combine", "ptr", torch.float32), Param("hidden", "i64"),
         ),
-        "moe_ack_step": (desc, meta),
+        "moe_ack_held": (desc, Param("held", "ptr", torch.int64), *trace),
         "moe_drain": (desc,),
+        "moe_trace_mark": (*trace, Param("event", "i64"), Param("src", "i64"), Param("chunk", "i64")),
     }
+
+
+#: Blocks of the pull kernel at most: each copies a share of every chunk. A few suffice to keep up with
+#: the producers; more would only spin, waiting for chunks, on SMs the producers could use.
+PULL_GRID = 16
+_PULL_BLOCK = 256
 
 
 class MoELayer:
@@ -163,7 +179,14 @@ class MoELayer:
 
         self._kernels = library_for(runtime, "moe_stream", moe_kernel_signatures())
         self.rings = [Ring(runtime, spec, timeout_s=timeout_s) for spec in specs]
-        self._stages = [_Stage(spec, device) for spec in specs]  # self._stages[i] is what rings[i]'s steps pull
+        self._stage = _Stage(config, world, device)
+        # Per ring, per (source, slot): the pull's blocks done with the current chunk (ring.cuh finish_chunk).
+        self._arrivals = [torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device) for spec in specs]
+        # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start
+        # would stall the others (docs/PROTOCOL.md, "Progress").
+        consumer_sms = partition.consumer_sms if partition is not None else torch.cuda.get_device_properties(
+            device).multi_processor_count
+        self._pull_grid = min(PULL_GRID, consumer_sms * self._kernels.resident_blocks_per_sm("moe_pull", _PULL_BLOCK))
         # One fp32 row per (token, k) of this rank's batch; consumers write into it from their GPUs.
         self.combine = runtime.alloc((config.max_tokens_per_rank * config.topk, config.hidden), torch.float32)
         for pe in range(world):
@@ -191,7 +214,7 @@ class MoELayer:
     # ------------------------------------------------------------------ public calls
 
     def run(self, x, x_sf, topk_idx, topk_weights, w13, w2, *, streaming: bool = False, out=None,
-            num_tokens=None) -> torch.Tensor:
+            num_tokens=None, timeline=None) -> torch.Tensor:
         """The layer on a routed batch: x [n, H] (float8_e4m3fn with x_sf float32 [n, H/128], or bfloat16
         with x_sf None, per ``payload``), topk_idx int32 [n, K] (-1 = masked), topk_weights float32 [n, K];
         this rank's experts w13 bfloat16 [E_local, 2I, H] and w2 bfloat16 [E_local, H, I]. Streamed, the
@@ -201,6 +224,10 @@ class MoELayer:
         read on the device when the call runs - so a CUDA graph captured with ``n`` rows replays with any
         count the caller writes there first. Output rows past it are zero; a count outside [0, n] is
         reported by :meth:`check` and clamped.
+
+        ``timeline`` (a :class:`chunkring.Timeline`, optional): the call appends device timestamps of its
+        chunk events there (each chunk's production and publish, each pull and acknowledgement, the
+        experts, the combine, the drain); off, no kernel records anything.
         """
         cfg = self.config
         n = self._check_batch("x", x, torch.float8_e4m3fn if cfg.payload.has_scales else torch.bfloat16)
@@ -210,23 +237,23 @@ class MoELayer:
             raise ChunkringUsageError("bf16 payloads carry no scales; pass None", field="x_sf")
         check_tensor("topk_idx", topk_idx, (n, cfg.topk), torch.int32, x.device)
         check_tensor("topk_weights", topk_weights, (n, cfg.topk), torch.float32, x.device)
-        which, out = self._prepare(n, w13, w2, streaming, out, num_tokens)
+        which, out = self._prepare(n, w13, w2, streaming, out, num_tokens, timeline)
 
         def produce(start: int, end: int):
             return x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end], topk_weights[start:end]
 
-        return self._invoke(which, n, produce, w13, w2, out, num_tokens)
+        return self._invoke(which, n, produce, w13, w2, out, num_tokens, timeline)
 
     def forward(self, hidden, router_weight, w13, w2, *, streaming: bool = False, out=None,
-                num_tokens=None) -> torch.Tensor:
+                num_tokens=None, timeline=None) -> torch.Tensor:
         """The layer with its own producers: per chunk (streamed) or for the whole batch, router GEMM
         (``router_weight`` bfloat16 [E, H]) -> top-k softmax weights -> FP8 quantisation (FP8 payload)
-        -> publish. ``hidden`` bfloat16 [n, H]; weights and ``num_tokens`` as in :meth:`run`; returns
-        bfloat16 [n, H]."""
+        -> publish. ``hidden`` bfloat16 [n, H]; weights, ``num_tokens`` and ``timeline`` as in :meth:`run`;
+        returns bfloat16 [n, H]."""
         cfg = self.config
         n = self._check_batch("hidden", hidden, torch.bfloat16)
         check_tensor("router_weight", router_weight, (cfg.num_experts, cfg.hidden), torch.bfloat16, hidden.device)
-        which, out = self._prepare(n, w13, w2, streaming, out, num_tokens)
+        which, out = self._prepare(n, w13, w2, streaming, out, num_tokens, timeline)
 
         def produce(start: int, end: int):
             rows = hidden[start:end]
@@ -234,7 +261,7 @@ class MoELayer:
             x, x_sf = quantize_rows_fp8(rows) if cfg.payload.has_scales else (rows, None)
             return x, x_sf, topk_idx, topk_weights
 
-        return self._invoke(which, n, produce, w13, w2, out, num_tokens)
+        return self._invoke(which, n, produce, w13, w2, out, num_tokens, timeline)
 
     def check(self) -> None:
         """Raise ``ChunkringRuntimeError`` with the device's diagnostic if any call recorded an error
@@ -283,7 +310,7 @@ class MoELayer:
         check_tensor(name, x, (n, self.config.hidden), dtype, self.runtime.torch_device)
         return n
 
-    def _prepare(self, n: int, w13, w2, streaming: bool, out, num_tokens):
+    def _prepare(self, n: int, w13, w2, streaming: bool, out, num_tokens, timeline):
         cfg, device = self.config, self.runtime.torch_device
         if self.combine is None:
             raise ChunkringUsageError("this MoELayer was destroyed")
@@ -301,13 +328,19 @@ class MoELayer:
             check_tensor("out", out, (n, H), torch.bfloat16, device)
         if num_tokens is not None:
             check_tensor("num_tokens", num_tokens, (1,), torch.int32, device)
+        if timeline is not None:
+            if not isinstance(timeline, Timeline):
+                raise ChunkringUsageError(f"expected a chunkring.Timeline, got {type(timeline).__name__}",
+                                          field="timeline")
+            if timeline.buffer.device != device:
+                raise ChunkringUsageError(f"is on {timeline.buffer.device}, the layer on {device}", field="timeline")
         return (1 if streaming else 0), out
 
-    def _invoke(self, which: int, n: int, produce, w13, w2, out, num_tokens) -> torch.Tensor:
+    def _invoke(self, which: int, n: int, produce, w13, w2, out, num_tokens, timeline) -> torch.Tensor:
         """Enqueue one call on ring ``which`` (0: batch-ready, 1: streaming)."""
-        ring, stage = self.rings[which], self._stages[which]
+        ring, stage = self.rings[which], self._stage
         cfg, spec = self.config, ring.spec
-        K, H, T = cfg.topk, cfg.hidden, spec.tokens_per_slot
+        K, H, T, N = cfg.topk, cfg.hidden, spec.tokens_per_slot, cfg.max_tokens_per_rank
         caller = torch.cuda.current_stream(self.runtime.torch_device)
         producer, consumer = self._producer, self._consumer
         producer.wait_stream(caller)
@@ -316,43 +349,59 @@ class MoELayer:
         # the end of the call, so its frees (stream-ordered on it) already come after our last use. That
         # also keeps the allocator from ever recording events on a partition's streams, which may be
         # closed before those tensors are freed.
-        kernels = self._kernels
+        kernels, me = self._kernels, self.runtime.rank
+        trace = (None, 0) if timeline is None else (timeline.buffer, timeline.capacity)
+
+        def mark(event: Event, chunk: int = -1):
+            if timeline is not None:
+                kernels.launch("moe_trace_mark", *trace, int(event), me, chunk, block=32,
+                               stream=torch.cuda.current_stream())
 
         # Producer work is enqueued first (partition.py: the work-queue policy).
         with torch.cuda.stream(producer):
+            mark(Event.CALL_BEGIN)
             # Before our first publish: no consumer writes a row of ours before seeing a chunk of ours.
             self.combine[:n * K].zero_()
             starts = range(0, n, T) if n else [0]
-            for start in starts:
+            for chunk, start in enumerate(starts):
                 end = min(start + T, n)
+                mark(Event.PRODUCE_BEGIN, chunk)
                 x, x_sf, topk_idx, topk_weights = produce(start, end)
                 publish_chunk(ring, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights, token_base=start,
                               end_of_stream=end == n, valid_tokens=num_tokens,
                               batch_rows=None if num_tokens is None else n, stream=producer)
+                mark(Event.PUBLISHED, chunk)
             kernels.launch("moe_drain", ring.desc, block=32, stream=producer)
+            mark(Event.DRAINED)
             out.copy_(self.combine[:n * K].view(n, K, H).sum(dim=1))
+            mark(Event.OUTPUT_DONE)
 
-        capacity = padded_rows_bound(T, K, spec.world_size, self.experts_per_rank, cfg.block_m)
-        steps = -(-cfg.max_tokens_per_rank // T)
+        capacity = padded_rows_bound(N, K, spec.world_size, self.experts_per_rank, cfg.block_m)
         with torch.cuda.stream(consumer):
-            stage.ended.zero_()
-            for _ in range(steps):
-                kernels.launch("moe_pull_step", ring.desc, stage.ended, stage.meta, stage.x.view(torch.uint8), stage.sf,
-                               stage.idx, stage.w, cfg.max_tokens_per_rank, self.first_expert,
-                               self.first_expert + self.experts_per_rank, grid=spec.world_size, block=256,
-                               stream=consumer)
-                plan = plan_step(stage.idx, stage.w, stage.meta, first_expert=self.first_expert,
-                                 experts_per_rank=self.experts_per_rank, block_m=cfg.block_m, capacity=capacity)
-                rows = gather_rows(plan, stage.x, stage.sf if spec.payload.has_scales else None)
-                weighted = expert_forward(plan, rows, w13, w2)
-                kernels.launch("moe_combine_push", ring.desc, weighted, plan.src_rank, plan.token_index, plan.topk_pos,
-                               self.combine, H, grid=capacity, block=128, stream=consumer)
-                kernels.launch("moe_ack_step", ring.desc, stage.meta, grid=spec.world_size, block=32, stream=consumer)
+            stage.idx.fill_(-1)
+            stage.held.fill_(-1)
+            arrivals = None  # one block acknowledges each chunk itself
+            if self._pull_grid > 1:
+                arrivals = self._arrivals[which]
+                arrivals.zero_()  # a failed earlier call may have left counts behind
+            kernels.launch("moe_pull", ring.desc, arrivals, stage.held, stage.x.view(torch.uint8), stage.sf, stage.idx,
+                           stage.w, N, self.first_expert, self.first_expert + self.experts_per_rank, *trace,
+                           grid=self._pull_grid, block=_PULL_BLOCK, stream=consumer)
+            mark(Event.EXPERTS_BEGIN)
+            plan = plan_experts(stage.idx, stage.w, first_expert=self.first_expert,
+                                experts_per_rank=self.experts_per_rank, block_m=cfg.block_m, capacity=capacity)
+            rows = gather_rows(plan, stage.x, stage.sf if spec.payload.has_scales else None)
+            weighted = expert_forward(plan, rows, w13, w2)
+            mark(Event.EXPERTS_DONE)
+            kernels.launch("moe_combine_push", ring.desc, weighted, plan.src_rank, plan.token_index, plan.topk_pos,
+                           self.combine, H, grid=capacity, block=128, stream=consumer)
+            mark(Event.COMBINE_DONE)
+            kernels.launch("moe_ack_held", ring.desc, stage.held, *trace, grid=spec.world_size, block=32,
+                           stream=consumer)
 
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
         return out
-
 
 
 def init_weights(config: MoEConfig, generator: torch.Generator | None = None):

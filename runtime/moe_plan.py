@@ -1,14 +1,17 @@
-"""Host-side dispatch plans for the streamed MoE layer: which (token, k) rows land where at one destination.
+"""Host-side dispatch plans for the MoE layer: which (token, k) rows land where at one destination.
 
-Dispatch uses chunk-local expert pools (RFC option 1): at chunk step ``j`` (the ``j``-th chunk of every
-source whose stream has not ended) a destination rank gathers every (token, k) pair routed to one of its
-local experts from every source's chunk of that step, groups the pairs by local expert and pads each
-group up to a multiple of the GEMM block ``block_m``. Within a group the order is fixed: source rank, then
-row within the chunk, then ``k``; so a plan is a pure function of its inputs and two runs agree bitwise.
+A destination rank gathers every (token, k) pair routed to one of its local experts, groups the pairs by
+local expert and pads each group up to a multiple of the GEMM block ``block_m``. Within a group the
+order is fixed: source rank, then row, then ``k``; so a plan is a pure function of its inputs and two
+runs agree bitwise. :func:`plan_batch` groups a whole call's rows (every source's batch): what the
+layer's consumer does for batch-ready and streamed calls alike (:func:`chunkring.moe_dispatch.plan_experts`
+is tested against it). :func:`plan_streamed` / :func:`plan_chunk_step` group each chunk step separately
+(chunk-local expert pools, RFC option 1), the alternative the layer measured and left because each step
+re-reads the expert weights (benchmarks/results/README.md); they stay as the reference of that rule.
 
 Everything here runs on the host, on CPU tensors, and checks index values (a device kernel could not
 without a synchronisation). It is the reference the device dispatch is tested against, and
-:func:`padded_rows_bound` sizes the fixed-shape device buffers a chunk step writes into.
+:func:`padded_rows_bound` sizes the fixed-shape device buffers the consumer writes into.
 
 Conventions (as in :mod:`chunkring.layout`): ``topk_idx`` int32 [n, K], -1 = masked choice;
 ``topk_weights`` float32 [n, K]; rank ``d`` of ``W`` owns experts ``[d * E / W, (d + 1) * E / W)``.

@@ -1,16 +1,22 @@
-// Kernels of the streamed MoE layer (runtime/moe_layer.py) that touch the ring or a peer's memory.
-// The math between them (dispatch plan, expert GEMMs, SwiGLU) is torch, on fixed shapes.
+// Kernels of the MoE layer (runtime/moe_layer.py) that touch the ring or a peer's memory. The math
+// between them (dispatch plan, expert GEMMs, SwiGLU) is torch, on fixed shapes.
 //
-// One chunk step at a destination rank is:
-//   moe_pull_step      wait for every active source's next chunk, copy its rows routed here
-//   (torch)            plan, L1 -> SwiGLU -> L2, weight by topk_weights
+// One call at a destination rank, on its consumer stream:
+//   moe_pull           every chunk of every source, as it arrives: copy its rows routed here into the
+//                      stage at their token index, and acknowledge it - except each source's last
+//                      chunk, whose acknowledgement is held
+//   (torch)            plan every pulled row, L1 -> SwiGLU -> L2 once per expert, weight by topk_weights
 //   moe_combine_push   write each weighted row into its source's combine buffer, at (token, k)
-//   moe_ack_step       acknowledge the step's chunks: the slot's reuse waits for the combine (RFC's
-//                      conservative rule), so an acknowledged chunk's results have landed at its source
+//   moe_ack_held       acknowledge each source's last chunk: its owner's drain then knows every combine
+//                      row for it has landed
 // and each source, after publishing its last chunk, runs moe_drain before reducing its combine buffer.
+// So the expert weights are read once per call however many chunks the producers publish (RFC
+// dispatch option 2, cross-chunk expert groups, with the end of every stream as the one seal), while
+// pulls overlap the producers' later chunks and free each slot as soon as it was copied.
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/protocol/validate.cuh"
 #include "chunkring/util/copy.cuh"
+#include "chunkring/util/timeline.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;
@@ -19,88 +25,82 @@ using chunkring::util::block_copy4;
 namespace {
 
 constexpr u32 kWarp = 32;
-
-// Per source rank, what a step pulled: read by the torch plan and by moe_ack_step.
-enum StepMetaWord : u64 { kStepActive = 0, kStepTokenBase = 1, kStepNumTokens = 2, kStepSeq = 3, kStepMetaWords = 4 };
+// held[src] before a call's pull: no chunk of src is waiting for its acknowledgement.
+constexpr u64 kNoHeldChunk = ~0ull;
 
 }  // namespace
 
-// One block per source rank. If the source's stream has not ended: wait for its next chunk, copy
-// topk_idx/topk_weights of every row, and x/x_sf of the rows with a choice in [expert_lo, expert_hi).
-// Every value used as a count, an index or a scale is checked first (protocol/validate.cuh: masked and
-// reported, never trusted); the chunk is acknowledged either way, so a malformed chunk stalls nobody.
-// The other rows of the stage keep stale bytes: the plan never reads them.
-//   ended [W] int32 (1 = stream ended; zeroed by the host before the first step of an invocation)
-//   step_meta [W, 4] int64 (StepMetaWord)
-//   stage_x [W, T, x_row_bytes]   stage_sf [W, T, x_sf_row_floats]   stage_idx / stage_w [W, T, K]
-extern "C" __global__ void moe_pull_step(const RingDesc* desc, int* ended, long long* step_meta,
-                                         unsigned char* stage_x, float* stage_sf, int* stage_idx, float* stage_w,
-                                         long long token_capacity, int expert_lo, int expert_hi) {
+// One call's pull, any grid: consume_invocation over every source; each block copies its share of every
+// chunk's rows into the stage at [src, token_base + row] - routing (checked, protocol/validate.cuh) and
+// weights of every row, the payload of rows with a choice in [expert_lo, expert_hi). Other stage rows
+// keep what the host filled (topk_idx -1: planned nowhere) or stale bytes the plan never reads.
+// Every chunk but a source's last is acknowledged as soon as every block copied it: nothing the call
+// reads later is slot-resident (the RFC's early input_consumed). The last is held (held[src] = its
+// seq) for moe_ack_held.
+//   arrivals [W * S] (null for one block; zeroed by the host before the launch)   held [W] (kNoHeldChunk)
+//   stage_x [W, N, x_row_bytes]   stage_sf [W, N, x_sf_row_floats]   stage_idx / stage_w [W, N, K]
+//   trace (nullable): timeline.cuh's buffer of trace_capacity records (observed, pulled, acked)
+extern "C" __global__ void moe_pull(const RingDesc* desc, unsigned* arrivals, unsigned long long* held,
+                                    unsigned char* stage_x, float* stage_sf, int* stage_idx, float* stage_w,
+                                    long long token_capacity, int expert_lo, int expert_hi, long long* trace,
+                                    long long trace_capacity) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
-    const u64 src = blockIdx.x, T = d.tokens_per_slot, K = d.topk;
-    long long* meta_out = step_meta + src * kStepMetaWords;
-    __shared__ u64 s_seq, s_n;
-    __shared__ bool s_ok;
-    if (ended[src]) {  // block-uniform: one word, read by every thread
-        if (threadIdx.x == 0) meta_out[kStepActive] = meta_out[kStepNumTokens] = 0;
-        return;
-    }
-    const u64 epoch = current_epoch(d);
-    // NOTES: relaxed - this consumer alone writes its cursor (ack_chunk, in an earlier kernel).
-    if (threadIdx.x == 0) s_seq = ptx::ld_relaxed_sys(cursor_word(d, src));
-    __syncthreads();
-    const u64 seq = s_seq, slot = slot_of(seq, d.num_slots);
-    bool ok = wait_chunk(d, epoch, src, seq);
-    if (threadIdx.x == 0) {
-        const u64* meta = ok ? peer_view(d, slot_meta(d, slot), src) : nullptr;
-        if (ok && meta == nullptr) record_error(d, ErrorCode::kPeerUnreachable, Site::kPayload, src, slot, 0, 0);
-        s_ok = meta != nullptr;
-        u64 base = 0;
-        s_n = 0;
-        if (s_ok) {
-            base = meta[kMetaTokenBase];
-            s_n = checked_chunk_rows(d, src, slot, base, meta[kMetaNumTokens], static_cast<u64>(token_capacity));
-            if (meta[kMetaFlags] & kMetaEndOfStream) ended[src] = 1;
-        } else {
-            ended[src] = 1;  // a recorded error: the rank's waits now stop, its call ends
-        }
-        meta_out[kStepActive] = s_ok;
-        meta_out[kStepTokenBase] = s_n ? static_cast<long long>(base) : 0;
-        meta_out[kStepNumTokens] = static_cast<long long>(s_n);
-        meta_out[kStepSeq] = static_cast<long long>(seq);
-    }
-    __syncthreads();
-    if (!s_ok) return;
-    const u64 n = s_n;
-    int* idx = stage_idx + src * T * K;
-    const int* peer_idx = peer_view(d, slot_topk_idx(d, slot), src);
-    for (u64 i = threadIdx.x; i < n * K; i += blockDim.x) idx[i] = checked_expert(d, src, slot, i / K, i % K, peer_idx[i]);
-    block_copy4(stage_w + src * T * K, peer_view(d, slot_topk_weights(d, slot), src), n * K);
-    __syncthreads();
-
-    // A warp per row: the row's K choices decide (one lane each) whether this rank needs its payload.
-    const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+    const u64 N = static_cast<u64>(token_capacity), T = d.tokens_per_slot, K = d.topk;
     const u64 row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats;
-    const auto* peer_x = reinterpret_cast<const unsigned char*>(peer_view(d, slot_x(d, slot), src));
-    const float* peer_sf = peer_view(d, slot_x_sf(d, slot), src);
-    for (u64 row = threadIdx.x / kWarp; row < n; row += warps) {
-        bool mine = false;
-        for (u64 k = lane; k < K; k += kWarp) {
-            const int e = idx[row * K + k];
-            mine |= e >= expert_lo && e < expert_hi;
+    const bool first_thread = threadIdx.x == 0 && blockIdx.x == 0;  // reports and traces for the grid
+    __shared__ long long chunk_of[kMaxWorldSize];  // per source: the chunk being pulled, for the trace
+    auto visit = [&](u64 src, u64, u64 slot) {
+        const u64* meta = peer_view(d, slot_meta(d, slot), src);
+        const u64 base = meta[kMetaTokenBase];
+        const u64 n = checked_chunk_rows(d, src, slot, base, meta[kMetaNumTokens], N, first_thread);
+        if (first_thread) {
+            chunk_of[src] = n ? static_cast<long long>(base / T) : 0;
+            timeline::record(trace, trace_capacity, timeline::kObserved, src, chunk_of[src]);
         }
-        if (!__any_sync(0xffffffffu, mine)) continue;
-        const u64 dst_row = src * T + row;
-        const auto* from = reinterpret_cast<const int4*>(peer_x + row * row_bytes);
-        auto* to = reinterpret_cast<int4*>(stage_x + dst_row * row_bytes);
-        for (u64 i = lane; i < row_bytes / 16; i += kWarp) to[i] = from[i];
-        for (u64 i = lane; i < sf_floats; i += kWarp)
-            stage_sf[dst_row * sf_floats + i] = checked_scale(d, src, slot, row, i, peer_sf[row * sf_floats + i]);
-    }
+        // This block's share: rows [lo, hi) of the chunk.
+        const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x;
+        const u64 first_row = src * N + (n ? base : 0);  // the chunk's row 0 in the stage
+        int* idx = stage_idx + first_row * K;
+        const int* peer_idx = peer_view(d, slot_topk_idx(d, slot), src);
+        for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x)
+            idx[i] = checked_expert(d, src, slot, i / K, i % K, peer_idx[i]);
+        block_copy4(stage_w + (first_row + lo) * K, peer_view(d, slot_topk_weights(d, slot), src) + lo * K,
+                    (hi - lo) * K);
+        __syncthreads();  // idx is read back below by other warps of the block
+
+        // A warp per row: the row's K choices decide (one lane each) whether this rank needs its payload.
+        const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+        const auto* peer_x = reinterpret_cast<const unsigned char*>(peer_view(d, slot_x(d, slot), src));
+        const float* peer_sf = peer_view(d, slot_x_sf(d, slot), src);
+        for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
+            bool mine = false;
+            for (u64 k = lane; k < K; k += kWarp) {
+                const int e = idx[row * K + k];
+                mine |= e >= expert_lo && e < expert_hi;
+            }
+            if (!__any_sync(0xffffffffu, mine)) continue;
+            const auto* from = reinterpret_cast<const int4*>(peer_x + row * row_bytes);
+            auto* to = reinterpret_cast<int4*>(stage_x + (first_row + row) * row_bytes);
+            for (u64 i = lane; i < row_bytes / 16; i += kWarp) to[i] = from[i];
+            for (u64 i = lane; i < sf_floats; i += kWarp)
+                stage_sf[(first_row + row) * sf_floats + i] =
+                    checked_scale(d, src, slot, row, i, peer_sf[row * sf_floats + i]);
+        }
+        __syncthreads();
+        if (first_thread) timeline::record(trace, trace_capacity, timeline::kPulled, src, chunk_of[src]);
+        return true;
+    };
+    auto acked = [&](u64 src, u64) {
+        if (first_thread) timeline::record(trace, trace_capacity, timeline::kAcked, src, chunk_of[src]);
+    };
+    // The kNoHeldAck mutant acknowledges last chunks here too: the owner's drain then returns before
+    // the combine rows land (caught by tests/gpu/test_moe_layer.py).
+    u64* hold = kMutant == Mutant::kNoHeldAck ? nullptr : reinterpret_cast<u64*>(held);
+    consume_invocation(d, current_epoch(d), arrivals, hold, visit, acked);
 }
 
-// One block per padded row of the step: a real row (row_src >= 0) goes to its source's combine
+// One block per padded row of the call: a real row (row_src >= 0) goes to its source's combine
 // buffer at row token * K + k. `combine` is this rank's copy of the symmetric buffer; nvshmem_ptr
 // gives each source's copy (load/store reachable peers only, checked by the host at construction).
 //   weighted [P, H] fp32   row_src / row_token / row_k [P] int64 (-1 for padding rows)
@@ -119,21 +119,36 @@ extern "C" __global__ void moe_combine_push(const RingDesc* desc, const float* w
     for (u64 i = threadIdx.x; i < H / 4; i += blockDim.x) to[i] = from[i];
 }
 
-// One block per source rank: acknowledge the chunk this step pulled from it, if any. Stream order puts
+// One block per source rank: acknowledge the chunk moe_pull held for it, if any. Stream order puts
 // this after moe_combine_push, whose stores the ack's system-scope release fence then orders before
-// the acknowledgement (kernel completion orders a kernel's stores before the next kernel in the stream).
-extern "C" __global__ void moe_ack_step(const RingDesc* desc, const long long* step_meta) {
+// the acknowledgement (kernel completion orders a kernel's stores before the next kernel in the
+// stream): once its owner sees this ack, every combine row this rank computed for it has landed.
+extern "C" __global__ void moe_ack_held(const RingDesc* desc, const unsigned long long* held, long long* trace,
+                                        long long trace_capacity) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
-    const long long* meta = step_meta + blockIdx.x * kStepMetaWords;
-    if (!meta[kStepActive]) return;
-    ack_chunk(d, current_epoch(d), blockIdx.x, static_cast<u64>(meta[kStepSeq]));
+    const u64 src = blockIdx.x, seq = held[src];
+    if (seq == kNoHeldChunk) return;  // nothing pulled from src (its wait failed and was recorded)
+    // The slot is still ours until the ack: its meta names the chunk for the trace.
+    const u64 base = peer_view(d, slot_meta(d, slot_of(seq, d.num_slots)), src)[kMetaTokenBase];
+    if (ack_chunk(d, current_epoch(d), src, seq) && threadIdx.x == 0)
+        timeline::record(trace, trace_capacity, timeline::kAcked, static_cast<long long>(src),
+                         static_cast<long long>(base / d.tokens_per_slot));
 }
 
 // One block: wait until every destination acknowledged every chunk this rank published, so every
-// combine row for this rank's tokens has landed (see moe_ack_step) and its combine buffer can be reduced.
+// combine row for this rank's tokens has landed (see moe_ack_held) and its combine buffer can be reduced.
 extern "C" __global__ void moe_drain(const RingDesc* desc) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     drain(d, current_epoch(d));
+}
+
+// A timeline record at this point of its stream (the layer's host-side events: a chunk's producers
+// begin, its publish returned, the experts begin and end, the combine is pushed, ...). One thread
+// records, whatever the launch shape.
+extern "C" __global__ void moe_trace_mark(long long* trace, long long trace_capacity, long long event, long long src,
+                                          long long chunk) {
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        timeline::record(trace, trace_capacity, static_cast<timeline::Event>(event), src, chunk);
 }

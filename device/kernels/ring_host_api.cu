@@ -72,7 +72,7 @@ extern "C" __global__ void ring_gather(const RingDesc* desc, unsigned char* out_
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     const u64 cap = static_cast<u64>(capacity);
-    consume_invocation(d, current_epoch(d), arrivals, [&](u64 src, u64 seq, u64 slot) {
+    consume_invocation(d, current_epoch(d), arrivals, nullptr, [&](u64 src, u64 seq, u64 slot) {
         const u64* meta = peer_view(d, slot_meta(d, slot), src);
         const u64 base = meta[kMetaTokenBase];
         const u64 n = checked_chunk_rows(d, src, slot, base, meta[kMetaNumTokens], cap,

@@ -15,7 +15,11 @@ replays after ``warmup``, its hidden states rotated among ``rotate`` buffers so 
 * ``gain_possible_ms`` (batch - bound), ``gain_ms`` (batch - streamed), ``streamed_over_batch``, and the
   overlap efficiency ``gain / gain_possible`` (1 = the bound reached, 0 = no gain, negative = streaming
   lost time) - reported only where overlap could save at least 5 % of the batch-ready time; below that
-  the ratio divides noise by noise.
+  the ratio divides noise by noise;
+* ``peer``: the peer baseline, the same math written the plain-torch way
+  (:func:`~chunkring.launcher.jobs.peer_moe.torch_moe`: bf16 rows sorted by expert, two grouped GEMMs,
+  no chunkring), with ``batch_over_peer`` and ``streamed_over_peer`` - on one rank only (several ranks
+  share one GPU under MPS, where NCCL's all-to-all, the multi-GPU peer's, cannot run).
 
 Weights are drawn on the GPU (only this rank's experts): the bench checks nothing; ``run`` and
 ``stress`` check the same layer against the reference.
@@ -51,6 +55,8 @@ class CONFIG(LayerFields):
     iterations: int = 20
     warmup: int = 3
     rotate: int = 4                # hidden-state buffers cycled through
+    trace: str = ""                # "<tokens>:<chunk>": also record that shape's timeline (batch and streamed)
+    trace_out: str = "timeline"    # where: <trace_out>-batch.json and <trace_out>-streamed.json (Chrome trace)
 
     @property
     def token_counts(self) -> tuple[int, ...]:
@@ -60,6 +66,17 @@ class CONFIG(LayerFields):
     def chunk_sizes(self) -> tuple[int, ...]:
         return _ints(self.chunks, "chunks")
 
+    @property
+    def trace_shape(self) -> tuple[int, int] | None:
+        """(tokens, chunk) of the traced shape, or None."""
+        if not self.trace:
+            return None
+        shape = _ints(self.trace.replace(":", ","), "trace")
+        if len(shape) != 2 or shape[0] not in self.token_counts or shape[1] not in self.chunk_sizes:
+            raise ChunkringUsageError(f"expected '<tokens>:<chunk>' of a measured shape, got {self.trace!r}",
+                                      field="trace")
+        return shape
+
     def __post_init__(self):
         for field, values in (("tokens", self.token_counts), ("chunks", self.chunk_sizes)):
             if max(values) > self.max_tokens_per_rank:
@@ -68,12 +85,15 @@ class CONFIG(LayerFields):
         for name, top in (("iterations", 100_000), ("warmup", 1000), ("rotate", 64)):
             if not 1 <= getattr(self, name) <= top:
                 raise ChunkringUsageError(f"must be in [1, {top}]", field=name)
+        self.trace_shape  # checked before any rank starts GPU work
         super().__post_init__()
 
 
 def run(runtime, config: CONFIG) -> dict:
-    """Every shape's figures on this rank, keyed ``n<tokens>_c<chunk>_<figure>``."""
-    figures = {}
+    """Every shape's figures on this rank, keyed ``n<tokens>_c<chunk>_<figure>``. The figures that do not
+    depend on the chunk size (batch-ready, P, Q, peer) are measured once per token count, with the first
+    chunk size's layer, and reported beside every chunk size."""
+    figures, unchunked = {}, {}
     bar = progress("bench", runtime.rank, total=len(config.chunk_sizes) * len(config.token_counts))
     done = 0
     for chunk in config.chunk_sizes:
@@ -81,8 +101,12 @@ def run(runtime, config: CONFIG) -> dict:
         with open_layer(runtime, config, cfg) as layer:
             model = _Model(layer, config)
             for n in config.token_counts:
-                shape = model.measure(n, chunk)
+                if n not in unchunked:
+                    unchunked[n] = model.measure_unchunked(n)
+                shape = model.measure_streamed(n, chunk, unchunked[n])
                 figures.update({f"n{n}_c{chunk}_{key}": value for key, value in shape.items()})
+                if config.trace_shape == (n, chunk):
+                    model.record_timelines(n, config.trace_out)
                 done += 1
                 bar.update(done, f"n={n} chunk={chunk}: streamed/batch {shape['streamed_over_batch']:.2f}")
             layer.check()
@@ -100,61 +124,99 @@ class _Model:
         gen = torch.Generator(device).manual_seed(config.seed * 7919 + layer.runtime.rank)
         E, H, inter = layer.experts_per_rank, cfg.hidden, cfg.intermediate
 
-        def draw(*shape, fan_in):
-            return (torch.randn(*shape, generator=gen, device=device) / fan_in**0.5).to(torch.bfloat16)
+        def draw(*shape, fan_in):  # one expert at a time: no fp32 copy of every expert's weights
+            out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            for part in out.view(-1, *shape[-2:]):
+                part.copy_(torch.randn(part.shape, generator=gen, device=device) / fan_in**0.5)
+            return out
 
         self.router = draw(cfg.num_experts, H, fan_in=H)
         self.w13, self.w2 = draw(E, 2 * inter, H, fan_in=H), draw(E, H, inter, fan_in=inter)
         self.layer, self.config, self.gen = layer, config, gen
 
-    def measure(self, n: int, chunk: int) -> dict:
-        import torch
+    def _inputs(self, n: int) -> "_Inputs":
+        if getattr(self, "_cached", None) is None or self._cached.n != n:
+            self._cached = _Inputs(self, n)
+        return self._cached
 
-        from chunkring.moe_producer import quantize_rows_fp8, route
+    def measure_unchunked(self, n: int) -> dict:
+        """batch_ms, P_ms, Q_ms and (one rank) peer_ms at ``n`` tokens."""
+        from .peer_moe import torch_moe
 
-        cfg, device = self.layer.config, self.layer.runtime.torch_device
-        fp8 = cfg.payload.has_scales
-        rotated = [torch.randn(n, cfg.hidden, generator=self.gen, device=device).to(torch.bfloat16)
-                   for _ in range(self.config.rotate)]
-        hidden = torch.empty_like(rotated[0])
-        routed = []  # the consumer-alone call's inputs, per rotated buffer
-        for h in rotated:
-            idx, w = route(h, self.router, cfg.topk)
-            x, x_sf = quantize_rows_fp8(h) if fp8 else (h, None)
-            routed.append((x, x_sf, idx, w))
-        static = [None if t is None else torch.empty_like(t) for t in routed[0]]
-
-        def load_hidden(i):
-            hidden.copy_(rotated[i % len(rotated)])
-
-        def load_routed(i):
-            for dst, src in zip(static, routed[i % len(routed)]):
-                if dst is not None:
-                    dst.copy_(src)
-
-        def producers():
-            route(hidden, self.router, cfg.topk)
-            if fp8:
-                quantize_rows_fp8(hidden)
-
+        inputs, layer, cfg = self._inputs(n), self.layer, self.layer.config
         calls = {
-            "batch_ms": (load_hidden, lambda: self.layer.forward(hidden, self.router, self.w13, self.w2)),
-            "streamed_ms": (load_hidden, lambda: self.layer.forward(hidden, self.router, self.w13, self.w2,
-                                                                     streaming=True)),
-            "P_ms": (load_hidden, producers),
-            "Q_ms": (load_routed, lambda: self.layer.run(*static, self.w13, self.w2)),
+            "batch_ms": (inputs.load_hidden, lambda: layer.forward(inputs.hidden, self.router, self.w13, self.w2)),
+            "P_ms": (inputs.load_hidden, inputs.producers),
+            "Q_ms": (inputs.load_routed, lambda: layer.run(*inputs.static, self.w13, self.w2)),
         }
-        out = {name: self._median_ms(load, call) for name, (load, call) in calls.items()}
+        if layer.runtime.world_size == 1:  # one rank: self.w13 and self.w2 hold every expert
+            calls["peer_ms"] = (inputs.load_hidden,
+                                lambda: torch_moe(inputs.hidden, self.router, self.w13, self.w2, cfg.topk))
+        return {name: self._median_ms(load, call) for name, (load, call) in calls.items()}
+
+    def measure_streamed(self, n: int, chunk: int, unchunked: dict) -> dict:
+        """streamed_ms at ``n`` tokens in chunks of ``chunk``, beside ``unchunked``'s figures, and what
+        follows from them."""
+        inputs = self._inputs(n)
+        out = dict(unchunked)
+        out["streamed_ms"] = self._median_ms(inputs.load_hidden, lambda: self.layer.forward(
+            inputs.hidden, self.router, self.w13, self.w2, streaming=True))
         P, Q = out["P_ms"], out["Q_ms"]
         n_chunks = -(-n // chunk)
         out["bound_ms"] = max(P, Q) + min(P, Q) / n_chunks
         out["streamed_over_batch"] = out["streamed_ms"] / out["batch_ms"]
+        out["streamed_over_bound"] = out["streamed_ms"] / out["bound_ms"]
         out["gain_possible_ms"] = out["batch_ms"] - out["bound_ms"]
         out["gain_ms"] = out["batch_ms"] - out["streamed_ms"]
         if out["gain_possible_ms"] > EFFICIENCY_FLOOR * out["batch_ms"]:  # else the ratio is noise over noise
             out["overlap_efficiency"] = out["gain_ms"] / out["gain_possible_ms"]
         out["chunks_per_call"] = n_chunks
+        # What streaming costs per chunk beyond the batch-ready call (negative: it saves time).
+        out["streaming_cost_us_per_chunk"] = (out["streamed_ms"] - out["batch_ms"]) * 1e3 / n_chunks
+        if "peer_ms" in out:
+            out["batch_over_peer"] = out["batch_ms"] / out["peer_ms"]
+            out["streamed_over_peer"] = out["streamed_ms"] / out["peer_ms"]
         return out
+
+    def record_timelines(self, n: int, prefix: str) -> None:
+        """One graph replay each of the batch-ready and the streamed call with a :class:`chunkring.Timeline`;
+        rank 0 writes every rank's records as ``<prefix>-batch.json`` and ``<prefix>-streamed.json``."""
+        import torch
+
+        from chunkring import Timeline
+        from chunkring.timeline import write_chrome_trace
+
+        inputs, layer, runtime = self._inputs(n), self.layer, self.layer.runtime
+        timeline = Timeline(runtime.torch_device, capacity=16 * (n + 64) * runtime.world_size + 1024)
+        for name, streaming in (("batch", False), ("streamed", True)):
+            def call():
+                layer.forward(inputs.hidden, self.router, self.w13, self.w2, streaming=streaming, timeline=timeline)
+
+            graph = self._captured(inputs.load_hidden, call)
+            timeline.clear()
+            torch.cuda.synchronize()
+            runtime.barrier()
+            graph.replay()
+            records = timeline.records()
+            gathered = _gather_to_root(runtime, records)
+            if runtime.rank == 0:
+                write_chrome_trace(f"{prefix}-{name}.json", dict(enumerate(gathered)),
+                                   metadata={"call": name, "tokens_per_rank": n,
+                                             "chunk": layer.config.front_tokens_per_slot,
+                                             "config": str(layer.config), "ranks": runtime.world_size})
+
+    def _captured(self, load, call):
+        """``call`` captured in a CUDA graph, after an eager warm-up (every kernel loaded, every lazy torch
+        initialisation done) on inputs ``load(0)``."""
+        import torch
+
+        load(0)
+        call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        return graph
 
     def _median_ms(self, load, call) -> float:
         """Median replay time of ``call`` captured in a CUDA graph; ``load(i)`` refreshes its inputs."""
@@ -163,12 +225,7 @@ class _Model:
         import torch
 
         runtime = self.layer.runtime
-        load(0)
-        call()  # eager warm-up: every kernel loaded, every lazy torch initialisation done
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
+        graph = self._captured(load, call)
         times = []
         for i in range(self.config.warmup + self.config.iterations):
             load(i)
@@ -182,3 +239,49 @@ class _Model:
             if i >= self.config.warmup:
                 times.append(start.elapsed_time(stop))
         return statistics.median(times)
+
+
+class _Inputs:
+    """One token count's inputs: ``rotate`` hidden-state buffers, their routed and quantised forms (the
+    consumer-alone call's inputs), and the static tensors the graphs read, refreshed by ``load_*(i)``."""
+
+    def __init__(self, model: _Model, n: int):
+        import torch
+
+        from chunkring.moe_producer import quantize_rows_fp8, route
+
+        cfg, device = model.layer.config, model.layer.runtime.torch_device
+        self.n, self.fp8, self.router, self.topk = n, cfg.payload.has_scales, model.router, cfg.topk
+        self.rotated = [torch.randn(n, cfg.hidden, generator=model.gen, device=device).to(torch.bfloat16)
+                        for _ in range(model.config.rotate)]
+        self.hidden = torch.empty_like(self.rotated[0])
+        self.routed = []
+        for h in self.rotated:
+            idx, w = route(h, model.router, cfg.topk)
+            x, x_sf = quantize_rows_fp8(h) if self.fp8 else (h, None)
+            self.routed.append((x, x_sf, idx, w))
+        self.static = [None if t is None else torch.empty_like(t) for t in self.routed[0]]
+
+    def load_hidden(self, i: int) -> None:
+        self.hidden.copy_(self.rotated[i % len(self.rotated)])
+
+    def load_routed(self, i: int) -> None:
+        for dst, src in zip(self.static, self.routed[i % len(self.routed)]):
+            if dst is not None:
+                dst.copy_(src)
+
+    def producers(self) -> None:
+        """The producers alone: router GEMM, top-k and (FP8) quantisation of the whole batch."""
+        from chunkring.moe_producer import quantize_rows_fp8, route
+
+        route(self.hidden, self.router, self.topk)
+        if self.fp8:
+            quantize_rows_fp8(self.hidden)
+
+
+def _gather_to_root(runtime, value) -> list:
+    if runtime.world_size == 1:
+        return [value]
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.gather(value, root=0)

@@ -4,7 +4,7 @@ and the on-disk cache is keyed so that a changed input recompiles and an unchang
 import pytest
 
 from chunkring.device import build, kernel_sources, nvshmem_version
-from chunkring.device.ring_kernels import MUTANTS, NO_INPUT_CHECKS
+from chunkring.device.ring_kernels import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS
 from chunkring.errors import ChunkringUsageError
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove
@@ -59,7 +59,8 @@ def test_every_protocol_mutant_compiles(mutant):
     assert b"ring_stress" in code and b"litmus_mp" in code
 
 
-def test_consumer_input_checks_compile_out_only_in_their_mutant():
-    checked = bytes(build("moe_stream").object_code.code)
-    unchecked = bytes(build("moe_stream", defines={"CHUNKRING_MUTANT": NO_INPUT_CHECKS}).object_code.code)
-    assert unchecked[:4] == b"\x7fELF" and unchecked != checked
+@pytest.mark.parametrize("mutant", [NO_INPUT_CHECKS, NO_HELD_ACK])
+def test_each_moe_layer_mutant_builds_a_different_kernel(mutant):
+    real = bytes(build("moe_stream").object_code.code)
+    broken = bytes(build("moe_stream", defines={"CHUNKRING_MUTANT": mutant}).object_code.code)
+    assert broken[:4] == b"\x7fELF" and broken != real

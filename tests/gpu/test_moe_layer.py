@@ -205,3 +205,58 @@ def test_bad_input_is_refused_before_gpu_work(runtime):
             assert info.value.field == field
     finally:
         layer.destroy()
+
+
+def _rank_outputs_wrong(runtime, kernels) -> list:
+    """Streamed calls of a layer whose kernels are ``kernels`` (None: the real ones): per iteration, whether
+    any rank's output missed the reference. Heavy enough experts that the consumer's work takes far longer
+    than a drain that does not wait for it."""
+    from chunkring.device import KernelLibrary, build
+    from chunkring.moe_layer import moe_kernel_signatures
+
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    hidden, inter, per_rank, n = 1024, 1024, 8, 256
+    cfg = MoEConfig(num_experts=per_rank * W, hidden=hidden, intermediate=inter, topk=4, max_tokens_per_rank=n,
+                    front_num_slots=2, front_tokens_per_slot=64)
+    layer = MoELayer(runtime, cfg, timeout_s=60)
+    wrong = []
+    try:
+        if kernels is not None:
+            layer._kernels = KernelLibrary(runtime, build("moe_stream", defines={"CHUNKRING_MUTANT": kernels}),
+                                           moe_kernel_signatures())
+        gen = torch.Generator().manual_seed(5)
+        w13 = (torch.randn(cfg.num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(torch.bfloat16)
+        w2 = (torch.randn(cfg.num_experts, hidden, inter, generator=gen) / inter**0.5).to(torch.bfloat16)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        w13_local, w2_local = w13[mine].contiguous().to(device), w2[mine].contiguous().to(device)
+        for it in range(3):
+            gen = torch.Generator().manual_seed(100 * it + rank)
+            xq, sf = quantize_fp8_per128(torch.randn(n, hidden, generator=gen))
+            idx, w = routing(n, cfg.num_experts, cfg.topk, "uniform", gen)
+            ref = moe_reference(dequantize_fp8_per128(xq, sf).to(device), idx.to(device), w.to(device),
+                                w13.float().to(device), w2.float().to(device))
+            out = layer.run(*(t.to(device) for t in (xq, sf, idx, w)), w13_local, w2_local, streaming=True)
+            torch.cuda.synchronize()
+            layer.check()
+            wrong.append(rel_error(out, ref) > 1e-2)
+            runtime.barrier()
+    finally:
+        layer.destroy()
+    if W == 1:
+        return wrong
+    from mpi4py import MPI
+
+    return [any(per_iteration) for per_iteration in zip(*MPI.COMM_WORLD.allgather(wrong))]
+
+
+def test_negative_control_acknowledging_the_last_chunk_at_its_pull_loses_combine_rows(runtime):
+    """The held acknowledgement is what tells an owner its combine rows landed (docs/PROTOCOL.md, "The MoE
+    layer on the ring"): with the last chunk acknowledged at its pull (the NO_HELD_ACK mutant), the owner's
+    drain returns while the experts still run, and outputs miss the reference; the real kernels, same
+    calls, match it."""
+    from chunkring.device.ring_kernels import NO_HELD_ACK
+
+    assert not any(_rank_outputs_wrong(runtime, None))
+    caught = _rank_outputs_wrong(runtime, NO_HELD_ACK)
+    print(f"no_held_ack: outputs wrong in {sum(caught)} of {len(caught)} calls")
+    assert any(caught), "the NO_HELD_ACK mutant escaped: the held acknowledgement is not what orders the reduction"

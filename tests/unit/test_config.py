@@ -62,9 +62,11 @@ def test_run_rejects(table, field):
 @pytest.mark.parametrize("table,field", [
     ({"tokens": "16,x"}, "tokens"),
     ({"tokens": "0"}, "tokens"),
-    ({"tokens": "4096"}, "tokens"),          # above max_tokens_per_rank
+    ({"tokens": "16384"}, "tokens"),         # above max_tokens_per_rank
     ({"chunks": ""}, "chunks"),
-    ({"chunks": "64,4096"}, "chunks"),
+    ({"chunks": "64,16384"}, "chunks"),
+    ({"trace": "5:256"}, "trace"),           # not a measured shape
+    ({"trace": "2048"}, "trace"),
     ({"rotate": 0}, "rotate"),
     ({"producer_sms": -8}, "producer_sms"),
 ])
@@ -78,7 +80,7 @@ def test_every_preset_is_valid_for_its_job():
     from importlib import resources
 
     presets = [p.name[:-5] for p in resources.files("chunkring.configs").iterdir() if p.name.endswith(".toml")]
-    assert {"bench", "bringup", "run", "stress", "chaos", "prefill_8xh200", "decode_8xh200"} <= set(presets)
+    assert {"bench", "bench_v3", "bringup", "run", "stress", "chaos", "prefill_8xh200", "decode_8xh200"} <= set(presets)
     for name in presets:
         table = load_table(name)
         job = table["job"]

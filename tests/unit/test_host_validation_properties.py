@@ -139,7 +139,7 @@ def layer_on_cpu(config: MoEConfig, world: int = 2) -> MoELayer:
     layer.first_expert = 0
     layer.combine = object()  # not destroyed
     layer.calls = []
-    layer._invoke = lambda which, n, produce, w13, w2, out, num_tokens: layer.calls.append((which, n)) or out
+    layer._invoke = lambda which, n, produce, w13, w2, out, num_tokens, timeline: layer.calls.append((which, n)) or out
     return layer
 
 

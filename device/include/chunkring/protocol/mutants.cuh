@@ -16,6 +16,7 @@ enum class Mutant : unsigned {
     kNoAckWait = 3,       // reuse: the producer overwrites a slot without waiting for every ack
     kIgnoreEpoch = 4,     // wait: generations are compared without their epoch
     kNoInputChecks = 5,   // consume: slot values used as counts, indices and scales unchecked (validate.cuh)
+    kNoHeldAck = 6,       // MoE layer: a source's last chunk is acknowledged at its pull, before the combine
 };
 
 constexpr Mutant kMutant = static_cast<Mutant>(CHUNKRING_MUTANT);

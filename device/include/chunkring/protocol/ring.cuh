@@ -234,9 +234,20 @@ __device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 s
 // visits every chunk, each doing its share of the work; with null, one block consumes alone. Each
 // block starts from the consumer's cursors, read before its first arrival - hence before any block of
 // this kernel can ack and advance them.
+// With `held` [world_size] (nullable), each source's end-of-stream chunk is visited but not
+// acknowledged: its sequence number goes to held[src], and the caller acknowledges it later with
+// ack_chunk. Holding an ack is always safe (C3 asks only that the reads come before it); the MoE layer
+// holds each source's last chunk until that source's combine rows have landed, which is how the owner's
+// drain learns that its output is complete. Every other chunk is acknowledged as soon as it was read.
+// `acked(src, seq)` (block-level) runs after each acknowledgement this kernel sends.
 // Returns false, uniformly across the block, once any step failed.
-template <typename Visit>
-__device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arrivals, Visit visit) {
+struct NoHook {
+    __device__ void operator()(u64, u64) const {}
+};
+
+template <typename Visit, typename Acked = NoHook>
+__device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arrivals, u64* held, Visit visit,
+                                   Acked acked = {}) {
     __shared__ u64 active, next_seq[kMaxWorldSize];
     __shared__ bool step_eos, step_ok;
     // NOTES: relaxed - only this consumer writes its cursors (ack_chunk), in earlier kernels or, within
@@ -258,7 +269,12 @@ __device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arriv
             }
             __syncthreads();
             if (!step_ok || !visit(src, seq, slot)) return false;
-            if (!finish_chunk(d, epoch, src, seq, arrivals)) return false;
+            if (held != nullptr && step_eos) {
+                if (threadIdx.x == 0 && blockIdx.x == 0) held[src] = seq;
+            } else {
+                if (!finish_chunk(d, epoch, src, seq, arrivals)) return false;
+                acked(src, seq);
+            }
             if (threadIdx.x == 0) {
                 next_seq[src] = seq + 1;
                 if (step_eos) active &= ~(1ull << src);

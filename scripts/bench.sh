@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 8's benchmark matrix on the local GPU(s): `chunkring-launch bench` at both realistic shapes, FP8
+# and bf16 payloads, with and without an SM partition, one rank and several under MPS; the input-check
+# cost; one timeline (Chrome trace JSON, plotted to PNG where matplotlib is installed).
+#   CHUNKRING_COMMIT=<sha> scripts/bench.sh [RANKS]        (results: $BENCH_RESULTS, default benchmarks/results)
+# Every figure is a CUDA-graph replay median (launcher/jobs/bench.py); benchmarks/results/README.md reads them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ranks=${1:-4}
+results=${BENCH_RESULTS:-benchmarks/results}
+mkdir -p "$results"
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+commit=${CHUNKRING_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export CHUNKRING_COMMIT=${commit//[^A-Za-z0-9._-]/-}
+prefix="$results/$CHUNKRING_COMMIT"
+status=0
+bench() {  # name launcher-args...
+    local name=$1; shift
+    echo "== bench $name: chunkring-launch $*"
+    chunkring-launch "$@" --json "$prefix-bench-$name.json" || status=1
+}
+# The handshake-vs-chunk-size sweep and the decode-to-prefill range, DeepSeek-V4-Flash-like, FP8, with the
+# timeline of 2,048 tokens in 256-token chunks.
+bench 1rank-flash bench --config bench "trace_out=\"$prefix-timeline-flash-2048x256\""
+# DeepSeek-V3-like: 256 experts, top-8, hidden 7168.
+bench 1rank-v3 bench --config bench_v3
+# bf16 payload; the producers on a 16-SM green-context partition.
+bench 1rank-flash-bf16 bench --config bench 'payload="bf16"' 'tokens="128,2048"' 'chunks="256"' 'trace=""'
+bench 1rank-flash-sm16 bench --config bench producer_sms=16 'tokens="128,2048"' 'chunks="256"' 'trace=""'
+# Several ranks sharing the GPU under MPS (expert parallel over ranks; four processes time-share one GPU).
+bench "${ranks}rank-mps-flash" --np "$ranks" --mps bench --config bench 'tokens="128,2048"' 'chunks="256,1024"' 'trace=""' \
+    max_tokens_per_rank=2048
+python3 benchmarks/bench_input_checks.py --json "$prefix-input_checks_1rank.json" || status=1
+for trace in "$prefix"-timeline-*-batch.json "$prefix"-timeline-*-streamed.json; do
+    [ -f "$trace" ] && python3 scripts/plot_timeline.py "$trace" -o "${trace%.json}.png" 2>/dev/null
+done
+exit $status

@@ -357,24 +357,31 @@ class MoELayer:
                 kernels.launch("moe_trace_mark", *trace, int(event), me, chunk, block=32,
                                stream=torch.cuda.current_stream())
 
-        # Producer work is enqueued first (partition.py: the work-queue policy).
+        starts = list(range(0, n, T)) if n else [0]
+
+        def produce_chunks(chunks):
+            with torch.cuda.stream(producer):
+                for chunk in chunks:
+                    start = starts[chunk]
+                    end = min(start + T, n)
+                    mark(Event.PRODUCE_BEGIN, chunk)
+                    x, x_sf, topk_idx, topk_weights = produce(start, end)
+                    publish_chunk(ring, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights,
+                                  token_base=start, end_of_stream=end == n, valid_tokens=num_tokens,
+                                  batch_rows=None if num_tokens is None else n, stream=producer)
+                    mark(Event.PUBLISHED, chunk)
+
+        # Enqueue order (docs/PROTOCOL.md, "Progress"): the chunks that fit the ring first - their publishes
+        # never wait - then the consumer, then the rest. Producer work goes ahead of the consumer's spinning
+        # pull where it can (partition.py: the work-queue policy), but the host must not stay blocked
+        # behind a full launch queue of producer work that waits for acks of a consumer not yet enqueued:
+        # an eager call of many chunks would deadlock (64 chunks of 32 tokens did, on the H200).
+        first = min(spec.num_slots, len(starts))
         with torch.cuda.stream(producer):
             mark(Event.CALL_BEGIN)
             # Before our first publish: no consumer writes a row of ours before seeing a chunk of ours.
             self.combine[:n * K].zero_()
-            starts = range(0, n, T) if n else [0]
-            for chunk, start in enumerate(starts):
-                end = min(start + T, n)
-                mark(Event.PRODUCE_BEGIN, chunk)
-                x, x_sf, topk_idx, topk_weights = produce(start, end)
-                publish_chunk(ring, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights, token_base=start,
-                              end_of_stream=end == n, valid_tokens=num_tokens,
-                              batch_rows=None if num_tokens is None else n, stream=producer)
-                mark(Event.PUBLISHED, chunk)
-            kernels.launch("moe_drain", ring.desc, block=32, stream=producer)
-            mark(Event.DRAINED)
-            out.copy_(self.combine[:n * K].view(n, K, H).sum(dim=1))
-            mark(Event.OUTPUT_DONE)
+        produce_chunks(range(first))
 
         capacity = padded_rows_bound(N, K, spec.world_size, self.experts_per_rank, cfg.block_m)
         with torch.cuda.stream(consumer):
@@ -398,6 +405,13 @@ class MoELayer:
             mark(Event.COMBINE_DONE)
             kernels.launch("moe_ack_held", ring.desc, stage.held, *trace, grid=spec.world_size, block=32,
                            stream=consumer)
+
+        produce_chunks(range(first, len(starts)))
+        with torch.cuda.stream(producer):
+            kernels.launch("moe_drain", ring.desc, block=32, stream=producer)
+            mark(Event.DRAINED)
+            out.copy_(self.combine[:n * K].view(n, K, H).sum(dim=1))
+            mark(Event.OUTPUT_DONE)
 
         caller.wait_stream(producer)
         caller.wait_stream(consumer)

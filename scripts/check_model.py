@@ -3,7 +3,8 @@
 
 For every configuration -- the correct model in a few sizes, with and without
 the stale epoch-1 injector, interleaved and SERIALIZED, with one consumer block
-per rank and with two (-DBLOCKS=2, the multi-block consumer), plus one run per
+per rank and with two (-DBLOCKS=2, the multi-block consumer), with the MoE
+layer's held end-of-stream ack, combine and drain (-DHELD_ACK), plus one run per
 injected bug -- this runs ``spin -a`` with the configuration's macros,
 compiles ``pan.c`` with gcc and runs ``./pan``, all in a temporary directory
 (nothing is written into the repository).
@@ -160,6 +161,30 @@ CONFIGS: tuple[Config, ...] = (
     Config("live_blk2_serial_w2s1", ("W=2", "S=1", "BLOCKS=2", "SERIALIZED"), PASS,
            check=LIVE_ANY,
            why="2 blocks, stream-serialized: finishes under any schedule"),
+    # ---- MoE layer (-DHELD_ACK): the consumer holds each source's eos-chunk
+    # ack until after its combine write for that source; the owner drains
+    # (waits for the last chunk of every slot) and then reduces, asserting
+    # COMBINE_BEFORE_REDUCE.  Interleaved only (the layer's two streams run
+    # concurrently), one consumer block.
+    Config("held_w2s1", ("W=2", "S=1", "HELD_ACK"), PASS,
+           why="held eos ack, 2 ranks, 1 slot, 2 chunks from rank 0 (ring wraps "
+               "in the call), rank 1 empty, two invocations"),
+    Config("held_w2s2", ("W=2", "S=2", "N0=3", "HELD_ACK"), PASS,
+           why="held eos ack, 2 slots, 3 chunks from rank 0 (wraps slot 0; the "
+               "drain waits on both slots), two invocations"),
+    Config("held_w3s1", ("W=3", "S=1", "HELD_ACK"), PASS, hashbits=26,
+           why="held eos ack, 3 ranks: every owner's drain needs 3 consumers' combines"),
+    Config("held_w2s1_stale", ("W=2", "S=1", "HELD_ACK", "INJECT"), PASS,
+           why="held eos ack with stale epoch-1 SETs/acks"),
+    Config("bug_ack_held_at_pull", ("W=2", "S=1", "HELD_ACK", "BUG_ACK_HELD_AT_PULL"),
+           CEX, "COMBINE_BEFORE_REDUCE",
+           "the eos chunk acked at its read (the kNoHeldAck mutant): the owner's "
+           "drain returns and it reduces before a consumer's combine write"),
+    Config("live_held_w2s1", ("W=2", "S=1", "HELD_ACK"), PASS, check=LIVE_FAIR,
+           why="held eos ack, ring wraps in the call, rank 1 empty: fair runs "
+               "finish, drain and held acks included"),
+    Config("live_held_w2s2", ("W=2", "S=2", "N0=3", "HELD_ACK"), PASS, check=LIVE_FAIR,
+           why="held eos ack, 2 slots, 3 chunks from rank 0: fair runs finish"),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -347,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     # start the expensive configurations first
     order = sorted(selected, key=lambda c: c.name not in (
-        "w2s2_stale", "blk2_w2s2", "w3s1", "live_w2s2", "blk2_w2s1"))
+        "w2s2_stale", "blk2_w2s2", "w3s1", "live_w2s2", "blk2_w2s1", "held_w3s1"))
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as ex:
         futs = {c.name: ex.submit(run_config, c, args.keep) for c in order}
         results = [futs[c.name].result() for c in selected]

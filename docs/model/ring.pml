@@ -15,6 +15,11 @@
  * block) and stores d's cursor for r.  Each block keeps its own next_seq,
  * read from d's cursors (cursor_mem) at kernel start; kernel inv of rank d
  * starts after all n blocks of kernel inv-1 finished (stream order).
+ * With -DHELD_ACK the processes are the MoE layer's two streams of one call
+ * (PROTOCOL.md "The MoE layer on the ring", device/kernels/moe_stream.cu):
+ * consumer(d) is moe_pull, then moe_combine_push, then moe_ack_held;
+ * producer(r) zeroes its combine rows, publishes, then runs moe_drain and
+ * reduces its combine rows (see "Held acks" below).
  * Spin interleaves sequentially consistently, so "[release]" is the program
  * order "payload store before ready SET" and "[acquire]" is "payload load
  * after the ready load".
@@ -45,6 +50,8 @@
  *   -DBLOCKS=n       consumer blocks per rank (default 1: the single-block
  *                    path, arrivals == nullptr, unchanged).  W=2, BLOCKS=2
  *                    is 7 processes: pan -f then needs gcc -DNFAIR=3
+ *   -DHELD_ACK       the MoE layer's held end-of-stream ack, combine and
+ *                    drain (below); single-block, not SERIALIZED
  *   bug variants and the property their counterexample breaks (W=2, S=1):
  *     BUG_NO_ACK_WAIT          P1 skipped   -> NO_OVERWRITE_BEFORE_EVERY_ACK
  *     BUG_PUBLISH_BEFORE_DATA  P3 reversed  -> NO_READ_BEFORE_PUBLISH
@@ -64,6 +71,12 @@
  *     BUG_RESET_AFTER_ACK      count zeroed after the ack -> COMPLETION (a
  *                              block's arrival at the slot's next chunk is
  *                              wiped: never acked, cursor left behind)
+ *   and with HELD_ACK:
+ *     BUG_ACK_HELD_AT_PULL     the eos chunk is acked at its read like every
+ *                              other chunk (the kNoHeldAck mutant of
+ *                              moe_pull) -> COMBINE_BEFORE_REDUCE (the owner's
+ *                              drain returns, and it reduces, before a
+ *                              consumer's combine write for it)
  *   and under LIVENESS: BUG_SKIP_EOS_EMPTY, and SERIALIZED with N0=2 > S=1
  *   -> ALL_FINISH (an acceptance cycle even under weak fairness)
  *
@@ -85,8 +98,39 @@
  *                                  invalid-end-state check (no deadlock);
  *                                  BLOCKS > 1: by every block, and d's cursors
  *                                  in memory are right after the last kernel
+ *   COMBINE_BEFORE_REDUCE          (HELD_ACK) when producer r's drain of
+ *                                  invocation inv completes, every consumer's
+ *                                  combine write for r of inv has landed (and
+ *                                  no later write or r's zeroing replaced it)
  *   ALL_FINISH (LIVENESS, ltl)     <> every producer and every consumer has
- *                                  finished all NINV invocations
+ *                                  finished all NINV invocations (HELD_ACK:
+ *                                  producers include drain and reduce,
+ *                                  consumers the held acks)
+ *
+ * Held acks (-DHELD_ACK).  The consumer acks every chunk right after reading
+ * it except each source's eos chunk: that one it holds (held[r] = q, the
+ * consume_invocation(..., held, ...) path; held[] is reset to NO_HELD at
+ * each invocation start, as the layer refills stage.held with -1).  Once
+ * every source reached its eos, the consumer performs the combine: one
+ * store per source, combined[CMB(d, r)] = inv + 1 (ghost: "d's rows for r of
+ * invocation inv", one step per source, in rank order), then acks each held
+ * chunk with the same tagged CAS as every other ack, in rank order (the
+ * moe_ack_held blocks; before the CAS it reads the held slot's meta, which
+ * must still be chunk q: NO_OVERWRITE_BEFORE_EVERY_ACK).  Producer r, at the
+ * start of each invocation and before its first publish, zeroes its row of
+ * every consumer (combined[CMB(*, r)] = 0); after its last publish it drains
+ * (drain(): for every seq in [max(0, q - S), q), the last chunk of each
+ * slot, the P1 wait for (tag(gen(seq)), FULL) [acquire]) and then reduces:
+ * one step that asserts COMBINE_BEFORE_REDUCE for every consumer.  Abstracted
+ * away: rows and their count (every consumer writes one marker for every
+ * source, the empty rank included, though a consumer with no row for r
+ * writes nothing), the expert work between pull and combine (no protocol
+ * word), the release fence of the held ack's CAS covering the combine stores
+ * of an earlier kernel (program order here), and the cursor store of the
+ * held ack (cursor[r] is the single block's local next_seq, as without
+ * HELD_ACK).  The producer never waits for a held ack within an invocation
+ * (the eos chunk is its last publish); across invocations P1 may wait for
+ * the held ack of the previous one, which comes without any further publish.
  *
  * Liveness.  In the safety runs a protocol wait is a blocking guard.  Every
  * loop of the model is bounded, so that state graph has no cycle: there
@@ -151,6 +195,18 @@
 #define BLOCKS 1          /* consumer blocks per rank; 1 = the single-block path */
 #endif
 #define EMPTY_RANK 1
+#ifdef HELD_ACK
+#if BLOCKS > 1
+#error "HELD_ACK models the single-block pull (BLOCKS=1)"
+#endif
+#ifdef SERIALIZED
+#error "HELD_ACK: the MoE layer runs its producer and consumer streams concurrently"
+#endif
+#else
+#ifdef BUG_ACK_HELD_AT_PULL
+#error "BUG_ACK_HELD_AT_PULL needs HELD_ACK"
+#endif
+#endif
 
 /* chunks per invocation the consumers expect from r (empty rank: one chunk) */
 #define NEXP(r)   ((r) == 0 -> N0 : ((r) == EMPTY_RANK -> 1 : NOTHER))
@@ -240,6 +296,14 @@ byte  kfin[W];             /* blocks of d that finished their current kernel:
                             * stream order between d's consumer kernels */
 #define CIX(d, r)    ((d) * W + (r))
 #endif
+#ifdef HELD_ACK
+/* the MoE layer's combine buffers, ghost: CMB(d, r) = consumer d's rows in
+ * owner r's combine buffer; inv + 1 once d wrote them in invocation inv, 0
+ * after r zeroed them */
+byte  combined[W * W];
+#define CMB(d, r)    ((d) * W + (r))
+#define NO_HELD      255   /* held[r]: no eos chunk of r held (the -1 fill) */
+#endif
 
 hidden byte NO_READ_BEFORE_PUBLISH = 1;
 hidden byte NO_OVERWRITE_BEFORE_EVERY_ACK = 1;
@@ -247,6 +311,9 @@ hidden byte NO_ABA = 1;
 hidden byte ACKS_RIGHT_GEN = 1;
 hidden byte STALE_NEVER_ACCEPTED = 1;
 hidden byte COMPLETION = 1;
+#ifdef HELD_ACK
+hidden byte COMBINE_BEFORE_REDUCE = 1;
+#endif
 #define CHECK(P, c) assert(P && (c))
 
 #ifdef LIVENESS
@@ -319,6 +386,12 @@ proctype producer(byte r)
     /* SERIALIZED: start after every consumer of invocation inv-1 finished */
     if :: cons_fin >= CONSUMERS * inv :: error_reported -> goto end_abort fi;
 #endif
+#ifdef HELD_ACK
+    /* zero this rank's combine rows, before the first publish (stream order) */
+    d_step { d = 0;
+             do :: d < W -> combined[CMB(d, r)] = 0; d++ :: else -> break od;
+             d = 0 }
+#endif
     /* one invocation: n_r >= 1 chunks, the last with eos=1; the empty rank
      * publishes exactly one empty eos chunk (BUG_SKIP_EOS_EMPTY: none) */
     for (k : 1 .. NPUB(r)) {
@@ -347,6 +420,27 @@ proctype producer(byte r)
       fi;
       q++
     }
+#ifdef HELD_ACK
+    /* moe_drain: drain() waits for the last chunk of every slot, seq in
+     * [max(0, q - S), q): (tag(gen(seq)), FULL) [acquire] */
+    for (k : (q > S -> q - S : 0) .. q - 1) {
+      j = SIX(r, k % S);
+      do
+      :: atomic { ack_tag[j] == TAG(GEN(k)) && ack_mask[j] == FULL ->
+           CHECK(ACKS_RIGHT_GEN, ack_prov[j] == FULL) }; break
+      :: error_reported -> goto end_abort                   /* ABORT */
+      POLL_AGAIN
+      od
+    }
+    /* reduce: read every consumer's rows of this invocation (atomic: the
+     * loop exit may not jump into a d_step) */
+    atomic { d = 0;
+             do
+             :: d < W -> CHECK(COMBINE_BEFORE_REDUCE, combined[CMB(d, r)] == inv + 1); d++
+             :: else -> break
+             od;
+             d = 0; k = 0; j = 0 }
+#endif
 #if defined(SERIALIZED) || defined(LIVENESS)
     prod_fin++;
 #endif
@@ -436,7 +530,14 @@ inline chunk_step() {
   d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
            readers[j] = readers[j] | RBIT(d, b) }  /* ghost: block b of d done */
   arrive();
+#elif defined(HELD_ACK) && !defined(BUG_ACK_HELD_AT_PULL)
+  d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
+           readers[j] = readers[j] | (1 << d);     /* ghost: d done reading */
+           if :: e -> held[r] = q :: else fi }     /* eos: held, not acked */
+  if :: !e -> ack_cas() :: else fi                 /* every other chunk: C3 */
 #else
+  /* (BUG_ACK_HELD_AT_PULL: the eos chunk is acked here too, before the
+   * combine -- the kNoHeldAck mutant) */
   d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
            readers[j] = readers[j] | (1 << d) }    /* ghost: d done reading */
   ack_cas();
@@ -459,6 +560,9 @@ proctype consumer(byte d)
 #if BLOCKS > 1
   byte got;              /* the count this block's arrival made */
 #endif
+#ifdef HELD_ACK
+  byte held[W];          /* held[r]: q of r's eos chunk, held (or NO_HELD) */
+#endif
 
   for (inv : 0 .. NINV - 1) {
 #ifdef SERIALIZED
@@ -477,8 +581,14 @@ proctype consumer(byte d)
              do :: r < W -> cursor[r] = cursor_mem[CIX(d, r)]; r++ :: else -> break od;
              r = 0 }
 #endif
-    /* active[r] = 1 for all r */
+    /* active[r] = 1 for all r (HELD_ACK: and held[r] = NO_HELD) */
+#ifdef HELD_ACK
+    d_step { r = 0;
+             do :: r < W -> act[r] = 1; held[r] = NO_HELD; r++ :: else -> break od;
+             nact = W; r = 0 }
+#else
     d_step { r = 0; do :: r < W -> act[r] = 1; r++ :: else -> break od; nact = W; r = 0 }
+#endif
     /* while any active: each active source r in rank order gets a chunk step */
     do
     :: nact > 0 ->
@@ -487,6 +597,26 @@ proctype consumer(byte d)
        }
     :: else -> break
     od;
+#ifdef HELD_ACK
+    /* moe_combine_push: d's rows for every source, one store per source */
+    for (r : 0 .. W - 1) { combined[CMB(d, r)] = inv + 1 }
+    /* moe_ack_held: ack each held eos chunk (stream order: after the combine;
+     * C3's release fence covers it).  Reading the held slot's meta first:
+     * the slot is still d's until this ack (read and CAS are one step here:
+     * no one can rewrite the slot between them) */
+    for (r : 0 .. W - 1) {
+      if
+      :: held[r] != NO_HELD ->
+         d_step { q = held[r]; s = q % S; g = GEN(q); i = 0; j = SIX(r, s) }
+         atomic { CHECK(NO_OVERWRITE_BEFORE_EVERY_ACK,
+                        route_pay[j] == q + 1 && layout_pay[j] == q + 1 && eos[j]);
+                  ack_cas() }
+      :: else
+      fi
+    }
+    atomic { r = 0; q = 0; s = 0; g = 0; j = 0 }   /* (atomic: a loop exit
+                                                    * may not jump into a d_step) */
+#endif
 #if BLOCKS > 1
     kfin[d]++;
 #endif

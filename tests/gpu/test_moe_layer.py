@@ -260,3 +260,27 @@ def test_negative_control_acknowledging_the_last_chunk_at_its_pull_loses_combine
     caught = _rank_outputs_wrong(runtime, NO_HELD_ACK)
     print(f"no_held_ack: outputs wrong in {sum(caught)} of {len(caught)} calls")
     assert any(caught), "the NO_HELD_ACK mutant escaped: the held acknowledgement is not what orders the reduction"
+
+
+def test_eager_call_of_more_producer_launches_than_the_launch_queue_holds(runtime):
+    """256 chunks of 2 tokens with the layer's own producers: over 3,000 producer launches in one eager call,
+    more than the launch queue holds while publishes wait for acks. The consumer is enqueued after the
+    chunks that fit the ring, so the host never blocks before it (64 chunks deadlocked when every
+    producer launch went first; docs/PROTOCOL.md, "Progress")."""
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=512,
+                    front_num_slots=2, front_tokens_per_slot=2)
+    layer = MoELayer(runtime, cfg, timeout_s=30)
+    try:
+        module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(13))
+        _, w13, w2 = init_weights(cfg, torch.Generator().manual_seed(13))
+        hidden = torch.randn(512, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
+        idx, w = route(hidden, module.router_weight, cfg.topk)
+        ref = moe_reference(dequantize_fp8_per128(*quantize_fp8_per128(hidden.float())), idx, w,
+                            w13.float().to(device), w2.float().to(device))
+        out = module(hidden, streaming=True)
+        torch.cuda.synchronize()
+        layer.check()
+        assert rel_error(out, ref) <= 1e-2
+    finally:
+        layer.destroy()

@@ -49,6 +49,19 @@ zeroes it, then acks), pinned by name below:
                                  (NO_OVERWRITE_BEFORE_EVERY_ACK)
   bug_reset_after_ack            the count is zeroed after the ack: an arrival
                                  at the slot's next chunk is lost (COMPLETION)
+
+MoE layer (PROTOCOL.md "The MoE layer on the ring", ring.pml -DHELD_ACK: each
+source's end-of-stream chunk is acknowledged only after the consumer's combine
+write for that source; the owner drains, then reduces), pinned by name below:
+  held_w2s1, held_w2s2,          every property holds, and COMBINE_BEFORE_REDUCE:
+  held_w3s1, held_w2s1_stale     a drained owner finds every consumer's combine
+                                 write of the invocation (ring wraps in the call,
+                                 rank 1 empty, stale injection)
+  live_held_w2s1, _w2s2          ALL_FINISH, drain and held acks included, under
+                                 weak fairness
+  bug_ack_held_at_pull           the end-of-stream chunk acknowledged at its read:
+                                 the owner reduces before a combine write lands
+                                 (COMBINE_BEFORE_REDUCE)
 """
 from __future__ import annotations
 
@@ -80,6 +93,8 @@ LIVENESS_PINNED = {
     "live_serial_wrap": (check_model.LIVE_FAIR, check_model.CEX),
     "live_bug_skip_eos_empty": (check_model.LIVE_FAIR, check_model.CEX),
     "live_blk2_serial_w2s1": (check_model.LIVE_ANY, check_model.PASS),
+    "live_held_w2s1": (check_model.LIVE_FAIR, check_model.PASS),
+    "live_held_w2s2": (check_model.LIVE_FAIR, check_model.PASS),
 }
 
 BLOCKS_PINNED = {
@@ -90,6 +105,16 @@ BLOCKS_PINNED = {
                               "NO_OVERWRITE_BEFORE_EVERY_ACK"),
     "bug_reset_after_ack": (check_model.SAFETY, check_model.CEX, check_model.COMPLETION),
     "live_blk2_serial_w2s1": (check_model.LIVE_ANY, check_model.PASS, None),
+}
+
+HELD_PINNED = {
+    "held_w2s1": (check_model.SAFETY, check_model.PASS, None),
+    "held_w2s2": (check_model.SAFETY, check_model.PASS, None),
+    "held_w3s1": (check_model.SAFETY, check_model.PASS, None),
+    "held_w2s1_stale": (check_model.SAFETY, check_model.PASS, None),
+    "bug_ack_held_at_pull": (check_model.SAFETY, check_model.CEX, "COMBINE_BEFORE_REDUCE"),
+    "live_held_w2s1": (check_model.LIVE_FAIR, check_model.PASS, None),
+    "live_held_w2s2": (check_model.LIVE_FAIR, check_model.PASS, None),
 }
 
 
@@ -116,6 +141,26 @@ def test_multiblock_configs_pinned():
     for c in check_model.CONFIGS:   # the multi-block bugs need blocks
         if {"BUG_ACK_FIRST_ARRIVAL", "BUG_RESET_AFTER_ACK"} & set(c.macros):
             assert c.name in blk, c.name
+
+
+def test_held_ack_configs_pinned():
+    """The MoE layer's held-ack checks exist with their mode, expectation and
+    expected property; at least one safety run wraps the ring inside a call
+    (more chunks from rank 0 than slots); the held-ack bug needs HELD_ACK."""
+    held = {c.name: c for c in check_model.CONFIGS if "HELD_ACK" in c.macros}
+    assert {n: (c.check, c.expect, c.prop) for n, c in held.items()} == HELD_PINNED
+    for c in held.values():   # one block, both streams concurrent
+        assert not any(m.startswith("BLOCKS=") for m in c.macros), c.name
+        assert "SERIALIZED" not in c.macros, c.name
+
+    def wraps(c):
+        m = dict(x.split("=") for x in c.macros if "=" in x)
+        return int(m.get("N0", 2)) > int(m.get("S", 1))
+    assert any(wraps(c) and c.check == check_model.SAFETY and c.expect == check_model.PASS
+               for c in held.values())
+    for c in check_model.CONFIGS:
+        if "BUG_ACK_HELD_AT_PULL" in c.macros:
+            assert c.name in held, c.name
 
 
 @pytest.mark.parametrize("cfg", check_model.CONFIGS, ids=lambda c: c.name)

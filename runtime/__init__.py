@@ -22,6 +22,7 @@ from .errors import (
     ChunkringUsageError,
     NoGpuError,
 )
+from .moe_calibrate import StreamingCalibration
 from .moe_layer import ChunkedMoE, MoEConfig, MoELayer
 from .partition import SmPartition
 from .ranks import RankInfo
@@ -49,6 +50,7 @@ __all__ = [
     "RingSpec",
     "Runtime",
     "SmPartition",
+    "StreamingCalibration",
     "Timeline",
     "current",
     "gather",

@@ -1,12 +1,15 @@
-"""The MoE consumer's expert work of one call, in torch, on fixed shapes: plan the rows a call pulled into
-expert groups (one group per local expert over every chunk of every source: cross-chunk groups sealed
-by the end of every stream, RFC dispatch option 2), run L1 -> SwiGLU -> L2 on them, and weight the
-results by ``topk_weights``.
+"""The MoE consumer's expert work of one call, on fixed shapes: plan the rows a call pulled into expert
+groups (one group per local expert over every chunk of every source: cross-chunk groups sealed by the
+end of every stream, RFC dispatch option 2), run L1 -> SwiGLU -> L2 on them, and weight the results by
+``topk_weights``.
 
-Every shape here depends only on the layer's configuration, never on token counts or routing, and
-nothing reads a device value on the host: the work needs no host synchronisation and can be captured
-in a CUDA graph. The same functions run on CPU tensors, where the tests check :func:`plan_experts`
-against the host planner (:mod:`chunkring.moe_plan`) row for row.
+:func:`plan_experts` runs inside the layer. Every shape here depends only on the layer's configuration,
+never on token counts or routing, and nothing reads a device value on the host: the work needs no host
+synchronisation and can be captured in a CUDA graph. It runs on CPU tensors too, where the tests check it
+against the host planner (:mod:`chunkring.moe_plan`) row for row. :func:`gather_rows` and
+:func:`expert_forward` are the torch reference of the layer's row kernels (``moe_gather_rows``,
+``moe_swiglu`` and the weighting in ``moe_combine_push``, device/kernels/moe_stream.cu), which skip the
+padding rows these spend full passes on; tests/gpu/test_moe_rows.py holds the kernels to them.
 
 Inputs (written by the ``moe_pull`` kernel, device/kernels/moe_stream.cu), for W source ranks, N rows
 per source (``max_tokens_per_rank``), K choices, every row at its token index:

@@ -27,13 +27,15 @@ and how its producers publish.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .env import module_loading_is_eager
 from .errors import ChunkringUsageError
-from .moe_dispatch import expert_forward, gather_rows, plan_experts
+from .moe_calibrate import StreamingCalibration, calibrate
+from .moe_dispatch import plan_experts
 from .moe_plan import padded_rows_bound
 from .timeline import Event, Timeline
 from .moe_producer import quantize_rows_fp8, route
@@ -42,6 +44,8 @@ from .ring_io import check_tensor, publish_chunk
 from .ring_spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 
 __all__ = ["ChunkedMoE", "MoEConfig", "MoELayer", "init_weights", "moe_kernel_signatures"]
+
+log = logging.getLogger("chunkring")
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ def moe_kernel_signatures() -> dict:
 
     desc = Param("desc", "ptr", torch.int64)
     trace = (Param("trace", "ptr", torch.int64, nullable=True), Param("trace_capacity", "i64"))
+    row_src, row_token = Param("row_src", "ptr", torch.int64), Param("row_token", "ptr", torch.int64)
     return {
         "moe_pull": (
             desc, Param("arrivals", "ptr", torch.int32, nullable=True), Param("held", "ptr", torch.int64),
@@ -125,10 +130,16 @@ def moe_kernel_signatures() -> dict:
             Param("stage_idx", "ptr", torch.int32), Param("stage_w", "ptr", torch.float32),
             Param("token_capacity", "i64"), Param("expert_lo", "i32"), Param("expert_hi", "i32"), *trace,
         ),
+        "moe_gather_rows": (
+            Param("stage_x", "ptr", torch.uint8), Param("stage_sf", "ptr", torch.float32), row_src, row_token,
+            Param("rows", "ptr", torch.bfloat16), Param("rows_per_source", "i64"), Param("hidden", "i64"),
+            Param("fp8", "i32"),
+        ),
+        "moe_swiglu": (Param("gate_up", "ptr", torch.bfloat16), Param("act", "ptr", torch.bfloat16), row_src,
+                       Param("inter", "i64")),
         "moe_combine_push": (
-            desc, Param("weighted", "ptr", torch.float32), Param("row_src", "ptr", torch.int64),
-            Param("row_token", "ptr", torch.int64), Param("row_k", "ptr", torch.int64),
-            Param("combine", "ptr", torch.float32), Param("hidden", "i64"),
+            desc, Param("out", "ptr", torch.bfloat16), Param("row_weight", "ptr", torch.float32), row_src, row_token,
+            Param("row_k", "ptr", torch.int64), Param("combine", "ptr", torch.float32), Param("hidden", "i64"),
         ),
         "moe_ack_held": (desc, Param("held", "ptr", torch.int64), *trace),
         "moe_drain": (desc,),
@@ -193,6 +204,7 @@ class MoELayer:
             if runtime.peer(self.combine, pe) is None:
                 raise ChunkringUsageError(f"PE {pe} is not load/store reachable from PE {runtime.rank}; the "
                                           "combine push needs NVLink or the same GPU", field="runtime")
+        self.streaming_calibration: StreamingCalibration | None = None  # what streaming="auto" follows
         if partition is not None:
             self._producer, self._consumer = partition.producer_stream, partition.consumer_stream
         else:
@@ -213,12 +225,13 @@ class MoELayer:
 
     # ------------------------------------------------------------------ public calls
 
-    def run(self, x, x_sf, topk_idx, topk_weights, w13, w2, *, streaming: bool = False, out=None,
+    def run(self, x, x_sf, topk_idx, topk_weights, w13, w2, *, streaming: bool | str = False, out=None,
             num_tokens=None, timeline=None) -> torch.Tensor:
         """The layer on a routed batch: x [n, H] (float8_e4m3fn with x_sf float32 [n, H/128], or bfloat16
         with x_sf None, per ``payload``), topk_idx int32 [n, K] (-1 = masked), topk_weights float32 [n, K];
         this rank's experts w13 bfloat16 [E_local, 2I, H] and w2 bfloat16 [E_local, H, I]. Streamed, the
         batch is published chunk by chunk; either way the output is bfloat16 [n, H] (``out`` if given).
+        ``streaming="auto"``: whichever mode :meth:`calibrate` found no slower here (batch-ready until then).
 
         ``num_tokens`` (int32 [1] on the device, optional): only the first ``num_tokens`` rows are real,
         read on the device when the call runs - so a CUDA graph captured with ``n`` rows replays with any
@@ -244,7 +257,7 @@ class MoELayer:
 
         return self._invoke(which, n, produce, w13, w2, out, num_tokens, timeline)
 
-    def forward(self, hidden, router_weight, w13, w2, *, streaming: bool = False, out=None,
+    def forward(self, hidden, router_weight, w13, w2, *, streaming: bool | str = False, out=None,
                 num_tokens=None, timeline=None) -> torch.Tensor:
         """The layer with its own producers: per chunk (streamed) or for the whole batch, router GEMM
         (``router_weight`` bfloat16 [E, H]) -> top-k softmax weights -> FP8 quantisation (FP8 payload)
@@ -275,6 +288,19 @@ class MoELayer:
         the first one."""
         for ring in self.rings:
             ring.set_timeout(seconds)
+
+    def calibrate(self, router_weight, w13, w2, token_counts, *, iterations: int = 10, warmup: int = 2,
+                  tolerance: float = 0.03) -> StreamingCalibration:
+        """Decide what ``streaming="auto"`` calls do on this machine: time :meth:`forward` batch-ready and
+        streamed at each of ``token_counts`` (CUDA-graph replays, random hidden states, these weights) and
+        stream only if streamed was within ``tolerance`` of batch-ready at every count on every rank
+        (:mod:`chunkring.moe_calibrate`). A collective; logs the decision and returns the figures. Until
+        a layer is calibrated, ``"auto"`` runs batch-ready."""
+        self.streaming_calibration = calibrate(self, router_weight, w13, w2, token_counts, iterations=iterations,
+                                               warmup=warmup, tolerance=tolerance)
+        if self.runtime.rank == 0:
+            log.info("chunkring MoELayer: %s", self.streaming_calibration.describe())
+        return self.streaming_calibration
 
     def reset(self) -> None:
         """Start a new epoch on every ring (a collective; after an error, before calling again)."""
@@ -314,8 +340,10 @@ class MoELayer:
         cfg, device = self.config, self.runtime.torch_device
         if self.combine is None:
             raise ChunkringUsageError("this MoELayer was destroyed")
+        if isinstance(streaming, str) and streaming == "auto":
+            streaming = self.streaming_calibration is not None and self.streaming_calibration.streams
         if not isinstance(streaming, bool):
-            raise ChunkringUsageError("must be a bool", field="streaming")
+            raise ChunkringUsageError(f'must be True, False or "auto", got {streaming!r}', field="streaming")
         if streaming and not cfg.streaming:
             raise ChunkringUsageError("streaming=True needs front_num_slots and front_tokens_per_slot in the "
                                       "MoEConfig", field="streaming")
@@ -335,6 +363,27 @@ class MoELayer:
             if timeline.buffer.device != device:
                 raise ChunkringUsageError(f"is on {timeline.buffer.device}, the layer on {device}", field="timeline")
         return (1 if streaming else 0), out
+
+    def _experts(self, plan, capacity: int, ring, w13, w2, mark) -> None:
+        """The consumer's expert work on ``plan``'s rows, ending with each weighted row pushed to its
+        source's combine buffer: the row kernels (moe_stream.cu) touch only real rows, the grouped GEMMs
+        only rows up to the plan's last group; :func:`chunkring.moe_dispatch.gather_rows` and
+        :func:`~chunkring.moe_dispatch.expert_forward` are their torch reference."""
+        cfg, kernels, stage, device = self.config, self._kernels, self._stage, self.runtime.torch_device
+        H, inter = cfg.hidden, cfg.intermediate
+        stream = torch.cuda.current_stream(device)
+        rows = torch.empty((capacity, H), dtype=torch.bfloat16, device=device)
+        kernels.launch("moe_gather_rows", stage.x.view(torch.uint8), stage.sf, plan.src_rank, plan.token_index, rows,
+                       cfg.max_tokens_per_rank, H, int(ring.spec.payload.has_scales), grid=capacity, block=128,
+                       stream=stream)
+        ends = plan.expert_offsets[1:].to(torch.int32)
+        gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
+        act = torch.empty((capacity, inter), dtype=torch.bfloat16, device=device)
+        kernels.launch("moe_swiglu", gate_up, act, plan.src_rank, inter, grid=capacity, block=128, stream=stream)
+        out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
+        mark(Event.EXPERTS_DONE)
+        kernels.launch("moe_combine_push", ring.desc, out, plan.weight, plan.src_rank, plan.token_index,
+                       plan.topk_pos, self.combine, H, grid=capacity, block=128, stream=stream)
 
     def _invoke(self, which: int, n: int, produce, w13, w2, out, num_tokens, timeline) -> torch.Tensor:
         """Enqueue one call on ring ``which`` (0: batch-ready, 1: streaming)."""
@@ -397,11 +446,7 @@ class MoELayer:
             mark(Event.EXPERTS_BEGIN)
             plan = plan_experts(stage.idx, stage.w, first_expert=self.first_expert,
                                 experts_per_rank=self.experts_per_rank, block_m=cfg.block_m, capacity=capacity)
-            rows = gather_rows(plan, stage.x, stage.sf if spec.payload.has_scales else None)
-            weighted = expert_forward(plan, rows, w13, w2)
-            mark(Event.EXPERTS_DONE)
-            kernels.launch("moe_combine_push", ring.desc, weighted, plan.src_rank, plan.token_index, plan.topk_pos,
-                           self.combine, H, grid=capacity, block=128, stream=consumer)
+            self._experts(plan, capacity, ring, w13, w2, mark)
             mark(Event.COMBINE_DONE)
             kernels.launch("moe_ack_held", ring.desc, stage.held, *trace, grid=spec.world_size, block=32,
                            stream=consumer)

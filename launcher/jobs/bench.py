@@ -19,7 +19,11 @@ replays after ``warmup``, its hidden states rotated among ``rotate`` buffers so 
 * ``peer``: the peer baseline, the same math written the plain-torch way
   (:func:`~chunkring.launcher.jobs.peer_moe.torch_moe`: bf16 rows sorted by expert, two grouped GEMMs,
   no chunkring), with ``batch_over_peer`` and ``streamed_over_peer`` - on one rank only (several ranks
-  share one GPU under MPS, where NCCL's all-to-all, the multi-GPU peer's, cannot run).
+  share one GPU under MPS, where NCCL's all-to-all, the multi-GPU peer's, cannot run);
+* ``streamed_over_bound`` and ``streaming_cost_us_per_chunk`` ((streamed - batch) / chunks);
+* per chunk size, ``c<chunk>_auto_streams``: whether ``streaming="auto"`` would stream after
+  :meth:`chunkring.MoELayer.calibrate` over these token counts (streamed within 3 % of batch-ready at
+  every one); and with ``trace``, that shape's timelines as Chrome traces.
 
 Weights are drawn on the GPU (only this rank's experts): the bench checks nothing; ``run`` and
 ``stress`` check the same layer against the reference.
@@ -35,6 +39,8 @@ from ..progress import progress
 
 #: Overlap efficiency is reported only where the bound is at least this fraction below batch-ready.
 EFFICIENCY_FLOOR = 0.05
+#: streaming="auto" streams only within this fraction of batch-ready (MoELayer.calibrate's default).
+AUTO_TOLERANCE = 0.03
 from .moe_workload import LayerFields, open_layer
 
 
@@ -110,6 +116,9 @@ def run(runtime, config: CONFIG) -> dict:
                 done += 1
                 bar.update(done, f"n={n} chunk={chunk}: streamed/batch {shape['streamed_over_batch']:.2f}")
             layer.check()
+        # What MoELayer.calibrate would decide for this chunk size over these counts (this rank's figures).
+        within = all(figures[f"n{n}_c{chunk}_streamed_over_batch"] <= 1 + AUTO_TOLERANCE for n in config.token_counts)
+        figures[f"c{chunk}_auto_streams"] = int(within)
     bar.close(done, "")
     return figures
 
@@ -220,25 +229,10 @@ class _Model:
 
     def _median_ms(self, load, call) -> float:
         """Median replay time of ``call`` captured in a CUDA graph; ``load(i)`` refreshes its inputs."""
-        import statistics
+        from chunkring.moe_calibrate import replay_median_ms
 
-        import torch
-
-        runtime = self.layer.runtime
-        graph = self._captured(load, call)
-        times = []
-        for i in range(self.config.warmup + self.config.iterations):
-            load(i)
-            torch.cuda.synchronize()
-            runtime.barrier()  # every rank replays together: a call is a collective
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            stop.record()
-            stop.synchronize()
-            if i >= self.config.warmup:
-                times.append(start.elapsed_time(stop))
-        return statistics.median(times)
+        return replay_median_ms(call, load, iterations=self.config.iterations, warmup=self.config.warmup,
+                                barrier=self.layer.runtime.barrier)
 
 
 class _Inputs:

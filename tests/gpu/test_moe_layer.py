@@ -262,6 +262,15 @@ def test_negative_control_acknowledging_the_last_chunk_at_its_pull_loses_combine
     assert any(caught), "the NO_HELD_ACK mutant escaped: the held acknowledgement is not what orders the reduction"
 
 
+def fp8_reference_of(module, seed, hidden):
+    """The fp32 reference of ``module`` (a ChunkedMoE drawn with ``seed``, FP8 payload) on ``hidden``."""
+    _, w13, w2 = init_weights(module.layer.config, torch.Generator().manual_seed(seed))  # every expert
+    idx, w = route(hidden, module.router_weight, module.layer.config.topk)
+    device = hidden.device
+    return moe_reference(dequantize_fp8_per128(*quantize_fp8_per128(hidden.float())), idx, w,
+                         w13.float().to(device), w2.float().to(device))
+
+
 def test_eager_call_of_more_producer_launches_than_the_launch_queue_holds(runtime):
     """256 chunks of 2 tokens with the layer's own producers: over 3,000 producer launches in one eager call,
     more than the launch queue holds while publishes wait for acks. The consumer is enqueued after the
@@ -273,12 +282,35 @@ def test_eager_call_of_more_producer_launches_than_the_launch_queue_holds(runtim
     layer = MoELayer(runtime, cfg, timeout_s=30)
     try:
         module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(13))
-        _, w13, w2 = init_weights(cfg, torch.Generator().manual_seed(13))
         hidden = torch.randn(512, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
-        idx, w = route(hidden, module.router_weight, cfg.topk)
-        ref = moe_reference(dequantize_fp8_per128(*quantize_fp8_per128(hidden.float())), idx, w,
-                            w13.float().to(device), w2.float().to(device))
+        ref = fp8_reference_of(module, 13, hidden)
         out = module(hidden, streaming=True)
+        torch.cuda.synchronize()
+        layer.check()
+        assert rel_error(out, ref) <= 1e-2
+    finally:
+        layer.destroy()
+
+
+def test_calibrated_auto_calls_take_the_agreed_mode_and_match_the_reference(runtime):
+    """calibrate() times both modes as graph replays and agrees on one decision across ranks; "auto" calls
+    then take that mode (and stay correct)."""
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=64,
+                    front_num_slots=2, front_tokens_per_slot=16)
+    layer = MoELayer(runtime, cfg, timeout_s=60)
+    try:
+        module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(17))
+        result = layer.calibrate(module.router_weight, module.w13, module.w2, [8, 64], iterations=3, warmup=1)
+        assert set(result.figures) == {8, 64}
+        assert all(b > 0 and s > 0 for b, s in result.figures.values())
+        if W > 1:
+            from mpi4py import MPI
+
+            assert MPI.COMM_WORLD.allgather(result.figures) == [result.figures] * W  # one decision everywhere
+        hidden = torch.randn(40, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
+        ref = fp8_reference_of(module, 17, hidden)
+        out = layer.forward(hidden, module.router_weight, module.w13, module.w2, streaming="auto")
         torch.cuda.synchronize()
         layer.check()
         assert rel_error(out, ref) <= 1e-2

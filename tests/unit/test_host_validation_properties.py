@@ -139,6 +139,7 @@ def layer_on_cpu(config: MoEConfig, world: int = 2) -> MoELayer:
     layer.first_expert = 0
     layer.combine = object()  # not destroyed
     layer.calls = []
+    layer.streaming_calibration = None
     layer._invoke = lambda which, n, produce, w13, w2, out, num_tokens, timeline: layer.calls.append((which, n)) or out
     return layer
 
@@ -157,7 +158,7 @@ def test_layer_run_accepts_exactly_the_valid_arguments(n, data):
         "out": ((n, H), torch.bfloat16), "num_tokens": ((1,), torch.int32),
     }
     args = {name: data.draw(tensors(shape, dtype)) for name, (shape, dtype) in good.items()}
-    streaming = data.draw(st.one_of(st.booleans(), st.just(1)))
+    streaming = data.draw(st.one_of(st.booleans(), st.just(1), st.just("auto"), st.just("always")))
     # The batch size is x's: every per-token argument is judged against it.
     x = args["x"]
     rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
@@ -170,7 +171,7 @@ def test_layer_run_accepts_exactly_the_valid_arguments(n, data):
     wrong -= {name for name in ("out", "num_tokens") if args[name] is None}  # optional
     if rows is None or rows > cfg.max_tokens_per_rank:
         wrong.add("x")
-    if not isinstance(streaming, bool):
+    if not isinstance(streaming, bool) and streaming != "auto":
         wrong.add("streaming")
     if wrong:
         with pytest.raises(ChunkringUsageError) as info:
@@ -179,4 +180,4 @@ def test_layer_run_accepts_exactly_the_valid_arguments(n, data):
         assert not layer.calls
     else:
         layer.run(**args, streaming=streaming)
-        assert layer.calls == [(1 if streaming else 0, rows)]
+        assert layer.calls == [(1 if streaming is True else 0, rows)]  # "auto" uncalibrated: batch-ready

@@ -1,0 +1,112 @@
+"""Which mode a layer's ``streaming="auto"`` calls take, from measurements on this machine.
+
+Streaming costs each chunk a few kernel launches on the producer side (its router, top-k, quantisation
+and publish run per chunk) and saves what the consumer's pulls of earlier chunks overlap; the experts run
+once per call either way (chunkring.moe_layer). Whether that nets out depends on the GPU, the shapes and
+the chunk size, so the layer measures instead of guessing: :func:`calibrate` times batch-ready and
+streamed calls as CUDA-graph replays at the given token counts and streams ``"auto"`` calls only if
+streamed was within ``tolerance`` of batch-ready at every count, on every rank. All ranks must take the
+same mode in a call (they publish into and pull from one ring), so the choice is one per layer, agreed
+collectively - never per call, whose token count differs between ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ChunkringUsageError
+
+__all__ = ["StreamingCalibration", "calibrate", "replay_median_ms"]
+
+
+@dataclass(frozen=True)
+class StreamingCalibration:
+    """What :func:`calibrate` measured: per token count, the slowest rank's (batch-ready ms, streamed
+    ms), and the tolerance streamed had to meet everywhere for ``"auto"`` to stream."""
+
+    figures: dict
+    tolerance: float
+
+    @property
+    def streams(self) -> bool:
+        """Whether ``streaming="auto"`` calls stream."""
+        return all(streamed <= (1 + self.tolerance) * batch for batch, streamed in self.figures.values())
+
+    def describe(self) -> str:
+        ratios = ", ".join(f"{n} tokens {s / b:.3f}" for n, (b, s) in sorted(self.figures.items()))
+        verdict = "stream" if self.streams else "run batch-ready"
+        return f'streaming="auto" calls {verdict}: streamed / batch-ready {ratios} (tolerance {self.tolerance:.0%})'
+
+
+def replay_median_ms(call, load=None, *, iterations: int, warmup: int, barrier=None) -> float:
+    """Median time of ``call`` captured once in a CUDA graph and replayed ``warmup + iterations`` times
+    (the first ``warmup`` not counted), with CUDA events. ``load(i)``, if given, refreshes the graph's
+    inputs before replay ``i`` (and before the eager warm-up call, with 0); ``barrier()``, if given, runs
+    before each replay so the ranks of a collective call replay together."""
+    if load is not None:
+        load(0)
+    call()  # eager: every kernel loaded and every lazy torch initialisation done before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    times = []
+    for i in range(warmup + iterations):
+        if load is not None:
+            load(i)
+        torch.cuda.synchronize()
+        if barrier is not None:
+            barrier()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def calibrate(layer, router_weight, w13, w2, token_counts, *, iterations: int = 10, warmup: int = 2,
+              tolerance: float = 0.03, seed: int = 0) -> StreamingCalibration:
+    """Time ``layer.forward`` batch-ready and streamed at each of ``token_counts`` (random hidden states,
+    this rank's weights) and agree across ranks on the slowest rank's figures. A collective: every rank
+    passes the same counts and settings."""
+    cfg = layer.config
+    if not cfg.streaming:
+        raise ChunkringUsageError("needs a streaming ring (front_num_slots, front_tokens_per_slot)", field="config")
+    counts = tuple(token_counts)
+    if not counts or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cfg.max_tokens_per_rank
+                         for n in counts):
+        raise ChunkringUsageError(f"need token counts in [1, {cfg.max_tokens_per_rank}], got {token_counts!r}",
+                                  field="token_counts")
+    for name, value, low in (("iterations", iterations, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ChunkringUsageError(f"must be an int >= {low}, got {value!r}", field=name)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+        raise ChunkringUsageError(f"must be in [0, 1), got {tolerance!r}", field="tolerance")
+    runtime = layer.runtime
+    device = runtime.torch_device
+    gen = torch.Generator(device).manual_seed(seed * 7919 + runtime.rank)
+    mine = {}
+    for n in counts:
+        hidden = torch.randn(n, cfg.hidden, generator=gen, device=device).to(torch.bfloat16)
+        mine[n] = tuple(
+            replay_median_ms(lambda s=streaming: layer.forward(hidden, router_weight, w13, w2, streaming=s),
+                             iterations=iterations, warmup=warmup, barrier=runtime.barrier)
+            for streaming in (False, True))
+    return StreamingCalibration(_slowest_rank(runtime, mine), float(tolerance))
+
+
+def _slowest_rank(runtime, mine: dict) -> dict:
+    """Per token count, the (batch, streamed) pair of the rank where streaming fared worst: identical on
+    every rank, so every rank takes the same mode."""
+    if runtime.world_size == 1:
+        return dict(mine)
+    from mpi4py import MPI
+
+    everyone = MPI.COMM_WORLD.allgather(mine)
+    return {n: max((figures[n] for figures in everyone), key=lambda pair: pair[1] / pair[0]) for n in mine}

@@ -1,0 +1,67 @@
+"""The streaming="auto" decision (chunkring.moe_calibrate): stream only where streamed stayed within the
+tolerance of batch-ready at every measured count; one decision for every rank, from the rank where
+streaming fared worst; bad calibration settings refused before any GPU work; an uncalibrated or
+calibrated layer's "auto" calls take the mode the calibration says."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from chunkring import ChunkringUsageError, MoEConfig, StreamingCalibration
+from chunkring.moe_calibrate import _slowest_rank, calibrate
+from tests.unit.test_host_validation_properties import layer_on_cpu
+
+
+def test_streams_only_within_tolerance_everywhere():
+    assert StreamingCalibration({16: (4.0, 4.1), 2048: (9.0, 9.2)}, 0.03).streams
+    slow = StreamingCalibration({16: (4.0, 4.1), 2048: (9.0, 9.5)}, 0.03)
+    assert not slow.streams
+    assert "run batch-ready" in slow.describe() and "2048 tokens 1.056" in slow.describe()
+
+
+def test_one_rank_keeps_its_own_figures():
+    mine = {16: (1.0, 1.2)}
+    assert _slowest_rank(SimpleNamespace(world_size=1), mine) == mine
+
+
+def layer(streaming=True):
+    cfg = MoEConfig(num_experts=4, hidden=256, intermediate=64, topk=2, max_tokens_per_rank=64,
+                    **({"front_num_slots": 2, "front_tokens_per_slot": 16} if streaming else {}))
+    return layer_on_cpu(cfg)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(token_counts=[]), "token_counts"),
+    (dict(token_counts=[0]), "token_counts"),
+    (dict(token_counts=[65]), "token_counts"),
+    (dict(token_counts=[True]), "token_counts"),
+    (dict(token_counts=[16], iterations=0), "iterations"),
+    (dict(token_counts=[16], warmup=-1), "warmup"),
+    (dict(token_counts=[16], tolerance=1.5), "tolerance"),
+    (dict(token_counts=[16], tolerance=True), "tolerance"),
+])
+def test_bad_settings_are_refused_before_gpu_work(kwargs, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        calibrate(layer(), None, None, None, **kwargs)
+    assert info.value.field == field
+
+
+def test_a_layer_without_a_streaming_ring_cannot_calibrate():
+    with pytest.raises(ChunkringUsageError) as info:
+        calibrate(layer(streaming=False), None, None, None, [16])
+    assert info.value.field == "config"
+
+
+def test_auto_calls_follow_the_calibration():
+    import torch
+
+    lay = layer()
+    args = dict(x=torch.zeros(3, 256, dtype=torch.float8_e4m3fn), x_sf=torch.ones(3, 2),
+                topk_idx=torch.zeros(3, 2, dtype=torch.int32), topk_weights=torch.ones(3, 2),
+                w13=torch.zeros(2, 128, 256, dtype=torch.bfloat16), w2=torch.zeros(2, 256, 64, dtype=torch.bfloat16))
+    lay.run(**args, streaming="auto")
+    lay.streaming_calibration = StreamingCalibration({16: (1.0, 1.01)}, 0.03)
+    lay.run(**args, streaming="auto")
+    lay.streaming_calibration = StreamingCalibration({16: (1.0, 1.2)}, 0.03)
+    lay.run(**args, streaming="auto")
+    assert [which for which, _ in lay.calls] == [0, 1, 0]

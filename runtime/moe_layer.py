@@ -28,7 +28,7 @@ and how its producers publish.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,6 +46,10 @@ from .ring_spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 __all__ = ["ChunkedMoE", "MoEConfig", "MoELayer", "init_weights", "moe_kernel_signatures"]
 
 log = logging.getLogger("chunkring")
+
+#: Slots of the default streaming ring (MoEConfig.with_default_ring): the consumer pulls each chunk within
+#: microseconds of its publish, so producers never wait for a second slot to free (docs/PERFORMANCE.md).
+DEFAULT_FRONT_NUM_SLOTS = 2
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,13 @@ class MoEConfig:
     def streaming(self) -> bool:
         """Whether the layer has a streaming ring (``streaming=True`` calls need one)."""
         return self.front_num_slots is not None
+
+    def with_default_ring(self) -> "MoEConfig":
+        """This config with the default streaming ring: 2 slots of ``max_tokens_per_rank / 16`` tokens
+        (at least 1), so the ring's payload is 1/8 of the full per-rank input region. docs/PERFORMANCE.md
+        gives the measurements behind both numbers."""
+        return replace(self, front_num_slots=DEFAULT_FRONT_NUM_SLOTS,
+                       front_tokens_per_slot=max(1, self.max_tokens_per_rank // (8 * DEFAULT_FRONT_NUM_SLOTS)))
 
     def ring_spec(self, world_size: int, *, streamed: bool) -> RingSpec:
         """The spec of the streaming ring, or of the one-slot batch-ready ring. Checks the shared fields."""

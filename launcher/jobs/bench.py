@@ -9,7 +9,8 @@ replays after ``warmup``, its hidden states rotated among ``rotate`` buffers so 
 * ``batch``: the whole layer with its own producers (router GEMM, top-k, FP8 quantisation, publish,
   dispatch, experts, combine), batch-ready;
 * ``streamed``: the same call streamed;
-* ``P``: the producers alone (router GEMM, top-k and quantisation of the whole batch);
+* ``P``: the producers alone (router GEMM, top-k and quantisation of the whole batch), on the layer's
+  producer stream (its SM partition, if ``producer_sms`` is set);
 * ``Q``: the consumer alone: the batch-ready layer on the already routed batch;
 * ``bound``: ``max(P, Q) + min(P, Q) / n_chunks``, perfect overlap of the two at this chunking;
 * ``gain_possible_ms`` (batch - bound), ``gain_ms`` (batch - streamed), ``streamed_over_batch``, and the
@@ -155,7 +156,7 @@ class _Model:
         inputs, layer, cfg = self._inputs(n), self.layer, self.layer.config
         calls = {
             "batch_ms": (inputs.load_hidden, lambda: layer.forward(inputs.hidden, self.router, self.w13, self.w2)),
-            "P_ms": (inputs.load_hidden, inputs.producers),
+            "P_ms": (inputs.load_hidden, lambda: _on_stream(layer.producer_stream, inputs.producers)),
             "Q_ms": (inputs.load_routed, lambda: layer.run(*inputs.static, self.w13, self.w2)),
         }
         if layer.runtime.world_size == 1:  # one rank: self.w13 and self.w2 hold every expert
@@ -271,6 +272,18 @@ class _Inputs:
         route(self.hidden, self.router, self.topk)
         if self.fp8:
             quantize_rows_fp8(self.hidden)
+
+
+def _on_stream(stream, work) -> None:
+    """``work()`` on ``stream`` (the layer's producer stream: its SM partition, if it has one), joined back
+    into the current stream, so P is timed on the SMs the layer's producers get."""
+    import torch
+
+    caller = torch.cuda.current_stream()
+    stream.wait_stream(caller)
+    with torch.cuda.stream(stream):
+        work()
+    caller.wait_stream(stream)
 
 
 def _gather_to_root(runtime, value) -> list:

@@ -65,3 +65,12 @@ def test_auto_calls_follow_the_calibration():
     lay.streaming_calibration = StreamingCalibration({16: (1.0, 1.2)}, 0.03)
     lay.run(**args, streaming="auto")
     assert [which for which, _ in lay.calls] == [0, 1, 0]
+
+
+@pytest.mark.parametrize("max_tokens,chunk", [(8192, 512), (2048, 128), (4096, 256), (10, 1), (1, 1)])
+def test_default_ring_is_two_slots_of_one_sixteenth(max_tokens, chunk):
+    cfg = MoEConfig(num_experts=4, hidden=256, intermediate=64, topk=2, max_tokens_per_rank=max_tokens)
+    ringed = cfg.with_default_ring()
+    assert (ringed.front_num_slots, ringed.front_tokens_per_slot) == (2, chunk)
+    assert ringed.streaming and ringed.max_tokens_per_rank == max_tokens
+    assert 2 * chunk * 8 <= max(max_tokens, 16)  # payload at most 1/8 of the full region (where it can be)

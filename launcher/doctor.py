@@ -101,16 +101,35 @@ def _check_green_contexts() -> Check:
                      "needs CUDA 12.4+ driver and cuda-core with Device.resources; the consumer cannot be confined")
 
 
+def _query_driver_version(smi: str) -> str | None:
+    """What ``smi`` (nvidia-smi) prints as the first GPU's driver version, or None if nothing; raises
+    OSError / SubprocessError if it cannot run."""
+    text = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                          text=True, timeout=30).stdout.split()
+    return text[0] if text else None
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi prints it (e.g. 580.159.04), or None where nvidia-smi is
+    missing, fails or prints nothing: for result files, which record the machine they ran on."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        return _query_driver_version(smi)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def check_driver() -> Check:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return Check("driver", "SKIP", "nvidia-smi not found")
     try:
-        text = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.split()
+        version = _query_driver_version(smi)
     except (OSError, subprocess.SubprocessError) as exc:
         return Check("driver", "FAIL", str(exc), "check the NVIDIA driver installation")
-    return Check("driver", "PASS" if text else "FAIL", text[0] if text else "nvidia-smi printed nothing",
+    return Check("driver", "PASS" if version else "FAIL", version or "nvidia-smi printed nothing",
                  "check the NVIDIA driver installation")
 
 

@@ -57,7 +57,7 @@ def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None =
     try:
         runtime = init() if getattr(module, "NEEDS_GPU", True) else HostRuntime(RankInfo.from_env())
         figures = module.run(runtime, config)
-        all_figures = _gather(runtime, figures)
+        all_figures = gather_to_root(runtime, figures)
         if runtime.rank == 0:
             _print_table(job, runtime, all_figures)
             if json_path:
@@ -109,11 +109,13 @@ def report(job: str, config, runtime, all_figures: list) -> dict:
 
     from chunkring.device import nvshmem_version
 
+    from .doctor import driver_version
+
     figures = {f"rank{r}_{key}": value for r, f in enumerate(all_figures) for key, value in f.items()}
     return {
         "commit": os.environ.get("CHUNKRING_COMMIT") or _git_commit(),
         "gpu": _device_name(runtime),
-        "driver": _driver_version(),
+        "driver": driver_version() or "unknown",
         "gpus": torch.cuda.device_count(),
         "ranks": runtime.world_size,
         "suite": job,
@@ -127,18 +129,6 @@ def report(job: str, config, runtime, all_figures: list) -> dict:
     }
 
 
-def _driver_version() -> str:
-    """The NVIDIA driver's version as nvidia-smi prints it (e.g. 580.159.04), or "unknown"."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], check=False,
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.split("\n")[0].strip() or "unknown"
-
-
 def _git_commit() -> str:
     import subprocess
 
@@ -150,12 +140,13 @@ def _git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def _gather(runtime, figures: dict) -> list:
+def gather_to_root(runtime, value) -> list:
+    """Every rank's ``value`` in rank order on rank 0 (None elsewhere): a collective."""
     if runtime.world_size == 1:
-        return [figures]
+        return [value]
     from mpi4py import MPI
 
-    return MPI.COMM_WORLD.gather(figures, root=0)
+    return MPI.COMM_WORLD.gather(value, root=0)
 
 
 def _abort_others(runtime) -> None:

@@ -19,7 +19,10 @@ import torch
 
 from .errors import ChunkringUsageError
 
-__all__ = ["StreamingCalibration", "calibrate", "replay_median_ms"]
+__all__ = ["DEFAULT_TOLERANCE", "StreamingCalibration", "calibrate", "capture_graph", "replay_median_ms"]
+
+#: How much slower than batch-ready streamed may be, at every calibrated count, for "auto" to stream.
+DEFAULT_TOLERANCE = 0.03
 
 
 @dataclass(frozen=True)
@@ -41,18 +44,25 @@ class StreamingCalibration:
         return f'streaming="auto" calls {verdict}: streamed / batch-ready {ratios} (tolerance {self.tolerance:.0%})'
 
 
-def replay_median_ms(call, load=None, *, iterations: int, warmup: int, barrier=None) -> float:
-    """Median time of ``call`` captured once in a CUDA graph and replayed ``warmup + iterations`` times
-    (the first ``warmup`` not counted), with CUDA events. ``load(i)``, if given, refreshes the graph's
-    inputs before replay ``i`` (and before the eager warm-up call, with 0); ``barrier()``, if given, runs
-    before each replay so the ranks of a collective call replay together."""
+def capture_graph(call, load=None) -> torch.cuda.CUDAGraph:
+    """``call`` captured in a CUDA graph, after one eager call (every kernel loaded and every lazy torch
+    initialisation done before the capture) on the inputs ``load(0)`` puts in place, if given."""
     if load is not None:
         load(0)
-    call()  # eager: every kernel loaded and every lazy torch initialisation done before the capture
+    call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
+    return graph
+
+
+def replay_median_ms(call, load=None, *, iterations: int, warmup: int, barrier=None) -> float:
+    """Median time of ``call`` captured once in a CUDA graph (:func:`capture_graph`) and replayed
+    ``warmup + iterations`` times (the first ``warmup`` not counted), with CUDA events. ``load(i)``, if
+    given, refreshes the graph's inputs before replay ``i``; ``barrier()``, if given, runs before each
+    replay so the ranks of a collective call replay together."""
+    graph = capture_graph(call, load)
     times = []
     for i in range(warmup + iterations):
         if load is not None:
@@ -71,7 +81,7 @@ def replay_median_ms(call, load=None, *, iterations: int, warmup: int, barrier=N
 
 
 def calibrate(layer, router_weight, w13, w2, token_counts, *, iterations: int = 10, warmup: int = 2,
-              tolerance: float = 0.03, seed: int = 0) -> StreamingCalibration:
+              tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> StreamingCalibration:
     """Time ``layer.forward`` batch-ready and streamed at each of ``token_counts`` (random hidden states,
     this rank's weights) and agree across ranks on the slowest rank's figures. A collective: every rank
     passes the same counts and settings."""

@@ -34,7 +34,7 @@ import torch
 
 from .env import module_loading_is_eager
 from .errors import ChunkringUsageError
-from .moe_calibrate import StreamingCalibration, calibrate
+from .moe_calibrate import DEFAULT_TOLERANCE, StreamingCalibration, calibrate
 from .moe_dispatch import plan_experts
 from .moe_plan import padded_rows_bound
 from .timeline import Event, Timeline
@@ -301,7 +301,7 @@ class MoELayer:
             ring.set_timeout(seconds)
 
     def calibrate(self, router_weight, w13, w2, token_counts, *, iterations: int = 10, warmup: int = 2,
-                  tolerance: float = 0.03) -> StreamingCalibration:
+                  tolerance: float = DEFAULT_TOLERANCE) -> StreamingCalibration:
         """Decide what ``streaming="auto"`` calls do on this machine: time :meth:`forward` batch-ready and
         streamed at each of ``token_counts`` (CUDA-graph replays, random hidden states, these weights) and
         stream only if streamed was within ``tolerance`` of batch-ready at every count on every rank

@@ -3,9 +3,10 @@
 import argparse
 import json
 import os
-import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from chunkring.launcher.doctor import driver_version
 
 
 def junit_counts(path: str) -> dict:
@@ -37,11 +38,7 @@ def gpu_facts() -> dict:
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(0)
         facts["gpus"] = torch.cuda.device_count()
-    try:
-        facts["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                         capture_output=True, text=True, timeout=30).stdout.split()[0]
-    except (OSError, IndexError, subprocess.SubprocessError):
-        pass
+    facts["driver"] = driver_version()
     facts["torch"] = torch.__version__
     return facts
 

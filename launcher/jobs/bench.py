@@ -36,13 +36,13 @@ from dataclasses import dataclass, replace
 
 from chunkring.errors import ChunkringUsageError
 
+from chunkring.moe_calibrate import DEFAULT_TOLERANCE, StreamingCalibration
+
 from ..progress import progress
+from .moe_workload import LayerFields, open_layer
 
 #: Overlap efficiency is reported only where the bound is at least this fraction below batch-ready.
 EFFICIENCY_FLOOR = 0.05
-#: streaming="auto" streams only within this fraction of batch-ready (MoELayer.calibrate's default).
-AUTO_TOLERANCE = 0.03
-from .moe_workload import LayerFields, open_layer
 
 
 def _ints(text: str, field: str) -> tuple[int, ...]:
@@ -118,8 +118,9 @@ def run(runtime, config: CONFIG) -> dict:
                 bar.update(done, f"n={n} chunk={chunk}: streamed/batch {shape['streamed_over_batch']:.2f}")
             layer.check()
         # What MoELayer.calibrate would decide for this chunk size over these counts (this rank's figures).
-        within = all(figures[f"n{n}_c{chunk}_streamed_over_batch"] <= 1 + AUTO_TOLERANCE for n in config.token_counts)
-        figures[f"c{chunk}_auto_streams"] = int(within)
+        measured = {n: (figures[f"n{n}_c{chunk}_batch_ms"], figures[f"n{n}_c{chunk}_streamed_ms"])
+                    for n in config.token_counts}
+        figures[f"c{chunk}_auto_streams"] = int(StreamingCalibration(measured, DEFAULT_TOLERANCE).streams)
     bar.close(done, "")
     return figures
 
@@ -194,7 +195,10 @@ class _Model:
         import torch
 
         from chunkring import Timeline
+        from chunkring.moe_calibrate import capture_graph
         from chunkring.timeline import write_chrome_trace
+
+        from ..worker import gather_to_root  # here, not at the top: the worker imports the jobs
 
         inputs, layer, runtime = self._inputs(n), self.layer, self.layer.runtime
         timeline = Timeline(runtime.torch_device, capacity=16 * (n + 64) * runtime.world_size + 1024)
@@ -202,31 +206,18 @@ class _Model:
             def call():
                 layer.forward(inputs.hidden, self.router, self.w13, self.w2, streaming=streaming, timeline=timeline)
 
-            graph = self._captured(inputs.load_hidden, call)
+            graph = capture_graph(call, inputs.load_hidden)
             timeline.clear()
             torch.cuda.synchronize()
             runtime.barrier()
             graph.replay()
             records = timeline.records()
-            gathered = _gather_to_root(runtime, records)
+            gathered = gather_to_root(runtime, records)
             if runtime.rank == 0:
                 write_chrome_trace(f"{prefix}-{name}.json", dict(enumerate(gathered)),
                                    metadata={"call": name, "tokens_per_rank": n,
                                              "chunk": layer.config.front_tokens_per_slot,
                                              "config": str(layer.config), "ranks": runtime.world_size})
-
-    def _captured(self, load, call):
-        """``call`` captured in a CUDA graph, after an eager warm-up (every kernel loaded, every lazy torch
-        initialisation done) on inputs ``load(0)``."""
-        import torch
-
-        load(0)
-        call()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        return graph
 
     def _median_ms(self, load, call) -> float:
         """Median replay time of ``call`` captured in a CUDA graph; ``load(i)`` refreshes its inputs."""
@@ -284,11 +275,3 @@ def _on_stream(stream, work) -> None:
     with torch.cuda.stream(stream):
         work()
     caller.wait_stream(stream)
-
-
-def _gather_to_root(runtime, value) -> list:
-    if runtime.world_size == 1:
-        return [value]
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.gather(value, root=0)

@@ -21,11 +21,11 @@ import torch
 
 import chunkring
 from chunkring import MoEConfig, MoELayer
-from chunkring.device import KernelLibrary, build
-from chunkring.device.ring_kernels import NO_INPUT_CHECKS
-from chunkring.moe_layer import moe_kernel_signatures
-from chunkring.moe_producer import quantize_rows_fp8, route
-from chunkring.ring_io import publish_chunk
+from chunkring._jit import KernelLibrary, build
+from chunkring.testing.stress import NO_INPUT_CHECKS
+from chunkring.moe.layer import moe_kernel_signatures
+from chunkring.moe.producer import quantize_rows_fp8, route
+from chunkring.ring.io import publish_chunk
 
 import result_file  # benchmarks/result_file.py: the script's own folder is on sys.path
 

@@ -16,9 +16,9 @@ import torch
 
 import chunkring
 from chunkring import Ring, RingSpec
-from chunkring.device import KernelLibrary, Param, build
+from chunkring._jit import KernelLibrary, Param, build
 from chunkring.launcher.jobs import bringup
-from chunkring.ring_spec import PayloadFormat
+from chunkring.ring.spec import PayloadFormat
 
 import result_file  # benchmarks/result_file.py: the script's own folder is on sys.path
 

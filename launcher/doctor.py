@@ -52,7 +52,7 @@ def check_packages() -> list[Check]:
 
 def check_compiler() -> Check:
     try:
-        from chunkring.device import build, nvshmem_version
+        from chunkring._jit import build, nvshmem_version
 
         start = time.perf_counter()
         result = build("selftest")

@@ -107,7 +107,7 @@ def report(job: str, config, runtime, all_figures: list) -> dict:
 
     import torch
 
-    from chunkring.device import nvshmem_version
+    from chunkring._jit import nvshmem_version
 
     from .doctor import driver_version
 

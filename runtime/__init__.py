@@ -1,19 +1,24 @@
 """chunkring: stream MoE token chunks into expert-parallel dispatch through an NVSHMEM ring of slots.
 
+Layers, each importing only those below it: the process runtime (this package's top-level modules:
+``init``/``Runtime``, errors, environment, SM partitions) <- :mod:`chunkring._jit` (kernel build and
+launch) <- :mod:`chunkring.ring` (the protocol core) <- :mod:`chunkring.moe` (the MoE layer).
+:mod:`chunkring.testing` holds what only tests and benchmarks use.
+
 Start here: ``rt = chunkring.init()`` (a collective under mpirun, or a single process), then the ring
 and layer APIs; ``rt.close()`` at the end.
 """
 
 import os as _os
 
-from .env import EAGER_LOADING as _EAGER_LOADING
+from chunkring.env import EAGER_LOADING as _EAGER_LOADING
 
 # Before anything initialises CUDA in this process (env.EAGER_LOADING says why); an explicit setting wins.
 for _name, _value in _EAGER_LOADING.items():
     _os.environ.setdefault(_name, _value)
 
-from .bringup import Runtime, current, init  # noqa: E402
-from .errors import (
+from chunkring.bringup import Runtime, current, init  # noqa: E402
+from chunkring.errors import (
     ChunkringDeviceError,
     ChunkringError,
     ChunkringInputError,
@@ -22,14 +27,10 @@ from .errors import (
     ChunkringUsageError,
     NoGpuError,
 )
-from .moe_calibrate import StreamingCalibration
-from .moe_layer import ChunkedMoE, MoEConfig, MoELayer
-from .partition import SmPartition
-from .ranks import RankInfo
-from .ring import Ring
-from .ring_io import GatherOutputs, gather, publish_chunk
-from .ring_spec import PayloadFormat, RingSpec
-from .timeline import Event, Timeline
+from chunkring.moe import ChunkedMoE, Event, MoEConfig, MoELayer, StreamingCalibration, Timeline
+from chunkring.partition import SmPartition
+from chunkring.ranks import RankInfo
+from chunkring.ring import GatherOutputs, PayloadFormat, Ring, RingSpec, gather, publish_chunk
 
 __all__ = [
     "ChunkedMoE",

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from .env import apply_process_defaults
-from .errors import ChunkringRuntimeError, ChunkringUsageError, NoGpuError
-from .ranks import RankInfo
+from chunkring.env import apply_process_defaults
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError, NoGpuError
+from chunkring.ranks import RankInfo
 
 __all__ = ["Runtime", "init", "current"]
 

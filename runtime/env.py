@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError
 
 __all__ = [
     "EAGER_LOADING",
@@ -92,7 +92,7 @@ def module_loading_is_eager() -> bool:
 
     err, mode = driver.cuModuleGetLoadingMode()
     if err != driver.CUresult.CUDA_SUCCESS:
-        from .errors import ChunkringRuntimeError
+        from chunkring.errors import ChunkringRuntimeError
 
         raise ChunkringRuntimeError(f"cuModuleGetLoadingMode failed: {err}")
     return mode == driver.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING

@@ -31,7 +31,7 @@ class ChunkringRuntimeError(ChunkringError, RuntimeError):
 
 
 class ChunkringDeviceError(ChunkringRuntimeError):
-    """A kernel recorded an error; ``record`` is the :class:`chunkring.status.StatusRecord`."""
+    """A kernel recorded an error; ``record`` is the :class:`chunkring.ring.status.StatusRecord`."""
 
     def __init__(self, message: str, record):
         super().__init__(message)
@@ -45,7 +45,7 @@ class ChunkringTimeoutError(ChunkringDeviceError):
 class ChunkringInputError(ChunkringDeviceError):
     """A consumer masked malformed slot contents (an out-of-range expert, a NaN scale, an impossible
     count): the call completed by the documented masking rule, but its output is not what the caller
-    meant. ``record`` is the :class:`chunkring.status.InputRecord` of the first such value."""
+    meant. ``record`` is the :class:`chunkring.ring.status.InputRecord` of the first such value."""
 
 
 class NoGpuError(ChunkringRuntimeError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
 __all__ = ["PartitionPlan", "plan_partition", "SmPartition"]
 

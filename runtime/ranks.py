@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError
 
 __all__ = ["RankInfo"]
 

@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from chunkring.device import build, kernel_sources, nvshmem_version
+from chunkring._jit import build, kernel_sources, nvshmem_version
 
 
 def main() -> None:

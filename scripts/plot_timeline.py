@@ -92,7 +92,7 @@ def plot(trace: dict, out: str, title: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace", help="Chrome trace JSON from chunkring.timeline.write_chrome_trace")
+    parser.add_argument("trace", help="Chrome trace JSON from chunkring.moe.timeline.write_chrome_trace")
     parser.add_argument("-o", "--out", required=True, help="the PNG to write")
     parser.add_argument("--title", help="plot title (default: the trace's file name)")
     args = parser.parse_args(argv)

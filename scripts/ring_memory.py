@@ -3,8 +3,8 @@
     python scripts/ring_memory.py            # realistic shapes, a few slot and chunk sizes
 """
 
-from chunkring.layout import RingLayout
-from chunkring.ring_spec import PayloadFormat, RingSpec
+from chunkring.ring.layout import RingLayout
+from chunkring.ring.spec import PayloadFormat, RingSpec
 
 #: (name, world, experts, topk, hidden, max tokens per rank) - the shapes issue 8 benchmarks.
 SHAPES = [

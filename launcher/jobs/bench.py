@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from chunkring.errors import ChunkringUsageError
 
-from chunkring.moe_calibrate import DEFAULT_TOLERANCE, StreamingCalibration
+from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration
 
 from ..progress import progress
 from .moe_workload import LayerFields, open_layer
@@ -195,8 +195,8 @@ class _Model:
         import torch
 
         from chunkring import Timeline
-        from chunkring.moe_calibrate import capture_graph
-        from chunkring.timeline import write_chrome_trace
+        from chunkring.moe.calibrate import capture_graph
+        from chunkring.moe.timeline import write_chrome_trace
 
         from ..worker import gather_to_root  # here, not at the top: the worker imports the jobs
 
@@ -221,7 +221,7 @@ class _Model:
 
     def _median_ms(self, load, call) -> float:
         """Median replay time of ``call`` captured in a CUDA graph; ``load(i)`` refreshes its inputs."""
-        from chunkring.moe_calibrate import replay_median_ms
+        from chunkring.moe.calibrate import replay_median_ms
 
         return replay_median_ms(call, load, iterations=self.config.iterations, warmup=self.config.warmup,
                                 barrier=self.layer.runtime.barrier)
@@ -234,7 +234,7 @@ class _Inputs:
     def __init__(self, model: _Model, n: int):
         import torch
 
-        from chunkring.moe_producer import quantize_rows_fp8, route
+        from chunkring.moe.producer import quantize_rows_fp8, route
 
         cfg, device = model.layer.config, model.layer.runtime.torch_device
         self.n, self.fp8, self.router, self.topk = n, cfg.payload.has_scales, model.router, cfg.topk
@@ -258,7 +258,7 @@ class _Inputs:
 
     def producers(self) -> None:
         """The producers alone: router GEMM, top-k and (FP8) quantisation of the whole batch."""
-        from chunkring.moe_producer import quantize_rows_fp8, route
+        from chunkring.moe.producer import quantize_rows_fp8, route
 
         route(self.hidden, self.router, self.topk)
         if self.fp8:

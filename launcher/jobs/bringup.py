@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chunkring.device import KernelLibrary, Param, build
+from chunkring._jit import KernelLibrary, Param, build
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
 

@@ -83,7 +83,7 @@ def seeded_weights(cfg, seed: int, first_expert: int, experts_per_rank: int, dev
     on every rank."""
     import torch
 
-    from chunkring.moe_layer import init_weights
+    from chunkring.moe.layer import init_weights
 
     router, w13, w2 = init_weights(cfg, torch.Generator().manual_seed(seed))
     mine = slice(first_expert, first_expert + experts_per_rank)
@@ -112,8 +112,8 @@ class RoutedBatch:
 
 def route_batch(hidden, router, topk: int, payload: str) -> RoutedBatch:
     """Route ``hidden`` bfloat16 [n, H] as the layer's producers do, and quantise it for the payload."""
-    from chunkring.moe_producer import route
-    from chunkring.moe_reference import dequantize_fp8_per128, quantize_fp8_per128
+    from chunkring.moe.producer import route
+    from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 
     idx, weights = route(hidden, router, topk)
     if payload == "fp8":
@@ -124,7 +124,7 @@ def route_batch(hidden, router, topk: int, payload: str) -> RoutedBatch:
 
 def reference_output(batch: RoutedBatch, weights: Weights):
     """float32 [n, H]: the layer's math in fp32 over every expert."""
-    from chunkring.moe_reference import moe_reference
+    from chunkring.testing.reference import moe_reference
 
     return moe_reference(batch.x_ref, batch.topk_idx, batch.topk_weights, weights.w13_all, weights.w2_all)
 

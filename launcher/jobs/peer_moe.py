@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from chunkring.moe_producer import route
+from chunkring.moe.producer import route
 
 __all__ = ["torch_moe"]
 

@@ -3,8 +3,8 @@ and the on-disk cache is keyed so that a changed input recompiles and an unchang
 
 import pytest
 
-from chunkring.device import build, kernel_sources, nvshmem_version
-from chunkring.device.ring_kernels import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS
+from chunkring._jit import build, kernel_sources, nvshmem_version
+from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS
 from chunkring.errors import ChunkringUsageError
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from chunkring import ChunkringInputError, MoEConfig, MoELayer, Ring, RingSpec
-from chunkring.moe_reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
-from chunkring.ring_io import GatherOutputs, gather, publish_chunk
-from chunkring.ring_spec import PayloadFormat
-from chunkring.status import InputField
+from chunkring.testing.reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.ring.io import GatherOutputs, gather, publish_chunk
+from chunkring.ring.spec import PayloadFormat
+from chunkring.ring.status import InputField
 from tests.gpu.test_moe_layer import H, rel_error, routing, weights
 
 pytestmark = pytest.mark.gpu
@@ -173,9 +173,9 @@ def test_gather_masks_and_reports_corrupted_metadata(runtime, record_testsuite_p
 def test_negative_control_without_the_checks_a_bad_expert_goes_unreported(runtime):
     """With validate.cuh compiled out (the NO_INPUT_CHECKS mutant), the same corruption raises nothing:
     the reports asserted above come from the checks, not from anything else."""
-    from chunkring.device import KernelLibrary, build
-    from chunkring.device.ring_kernels import NO_INPUT_CHECKS
-    from chunkring.moe_layer import moe_kernel_signatures
+    from chunkring._jit import KernelLibrary, build
+    from chunkring.testing.stress import NO_INPUT_CHECKS
+    from chunkring.moe.layer import moe_kernel_signatures
 
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from chunkring import MoEConfig, MoELayer
-from chunkring.moe_reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.testing.reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
 
 from tests.gpu.test_moe_layer import H, rel_error, routing, weights
 
@@ -162,7 +162,7 @@ def test_bad_count_is_clamped_and_reported(runtime):
     """A count outside [0, n] is clamped on the device and reported by check() - never an index; the
     call completes on every rank (a masked input is not a protocol error)."""
     from chunkring import ChunkringInputError
-    from chunkring.status import InputField
+    from chunkring.ring.status import InputField
 
     layer, experts, reference = make_layer(runtime)
     try:

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from chunkring import ChunkedMoE, MoEConfig, MoELayer
-from chunkring.moe_layer import init_weights
-from chunkring.moe_reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
-from chunkring.moe_producer import route
-from chunkring.ring_spec import PayloadFormat
+from chunkring.moe.weights import init_weights
+from chunkring.testing.reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.moe.producer import route
+from chunkring.ring.spec import PayloadFormat
 
 pytestmark = pytest.mark.gpu
 
@@ -211,8 +211,8 @@ def _rank_outputs_wrong(runtime, kernels) -> list:
     """Streamed calls of a layer whose kernels are ``kernels`` (None: the real ones): per iteration, whether
     any rank's output missed the reference. Heavy enough experts that the consumer's work takes far longer
     than a drain that does not wait for it."""
-    from chunkring.device import KernelLibrary, build
-    from chunkring.moe_layer import moe_kernel_signatures
+    from chunkring._jit import KernelLibrary, build
+    from chunkring.moe.layer import moe_kernel_signatures
 
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     hidden, inter, per_rank, n = 1024, 1024, 8, 256
@@ -254,7 +254,7 @@ def test_negative_control_acknowledging_the_last_chunk_at_its_pull_loses_combine
     layer on the ring"): with the last chunk acknowledged at its pull (the NO_HELD_ACK mutant), the owner's
     drain returns while the experts still run, and outputs miss the reference; the real kernels, same
     calls, match it."""
-    from chunkring.device.ring_kernels import NO_HELD_ACK
+    from chunkring.testing.stress import NO_HELD_ACK
 
     assert not any(_rank_outputs_wrong(runtime, None))
     caught = _rank_outputs_wrong(runtime, NO_HELD_ACK)

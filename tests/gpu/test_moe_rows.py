@@ -1,15 +1,15 @@
 """The MoE layer's row kernels (device/kernels/moe_stream.cu) against their torch reference
-(chunkring.moe_dispatch): moe_gather_rows bit for bit on every real row, FP8 and bf16 payloads;
+(chunkring.moe.dispatch): moe_gather_rows bit for bit on every real row, FP8 and bf16 payloads;
 moe_swiglu within bf16 rounding. Padding rows are theirs to skip: only real rows are compared."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkring.device import library_for
-from chunkring.moe_dispatch import gather_rows, plan_experts
-from chunkring.moe_layer import moe_kernel_signatures
-from chunkring.moe_plan import padded_rows_bound
+from chunkring._jit import library_for
+from chunkring.moe.dispatch import padded_rows_bound, plan_experts
+from chunkring.testing.reference import gather_rows
+from chunkring.moe.layer import moe_kernel_signatures
 
 pytestmark = pytest.mark.gpu
 

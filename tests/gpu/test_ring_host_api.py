@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from chunkring import Ring, RingSpec
-from chunkring.ring_io import GatherOutputs, gather, publish_chunk
-from chunkring.ring_spec import PayloadFormat
+from chunkring.ring.io import GatherOutputs, gather, publish_chunk
+from chunkring.ring.spec import PayloadFormat
 
 pytestmark = pytest.mark.gpu
 

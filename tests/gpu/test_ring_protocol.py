@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from chunkring import Ring, RingSpec
-from chunkring.device.ring_kernels import StressLibrary, StressPlan
+from chunkring.testing.stress import StressLibrary, StressPlan
 from chunkring.errors import ChunkringRuntimeError
-from chunkring.layout import CONTROL
-from chunkring.ring_spec import PayloadFormat
-from chunkring.status import ErrorCode
+from chunkring.ring.layout import CONTROL
+from chunkring.ring.spec import PayloadFormat
+from chunkring.ring.status import ErrorCode
 
 pytestmark = pytest.mark.gpu
 

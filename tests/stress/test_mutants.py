@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from chunkring import Ring, RingSpec
-from chunkring.device.ring_kernels import MUTANTS, StressLibrary, StressPlan
-from chunkring.ring_spec import PayloadFormat
-from chunkring.status import ErrorCode
+from chunkring.testing.stress import MUTANTS, StressLibrary, StressPlan
+from chunkring.ring.spec import PayloadFormat
+from chunkring.ring.status import ErrorCode
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import chunkring.ring_io as ring_io
+import chunkring.ring.io as ring_io
 from chunkring import ChunkringUsageError, MoEConfig, MoELayer, PayloadFormat, RingSpec
 
 CPU = torch.device("cpu")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from chunkring.device import Param
+from chunkring._jit import Param
 from chunkring.errors import ChunkringUsageError
 
 CUDA0 = torch.device("cuda", 0)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.layout import CONTROL, DESC_FIELDS, LAYOUT_VERSION, LINE, META, STATUS, RingLayout
-from chunkring.ring_spec import PayloadFormat, RingSpec
+from chunkring.ring.layout import CONTROL, DESC_FIELDS, LAYOUT_VERSION, LINE, META, STATUS, RingLayout
+from chunkring.ring.spec import PayloadFormat, RingSpec
 
 HEADER = Path(__file__).resolve().parents[2] / "device/include/chunkring/layout/ring_desc.cuh"
 

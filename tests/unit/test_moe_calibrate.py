@@ -1,4 +1,4 @@
-"""The streaming="auto" decision (chunkring.moe_calibrate): stream only where streamed stayed within the
+"""The streaming="auto" decision (chunkring.moe.calibrate): stream only where streamed stayed within the
 tolerance of batch-ready at every measured count; one decision for every rank, from the rank where
 streaming fared worst; bad calibration settings refused before any GPU work; an uncalibrated or
 calibrated layer's "auto" calls take the mode the calibration says."""
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from chunkring import ChunkringUsageError, MoEConfig, StreamingCalibration
-from chunkring.moe_calibrate import _slowest_rank, calibrate
+from chunkring.moe.calibrate import _slowest_rank, calibrate
 from tests.unit.test_host_validation_properties import layer_on_cpu
 
 

@@ -1,4 +1,4 @@
-"""The consumer's fixed-shape expert work (chunkring.moe_dispatch), on CPU: plan_experts agrees row for row
+"""The consumer's fixed-shape expert work (chunkring.moe.dispatch), on CPU: plan_experts agrees row for row
 with the host planner (the batch plan: one expert group per local expert over every pulled row), whatever
 stale bytes sit in rows no chunk brought; and the whole call (plan -> gather -> L1/SwiGLU/L2 -> weight),
 combined per source and reduced over k, matches the fp32 reference for bf16 and FP8 payloads. The same
@@ -7,9 +7,15 @@ code runs on the GPU inside the layer."""
 import torch
 from hypothesis import given, settings
 
-from chunkring.moe_dispatch import expert_forward, gather_rows, plan_experts
-from chunkring.moe_plan import padded_rows_bound, plan_batch
-from chunkring.moe_reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.moe.dispatch import padded_rows_bound, plan_experts
+from chunkring.testing.plan import plan_batch
+from chunkring.testing.reference import (
+    dequantize_fp8_per128,
+    expert_forward,
+    gather_rows,
+    moe_reference,
+    quantize_fp8_per128,
+)
 from tests.unit.test_moe_plan import make_routes, scenarios
 
 

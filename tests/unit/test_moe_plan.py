@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe_plan import DispatchPlan, padded_rows_bound, plan_batch
+from chunkring.testing.plan import DispatchPlan, padded_rows_bound, plan_batch
 
 MODES = ("uniform", "distinct", "one_expert", "few_experts", "all_masked")
 

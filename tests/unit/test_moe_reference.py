@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe_reference import E4M3_MAX, dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.testing.reference import E4M3_MAX, dequantize_fp8_per128, moe_reference, quantize_fp8_per128
 
 
 def random_layer(seed, n, hidden, inter, num_experts, topk, mask_p=0.25):

@@ -2,8 +2,8 @@
 
 import torch
 from chunkring.launcher.jobs.peer_moe import torch_moe
-from chunkring.moe_producer import route
-from chunkring.moe_reference import moe_reference
+from chunkring.moe.producer import route
+from chunkring.testing.reference import moe_reference
 
 E, H, INTER, K = 8, 256, 64, 2
 

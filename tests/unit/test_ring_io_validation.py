@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.ring_io import GatherOutputs, gather, publish_chunk
-from chunkring.ring_spec import PayloadFormat, RingSpec
+from chunkring.ring.io import GatherOutputs, gather, publish_chunk
+from chunkring.ring.spec import PayloadFormat, RingSpec
 
 SPEC = RingSpec(world_size=2, num_slots=2, tokens_per_slot=8, hidden=256, payload=PayloadFormat.FP8_E4M3, topk=4,
                 num_experts=8)

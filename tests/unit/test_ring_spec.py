@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.ring_spec import MAX_WORLD_SIZE, PayloadFormat, RingSpec
+from chunkring.ring.spec import MAX_WORLD_SIZE, PayloadFormat, RingSpec
 
 GOOD = dict(world_size=8, num_slots=2, tokens_per_slot=128, hidden=7168, payload=PayloadFormat.FP8_E4M3,
             topk=8, num_experts=256)

@@ -5,8 +5,8 @@ import re
 import struct
 from pathlib import Path
 
-from chunkring.layout import STATUS
-from chunkring.status import ErrorCode, InputField, InputRecord, Site, StatusRecord
+from chunkring.ring.layout import STATUS
+from chunkring.ring.status import ErrorCode, InputField, InputRecord, Site, StatusRecord
 
 REPO = Path(__file__).resolve().parents[2]
 

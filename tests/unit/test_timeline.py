@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from chunkring import ChunkringRuntimeError, ChunkringUsageError, Event, Timeline
-from chunkring.timeline import LANES, spans, write_chrome_trace
+from chunkring.moe.timeline import LANES, spans, write_chrome_trace
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_NS = 1_000_000_000  # records carry raw %globaltimer values; traces start at 0

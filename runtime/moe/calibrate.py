@@ -2,7 +2,7 @@
 
 Streaming costs each chunk a few kernel launches on the producer side (its router, top-k, quantisation
 and publish run per chunk) and saves what the consumer's pulls of earlier chunks overlap; the experts run
-once per call either way (chunkring.moe_layer). Whether that nets out depends on the GPU, the shapes and
+once per call either way (chunkring.moe.layer). Whether that nets out depends on the GPU, the shapes and
 the chunk size, so the layer measures instead of guessing: :func:`calibrate` times batch-ready and
 streamed calls as CUDA-graph replays at the given token counts and streams ``"auto"`` calls only if
 streamed was within ``tolerance`` of batch-ready at every count, on every rank. All ranks must take the
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError
 
 __all__ = ["DEFAULT_TOLERANCE", "StreamingCalibration", "calibrate", "capture_graph", "replay_median_ms"]
 

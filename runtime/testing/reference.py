@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .errors import ChunkringUsageError
-from .moe_producer import E4M3_MAX, quantize_rows_fp8
-from .ring_spec import FP8_SCALE_BLOCK
+from chunkring.errors import ChunkringUsageError
+from chunkring.moe.dispatch import ExpertPlan
+from chunkring.moe.producer import E4M3_MAX, quantize_rows_fp8
+from chunkring.ring.spec import FP8_SCALE_BLOCK
 
-__all__ = ["E4M3_MAX", "dequantize_fp8_per128", "moe_reference", "quantize_fp8_per128"]
+__all__ = ["E4M3_MAX", "dequantize_fp8_per128", "expert_forward", "gather_rows", "moe_reference", "quantize_fp8_per128"]
 
 
 def quantize_fp8_per128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,3 +116,37 @@ def _check_matrix(field: str, t, dtypes: tuple) -> None:
         raise ChunkringUsageError(f"dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}", field=field)
     if t.dim() != 2:
         raise ChunkringUsageError(f"must have 2 dims, got shape {tuple(t.shape)}", field=field)
+
+
+# The torch reference of the layer's row kernels (device/kernels/moe_stream.cu).
+
+def gather_rows(plan: ExpertPlan, stage_x: torch.Tensor, stage_sf: torch.Tensor | None) -> torch.Tensor:
+    """bfloat16 [P, H]: each planned row's activations (FP8 rows dequantised with their per-128 scales).
+    Padding rows hold whatever stage row 0 holds, maybe stale NaN bytes: no GEMM mixes rows, so they can
+    reach only their own (padding) results, which the combine push skips. No masking pass is spent on them."""
+    W, T, H = stage_x.shape
+    flat = plan.src_rank.clamp(min=0) * T + plan.token_index.clamp(min=0)
+    rows = stage_x.reshape(W * T, H)[flat].to(torch.float32)
+    if stage_sf is not None:
+        scales = stage_sf.reshape(W * T, H // FP8_SCALE_BLOCK)[flat]
+        rows = (rows.reshape(-1, H // FP8_SCALE_BLOCK, FP8_SCALE_BLOCK) * scales.unsqueeze(-1)).reshape(-1, H)
+    return rows.to(torch.bfloat16)
+
+
+def expert_forward(plan: ExpertPlan, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """float32 [P, H]: ``weight * w2[e] @ (silu(gate) * up)``, ``[gate, up] = w13[e] @ row``, per planned row.
+    Padding rows (and rows past ``offsets[-1]``, which the GEMMs leave unwritten) hold garbage, maybe NaN:
+    the combine push skips them (``src_rank`` -1), so no pass is spent zeroing them.
+
+    rows bfloat16 [P, H];  w13 bfloat16 [E_local, 2I, H] (gate rows first);  w2 bfloat16 [E_local, H, I].
+    The GEMMs are ``torch._grouped_mm`` with the plan's device-side group ends: one launch per layer for
+    every expert, shapes fixed, no host synchronisation (CUTLASS grouped GEMM on sm90, bf16 in, fp32
+    accumulate). FP8 payloads are dequantised to bf16 first: correctness first; an FP8 grouped GEMM with
+    per-128 scales is the faster path this leaves for later.
+    """
+    ends = plan.expert_offsets[1:].to(torch.int32)
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
+    inter = w13.shape[1] // 2
+    act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(torch.bfloat16)
+    out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends).float()
+    return out.mul_(plan.weight[:, None])

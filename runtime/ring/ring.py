@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from .env import check_timeout_s, watchdog_timeout_s
-from .errors import (
+from chunkring.env import check_timeout_s, watchdog_timeout_s
+from chunkring.errors import (
     ChunkringDeviceError,
     ChunkringInputError,
     ChunkringRuntimeError,
     ChunkringTimeoutError,
     ChunkringUsageError,
 )
-from .layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
-from .ring_spec import RingSpec
-from .status import ErrorCode, InputRecord, StatusRecord
+from chunkring.ring.layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
+from chunkring.ring.spec import RingSpec
+from chunkring.ring.status import ErrorCode, InputRecord, StatusRecord
 
 __all__ = ["Ring"]
 

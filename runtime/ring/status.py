@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .layout import STATUS
+from chunkring.ring.layout import STATUS
 
 __all__ = ["ErrorCode", "InputField", "InputRecord", "Site", "StatusRecord"]
 

@@ -8,8 +8,8 @@ import numpy as np
 
 from chunkring.errors import ChunkringUsageError
 
-from .compiler import build
-from .launch import KernelLibrary, Param
+from chunkring._jit.compiler import build
+from chunkring._jit.launch import KernelLibrary, Param
 
 __all__ = ["MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "StressLibrary", "StressPlan"]
 

@@ -129,7 +129,7 @@ def _load_now(name: str, kernel) -> None:
 
 def library_for(runtime, source: str, signatures: dict[str, tuple[Param, ...]]) -> KernelLibrary:
     """The library built from ``device/kernels/<source>.cu``, loaded once per Runtime."""
-    from .compiler import build
+    from chunkring._jit.compiler import build
 
     loaded = _LOADED.setdefault(runtime, {})
     if source not in loaded:

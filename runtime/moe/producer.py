@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .ring_spec import FP8_SCALE_BLOCK
+from chunkring.ring.spec import FP8_SCALE_BLOCK
 
 __all__ = ["E4M3_MAX", "quantize_rows_fp8", "route"]
 

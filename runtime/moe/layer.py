@@ -8,7 +8,7 @@ tokens. A call runs two streams on each rank:
   input region of today's contract; streamed: chunk by chunk, each as soon as its router / TopK /
   quantisation finished, into the ``front_num_slots`` x ``front_tokens_per_slot`` ring); wait until
   every rank acknowledged every chunk (``moe_drain``); reduce the combine rows over k into the output.
-* consumer stream (device/kernels/moe_stream.cu and :mod:`chunkring.moe_dispatch`): pull every
+* consumer stream (device/kernels/moe_stream.cu and :mod:`chunkring.moe.dispatch`): pull every
   source's chunks as they arrive into a per-call stage at their token index, freeing each slot as soon
   as it is copied; then plan every pulled row, L1 -> SwiGLU -> L2 once per expert, push the weighted
   rows to their sources' combine buffers, and acknowledge each source's last chunk, held until then.
@@ -28,88 +28,25 @@ and how its producers publish.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
 
 import torch
 
-from .env import module_loading_is_eager
-from .errors import ChunkringUsageError
-from .moe_calibrate import DEFAULT_TOLERANCE, StreamingCalibration, calibrate
-from .moe_dispatch import plan_experts
-from .moe_plan import padded_rows_bound
-from .timeline import Event, Timeline
-from .moe_producer import quantize_rows_fp8, route
-from .ring import Ring, _check_identical
-from .ring_io import check_tensor, publish_chunk
-from .ring_spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+from chunkring.env import module_loading_is_eager
+from chunkring.errors import ChunkringUsageError
+from chunkring.moe.config import MoEConfig
+from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration, calibrate
 
-__all__ = ["ChunkedMoE", "MoEConfig", "MoELayer", "init_weights", "moe_kernel_signatures"]
+from chunkring.moe.dispatch import padded_rows_bound, plan_experts
+from chunkring.moe.timeline import Event, Timeline
+from chunkring.moe.producer import quantize_rows_fp8, route
+from chunkring.moe.weights import init_weights
+from chunkring.ring.ring import Ring, _check_identical
+from chunkring.ring.io import check_tensor, publish_chunk
+from chunkring.ring.spec import FP8_SCALE_BLOCK
+
+__all__ = ["ChunkedMoE", "MoELayer", "moe_kernel_signatures"]
 
 log = logging.getLogger("chunkring")
-
-#: Slots of the default streaming ring (MoEConfig.with_default_ring): the consumer pulls each chunk within
-#: microseconds of its publish, so producers never wait for a second slot to free (docs/PERFORMANCE.md).
-DEFAULT_FRONT_NUM_SLOTS = 2
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Shapes of one MoE layer, identical on every rank.
-
-    num_experts, topk: routed experts and choices per token.  hidden, intermediate: H and I (the
-    experts' w13 is [2I, H], w2 is [H, I]).  max_tokens_per_rank: capacity of one call's batch per rank.
-    payload: what travels between ranks (FP8 e4m3 with per-128 fp32 scales, or bf16).
-    front_num_slots, front_tokens_per_slot: the streaming ring (both or neither; neither = batch-ready only).
-    block_m: rows each expert group is padded to (the grouped GEMM's row block).
-    """
-
-    num_experts: int
-    hidden: int
-    intermediate: int
-    topk: int
-    max_tokens_per_rank: int
-    payload: PayloadFormat = PayloadFormat.FP8_E4M3
-    front_num_slots: int | None = None
-    front_tokens_per_slot: int | None = None
-    block_m: int = 16
-
-    def __post_init__(self):
-        for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "block_m"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ChunkringUsageError(f"must be a positive int, got {value!r}", field=name)
-        object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
-        if self.intermediate % 8:  # grouped GEMM operands need 16-byte rows
-            raise ChunkringUsageError(f"must be a multiple of 8, got {self.intermediate}", field="intermediate")
-        if (self.front_num_slots is None) != (self.front_tokens_per_slot is None):
-            raise ChunkringUsageError("set both front_num_slots and front_tokens_per_slot, or neither",
-                                      field="front_num_slots" if self.front_num_slots is None else "front_tokens_per_slot")
-        for name in ("front_num_slots", "front_tokens_per_slot"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ChunkringUsageError(f"must be a positive int or None, got {value!r}", field=name)
-        if self.front_tokens_per_slot is not None and self.front_tokens_per_slot > self.max_tokens_per_rank:
-            raise ChunkringUsageError(f"{self.front_tokens_per_slot} exceeds max_tokens_per_rank="
-                                      f"{self.max_tokens_per_rank}", field="front_tokens_per_slot")
-
-    @property
-    def streaming(self) -> bool:
-        """Whether the layer has a streaming ring (``streaming=True`` calls need one)."""
-        return self.front_num_slots is not None
-
-    def with_default_ring(self) -> "MoEConfig":
-        """This config with the default streaming ring: 2 slots of ``max_tokens_per_rank / 16`` tokens
-        (at least 1), so the ring's payload is 1/8 of the full per-rank input region. docs/PERFORMANCE.md
-        gives the measurements behind both numbers."""
-        return replace(self, front_num_slots=DEFAULT_FRONT_NUM_SLOTS,
-                       front_tokens_per_slot=max(1, self.max_tokens_per_rank // (8 * DEFAULT_FRONT_NUM_SLOTS)))
-
-    def ring_spec(self, world_size: int, *, streamed: bool) -> RingSpec:
-        """The spec of the streaming ring, or of the one-slot batch-ready ring. Checks the shared fields."""
-        slots, tokens = (self.front_num_slots, self.front_tokens_per_slot) if streamed else (1, self.max_tokens_per_rank)
-        return RingSpec(world_size=world_size, num_slots=slots, tokens_per_slot=tokens, hidden=self.hidden,
-                        payload=self.payload, topk=self.topk, num_experts=self.num_experts)
-
 
 class _Stage:
     """What one rank's consumer pulls in a call, from either ring: every source's rows at their token
@@ -128,8 +65,8 @@ class _Stage:
 
 
 def moe_kernel_signatures() -> dict:
-    """The parameters of device/kernels/moe_stream.cu's kernels, as ``chunkring.device`` launches them."""
-    from chunkring.device import Param
+    """The parameters of device/kernels/moe_stream.cu's kernels, as ``chunkring._jit`` launches them."""
+    from chunkring._jit import Param
 
     desc = Param("desc", "ptr", torch.int64)
     trace = (Param("trace", "ptr", torch.int64, nullable=True), Param("trace_capacity", "i64"))
@@ -197,7 +134,7 @@ class MoELayer:
         self.experts_per_rank = config.num_experts // world
         self.first_expert = runtime.rank * self.experts_per_rank
         device = runtime.torch_device
-        from chunkring.device import library_for
+        from chunkring._jit import library_for
 
         self._kernels = library_for(runtime, "moe_stream", moe_kernel_signatures())
         self.rings = [Ring(runtime, spec, timeout_s=timeout_s) for spec in specs]
@@ -305,7 +242,7 @@ class MoELayer:
         """Decide what ``streaming="auto"`` calls do on this machine: time :meth:`forward` batch-ready and
         streamed at each of ``token_counts`` (CUDA-graph replays, random hidden states, these weights) and
         stream only if streamed was within ``tolerance`` of batch-ready at every count on every rank
-        (:mod:`chunkring.moe_calibrate`). A collective; logs the decision and returns the figures. Until
+        (:mod:`chunkring.moe.calibrate`). A collective; logs the decision and returns the figures. Until
         a layer is calibrated, ``"auto"`` runs batch-ready."""
         self.streaming_calibration = calibrate(self, router_weight, w13, w2, token_counts, iterations=iterations,
                                                warmup=warmup, tolerance=tolerance)
@@ -378,8 +315,8 @@ class MoELayer:
     def _experts(self, plan, capacity: int, ring, w13, w2, mark) -> None:
         """The consumer's expert work on ``plan``'s rows, ending with each weighted row pushed to its
         source's combine buffer: the row kernels (moe_stream.cu) touch only real rows, the grouped GEMMs
-        only rows up to the plan's last group; :func:`chunkring.moe_dispatch.gather_rows` and
-        :func:`~chunkring.moe_dispatch.expert_forward` are their torch reference."""
+        only rows up to the plan's last group; :func:`chunkring.moe.dispatch.gather_rows` and
+        :func:`~chunkring.moe.dispatch.expert_forward` are their torch reference."""
         cfg, kernels, stage, device = self.config, self._kernels, self._stage, self.runtime.torch_device
         H, inter = cfg.hidden, cfg.intermediate
         stream = torch.cuda.current_stream(device)
@@ -472,18 +409,6 @@ class MoELayer:
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
         return out
-
-
-def init_weights(config: MoEConfig, generator: torch.Generator | None = None):
-    """Every expert's weights and the router, bfloat16 on the CPU, drawn from ``generator`` as scaled
-    normal samples: router [E, H], w13 [E, 2I, H], w2 [E, H, I]. Ranks that seed alike draw alike, so
-    each can keep its own experts and still compute a reference over all of them."""
-    E, H, inter = config.num_experts, config.hidden, config.intermediate
-
-    def draw(*shape, fan_in):
-        return (torch.randn(*shape, generator=generator) / fan_in**0.5).to(torch.bfloat16)
-
-    return draw(E, H, fan_in=H), draw(E, 2 * inter, H, fan_in=H), draw(E, H, inter, fan_in=inter)
 
 
 class ChunkedMoE(torch.nn.Module):

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ChunkringUsageError
-from .ring_spec import ACK_WORDS_PER_SLOT, FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+from chunkring.errors import ChunkringUsageError
+from chunkring.ring.spec import ACK_WORDS_PER_SLOT, FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 
 __all__ = ["RingLayout", "Region", "DESC_FIELDS", "LAYOUT_VERSION", "CONTROL", "STATUS", "META"]
 

@@ -6,10 +6,8 @@ end of every stream, RFC dispatch option 2), run L1 -> SwiGLU -> L2 on them, and
 :func:`plan_experts` runs inside the layer. Every shape here depends only on the layer's configuration,
 never on token counts or routing, and nothing reads a device value on the host: the work needs no host
 synchronisation and can be captured in a CUDA graph. It runs on CPU tensors too, where the tests check it
-against the host planner (:mod:`chunkring.moe_plan`) row for row. :func:`gather_rows` and
-:func:`expert_forward` are the torch reference of the layer's row kernels (``moe_gather_rows``,
-``moe_swiglu`` and the weighting in ``moe_combine_push``, device/kernels/moe_stream.cu), which skip the
-padding rows these spend full passes on; tests/gpu/test_moe_rows.py holds the kernels to them.
+against the host planner (:mod:`chunkring.testing.plan`) row for row; :mod:`chunkring.testing.reference`
+holds the torch reference of the row kernels that run on the plan.
 
 Inputs (written by the ``moe_pull`` kernel, device/kernels/moe_stream.cu), for W source ranks, N rows
 per source (``max_tokens_per_rank``), K choices, every row at its token index:
@@ -24,16 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .ring_spec import FP8_SCALE_BLOCK
+from chunkring.errors import ChunkringUsageError
 
-__all__ = ["ExpertPlan", "expert_forward", "plan_experts"]
+__all__ = ["ExpertPlan", "padded_rows_bound", "plan_experts"]
 
 @dataclass(frozen=True, eq=False)
 class ExpertPlan:
     """Where a call's rows go at this rank, as fixed-shape device tensors (P = ``capacity``, sized by
-    :func:`chunkring.moe_plan.padded_rows_bound`).
+    :func:`chunkring.testing.plan.padded_rows_bound`).
 
     expert_offsets int64 [E_local + 1]: group e is padded rows [offsets[e], offsets[e + 1]), a multiple
     of ``block_m`` each; rows from offsets[-1] to P are unused.   counts int64 [E_local]: real rows.
@@ -52,6 +49,27 @@ class ExpertPlan:
     def real(self) -> torch.Tensor:
         """bool [P]: rows that carry a (token, k) choice."""
         return self.src_rank >= 0
+
+
+def padded_rows_bound(rows_per_source: int, topk: int, world_size: int, experts_per_rank: int, block_m: int) -> int:
+    """The most padded rows one call's plan can produce at one destination (the size of the consumer's
+    fixed device buffers), when each source brings at most ``rows_per_source`` rows (the layer passes
+    ``max_tokens_per_rank``).
+
+    Derivation: at most ``R = W * rows_per_source * K`` real rows reach one destination (K, not
+    min(K, E_local): nothing forbids a row from naming one expert twice, and each (token, k) is its own
+    row). A group of ``c >= 1`` rows pads to ``block_m * ceil(c / block_m)`` and an empty group to 0. With
+    ``g`` non-empty groups the block count is ``sum(1 + (c_e - 1) // block_m) <= g + (R - g) // block_m``,
+    which does not decrease with ``g``; so take ``g = min(E_local, R)``. It is reached (``g - 1`` groups of
+    one row, one group of the rest), so the bound is tight:  ``block_m * (g + (R - g) // block_m)``.
+    """
+    for name, value in (("rows_per_source", rows_per_source), ("topk", topk), ("world_size", world_size),
+                        ("experts_per_rank", experts_per_rank), ("block_m", block_m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ChunkringUsageError(f"must be a positive int, got {value!r}", field=name)
+    real = world_size * rows_per_source * topk
+    groups = min(experts_per_rank, real)
+    return block_m * (groups + (real - groups) // block_m)
 
 
 def plan_experts(stage_idx: torch.Tensor, stage_w: torch.Tensor, *, first_expert: int, experts_per_rank: int,
@@ -101,35 +119,3 @@ def plan_experts(stage_idx: torch.Tensor, stage_w: torch.Tensor, *, first_expert
         token_index=torch.where(real, row, pad),
         weight=torch.where(real, stage_w.reshape(-1)[safe], torch.zeros((), device=device)),
     )
-
-
-def gather_rows(plan: ExpertPlan, stage_x: torch.Tensor, stage_sf: torch.Tensor | None) -> torch.Tensor:
-    """bfloat16 [P, H]: each planned row's activations (FP8 rows dequantised with their per-128 scales).
-    Padding rows hold whatever stage row 0 holds, maybe stale NaN bytes: no GEMM mixes rows, so they can
-    reach only their own (padding) results, which the combine push skips. No masking pass is spent on them."""
-    W, T, H = stage_x.shape
-    flat = plan.src_rank.clamp(min=0) * T + plan.token_index.clamp(min=0)
-    rows = stage_x.reshape(W * T, H)[flat].to(torch.float32)
-    if stage_sf is not None:
-        scales = stage_sf.reshape(W * T, H // FP8_SCALE_BLOCK)[flat]
-        rows = (rows.reshape(-1, H // FP8_SCALE_BLOCK, FP8_SCALE_BLOCK) * scales.unsqueeze(-1)).reshape(-1, H)
-    return rows.to(torch.bfloat16)
-
-
-def expert_forward(plan: ExpertPlan, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """float32 [P, H]: ``weight * w2[e] @ (silu(gate) * up)``, ``[gate, up] = w13[e] @ row``, per planned row.
-    Padding rows (and rows past ``offsets[-1]``, which the GEMMs leave unwritten) hold garbage, maybe NaN:
-    the combine push skips them (``src_rank`` -1), so no pass is spent zeroing them.
-
-    rows bfloat16 [P, H];  w13 bfloat16 [E_local, 2I, H] (gate rows first);  w2 bfloat16 [E_local, H, I].
-    The GEMMs are ``torch._grouped_mm`` with the plan's device-side group ends: one launch per layer for
-    every expert, shapes fixed, no host synchronisation (CUTLASS grouped GEMM on sm90, bf16 in, fp32
-    accumulate). FP8 payloads are dequantised to bf16 first: correctness first; an FP8 grouped GEMM with
-    per-128 scales is the faster path this leaves for later.
-    """
-    ends = plan.expert_offsets[1:].to(torch.int32)
-    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
-    inter = w13.shape[1] // 2
-    act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(torch.bfloat16)
-    out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends).float()
-    return out.mul_(plan.weight[:, None])

@@ -20,7 +20,7 @@ from collections import defaultdict, deque
 import numpy as np
 import torch
 
-from .errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
 __all__ = ["LANES", "Event", "Timeline", "spans", "write_chrome_trace"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ChunkringUsageError
-from .ring_spec import FP8_SCALE_BLOCK, PayloadFormat
+from chunkring.errors import ChunkringUsageError
+from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat
 
 __all__ = ["publish_chunk", "gather", "gather_grid_limit", "GatherOutputs"]
 
@@ -17,7 +17,7 @@ _GATHER_BLOCK = 512
 
 
 def _library(runtime):
-    from chunkring.device import Param, library_for
+    from chunkring._jit import Param, library_for
 
     desc = Param("desc", "ptr", torch.int64)
     return library_for(runtime, "ring_host_api", {

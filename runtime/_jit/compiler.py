@@ -11,6 +11,7 @@ the NVSHMEM version and headers, the NVRTC version, the target architecture and 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import tempfile
 import time
@@ -23,7 +24,20 @@ from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
 __all__ = ["KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "build", "kernel_sources", "nvshmem_version"]
 
-DEVICE_DIR = Path(__file__).resolve().parent
+def _device_dir() -> Path:
+    """The ``device/`` tree: CUDA headers and kernels only, installed as the data package
+    ``chunkring.device``; an editable install of the repository reads the checkout's ``device/``
+    (setuptools' editable finder cannot import a data-only subpackage mapped outside ``runtime/``)."""
+    spec = importlib.util.find_spec("chunkring.device")
+    candidates = list(spec.submodule_search_locations or []) if spec is not None else []
+    candidates.append(str(Path(__file__).resolve().parents[2] / "device"))
+    for candidate in candidates:
+        if (Path(candidate) / "kernels").is_dir():
+            return Path(candidate).resolve()
+    raise ChunkringRuntimeError(f"chunkring's CUDA sources (device/kernels) not found in {candidates}")
+
+
+DEVICE_DIR = _device_dir()
 KERNEL_DIR = DEVICE_DIR / "kernels"
 INCLUDE_DIR = DEVICE_DIR / "include"
 DEFAULT_ARCH = "sm_90"

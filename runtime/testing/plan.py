@@ -9,11 +9,11 @@ runs agree bitwise. Masked choices (-1) are planned nowhere.
 Everything here runs on the host, on CPU tensors, and checks its inputs before any work - including the
 index values (every one in [-1, num_experts)), which a device kernel could not read without a
 synchronisation; a bad input raises :class:`~chunkring.errors.ChunkringUsageError` naming the field.
-:func:`plan_batch` is the reference the layer's device plan (:func:`chunkring.moe_dispatch.plan_experts`)
-is tested against row for row, and :func:`padded_rows_bound` sizes the fixed-shape device buffers that
+:func:`plan_batch` is the reference the layer's device plan (:func:`chunkring.moe.dispatch.plan_experts`)
+is tested against row for row, and :func:`~chunkring.moe.dispatch.padded_rows_bound` sizes the fixed-shape device buffers that
 plan writes into.
 
-Conventions (as in :mod:`chunkring.layout`): ``topk_idx`` int32 [n, K], -1 = masked choice;
+Conventions (as in :mod:`chunkring.ring.layout`): ``topk_idx`` int32 [n, K], -1 = masked choice;
 ``topk_weights`` float32 [n, K]; rank ``d`` of ``W`` owns experts ``[d * E / W, (d + 1) * E / W)``.
 """
 
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError
+from chunkring.moe.dispatch import padded_rows_bound
 
 __all__ = ["DispatchPlan", "padded_rows_bound", "plan_batch"]
 
@@ -95,26 +96,6 @@ class DispatchPlan:
     def __repr__(self) -> str:
         return (f"DispatchPlan(dest_rank={self.dest_rank}, experts_per_rank={self.experts_per_rank}, "
                 f"block_m={self.block_m}, real_rows={self.num_real_rows}, padded_rows={self.num_padded_rows})")
-
-
-def padded_rows_bound(rows_per_source: int, topk: int, world_size: int, experts_per_rank: int, block_m: int) -> int:
-    """The most padded rows one call's plan can produce at one destination (the size of the consumer's
-    fixed device buffers), when each source brings at most ``rows_per_source`` rows (the layer passes
-    ``max_tokens_per_rank``).
-
-    Derivation: at most ``R = W * rows_per_source * K`` real rows reach one destination (K, not
-    min(K, E_local): nothing forbids a row from naming one expert twice, and each (token, k) is its own
-    row). A group of ``c >= 1`` rows pads to ``block_m * ceil(c / block_m)`` and an empty group to 0. With
-    ``g`` non-empty groups the block count is ``sum(1 + (c_e - 1) // block_m) <= g + (R - g) // block_m``,
-    which does not decrease with ``g``; so take ``g = min(E_local, R)``. It is reached (``g - 1`` groups of
-    one row, one group of the rest), so the bound is tight:  ``block_m * (g + (R - g) // block_m)``.
-    """
-    for name, value in (("rows_per_source", rows_per_source), ("topk", topk), ("world_size", world_size),
-                        ("experts_per_rank", experts_per_rank), ("block_m", block_m)):
-        _check_int(name, value, low=1)
-    real = world_size * rows_per_source * topk
-    groups = min(experts_per_rank, real)
-    return block_m * (groups + (real - groups) // block_m)
 
 
 def plan_batch(per_source_topk_idx: list, per_source_topk_weights: list, *, dest_rank: int, world_size: int,

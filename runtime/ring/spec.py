@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError
 
 __all__ = ["PayloadFormat", "RingSpec", "MAX_WORLD_SIZE", "ACK_BITS_PER_WORD", "FP8_SCALE_BLOCK"]
 

@@ -21,13 +21,11 @@ import torch
 
 import chunkring
 from chunkring import MoEConfig, MoELayer
-from chunkring._jit import KernelLibrary, build
-from chunkring.testing.stress import NO_INPUT_CHECKS
-from chunkring.moe.layer import moe_kernel_signatures
+from chunkring._jit import library_for
+from chunkring.benchmarks import result_file
 from chunkring.moe.producer import quantize_rows_fp8, route
 from chunkring.ring.io import publish_chunk
-
-import result_file  # benchmarks/result_file.py: the script's own folder is on sys.path
+from chunkring.testing.stress import NO_INPUT_CHECKS
 
 
 def pull_us(layer, library, launches: int, repeats: int) -> float:
@@ -73,8 +71,7 @@ def main() -> int:
                       end_of_stream=True)
         torch.cuda.synchronize()
         runtime.barrier()
-        unchecked = KernelLibrary(runtime, build("moe_stream", defines={"CHUNKRING_MUTANT": NO_INPUT_CHECKS}),
-                                  moe_kernel_signatures())
+        unchecked = library_for(runtime, "moe_stream", defines={"CHUNKRING_MUTANT": NO_INPUT_CHECKS})
         checked_us = pull_us(layer, layer._kernels, args.launches, args.repeats)
         unchecked_us = pull_us(layer, unchecked, args.launches, args.repeats)
         layer.check()

@@ -16,16 +16,10 @@ import torch
 
 import chunkring
 from chunkring import Ring, RingSpec
-from chunkring._jit import KernelLibrary, Param, build
-from chunkring.launcher.jobs import bringup
+from chunkring._jit import library_for
+from chunkring.benchmarks import result_file
 from chunkring.ring.spec import PayloadFormat
-
-import result_file  # benchmarks/result_file.py: the script's own folder is on sys.path
-
-
-def bench_library(runtime):
-    sig = (Param("desc", "ptr", torch.int64), Param("iters", "i32"), Param("elapsed_ns", "ptr", torch.int64))
-    return KernelLibrary(runtime, build("ring_bench"), {"ring_publish_pingpong": sig, "ring_slot_roundtrip": sig})
+from chunkring.testing import selftest
 
 
 def timed(runtime, ring, lib, kernel, iters, grid):
@@ -48,9 +42,9 @@ def main() -> int:
         print("bench_ring_latency: needs at least two ranks (mpirun -np 2 ...)", file=sys.stderr)
         runtime.close()
         return 2
-    selftest = KernelLibrary(runtime, build("selftest"), bringup.signatures())
-    raw_rtt = bringup.pingpong(runtime, selftest, runtime.alloc(1, torch.int64), args.iters)
-    lib = bench_library(runtime)
+    selftest_lib = library_for(runtime, "selftest")
+    raw_rtt = selftest.pingpong(runtime, selftest_lib, runtime.alloc(1, torch.int64), args.iters)
+    lib = library_for(runtime, "ring_bench")
     common = dict(world_size=runtime.world_size, tokens_per_slot=1, hidden=128, payload=PayloadFormat.BF16,
                   topk=1, num_experts=runtime.world_size)
     with Ring(runtime, RingSpec(num_slots=args.iters, **common), timeout_s=30) as wide:

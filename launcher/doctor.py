@@ -1,7 +1,8 @@
 """``chunkring-launch doctor``: check this machine for what chunkring needs, one line per check.
 
-Each line says PASS, FAIL (with what to do) or SKIP (not applicable here). Exit status 0 when nothing
-failed, 1 otherwise. Runs in one process, without MPI or NVSHMEM initialisation.
+Each line says PASS, FAIL (with what to do) or SKIP (not applicable here). Exit status (the launcher's
+codes): 0 when nothing failed, 3 when no GPU is visible (every other check still runs and prints), 1
+when another check failed. Runs in one process, without MPI or NVSHMEM initialisation.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import time
 from dataclasses import dataclass
 
 from chunkring.env import MULTICAST_OFF
+from chunkring.testing.machine import query_driver_version
+
+from . import exitcodes
+
+#: The GPUs check's detail when no GPU is visible: the doctor then exits with exitcodes.NO_GPU.
+NO_GPU_DETAIL = "no CUDA GPU visible (torch.cuda.device_count() == 0)"
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ def check_gpus() -> list[Check]:
     except ImportError:
         return [Check("GPUs", "FAIL", "torch is not importable", "install torch")]
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        return [Check("GPUs", "FAIL", "no CUDA GPU visible (torch.cuda.device_count() == 0)",
+        return [Check("GPUs", "FAIL", NO_GPU_DETAIL,
                       "run on a machine with an NVIDIA GPU and driver; check CUDA_VISIBLE_DEVICES")]
     count = torch.cuda.device_count()
     names = {torch.cuda.get_device_name(i) for i in range(count)}
@@ -101,32 +108,12 @@ def _check_green_contexts() -> Check:
                      "needs CUDA 12.4+ driver and cuda-core with Device.resources; the consumer cannot be confined")
 
 
-def _query_driver_version(smi: str) -> str | None:
-    """What ``smi`` (nvidia-smi) prints as the first GPU's driver version, or None if nothing; raises
-    OSError / SubprocessError if it cannot run."""
-    text = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                          text=True, timeout=30).stdout.split()
-    return text[0] if text else None
-
-
-def driver_version() -> str | None:
-    """The NVIDIA driver's version as nvidia-smi prints it (e.g. 580.159.04), or None where nvidia-smi is
-    missing, fails or prints nothing: for result files, which record the machine they ran on."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        return _query_driver_version(smi)
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def check_driver() -> Check:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return Check("driver", "SKIP", "nvidia-smi not found")
     try:
-        version = _query_driver_version(smi)
+        version = query_driver_version(smi)
     except (OSError, subprocess.SubprocessError) as exc:
         return Check("driver", "FAIL", str(exc), "check the NVIDIA driver installation")
     return Check("driver", "PASS" if version else "FAIL", version or "nvidia-smi printed nothing",
@@ -167,7 +154,15 @@ def run_doctor(print_fn=print) -> int:
     checks = [*check_packages(), check_compiler(), check_driver(), *check_gpus(), *check_mpi(), check_environment()]
     for check in checks:
         print_fn(check.line())
+    return summarize(checks, print_fn)
+
+
+def summarize(checks: list[Check], print_fn=print) -> int:
+    """Print the summary line; the exit status: 3 (no GPU) when no GPU is visible, else 1 if any check
+    failed, else 0."""
     failed = [c.name for c in checks if c.status == "FAIL"]
     print_fn(f"chunkring doctor: {len(checks) - len(failed)} of {len(checks)} checks passed or skipped"
              + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    if any(c.name == "GPUs" and c.status == "FAIL" and c.detail == NO_GPU_DETAIL for c in checks):
+        return exitcodes.NO_GPU
+    return exitcodes.FAILED if failed else exitcodes.PASSED

@@ -5,9 +5,9 @@ import signal
 PASSED = 0
 #: A rank raised: its diagnostic was printed once and the job was aborted.
 FAILED = 1
-#: Bad usage or config, reported before any rank started.
+#: Bad usage, config or setup (no mpirun, an MPS daemon that did not start), reported before any rank started.
 USAGE = 2
-#: The job needs a GPU and none is visible.
+#: The job needs a GPU and none is visible (``chunkring-launch doctor`` too, when it finds no GPU).
 NO_GPU = 3
 #: The job ran past ``--timeout`` (a rank hung, or the limit is too short); every rank was ended.
 TIMED_OUT = 4

@@ -17,6 +17,7 @@ import sys
 import traceback
 
 from chunkring import RankInfo, init
+from chunkring.bringup import HostComm
 from chunkring.errors import ChunkringError, ChunkringUsageError
 
 from . import exitcodes, progress
@@ -25,18 +26,14 @@ from .jobdir import JOB_DIR_VAR, record_failure, stack_path
 from .jobs import JOBS
 
 
-class HostRuntime:
-    """What a job that needs no GPU (``NEEDS_GPU = False``) gets instead of :func:`chunkring.init`: its
-    rank, the world size and a barrier, through MPI."""
+class HostRuntime(HostComm):
+    """What a job that needs no GPU (``NEEDS_GPU = False``) gets instead of :func:`chunkring.init`: the
+    job's host collectives (rank, world size, barrier, gather, broadcast: :class:`chunkring.bringup.HostComm`)
+    and a ``close()`` that has nothing to do."""
 
-    def __init__(self, info: RankInfo):
-        self.rank, self.world_size = info.rank, info.world_size
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            from mpi4py import MPI
-
-            MPI.COMM_WORLD.Barrier()
+    @property
+    def comm(self) -> HostComm:
+        return self
 
     def close(self) -> None:
         pass
@@ -57,7 +54,7 @@ def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None =
     try:
         runtime = init() if getattr(module, "NEEDS_GPU", True) else HostRuntime(RankInfo.from_env())
         figures = module.run(runtime, config)
-        all_figures = gather_to_root(runtime, figures)
+        all_figures = runtime.gather_object(figures, root=0)
         if runtime.rank == 0:
             _print_table(job, runtime, all_figures)
             if json_path:
@@ -108,8 +105,7 @@ def report(job: str, config, runtime, all_figures: list) -> dict:
     import torch
 
     from chunkring._jit import nvshmem_version
-
-    from .doctor import driver_version
+    from chunkring.testing.machine import driver_version
 
     figures = {f"rank{r}_{key}": value for r, f in enumerate(all_figures) for key, value in f.items()}
     return {
@@ -140,23 +136,10 @@ def _git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def gather_to_root(runtime, value) -> list:
-    """Every rank's ``value`` in rank order on rank 0 (None elsewhere): a collective."""
-    if runtime.world_size == 1:
-        return [value]
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.gather(value, root=0)
-
-
 def _abort_others(runtime) -> None:
     # A rank that fails alone would leave the others waiting in a collective forever - also when it
     # failed before its runtime existed (the others then wait in NVSHMEM's bootstrap).
-    world_size = runtime.world_size if runtime is not None else RankInfo.from_env().world_size
-    if world_size > 1:
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
+    (runtime.comm if runtime is not None else HostComm.from_env()).abort(1)
 
 
 def _device_name(runtime) -> str:

@@ -2,18 +2,26 @@
 
 ``init()`` is the one call a process makes. It works under ``mpirun`` (any number of ranks, several of
 them may share one GPU) and in a plain single process with no launcher at all.
+
+Host-side collectives (gather, broadcast, barrier of small Python objects) go through one
+:class:`HostComm`, which needs no GPU: the :class:`Runtime` owns one (``rt.comm``) and offers its
+collectives as methods; code that runs without a GPU makes its own (``HostComm.from_env()``). Library
+code never talks to MPI directly.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from chunkring.env import apply_process_defaults
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError, NoGpuError
 from chunkring.ranks import RankInfo
 
-__all__ = ["Runtime", "init", "current"]
+__all__ = ["HostComm", "Runtime", "init", "current"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("chunkring")
 
@@ -48,8 +56,9 @@ def init(rank_info: RankInfo | None = None) -> "Runtime":
 
     device = Device(ordinal)
     device.set_current()
-    _init_nvshmem(device, ranks)
-    _current = Runtime(ranks=ranks, ordinal=ordinal, device=device)
+    comm = HostComm(ranks)
+    _init_nvshmem(device, comm)
+    _current = Runtime(ranks=ranks, ordinal=ordinal, device=device, comm=comm)
     return _current
 
 
@@ -60,24 +69,103 @@ def current() -> "Runtime":
     return _current
 
 
-def _init_nvshmem(device, ranks: RankInfo) -> None:
+class HostComm:
+    """Host-side collectives over every rank of the job, on small picklable Python objects.
+
+    Under ``mpirun`` they run over MPI's world communicator (mpi4py, imported and checked against
+    ``ranks`` at the first collective); in a single process (``world_size == 1``) they are trivial and
+    MPI is never initialised. No GPU is involved, so this also serves jobs and tests without one.
+
+    Each method is a collective: every rank calls the same ones in the same order (with the same
+    ``root``). Under MPI what a rank receives is a pickled copy (in a single process, the object
+    itself): do not rely on identity, or on mutating what you received.
+    """
+
+    def __init__(self, ranks: RankInfo):
+        if not isinstance(ranks, RankInfo):
+            raise ChunkringUsageError(f"expected a RankInfo, got {type(ranks).__name__}", field="ranks")
+        self.ranks = ranks
+        self._comm: Any = None  # mpi4py's COMM_WORLD, once checked
+
+    @classmethod
+    def from_env(cls) -> "HostComm":
+        """The collectives of this process's job as its launcher describes it (:meth:`RankInfo.from_env`)."""
+        return cls(RankInfo.from_env())
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    def __repr__(self) -> str:
+        return f"HostComm(rank {self.rank} of {self.world_size})"
+
+    def _mpi(self):
+        """mpi4py's world communicator, after checking that MPI sees this process as ``ranks`` does."""
+        if self._comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD
+            if comm.Get_size() != self.world_size or comm.Get_rank() != self.rank:
+                raise ChunkringUsageError(
+                    f"MPI sees rank {comm.Get_rank()}/{comm.Get_size()} but the environment says "
+                    f"{self.rank}/{self.world_size}",
+                    field="rank_info",
+                )
+            self._comm = comm
+        return self._comm
+
+    def _check_root(self, root: int) -> None:
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
+            raise ChunkringUsageError(f"root {root!r} outside world of {self.world_size}", field="root")
+
+    def allgather_object(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        return self._mpi().allgather(obj)
+
+    def gather_object(self, obj: T, root: int = 0) -> list[T] | None:
+        """Every rank's ``obj`` in rank order on ``root``; ``None`` on the other ranks."""
+        self._check_root(root)
+        if self.world_size == 1:
+            return [obj]
+        return self._mpi().gather(obj, root=root)
+
+    def broadcast_object(self, obj: T, root: int = 0) -> T:
+        """``root``'s ``obj`` on every rank (what the other ranks pass is ignored; ``None`` will do)."""
+        self._check_root(root)
+        if self.world_size == 1:
+            return obj
+        return self._mpi().bcast(obj, root=root)
+
+    def barrier(self) -> None:
+        """Return once every rank has called it. Host only: it orders no GPU work."""
+        if self.world_size > 1:
+            self._mpi().Barrier()
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job now (``MPI_Abort``), so none waits in a collective for this one.
+        Does nothing in a single process (the caller returns or exits as it would anyway)."""
+        if self.world_size > 1:
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(code)  # unchecked: an abort must work whatever went wrong
+
+
+def _init_nvshmem(device, comm: HostComm) -> None:
     import nvshmem.core as nvshmem
 
+    ranks = comm.ranks
     try:
         if ranks.world_size == 1:
             nvshmem.init(device=device, uid=nvshmem.get_unique_id(), rank=0, nranks=1, initializer_method="uid")
         else:
             # Global rank 0 makes the unique id and MPI broadcasts it; every rank then joins by uid.
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
-            if comm.Get_size() != ranks.world_size or comm.Get_rank() != ranks.rank:
-                raise ChunkringUsageError(
-                    f"MPI sees rank {comm.Get_rank()}/{comm.Get_size()} but the environment says "
-                    f"{ranks.rank}/{ranks.world_size}",
-                    field="rank_info",
-                )
-            nvshmem.init(device=device, mpi_comm=comm, initializer_method="emulated_mpi")
+            nvshmem.init(device=device, mpi_comm=comm._mpi(), initializer_method="emulated_mpi")
     except (nvshmem.NvshmemError, nvshmem.NvshmemInvalid) as exc:
         raise ChunkringRuntimeError(f"NVSHMEM initialisation failed on rank {ranks.rank}: {exc}") from exc
     if nvshmem.my_pe() != ranks.rank or nvshmem.n_pes() != ranks.world_size:
@@ -92,14 +180,25 @@ class Runtime:
 
     Symmetric tensors made by :meth:`alloc` have the same offset in every PE's heap; all of them are
     freed by :meth:`close` before NVSHMEM finalises, as NVSHMEM requires.
+
+    Host-side collectives over the same ranks: :meth:`allgather_object`, :meth:`gather_object`,
+    :meth:`broadcast_object` (through ``comm``, a :class:`HostComm`, made from ``ranks`` if not given)
+    and :meth:`barrier` (NVSHMEM's, ordered with the GPU work of torch's current stream).
     """
 
     ranks: RankInfo
     ordinal: int
     device: object  # cuda.core.Device
+    comm: HostComm | None = field(default=None, repr=False)
     _tensors: dict = field(default_factory=dict, repr=False)
     _libraries: list = field(default_factory=list, repr=False)
     _closed: bool = False
+
+    def __post_init__(self):
+        if self.comm is None:
+            self.comm = HostComm(self.ranks)
+        elif self.comm.ranks != self.ranks:
+            raise ChunkringUsageError(f"comm is for {self.comm.ranks}, the runtime for {self.ranks}", field="comm")
 
     @property
     def rank(self) -> int:
@@ -155,8 +254,26 @@ class Runtime:
             raise ChunkringUsageError(f"PE {pe} outside world of {self.world_size}", field="pe")
         return nvshmem.get_peer_tensor(tensor, pe)
 
+    def allgather_object(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (small, picklable), in rank order, on every rank. A collective on the host
+        (:meth:`HostComm.allgather_object`); trivial in a single process."""
+        self._check_open()
+        return self.comm.allgather_object(obj)
+
+    def gather_object(self, obj: T, root: int = 0) -> list[T] | None:
+        """Every rank's ``obj`` in rank order on ``root``, ``None`` elsewhere. A collective on the host
+        (:meth:`HostComm.gather_object`)."""
+        self._check_open()
+        return self.comm.gather_object(obj, root)
+
+    def broadcast_object(self, obj: T, root: int = 0) -> T:
+        """``root``'s ``obj`` on every rank. A collective on the host (:meth:`HostComm.broadcast_object`)."""
+        self._check_open()
+        return self.comm.broadcast_object(obj, root)
+
     def barrier(self) -> None:
-        """Host-side barrier over all PEs on torch's current stream, then wait for it."""
+        """Host-side barrier over all PEs on torch's current stream (NVSHMEM's), then wait for it. A
+        collective; unlike :meth:`HostComm.barrier` it is ordered with the stream's GPU work."""
         import nvshmem.core as nvshmem
         import torch
 

@@ -1,10 +1,10 @@
 """SM partitions: confine the persistent consumer so the producers it waits for always have SMs.
 
-REFERENCE.md §4 (measured on the H200): a consumer grid that fills the GPU and spins starves its
-producers, even when the producers sit in their own green context; confining the *consumer* to a green
-context that leaves SMs free is what lets the producers run. So the consumer is always the confined side
-here. Green contexts are made after torch and NVSHMEM initialised the primary context, and none is ever
-left current: work reaches a partition only through its stream.
+Measured on the H200 (docs/PROTOCOL.md, "Progress"): a consumer grid that fills the GPU and spins
+starves its producers, even when the producers sit in their own green context; confining the *consumer*
+to a green context that leaves SMs free is what lets the producers run. So the consumer is always the
+confined side here. Green contexts are made after torch and NVSHMEM initialised the primary context,
+and none is ever left current: work reaches a partition only through its stream.
 
 Work-queue policy (the hardware queues can still couple the partitions): keep the default number of
 connections (never ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which starved the producer even with the split),

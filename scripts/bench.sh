@@ -3,7 +3,7 @@
 # and bf16 payloads, with and without an SM partition, one rank and several under MPS; the input-check
 # cost; one timeline (Chrome trace JSON, plotted to PNG where matplotlib is installed).
 #   CHUNKRING_COMMIT=<sha> scripts/bench.sh [RANKS]        (results: $BENCH_RESULTS, default benchmarks/results)
-# Every figure is a CUDA-graph replay median (launcher/jobs/bench.py); benchmarks/results/README.md reads them.
+# Every figure is a CUDA-graph replay median (benchmarks/bench_moe.py); benchmarks/results/README.md reads them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ranks=${1:-4}
@@ -13,6 +13,10 @@ export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
 commit=${CHUNKRING_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export CHUNKRING_COMMIT=${commit//[^A-Za-z0-9._-]/-}
 prefix="$results/$CHUNKRING_COMMIT"
+if ! python3 -c "import chunkring.benchmarks" 2>/dev/null; then  # an install older than the benchmarks package
+    echo "bench.sh: chunkring.benchmarks is not importable; reinstall chunkring (pip install -e .)" >&2
+    exit 2
+fi
 status=0
 bench() {  # name launcher-args...
     local name=$1; shift

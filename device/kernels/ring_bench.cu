@@ -6,6 +6,7 @@
 // ring_slot_roundtrip: PE 0 produces into a one-slot ring; every PE consumes and acknowledges. Each
 //   iteration is one full slot round trip: publish -> consume -> ack by every rank -> reusable.
 #include "chunkring/protocol/ring.cuh"
+#include "chunkring/util/kernel_params.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;

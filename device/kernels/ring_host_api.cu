@@ -1,10 +1,11 @@
-// Kernels behind the host-side ring API (runtime/ring.py Ring.publish_chunk / Ring.gather):
+// Kernels behind the host-side ring API (runtime/ring/io.py publish_chunk / gather):
 // a torch producer fills tensors and publishes them as the next chunk, stream-ordered; a consumer
 // gathers every chunk of one invocation from every source into dense per-source outputs.
 // Both go through the device API of protocol/ring.cuh; neither takes a host-supplied generation.
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/protocol/validate.cuh"
 #include "chunkring/util/copy.cuh"
+#include "chunkring/util/kernel_params.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;
@@ -22,8 +23,8 @@ using chunkring::util::block_copy4;
 // A count outside [0, batch_rows] is clamped and reported (protocol/validate.cuh), never used as an index.
 extern "C" __global__ void ring_publish_tensors(const RingDesc* desc, const unsigned char* x, const float* x_sf,
                                                 const int* topk_idx, const float* topk_weights, int n_tokens,
-                                                long long token_base, int end_of_stream, const int* valid_tokens,
-                                                long long batch_rows) {
+                                                long long token_base, int end_of_stream,
+                                                CHUNKRING_NULLABLE const int* valid_tokens, long long batch_rows) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     u64 n = static_cast<u64>(n_tokens);
@@ -68,7 +69,7 @@ extern "C" __global__ void ring_publish_tensors(const RingDesc* desc, const unsi
 // shape whose progress the SM partition protects.
 extern "C" __global__ void ring_gather(const RingDesc* desc, unsigned char* out_x, float* out_x_sf, int* out_topk_idx,
                                        float* out_topk_weights, long long* out_counts, long long capacity,
-                                       unsigned* arrivals) {
+                                       CHUNKRING_NULLABLE unsigned* arrivals) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     const u64 cap = static_cast<u64>(capacity);

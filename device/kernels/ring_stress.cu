@@ -4,6 +4,7 @@
 //
 // ring_stress grid: block 0 = this rank's producer, block 1 = its consumer, blocks 2.. = memory stress.
 #include "chunkring/protocol/ring.cuh"
+#include "chunkring/util/kernel_params.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;

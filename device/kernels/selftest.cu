@@ -6,6 +6,7 @@
 // selftest_pingpong: the raw signal round trip between two PEs, the floor our protocol is measured against.
 #include "chunkring/comm/signal.cuh"
 #include "chunkring/ptx/ordering.cuh"
+#include "chunkring/util/kernel_params.cuh"
 
 using chunkring::ptx::u32;
 using chunkring::ptx::u64;

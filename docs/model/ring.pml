@@ -73,7 +73,7 @@
  *                              wiped: never acked, cursor left behind)
  *   and with HELD_ACK:
  *     BUG_ACK_HELD_AT_PULL     the eos chunk is acked at its read like every
- *                              other chunk (the kNoHeldAck mutant of
+ *                              other chunk (the kNoDeferredAck mutant of
  *                              moe_pull) -> COMBINE_BEFORE_REDUCE (the owner's
  *                              drain returns, and it reduces, before a
  *                              consumer's combine write for it)
@@ -109,7 +109,7 @@
  *
  * Held acks (-DHELD_ACK).  The consumer acks every chunk right after reading
  * it except each source's eos chunk: that one it holds (held[r] = q, the
- * consume_invocation(..., held, ...) path; held[] is reset to NO_HELD at
+ * consume_invocation(..., deferred, ...) path; held[] is reset to NO_HELD at
  * each invocation start, as the layer refills stage.held with -1).  Once
  * every source reached its eos, the consumer performs the combine: one
  * store per source, combined[CMB(d, r)] = inv + 1 (ghost: "d's rows for r of
@@ -537,7 +537,7 @@ inline chunk_step() {
   if :: !e -> ack_cas() :: else fi                 /* every other chunk: C3 */
 #else
   /* (BUG_ACK_HELD_AT_PULL: the eos chunk is acked here too, before the
-   * combine -- the kNoHeldAck mutant) */
+   * combine -- the kNoDeferredAck mutant) */
   d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
            readers[j] = readers[j] | (1 << d) }    /* ghost: d done reading */
   ack_cas();

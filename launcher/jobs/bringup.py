@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chunkring._jit import KernelLibrary, Param, build
+from chunkring._jit import library_for
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.testing.selftest import pingpong
+
+# pingpong() lives in the library (chunkring.testing.selftest); named here for the job's users.
+__all__ = ["CONFIG", "pingpong", "run"]
 
 
 @dataclass(frozen=True)
@@ -28,30 +32,14 @@ class CONFIG:
             raise ChunkringUsageError("must be in [1, 2**24]", field="pingpong_iters")
 
 
-def signatures():
-    """Parameter lists of the self-test kernels (device/kernels/selftest.cu), for KernelLibrary."""
-    import torch
-
-    u64p = lambda name: Param(name, "ptr", torch.int64)  # noqa: E731 - 64-bit words travel as int64 tensors
-    return {
-        "selftest_ring_pass": (
-            u64p("send"), u64p("recv"), u64p("signal"), u64p("mask"), Param("errors", "ptr", torch.int32),
-            Param("n_words", "i32"), Param("round", "u64"),
-        ),
-        "selftest_pingpong": (
-            u64p("signal"), Param("peer", "i32"), Param("iters", "i32"), Param("initiator", "i32"), u64p("elapsed_ns"),
-        ),
-    }
-
-
 def run(runtime, config: CONFIG) -> dict:
     """Run the check on every PE; returns this PE's figures. Raises on any data or ack error."""
     import torch
 
     if runtime.world_size > 64:
         raise ChunkringUsageError("the bring-up ack mask holds 64 PEs", field="world_size")
-    built = build("selftest")
-    lib = KernelLibrary(runtime, built, signatures())
+    lib = library_for(runtime, "selftest")
+    built = lib.build
     send = runtime.alloc(config.words_per_pe, torch.int64)
     recv = runtime.alloc(config.words_per_pe, torch.int64)
     signal = runtime.alloc(1, torch.int64)
@@ -85,18 +73,3 @@ def run(runtime, config: CONFIG) -> dict:
     if runtime.world_size >= 2:
         figures["pingpong_rtt_us"] = pingpong(runtime, lib, signal, config.pingpong_iters)
     return figures
-
-
-def pingpong(runtime, lib, signal, iters: int) -> float | None:
-    """Raw NVSHMEM signal round trip between PE 0 and PE 1 in microseconds (on PE 0; None elsewhere).
-    A collective: every PE calls it; ``signal`` is a one-word symmetric int64 tensor."""
-    import torch
-
-    signal.zero_()
-    runtime.barrier()
-    elapsed = torch.zeros(1, dtype=torch.int64, device=runtime.torch_device)
-    if runtime.rank in (0, 1):
-        lib.launch("selftest_pingpong", signal, 1 - runtime.rank, iters, int(runtime.rank == 0), elapsed, block=32)
-    torch.cuda.synchronize()
-    runtime.barrier()
-    return elapsed.item() / iters / 1e3 if runtime.rank == 0 else None

@@ -69,26 +69,32 @@ def open_layer(runtime, fields: LayerFields, config=None):
 
 @dataclass
 class Weights:
-    """Every expert's weights (the reference needs all of them) and this rank's slice (the layer's)."""
+    """Every expert's weights as the layer's GEMMs see them (the reference needs all of them) and this
+    rank's slice in the form the layer takes (:meth:`chunkring.MoELayer.expert_weights`)."""
 
     router: object      # bfloat16 [E, H]
-    w13_all: object     # float32 [E, 2I, H]
+    w13_all: object     # float32 [E, 2I, H]: dequantised FP8 for the FP8 payload
     w2_all: object      # float32 [E, H, I]
-    w13: object         # bfloat16 [E_local, 2I, H]
-    w2: object          # bfloat16 [E_local, H, I]
+    w13: object         # this rank's [E_local, 2I, H]: Fp8Weight (FP8 payload) or bfloat16
+    w2: object          # this rank's [E_local, H, I]
+    fp8_recipe: bool    # the FP8 layer's roundings between its GEMMs (testing.reference.moe_reference)
 
 
-def seeded_weights(cfg, seed: int, first_expert: int, experts_per_rank: int, device) -> Weights:
+def seeded_weights(layer, seed: int) -> Weights:
     """The weights ``chunkring.ChunkedMoE`` draws from ``torch.Generator().manual_seed(seed)``, identical
     on every rank."""
     import torch
 
-    from chunkring.moe.layer import init_weights
+    from chunkring.moe.weights import init_weights
+    from chunkring.testing.reference import layer_weights_reference
 
+    cfg, device = layer.config, layer.runtime.torch_device
     router, w13, w2 = init_weights(cfg, torch.Generator().manual_seed(seed))
-    mine = slice(first_expert, first_expert + experts_per_rank)
-    return Weights(router=router.to(device), w13_all=w13.float().to(device), w2_all=w2.float().to(device),
-                   w13=w13[mine].contiguous().to(device), w2=w2[mine].contiguous().to(device))
+    mine = slice(layer.first_expert, layer.first_expert + layer.experts_per_rank)
+    w13_local, w2_local = layer.expert_weights(w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
+    w13_all, w2_all = layer_weights_reference(w13, w2, cfg.payload)
+    return Weights(router=router.to(device), w13_all=w13_all.to(device), w2_all=w2_all.to(device),
+                   w13=w13_local, w2=w2_local, fp8_recipe=cfg.payload.has_scales)
 
 
 def seeded_hidden(n: int, hidden: int, seed: int, device):
@@ -123,10 +129,11 @@ def route_batch(hidden, router, topk: int, payload: str) -> RoutedBatch:
 
 
 def reference_output(batch: RoutedBatch, weights: Weights):
-    """float32 [n, H]: the layer's math in fp32 over every expert."""
+    """float32 [n, H]: the layer's math in fp32 over every expert (the FP8 recipe's quantisations included)."""
     from chunkring.testing.reference import moe_reference
 
-    return moe_reference(batch.x_ref, batch.topk_idx, batch.topk_weights, weights.w13_all, weights.w2_all)
+    return moe_reference(batch.x_ref, batch.topk_idx, batch.topk_weights, weights.w13_all, weights.w2_all,
+                         fp8_recipe=weights.fp8_recipe)
 
 
 def check_output(out, ref, *, tolerance: float, what: str) -> tuple[float, float]:

@@ -51,7 +51,7 @@ def run(runtime, config: CONFIG) -> dict:
     device = runtime.torch_device
     with open_layer(runtime, config, cfg) as layer:
         module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(config.seed))
-        weights = seeded_weights(cfg, config.seed, layer.first_expert, layer.experts_per_rank, device)
+        weights = seeded_weights(layer, config.seed)
         hidden = seeded_hidden(config.tokens_per_rank, cfg.hidden, config.seed * 1000 + 1 + runtime.rank, device)
         ref = reference_output(route_batch(hidden, module.router_weight, cfg.topk, config.payload), weights)
         figures = {}

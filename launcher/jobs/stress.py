@@ -149,7 +149,7 @@ def run(runtime, config: CONFIG) -> dict:
                                   field="chaos_rank")
     cfg = config.layer_config()
     with open_layer(runtime, config, cfg) as layer:
-        weights = seeded_weights(cfg, config.seed, layer.first_expert, layer.experts_per_rank, runtime.torch_device)
+        weights = seeded_weights(layer, config.seed)
         return _iterate(runtime, config, layer, weights)
 
 
@@ -177,12 +177,7 @@ def _keep_going(runtime, config: CONFIG, iteration: int, start: float) -> bool:
     """Whether to run ``iteration``; by count on every rank, or by rank 0's clock, which it shares."""
     if config.iterations:
         return iteration < config.iterations
-    go = time.monotonic() - start < config.duration_s
-    if runtime.world_size == 1:
-        return go
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.bcast(go, root=0)
+    return runtime.broadcast_object(time.monotonic() - start < config.duration_s, root=0)
 
 
 def _one_call(runtime, config: CONFIG, layer, weights, replay, iteration: int, plan: IterationPlan, tally: dict):

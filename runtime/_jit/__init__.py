@@ -1,9 +1,12 @@
 """Run-time kernel build and typed launches: NVRTC compilation with an on-disk cache
-(:mod:`chunkring._jit.compiler`) and kernel libraries whose launches are checked against each
-kernel's declared parameters (:mod:`chunkring._jit.launch`). The CUDA sources live in ``device/``.
+(:mod:`chunkring._jit.compiler`), each kernel's parameters read from its ``extern "C"`` signature
+(:mod:`chunkring._jit.signatures`), and kernel libraries whose launches are checked against them
+(:mod:`chunkring._jit.launch`). The CUDA sources live in ``device/``.
 """
 
-from chunkring._jit.compiler import BuildResult, build, kernel_sources, nvshmem_version
+from chunkring._jit.compiler import BuildResult, arch_of, build, default_arch, kernel_sources, nvshmem_version
 from chunkring._jit.launch import KernelLibrary, Param, library_for
+from chunkring._jit.signatures import parse_kernels
 
-__all__ = ["BuildResult", "KernelLibrary", "Param", "build", "kernel_sources", "library_for", "nvshmem_version"]
+__all__ = ["BuildResult", "KernelLibrary", "Param", "arch_of", "build", "default_arch", "kernel_sources",
+           "library_for", "nvshmem_version", "parse_kernels"]

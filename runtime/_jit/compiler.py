@@ -5,7 +5,9 @@ is a pip wheel), compiles NVSHMEM's device API header-only in one step, and runs
 compiles exactly what the GPU host will load.
 
 The cache key covers everything that can change the cubin: the kernel source, every chunkring header,
-the NVSHMEM version and headers, the NVRTC version, the target architecture and the options.
+the NVSHMEM version and headers, the NVRTC version, and every compiler option as NVRTC receives it
+(the target architecture and the macros among them). The target is the GPU's own architecture; where
+no GPU is visible (CI compiles on CPUs) it is :data:`CPU_FALLBACK_ARCH` unless ``arch=`` names one.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from chunkring._jit.signatures import parse_kernels
 from chunkring.env import cache_dir
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
-__all__ = ["KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "build", "kernel_sources", "nvshmem_version"]
+__all__ = ["CPU_FALLBACK_ARCH", "KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "arch_of", "build", "default_arch",
+           "kernel_sources", "nvshmem_version", "program_options"]
 
 def _device_dir() -> Path:
     """The ``device/`` tree: CUDA headers and kernels only, installed as the data package
@@ -40,18 +44,41 @@ def _device_dir() -> Path:
 DEVICE_DIR = _device_dir()
 KERNEL_DIR = DEVICE_DIR / "kernels"
 INCLUDE_DIR = DEVICE_DIR / "include"
-DEFAULT_ARCH = "sm_90"
+#: The target where no GPU is visible: the GPU host's H200 (CPU-only builds, e.g. CI, tests/compile/).
+CPU_FALLBACK_ARCH = "sm_90"
 
 
 @dataclass(frozen=True)
 class BuildResult:
-    """A compiled kernel library: ``object_code`` is a ``cuda.core.ObjectCode`` holding the cubin."""
+    """A compiled kernel library: ``object_code`` is a ``cuda.core.ObjectCode`` holding the cubin for
+    ``arch``; ``signatures`` the parameters of its kernels, read from the source it was compiled from
+    (:func:`chunkring._jit.signatures.parse_kernels`)."""
 
     name: str
     object_code: object
     cache_key: str
     cache_hit: bool
     seconds: float
+    arch: str
+    signatures: dict
+
+
+def arch_of(device) -> str:
+    """NVRTC's target for a ``cuda.core.Device``: ``sm_XY`` from its compute capability. No kernel uses
+    architecture-specific instructions (wgmma, setmaxnreg), so never the ``a`` variant."""
+    major, minor = device.compute_capability
+    return f"sm_{major}{minor}"
+
+
+def default_arch() -> str:
+    """The current GPU's target, or :data:`CPU_FALLBACK_ARCH` where no GPU (or no driver) is visible."""
+    try:
+        from cuda.core import Device
+
+        device = Device()
+    except Exception:  # no driver library or no device: a CPU-only build
+        return CPU_FALLBACK_ARCH
+    return arch_of(device)
 
 
 def kernel_sources() -> list[str]:
@@ -128,50 +155,66 @@ def _check_defines(defines: dict[str, int | str]) -> None:
             raise ChunkringUsageError(f"macro {key} value {value!r} must be an int or identifier", field="defines")
 
 
-def build(name: str, *, defines: dict[str, int | str] | None = None, arch: str = DEFAULT_ARCH) -> BuildResult:
-    """Compile ``device/kernels/<name>.cu`` (or load it from the cache) and return its cubin."""
-    if name not in kernel_sources():
-        raise ChunkringUsageError(f"unknown kernel source {name!r}; have {kernel_sources()}", field="name")
+def program_options(name: str, *, defines: dict[str, int | str] | None = None, arch: str | None = None):
+    """The ``cuda.core.ProgramOptions`` that :func:`build` compiles ``<name>.cu`` with."""
+    from cuda.core import ProgramOptions
+
+    arch = default_arch() if arch is None else arch
     if not arch.startswith("sm_") or not arch[3:].rstrip("a").isdigit():
         raise ChunkringUsageError(f"arch must look like 'sm_90', got {arch!r}", field="arch")
     defines = dict(sorted((defines or {}).items()))
     _check_defines(defines)
-    source = (KERNEL_DIR / f"{name}.cu").read_text()
-    macros = ["__NVSHMEM_NUMBA_SUPPORT__"] + [f"{k}={v}" for k, v in defines.items()]
-    key_material = "\n".join(
-        [name, source, _headers_digest(), nvshmem_version(), _nvrtc_version(), arch, *macros]
-    )
-    key = hashlib.sha256(key_material.encode()).hexdigest()[:32]
-    path = cache_dir() / f"{name}-{arch}-{key}.cubin"
-
-    from cuda.core import ObjectCode
-
-    start = time.perf_counter()
-    if path.exists():
-        cubin = path.read_bytes()
-        return BuildResult(name, ObjectCode.from_cubin(cubin), key, True, time.perf_counter() - start)
-    cubin = _compile(name, source, macros, arch)
-    _write_atomically(path, cubin)
-    return BuildResult(name, ObjectCode.from_cubin(cubin), key, False, time.perf_counter() - start)
-
-
-def _compile(name: str, source: str, macros: list[str], arch: str) -> bytes:
-    from cuda.core import Program, ProgramOptions
-
-    options = ProgramOptions(
+    return ProgramOptions(
         name=f"{name}.cu",
         std="c++17",
         arch=arch,
         include_path=list(_include_path()),
-        define_macro=macros,
+        define_macro=["__NVSHMEM_NUMBA_SUPPORT__"] + [f"{k}={v}" for k, v in defines.items()],
         device_as_default_execution_space=True,
         # Spin-waits must not be optimised into assumptions; -O3 is the default and fine with asm volatile.
         ptxas_options=["-O3"],
     )
+
+
+def build(name: str, *, defines: dict[str, int | str] | None = None, arch: str | None = None) -> BuildResult:
+    """Compile ``device/kernels/<name>.cu`` (or load it from the cache) and return its cubin, for
+    ``arch`` (``"sm_90"``; by default :func:`default_arch`: the current GPU's)."""
+    if name not in kernel_sources():
+        raise ChunkringUsageError(f"unknown kernel source {name!r}; have {kernel_sources()}", field="name")
+    options = program_options(name, defines=defines, arch=arch)
+    source = (KERNEL_DIR / f"{name}.cu").read_text()
+    # Read before compiling: a signature the launches cannot map fails the build, cache hit or not.
+    signatures = parse_kernels(source, f"{name}.cu")
+    key = _cache_key(name, source, options)
+    path = cache_dir() / f"{name}-{options.arch}-{key}.cubin"
+
+    from cuda.core import ObjectCode
+
+    start = time.perf_counter()
+    hit = path.exists()
+    if hit:
+        cubin = path.read_bytes()
+    else:
+        cubin = _compile(source, options)
+        _write_atomically(path, cubin)
+    return BuildResult(name, ObjectCode.from_cubin(cubin), key, hit, time.perf_counter() - start, options.arch,
+                       signatures)
+
+
+def _cache_key(name: str, source: str, options) -> str:
+    # Every option as NVRTC receives it, so no option can change the cubin without changing the key.
+    material = [name, source, _headers_digest(), nvshmem_version(), _nvrtc_version(),
+                *(flag.decode() for flag in options.as_bytes("nvrtc"))]
+    return hashlib.sha256("\n".join(material).encode()).hexdigest()[:32]
+
+
+def _compile(source: str, options) -> bytes:
+    from cuda.core import Program
+
     try:
         code = Program(source, "c++", options).compile("cubin")
     except Exception as exc:  # cuda.core raises its own error types; the log is in the message
-        raise ChunkringRuntimeError(f"NVRTC failed to compile {name}.cu for {arch}:\n{exc}") from exc
+        raise ChunkringRuntimeError(f"NVRTC failed to compile {options.name} for {options.arch}:\n{exc}") from exc
     return bytes(code.code)
 
 

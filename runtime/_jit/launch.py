@@ -1,4 +1,5 @@
-"""Typed launches: each kernel declares its parameters once, and every call is checked against them.
+"""Typed launches: every call is checked against the kernel's parameters, which its ``extern "C"``
+signature in the .cu declares once (:mod:`chunkring._jit.signatures` reads them at build time).
 
 A wrong dtype, a CPU tensor, a non-contiguous view or an out-of-range integer is a
 ``ChunkringUsageError`` before anything is enqueued. Scalars are converted to the exact NumPy type the
@@ -8,69 +9,26 @@ kernel expects (cuda.core would pass a bare Python int as a pointer).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
-import numpy as np
-
+from chunkring._jit.signatures import Param
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
-__all__ = ["KernelLibrary", "Param", "library_for"]
+__all__ = ["KernelLibrary", "Param", "library_for"]  # Param lives with the signatures that make it
 
-#: Loaded libraries per Runtime, by source name (freed with the Runtime).
+#: Loaded libraries per Runtime, by (source name, defines) (freed with the Runtime).
 _LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-_SCALARS = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64}
-
-
-@dataclass(frozen=True)
-class Param:
-    """One kernel parameter: ``kind`` is ``"ptr"`` (a CUDA tensor of ``dtype``; ``None`` passes a null
-    pointer if ``nullable``) or a scalar kind."""
-
-    name: str
-    kind: str
-    dtype: object = None  # torch.dtype, for pointers
-    nullable: bool = False
-
-    def __post_init__(self):
-        if self.kind != "ptr" and self.kind not in _SCALARS:
-            raise ChunkringUsageError(f"unknown parameter kind {self.kind!r}", field=self.name)
-        if self.kind == "ptr" and self.dtype is None:
-            raise ChunkringUsageError("a pointer parameter needs its dtype", field=self.name)
-        if self.nullable and self.kind != "ptr":
-            raise ChunkringUsageError("only a pointer parameter can be nullable", field=self.name)
-
-    def convert(self, value, device):
-        import torch
-
-        if self.kind == "ptr":
-            if value is None and self.nullable:
-                return 0  # cuda.core passes a Python int as intptr_t: the null pointer
-            if not isinstance(value, torch.Tensor):
-                raise ChunkringUsageError(f"expected a torch.Tensor, got {type(value).__name__}", field=self.name)
-            if value.dtype != self.dtype:
-                raise ChunkringUsageError(f"expected dtype {self.dtype}, got {value.dtype}", field=self.name)
-            if not value.is_contiguous():
-                raise ChunkringUsageError("tensor must be contiguous", field=self.name)
-            if value.device != device:
-                raise ChunkringUsageError(f"tensor is on {value.device}, kernel runs on {device}", field=self.name)
-            return value.data_ptr()
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ChunkringUsageError(f"expected an integer, got {type(value).__name__}", field=self.name)
-        info = np.iinfo(_SCALARS[self.kind])
-        if not info.min <= int(value) <= info.max:
-            raise ChunkringUsageError(f"{value} does not fit {self.kind}", field=self.name)
-        return _SCALARS[self.kind](value)
 
 
 class KernelLibrary:
-    """A compiled kernel library registered with NVSHMEM, with checked launches of its kernels."""
+    """A compiled kernel library (registered with NVSHMEM if it uses it), with checked launches of each of its kernels
+    (the parameters ``build_result.signatures`` read from its source)."""
 
-    def __init__(self, runtime, build_result, signatures: dict[str, tuple[Param, ...]]):
+    def __init__(self, runtime, build_result):
         self.runtime = runtime
         self.build = build_result
-        self._signatures = dict(signatures)
-        runtime.load(build_result.object_code)
+        self._signatures = dict(build_result.signatures)
+        if uses_nvshmem(build_result.object_code):
+            runtime.load(build_result.object_code)
         try:
             self._kernels = {name: build_result.object_code.get_kernel(name) for name in self._signatures}
         except Exception as exc:
@@ -109,6 +67,17 @@ class KernelLibrary:
             raise ChunkringRuntimeError(f"launch of {name} failed: {exc}") from exc
 
 
+#: The device-state symbol NVSHMEM binds in every library that calls its device API.
+_NVSHMEM_STATE = b"nvshmemi_device_state_d"
+
+
+def uses_nvshmem(object_code) -> bool:
+    """Whether a cubin references NVSHMEM's device state: such a library must be registered with NVSHMEM
+    before its kernels run; one that does not (pure compute kernels) has nothing to register, and NVSHMEM
+    refuses it ("named symbol not found")."""
+    return _NVSHMEM_STATE in bytes(object_code.code)
+
+
 def _load_now(name: str, kernel) -> None:
     """Load ``kernel`` into the current context now, not at its first launch.
 
@@ -127,11 +96,13 @@ def _load_now(name: str, kernel) -> None:
         raise ChunkringRuntimeError(f"loading {name} failed: {err}")
 
 
-def library_for(runtime, source: str, signatures: dict[str, tuple[Param, ...]]) -> KernelLibrary:
-    """The library built from ``device/kernels/<source>.cu``, loaded once per Runtime."""
-    from chunkring._jit.compiler import build
+def library_for(runtime, source: str, *, defines: dict[str, int | str] | None = None) -> KernelLibrary:
+    """The library built from ``device/kernels/<source>.cu`` with ``defines`` for the Runtime's GPU,
+    loaded once per Runtime and set of defines."""
+    from chunkring._jit.compiler import arch_of, build
 
+    key = (source, tuple(sorted((defines or {}).items())))
     loaded = _LOADED.setdefault(runtime, {})
-    if source not in loaded:
-        loaded[source] = KernelLibrary(runtime, build(source), signatures)
-    return loaded[source]
+    if key not in loaded:
+        loaded[key] = KernelLibrary(runtime, build(source, defines=defines, arch=arch_of(runtime.device)))
+    return loaded[key]

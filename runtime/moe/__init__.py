@@ -7,6 +7,16 @@ from chunkring.moe.calibrate import StreamingCalibration
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.layer import ChunkedMoE, MoELayer
 from chunkring.moe.timeline import Event, Timeline
-from chunkring.moe.weights import init_weights
+from chunkring.moe.weights import Fp8Weight, init_weights, quantize_weight_fp8
 
-__all__ = ["ChunkedMoE", "Event", "MoEConfig", "MoELayer", "StreamingCalibration", "Timeline", "init_weights"]
+__all__ = [
+    "ChunkedMoE",
+    "Event",
+    "Fp8Weight",
+    "MoEConfig",
+    "MoELayer",
+    "StreamingCalibration",
+    "Timeline",
+    "init_weights",
+    "quantize_weight_fp8",
+]

@@ -113,10 +113,6 @@ def calibrate(layer, router_weight, w13, w2, token_counts, *, iterations: int = 
 
 def _slowest_rank(runtime, mine: dict) -> dict:
     """Per token count, the (batch, streamed) pair of the rank where streaming fared worst: identical on
-    every rank, so every rank takes the same mode."""
-    if runtime.world_size == 1:
-        return dict(mine)
-    from mpi4py import MPI
-
-    everyone = MPI.COMM_WORLD.allgather(mine)
+    every rank, so every rank takes the same mode. A collective (``runtime.allgather_object``)."""
+    everyone = runtime.allgather_object(mine)
     return {n: max((figures[n] for figures in everyone), key=lambda pair: pair[1] / pair[0]) for n in mine}

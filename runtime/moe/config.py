@@ -1,10 +1,18 @@
-"""``MoEConfig``: the shapes of one MoE layer, identical on every rank, checked when built."""
+"""``MoEConfig``: the shapes of one MoE layer, identical on every rank, checked when built.
+
+A config is checked against every rule of the rings its layer allocates: building one builds the
+layer's ring specs (:class:`~chunkring.ring.spec.RingSpec`) and their layouts for one rank, so a shape the
+ring cannot carry (``topk`` past the experts, ``hidden`` not a multiple of the FP8 scale block, a slot
+past the ring's limits) fails here, on the host, naming the config's field - not when a GPU allocates
+the layer. :meth:`MoEConfig.check_world_size` adds the rules that depend on the job's rank count.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from chunkring.errors import ChunkringUsageError
+from chunkring.ring.layout import RingLayout
 from chunkring.ring.spec import PayloadFormat, RingSpec
 
 __all__ = ["DEFAULT_FRONT_NUM_SLOTS", "MoEConfig"]
@@ -53,6 +61,8 @@ class MoEConfig:
         if self.front_tokens_per_slot is not None and self.front_tokens_per_slot > self.max_tokens_per_rank:
             raise ChunkringUsageError(f"{self.front_tokens_per_slot} exceeds max_tokens_per_rank="
                                       f"{self.max_tokens_per_rank}", field="front_tokens_per_slot")
+        # The rings' own rules (RingSpec, RingLayout) at one rank: what fails there fails at every rank count.
+        self.check_world_size(1)
 
     @property
     def streaming(self) -> bool:
@@ -67,7 +77,40 @@ class MoEConfig:
                        front_tokens_per_slot=max(1, self.max_tokens_per_rank // (8 * DEFAULT_FRONT_NUM_SLOTS)))
 
     def ring_spec(self, world_size: int, *, streamed: bool) -> RingSpec:
-        """The spec of the streaming ring, or of the one-slot batch-ready ring. Checks the shared fields."""
+        """The spec of the streaming ring, or of the one-slot batch-ready ring. Checks the shared fields;
+        an error names the config's field (``max_tokens_per_rank`` for the batch-ready ring's slot size,
+        ``front_num_slots`` / ``front_tokens_per_slot`` for the streaming ring's)."""
         slots, tokens = (self.front_num_slots, self.front_tokens_per_slot) if streamed else (1, self.max_tokens_per_rank)
-        return RingSpec(world_size=world_size, num_slots=slots, tokens_per_slot=tokens, hidden=self.hidden,
-                        payload=self.payload, topk=self.topk, num_experts=self.num_experts)
+        try:
+            return RingSpec(world_size=world_size, num_slots=slots, tokens_per_slot=tokens, hidden=self.hidden,
+                            payload=self.payload, topk=self.topk, num_experts=self.num_experts)
+        except ChunkringUsageError as exc:
+            raise _as_config_error(exc, streamed=streamed) from None
+
+    def ring_specs(self, world_size: int) -> tuple[RingSpec, ...]:
+        """The specs of every ring a layer of this config allocates on ``world_size`` ranks: the
+        batch-ready ring, then the streaming ring if there is one."""
+        return tuple(self.ring_spec(world_size, streamed=streamed)
+                     for streamed in ((False, True) if self.streaming else (False,)))
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ``ChunkringUsageError`` unless a layer of this config can be built on ``world_size``
+        ranks: every rule of its rings' specs and layouts (the experts must split evenly over the ranks,
+        at most ``chunkring.ring.MAX_WORLD_SIZE`` ranks). What a launcher checks before any rank starts."""
+        for spec in self.ring_specs(world_size):
+            RingLayout(spec)
+
+
+#: The config field behind each RingSpec field that is not one of the config's own, per ring.
+_BATCH_FIELDS = {"tokens_per_slot": "max_tokens_per_rank"}
+_STREAMED_FIELDS = {"tokens_per_slot": "front_tokens_per_slot", "num_slots": "front_num_slots"}
+
+
+def _as_config_error(exc: ChunkringUsageError, *, streamed: bool) -> ChunkringUsageError:
+    """``exc`` (a RingSpec error) naming the MoEConfig field it is about, and which ring said so."""
+    field = (_STREAMED_FIELDS if streamed else _BATCH_FIELDS).get(exc.field, exc.field)
+    if field == exc.field:
+        return exc
+    message = str(exc).removeprefix(f"{exc.field}: ")
+    ring = "streaming ring's" if streamed else "batch-ready ring's"
+    return ChunkringUsageError(f"{message} (the {ring} {exc.field})", field=field)

@@ -8,10 +8,11 @@ tokens. A call runs two streams on each rank:
   input region of today's contract; streamed: chunk by chunk, each as soon as its router / TopK /
   quantisation finished, into the ``front_num_slots`` x ``front_tokens_per_slot`` ring); wait until
   every rank acknowledged every chunk (``moe_drain``); reduce the combine rows over k into the output.
-* consumer stream (device/kernels/moe_stream.cu and :mod:`chunkring.moe.dispatch`): pull every
+* consumer stream (device/kernels/moe_stream.cu, then :mod:`chunkring.moe.experts`): pull every
   source's chunks as they arrive into a per-call stage at their token index, freeing each slot as soon
-  as it is copied; then plan every pulled row, L1 -> SwiGLU -> L2 once per expert, push the weighted
-  rows to their sources' combine buffers, and acknowledge each source's last chunk, held until then.
+  as it is copied; then plan the pulled rows into expert groups, L1 -> SwiGLU -> L2 once per expert
+  (FP8 payload: DeepGEMM's FP8 grouped GEMMs on FP8 weights), push the weighted rows to their sources'
+  bf16 combine buffers, and acknowledge each source's last chunk, held until then.
 
 Expert work happens once per call, after every source's stream ended, however many chunks arrived:
 chunk-local expert groups (computing each chunk as it lands) re-read every active expert's weights
@@ -36,17 +37,19 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration, calibrate
 
-from chunkring.moe.dispatch import padded_rows_bound, plan_experts
-from chunkring.moe.timeline import Event, Timeline
+from chunkring.moe.calls import CallMode, check_forward_args, check_run_args
+from chunkring.moe.experts import ExpertCompute
+from chunkring.moe.timeline import Event
 from chunkring.moe.producer import quantize_rows_fp8, route
-from chunkring.moe.weights import init_weights
+from chunkring.moe.weights import init_weights, quantize_weight_fp8
 from chunkring.ring.ring import Ring, _check_identical
-from chunkring.ring.io import check_tensor, publish_chunk
+from chunkring.ring.io import check_tensor, enqueue_publish
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
-__all__ = ["ChunkedMoE", "MoELayer", "moe_kernel_signatures"]
+__all__ = ["CallMode", "ChunkedMoE", "MoELayer"]
 
 log = logging.getLogger("chunkring")
+
 
 class _Stage:
     """What one rank's consumer pulls in a call, from either ring: every source's rows at their token
@@ -64,37 +67,6 @@ class _Stage:
         self.held = torch.full((W,), -1, dtype=torch.int64, device=device)
 
 
-def moe_kernel_signatures() -> dict:
-    """The parameters of device/kernels/moe_stream.cu's kernels, as ``chunkring._jit`` launches them."""
-    from chunkring._jit import Param
-
-    desc = Param("desc", "ptr", torch.int64)
-    trace = (Param("trace", "ptr", torch.int64, nullable=True), Param("trace_capacity", "i64"))
-    row_src, row_token = Param("row_src", "ptr", torch.int64), Param("row_token", "ptr", torch.int64)
-    return {
-        "moe_pull": (
-            desc, Param("arrivals", "ptr", torch.int32, nullable=True), Param("held", "ptr", torch.int64),
-            Param("stage_x", "ptr", torch.uint8), Param("stage_sf", "ptr", torch.float32),
-            Param("stage_idx", "ptr", torch.int32), Param("stage_w", "ptr", torch.float32),
-            Param("token_capacity", "i64"), Param("expert_lo", "i32"), Param("expert_hi", "i32"), *trace,
-        ),
-        "moe_gather_rows": (
-            Param("stage_x", "ptr", torch.uint8), Param("stage_sf", "ptr", torch.float32), row_src, row_token,
-            Param("rows", "ptr", torch.bfloat16), Param("rows_per_source", "i64"), Param("hidden", "i64"),
-            Param("fp8", "i32"),
-        ),
-        "moe_swiglu": (Param("gate_up", "ptr", torch.bfloat16), Param("act", "ptr", torch.bfloat16), row_src,
-                       Param("inter", "i64")),
-        "moe_combine_push": (
-            desc, Param("out", "ptr", torch.bfloat16), Param("row_weight", "ptr", torch.float32), row_src, row_token,
-            Param("row_k", "ptr", torch.int64), Param("combine", "ptr", torch.float32), Param("hidden", "i64"),
-        ),
-        "moe_ack_held": (desc, Param("held", "ptr", torch.int64), *trace),
-        "moe_drain": (desc,),
-        "moe_trace_mark": (*trace, Param("event", "i64"), Param("src", "i64"), Param("chunk", "i64")),
-    }
-
-
 #: Blocks of the pull kernel at most: each copies a share of every chunk. A few suffice to keep up with
 #: the producers; more would only spin, waiting for chunks, on SMs the producers could use.
 PULL_GRID = 16
@@ -107,6 +79,9 @@ class MoELayer:
 
     ``partition``: an :class:`chunkring.SmPartition` whose producer and consumer streams the calls use
     (otherwise the layer makes two ordinary streams).  ``timeout_s``: the rings' watchdog limit.
+    ``variant``: the ``CHUNKRING_MUTANT`` value the layer's ring kernels are compiled with - 0, the real
+    protocol; tests build deliberately broken variants (:mod:`chunkring.testing.stress` names them) to
+    show that they catch what each rule prevents.
 
     Call with the batch already routed (today's MegaMoE contract) - :meth:`run` - or with hidden states
     and a router, so the layer's own producers route, quantise and publish - :meth:`forward`. Either
@@ -114,16 +89,19 @@ class MoELayer:
     the host. Errors found on the device (timeouts, bad metadata) are raised by :meth:`check`.
     """
 
-    def __init__(self, runtime, config: MoEConfig, *, partition=None, timeout_s: float | None = None):
+    def __init__(self, runtime, config: MoEConfig, *, partition=None, timeout_s: float | None = None,
+                 variant: int = 0):
         if not isinstance(config, MoEConfig):
             raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")
         world = runtime.world_size
         if config.num_experts % world:
             raise ChunkringUsageError(f"{config.num_experts} experts do not split evenly over {world} ranks",
                                       field="num_experts")
-        specs = [config.ring_spec(world, streamed=False)]
+        specs = {CallMode.BATCH_READY: config.ring_spec(world, streamed=False)}
         if config.streaming:
-            specs.append(config.ring_spec(world, streamed=True))
+            specs[CallMode.STREAMED] = config.ring_spec(world, streamed=True)
+        if isinstance(variant, bool) or not isinstance(variant, int) or variant < 0:
+            raise ChunkringUsageError(f"must be a non-negative int, got {variant!r}", field="variant")
         if not module_loading_is_eager():
             raise ChunkringUsageError(
                 "CUDA loads modules lazily in this process, which can deadlock a producer and a consumer "
@@ -136,22 +114,29 @@ class MoELayer:
         device = runtime.torch_device
         from chunkring._jit import library_for
 
-        self._kernels = library_for(runtime, "moe_stream", moe_kernel_signatures())
-        self.rings = [Ring(runtime, spec, timeout_s=timeout_s) for spec in specs]
+        self._kernels = library_for(runtime, "moe_stream", defines={"CHUNKRING_MUTANT": variant} if variant else None)
+        self.rings = {mode: Ring(runtime, spec, timeout_s=timeout_s) for mode, spec in specs.items()}
         self._stage = _Stage(config, world, device)
         # Per ring, per (source, slot): the pull's blocks done with the current chunk (ring.cuh finish_chunk).
-        self._arrivals = [torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device) for spec in specs]
+        self._arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
+                          for mode, spec in specs.items()}
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start
         # would stall the others (docs/PROTOCOL.md, "Progress").
         consumer_sms = partition.consumer_sms if partition is not None else torch.cuda.get_device_properties(
             device).multi_processor_count
         self._pull_grid = min(PULL_GRID, consumer_sms * self._kernels.resident_blocks_per_sm("moe_pull", _PULL_BLOCK))
-        # One fp32 row per (token, k) of this rank's batch; consumers write into it from their GPUs.
-        self.combine = runtime.alloc((config.max_tokens_per_rank * config.topk, config.hidden), torch.float32)
-        for pe in range(world):
-            if runtime.peer(self.combine, pe) is None:
+        # One bf16 row per (token, k) of this rank's batch; consumers write into it from their GPUs, and the
+        # reduction over k accumulates in fp32 (bf16 is the output's precision: a wider row buys nothing).
+        self.combine = runtime.alloc((config.max_tokens_per_rank * config.topk, config.hidden), torch.bfloat16)
+        peers = [runtime.peer(self.combine, pe) for pe in range(world)]
+        for pe, peer in enumerate(peers):
+            if peer is None:
                 raise ChunkringUsageError(f"PE {pe} is not load/store reachable from PE {runtime.rank}; the "
                                           "combine push needs NVLink or the same GPU", field="runtime")
+        # Each source's combine buffer as this GPU addresses it (moe_combine_push writes there).
+        self._peer_combine = torch.tensor([peer.data_ptr() for peer in peers], dtype=torch.int64, device=device)
+        self._compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank,
+                                      library_for(runtime, "moe_experts"), device)
         self.streaming_calibration: StreamingCalibration | None = None  # what streaming="auto" follows
         if partition is not None:
             self._producer, self._consumer = partition.producer_stream, partition.consumer_stream
@@ -177,7 +162,9 @@ class MoELayer:
             num_tokens=None, timeline=None) -> torch.Tensor:
         """The layer on a routed batch: x [n, H] (float8_e4m3fn with x_sf float32 [n, H/128], or bfloat16
         with x_sf None, per ``payload``), topk_idx int32 [n, K] (-1 = masked), topk_weights float32 [n, K];
-        this rank's experts w13 bfloat16 [E_local, 2I, H] and w2 bfloat16 [E_local, H, I]. Streamed, the
+        this rank's experts w13 [E_local, 2I, H] and w2 [E_local, H, I] as :meth:`expert_weights` gives them
+        (FP8 payload: :class:`~chunkring.moe.weights.Fp8Weight`, FP8 with 128x128 block scales, fed to FP8
+        GEMMs with the rows as published; bf16 payload: bfloat16 tensors). Streamed, the
         batch is published chunk by chunk; either way the output is bfloat16 [n, H] (``out`` if given).
         ``streaming="auto"``: whichever mode :meth:`calibrate` found no slower here (batch-ready until then).
 
@@ -190,20 +177,15 @@ class MoELayer:
         chunk events there (each chunk's production and publish, each pull and acknowledgement, the
         experts, the combine, the drain); off, no kernel records anything.
         """
-        cfg = self.config
-        n = self._check_batch("x", x, torch.float8_e4m3fn if cfg.payload.has_scales else torch.bfloat16)
-        if cfg.payload.has_scales:
-            check_tensor("x_sf", x_sf, (n, cfg.hidden // FP8_SCALE_BLOCK), torch.float32, x.device)
-        elif x_sf is not None:
-            raise ChunkringUsageError("bf16 payloads carry no scales; pass None", field="x_sf")
-        check_tensor("topk_idx", topk_idx, (n, cfg.topk), torch.int32, x.device)
-        check_tensor("topk_weights", topk_weights, (n, cfg.topk), torch.float32, x.device)
-        which, out = self._prepare(n, w13, w2, streaming, out, num_tokens, timeline)
+        self._check_alive()
+        mode, n = check_run_args(self.config, self.experts_per_rank, self.runtime.torch_device,
+                                 self.streaming_calibration, x, x_sf, topk_idx, topk_weights, w13, w2,
+                                 streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
 
         def produce(start: int, end: int):
             return x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end], topk_weights[start:end]
 
-        return self._invoke(which, n, produce, w13, w2, out, num_tokens, timeline)
+        return self._invoke(mode, n, produce, w13, w2, out, num_tokens, timeline)
 
     def forward(self, hidden, router_weight, w13, w2, *, streaming: bool | str = False, out=None,
                 num_tokens=None, timeline=None) -> torch.Tensor:
@@ -211,10 +193,11 @@ class MoELayer:
         (``router_weight`` bfloat16 [E, H]) -> top-k softmax weights -> FP8 quantisation (FP8 payload)
         -> publish. ``hidden`` bfloat16 [n, H]; weights, ``num_tokens`` and ``timeline`` as in :meth:`run`;
         returns bfloat16 [n, H]."""
+        self._check_alive()
         cfg = self.config
-        n = self._check_batch("hidden", hidden, torch.bfloat16)
-        check_tensor("router_weight", router_weight, (cfg.num_experts, cfg.hidden), torch.bfloat16, hidden.device)
-        which, out = self._prepare(n, w13, w2, streaming, out, num_tokens, timeline)
+        mode, n = check_forward_args(cfg, self.experts_per_rank, self.runtime.torch_device, self.streaming_calibration,
+                                     hidden, router_weight, w13, w2, streaming=streaming, out=out,
+                                     num_tokens=num_tokens, timeline=timeline)
 
         def produce(start: int, end: int):
             rows = hidden[start:end]
@@ -222,19 +205,31 @@ class MoELayer:
             x, x_sf = quantize_rows_fp8(rows) if cfg.payload.has_scales else (rows, None)
             return x, x_sf, topk_idx, topk_weights
 
-        return self._invoke(which, n, produce, w13, w2, out, num_tokens, timeline)
+        return self._invoke(mode, n, produce, w13, w2, out, num_tokens, timeline)
+
+    def expert_weights(self, w13: torch.Tensor, w2: torch.Tensor):
+        """This rank's experts (w13 [E_local, 2I, H], w2 [E_local, H, I], bfloat16 on the layer's device) in
+        the format this layer's GEMMs take: FP8 payload -> :class:`~chunkring.moe.weights.Fp8Weight` pairs
+        (128x128 block scales; quantised once here, at load), bf16 payload -> the tensors as given."""
+        E, H, inter = self.experts_per_rank, self.config.hidden, self.config.intermediate
+        device = self.runtime.torch_device
+        check_tensor("w13", w13, (E, 2 * inter, H), torch.bfloat16, device)
+        check_tensor("w2", w2, (E, H, inter), torch.bfloat16, device)
+        if self.config.payload.has_scales:
+            return quantize_weight_fp8(w13), quantize_weight_fp8(w2)
+        return w13.contiguous(), w2.contiguous()
 
     def check(self) -> None:
         """Raise ``ChunkringRuntimeError`` with the device's diagnostic if any call recorded an error
         (synchronises the device)."""
-        for ring in self.rings:
+        for ring in self.rings.values():
             ring.check()
 
     def set_timeout(self, seconds: float) -> None:
         """The watchdog limit of the calls enqueued after this on the current stream (every ring's; see
         :meth:`chunkring.Ring.set_timeout`). The constructor's ``timeout_s`` or ``CHUNKRING_TIMEOUT_S`` set
         the first one."""
-        for ring in self.rings:
+        for ring in self.rings.values():
             ring.set_timeout(seconds)
 
     def calibrate(self, router_weight, w13, w2, token_counts, *, iterations: int = 10, warmup: int = 2,
@@ -252,21 +247,39 @@ class MoELayer:
 
     def reset(self) -> None:
         """Start a new epoch on every ring (a collective; after an error, before calling again)."""
-        for ring in self.rings:
+        for ring in self.rings.values():
             ring.reset()
 
     def memory(self) -> dict[str, int]:
         """Symmetric bytes per rank: the full input region (batch-ready ring), the streaming ring, the
         combine buffer."""
-        report = {"full_input_region_bytes": self.rings[0].layout.total_bytes,
+        report = {"full_input_region_bytes": self.rings[CallMode.BATCH_READY].layout.total_bytes,
                   "combine_bytes": self.combine.numel() * self.combine.element_size()}
         if self.config.streaming:
-            report["streaming_ring_bytes"] = self.rings[1].layout.total_bytes
+            report["streaming_ring_bytes"] = self.rings[CallMode.STREAMED].layout.total_bytes
         return report
+
+    def stats(self) -> dict[str, int]:
+        """What one call of this layer uses at this rank: the pull's blocks (``pull_grid``), the expert
+        plan's fixed row capacity (``plan_rows``), the streaming ring's chunk size and slots (0 without
+        one), and :meth:`memory`'s symmetric bytes."""
+        streamed = self.rings.get(CallMode.STREAMED)
+        return {"pull_grid": self._pull_grid, "plan_rows": self._compute.capacity,
+                "chunk_tokens": streamed.spec.tokens_per_slot if streamed else 0,
+                "ring_slots": streamed.spec.num_slots if streamed else 0, **self.memory()}
+
+    def pull(self, mode: CallMode = CallMode.STREAMED) -> None:
+        """Enqueue the consumer's pull of ``mode``'s ring alone, on the current stream: what benchmarks time
+        of the consumer's first step. A real call runs it inside :meth:`run` / :meth:`forward`; alone it
+        re-reads the chunks a finished call left in the ring (each source's last chunk, held)."""
+        self._check_alive()
+        if mode not in self.rings:
+            raise ChunkringUsageError(f"this layer has no {mode.value} ring", field="mode")
+        self._launch_pull(mode, (None, 0))
 
     def destroy(self) -> None:
         """Free the symmetric buffers (a collective)."""
-        for ring in self.rings:
+        for ring in self.rings.values():
             ring.destroy()
         if self.combine is not None:
             self.runtime.free(self.combine)
@@ -274,70 +287,25 @@ class MoELayer:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_batch(self, name: str, x, dtype) -> int:
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ChunkringUsageError("expected a 2-D tensor [n, hidden]", field=name)
-        n = x.shape[0]
-        if n > self.config.max_tokens_per_rank:
-            raise ChunkringUsageError(f"{n} tokens exceed max_tokens_per_rank={self.config.max_tokens_per_rank}",
-                                      field=name)
-        check_tensor(name, x, (n, self.config.hidden), dtype, self.runtime.torch_device)
-        return n
+    def _launch_pull(self, mode: CallMode, trace) -> None:
+        stage, ring = self._stage, self.rings[mode]
+        arrivals = self._arrivals[mode] if self._pull_grid > 1 else None  # one block acknowledges chunks itself
+        self._kernels.launch("moe_pull", ring.desc, arrivals, stage.held, stage.x.view(torch.uint8), stage.sf,
+                             stage.idx, stage.w, self.config.max_tokens_per_rank, self.first_expert,
+                             self.first_expert + self.experts_per_rank, *trace, grid=self._pull_grid,
+                             block=_PULL_BLOCK, stream=torch.cuda.current_stream(self.runtime.torch_device))
 
-    def _prepare(self, n: int, w13, w2, streaming: bool, out, num_tokens, timeline):
-        cfg, device = self.config, self.runtime.torch_device
+    def _check_alive(self) -> None:
         if self.combine is None:
             raise ChunkringUsageError("this MoELayer was destroyed")
-        if isinstance(streaming, str) and streaming == "auto":
-            streaming = self.streaming_calibration is not None and self.streaming_calibration.streams
-        if not isinstance(streaming, bool):
-            raise ChunkringUsageError(f'must be True, False or "auto", got {streaming!r}', field="streaming")
-        if streaming and not cfg.streaming:
-            raise ChunkringUsageError("streaming=True needs front_num_slots and front_tokens_per_slot in the "
-                                      "MoEConfig", field="streaming")
-        E, H, inter = self.experts_per_rank, cfg.hidden, cfg.intermediate
-        check_tensor("w13", w13, (E, 2 * inter, H), torch.bfloat16, device)
-        check_tensor("w2", w2, (E, H, inter), torch.bfloat16, device)
+
+    def _invoke(self, mode: CallMode, n: int, produce, w13, w2, out, num_tokens, timeline) -> torch.Tensor:
+        """Enqueue one call of ``mode`` (its arguments checked)."""
+        ring, stage = self.rings[mode], self._stage
         if out is None:
-            out = torch.empty((n, H), dtype=torch.bfloat16, device=device)
-        else:
-            check_tensor("out", out, (n, H), torch.bfloat16, device)
-        if num_tokens is not None:
-            check_tensor("num_tokens", num_tokens, (1,), torch.int32, device)
-        if timeline is not None:
-            if not isinstance(timeline, Timeline):
-                raise ChunkringUsageError(f"expected a chunkring.Timeline, got {type(timeline).__name__}",
-                                          field="timeline")
-            if timeline.buffer.device != device:
-                raise ChunkringUsageError(f"is on {timeline.buffer.device}, the layer on {device}", field="timeline")
-        return (1 if streaming else 0), out
-
-    def _experts(self, plan, capacity: int, ring, w13, w2, mark) -> None:
-        """The consumer's expert work on ``plan``'s rows, ending with each weighted row pushed to its
-        source's combine buffer: the row kernels (moe_stream.cu) touch only real rows, the grouped GEMMs
-        only rows up to the plan's last group; :func:`chunkring.moe.dispatch.gather_rows` and
-        :func:`~chunkring.moe.dispatch.expert_forward` are their torch reference."""
-        cfg, kernels, stage, device = self.config, self._kernels, self._stage, self.runtime.torch_device
-        H, inter = cfg.hidden, cfg.intermediate
-        stream = torch.cuda.current_stream(device)
-        rows = torch.empty((capacity, H), dtype=torch.bfloat16, device=device)
-        kernels.launch("moe_gather_rows", stage.x.view(torch.uint8), stage.sf, plan.src_rank, plan.token_index, rows,
-                       cfg.max_tokens_per_rank, H, int(ring.spec.payload.has_scales), grid=capacity, block=128,
-                       stream=stream)
-        ends = plan.expert_offsets[1:].to(torch.int32)
-        gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
-        act = torch.empty((capacity, inter), dtype=torch.bfloat16, device=device)
-        kernels.launch("moe_swiglu", gate_up, act, plan.src_rank, inter, grid=capacity, block=128, stream=stream)
-        out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
-        mark(Event.EXPERTS_DONE)
-        kernels.launch("moe_combine_push", ring.desc, out, plan.weight, plan.src_rank, plan.token_index,
-                       plan.topk_pos, self.combine, H, grid=capacity, block=128, stream=stream)
-
-    def _invoke(self, which: int, n: int, produce, w13, w2, out, num_tokens, timeline) -> torch.Tensor:
-        """Enqueue one call on ring ``which`` (0: batch-ready, 1: streaming)."""
-        ring, stage = self.rings[which], self._stage
+            out = torch.empty((n, self.config.hidden), dtype=torch.bfloat16, device=self.runtime.torch_device)
         cfg, spec = self.config, ring.spec
-        K, H, T, N = cfg.topk, cfg.hidden, spec.tokens_per_slot, cfg.max_tokens_per_rank
+        K, H, T = cfg.topk, cfg.hidden, spec.tokens_per_slot
         caller = torch.cuda.current_stream(self.runtime.torch_device)
         producer, consumer = self._producer, self._consumer
         producer.wait_stream(caller)
@@ -363,9 +331,8 @@ class MoELayer:
                     end = min(start + T, n)
                     mark(Event.PRODUCE_BEGIN, chunk)
                     x, x_sf, topk_idx, topk_weights = produce(start, end)
-                    publish_chunk(ring, x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights,
-                                  token_base=start, end_of_stream=end == n, valid_tokens=num_tokens,
-                                  batch_rows=None if num_tokens is None else n, stream=producer)
+                    enqueue_publish(ring, x, x_sf, topk_idx, topk_weights, start, end == n, num_tokens,
+                                    None if num_tokens is None else n, producer)
                     mark(Event.PUBLISHED, chunk)
 
         # Enqueue order (docs/PROTOCOL.md, "Progress"): the chunks that fit the ring first - their publishes
@@ -380,21 +347,13 @@ class MoELayer:
             self.combine[:n * K].zero_()
         produce_chunks(range(first))
 
-        capacity = padded_rows_bound(N, K, spec.world_size, self.experts_per_rank, cfg.block_m)
         with torch.cuda.stream(consumer):
             stage.idx.fill_(-1)
             stage.held.fill_(-1)
-            arrivals = None  # one block acknowledges each chunk itself
-            if self._pull_grid > 1:
-                arrivals = self._arrivals[which]
-                arrivals.zero_()  # a failed earlier call may have left counts behind
-            kernels.launch("moe_pull", ring.desc, arrivals, stage.held, stage.x.view(torch.uint8), stage.sf, stage.idx,
-                           stage.w, N, self.first_expert, self.first_expert + self.experts_per_rank, *trace,
-                           grid=self._pull_grid, block=_PULL_BLOCK, stream=consumer)
+            self._arrivals[mode].zero_()  # a failed earlier call may have left counts behind
+            self._launch_pull(mode, trace)
             mark(Event.EXPERTS_BEGIN)
-            plan = plan_experts(stage.idx, stage.w, first_expert=self.first_expert,
-                                experts_per_rank=self.experts_per_rank, block_m=cfg.block_m, capacity=capacity)
-            self._experts(plan, capacity, ring, w13, w2, mark)
+            self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE))
             mark(Event.COMBINE_DONE)
             kernels.launch("moe_ack_held", ring.desc, stage.held, *trace, grid=spec.world_size, block=32,
                            stream=consumer)
@@ -403,7 +362,8 @@ class MoELayer:
         with torch.cuda.stream(producer):
             kernels.launch("moe_drain", ring.desc, block=32, stream=producer)
             mark(Event.DRAINED)
-            out.copy_(self.combine[:n * K].view(n, K, H).sum(dim=1))
+            # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank wrote a row.
+            torch.sum(self.combine[:n * K].view(n, K, H), dim=1, out=out)
             mark(Event.OUTPUT_DONE)
 
         caller.wait_stream(producer)
@@ -412,13 +372,13 @@ class MoELayer:
 
 
 class ChunkedMoE(torch.nn.Module):
-    """An ``nn.Module`` over a :class:`MoELayer` that owns the router and this rank's expert weights
-    (bfloat16: ``router_weight`` [E, H], ``w13`` [E_local, 2I, H], ``w2`` [E_local, H, I]).
+    """An ``nn.Module`` over a :class:`MoELayer` that owns the router (bfloat16 [E, H]) and this rank's
+    expert weights, in the format the layer's GEMMs take (:meth:`MoELayer.expert_weights`: FP8 with
+    128x128 block scales for the FP8 payload, bfloat16 otherwise).
 
     ``forward(hidden, streaming=False, num_tokens=None)`` routes ``hidden`` bfloat16 [n, H] and returns
     bfloat16 [n, H] (``num_tokens`` as in :meth:`MoELayer.run`).
-    Weights start as :func:`init_weights` draws from ``generator`` (a CPU ``torch.Generator``); the
-    module keeps the router and this rank's experts.
+    Weights start as :func:`init_weights` draws from ``generator`` (a CPU ``torch.Generator``).
     """
 
     def __init__(self, layer: MoELayer, *, generator: torch.Generator | None = None):
@@ -429,9 +389,8 @@ class ChunkedMoE(torch.nn.Module):
         router, w13, w2 = init_weights(layer.config, generator)
         device = layer.runtime.torch_device
         mine = slice(layer.first_expert, layer.first_expert + layer.experts_per_rank)
-        self.router_weight = torch.nn.Parameter(router.to(device), requires_grad=False)
-        self.w13 = torch.nn.Parameter(w13[mine].contiguous().to(device), requires_grad=False)
-        self.w2 = torch.nn.Parameter(w2[mine].contiguous().to(device), requires_grad=False)
+        self.register_buffer("router_weight", router.to(device))
+        self.w13, self.w2 = layer.expert_weights(w13[mine].to(device), w2[mine].to(device))
 
     def forward(self, hidden: torch.Tensor, streaming: bool = False, num_tokens: torch.Tensor | None = None):
         return self.layer.forward(hidden, self.router_weight, self.w13, self.w2, streaming=streaming,

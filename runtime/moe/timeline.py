@@ -1,6 +1,6 @@
 """The MoE layer's timeline: device timestamps of chunk events, and their export as a Chrome trace.
 
-A :class:`Timeline` owns the buffer the layer's kernels append to (device/include/chunkring/util/
+A :class:`Timeline` owns the buffer the layer's kernels append to (device/include/chunkring/moe/
 timeline.cuh): ``buffer[0]`` counts the appends tried, record ``i`` is ``buffer[1 + 4 * i : 5 + 4 * i] =
 (kind, src, chunk, t_ns)``; appends past ``capacity`` are counted but not stored. ``t_ns`` is the GPU's
 ``%globaltimer``: one nanosecond clock per GPU, shared by every SM and process on it.
@@ -26,7 +26,7 @@ __all__ = ["LANES", "Event", "Timeline", "spans", "write_chrome_trace"]
 
 
 class Event(enum.IntEnum):
-    """Mirrors util/timeline.cuh Event (append-only): what a record marks."""
+    """Mirrors moe/timeline.cuh Event (append-only): what a record marks."""
 
     PRODUCE_BEGIN = 0  # producer stream, before chunk's router/top-k/quantise work
     PUBLISHED = 1  # producer stream, after chunk's publish kernel (its ready signal sent)

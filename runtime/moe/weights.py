@@ -1,12 +1,81 @@
-"""Expert and router weights of a MoE layer: random draws for tests and benchmarks."""
+"""Expert and router weights of a MoE layer: FP8 block quantisation (DeepSeek's recipe) and random draws.
+
+The FP8 payload runs FP8 expert GEMMs: weights FP8 e4m3 with one fp32 scale per 128x128 block - the
+format of DeepSeek-V3-style checkpoints (their ``weight_scale_inv``) and of DeepGEMM - quantised once at
+load by :func:`quantize_weight_fp8`. The bf16 payload runs bf16 GEMMs on bf16 weights.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from chunkring.errors import ChunkringUsageError
 from chunkring.moe.config import MoEConfig
 
-__all__ = ["init_weights"]
+__all__ = ["WEIGHT_BLOCK", "Fp8Weight", "init_weights", "quantize_weight_fp8"]
+
+#: Rows and columns of weight that share one fp32 scale.
+WEIGHT_BLOCK = 128
+_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """One projection of every local expert: ``data`` float8_e4m3fn [E, N, K] and ``scale`` float32
+    [E, ceil(N / 128), ceil(K / 128)], with ``w[e, n, k] ≈ data[e, n, k] * scale[e, n // 128, k // 128]``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self):
+        if not isinstance(self.data, torch.Tensor) or self.data.dtype != torch.float8_e4m3fn or self.data.dim() != 3:
+            raise ChunkringUsageError("expected a float8_e4m3fn tensor [E, N, K]", field="data")
+        E, N, K = self.data.shape
+        shape = (E, -(-N // WEIGHT_BLOCK), -(-K // WEIGHT_BLOCK))
+        if (not isinstance(self.scale, torch.Tensor) or self.scale.dtype != torch.float32
+                or tuple(self.scale.shape) != shape):
+            raise ChunkringUsageError(f"expected a float32 tensor {list(shape)}", field="scale")
+        if self.scale.device != self.data.device:
+            raise ChunkringUsageError(f"is on {self.scale.device}, data on {self.data.device}", field="scale")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def to(self, device) -> "Fp8Weight":
+        return Fp8Weight(self.data.to(device), self.scale.to(device))
+
+    def contiguous(self) -> "Fp8Weight":
+        return Fp8Weight(self.data.contiguous(), self.scale.contiguous())
+
+    def __getitem__(self, experts) -> "Fp8Weight":
+        """The weights of a slice of experts (e.g. this rank's)."""
+        return Fp8Weight(self.data[experts], self.scale[experts])
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [E, N, K]: data * its block's scale."""
+        E, N, K = self.data.shape
+        scale = self.scale.repeat_interleave(WEIGHT_BLOCK, 1)[:, :N].repeat_interleave(WEIGHT_BLOCK, 2)[:, :, :K]
+        return self.data.float() * scale
+
+
+def quantize_weight_fp8(w: torch.Tensor) -> Fp8Weight:
+    """w [E, N, K] (bfloat16 or float32, finite) -> :class:`Fp8Weight`: each 128x128 block's absmax maps to
+    448 (e4m3's largest finite value); a zero block gets scale 1. Runs where ``w`` lives."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in (torch.bfloat16, torch.float32):
+        raise ChunkringUsageError("expected a bfloat16 or float32 tensor [E, N, K]", field="w")
+    E, N, K = w.shape
+    nb, kb = -(-N // WEIGHT_BLOCK), -(-K // WEIGHT_BLOCK)
+    padded = torch.zeros((E, nb * WEIGHT_BLOCK, kb * WEIGHT_BLOCK), dtype=torch.float32, device=w.device)
+    padded[:, :N, :K] = w
+    blocks = padded.view(E, nb, WEIGHT_BLOCK, kb, WEIGHT_BLOCK)
+    scale = blocks.abs().amax(dim=(2, 4)) / _E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (blocks / scale[:, :, None, :, None]).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    data = q.view(E, nb * WEIGHT_BLOCK, kb * WEIGHT_BLOCK)[:, :N, :K].contiguous()
+    return Fp8Weight(data, scale)
 
 
 def init_weights(config: MoEConfig, generator: torch.Generator | None = None):

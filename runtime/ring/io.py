@@ -11,29 +11,15 @@ import torch
 from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat
 
-__all__ = ["publish_chunk", "gather", "gather_grid_limit", "GatherOutputs"]
+__all__ = ["publish_chunk", "enqueue_publish", "gather", "gather_grid_limit", "GatherOutputs"]
 
 _GATHER_BLOCK = 512
 
 
 def _library(runtime):
-    from chunkring._jit import Param, library_for
+    from chunkring._jit import library_for
 
-    desc = Param("desc", "ptr", torch.int64)
-    return library_for(runtime, "ring_host_api", {
-        "ring_publish_tensors": (
-            desc, Param("x", "ptr", torch.uint8), Param("x_sf", "ptr", torch.float32),
-            Param("topk_idx", "ptr", torch.int32), Param("topk_weights", "ptr", torch.float32),
-            Param("n_tokens", "i32"), Param("token_base", "i64"), Param("end_of_stream", "i32"),
-            Param("valid_tokens", "ptr", torch.int32, nullable=True), Param("batch_rows", "i64"),
-        ),
-        "ring_gather": (
-            desc, Param("out_x", "ptr", torch.uint8), Param("out_x_sf", "ptr", torch.float32),
-            Param("out_topk_idx", "ptr", torch.int32), Param("out_topk_weights", "ptr", torch.float32),
-            Param("out_counts", "ptr", torch.int64), Param("capacity", "i64"),
-            Param("arrivals", "ptr", torch.int32, nullable=True),
-        ),
-    })
+    return library_for(runtime, "ring_host_api")
 
 
 def _x_dtype(spec):
@@ -98,9 +84,16 @@ def publish_chunk(ring, *, x, x_sf, topk_idx, topk_weights, token_base: int, end
                                       field="batch_rows")
     elif n == 0 and not end_of_stream:
         raise ChunkringUsageError("an empty chunk must end the stream (only an empty rank sends one)", field="x")
+    enqueue_publish(ring, x, x_sf, topk_idx, topk_weights, token_base, end_of_stream, valid_tokens, batch_rows, stream)
+
+
+def enqueue_publish(ring, x, x_sf, topk_idx, topk_weights, token_base: int, end_of_stream: bool, valid_tokens,
+                    batch_rows: int | None, stream) -> None:
+    """:func:`publish_chunk` without its argument checks, for a caller that checked the whole batch once
+    (the MoE layer publishes slices of a batch it validated at its public boundary)."""
     scales = x_sf if x_sf is not None else topk_weights  # never read for bf16: zero scale floats per row
     _library(ring.runtime).launch(
-        "ring_publish_tensors", ring.desc, x.view(torch.uint8), scales, topk_idx, topk_weights, n, token_base,
+        "ring_publish_tensors", ring.desc, x.view(torch.uint8), scales, topk_idx, topk_weights, x.shape[0], token_base,
         int(end_of_stream), valid_tokens, 0 if batch_rows is None else batch_rows, block=512, stream=stream)
 
 

@@ -131,11 +131,7 @@ class Ring:
 
 def _check_identical(runtime, value) -> None:
     """Fail every rank alike if the ranks passed different arguments to a collective constructor."""
-    if runtime.world_size == 1:
-        return
-    from mpi4py import MPI
-
-    everyone = MPI.COMM_WORLD.allgather(value)
+    everyone = runtime.allgather_object(value)  # [value] in a single process
     if any(v != everyone[0] for v in everyone):
         diff = {rank: v for rank, v in enumerate(everyone) if v != everyone[0]}
         raise ChunkringUsageError(f"ranks disagree (rank 0 has {everyone[0]}, others {diff})", field="spec")

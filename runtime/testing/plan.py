@@ -9,9 +9,9 @@ runs agree bitwise. Masked choices (-1) are planned nowhere.
 Everything here runs on the host, on CPU tensors, and checks its inputs before any work - including the
 index values (every one in [-1, num_experts)), which a device kernel could not read without a
 synchronisation; a bad input raises :class:`~chunkring.errors.ChunkringUsageError` naming the field.
-:func:`plan_batch` is the reference the layer's device plan (:func:`chunkring.moe.dispatch.plan_experts`)
-is tested against row for row, and :func:`~chunkring.moe.dispatch.padded_rows_bound` sizes the fixed-shape device buffers that
-plan writes into.
+:func:`plan_batch` is the reference the layer's device plan (``moe_plan_scatter`` in
+device/kernels/moe_experts.cu) is tested against, group by group; the device plan places a group's rows in
+any order (an atomic cursor), so the test compares each group's rows as a set.
 
 Conventions (as in :mod:`chunkring.ring.layout`): ``topk_idx`` int32 [n, K], -1 = masked choice;
 ``topk_weights`` float32 [n, K]; rank ``d`` of ``W`` owns experts ``[d * E / W, (d + 1) * E / W)``.

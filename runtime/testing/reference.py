@@ -13,11 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe.dispatch import ExpertPlan
 from chunkring.moe.producer import E4M3_MAX, quantize_rows_fp8
+from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
-__all__ = ["E4M3_MAX", "dequantize_fp8_per128", "expert_forward", "gather_rows", "moe_reference", "quantize_fp8_per128"]
+__all__ = [
+    "E4M3_MAX",
+    "dequantize_fp8_per128",
+    "layer_weights_reference",
+    "moe_reference",
+    "quantize_fp8_per128",
+]
 
 
 def quantize_fp8_per128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +56,14 @@ def dequantize_fp8_per128(x_fp8: torch.Tensor, x_sf: torch.Tensor) -> torch.Tens
 
 
 def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor) -> torch.Tensor:
+                  w2: torch.Tensor, *, fp8_recipe: bool = False) -> torch.Tensor:
     """float32 [N, H]: out[t] = sum_k w[t, k] * w2[e] @ (silu(gate) * up), [gate, up] = split(w13[e] @ x[t], I).
+
+    ``fp8_recipe``: the roundings the FP8 layer makes between its GEMMs - L1's output ``[gate, up]`` to
+    bf16 (the GEMM's output type), then ``silu(gate) * up`` quantised to FP8 e4m3 per 1x128 - so the
+    layer is held to accumulation-order differences only (its FP8 rows and weights are passed here
+    already dequantised). Without the bf16 step, the activation's e4m3 rounding decisions that bf16 moves
+    alone put the layer ~1.4 % from this reference.
 
     x: float32 [N, H].  topk_idx: int32 [N, K], e = topk_idx[t, k] in [-1, E), -1 = masked (adds nothing,
     whatever its weight).  topk_weights: float32 [N, K].  w13: float32 [E, 2I, H] (gate rows first, then
@@ -103,10 +115,23 @@ def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
             continue
         rows = token[start:start + count]
         gate_up = x[rows] @ w13[e].T  # [count, 2I]
+        if fp8_recipe:
+            gate_up = gate_up.to(torch.bfloat16).float()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [count, I]
+        if fp8_recipe:
+            act = dequantize_fp8_per128(*quantize_fp8_per128(act))
         out.index_add_(0, rows, (act @ w2[e].T) * weight[start:start + count, None])
         start += count
     return out
+
+
+def layer_weights_reference(w13: torch.Tensor, w2: torch.Tensor, payload) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 w13, w2 as the layer's GEMMs see them for ``payload``: FP8 -> quantised per 128x128 block
+    (:func:`chunkring.moe.quantize_weight_fp8`, what :meth:`MoELayer.expert_weights` does) and dequantised;
+    bf16 -> as given."""
+    if payload.has_scales:
+        return quantize_weight_fp8(w13).dequantize(), quantize_weight_fp8(w2).dequantize()
+    return w13.float(), w2.float()
 
 
 def _check_matrix(field: str, t, dtypes: tuple) -> None:
@@ -116,37 +141,3 @@ def _check_matrix(field: str, t, dtypes: tuple) -> None:
         raise ChunkringUsageError(f"dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}", field=field)
     if t.dim() != 2:
         raise ChunkringUsageError(f"must have 2 dims, got shape {tuple(t.shape)}", field=field)
-
-
-# The torch reference of the layer's row kernels (device/kernels/moe_stream.cu).
-
-def gather_rows(plan: ExpertPlan, stage_x: torch.Tensor, stage_sf: torch.Tensor | None) -> torch.Tensor:
-    """bfloat16 [P, H]: each planned row's activations (FP8 rows dequantised with their per-128 scales).
-    Padding rows hold whatever stage row 0 holds, maybe stale NaN bytes: no GEMM mixes rows, so they can
-    reach only their own (padding) results, which the combine push skips. No masking pass is spent on them."""
-    W, T, H = stage_x.shape
-    flat = plan.src_rank.clamp(min=0) * T + plan.token_index.clamp(min=0)
-    rows = stage_x.reshape(W * T, H)[flat].to(torch.float32)
-    if stage_sf is not None:
-        scales = stage_sf.reshape(W * T, H // FP8_SCALE_BLOCK)[flat]
-        rows = (rows.reshape(-1, H // FP8_SCALE_BLOCK, FP8_SCALE_BLOCK) * scales.unsqueeze(-1)).reshape(-1, H)
-    return rows.to(torch.bfloat16)
-
-
-def expert_forward(plan: ExpertPlan, rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """float32 [P, H]: ``weight * w2[e] @ (silu(gate) * up)``, ``[gate, up] = w13[e] @ row``, per planned row.
-    Padding rows (and rows past ``offsets[-1]``, which the GEMMs leave unwritten) hold garbage, maybe NaN:
-    the combine push skips them (``src_rank`` -1), so no pass is spent zeroing them.
-
-    rows bfloat16 [P, H];  w13 bfloat16 [E_local, 2I, H] (gate rows first);  w2 bfloat16 [E_local, H, I].
-    The GEMMs are ``torch._grouped_mm`` with the plan's device-side group ends: one launch per layer for
-    every expert, shapes fixed, no host synchronisation (CUTLASS grouped GEMM on sm90, bf16 in, fp32
-    accumulate). FP8 payloads are dequantised to bf16 first: correctness first; an FP8 grouped GEMM with
-    per-128 scales is the faster path this leaves for later.
-    """
-    ends = plan.expert_offsets[1:].to(torch.int32)
-    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
-    inter = w13.shape[1] // 2
-    act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(torch.bfloat16)
-    out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends).float()
-    return out.mul_(plan.weight[:, None])

@@ -8,8 +8,7 @@ import numpy as np
 
 from chunkring.errors import ChunkringUsageError
 
-from chunkring._jit.compiler import build
-from chunkring._jit.launch import KernelLibrary, Param
+from chunkring._jit.launch import library_for
 
 __all__ = ["MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "StressLibrary", "StressPlan"]
 
@@ -18,26 +17,10 @@ MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait
 #: The consumer-input mutant (protocol/validate.cuh checks off): caught by tests/gpu/test_fuzz_inputs.py,
 #: and the baseline that benchmarks/bench_input_checks.py measures the checks' cost against.
 NO_INPUT_CHECKS = 5
-#: The MoE layer's mutant: a source's last chunk acknowledged at its pull, before the combine rows that
-#: the acknowledgement promises its owner (caught by tests/gpu/test_moe_layer.py).
+#: protocol/mutants.cuh kNoDeferredAck, as the MoE layer meets it: a source's last chunk acknowledged at
+#: its pull, before the combine rows that the held acknowledgement promises its owner (caught by
+#: tests/gpu/test_moe_layer.py).
 NO_HELD_ACK = 6
-
-
-def _signatures():
-    import torch
-
-    return {
-        "ring_stress": (
-            Param("desc", "ptr", torch.int64), Param("plan", "ptr", torch.int32), Param("invocations", "i32"),
-            Param("seed", "u64"), Param("max_delay_ns", "u32"), Param("received", "ptr", torch.int64),
-            Param("stress", "ptr", torch.int64), Param("stress_words", "u64"),
-        ),
-        "litmus_mp": (
-            Param("lines", "ptr", torch.int64), Param("writer", "i32"), Param("reader", "i32"),
-            Param("iters", "i32"), Param("violations", "ptr", torch.int64), Param("mp_blocks", "i32"),
-            Param("stress", "ptr", torch.int64), Param("stress_words", "u64"),
-        ),
-    }
 
 
 @dataclass(frozen=True)
@@ -69,7 +52,7 @@ class StressLibrary:
             raise ChunkringUsageError(f"unknown mutant {mutant!r}; have {sorted(MUTANTS)}", field="mutant")
         self.mutant = mutant
         self.runtime = runtime
-        self.library = KernelLibrary(runtime, build("ring_stress", defines={"CHUNKRING_MUTANT": MUTANTS[mutant]}), _signatures())
+        self.library = library_for(runtime, "ring_stress", defines={"CHUNKRING_MUTANT": MUTANTS[mutant]})
 
     def run_stress(self, ring, plan: StressPlan, *, seed: int, max_delay_ns: int, stress_blocks: int = 4,
                    stream=None):

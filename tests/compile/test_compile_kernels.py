@@ -1,9 +1,13 @@
-"""Every kernel source compiles with NVRTC against the NVSHMEM the GPU host runs (no GPU needed),
-and the on-disk cache is keyed so that a changed input recompiles and an unchanged one does not."""
+"""Every kernel source compiles with NVRTC against the NVSHMEM the GPU host runs (no GPU needed: the
+target is then the documented CPU fallback, sm_90), and the on-disk cache is keyed so that a changed
+input - source, header, macro, any other option, architecture - recompiles and an unchanged one does not."""
+
+import dataclasses
 
 import pytest
 
-from chunkring._jit import build, kernel_sources, nvshmem_version
+from chunkring._jit import arch_of, build, default_arch, kernel_sources, nvshmem_version
+from chunkring._jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, _cache_key, program_options
 from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS
 from chunkring.errors import ChunkringUsageError
 
@@ -64,3 +68,32 @@ def test_each_moe_layer_mutant_builds_a_different_kernel(mutant):
     real = bytes(build("moe_stream").object_code.code)
     broken = bytes(build("moe_stream", defines={"CHUNKRING_MUTANT": mutant}).object_code.code)
     assert broken[:4] == b"\x7fELF" and broken != real
+
+
+def test_the_key_covers_the_architecture_and_every_option():
+    source = (KERNEL_DIR / "selftest.cu").read_text()
+    options = program_options("selftest", arch="sm_90")
+    key = _cache_key("selftest", source, options)
+    assert _cache_key("selftest", source, program_options("selftest", arch="sm_90")) == key
+    assert _cache_key("selftest", source, program_options("selftest", arch="sm_100")) != key
+    assert _cache_key("selftest", source, dataclasses.replace(options, lineinfo=True)) != key  # not a macro
+
+
+def test_the_target_is_the_gpus_own_or_the_cpu_fallback(monkeypatch):
+    import cuda.core
+
+    class Hopper:
+        compute_capability = (9, 0)
+
+    class Blackwell:
+        compute_capability = (10, 0)
+
+    def no_gpu():
+        raise RuntimeError("no NVIDIA driver")
+
+    monkeypatch.setattr(cuda.core, "Device", Blackwell)
+    assert default_arch() == "sm_100"
+    assert arch_of(Hopper()) == "sm_90"
+    monkeypatch.setattr(cuda.core, "Device", no_gpu)
+    assert default_arch() == CPU_FALLBACK_ARCH == "sm_90"
+    assert build("selftest").arch == CPU_FALLBACK_ARCH

@@ -31,9 +31,9 @@ def test_ring_pass_and_acks(runtime):
 
 
 def test_launch_rejects_bad_arguments_before_enqueueing(runtime):
-    from chunkring._jit import KernelLibrary, build
+    from chunkring._jit import library_for
 
-    lib = KernelLibrary(runtime, build("selftest"), bringup.signatures())
+    lib = library_for(runtime, "selftest")
     wrong = torch.zeros(4, dtype=torch.float32, device=runtime.torch_device)
     with pytest.raises(ChunkringUsageError, match="expected dtype"):
         lib.launch("selftest_pingpong", wrong, 0, 1, 1, wrong)

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from chunkring import ChunkringInputError, MoEConfig, MoELayer, Ring, RingSpec
-from chunkring.testing.reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from chunkring.ring.io import GatherOutputs, gather, publish_chunk
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import InputField
-from tests.gpu.test_moe_layer import H, rel_error, routing, weights
+from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, weights
 
 pytestmark = pytest.mark.gpu
 
@@ -63,9 +63,7 @@ def test_layer_masks_and_reports_corrupted_inputs(runtime, record_testsuite_prop
                     front_num_slots=2, front_tokens_per_slot=C)
     layer = MoELayer(runtime, cfg, timeout_s=30)
     w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(2))
-    mine = slice(rank * 2, rank * 2 + 2)
-    experts = (w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
-    w13_all, w2_all = w13.float().to(device), w2.float().to(device)
+    experts = local_weights(layer, w13, w2)
     fields = (InputField.TOPK_IDX, InputField.X_SF, InputField.VALID_TOKENS)
     counts = dict.fromkeys(fields, 0)
     try:
@@ -104,8 +102,8 @@ def test_layer_masks_and_reports_corrupted_inputs(runtime, record_testsuite_prop
                       num_tokens=count.to(device))
             torch.cuda.synchronize()
             check_guards(padded, GUARD, GUARD + n, f"case {case}")
-            ref = moe_reference(dequantize_fp8_per128(xq, clean_sf)[:valid].to(device), clean_idx[:valid].to(device),
-                                w[:valid].to(device), w13_all, w2_all)
+            ref = layer_reference(layer, dequantize_fp8_per128(xq, clean_sf)[:valid].to(device), clean_idx[:valid],
+                                  w[:valid], w13, w2)
             assert rel_error(out[:valid], ref) <= 1e-2, f"case {case} ({field.name})"
             assert not bool(out[valid:].any()), f"case {case}: rows past the count were written"
             # Who reads the bad value: every rank reads every topk_idx; a scale only where its row is
@@ -173,25 +171,19 @@ def test_gather_masks_and_reports_corrupted_metadata(runtime, record_testsuite_p
 def test_negative_control_without_the_checks_a_bad_expert_goes_unreported(runtime):
     """With validate.cuh compiled out (the NO_INPUT_CHECKS mutant), the same corruption raises nothing:
     the reports asserted above come from the checks, not from anything else."""
-    from chunkring._jit import KernelLibrary, build
     from chunkring.testing.stress import NO_INPUT_CHECKS
-    from chunkring.moe.layer import moe_kernel_signatures
 
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
                     front_num_slots=2, front_tokens_per_slot=C)
-    layer = MoELayer(runtime, cfg, timeout_s=30)
+    layer = MoELayer(runtime, cfg, timeout_s=30, variant=NO_INPUT_CHECKS)
     try:
-        layer._kernels = KernelLibrary(runtime, build("moe_stream", defines={"CHUNKRING_MUTANT": NO_INPUT_CHECKS}),
-                                       moe_kernel_signatures())
         w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(2))
-        mine = slice(rank * 2, rank * 2 + 2)
         gen = torch.Generator().manual_seed(rank)
         xq, sf = quantize_fp8_per128(torch.randn(MAX_TOKENS, H, generator=gen))
         idx, w = routing(MAX_TOKENS, cfg.num_experts, TOPK, "uniform", gen)
         idx[3, 1] = cfg.num_experts + 5  # out of range on every rank: every consumer reads it
-        layer.run(*(t.to(device) for t in (xq, sf, idx, w)), w13[mine].contiguous().to(device),
-                  w2[mine].contiguous().to(device), streaming=True)
+        layer.run(*(t.to(device) for t in (xq, sf, idx, w)), *local_weights(layer, w13, w2), streaming=True)
         torch.cuda.synchronize()
         layer.check()  # nothing reported: the fuzz test above would fail against this build
     finally:

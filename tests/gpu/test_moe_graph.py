@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from chunkring import MoEConfig, MoELayer
-from chunkring.testing.reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 
-from tests.gpu.test_moe_layer import H, rel_error, routing, weights
+from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, weights
 
 pytestmark = pytest.mark.gpu
 
@@ -63,10 +63,7 @@ def make_layer(runtime):
                     front_num_slots=SLOTS, front_tokens_per_slot=C)
     layer = MoELayer(runtime, cfg, timeout_s=60)
     w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(5))
-    mine = slice(runtime.rank * 2, runtime.rank * 2 + 2)
-    device = runtime.torch_device
-    experts = (w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
-    return layer, experts, (w13.float().to(device), w2.float().to(device))
+    return layer, local_weights(layer, w13, w2), (w13, w2)
 
 
 def capture(layer, batch, experts, out, *, streaming):
@@ -93,9 +90,7 @@ def check_replay(layer, batch, experts, graph, out, step, *, streaming, referenc
     assert torch.equal(replayed, eager), f"replay {step} (n={n}) differs from the eager call"
     assert not bool(replayed[n:].any()), f"replay {step}: rows past the real count {n} are not zero"
     if reference is not None:
-        w13, w2 = reference
-        device = out.device
-        ref = moe_reference(batch.x_in[:n].to(device), batch.idx[:n], batch.w[:n], w13, w2)
+        ref = layer_reference(layer, batch.x_in[:n].to(out.device), batch.idx[:n], batch.w[:n], *reference)
         assert rel_error(replayed[:n], ref) <= 1e-2, f"replay {step}"
 
 
@@ -180,8 +175,7 @@ def test_bad_count_is_clamped_and_reported(runtime):
             n = MAX_TOKENS if bad > 0 else 0
             assert not bool(out[n:].any())
             if n:
-                w13, w2 = reference
-                ref = moe_reference(batch.x_in.to(out.device), batch.idx, batch.w, w13, w2)
+                ref = layer_reference(layer, batch.x_in.to(out.device), batch.idx, batch.w, *reference)
                 assert rel_error(out, ref) <= 1e-2
     finally:
         layer.destroy()

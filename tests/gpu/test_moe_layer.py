@@ -16,7 +16,12 @@ import torch
 
 from chunkring import ChunkedMoE, MoEConfig, MoELayer
 from chunkring.moe.weights import init_weights
-from chunkring.testing.reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.testing.reference import (
+    dequantize_fp8_per128,
+    layer_weights_reference,
+    moe_reference,
+    quantize_fp8_per128,
+)
 from chunkring.moe.producer import route
 from chunkring.ring.spec import PayloadFormat
 
@@ -68,6 +73,25 @@ def weights(num_experts, gen):
     return w13, w2
 
 
+def local_weights(layer, w13, w2):
+    """This rank's experts of every expert's w13 / w2 (CPU bfloat16), in the form the layer takes."""
+    mine = slice(layer.first_expert, layer.first_expert + layer.experts_per_rank)
+    device = layer.runtime.torch_device
+    return layer.expert_weights(w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
+
+
+def layer_reference(layer, x_in, idx, w, w13, w2):
+    """The fp32 reference of the layer's math on ``x_in`` (the payload dequantised) with every expert's
+    w13 / w2 (CPU bfloat16): the weights as the layer's GEMMs see them and, for the FP8 payload, the
+    recipe's roundings between the GEMMs (bf16 L1 output, e4m3 SwiGLU output per 1x128). What remains is
+    the bf16 rounding of L2's output and of the combine rows (2^-9 relative each) and fp32 accumulation
+    order, which can flip a few of the activation's e4m3 rounding decisions: 1e-2 holds with margin."""
+    device = x_in.device
+    w13_ref, w2_ref = layer_weights_reference(w13, w2, layer.config.payload)
+    return moe_reference(x_in, idx.to(device), w.to(device), w13_ref.to(device), w2_ref.to(device),
+                         fp8_recipe=layer.config.payload.has_scales)
+
+
 def rel_error(out, ref):
     assert not bool(torch.isnan(out).any()), "NaN in the output (an unwritten row, or a NaN result)"
     if ref.numel() == 0:
@@ -87,8 +111,7 @@ def test_layer_matches_reference(runtime, case):
     layer = MoELayer(runtime, cfg, timeout_s=60)
     try:
         w13, w2 = weights(num_experts, torch.Generator().manual_seed(CASES.index(case)))
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        w13_local, w2_local = w13[mine].contiguous().to(device), w2[mine].contiguous().to(device)
+        w13_local, w2_local = local_weights(layer, w13, w2)
         for it in range(ITERATIONS):
             gen = torch.Generator().manual_seed(10_000 * CASES.index(case) + 100 * it + rank)
             n = tokens_of(pattern, C, rank, W)
@@ -100,8 +123,7 @@ def test_layer_matches_reference(runtime, case):
             else:
                 xq, sf = x32.to(torch.bfloat16), None
                 x_in = xq.float()
-            ref = moe_reference(x_in.to(device), idx.to(device), w.to(device), w13.float().to(device),
-                                w2.float().to(device))
+            ref = layer_reference(layer, x_in.to(device), idx, w, w13, w2)
             args = [t if t is None else t.to(device) for t in (xq, sf, idx, w)]
             outs = {}
             for streaming in (False, True):
@@ -127,8 +149,7 @@ def test_batch_ready_is_bitwise_deterministic_and_streamed_call_never_syncs(runt
         xq, sf = quantize_fp8_per128(torch.randn(37, H, generator=gen))
         idx, w = routing(37, cfg.num_experts, 2, "uniform", gen)
         w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(3))
-        mine = slice(rank * 2, rank * 2 + 2)
-        args = [t.to(device) for t in (xq, sf, idx, w, w13[mine].contiguous(), w2[mine].contiguous())]
+        args = [*(t.to(device) for t in (xq, sf, idx, w)), *local_weights(layer, w13, w2)]
         for streaming in (False, True):
             first = layer.run(*args, streaming=streaming).clone()
             torch.cuda.synchronize()
@@ -165,7 +186,7 @@ def test_module_with_its_own_producers(runtime, payload):
                 x_in = dequantize_fp8_per128(*quantize_fp8_per128(hidden.float()))
             else:
                 x_in = hidden.float()
-            ref = moe_reference(x_in, idx, w, w13.float().to(device), w2.float().to(device))
+            ref = layer_reference(layer, x_in, idx, w, w13, w2)
             for streaming in (False, True):
                 out = module(hidden, streaming=streaming)
                 torch.cuda.synchronize()
@@ -186,14 +207,15 @@ def test_bad_input_is_refused_before_gpu_work(runtime):
         sf = torch.ones(4, H // 128, device=device)
         idx = torch.zeros(4, 2, dtype=torch.int32, device=device)
         w = torch.ones(4, 2, device=device)
-        w13 = torch.zeros(2, 2 * INTER, H, dtype=torch.bfloat16, device=device)
-        w2 = torch.zeros(2, H, INTER, dtype=torch.bfloat16, device=device)
+        w13_bf16 = torch.zeros(2, 2 * INTER, H, dtype=torch.bfloat16, device=device)
+        w2_bf16 = torch.zeros(2, H, INTER, dtype=torch.bfloat16, device=device)
+        w13, w2 = layer.expert_weights(w13_bf16, w2_bf16)
         bad = {
             "x": dict(x=torch.zeros(17, H, dtype=torch.float8_e4m3fn, device=device)),
             "x_sf": dict(x_sf=None),
             "topk_idx": dict(topk_idx=idx.long()),
             "w13": dict(w13=w13[:1]),
-            "w2": dict(w2=w2.float()),
+            "w2": dict(w2=w2_bf16),  # the FP8 payload's GEMMs take FP8 weights
             "streaming": dict(streaming=True),  # no streaming ring in this config
         }
         for field, change in bad.items():
@@ -207,34 +229,26 @@ def test_bad_input_is_refused_before_gpu_work(runtime):
         layer.destroy()
 
 
-def _rank_outputs_wrong(runtime, kernels) -> list:
-    """Streamed calls of a layer whose kernels are ``kernels`` (None: the real ones): per iteration, whether
-    any rank's output missed the reference. Heavy enough experts that the consumer's work takes far longer
-    than a drain that does not wait for it."""
-    from chunkring._jit import KernelLibrary, build
-    from chunkring.moe.layer import moe_kernel_signatures
-
+def _rank_outputs_wrong(runtime, variant: int) -> list:
+    """Streamed calls of a layer whose ring kernels are compiled as ``variant`` (0: the real ones): per
+    iteration, whether any rank's output missed the reference. Heavy enough experts that the consumer's
+    work takes far longer than a drain that does not wait for it."""
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     hidden, inter, per_rank, n = 1024, 1024, 8, 256
     cfg = MoEConfig(num_experts=per_rank * W, hidden=hidden, intermediate=inter, topk=4, max_tokens_per_rank=n,
                     front_num_slots=2, front_tokens_per_slot=64)
-    layer = MoELayer(runtime, cfg, timeout_s=60)
+    layer = MoELayer(runtime, cfg, timeout_s=60, variant=variant)
     wrong = []
     try:
-        if kernels is not None:
-            layer._kernels = KernelLibrary(runtime, build("moe_stream", defines={"CHUNKRING_MUTANT": kernels}),
-                                           moe_kernel_signatures())
         gen = torch.Generator().manual_seed(5)
         w13 = (torch.randn(cfg.num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(torch.bfloat16)
         w2 = (torch.randn(cfg.num_experts, hidden, inter, generator=gen) / inter**0.5).to(torch.bfloat16)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        w13_local, w2_local = w13[mine].contiguous().to(device), w2[mine].contiguous().to(device)
+        w13_local, w2_local = local_weights(layer, w13, w2)
         for it in range(3):
             gen = torch.Generator().manual_seed(100 * it + rank)
             xq, sf = quantize_fp8_per128(torch.randn(n, hidden, generator=gen))
             idx, w = routing(n, cfg.num_experts, cfg.topk, "uniform", gen)
-            ref = moe_reference(dequantize_fp8_per128(xq, sf).to(device), idx.to(device), w.to(device),
-                                w13.float().to(device), w2.float().to(device))
+            ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
             out = layer.run(*(t.to(device) for t in (xq, sf, idx, w)), w13_local, w2_local, streaming=True)
             torch.cuda.synchronize()
             layer.check()
@@ -256,7 +270,7 @@ def test_negative_control_acknowledging_the_last_chunk_at_its_pull_loses_combine
     calls, match it."""
     from chunkring.testing.stress import NO_HELD_ACK
 
-    assert not any(_rank_outputs_wrong(runtime, None))
+    assert not any(_rank_outputs_wrong(runtime, 0))
     caught = _rank_outputs_wrong(runtime, NO_HELD_ACK)
     print(f"no_held_ack: outputs wrong in {sum(caught)} of {len(caught)} calls")
     assert any(caught), "the NO_HELD_ACK mutant escaped: the held acknowledgement is not what orders the reduction"
@@ -266,9 +280,7 @@ def fp8_reference_of(module, seed, hidden):
     """The fp32 reference of ``module`` (a ChunkedMoE drawn with ``seed``, FP8 payload) on ``hidden``."""
     _, w13, w2 = init_weights(module.layer.config, torch.Generator().manual_seed(seed))  # every expert
     idx, w = route(hidden, module.router_weight, module.layer.config.topk)
-    device = hidden.device
-    return moe_reference(dequantize_fp8_per128(*quantize_fp8_per128(hidden.float())), idx, w,
-                         w13.float().to(device), w2.float().to(device))
+    return layer_reference(module.layer, dequantize_fp8_per128(*quantize_fp8_per128(hidden.float())), idx, w, w13, w2)
 
 
 def test_eager_call_of_more_producer_launches_than_the_launch_queue_holds(runtime):

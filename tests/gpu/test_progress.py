@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from chunkring import ChunkringTimeoutError, MoEConfig, MoELayer, Ring, RingSpec, SmPartition
-from chunkring.testing.reference import dequantize_fp8_per128, moe_reference, quantize_fp8_per128
+from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from chunkring.ring.io import GatherOutputs, gather, gather_grid_limit, publish_chunk
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import Site
-from tests.gpu.test_moe_layer import H, rel_error, routing, weights
+from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, weights
 from tests.gpu.test_ring_host_api import K, T, source_tensors
 
 pytestmark = pytest.mark.gpu
@@ -163,18 +163,16 @@ def test_layer_on_a_partition_with_a_delayed_producer_and_an_empty_rank(runtime)
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=2, max_tokens_per_rank=64,
                     front_num_slots=2, front_tokens_per_slot=16)
     w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(9))
-    mine = slice(rank * 2, rank * 2 + 2)
-    experts = (w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
     gen = torch.Generator().manual_seed(40 + rank)
     n = 0 if rank == 0 and W > 1 else 61
     xq, sf = quantize_fp8_per128(torch.randn(n, H, generator=gen))
     idx, w = routing(n, cfg.num_experts, 2, "uniform", gen)
-    ref = moe_reference(dequantize_fp8_per128(xq, sf).to(device), idx.to(device), w.to(device),
-                        w13.float().to(device), w2.float().to(device))
     args = [t.to(device) for t in (xq, sf, idx, w)]
     with SmPartition(runtime, producer_sms=16) as part:
         layer = MoELayer(runtime, cfg, partition=part, timeout_s=60)
         try:
+            experts = local_weights(layer, w13, w2)
+            ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
             plain = None
             for delayed in (False, True):
                 runtime.barrier()

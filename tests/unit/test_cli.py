@@ -1,4 +1,6 @@
-"""`chunkring-launch` on a machine without a GPU says so plainly and exits non-zero, no traceback."""
+"""`chunkring-launch`: its documented exit statuses hold on a machine without a GPU (no GPU is 3, also for
+doctor; a config the ring cannot carry is 2, in one line, before any rank starts), and every job's
+``--help`` lists its keys with their preset values."""
 
 import subprocess
 import sys
@@ -19,3 +21,119 @@ def test_no_gpu_message():
 def test_unknown_job_is_a_usage_error():
     proc = subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", "nosuchjob"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def run_cli(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", *argv], capture_output=True, text=True,
+                          timeout=120, env=env, check=False)
+
+
+# A layer the ring cannot carry is a config error (2) reported in one line before any rank starts, also
+# on a machine without a GPU: not "no GPU" (3) and not a rank's failure (1).
+def test_topk_past_the_experts_is_a_config_error_without_a_gpu():
+    proc = run_cli("run", "topk=100")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "chunkring-launch: topk: must be in [1, 16], got 100\n"
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["stress", "topk=100"], "topk: must be in [1, 16], got 100"),
+    (["bench", "topk=100"], "topk: must be in [1, 32], got 100"),  # 256 experts; the ring takes 32 choices
+    (["run", "hidden=100"], "hidden: a token row (100 B) must be a multiple of 16 B"),
+    (["run", "hidden=144"], "hidden: FP8 scales cover 128 channels"),
+    (["run", "max_tokens_per_rank=70000"], "max_tokens_per_rank: must be in [1, 65536], got 70000"),
+    (["run", "front_num_slots=70000"], "front_num_slots: must be in [1, 65536], got 70000"),
+    (["--np", "3", "run"], "num_experts: 16 experts do not split evenly over 3 ranks"),
+    (["--np", "3", "--dry-run", "run"], "num_experts: 16 experts do not split evenly over 3 ranks"),
+    (["--np", "128", "run", "num_experts=128"], "--np: must be in [1, 64], got 128"),
+])
+def test_a_layer_the_ring_cannot_carry_is_a_config_error(argv, needle, capsys):
+    from chunkring.launcher import cli
+
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count(needle) == 1 and err.strip().count("\n") == 0, err  # one line
+    assert out == "" and "Traceback" not in err
+
+
+def test_the_dry_run_of_a_fitting_rank_count_passes(capsys):
+    from chunkring.launcher import cli
+
+    assert cli.main(["--np", "4", "--dry-run", "run"]) == 0
+    assert "mpirun -np 4" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU path")
+def test_doctor_without_a_gpu_is_status_3(monkeypatch, capsys):
+    from chunkring.launcher import cli, doctor
+
+    # The kernel build is checked elsewhere (test_launcher); here only the status matters.
+    monkeypatch.setattr(doctor, "check_compiler", lambda: doctor.Check("kernel build (NVRTC)", "PASS", "skipped here"))
+    assert cli.main(["doctor"]) == 3
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "[FAIL] GPUs: no CUDA GPU visible (torch.cuda.device_count() == 0)" in lines
+    assert lines[-1].startswith("chunkring doctor:")
+
+
+def test_doctor_status_follows_the_checks():
+    from chunkring.launcher.doctor import NO_GPU_DETAIL, Check, summarize
+
+    ok, bad = Check("mpirun", "PASS", "here"), Check("mpirun", "FAIL", "missing")
+    no_gpu, skip = Check("GPUs", "FAIL", NO_GPU_DETAIL), Check("MPS", "SKIP", "not found")
+    quiet = lambda line: None  # noqa: E731
+    assert summarize([ok, skip], quiet) == 0
+    assert summarize([bad, skip], quiet) == 1
+    assert summarize([ok, no_gpu], quiet) == 3
+    assert summarize([bad, no_gpu], quiet) == 3  # no GPU decides; every failure is still printed
+    assert summarize([Check("GPUs", "FAIL", "torch is not importable")], quiet) == 1
+
+
+def test_doctor_takes_no_keys(capsys):
+    from chunkring.launcher import cli
+
+    assert cli.main(["doctor", "rounds=3"]) == 2
+    assert "doctor takes no keys" in capsys.readouterr().err
+
+
+def _help(argv, capsys) -> str:
+    from chunkring.launcher import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv)
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("job", ["bench", "bringup", "run", "stress"])
+def test_every_jobs_help_lists_its_keys_with_the_preset_values(job, capsys):
+    import dataclasses
+
+    from chunkring.launcher.config import load_table
+    from chunkring.launcher.jobs import JOBS
+
+    out = _help([job, "--help"], capsys)
+    assert f"Keys of the {job} job (values of the preset configs/{job}.toml" in out
+    preset = load_table(job)
+    for field in dataclasses.fields(JOBS[job].CONFIG):
+        value = preset.get(field.name, field.default)
+        shown = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value)
+        assert f"  {field.name} = {shown} " in out, (field.name, shown)
+
+
+def test_stress_help_from_the_command_line():
+    proc = run_cli("stress", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "iterations = 200 " in proc.stdout and "chaos_rank = 1 " in proc.stdout
+
+
+def test_help_follows_the_config_and_options_may_come_first(capsys):
+    out = _help(["--config", "chaos", "--np", "4", "stress", "-h"], capsys)
+    assert "values of the preset configs/chaos.toml" in out
+    assert 'chaos = "kill"' in out and "iterations = 40 " in out
+    assert "every k-th iteration is batch-ready" in out  # the config class's comments
+
+
+def test_help_without_a_job_and_the_doctors_help(capsys):
+    assert "Keys of the" not in _help(["--help"], capsys)
+    assert "The doctor job takes no keys." in _help(["doctor", "--help"], capsys)

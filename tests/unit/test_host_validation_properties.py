@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import chunkring.ring.io as ring_io
-from chunkring import ChunkringUsageError, MoEConfig, MoELayer, PayloadFormat, RingSpec
+from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat, RingSpec
+from chunkring.moe.calls import CallMode, check_run_args
+from chunkring.moe.weights import Fp8Weight
 
 CPU = torch.device("cpu")
 H, K, T, E = 256, 4, 8, 8
@@ -130,31 +132,30 @@ def test_moe_config_is_valid_or_names_a_field(values, use):
         assert 1 <= cfg.front_tokens_per_slot <= cfg.max_tokens_per_rank and cfg.front_num_slots >= 1
 
 
-def layer_on_cpu(config: MoEConfig, world: int = 2) -> MoELayer:
-    """A MoELayer's host half on a CPU stand-in runtime: its checks run, its device work is recorded."""
-    layer = MoELayer.__new__(MoELayer)
-    layer.runtime = SimpleNamespace(torch_device=CPU, world_size=world, rank=0)
-    layer.config = config
-    layer.experts_per_rank = config.num_experts // world
-    layer.first_expert = 0
-    layer.combine = object()  # not destroyed
-    layer.calls = []
-    layer.streaming_calibration = None
-    layer._invoke = lambda which, n, produce, w13, w2, out, num_tokens, timeline: layer.calls.append((which, n)) or out
-    return layer
+def layer_on_cpu(config: MoEConfig, world: int = 2) -> SimpleNamespace:
+    """What a MoELayer's host-side checks read of it, on a CPU stand-in runtime."""
+    return SimpleNamespace(runtime=SimpleNamespace(torch_device=CPU, world_size=world, rank=0), config=config,
+                           experts_per_rank=config.num_experts // world, first_expert=0, streaming_calibration=None)
+
+
+def fp8_weight(t):
+    """``t`` as the FP8 payload's weights if it is a 3-D float8 tensor (its shape right or not), else as is."""
+    if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn and t.dim() == 3:
+        E_, N_, K_ = t.shape
+        return Fp8Weight(t, torch.ones(E_, -(-N_ // 128), -(-K_ // 128)))
+    return t
 
 
 @settings(max_examples=300, deadline=None)
 @given(n=st.integers(0, 20), data=st.data())
 def test_layer_run_accepts_exactly_the_valid_arguments(n, data):
-    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=64, topk=K, max_tokens_per_rank=16,
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=128, topk=K, max_tokens_per_rank=16,
                     front_num_slots=2, front_tokens_per_slot=8)
-    layer = layer_on_cpu(cfg)
-    El = layer.experts_per_rank
+    El = cfg.num_experts // 2
     good = {
         "x": ((n, H), torch.float8_e4m3fn), "x_sf": ((n, H // 128), torch.float32),
         "topk_idx": ((n, K), torch.int32), "topk_weights": ((n, K), torch.float32),
-        "w13": ((El, 128, H), torch.bfloat16), "w2": ((El, H, 64), torch.bfloat16),
+        "w13": ((El, 256, H), torch.float8_e4m3fn), "w2": ((El, H, 128), torch.float8_e4m3fn),
         "out": ((n, H), torch.bfloat16), "num_tokens": ((1,), torch.int32),
     }
     args = {name: data.draw(tensors(shape, dtype)) for name, (shape, dtype) in good.items()}
@@ -173,11 +174,13 @@ def test_layer_run_accepts_exactly_the_valid_arguments(n, data):
         wrong.add("x")
     if not isinstance(streaming, bool) and streaming != "auto":
         wrong.add("streaming")
+    w13, w2 = fp8_weight(args.pop("w13")), fp8_weight(args.pop("w2"))
+    kwargs = dict(streaming=streaming, out=args.pop("out"), num_tokens=args.pop("num_tokens"), timeline=None)
     if wrong:
         with pytest.raises(ChunkringUsageError) as info:
-            layer.run(**args, streaming=streaming)
+            check_run_args(cfg, El, CPU, None, *args.values(), w13, w2, **kwargs)
         assert info.value.field in wrong, (info.value.field, wrong)
-        assert not layer.calls
     else:
-        layer.run(**args, streaming=streaming)
-        assert layer.calls == [(1 if streaming is True else 0, rows)]  # "auto" uncalibrated: batch-ready
+        mode, count = check_run_args(cfg, El, CPU, None, *args.values(), w13, w2, **kwargs)
+        # "auto" uncalibrated: batch-ready
+        assert (mode, count) == (CallMode.STREAMED if streaming is True else CallMode.BATCH_READY, rows)

@@ -1,11 +1,12 @@
-"""Kernel arguments are checked against the declared signature before anything is enqueued."""
+"""Kernel arguments are checked against the kernel's signature before anything is enqueued, and that
+signature is read from the kernel's ``extern "C"`` declaration, refusing what no launch could map."""
 
 import numpy as np
 import pytest
 import torch
 
-from chunkring._jit import Param
-from chunkring.errors import ChunkringUsageError
+from chunkring._jit import Param, parse_kernels
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -47,3 +48,35 @@ def test_nullable_pointer_passes_null_only_when_declared():
         Param("count", "ptr", torch.int32).convert(None, CUDA0)
     with pytest.raises(ChunkringUsageError, match="nullable"):
         Param("n", "i32", nullable=True)
+
+
+def test_signatures_come_from_the_extern_c_declaration():
+    source = """
+    // A comment is no declaration: extern "C" __global__ void ghost(int n);
+    extern "C" __global__ void k(const RingDesc* desc, CHUNKRING_NULLABLE unsigned* arrivals,
+                                 unsigned long long seed, int fp8, __nv_bfloat16* __restrict__ rows) {}
+    extern "C" __global__ void __launch_bounds__(256, 2) empty(void) {}
+    extern "C" __global__ __launch_bounds__(128) void one(int n);
+    """
+    assert parse_kernels(source) == {
+        "k": (Param("desc", "ptr", torch.int64), Param("arrivals", "ptr", torch.int32, nullable=True),
+              Param("seed", "u64"), Param("fp8", "i32"), Param("rows", "ptr", torch.bfloat16)),
+        "empty": (),
+        "one": (Param("n", "i32"),),
+    }
+
+
+@pytest.mark.parametrize("source,message", [
+    ('extern "C" __global__ void k(double x) {}', "type 'double'"),
+    ('extern "C" __global__ void k(int** p) {}', "type 'int\\*\\*'"),
+    ('extern "C" __global__ void k(int*) {}', "needs a type and a name"),
+    ('extern "C" __global__ void k(int n,) {}', "needs a type and a name"),
+    ('extern "C" __global__ void k(int* p, int* p) {}', "repeats a parameter name"),
+    ('extern "C" __global__ void k(CHUNKRING_NULLABLE int n) {}', "not a pointer"),
+    ('extern "C" {\n__global__ void k(int n) {}\n}', "bad.cu:1: not a kernel signature"),
+    ('__global__ void k(int n) {}', "not declared `extern \"C\"`"),
+    ('extern "C" __global__ void k() {}\n\nextern "C" __global__ void k() {}', "bad.cu:3: kernel 'k' is declared twice"),
+])
+def test_a_signature_the_launches_cannot_map_is_refused(source, message):
+    with pytest.raises(ChunkringRuntimeError, match=message):
+        parse_kernels(source, "bad.cu")

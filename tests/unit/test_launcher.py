@@ -119,7 +119,7 @@ def test_a_failing_rank_ends_a_real_mpirun_job(tmp_path):
     assert time.monotonic() - start < 60
 
 
-def test_doctor_reports_every_check_and_fails_without_gpu(tmp_path):
+def test_doctor_reports_every_check_and_says_no_gpu(tmp_path):
     from tests.conftest import HAVE_GPU
 
     proc = run_cli("doctor", env=dict(os.environ, CHUNKRING_CACHE_DIR=str(tmp_path)))
@@ -131,7 +131,7 @@ def test_doctor_reports_every_check_and_fails_without_gpu(tmp_path):
     status_lines = [line for line in lines[:-1] if not line.startswith("       -> ")]
     assert all(line[:6] in ("[PASS]", "[FAIL]", "[SKIP]") for line in status_lines), status_lines
     if not HAVE_GPU:
-        assert proc.returncode == 1
+        assert proc.returncode == 3  # no GPU: the README's status, every other check still reported
         gpu = lines.index(next(line for line in lines if line.startswith("[FAIL] GPUs")))
         assert lines[gpu + 1].startswith("       -> ")  # a failure says what to do
     assert "[PASS] kernel build (NVRTC)" in proc.stdout

@@ -7,8 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from chunkring import ChunkringUsageError, MoEConfig, StreamingCalibration
+from chunkring import ChunkringUsageError, MoEConfig, RankInfo, StreamingCalibration
+from chunkring.bringup import HostComm
 from chunkring.moe.calibrate import _slowest_rank, calibrate
+from chunkring.moe.calls import CallMode, check_run_args
+from chunkring.moe.weights import quantize_weight_fp8
 from tests.unit.test_host_validation_properties import layer_on_cpu
 
 
@@ -21,11 +24,19 @@ def test_streams_only_within_tolerance_everywhere():
 
 def test_one_rank_keeps_its_own_figures():
     mine = {16: (1.0, 1.2)}
-    assert _slowest_rank(SimpleNamespace(world_size=1), mine) == mine
+    assert _slowest_rank(HostComm(RankInfo(0, 1, 0, 1)), mine) == mine  # no MPI in a single process
+
+
+def test_every_rank_takes_the_figures_of_the_rank_where_streaming_fared_worst():
+    everyone = [{16: (1.0, 1.2), 2048: (9.0, 9.0)},   # rank 0: worst at 16 tokens
+                {16: (2.0, 2.1), 2048: (8.0, 8.8)}]   # rank 1: worst at 2048
+    for rank in (0, 1):
+        runtime = SimpleNamespace(world_size=2, rank=rank, allgather_object=lambda mine: everyone)
+        assert _slowest_rank(runtime, everyone[rank]) == {16: (1.0, 1.2), 2048: (8.0, 8.8)}
 
 
 def layer(streaming=True):
-    cfg = MoEConfig(num_experts=4, hidden=256, intermediate=64, topk=2, max_tokens_per_rank=64,
+    cfg = MoEConfig(num_experts=4, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64,
                     **({"front_num_slots": 2, "front_tokens_per_slot": 16} if streaming else {}))
     return layer_on_cpu(cfg)
 
@@ -56,15 +67,16 @@ def test_auto_calls_follow_the_calibration():
     import torch
 
     lay = layer()
-    args = dict(x=torch.zeros(3, 256, dtype=torch.float8_e4m3fn), x_sf=torch.ones(3, 2),
-                topk_idx=torch.zeros(3, 2, dtype=torch.int32), topk_weights=torch.ones(3, 2),
-                w13=torch.zeros(2, 128, 256, dtype=torch.bfloat16), w2=torch.zeros(2, 256, 64, dtype=torch.bfloat16))
-    lay.run(**args, streaming="auto")
-    lay.streaming_calibration = StreamingCalibration({16: (1.0, 1.01)}, 0.03)
-    lay.run(**args, streaming="auto")
-    lay.streaming_calibration = StreamingCalibration({16: (1.0, 1.2)}, 0.03)
-    lay.run(**args, streaming="auto")
-    assert [which for which, _ in lay.calls] == [0, 1, 0]
+    w13, w2 = (quantize_weight_fp8(torch.zeros(2, 256, 256)), quantize_weight_fp8(torch.zeros(2, 256, 128)))
+    args = (torch.zeros(3, 256, dtype=torch.float8_e4m3fn), torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32),
+            torch.ones(3, 2), w13, w2)
+    modes = []
+    for calibration in (None, StreamingCalibration({16: (1.0, 1.01)}, 0.03),
+                        StreamingCalibration({16: (1.0, 1.2)}, 0.03)):
+        mode, _ = check_run_args(lay.config, 2, lay.runtime.torch_device, calibration, *args, streaming="auto",
+                                 out=None, num_tokens=None, timeline=None)
+        modes.append(mode)
+    assert modes == [CallMode.BATCH_READY, CallMode.STREAMED, CallMode.BATCH_READY]
 
 
 @pytest.mark.parametrize("max_tokens,chunk", [(8192, 512), (2048, 128), (4096, 256), (10, 1), (1, 1)])

@@ -1,8 +1,11 @@
-"""MoEConfig refuses every impossible layer shape with the field named, and derives the two ring specs."""
+"""MoEConfig refuses every impossible layer shape with the field named - its own rules and every rule of
+the rings its layer allocates - and derives the two ring specs."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat
+from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat, RingSpec
 
 GOOD = dict(num_experts=16, hidden=256, intermediate=128, topk=4, max_tokens_per_rank=64)
 
@@ -38,3 +41,67 @@ def test_ring_specs():
     with pytest.raises(ChunkringUsageError) as info:  # RingSpec's own checks apply
         cfg.ring_spec(3, streamed=True)
     assert info.value.field == "num_experts"
+
+
+# Every rule of the rings a layer allocates is a MoEConfig rule: a shape the ring cannot carry fails
+# when the config is built, on the host, naming the config's field - not when a GPU builds the layer.
+@pytest.mark.parametrize("change, field, needle", [
+    (dict(topk=17), "topk", "[1, 16]"),                          # more choices than experts
+    (dict(topk=33, num_experts=64), "topk", "[1, 32]"),         # past the ring's top-k limit
+    (dict(hidden=100), "hidden", "16 B"),                        # rows move in 16-byte vectors
+    (dict(hidden=144), "hidden", "FP8 scales cover 128"),        # FP8: whole scale blocks
+    (dict(hidden=100, payload=PayloadFormat.BF16), "hidden", "200 B"),
+    (dict(hidden=1 << 17), "hidden", "65536"),
+    (dict(num_experts=1 << 16), "num_experts", "32768"),
+    (dict(max_tokens_per_rank=70_000), "max_tokens_per_rank", "batch-ready ring's tokens_per_slot"),
+    (dict(front_num_slots=70_000, front_tokens_per_slot=8), "front_num_slots", "streaming ring's num_slots"),
+])
+def test_ring_rules_are_config_rules(change, field, needle):
+    with pytest.raises(ChunkringUsageError) as info:
+        MoEConfig(**{**GOOD, **change})
+    assert info.value.field == field and needle in str(info.value), str(info.value)
+
+
+def test_bf16_rows_need_only_16_bytes():
+    MoEConfig(**{**GOOD, "hidden": 200, "payload": PayloadFormat.BF16})
+
+
+def test_ring_specs_and_the_world_size():
+    cfg = MoEConfig(**GOOD)
+    assert [s.num_slots for s in cfg.ring_specs(2)] == [1]
+    streamed = cfg.with_default_ring()
+    assert [(s.num_slots, s.tokens_per_slot) for s in streamed.ring_specs(4)] == [(1, 64), (2, 4)]
+    for world in (1, 2, 4, 8, 16):
+        streamed.check_world_size(world)
+    with pytest.raises(ChunkringUsageError) as info:
+        streamed.check_world_size(3)
+    assert info.value.field == "num_experts" and "over 3 ranks" in str(info.value)
+    with pytest.raises(ChunkringUsageError) as info:
+        MoEConfig(**{**GOOD, "num_experts": 128}).check_world_size(128)
+    assert info.value.field == "world_size"
+
+
+@settings(max_examples=300, deadline=None)
+@given(num_experts=st.integers(1, 1 << 16), hidden=st.integers(1, 1 << 17), topk=st.integers(1, 64),
+       tokens=st.integers(1, 1 << 17), slots=st.one_of(st.none(), st.integers(1, 1 << 17)),
+       payload=st.sampled_from(list(PayloadFormat)))
+def test_a_config_is_valid_exactly_when_its_rings_are(num_experts, hidden, topk, tokens, slots, payload):
+    """MoEConfig accepts exactly the shapes whose ring specs RingSpec itself accepts (one rank)."""
+    front = dict(front_num_slots=slots, front_tokens_per_slot=max(1, tokens // 8)) if slots else {}
+    shared = dict(hidden=hidden, payload=payload, topk=topk, num_experts=num_experts, world_size=1)
+    rings = [dict(num_slots=1, tokens_per_slot=tokens)]
+    if slots:
+        rings.append(dict(num_slots=slots, tokens_per_slot=front["front_tokens_per_slot"]))
+    try:
+        for ring in rings:
+            RingSpec(**shared, **ring)
+        rings_ok = True
+    except ChunkringUsageError:
+        rings_ok = False
+    try:
+        MoEConfig(num_experts=num_experts, hidden=hidden, intermediate=64, topk=topk, max_tokens_per_rank=tokens,
+                  payload=payload, **front)
+        config_ok = True
+    except ChunkringUsageError:
+        config_ok = False
+    assert config_ok == rings_ok

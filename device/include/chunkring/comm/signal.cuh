@@ -1,7 +1,9 @@
 // NVSHMEM signal and atomic calls, wrapped once under names that say what they (do not) order.
-// Facts from NVSHMEM 3.4.5's headers (shared REFERENCE.md §3): signal SET is a plain volatile store
-// and ADD a relaxed atomicAdd_system — neither fences; signal_wait_until is a volatile spin with no
-// acquire after it; atomic_or is a relaxed atomicOr_system. Callers add the fences; see protocol/.
+// Facts from NVSHMEM 3.4.5's headers (nvshmemi_signal_op in non_abi/device/common/
+// nvshmemi_common_device.cuh; the wait and the AMOs in device/nvshmem_defines.h): signal SET is a plain
+// volatile store and ADD a relaxed atomicAdd_system — neither fences; signal_wait_until is a volatile
+// spin with no acquire after it (NVIDIA/nvshmem#75); atomic_or is a relaxed atomicOr_system. Callers
+// add the fences; see protocol/.
 #pragma once
 
 #include "chunkring/comm/nvshmem.cuh"

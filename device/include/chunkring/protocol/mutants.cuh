@@ -1,6 +1,7 @@
-// Deliberately broken protocol variants, for the stress suite's negative controls only.
-// Each removes exactly one rule from protocol/ring.cuh; the GPU stress tests must catch every one
-// (tests/gpu/test_ring_mutants.py). Values are append-only; production builds never define the macro.
+// Deliberately broken protocol variants, for negative controls only. Each removes exactly one rule, and
+// a GPU test must catch every one: 1-4 (ring.cuh, rules.cuh) tests/stress/test_mutants.py; 5 and 6 the
+// tests of the kernels that rely on those rules (runtime/testing/stress.py names them).
+// Values are append-only; production builds never define the macro.
 #pragma once
 
 #ifndef CHUNKRING_MUTANT
@@ -16,7 +17,7 @@ enum class Mutant : unsigned {
     kNoAckWait = 3,       // reuse: the producer overwrites a slot without waiting for every ack
     kIgnoreEpoch = 4,     // wait: generations are compared without their epoch
     kNoInputChecks = 5,   // consume: slot values used as counts, indices and scales unchecked (validate.cuh)
-    kNoHeldAck = 6,       // MoE layer: a source's last chunk is acknowledged at its pull, before the combine
+    kNoDeferredAck = 6,   // consume: an ack the caller defers is sent at once, before what it was deferred for
 };
 
 constexpr Mutant kMutant = static_cast<Mutant>(CHUNKRING_MUTANT);

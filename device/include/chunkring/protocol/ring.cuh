@@ -234,11 +234,12 @@ __device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 s
 // visits every chunk, each doing its share of the work; with null, one block consumes alone. Each
 // block starts from the consumer's cursors, read before its first arrival - hence before any block of
 // this kernel can ack and advance them.
-// With `held` [world_size] (nullable), each source's end-of-stream chunk is visited but not
-// acknowledged: its sequence number goes to held[src], and the caller acknowledges it later with
-// ack_chunk. Holding an ack is always safe (C3 asks only that the reads come before it); the MoE layer
-// holds each source's last chunk until that source's combine rows have landed, which is how the owner's
-// drain learns that its output is complete. Every other chunk is acknowledged as soon as it was read.
+// With `deferred` [world_size] (nullable), the acknowledgement of each source's end-of-stream chunk is
+// deferred: the chunk is visited, its sequence number goes to deferred[src], and the caller
+// acknowledges it later with ack_chunk. Deferring an ack is always safe (C3 asks only that the reads
+// come before it), and it lets the ack carry more: a consumer that writes results back to a source
+// acknowledges that source's last chunk after the writes, so the source's drain() also tells it that
+// every result has landed. Every other chunk is acknowledged as soon as it was read.
 // `acked(src, seq)` (block-level) runs after each acknowledgement this kernel sends.
 // Returns false, uniformly across the block, once any step failed.
 struct NoHook {
@@ -246,7 +247,7 @@ struct NoHook {
 };
 
 template <typename Visit, typename Acked = NoHook>
-__device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arrivals, u64* held, Visit visit,
+__device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arrivals, u64* deferred, Visit visit,
                                    Acked acked = {}) {
     __shared__ u64 active, next_seq[kMaxWorldSize];
     __shared__ bool step_eos, step_ok;
@@ -269,8 +270,8 @@ __device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arriv
             }
             __syncthreads();
             if (!step_ok || !visit(src, seq, slot)) return false;
-            if (held != nullptr && step_eos) {
-                if (threadIdx.x == 0 && blockIdx.x == 0) held[src] = seq;
+            if (deferred != nullptr && step_eos) {
+                if (threadIdx.x == 0 && blockIdx.x == 0) deferred[src] = seq;
             } else {
                 if (!finish_chunk(d, epoch, src, seq, arrivals)) return false;
                 acked(src, seq);

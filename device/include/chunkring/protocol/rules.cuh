@@ -1,6 +1,6 @@
 // The ring's rules, each in one constexpr function (docs/PROTOCOL.md names them). Kernels call these;
 // nothing re-derives a slot, a lap, a generation or an ack word inline. The static_asserts pin the
-// boundaries, and tests/unit/test_rules.py mirrors them on the host.
+// boundaries; every kernel build checks them (tests/compile/).
 #pragma once
 
 #include <cuda/std/cstdint>
@@ -47,7 +47,7 @@ __host__ __device__ constexpr GenState classify_gen(u64 observed, u64 expected, 
 // another generation - not one from an aborted epoch, not one from another lap.
 constexpr u32 kAckBitsPerWord = 32;
 constexpr u32 kAckWordsPerSlot = 2;
-constexpr u32 kMaxWorldSize = kAckBitsPerWord * kAckWordsPerSlot;  // == runtime/ring_spec.py MAX_WORLD_SIZE
+constexpr u32 kMaxWorldSize = kAckBitsPerWord * kAckWordsPerSlot;  // == runtime/ring/spec.py MAX_WORLD_SIZE
 __host__ __device__ constexpr u32 ack_tag(u64 gen, u32 epoch_bits) {
     return static_cast<u32>(((gen_epoch(gen, epoch_bits) & 0xffffu) << 16) | (gen_lap_field(gen, epoch_bits) & 0xffffu));
 }
@@ -64,7 +64,7 @@ __host__ __device__ constexpr u32 ack_full_mask(u32 word, u32 world_size) {
     return count == kAckBitsPerWord ? 0xffffffffu : ((1u << count) - 1u);
 }
 
-// ---- boundaries pinned (tests/unit/test_rules.py checks the same on the host) ----
+// ---- boundaries pinned: checked by every kernel build ----
 static_assert(slot_of(5, 2) == 1 && lap_of(5, 2) == 2);
 static_assert(make_gen(0, 0, 16) == 1 && make_gen(1, 0, 16) == ((1ull << 48) | 1));
 static_assert(gen_epoch(make_gen(0xffff, 7, 16), 16) == 0xffff && gen_lap_field(make_gen(0xffff, 7, 16), 16) == 8);

@@ -1,7 +1,7 @@
 // Error reporting for protocol kernels: the first error a rank's kernels see is recorded in its
 // status region (code, PE, peer, slot, expected and observed values, site) and printed once; the
 // kernel then returns instead of trapping, so the host can read the record and raise
-// (runtime/status.py) and the CUDA context stays usable. Every spin-wait also stops once its rank
+// (runtime/ring/status.py) and the CUDA context stays usable. Every spin-wait also stops once its rank
 // has an error, so one failure ends the whole kernel quickly.
 #pragma once
 
@@ -13,7 +13,7 @@ namespace chunkring::protocol {
 
 using layout::RingDesc;
 
-// Append-only; mirrored by runtime/status.py ErrorCode.
+// Append-only; mirrored by runtime/ring/status.py ErrorCode.
 enum class ErrorCode : unsigned long long {
     kNone = 0,
     kTimeout = 1,          // a wait outlasted desc.timeout_ns
@@ -28,7 +28,7 @@ enum class ErrorCode : unsigned long long {
     kBadMetadata = 10,     // retired: malformed slot metadata is now masked and reported (validate.cuh)
 };
 
-// Where a wait or check happened; append-only, mirrored by runtime/status.py Site.
+// Where a wait or check happened; append-only, mirrored by runtime/ring/status.py Site.
 enum class Site : unsigned long long {
     kNone = 0, kWaitRoute = 1, kWaitLayout = 2, kWaitReusable = 3, kAck = 4, kPayload = 5, kDescriptor = 6, kPublish = 7,
 };

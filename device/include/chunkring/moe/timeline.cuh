@@ -1,12 +1,12 @@
-// The MoE layer's timeline (runtime/timeline.py reads it): device timestamps of chunk events, appended
-// to a buffer only when the caller passes one. Event values are runtime/timeline.py's Event.
+// The MoE layer's timeline (runtime/moe/timeline.py reads it): device timestamps of chunk events,
+// appended to a buffer only when the caller passes one. Event values are runtime/moe/timeline.py's Event.
 //   buffer [1 + 4 * capacity] int64: buffer[0] counts the appends tried (past capacity they are counted,
 //   not stored, so the host can say how many were lost); record i = (event, src, chunk, globaltimer ns).
 #pragma once
 
-#include <cuda/std/cstdint>
+#include "chunkring/ptx/ordering.cuh"
 
-namespace chunkring::timeline {
+namespace chunkring::moe::timeline {
 
 enum Event : long long {
     kProduceBegin = 0,
@@ -22,18 +22,12 @@ enum Event : long long {
     kCallBegin = 10,
 };
 
-// %globaltimer: one nanosecond clock per GPU, the same for every SM and every process on that GPU.
-__device__ __forceinline__ long long globaltimer_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return static_cast<long long>(t);
-}
-
-// One thread appends one record; a null buffer (tracing off) costs a branch.
+// One thread appends one record; a null buffer (tracing off) costs a branch. %globaltimer is one
+// nanosecond clock per GPU, the same for every SM and every process on that GPU.
 __device__ __forceinline__ void record(long long* buffer, long long capacity, Event event, long long src,
                                        long long chunk) {
     if (buffer == nullptr) return;
-    const long long t = globaltimer_ns();
+    const auto t = static_cast<long long>(ptx::globaltimer_ns());
     const auto i = static_cast<long long>(atomicAdd(reinterpret_cast<unsigned long long*>(buffer), 1ull));
     if (i >= capacity) return;
     long long* r = buffer + 1 + 4 * i;
@@ -43,4 +37,4 @@ __device__ __forceinline__ void record(long long* buffer, long long capacity, Ev
     r[3] = t;
 }
 
-}  // namespace chunkring::timeline
+}  // namespace chunkring::moe::timeline

@@ -3,8 +3,8 @@
 ``torch_moe`` is what a user without chunkring (and without any dispatch library) writes for the same
 layer on a single rank: route, sort the (token, k) choices by expert, two grouped GEMMs with SwiGLU
 between them, weight and scatter-add back. Activations stay bf16 (no FP8 payload: with every expert
-local there is nothing to send, so nothing to shrink). ``chunkring-launch bench`` times it beside the
-layer (``peer_ms``) on one rank.
+local there is nothing to send, so nothing to shrink). The bench (:mod:`chunkring.benchmarks.bench_moe`,
+``chunkring-launch bench``) times it beside the layer (``peer_ms``) on one rank.
 
 The multi-GPU peer (the same with an all-to-all over NCCL before and after the experts) needs one GPU
 per rank; the bench's several ranks share one GPU under MPS, where NCCL cannot run, so it is not
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from chunkring.moe.producer import route
 
 __all__ = ["torch_moe"]

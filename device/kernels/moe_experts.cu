@@ -1,0 +1,241 @@
+// The MoE consumer's expert work at one destination rank (runtime/moe/experts.py drives it), after
+// moe_pull (moe_stream.cu) staged every source's rows at their token index:
+//
+//   moe_plan_count     count the staged (source, token, k) choices of each local expert
+//   moe_plan_scatter   give each choice a row of its expert's group (groups padded to block_m rows) and
+//                      copy its payload there: the FP8 row and its 1x128 scales in the GEMM's layout
+//                      (or the bf16 row), its source, token, k, weight; and each group's end
+//   (GEMM engine)      L1: gate_up = rows @ w13[e]^T per group
+//   moe_swiglu_fp8     act = silu(gate) * up, quantised to FP8 with one fp32 scale per 1x128 (FP8 path)
+//   moe_swiglu_bf16    act = silu(gate) * up in bf16 (bf16 path)
+//   (GEMM engine)      L2: out = act @ w2[e]^T per group
+//   moe_combine_push   each real row * its top-k weight, as bf16, into its source's combine buffer at
+//                      token * K + k
+//
+// Every kernel is a fixed grid that loops over what the call brought: rows past the last group and
+// padding rows cost a bounds check, not a pass. A row's place inside its group comes from an atomic
+// cursor, so it varies between runs; nothing depends on it: the GEMMs compute each row from that row
+// alone, and the combine writes each (token, k) to its own place, so outputs are bitwise reproducible.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cuda/std/cstdint>
+
+#include "chunkring/util/kernel_params.cuh"
+
+namespace {
+
+using u32 = ::cuda::std::uint32_t;
+using u64 = ::cuda::std::uint64_t;
+
+constexpr u32 kWarp = 32;
+constexpr u32 kScaleBlock = 128;    // channels per activation scale (DeepSeek's 1x128 recipe)
+constexpr float kE4M3Max = 448.0f;  // largest finite float8_e4m3fn
+
+__device__ __forceinline__ u64 round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
+
+// offsets[e] = first row of expert e's group, offsets[E] = rows in use: the exclusive scan of the
+// padded counts, computed by every block that needs it (E is small; a launch for it would cost more).
+// All threads of the block call it; offsets is shared memory of E + 1 words.
+__device__ void group_offsets(const unsigned* counts, int num_local, int block_m, unsigned* offsets) {
+    __shared__ unsigned partial[1024];
+    const u32 per_thread = (num_local + blockDim.x - 1) / blockDim.x;
+    const u32 lo = min(threadIdx.x * per_thread, static_cast<u32>(num_local));
+    const u32 hi = min(lo + per_thread, static_cast<u32>(num_local));
+    unsigned sum = 0;
+    for (u32 e = lo; e < hi; ++e) sum += round_up(counts[e], block_m);
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned run = 0;
+        for (u32 t = 0; t < blockDim.x; ++t) {
+            const unsigned p = partial[t];
+            partial[t] = run;
+            run += p;
+        }
+        offsets[num_local] = run;
+    }
+    __syncthreads();
+    unsigned run = partial[threadIdx.x];
+    for (u32 e = lo; e < hi; ++e) {
+        offsets[e] = run;
+        run += round_up(counts[e], block_m);
+    }
+    __syncthreads();
+}
+
+// A warp copies one row (bytes a multiple of 16): each lane keeps up to kInFlight 16-byte loads in
+// flight before storing them, as a row is too short for one load per lane to hide the latency.
+__device__ __forceinline__ void copy_row(unsigned char* __restrict__ dst, const unsigned char* __restrict__ src, u64 bytes,
+                                         u32 lane) {
+    constexpr u32 kInFlight = 8;
+    const auto* in = reinterpret_cast<const int4*>(src);
+    auto* out = reinterpret_cast<int4*>(dst);
+    const u64 n = bytes / 16;
+    for (u64 base = 0; base < n; base += kInFlight * kWarp) {
+        int4 v[kInFlight];
+#pragma unroll
+        for (u32 u = 0; u < kInFlight; ++u) {
+            const u64 i = base + u * kWarp + lane;
+            if (i < n) v[u] = in[i];
+        }
+#pragma unroll
+        for (u32 u = 0; u < kInFlight; ++u) {
+            const u64 i = base + u * kWarp + lane;
+            if (i < n) out[i] = v[u];
+        }
+    }
+}
+
+}  // namespace
+
+// counts [E_local] (zeroed by the host) += the choices in stage_idx [choices] of experts
+// [expert_lo, expert_lo + num_local). Out-of-range values were already masked to -1 by moe_pull.
+extern "C" __global__ void moe_plan_count(const int* stage_idx, long long choices, int expert_lo, int num_local,
+                                          unsigned* counts) {
+    for (u64 i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<u64>(choices); i += gridDim.x * blockDim.x) {
+        const int e = stage_idx[i] - expert_lo;
+        if (e >= 0 && e < num_local) atomicAdd(counts + e, 1u);
+    }
+}
+
+// One warp per 32 consecutive choices of stage_idx [W, N, K]: each choice of a local expert takes the
+// next row of its group (cursors [E_local], zeroed by the host) and the warp copies its payload there.
+//   stage_x [W, N, row_bytes]   stage_sf [W, N, sf_per_row] fp32 (FP8 payload; sf_per_row 0 for bf16)
+//   rows [P, row_bytes]         rows_sf: the GEMM's scale layout, scale j of row p at j * sf_stride + p
+//   row_src [P] int32: source rank, -1 on padding rows (prefilled by the host)
+//   row_token / row_k [P] int32, row_weight [P] fp32 (padding rows: unwritten)
+//   group_end [E_local] int32: offset(e) + counts[e], the real rows' end of each group - DeepGEMM's
+//   "psum" grouped layout, with which its GEMMs visit only each expert's own row blocks
+extern "C" __global__ void moe_plan_scatter(const unsigned char* stage_x, const float* stage_sf, const int* stage_idx,
+                                            const float* stage_w, long long rows_per_source, int topk,
+                                            long long row_bytes, int sf_per_row, int expert_lo, int num_local,
+                                            int block_m, const unsigned* counts, unsigned* cursors,
+                                            unsigned char* rows, float* rows_sf, long long sf_stride, int* row_src,
+                                            int* row_token, int* row_k, float* row_weight, int* group_end,
+                                            long long choices) {
+    extern __shared__ unsigned offsets[];  // E_local + 1
+    group_offsets(counts, num_local, block_m, offsets);
+    if (blockIdx.x == 0)
+        for (int e = threadIdx.x; e < num_local; e += blockDim.x) group_end[e] = offsets[e] + counts[e];
+    const u32 lane = threadIdx.x % kWarp;
+    const u64 warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp, warps = gridDim.x * blockDim.x / kWarp;
+    const u64 N = static_cast<u64>(rows_per_source), K = static_cast<u64>(topk);
+    for (u64 base = warp * kWarp; base < static_cast<u64>(choices); base += warps * kWarp) {
+        const u64 mine_choice = base + lane;
+        int e = -1;
+        unsigned row = 0;
+        if (mine_choice < static_cast<u64>(choices)) {
+            e = stage_idx[mine_choice] - expert_lo;
+            if (e >= 0 && e < num_local) {
+                row = offsets[e] + atomicAdd(cursors + e, 1u);
+            } else {
+                e = -1;
+            }
+        }
+        unsigned todo = __ballot_sync(0xffffffffu, e >= 0);
+        while (todo) {
+            const int from = __ffs(todo) - 1;
+            todo &= todo - 1;
+            const u64 choice = base + from;
+            const u64 p = __shfl_sync(0xffffffffu, row, from);
+            const u64 src = choice / (N * K), token = choice / K % N;
+            const u64 stage_row = src * N + token;
+            if (lane == 0) {
+                row_src[p] = static_cast<int>(src);
+                row_token[p] = static_cast<int>(token);
+                row_k[p] = static_cast<int>(choice % K);
+                row_weight[p] = stage_w[choice];
+            }
+            copy_row(rows + p * row_bytes, stage_x + stage_row * row_bytes, static_cast<u64>(row_bytes), lane);
+            for (u64 j = lane; j < static_cast<u64>(sf_per_row); j += kWarp)
+                rows_sf[j * sf_stride + p] = stage_sf[stage_row * sf_per_row + j];
+        }
+    }
+}
+
+// FP8 path: act [P, I] e4m3 and act_sf (scale j of row p at j * sf_stride + p) from gate_up [P, 2I]
+// bf16 (gate columns first): a warp per (row, 128-column block) of the rows in use, padding rows
+// skipped. Each block's absmax maps to 448 (a zero block gets scale 1), as the producers' quantisation.
+extern "C" __global__ void moe_swiglu_fp8(const __nv_bfloat16* gate_up, const int* row_src, const unsigned* counts,
+                                          int num_local, int block_m, long long inter, __nv_fp8_e4m3* act,
+                                          float* act_sf, long long sf_stride) {
+    extern __shared__ unsigned offsets[];
+    group_offsets(counts, num_local, block_m, offsets);
+    const u64 used = offsets[num_local], I = static_cast<u64>(inter), blocks = I / kScaleBlock;
+    const u32 lane = threadIdx.x % kWarp;
+    const u64 warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp, warps = gridDim.x * blockDim.x / kWarp;
+    for (u64 item = warp; item < used * blocks; item += warps) {
+        const u64 row = item / blocks, block = item % blocks;
+        if (row_src[row] < 0) continue;
+        const u64 col = block * kScaleBlock + lane * 4;
+        const __nv_bfloat16* g = gate_up + row * 2 * I + col;
+        const uint2 graw = *reinterpret_cast<const uint2*>(g), uraw = *reinterpret_cast<const uint2*>(g + I);
+        const auto* gv = reinterpret_cast<const __nv_bfloat16*>(&graw);
+        const auto* uv = reinterpret_cast<const __nv_bfloat16*>(&uraw);
+        float v[4], amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float gate = __bfloat162float(gv[j]);
+            v[j] = gate / (1.0f + __expf(-gate)) * __bfloat162float(uv[j]);
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+#pragma unroll
+        for (int offset = kWarp / 2; offset > 0; offset /= 2)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        float scale = amax / kE4M3Max;
+        if (!(scale > 0.0f)) scale = 1.0f;  // a zero block (or one whose scale underflows)
+        __align__(4) __nv_fp8_e4m3 q[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) q[j] = __nv_fp8_e4m3(fminf(fmaxf(v[j] / scale, -kE4M3Max), kE4M3Max));
+        *reinterpret_cast<u32*>(act + row * I + col) = *reinterpret_cast<const u32*>(q);
+        if (lane == 0) act_sf[block * sf_stride + row] = scale;
+    }
+}
+
+// bf16 path: act [P, I] = silu(gate) * up in fp32, rounded to bf16; a block per row in use.
+extern "C" __global__ void moe_swiglu_bf16(const __nv_bfloat16* gate_up, const int* row_src, const unsigned* counts,
+                                           int num_local, int block_m, long long inter, __nv_bfloat16* act) {
+    extern __shared__ unsigned offsets[];
+    group_offsets(counts, num_local, block_m, offsets);
+    const u64 used = offsets[num_local], I = static_cast<u64>(inter);
+    for (u64 row = blockIdx.x; row < used; row += gridDim.x) {
+        if (row_src[row] < 0) continue;
+        const __nv_bfloat16* gate = gate_up + row * 2 * I;
+        for (u64 i = threadIdx.x; i < I; i += blockDim.x) {
+            const float g = __bfloat162float(gate[i]), u = __bfloat162float(gate[I + i]);
+            act[row * I + i] = __float2bfloat16_rn(g / (1.0f + __expf(-g)) * u);
+        }
+    }
+}
+
+// One block per row in use (grid-stride): a real row of out [P, H] bf16, times its top-k weight in fp32
+// and rounded to bf16 - the precision of the layer's output, which the source's reduction over k
+// (fp32 accumulation) keeps - goes to its source's combine buffer [capacity * K, H] at token * K + k.
+// peer_combine [W]: each source's combine buffer as this GPU addresses it (load/store reachable peers,
+// checked by the layer at construction). Stream order puts moe_ack_held after this kernel, and its
+// system-scope release orders these stores before the acknowledgement the source waits for.
+extern "C" __global__ void moe_combine_push(const __nv_bfloat16* out, const int* row_src, const int* row_token,
+                                            const int* row_k, const float* row_weight, const unsigned* counts,
+                                            int num_local, int block_m, long long hidden, int topk,
+                                            const unsigned long long* peer_combine) {
+    extern __shared__ unsigned offsets[];
+    group_offsets(counts, num_local, block_m, offsets);
+    const u64 used = offsets[num_local], H = static_cast<u64>(hidden);
+    for (u64 row = blockIdx.x; row < used; row += gridDim.x) {
+        const int src = row_src[row];
+        if (src < 0) continue;
+        const float w = row_weight[row];
+        auto* to = reinterpret_cast<__nv_bfloat16*>(peer_combine[src]) +
+                   (static_cast<u64>(row_token[row]) * topk + row_k[row]) * H;
+        const __nv_bfloat16* from = out + row * H;
+        for (u64 i = threadIdx.x * 8; i < H; i += blockDim.x * 8) {  // 8 values: one 16-byte load and store
+            const int4 raw = *reinterpret_cast<const int4*>(from + i);
+            const auto* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+            __align__(16) __nv_bfloat16 r[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) r[j] = __float2bfloat16_rn(__bfloat162float(v[j]) * w);
+            *reinterpret_cast<int4*>(to + i) = *reinterpret_cast<const int4*>(r);
+        }
+    }
+}

@@ -1,0 +1,88 @@
+"""A MoE layer call's arguments, checked once at the public boundary, before anything is enqueued.
+
+:meth:`MoELayer.run` and :meth:`MoELayer.forward` call these; nothing downstream checks again (the
+layer publishes slices of a checked batch through :func:`chunkring.ring.io.enqueue_publish`). They need
+no GPU: tests drive them with CPU tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from chunkring.errors import ChunkringUsageError
+from chunkring.moe.experts import check_expert_weights
+from chunkring.moe.timeline import Timeline
+from chunkring.ring.io import check_tensor
+from chunkring.ring.spec import FP8_SCALE_BLOCK
+
+__all__ = ["CallMode", "check_forward_args", "check_run_args"]
+
+
+class CallMode(enum.Enum):
+    """How a call hands its batch to the consumers, and so which of the layer's rings it uses."""
+
+    #: The whole batch as one chunk into a one-slot ring of ``max_tokens_per_rank`` rows: the full
+    #: per-rank input region of today's MegaMoE contract. The default, and the correctness fallback.
+    BATCH_READY = "batch_ready"
+    #: Chunk by chunk into the ``front_num_slots`` x ``front_tokens_per_slot`` ring, each chunk as soon
+    #: as its producers finish.
+    STREAMED = "streamed"
+
+
+def check_run_args(config, experts_per_rank: int, device, calibration, x, x_sf, topk_idx, topk_weights, w13, w2, *,
+                   streaming, out, num_tokens, timeline) -> tuple[CallMode, int]:
+    """:meth:`MoELayer.run`'s arguments: the call's mode and token count, or a ``ChunkringUsageError``
+    naming the first bad argument."""
+    fp8 = config.payload.has_scales
+    n = _check_batch(config, device, "x", x, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    if fp8:
+        check_tensor("x_sf", x_sf, (n, config.hidden // FP8_SCALE_BLOCK), torch.float32, device)
+    elif x_sf is not None:
+        raise ChunkringUsageError("bf16 payloads carry no scales; pass None", field="x_sf")
+    check_tensor("topk_idx", topk_idx, (n, config.topk), torch.int32, device)
+    check_tensor("topk_weights", topk_weights, (n, config.topk), torch.float32, device)
+    return _check_common(config, experts_per_rank, device, calibration, n, w13, w2, streaming, out, num_tokens,
+                         timeline), n
+
+
+def check_forward_args(config, experts_per_rank: int, device, calibration, hidden, router_weight, w13, w2, *,
+                       streaming, out, num_tokens, timeline) -> tuple[CallMode, int]:
+    """:meth:`MoELayer.forward`'s arguments, as :func:`check_run_args`."""
+    n = _check_batch(config, device, "hidden", hidden, torch.bfloat16)
+    check_tensor("router_weight", router_weight, (config.num_experts, config.hidden), torch.bfloat16, device)
+    return _check_common(config, experts_per_rank, device, calibration, n, w13, w2, streaming, out, num_tokens,
+                         timeline), n
+
+
+def _check_batch(config, device, name: str, x, dtype) -> int:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ChunkringUsageError("expected a 2-D tensor [n, hidden]", field=name)
+    n = x.shape[0]
+    if n > config.max_tokens_per_rank:
+        raise ChunkringUsageError(f"{n} tokens exceed max_tokens_per_rank={config.max_tokens_per_rank}", field=name)
+    check_tensor(name, x, (n, config.hidden), dtype, device)
+    return n
+
+
+def _check_common(config, experts_per_rank: int, device, calibration, n: int, w13, w2, streaming, out, num_tokens,
+                  timeline) -> CallMode:
+    if isinstance(streaming, str) and streaming == "auto":
+        streaming = calibration is not None and calibration.streams
+    if not isinstance(streaming, bool):
+        raise ChunkringUsageError(f'must be True, False or "auto", got {streaming!r}', field="streaming")
+    if streaming and not config.streaming:
+        raise ChunkringUsageError("streaming=True needs front_num_slots and front_tokens_per_slot in the MoEConfig",
+                                  field="streaming")
+    check_expert_weights(config, experts_per_rank, device, w13, w2)
+    if out is not None:
+        check_tensor("out", out, (n, config.hidden), torch.bfloat16, device)
+    if num_tokens is not None:
+        check_tensor("num_tokens", num_tokens, (1,), torch.int32, device)
+    if timeline is not None:
+        if not isinstance(timeline, Timeline):
+            raise ChunkringUsageError(f"expected a chunkring.Timeline, got {type(timeline).__name__}", field="timeline")
+        if timeline.buffer.device != device:
+            raise ChunkringUsageError(f"is on {timeline.buffer.device}, the layer on {device}", field="timeline")
+    return CallMode.STREAMED if streaming else CallMode.BATCH_READY

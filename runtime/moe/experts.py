@@ -1,0 +1,185 @@
+"""The consumer's expert work at one rank: plan the pulled rows into expert groups, L1 -> SwiGLU -> L2,
+and push each weighted row to its source's combine buffer (device/kernels/moe_experts.cu, driven here).
+
+FP8 payload: FP8 end to end, DeepSeek's recipe - the rows go to the GEMM as published (e4m3 with one
+fp32 scale per 1x128), the expert weights are e4m3 with one fp32 scale per 128x128 block
+(:class:`~chunkring.moe.weights.Fp8Weight`), and SwiGLU's output is quantised per 1x128 again before L2.
+The GEMMs are DeepGEMM's m-grouped FP8 GEMMs in the contiguous layout: the planned rows of each expert
+form a group starting at a multiple of :data:`GROUP_ALIGN` rows, and the GEMMs take each group's end
+(the "psum" form of the layout), so they visit only the blocks of each expert's rows: the buffers' spare
+capacity past the last group costs nothing.
+bf16 payload: the same plan, bf16 weights and ``torch._grouped_mm``.
+
+Why the contiguous layout and not the masked one (``[E, max_m, K]`` with per-expert counts): a masked
+buffer must hold the worst case of every expert at once, ``E_local * W * N`` rows (1 GB of FP8 rows per
+layer at 32 experts and 8,192 tokens), where the contiguous one holds the worst case of all experts
+together, ``W * N * K`` rows plus padding; the masked GEMM measured 10-15 % faster only below ~1,000
+tokens on the H200 (docs/notes_deepgemm.md).
+
+Every shape here depends only on the layer's configuration, never on the call's routing: the kernels are
+fixed grids that loop over the rows the call brought, and nothing reads a device value on the host, so a
+call captures into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from chunkring.env import cache_dir
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.moe.dispatch import padded_rows_bound
+from chunkring.moe.weights import Fp8Weight
+from chunkring.ring.io import check_tensor
+from chunkring.ring.spec import FP8_SCALE_BLOCK
+
+__all__ = ["GROUP_ALIGN", "DevicePlan", "ExpertCompute", "check_expert_weights", "load_deep_gemm"]
+
+#: Rows each expert group is padded to: DeepGEMM's M alignment for the contiguous layout (checked
+#: against the library when it loads). The bf16 path plans alike, so both paths share one plan.
+GROUP_ALIGN = 128
+
+#: Threads per block of the expert kernels; their grids fill every SM (8 x 256 threads) and loop over rows:
+#: each row is a short dependent chain (load, compute, store), so latency hiding needs many rows in flight.
+_BLOCK = 256
+_BLOCKS_PER_SM = 8
+
+
+def load_deep_gemm():
+    """Import DeepGEMM, with its JIT cache under chunkring's (``CHUNKRING_CACHE_DIR``/deep_gemm) unless
+    ``DG_JIT_CACHE_DIR`` says otherwise. Raises ``ChunkringRuntimeError`` saying what to install."""
+    os.environ.setdefault("DG_JIT_CACHE_DIR", str(cache_dir() / "deep_gemm"))
+    try:
+        import deep_gemm
+    except Exception as exc:  # ImportError, or a build that does not match this torch
+        raise ChunkringRuntimeError(
+            "the FP8 expert GEMMs need DeepGEMM: pip install 'chunkring[fp8]' (sgl-deep-gemm 0.1.5 with "
+            f"apache-tvm-ffi 0.1.11 for torch 2.11 and CUDA 13; README.md, 'Requirements'): {exc}") from exc
+    align = deep_gemm.get_mk_alignment_for_contiguous_layout()
+    if align != GROUP_ALIGN:
+        raise ChunkringRuntimeError(f"DeepGEMM pads contiguous groups to {align} rows; chunkring plans for "
+                                    f"{GROUP_ALIGN}")
+    return deep_gemm
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One call's plan at this rank, on the device (P = :attr:`ExpertCompute.capacity` rows).
+
+    counts int32 [E_local]: real rows per local expert; group e is rows [offset(e), offset(e) + counts[e]),
+    offset(e) the padded counts' exclusive prefix sum (:data:`GROUP_ALIGN` rows each); group_end int32
+    [E_local]: offset(e) + counts[e] (DeepGEMM's psum layout).  Per row [P]: src int32 (-1 on padding
+    rows and past the last group), token, k int32, weight fp32 (unspecified there).  rows uint8 [P, row
+    bytes]: the payload (FP8 or bf16 bytes); rows_sf fp32 [H / 128, P]: the FP8 rows' scales, MN-major as
+    the GEMM takes them.
+    """
+
+    counts: torch.Tensor
+    group_end: torch.Tensor
+    src: torch.Tensor
+    token: torch.Tensor
+    k: torch.Tensor
+    weight: torch.Tensor
+    rows: torch.Tensor
+    rows_sf: torch.Tensor
+
+
+def check_expert_weights(config, experts_per_rank: int, device, w13, w2) -> None:
+    """The weights this payload's GEMMs take: FP8 -> :class:`Fp8Weight` w13 [E_local, 2I, H] and w2
+    [E_local, H, I]; bf16 -> bfloat16 tensors of those shapes. A ``ChunkringUsageError`` otherwise."""
+    E, H, inter = experts_per_rank, config.hidden, config.intermediate
+    for name, w, shape in (("w13", w13, (E, 2 * inter, H)), ("w2", w2, (E, H, inter))):
+        if config.payload.has_scales:
+            if not isinstance(w, Fp8Weight):
+                raise ChunkringUsageError(
+                    "the FP8 payload runs FP8 expert GEMMs: pass a chunkring.moe.Fp8Weight (quantise bf16 weights "
+                    f"once with MoELayer.expert_weights or quantize_weight_fp8), got {type(w).__name__}", field=name)
+            check_tensor(name, w.data, shape, torch.float8_e4m3fn, device)
+            check_tensor(f"{name}.scale", w.scale, tuple(w.scale.shape), torch.float32, device)
+        else:
+            check_tensor(name, w, shape, torch.bfloat16, device)
+
+
+class ExpertCompute:
+    """The expert work of one layer at one rank, enqueued on the current stream by :meth:`__call__`.
+
+    ``capacity`` (P): the most planned rows one call can produce here, every source's full batch
+    routed to this rank's experts (:func:`~chunkring.moe.dispatch.padded_rows_bound`).
+    """
+
+    def __init__(self, config, world_size: int, first_expert: int, experts_per_rank: int, kernels, device):
+        self.config, self.kernels, self.device = config, kernels, device
+        self.first_expert, self.experts_per_rank = first_expert, experts_per_rank
+        self.fp8 = config.payload.has_scales
+        self.capacity = padded_rows_bound(config.max_tokens_per_rank, config.topk, world_size, experts_per_rank,
+                                          GROUP_ALIGN)
+        self._deep_gemm = load_deep_gemm() if self.fp8 else None
+        self._grid = _BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        self._offsets_bytes = 4 * (experts_per_rank + 1)  # group_offsets' shared memory
+
+    def __call__(self, stage, w13, w2, peer_combine: torch.Tensor, on_experts_done) -> None:
+        """Plan ``stage``'s rows (moe_pull's output), run the experts, call ``on_experts_done`` (a timeline
+        mark) and push the weighted rows to ``peer_combine`` (int64 [W]: each source's combine buffer as
+        this GPU addresses it)."""
+        plan = self.plan(stage)
+        out = self.experts(plan, w13, w2)
+        on_experts_done()
+        self.combine_push(plan, out, peer_combine)
+
+    def plan(self, stage) -> DevicePlan:
+        """Every staged choice of a local expert in its expert's group, with its payload copied there."""
+        cfg, dev, P = self.config, self.device, self.capacity
+        E, H, K = self.experts_per_rank, cfg.hidden, cfg.topk
+        W, N = stage.idx.shape[0], stage.idx.shape[1]
+        counters = torch.zeros((2, E), dtype=torch.int32, device=dev)  # counts, then the scatter's cursors
+        row_bytes, sf_per_row = (H, H // FP8_SCALE_BLOCK) if self.fp8 else (2 * H, 0)
+        plan = DevicePlan(
+            counts=counters[0], group_end=torch.empty(E, dtype=torch.int32, device=dev),
+            src=torch.full((P,), -1, dtype=torch.int32, device=dev),
+            token=torch.empty(P, dtype=torch.int32, device=dev), k=torch.empty(P, dtype=torch.int32, device=dev),
+            weight=torch.empty(P, dtype=torch.float32, device=dev),
+            rows=torch.empty((P, row_bytes), dtype=torch.uint8, device=dev),
+            # The GEMM's scale layout (MN-major): scale j of row p at j * P + p.
+            rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev))
+        choices = W * N * K
+        self._launch("moe_plan_count", stage.idx, choices, self.first_expert, E, plan.counts)
+        self._launch("moe_plan_scatter", stage.x.view(torch.uint8), stage.sf, stage.idx, stage.w, N, K, row_bytes,
+                     sf_per_row, self.first_expert, E, GROUP_ALIGN, plan.counts, counters[1], plan.rows, plan.rows_sf,
+                     P, plan.src, plan.token, plan.k, plan.weight, plan.group_end, choices, shared=True)
+        return plan
+
+    def experts(self, plan: DevicePlan, w13, w2) -> torch.Tensor:
+        """bf16 [P, H]: w2[e] @ swiglu(w13[e] @ row) for every planned row (padding rows: unspecified)."""
+        cfg, dev, P = self.config, self.device, self.capacity
+        E, H, inter = self.experts_per_rank, cfg.hidden, cfg.intermediate
+        if self.fp8:
+            dg = self._deep_gemm
+            gate_up = torch.empty((P, 2 * inter), dtype=torch.bfloat16, device=dev)
+            dg.m_grouped_fp8_gemm_nt_contiguous((plan.rows.view(torch.float8_e4m3fn), plan.rows_sf.t()),
+                                                (w13.data, w13.scale), gate_up, plan.group_end, use_psum_layout=True)
+            act = torch.empty((P, inter), dtype=torch.float8_e4m3fn, device=dev)
+            act_sf = torch.empty((inter // FP8_SCALE_BLOCK, P), dtype=torch.float32, device=dev)
+            self._launch("moe_swiglu_fp8", gate_up, plan.src, plan.counts, E, GROUP_ALIGN, inter, act, act_sf, P,
+                         shared=True)
+            out = torch.empty((P, H), dtype=torch.bfloat16, device=dev)
+            dg.m_grouped_fp8_gemm_nt_contiguous((act, act_sf.t()), (w2.data, w2.scale), out, plan.group_end,
+                                                use_psum_layout=True)
+            return out
+        ends = torch.cumsum((plan.counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN, 0, dtype=torch.int32)
+        # Rows past the last group's end are neither read nor written.
+        gate_up = torch._grouped_mm(plan.rows.view(torch.bfloat16), w13.transpose(1, 2), offs=ends)
+        act = torch.empty((P, inter), dtype=torch.bfloat16, device=dev)
+        self._launch("moe_swiglu_bf16", gate_up, plan.src, plan.counts, E, GROUP_ALIGN, inter, act, shared=True)
+        return torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
+
+    def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor) -> None:
+        """Each real row of ``out``, times its weight, to its source's combine buffer at token * K + k."""
+        cfg = self.config
+        self._launch("moe_combine_push", out, plan.src, plan.token, plan.k, plan.weight, plan.counts,
+                     self.experts_per_rank, GROUP_ALIGN, cfg.hidden, cfg.topk, peer_combine, shared=True)
+
+    def _launch(self, name: str, *args, shared: bool = False) -> None:
+        self.kernels.launch(name, *args, grid=self._grid, block=_BLOCK, shared_bytes=self._offsets_bytes if shared else 0,
+                            stream=torch.cuda.current_stream(self.device))

@@ -1,0 +1,84 @@
+"""The ``extern "C"`` signature in each .cu is the only declaration of a kernel's parameters. Every kernel
+of every source parses (an unknown type or a malformed signature fails here, not at a launch on the GPU
+host), the parse agrees with what NVRTC compiles (parameter count and widths of each PTX entry point),
+and every kernel name launched from Python exists in the source it is launched from. No GPU needed."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from chunkring._jit import kernel_sources, parse_kernels
+from chunkring._jit.compiler import KERNEL_DIR, program_options
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = kernel_sources()
+#: Bytes each parameter kind takes in the kernel's parameter buffer.
+WIDTH = {"ptr": 8, "i64": 8, "u64": 8, "i32": 4, "u32": 4}
+#: A kernel launched by name (``lib.launch("moe_pull", ...)``, occupancy queries) and a library loaded by name.
+LAUNCHED = re.compile(r"""\.(?:launch|resident_blocks_per_sm)\(\s*["'](\w+)["']""")
+LOADED = re.compile(r"""library_for\(\s*[\w.]+\s*,\s*["'](\w+)["']""")
+
+
+def kernels_of(name: str) -> dict:
+    return parse_kernels((KERNEL_DIR / f"{name}.cu").read_text(), f"{name}.cu")
+
+
+def ptx_entries(name: str) -> dict[str, list[int]]:
+    """Each entry point of ``<name>.cu`` as NVRTC compiles it: its parameters' widths in bytes. PTX (a
+    virtual target, no ptxas) because its ``.entry`` lines spell each parameter's width out."""
+    from cuda.bindings import nvrtc
+
+    options = dataclasses.replace(program_options(name, arch="sm_90"), arch="compute_90", ptxas_options=None)
+    flags = options.as_bytes("nvrtc")
+    err, program = nvrtc.nvrtcCreateProgram((KERNEL_DIR / f"{name}.cu").read_bytes(), f"{name}.cu".encode(), 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(program)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(program, log)
+            pytest.fail(f"NVRTC failed on {name}.cu:\n{log.decode(errors='replace')}")
+        _, size = nvrtc.nvrtcGetPTXSize(program)
+        ptx = b" " * size
+        nvrtc.nvrtcGetPTX(program, ptx)
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+    return {entry.group(1): [int(bits) // 8 for bits in re.findall(r"\.param\s+\.[bsuf](\d+)", entry.group(2))]
+            for entry in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx.decode(errors="replace"), re.S)}
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_every_kernel_signature_parses(name):
+    kernels = kernels_of(name)  # raises, naming file and line, on an unknown type or a malformed signature
+    assert kernels, f'{name}.cu declares no extern "C" kernel'
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_parsed_signatures_match_the_compiled_entry_points(name):
+    parsed = {kernel: [WIDTH[p.kind] for p in params] for kernel, params in kernels_of(name).items()}
+    assert ptx_entries(name) == parsed
+
+
+def test_every_kernel_launched_from_python_exists_in_its_source():
+    kernels = {name: set(kernels_of(name)) for name in SOURCES}
+    anywhere = set().union(*kernels.values())
+    launched, missing = set(), []
+    for folder in ("runtime", "launcher", "benchmarks", "tests"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            text = path.read_text()
+            sources = set(LOADED.findall(text))
+            for source in sources - kernels.keys():
+                missing.append(f"{path.relative_to(REPO)}: loads unknown kernel source {source!r}")
+            # A file that loads one source launches that source's kernels; otherwise any source's.
+            allowed = kernels.get(next(iter(sources)), set()) if len(sources) == 1 else anywhere
+            for kernel in LAUNCHED.findall(text):
+                launched.add(kernel)
+                if kernel not in allowed:
+                    where = f"{sorted(sources)[0]}.cu" if len(sources) == 1 else "any kernel source"
+                    missing.append(f"{path.relative_to(REPO)}: launches {kernel!r}, which {where} does not declare")
+    assert not missing, "\n".join(missing)
+    # The search itself works: the library's own launches are found.
+    assert {"ring_publish_tensors", "ring_gather", "moe_pull", "ring_stress"} <= launched

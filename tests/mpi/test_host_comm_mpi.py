@@ -1,0 +1,110 @@
+"""Host collectives across real ranks (mpirun, no GPU): HostComm and a Runtime built without one
+(its collectives need no GPU), and the library code that goes through them - the collective
+constructors' argument check and the calibration's agreement on one decision."""
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from chunkring import ChunkringUsageError, RankInfo, Runtime
+from chunkring.bringup import HostComm
+
+
+def _world():
+    comm = HostComm.from_env()
+    return comm, comm.rank, comm.world_size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgather_in_rank_order_everywhere():
+    comm, rank, size = _world()
+    everyone = comm.allgather_object({"rank": rank, "payload": [rank] * rank})
+    assert everyone == [{"rank": r, "payload": [r] * r} for r in range(size)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("root", ["first", "last"])
+def test_gather_to_any_root(root):
+    comm, rank, size = _world()
+    root = 0 if root == "first" else size - 1
+    got = comm.gather_object((rank, f"from {rank}"), root=root)
+    assert got == ([(r, f"from {r}") for r in range(size)] if rank == root else None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_from_a_root_other_than_zero():
+    comm, rank, size = _world()
+    root = size - 1
+    got = comm.broadcast_object({"go": True, "sent_by": rank} if rank == root else None, root=root)
+    assert got == {"go": True, "sent_by": root}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_barrier_orders_the_ranks():
+    comm, rank, size = _world()
+    folder = Path(comm.broadcast_object(tempfile.mkdtemp(prefix="chunkring-barrier-") if rank == 0 else None))
+    (folder / f"rank{rank}").write_text("here")
+    comm.barrier()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"rank{r}" for r in range(size))
+    comm.barrier()  # nobody removes the folder before every rank has looked
+    if rank == 0:
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_info_that_disagrees_with_mpi_is_refused_before_any_collective():
+    _, rank, size = _world()
+    wrong = HostComm(RankInfo((rank + 1) % size, size, (rank + 1) % size, size))
+    with pytest.raises(ChunkringUsageError) as info:
+        wrong.allgather_object(rank)
+    assert info.value.field == "rank_info"
+    HostComm.from_env().barrier()  # every rank refused alike; the world is still usable
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_runtime_without_a_gpu_runs_the_same_collectives():
+    info = RankInfo.from_env()
+    rt = Runtime(ranks=info, ordinal=0, device=None)  # never init()ed: no CUDA, no NVSHMEM
+    assert rt.allgather_object(info.rank * 10) == [r * 10 for r in range(info.world_size)]
+    assert rt.broadcast_object("root's" if info.rank == 0 else "mine") == "root's"
+    got = rt.gather_object(info.rank, root=0)
+    assert got == (list(range(info.world_size)) if info.rank == 0 else None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_collective_constructors_fail_every_rank_alike_on_disagreement():
+    from chunkring.ring.ring import _check_identical
+
+    info = RankInfo.from_env()
+    rt = Runtime(ranks=info, ordinal=0, device=None)
+    _check_identical(rt, ("spec", 2, 1.5))  # the same everywhere: passes
+    with pytest.raises(ChunkringUsageError, match="ranks disagree") as exc:
+        _check_identical(rt, ("spec", 2, 1.5 if info.rank == 0 else 9.0))
+    assert exc.value.field == "spec"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_calibration_agrees_on_the_slowest_ranks_figures():
+    from chunkring.moe.calibrate import _slowest_rank
+
+    info = RankInfo.from_env()
+    rt = Runtime(ranks=info, ordinal=0, device=None)
+    # Rank r is worst at 16 tokens when r == last; everyone must end up with that rank's pair.
+    last = info.world_size - 1
+    mine = {16: (1.0, 1.0 + 0.1 * (info.rank + 1)), 2048: (9.0, 9.0 if info.rank else 9.9)}
+    agreed = _slowest_rank(rt, mine)
+    assert agreed == {16: (1.0, 1.0 + 0.1 * (last + 1)), 2048: (9.0, 9.9)}
+    assert rt.allgather_object(agreed) == [agreed] * info.world_size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_environment_matches_mpi():
+    from mpi4py import MPI
+
+    comm = HostComm.from_env()
+    assert (comm.rank, comm.world_size) == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+    assert os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE")) == str(comm.world_size)

@@ -1,0 +1,278 @@
+"""The package's import graph is one-way (read from the sources with ``ast``, nothing imported): no
+circle anywhere, and each layer imports only those below it -
+
+    chunkring's process runtime (bringup, env, errors, partition, ranks) <- chunkring._jit <- chunkring.ring
+    <- chunkring.moe <- chunkring.testing <- chunkring.benchmarks and scripts/ <- chunkring.launcher
+
+so the protocol core never pulls in the MoE layer, library code never the launcher, the test helpers or
+the benchmarks, and benchmarks and scripts never the launcher. Every import counts, also one inside a
+function (a lazy import is still a circle when the two modules need each other); a package's
+``__init__`` is a module of its own, and importing ``a.b.c`` is not counted as importing ``a`` or
+``a.b`` (Python runs those first, but they are the facade, not a dependency)."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Layers, lowest first: a module may import (directly or through others) only its own layer and those below.
+LAYERS = [
+    ("runtime", ("chunkring.bringup", "chunkring.env", "chunkring.errors", "chunkring.partition", "chunkring.ranks")),
+    ("_jit", ("chunkring._jit",)),
+    ("ring", ("chunkring.ring",)),
+    ("moe", ("chunkring.moe",)),
+    ("testing", ("chunkring.testing",)),
+    ("benchmarks", ("chunkring.benchmarks", "scripts")),
+    ("launcher", ("chunkring.launcher",)),
+]
+#: Outside the layers: the package facade (``import chunkring`` gives the whole library), data packages.
+UNLAYERED = ("chunkring", "chunkring.configs")
+
+
+def package_dirs() -> dict[str, Path]:
+    """Package name -> source folder, as pyproject.toml maps them (the editable install's mapping)."""
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {name: REPO / folder for name, folder in tool["package-dir"].items()}
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the package (``a.b`` for a/b.py, ``a`` for a/__init__.py) and every script under
+    scripts/ (as ``scripts.<name>``), with its file."""
+    dirs = package_dirs()
+    modules: dict[str, Path] = {}
+    for package, folder in dirs.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if "__pycache__" in parts or not all((folder.joinpath(*parts[:i]) / "__init__.py").is_file()
+                                                 for i in range(len(parts))):
+                continue  # not inside a package (e.g. a loose script in a data folder)
+            name = ".".join((package, *parts))
+            name = name.removesuffix(".__init__")
+            if any(len(p) > len(package) and (name == p or name.startswith(p + ".")) for p in dirs):
+                continue  # a subpackage mapped to a folder of its own is read from there
+            modules[name] = path
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        modules[f"scripts.{path.stem}"] = path
+    return modules
+
+
+def _skipped(node: ast.AST) -> bool:
+    """An ``if TYPE_CHECKING:`` block: imports for type checkers only, never run."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST):
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        if _skipped(node):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _known(name: str, modules) -> str | None:
+    """``name`` or its longest prefix that is a module of ours; None for anything else (torch, os...)."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (anywhere in its file)."""
+    graph = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = name if is_package else name.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        anchor = anchor.rpartition(".")[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                # "from pkg import mod" imports the module pkg.mod; "from mod import name" imports mod.
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            edges |= {t for t in (_known(t, modules) for t in targets) if t is not None and t != name}
+        graph[name] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle (a closed path of modules) per strongly connected group of more than one module."""
+    index, low, on_stack, stack, groups = {}, {}, set(), [], []
+
+    def visit(v):  # Tarjan, iterative (no recursion limit on long chains)
+        work = [(v, iter(sorted(graph.get(v, ()))))]
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        while work:
+            node, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[node] = min(low[node], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = set()
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        group.add(w)
+                        if w == node:
+                            break
+                    if len(group) > 1:
+                        groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_circle_in(graph, group) for group in groups]
+
+
+def _circle_in(graph, group: set[str]) -> list[str]:
+    start = min(group)
+    path = _path(graph, start, lambda m: start in graph.get(m, ()) and m in group, within=group)
+    return path + [start]
+
+
+def _path(graph, source: str, goal, within=None) -> list[str] | None:
+    """The shortest import path from ``source`` to a module for which ``goal`` holds, or None."""
+    parent, frontier = {source: None}, [source]
+    while frontier:
+        nxt = []
+        for m in frontier:
+            if goal(m):
+                path = [m]
+                while parent[path[-1]] is not None:
+                    path.append(parent[path[-1]])
+                return path[::-1]
+            for w in sorted(graph.get(m, ())):
+                if w not in parent and (within is None or w in within):
+                    parent[w] = m
+                    nxt.append(w)
+        frontier = nxt
+    return None
+
+
+def layer_of(module: str) -> int | None:
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    return None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """For every module of a layer, an import path (possibly through other modules, the facade
+    included) to a module of a higher layer."""
+    out = []
+    for module in sorted(graph):
+        mine = layer_of(module)
+        if mine is None:
+            continue
+        path = _path(graph, module, lambda m: (layer_of(m) or 0) > mine)
+        if path:
+            out.append(f"{module} ({LAYERS[mine][0]}) reaches {path[-1]} ({LAYERS[layer_of(path[-1])][0]}): "
+                       + " -> ".join(path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph(module_files())
+
+
+def test_the_graph_is_read(graph):
+    # Not vacuous: the layers are all there, and known edges (absolute, relative, lazy) are seen.
+    assert all(any(layer_of(m) == rank for m in graph) for rank in range(len(LAYERS))), sorted(graph)
+    assert all(m in graph for m in UNLAYERED)
+    assert "chunkring.moe.layer" in graph["chunkring.moe"]                      # package re-export
+    assert "chunkring.launcher.jobs.bench" in graph["chunkring.launcher.jobs"]  # from . import bench
+    assert "chunkring.launcher.worker" in graph["chunkring.launcher.cli"]       # lazy, in main()
+    assert "chunkring.benchmarks.bench_moe" in graph["chunkring.launcher.jobs.bench"]
+    assert "chunkring.ring.ring" in graph["chunkring.moe.layer"]
+    assert "chunkring.bringup" in graph["chunkring"]
+
+
+def test_no_import_circles(graph):
+    circles = find_cycles(graph)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_each_layer_imports_only_those_below(graph):
+    assert not (bad := layer_violations(graph)), "imports against the layering:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("low,high", [
+    ("chunkring.ring", "chunkring.moe"),
+    ("chunkring._jit", "chunkring.moe"),
+    ("chunkring._jit", "chunkring.ring"),
+    ("chunkring.ring", "chunkring.testing"),
+    ("chunkring.moe", "chunkring.testing"),
+    ("chunkring.bringup", "chunkring.launcher"),
+    ("chunkring.moe", "chunkring.launcher"),
+    ("chunkring.benchmarks", "chunkring.launcher"),
+    ("scripts", "chunkring.launcher"),
+    ("chunkring.testing", "chunkring.launcher"),
+    ("chunkring.moe", "chunkring.benchmarks"),
+])
+def test_named_rules(graph, low, high):
+    """The rules issue 16 names, spelled out (the layering above implies each)."""
+    def inside(m, prefix):
+        return m == prefix or m.startswith(prefix + ".")
+
+    for module in (m for m in graph if inside(m, low)):
+        path = _path(graph, module, lambda m: inside(m, high))
+        assert path is None, " -> ".join(path)
+
+
+def test_the_checker_finds_circles_and_layer_breaks():
+    fake = {"chunkring.launcher.jobs": {"chunkring.launcher.jobs.bench"},
+            "chunkring.launcher.jobs.bench": {"chunkring.launcher.worker"},
+            "chunkring.launcher.worker": {"chunkring.launcher.jobs"},
+            "chunkring.ring.ring": {"chunkring"}, "chunkring": {"chunkring.moe"}, "chunkring.moe": set(),
+            "scripts.x": {"chunkring.launcher.doctor"}, "chunkring.launcher.doctor": set()}
+    assert find_cycles(fake) == [["chunkring.launcher.jobs", "chunkring.launcher.jobs.bench",
+                                  "chunkring.launcher.worker", "chunkring.launcher.jobs"]]
+    bad = layer_violations(fake)
+    assert any(b.startswith("chunkring.ring.ring (ring) reaches chunkring.moe") for b in bad)
+    assert any(b.startswith("scripts.x (benchmarks) reaches chunkring.launcher.doctor") for b in bad)
+    assert find_cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b", "a"]]
+
+
+def test_relative_and_lazy_imports_are_resolved(tmp_path):
+    pkg = tmp_path / "p"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from . import a\n")
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n    from .sub.b import g\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("from .. import a\nimport torch\nif TYPE_CHECKING:\n    from p import c\n")
+    (pkg / "c.py").write_text("")
+    modules = {"p": pkg / "__init__.py", "p.a": pkg / "a.py", "p.sub": pkg / "sub" / "__init__.py",
+               "p.sub.b": pkg / "sub" / "b.py", "p.c": pkg / "c.py"}
+    graph = import_graph(modules)
+    assert graph == {"p": {"p.a"}, "p.a": {"p.sub.b"}, "p.sub": set(), "p.sub.b": {"p.a"}, "p.c": set()}
+    assert find_cycles(graph) == [["p.a", "p.sub.b", "p.a"]]

@@ -107,7 +107,8 @@ def main() -> int:
         runtime.close()
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"suite": "consumer-breakdown", "gpu": torch.cuda.get_device_name(0), "rows": rows}, out, indent=2)
+            json.dump({"suite": "consumer-breakdown", "gpu": torch.cuda.get_device_name(0), "rows": rows}, out,
+                      indent=2)
     keys = ("call_ms", "plan_ms", "experts_ms", "combine_push_ms", "combine_zero_ms", "reduce_ms")
     print("tokens | " + " | ".join(keys))
     for r in rows:

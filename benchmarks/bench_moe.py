@@ -114,7 +114,7 @@ class _Model:
         self.w13, self.w2 = layer.expert_weights(self.w13_bf16, self.w2_bf16)
         self.layer, self.timing, self.gen = layer, timing, gen
 
-    def _inputs(self, n: int) -> "_Inputs":
+    def _inputs(self, n: int) -> _Inputs:
         if getattr(self, "_cached", None) is None or self._cached.n != n:
             self._cached = _Inputs(self, n)
         return self._cached
@@ -225,7 +225,7 @@ class _Inputs:
         self.hidden.copy_(self.rotated[i % len(self.rotated)])
 
     def load_routed(self, i: int) -> None:
-        for dst, src in zip(self.static, self.routed[i % len(self.routed)]):
+        for dst, src in zip(self.static, self.routed[i % len(self.routed)], strict=True):
             if dst is not None:
                 dst.copy_(src)
 

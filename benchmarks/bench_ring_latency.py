@@ -55,7 +55,8 @@ def main() -> int:
         floor = raw_rtt / 2
         rows = [("raw signal one-way (floor)", floor), ("ring publish -> observe", publish_rtt / 2),
                 ("ring slot round trip", slot_round_trip)]
-        print(f"ring latency, {runtime.world_size} ranks on {torch.cuda.get_device_name(runtime.ordinal)}, {args.iters} iters")
+        print(f"ring latency, {runtime.world_size} ranks on {torch.cuda.get_device_name(runtime.ordinal)}, "
+              f"{args.iters} iters")
         print(f"{'measurement':<30} {'us':>8} {'x floor':>8}")
         for name, value in rows:
             print(f"{name:<30} {value:8.3f} {value / floor:8.2f}")

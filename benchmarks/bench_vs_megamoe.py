@@ -70,7 +70,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
     device = runtime.torch_device
     E, H, inter, K = shape["experts"], shape["hidden"], shape["intermediate"], shape["topk"]
-    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=inter, topk=K, max_tokens_per_rank=max(tokens)).with_default_ring()
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=inter, topk=K,
+                    max_tokens_per_rank=max(tokens)).with_default_ring()
     layer = MoELayer(runtime, cfg)
     gen = torch.Generator(device=device)
     gen.manual_seed(0)

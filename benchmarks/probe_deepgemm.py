@@ -601,11 +601,12 @@ def section_masked(dg, res, args, ops, budget):
             d2 = torch.empty(E, max_m, HIDDEN, dtype=torch.bfloat16, device=dev)
             masked_m = counts.to(torch.int32)
 
+            # F821: the `del` at the end of the iteration frees these operands; l1 and l2 only run before it.
             def l1():
-                dg.m_grouped_fp8_fp4_gemm_nt_masked((a1, s1), (ops.w1, ops.w1_sf), d1, masked_m, expected_m)
+                dg.m_grouped_fp8_fp4_gemm_nt_masked((a1, s1), (ops.w1, ops.w1_sf), d1, masked_m, expected_m)  # noqa: F821
 
             def l2():
-                dg.m_grouped_fp8_fp4_gemm_nt_masked((a2, s2), (ops.w2, ops.w2_sf), d2, masked_m, expected_m)
+                dg.m_grouped_fp8_fp4_gemm_nt_masked((a2, s2), (ops.w2, ops.w2_sf), d2, masked_m, expected_m)  # noqa: F821
             entry["first_call_L1_s"] = first_call(l1)
             entry["first_call_L2_s"] = first_call(l2)
             ref1 = grouped_reference(dequant_rows(tk["xq"], tk["xsf"])[plan["token_of"]], ops.w1_deq, 2 * INTER, flat)
@@ -628,6 +629,7 @@ def section_masked(dg, res, args, ops, budget):
 def _one_rank_group():
     """A one-rank torch.distributed group without a launcher (FileStore rendezvous, NCCL; gloo fallback)."""
     import tempfile
+
     import torch.distributed as dist
     if dist.is_initialized():
         return dist.group.WORLD, "existing"
@@ -746,7 +748,7 @@ def section_mega(dg, res, args, ops, budget):
         torch.cuda.empty_cache()
 
     # CUDA graphs last: a capture the kernel does not allow must not cost the eager figures above.
-    for t, entry, staged_copy, y, buf in graph_jobs:
+    for t, entry, staged_copy, y, _buffer in graph_jobs:
         if not budget.ok(20):
             entry["graph_skipped"] = "budget"
             continue
@@ -864,7 +866,7 @@ def cpu_selftest():
             p1 = contiguous_plan(idx, experts, 1)
             rank = p1["pos"] - p1["starts"][flat]
             assert (rank >= 0).all() and (rank < p1["counts"][flat]).all()
-            assert len(set(zip(flat.tolist(), rank.tolist()))) == flat.numel()
+            assert len(set(zip(flat.tolist(), rank.tolist(), strict=True))) == flat.numel()
         # MoE reference (gate = rows [0, I), up = rows [I, 2I)) against a per-token loop
         w1 = torch.randn(experts, 2 * inter, hidden, generator=gen, dtype=torch.float64) / 16
         w2 = torch.randn(experts, n_out, inter, generator=gen, dtype=torch.float64) / 16

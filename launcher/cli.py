@@ -60,7 +60,8 @@ def _parser(*, add_help: bool = True, job_help: str = "") -> argparse.ArgumentPa
     parser.add_argument("job", choices=sorted(JOBS) + ["doctor"], help="what to run ('doctor' checks this machine)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="override keys of the job's config (TOML values, checked before any rank starts)")
-    parser.add_argument("--config", default=None, help="preset name in configs/ or a .toml path (default: the job's name)")
+    parser.add_argument("--config", default=None,
+                        help="preset name in configs/ or a .toml path (default: the job's name)")
     parser.add_argument("--np", type=int, default=None, help="number of ranks (default: number of local GPUs)")
     parser.add_argument("--mps", action="store_true",
                         help="run a private MPS daemon for the job, so ranks sharing a GPU run concurrently; "
@@ -168,7 +169,8 @@ def _gpu_count() -> int:
     try:
         import torch
     except ImportError as exc:
-        raise ChunkringUsageError(f"torch is not importable ({exc}); reinstall (scripts/main.sh)", field="torch") from None
+        raise ChunkringUsageError(f"torch is not importable ({exc}); reinstall (scripts/main.sh)",
+                                  field="torch") from None
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

@@ -22,7 +22,8 @@ def load_table(name_or_path: str) -> dict:
     else:
         preset = resources.files("chunkring.configs") / f"{name_or_path}.toml"
         if not preset.is_file():
-            known = sorted(p.name[:-5] for p in resources.files("chunkring.configs").iterdir() if p.name.endswith(".toml"))
+            known = sorted(p.name[:-5] for p in resources.files("chunkring.configs").iterdir()
+                           if p.name.endswith(".toml"))
             raise ChunkringUsageError(f"unknown preset {name_or_path!r}; presets: {known}", field="config")
         text = preset.read_text()
     try:
@@ -45,7 +46,8 @@ def from_table(cls, table: dict, *, job: str):
         expected = {"int": int, "float": float, "str": str, "bool": bool}.get(expected, expected)
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             table[key] = value = float(value)  # duration_s=600 means 600.0
-        if isinstance(expected, type) and not (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
+        if isinstance(expected, type) and not (isinstance(value, expected)
+                                               and not (expected is int and isinstance(value, bool))):
             raise ChunkringUsageError(f"expected {expected.__name__}, got {value!r}", field=key)
     return cls(**table)
 

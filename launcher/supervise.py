@@ -186,7 +186,8 @@ def conclude(outcome: Outcome, *, job_dir, timeout_s: float) -> tuple[int, list[
     if outcome.signal is not None:
         name = signal.Signals(outcome.signal).name
         how = "; some needed SIGKILL after the grace period" if outcome.killed else ""
-        return exitcodes.interrupted(outcome.signal), [f"{PREFIX}interrupted by {name}: every rank was ended{how}"], False
+        lines = [f"{PREFIX}interrupted by {name}: every rank was ended{how}"]
+        return exitcodes.interrupted(outcome.signal), lines, False
     if outcome.returncode == 0:
         return exitcodes.PASSED, [], False
     if outcome.timed_out:

@@ -129,8 +129,8 @@ def _git_commit() -> str:
     import subprocess
 
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True,
+                             timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.stdout.strip() or "unknown"
@@ -159,7 +159,8 @@ def _print_table(job: str, runtime, all_figures: list) -> None:
         cells = []
         for figures in all_figures:
             value = figures.get(key)
-            cells.append(f"{value:<9.3g}" if isinstance(value, float) else f"{value if value is not None else '-'!s:<9}")
+            cells.append(f"{value:<9.3g}" if isinstance(value, float)
+                         else f"{value if value is not None else '-'!s:<9}")
         print(f"{key:<{width}}  " + "  ".join(cells))
 
 

@@ -17,7 +17,7 @@ from chunkring.env import EAGER_LOADING as _EAGER_LOADING
 for _name, _value in _EAGER_LOADING.items():
     _os.environ.setdefault(_name, _value)
 
-from chunkring.bringup import Runtime, current, init  # noqa: E402
+from chunkring.bringup import Runtime, current, init
 from chunkring.errors import (
     ChunkringDeviceError,
     ChunkringError,

@@ -12,12 +12,19 @@ code never talks to MPI directly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from chunkring.env import apply_process_defaults
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError, NoGpuError
 from chunkring.ranks import RankInfo
+
+if TYPE_CHECKING:  # imported where used: importing chunkring initialises neither torch nor NVSHMEM
+    import torch
+    from cuda.core import Device, ObjectCode
+    from mpi4py import MPI
+    from nvshmem.core import NvshmemKernelObject
 
 __all__ = ["HostComm", "Runtime", "init", "current"]
 
@@ -25,10 +32,10 @@ T = TypeVar("T")
 
 log = logging.getLogger("chunkring")
 
-_current: "Runtime | None" = None
+_current: Runtime | None = None
 
 
-def init(rank_info: RankInfo | None = None) -> "Runtime":
+def init(rank_info: RankInfo | None = None) -> Runtime:
     """Initialise CUDA and NVSHMEM for this process and return its :class:`Runtime`.
 
     This is a collective over all ranks of the job. The GPU is chosen as ``local_rank % device_count``,
@@ -62,7 +69,7 @@ def init(rank_info: RankInfo | None = None) -> "Runtime":
     return _current
 
 
-def current() -> "Runtime":
+def current() -> Runtime:
     """The runtime ``init()`` returned; raises if there is none."""
     if _current is None:
         raise ChunkringUsageError("chunkring is not initialised: call chunkring.init() first")
@@ -88,7 +95,7 @@ class HostComm:
         self._comm: Any = None  # mpi4py's COMM_WORLD, once checked
 
     @classmethod
-    def from_env(cls) -> "HostComm":
+    def from_env(cls) -> HostComm:
         """The collectives of this process's job as its launcher describes it (:meth:`RankInfo.from_env`)."""
         return cls(RankInfo.from_env())
 
@@ -103,7 +110,7 @@ class HostComm:
     def __repr__(self) -> str:
         return f"HostComm(rank {self.rank} of {self.world_size})"
 
-    def _mpi(self):
+    def _mpi(self) -> MPI.Intracomm:
         """mpi4py's world communicator, after checking that MPI sees this process as ``ranks`` does."""
         if self._comm is None:
             from mpi4py import MPI
@@ -156,7 +163,7 @@ class HostComm:
             MPI.COMM_WORLD.Abort(code)  # unchecked: an abort must work whatever went wrong
 
 
-def _init_nvshmem(device, comm: HostComm) -> None:
+def _init_nvshmem(device: Device, comm: HostComm) -> None:
     import nvshmem.core as nvshmem
 
     ranks = comm.ranks
@@ -188,13 +195,13 @@ class Runtime:
 
     ranks: RankInfo
     ordinal: int
-    device: object  # cuda.core.Device
+    device: Device  # cuda.core
     comm: HostComm | None = field(default=None, repr=False)
-    _tensors: dict = field(default_factory=dict, repr=False)
-    _libraries: list = field(default_factory=list, repr=False)
+    _tensors: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _libraries: list[NvshmemKernelObject] = field(default_factory=list, repr=False)
     _closed: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.comm is None:
             self.comm = HostComm(self.ranks)
         elif self.comm.ranks != self.ranks:
@@ -209,7 +216,7 @@ class Runtime:
         return self.ranks.world_size
 
     @property
-    def torch_device(self):
+    def torch_device(self) -> torch.device:
         import torch
 
         return torch.device("cuda", self.ordinal)
@@ -218,7 +225,13 @@ class Runtime:
         if self._closed:
             raise ChunkringUsageError("this chunkring Runtime was closed")
 
-    def alloc(self, shape, dtype):
+    @property
+    def _host(self) -> HostComm:
+        """``comm``, never None once constructed (``__post_init__`` makes one)."""
+        assert self.comm is not None
+        return self.comm
+
+    def alloc(self, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled symmetric torch tensor. This is a collective: every PE must call it alike."""
         import nvshmem.core as nvshmem
         import torch
@@ -236,7 +249,7 @@ class Runtime:
         self._tensors[tensor.data_ptr()] = tensor
         return tensor
 
-    def free(self, tensor) -> None:
+    def free(self, tensor: torch.Tensor) -> None:
         """Return a tensor made by :meth:`alloc`. A collective, like the allocation."""
         import nvshmem.core as nvshmem
 
@@ -245,7 +258,7 @@ class Runtime:
             raise ChunkringUsageError("tensor was not allocated by this Runtime (or was freed already)")
         nvshmem.free_tensor(tensor)
 
-    def peer(self, tensor, pe: int):
+    def peer(self, tensor: torch.Tensor, pe: int) -> torch.Tensor:
         """A view of ``tensor``'s counterpart on ``pe``, for PEs reachable by load/store (same node)."""
         import nvshmem.core as nvshmem
 
@@ -258,18 +271,18 @@ class Runtime:
         """Every rank's ``obj`` (small, picklable), in rank order, on every rank. A collective on the host
         (:meth:`HostComm.allgather_object`); trivial in a single process."""
         self._check_open()
-        return self.comm.allgather_object(obj)
+        return self._host.allgather_object(obj)
 
     def gather_object(self, obj: T, root: int = 0) -> list[T] | None:
         """Every rank's ``obj`` in rank order on ``root``, ``None`` elsewhere. A collective on the host
         (:meth:`HostComm.gather_object`)."""
         self._check_open()
-        return self.comm.gather_object(obj, root)
+        return self._host.gather_object(obj, root)
 
     def broadcast_object(self, obj: T, root: int = 0) -> T:
         """``root``'s ``obj`` on every rank. A collective on the host (:meth:`HostComm.broadcast_object`)."""
         self._check_open()
-        return self.comm.broadcast_object(obj, root)
+        return self._host.broadcast_object(obj, root)
 
     def barrier(self) -> None:
         """Host-side barrier over all PEs on torch's current stream (NVSHMEM's), then wait for it. A
@@ -282,7 +295,7 @@ class Runtime:
         nvshmem.barrier_all(stream=stream)
         stream.synchronize()
 
-    def load(self, object_code):
+    def load(self, object_code: ObjectCode) -> NvshmemKernelObject:
         """Register a compiled kernel library with NVSHMEM (once per process per library)."""
         import nvshmem.core as nvshmem
 
@@ -315,8 +328,8 @@ class Runtime:
         if _current is self:
             _current = None
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -8,6 +8,7 @@ out of service), so we set them and refuse to run if someone set them otherwise.
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
 
 from chunkring.errors import ChunkringUsageError
@@ -44,7 +45,8 @@ SINGLE_NODE_DEFAULTS = {
 }
 
 
-def apply_process_defaults(environ: dict | None = None, *, single_node: bool) -> dict:
+def apply_process_defaults(environ: MutableMapping[str, str] | None = None, *,
+                           single_node: bool) -> MutableMapping[str, str]:
     """Force multicast off and fill single-node defaults; returns ``environ`` (``os.environ`` by default).
 
     Raises ``ChunkringUsageError`` if a multicast variable was set to a value that turns multicast on.

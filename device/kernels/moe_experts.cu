@@ -21,10 +21,12 @@
 
 #include <cuda/std/cstdint>
 
+#include "chunkring/util/copy.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
 namespace {
 
+namespace util = chunkring::util;
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
@@ -62,29 +64,6 @@ __device__ void group_offsets(const unsigned* counts, int num_local, int block_m
         run += round_up(counts[e], block_m);
     }
     __syncthreads();
-}
-
-// A warp copies one row (bytes a multiple of 16): each lane keeps up to kInFlight 16-byte loads in
-// flight before storing them, as a row is too short for one load per lane to hide the latency.
-__device__ __forceinline__ void copy_row(unsigned char* __restrict__ dst, const unsigned char* __restrict__ src, u64 bytes,
-                                         u32 lane) {
-    constexpr u32 kInFlight = 8;
-    const auto* in = reinterpret_cast<const int4*>(src);
-    auto* out = reinterpret_cast<int4*>(dst);
-    const u64 n = bytes / 16;
-    for (u64 base = 0; base < n; base += kInFlight * kWarp) {
-        int4 v[kInFlight];
-#pragma unroll
-        for (u32 u = 0; u < kInFlight; ++u) {
-            const u64 i = base + u * kWarp + lane;
-            if (i < n) v[u] = in[i];
-        }
-#pragma unroll
-        for (u32 u = 0; u < kInFlight; ++u) {
-            const u64 i = base + u * kWarp + lane;
-            if (i < n) out[i] = v[u];
-        }
-    }
 }
 
 }  // namespace
@@ -147,7 +126,7 @@ extern "C" __global__ void moe_plan_scatter(const unsigned char* stage_x, const 
                 row_k[p] = static_cast<int>(choice % K);
                 row_weight[p] = stage_w[choice];
             }
-            copy_row(rows + p * row_bytes, stage_x + stage_row * row_bytes, static_cast<u64>(row_bytes), lane);
+            util::warp_copy16(rows + p * row_bytes, stage_x + stage_row * row_bytes, static_cast<u64>(row_bytes), lane);
             for (u64 j = lane; j < static_cast<u64>(sf_per_row); j += kWarp)
                 rows_sf[j * sf_stride + p] = stage_sf[stage_row * sf_per_row + j];
         }

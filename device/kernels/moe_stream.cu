@@ -82,9 +82,8 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
                 mine |= e >= expert_lo && e < expert_hi;
             }
             if (!__any_sync(0xffffffffu, mine)) continue;
-            const auto* from = reinterpret_cast<const int4*>(peer_x + row * row_bytes);
-            auto* to = reinterpret_cast<int4*>(stage_x + (first_row + row) * row_bytes);
-            for (u64 i = lane; i < row_bytes / 16; i += kWarp) to[i] = from[i];
+            chunkring::util::warp_copy16(stage_x + (first_row + row) * row_bytes, peer_x + row * row_bytes, row_bytes,
+                                         lane);
             for (u64 i = lane; i < sf_floats; i += kWarp)
                 stage_sf[(first_row + row) * sf_floats + i] =
                     checked_scale(d, src, slot, row, i, peer_sf[row * sf_floats + i]);

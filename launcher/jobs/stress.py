@@ -4,10 +4,10 @@ reference, with optional delays and chaos.
 Each iteration every rank calls ``MoELayer.run`` on its own routed batch: streamed, except every
 ``batch_every``-th iteration, which is batch-ready, and every ``graph_every``-th, which replays one
 CUDA graph of a streamed call captured once at ``max_tokens_per_rank`` rows (the batch copied into the
-captured inputs, its token count into the device count the graph reads). Token counts are drawn per rank and iteration: 10 %
-of draws an empty rank (0 tokens), 10 % a full one (``max_tokens_per_rank``), 15 % a multiple of
-``front_tokens_per_slot``, the rest anything in [1, max] (mostly not a multiple). The rings persist
-across calls, so slots wrap; the config must allow more chunks per call than the ring has slots.
+captured inputs, its token count into the device count the graph reads). Token counts are drawn per rank
+and iteration: 10 % of draws an empty rank (0 tokens), 10 % a full one (``max_tokens_per_rank``), 15 % a
+multiple of ``front_tokens_per_slot``, the rest anything in [1, max] (mostly not a multiple). The rings
+persist across calls, so slots wrap; the config must allow more chunks per call than the ring has slots.
 
 With probability ``delay_probability`` an iteration also delays one side of one rank: that rank
 enqueues ``torch.cuda._sleep(cycles)`` on its layer's producer or consumer stream before the call (the
@@ -240,7 +240,8 @@ class GraphCall:
         if self.graph is None:
             self._capture(batch)
         n = batch.x.shape[0]
-        for captured, fresh in zip(self.inputs, (batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights)):
+        fresh_inputs = (batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights)
+        for captured, fresh in zip(self.inputs, fresh_inputs, strict=True):
             if captured is not None:
                 captured[:n].copy_(fresh)
         self.count.fill_(n)

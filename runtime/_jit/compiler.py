@@ -20,10 +20,14 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from chunkring._jit.signatures import parse_kernels
+from chunkring._jit.signatures import Param, parse_kernels
 from chunkring.env import cache_dir
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+
+if TYPE_CHECKING:
+    from cuda.core import Device, ObjectCode, ProgramOptions
 
 __all__ = ["CPU_FALLBACK_ARCH", "KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "arch_of", "build", "default_arch",
            "kernel_sources", "nvshmem_version", "program_options"]
@@ -55,15 +59,15 @@ class BuildResult:
     (:func:`chunkring._jit.signatures.parse_kernels`)."""
 
     name: str
-    object_code: object
+    object_code: ObjectCode
     cache_key: str
     cache_hit: bool
     seconds: float
     arch: str
-    signatures: dict
+    signatures: dict[str, tuple[Param, ...]]
 
 
-def arch_of(device) -> str:
+def arch_of(device: Device) -> str:
     """NVRTC's target for a ``cuda.core.Device``: ``sm_XY`` from its compute capability. No kernel uses
     architecture-specific instructions (wgmma, setmaxnreg), so never the ``a`` variant."""
     major, minor = device.compute_capability
@@ -155,7 +159,8 @@ def _check_defines(defines: dict[str, int | str]) -> None:
             raise ChunkringUsageError(f"macro {key} value {value!r} must be an int or identifier", field="defines")
 
 
-def program_options(name: str, *, defines: dict[str, int | str] | None = None, arch: str | None = None):
+def program_options(name: str, *, defines: dict[str, int | str] | None = None,
+                    arch: str | None = None) -> ProgramOptions:
     """The ``cuda.core.ProgramOptions`` that :func:`build` compiles ``<name>.cu`` with."""
     from cuda.core import ProgramOptions
 
@@ -201,14 +206,14 @@ def build(name: str, *, defines: dict[str, int | str] | None = None, arch: str |
                        signatures)
 
 
-def _cache_key(name: str, source: str, options) -> str:
+def _cache_key(name: str, source: str, options: ProgramOptions) -> str:
     # Every option as NVRTC receives it, so no option can change the cubin without changing the key.
     material = [name, source, _headers_digest(), nvshmem_version(), _nvrtc_version(),
                 *(flag.decode() for flag in options.as_bytes("nvrtc"))]
     return hashlib.sha256("\n".join(material).encode()).hexdigest()[:32]
 
 
-def _compile(source: str, options) -> bytes:
+def _compile(source: str, options: ProgramOptions) -> bytes:
     from cuda.core import Program
 
     try:

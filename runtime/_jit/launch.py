@@ -9,21 +9,29 @@ kernel expects (cuda.core would pass a bare Python int as a pointer).
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 from chunkring._jit.signatures import Param
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
+if TYPE_CHECKING:
+    import torch
+    from cuda.core import Kernel, ObjectCode
+
+    from chunkring._jit.compiler import BuildResult
+    from chunkring.bringup import Runtime
+
 __all__ = ["KernelLibrary", "Param", "library_for"]  # Param lives with the signatures that make it
 
 #: Loaded libraries per Runtime, by (source name, defines) (freed with the Runtime).
-_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOADED: weakref.WeakKeyDictionary[Runtime, dict[tuple, KernelLibrary]] = weakref.WeakKeyDictionary()
 
 
 class KernelLibrary:
     """A compiled kernel library (registered with NVSHMEM if it uses it), with checked launches of each of its kernels
     (the parameters ``build_result.signatures`` read from its source)."""
 
-    def __init__(self, runtime, build_result):
+    def __init__(self, runtime: Runtime, build_result: BuildResult) -> None:
         self.runtime = runtime
         self.build = build_result
         self._signatures = dict(build_result.signatures)
@@ -45,7 +53,8 @@ class KernelLibrary:
             raise ChunkringUsageError(f"no kernel {name!r} in {self.build.name}", field="name")
         return int(self._kernels[name].occupancy.max_active_blocks_per_multiprocessor(block, shared_bytes))
 
-    def launch(self, name: str, *args, grid=1, block=128, stream=None, shared_bytes: int = 0) -> None:
+    def launch(self, name: str, *args: object, grid: int | tuple[int, ...] = 1, block: int | tuple[int, ...] = 128,
+               stream: torch.cuda.Stream | None = None, shared_bytes: int = 0) -> None:
         """Enqueue kernel ``name`` on ``stream`` (a torch stream; the current one by default)."""
         import torch
         from cuda.core import LaunchConfig, launch
@@ -56,13 +65,14 @@ class KernelLibrary:
         if len(args) != len(params):
             raise ChunkringUsageError(f"{name} takes {len(params)} arguments, got {len(args)}", field="args")
         device = self.runtime.torch_device
-        values = [param.convert(arg, device) for param, arg in zip(params, args)]
+        values = [param.convert(arg, device) for param, arg in zip(params, args, strict=True)]
         torch_stream = stream if stream is not None else torch.cuda.current_stream(device)
         if torch_stream.device != device:
             raise ChunkringUsageError(f"stream is on {torch_stream.device}, kernel runs on {device}", field="stream")
         stream_obj = self.runtime.device.create_stream(torch_stream)
         try:
-            launch(stream_obj, LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes), self._kernels[name], *values)
+            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+            launch(stream_obj, config, self._kernels[name], *values)
         except Exception as exc:
             raise ChunkringRuntimeError(f"launch of {name} failed: {exc}") from exc
 
@@ -71,14 +81,14 @@ class KernelLibrary:
 _NVSHMEM_STATE = b"nvshmemi_device_state_d"
 
 
-def uses_nvshmem(object_code) -> bool:
+def uses_nvshmem(object_code: ObjectCode) -> bool:
     """Whether a cubin references NVSHMEM's device state: such a library must be registered with NVSHMEM
     before its kernels run; one that does not (pure compute kernels) has nothing to register, and NVSHMEM
     refuses it ("named symbol not found")."""
     return _NVSHMEM_STATE in bytes(object_code.code)
 
 
-def _load_now(name: str, kernel) -> None:
+def _load_now(name: str, kernel: Kernel) -> None:
     """Load ``kernel`` into the current context now, not at its first launch.
 
     Under CUDA's lazy loading, a kernel's first launch loads its code, and that load can wait for
@@ -96,7 +106,7 @@ def _load_now(name: str, kernel) -> None:
         raise ChunkringRuntimeError(f"loading {name} failed: {err}")
 
 
-def library_for(runtime, source: str, *, defines: dict[str, int | str] | None = None) -> KernelLibrary:
+def library_for(runtime: Runtime, source: str, *, defines: dict[str, int | str] | None = None) -> KernelLibrary:
     """The library built from ``device/kernels/<source>.cu`` with ``defines`` for the Runtime's GPU,
     loaded once per Runtime and set of defines."""
     from chunkring._jit.compiler import arch_of, build

@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["C_TYPES", "NULLABLE", "Param", "parse_kernels"]
 
 NULLABLE = "CHUNKRING_NULLABLE"
 
-_SCALARS = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64}
+_SCALARS: dict[str, type[np.integer]] = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64}
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class Param:
     dtype: object = None  # torch.dtype, for pointers
     nullable: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind != "ptr" and self.kind not in _SCALARS:
             raise ChunkringUsageError(f"unknown parameter kind {self.kind!r}", field=self.name)
         if self.kind == "ptr" and self.dtype is None:
@@ -46,7 +50,7 @@ class Param:
         if self.nullable and self.kind != "ptr":
             raise ChunkringUsageError("only a pointer parameter can be nullable", field=self.name)
 
-    def convert(self, value, device):
+    def convert(self, value: object, device: torch.device) -> int | np.integer:
         import torch
 
         if self.kind == "ptr":
@@ -109,7 +113,7 @@ _DROPPED = {"const", "__restrict__"}
 
 def _blank_comments(text: str) -> str:
     # Blanked character for character, so an offset into the result is an offset into the source.
-    def blank(match):
+    def blank(match: re.Match[str]) -> str:
         found = match.group(0)
         return found if found[0] in "\"'" else re.sub(r"[^\n]", " ", found)
 
@@ -120,7 +124,7 @@ def _line(code: str, offset: int) -> int:
     return code.count("\n", 0, offset) + 1
 
 
-def _param(text: str, where: str):
+def _param(text: str, where: str) -> Param:
     import torch
 
     tokens = _TOKEN.findall(text)
@@ -138,11 +142,11 @@ def _param(text: str, where: str):
     return Param(name, kind, getattr(torch, dtype) if dtype else None, nullable)
 
 
-def parse_kernels(text: str, filename: str = "<source>") -> dict:
+def parse_kernels(text: str, filename: str = "<source>") -> dict[str, tuple[Param, ...]]:
     """Every ``extern "C"`` kernel of a kernel source, in source order: ``{name: (Param, ...)}``.
     Raises ``ChunkringRuntimeError`` naming ``filename`` and the line for a signature it cannot read."""
     code = _blank_comments(text)
-    kernels: dict = {}
+    kernels: dict[str, tuple[Param, ...]] = {}
     for extern in _EXTERN_C.finditer(code):
         where = f"{filename}:{_line(code, extern.start())}"
         match = _KERNEL.match(code, extern.start())

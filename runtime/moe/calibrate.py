@@ -13,11 +13,19 @@ collectively - never per call, whose token count differs between ranks.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from chunkring.errors import ChunkringUsageError
+
+if TYPE_CHECKING:
+    from chunkring.bringup import Runtime
+    from chunkring.moe.layer import MoELayer
+    from chunkring.moe.weights import Fp8Weight
 
 __all__ = ["DEFAULT_TOLERANCE", "StreamingCalibration", "calibrate", "capture_graph", "replay_median_ms"]
 
@@ -30,7 +38,7 @@ class StreamingCalibration:
     """What :func:`calibrate` measured: per token count, the slowest rank's (batch-ready ms, streamed
     ms), and the tolerance streamed had to meet everywhere for ``"auto"`` to stream."""
 
-    figures: dict
+    figures: dict[int, tuple[float, ...]]  # token count -> (batch-ready ms, streamed ms)
     tolerance: float
 
     @property
@@ -44,7 +52,7 @@ class StreamingCalibration:
         return f'streaming="auto" calls {verdict}: streamed / batch-ready {ratios} (tolerance {self.tolerance:.0%})'
 
 
-def capture_graph(call, load=None) -> torch.cuda.CUDAGraph:
+def capture_graph(call: Callable[[], object], load: Callable[[int], object] | None = None) -> torch.cuda.CUDAGraph:
     """``call`` captured in a CUDA graph, after one eager call (every kernel loaded and every lazy torch
     initialisation done before the capture) on the inputs ``load(0)`` puts in place, if given."""
     if load is not None:
@@ -57,7 +65,8 @@ def capture_graph(call, load=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def replay_median_ms(call, load=None, *, iterations: int, warmup: int, barrier=None) -> float:
+def replay_median_ms(call: Callable[[], object], load: Callable[[int], object] | None = None, *, iterations: int,
+                     warmup: int, barrier: Callable[[], object] | None = None) -> float:
     """Median time of ``call`` captured once in a CUDA graph (:func:`capture_graph`) and replayed
     ``warmup + iterations`` times (the first ``warmup`` not counted), with CUDA events. ``load(i)``, if
     given, refreshes the graph's inputs before replay ``i``; ``barrier()``, if given, runs before each
@@ -80,7 +89,8 @@ def replay_median_ms(call, load=None, *, iterations: int, warmup: int, barrier=N
     return statistics.median(times)
 
 
-def calibrate(layer, router_weight, w13, w2, token_counts, *, iterations: int = 10, warmup: int = 2,
+def calibrate(layer: MoELayer, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight,
+              w2: torch.Tensor | Fp8Weight, token_counts: Iterable[int], *, iterations: int = 10, warmup: int = 2,
               tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> StreamingCalibration:
     """Time ``layer.forward`` batch-ready and streamed at each of ``token_counts`` (random hidden states,
     this rank's weights) and agree across ranks on the slowest rank's figures. A collective: every rank
@@ -105,13 +115,13 @@ def calibrate(layer, router_weight, w13, w2, token_counts, *, iterations: int = 
     for n in counts:
         hidden = torch.randn(n, cfg.hidden, generator=gen, device=device).to(torch.bfloat16)
         mine[n] = tuple(
-            replay_median_ms(lambda s=streaming: layer.forward(hidden, router_weight, w13, w2, streaming=s),
+            replay_median_ms(partial(layer.forward, hidden, router_weight, w13, w2, streaming=streaming),
                              iterations=iterations, warmup=warmup, barrier=runtime.barrier)
             for streaming in (False, True))
     return StreamingCalibration(_slowest_rank(runtime, mine), float(tolerance))
 
 
-def _slowest_rank(runtime, mine: dict) -> dict:
+def _slowest_rank(runtime: Runtime, mine: dict[int, tuple[float, ...]]) -> dict[int, tuple[float, ...]]:
     """Per token count, the (batch, streamed) pair of the rank where streaming fared worst: identical on
     every rank, so every rank takes the same mode. A collective (``runtime.allgather_object``)."""
     everyone = runtime.allgather_object(mine)

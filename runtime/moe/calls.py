@@ -8,6 +8,7 @@ no GPU: tests drive them with CPU tensors.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,11 @@ from chunkring.moe.experts import check_expert_weights
 from chunkring.moe.timeline import Timeline
 from chunkring.ring.io import check_tensor
 from chunkring.ring.spec import FP8_SCALE_BLOCK
+
+if TYPE_CHECKING:
+    from chunkring.moe.calibrate import StreamingCalibration
+    from chunkring.moe.config import MoEConfig
+    from chunkring.moe.weights import Fp8Weight
 
 __all__ = ["CallMode", "check_forward_args", "check_run_args"]
 
@@ -31,8 +37,11 @@ class CallMode(enum.Enum):
     STREAMED = "streamed"
 
 
-def check_run_args(config, experts_per_rank: int, device, calibration, x, x_sf, topk_idx, topk_weights, w13, w2, *,
-                   streaming, out, num_tokens, timeline) -> tuple[CallMode, int]:
+def check_run_args(config: MoEConfig, experts_per_rank: int, device: torch.device,
+                   calibration: StreamingCalibration | None, x: torch.Tensor, x_sf: torch.Tensor | None,
+                   topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor | Fp8Weight,
+                   w2: torch.Tensor | Fp8Weight, *, streaming: bool | str, out: torch.Tensor | None,
+                   num_tokens: torch.Tensor | None, timeline: Timeline | None) -> tuple[CallMode, int]:
     """:meth:`MoELayer.run`'s arguments: the call's mode and token count, or a ``ChunkringUsageError``
     naming the first bad argument."""
     fp8 = config.payload.has_scales
@@ -47,8 +56,11 @@ def check_run_args(config, experts_per_rank: int, device, calibration, x, x_sf, 
                          timeline), n
 
 
-def check_forward_args(config, experts_per_rank: int, device, calibration, hidden, router_weight, w13, w2, *,
-                       streaming, out, num_tokens, timeline) -> tuple[CallMode, int]:
+def check_forward_args(config: MoEConfig, experts_per_rank: int, device: torch.device,
+                       calibration: StreamingCalibration | None, hidden: torch.Tensor, router_weight: torch.Tensor,
+                       w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight, *, streaming: bool | str,
+                       out: torch.Tensor | None, num_tokens: torch.Tensor | None,
+                       timeline: Timeline | None) -> tuple[CallMode, int]:
     """:meth:`MoELayer.forward`'s arguments, as :func:`check_run_args`."""
     n = _check_batch(config, device, "hidden", hidden, torch.bfloat16)
     check_tensor("router_weight", router_weight, (config.num_experts, config.hidden), torch.bfloat16, device)
@@ -56,7 +68,7 @@ def check_forward_args(config, experts_per_rank: int, device, calibration, hidde
                          timeline), n
 
 
-def _check_batch(config, device, name: str, x, dtype) -> int:
+def _check_batch(config: MoEConfig, device: torch.device, name: str, x: object, dtype: torch.dtype) -> int:
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ChunkringUsageError("expected a 2-D tensor [n, hidden]", field=name)
     n = x.shape[0]
@@ -66,8 +78,10 @@ def _check_batch(config, device, name: str, x, dtype) -> int:
     return n
 
 
-def _check_common(config, experts_per_rank: int, device, calibration, n: int, w13, w2, streaming, out, num_tokens,
-                  timeline) -> CallMode:
+def _check_common(config: MoEConfig, experts_per_rank: int, device: torch.device,
+                  calibration: StreamingCalibration | None, n: int, w13: torch.Tensor | Fp8Weight,
+                  w2: torch.Tensor | Fp8Weight, streaming: bool | str, out: torch.Tensor | None,
+                  num_tokens: torch.Tensor | None, timeline: Timeline | None) -> CallMode:
     if isinstance(streaming, str) and streaming == "auto":
         streaming = calibration is not None and calibration.streams
     if not isinstance(streaming, bool):

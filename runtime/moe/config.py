@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.ring.layout import RingLayout
-from chunkring.ring.spec import PayloadFormat, RingSpec
+from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 
 __all__ = ["DEFAULT_FRONT_NUM_SLOTS", "MoEConfig"]
 
@@ -30,7 +30,8 @@ class MoEConfig:
     experts' w13 is [2I, H], w2 is [H, I]).  max_tokens_per_rank: capacity of one call's batch per rank.
     payload: what travels between ranks (FP8 e4m3 with per-128 fp32 scales, or bf16).
     front_num_slots, front_tokens_per_slot: the streaming ring (both or neither; neither = batch-ready only).
-    block_m: rows each expert group is padded to (the grouped GEMM's row block).
+    The FP8 payload runs FP8 expert GEMMs whose activations carry one scale per 1x128: its ``intermediate``
+    must be a multiple of 128 (the bf16 payload's, of 8: 16-byte rows for the grouped GEMMs).
     """
 
     num_experts: int
@@ -41,19 +42,20 @@ class MoEConfig:
     payload: PayloadFormat = PayloadFormat.FP8_E4M3
     front_num_slots: int | None = None
     front_tokens_per_slot: int | None = None
-    block_m: int = 16
 
-    def __post_init__(self):
-        for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "block_m"):
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ChunkringUsageError(f"must be a positive int, got {value!r}", field=name)
         object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
-        if self.intermediate % 8:  # grouped GEMM operands need 16-byte rows
-            raise ChunkringUsageError(f"must be a multiple of 8, got {self.intermediate}", field="intermediate")
+        multiple = FP8_SCALE_BLOCK if self.payload.has_scales else 8
+        if self.intermediate % multiple:
+            raise ChunkringUsageError(f"must be a multiple of {multiple} for the {self.payload.name} payload, got "
+                                      f"{self.intermediate}", field="intermediate")
         if (self.front_num_slots is None) != (self.front_tokens_per_slot is None):
-            raise ChunkringUsageError("set both front_num_slots and front_tokens_per_slot, or neither",
-                                      field="front_num_slots" if self.front_num_slots is None else "front_tokens_per_slot")
+            missing = "front_num_slots" if self.front_num_slots is None else "front_tokens_per_slot"
+            raise ChunkringUsageError("set both front_num_slots and front_tokens_per_slot, or neither", field=missing)
         for name in ("front_num_slots", "front_tokens_per_slot"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -69,7 +71,7 @@ class MoEConfig:
         """Whether the layer has a streaming ring (``streaming=True`` calls need one)."""
         return self.front_num_slots is not None
 
-    def with_default_ring(self) -> "MoEConfig":
+    def with_default_ring(self) -> MoEConfig:
         """This config with the default streaming ring: 2 slots of ``max_tokens_per_rank / 16`` tokens
         (at least 1), so the ring's payload is 1/8 of the full per-rank input region. docs/PERFORMANCE.md
         gives the measurements behind both numbers."""
@@ -80,7 +82,13 @@ class MoEConfig:
         """The spec of the streaming ring, or of the one-slot batch-ready ring. Checks the shared fields;
         an error names the config's field (``max_tokens_per_rank`` for the batch-ready ring's slot size,
         ``front_num_slots`` / ``front_tokens_per_slot`` for the streaming ring's)."""
-        slots, tokens = (self.front_num_slots, self.front_tokens_per_slot) if streamed else (1, self.max_tokens_per_rank)
+        if streamed:
+            slots, tokens = self.front_num_slots, self.front_tokens_per_slot
+        else:
+            slots, tokens = 1, self.max_tokens_per_rank
+        if slots is None or tokens is None:
+            raise ChunkringUsageError("this config has no streaming ring (set front_num_slots and "
+                                      "front_tokens_per_slot)", field="front_num_slots")
         try:
             return RingSpec(world_size=world_size, num_slots=slots, tokens_per_slot=tokens, hidden=self.hidden,
                             payload=self.payload, topk=self.topk, num_experts=self.num_experts)
@@ -108,6 +116,8 @@ _STREAMED_FIELDS = {"tokens_per_slot": "front_tokens_per_slot", "num_slots": "fr
 
 def _as_config_error(exc: ChunkringUsageError, *, streamed: bool) -> ChunkringUsageError:
     """``exc`` (a RingSpec error) naming the MoEConfig field it is about, and which ring said so."""
+    if exc.field is None:
+        return exc
     field = (_STREAMED_FIELDS if streamed else _BATCH_FIELDS).get(exc.field, exc.field)
     if field == exc.field:
         return exc

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -115,7 +116,7 @@ class ExpertCompute:
         self.fp8 = config.payload.has_scales
         self.capacity = padded_rows_bound(config.max_tokens_per_rank, config.topk, world_size, experts_per_rank,
                                           GROUP_ALIGN)
-        self._deep_gemm = load_deep_gemm() if self.fp8 else None
+        self._deep_gemm: Any = load_deep_gemm() if self.fp8 else None  # deep_gemm is untyped
         self._grid = _BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self._offsets_bytes = 4 * (experts_per_rank + 1)  # group_offsets' shared memory
 
@@ -181,5 +182,6 @@ class ExpertCompute:
                      self.experts_per_rank, GROUP_ALIGN, cfg.hidden, cfg.topk, peer_combine, shared=True)
 
     def _launch(self, name: str, *args, shared: bool = False) -> None:
-        self.kernels.launch(name, *args, grid=self._grid, block=_BLOCK, shared_bytes=self._offsets_bytes if shared else 0,
+        self.kernels.launch(name, *args, grid=self._grid, block=_BLOCK,
+                            shared_bytes=self._offsets_bytes if shared else 0,
                             stream=torch.cuda.current_stream(self.device))

@@ -29,33 +29,41 @@ and how its producers publish.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from chunkring.env import module_loading_is_eager
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe.config import MoEConfig
 from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration, calibrate
-
 from chunkring.moe.calls import CallMode, check_forward_args, check_run_args
+from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import ExpertCompute
-from chunkring.moe.timeline import Event
 from chunkring.moe.producer import quantize_rows_fp8, route
-from chunkring.moe.weights import init_weights, quantize_weight_fp8
-from chunkring.ring.ring import Ring, _check_identical
+from chunkring.moe.timeline import Event, Timeline
+from chunkring.moe.weights import Fp8Weight, init_weights, quantize_weight_fp8
 from chunkring.ring.io import check_tensor, enqueue_publish
+from chunkring.ring.ring import Ring, _check_identical
 from chunkring.ring.spec import FP8_SCALE_BLOCK
+
+if TYPE_CHECKING:
+    from chunkring.bringup import Runtime
+    from chunkring.partition import SmPartition
 
 __all__ = ["CallMode", "ChunkedMoE", "MoELayer"]
 
 log = logging.getLogger("chunkring")
+
+#: One chunk as a call's producers hand it to the publish: x, x_sf (None for bf16), topk_idx, topk_weights.
+_Chunk = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
 
 
 class _Stage:
     """What one rank's consumer pulls in a call, from either ring: every source's rows at their token
     index (``N = max_tokens_per_rank`` rows per source), and the pull's bookkeeping."""
 
-    def __init__(self, config: "MoEConfig", world_size: int, device):
+    def __init__(self, config: MoEConfig, world_size: int, device: torch.device) -> None:
         W, N, H, K = world_size, config.max_tokens_per_rank, config.hidden, config.topk
         fp8 = config.payload.has_scales
         self.x = torch.zeros((W, N, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=device)
@@ -89,8 +97,8 @@ class MoELayer:
     the host. Errors found on the device (timeouts, bad metadata) are raised by :meth:`check`.
     """
 
-    def __init__(self, runtime, config: MoEConfig, *, partition=None, timeout_s: float | None = None,
-                 variant: int = 0):
+    def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | None = None,
+                 timeout_s: float | None = None, variant: int = 0) -> None:
         if not isinstance(config, MoEConfig):
             raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")
         world = runtime.world_size
@@ -138,6 +146,8 @@ class MoELayer:
         self._compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank,
                                       library_for(runtime, "moe_experts"), device)
         self.streaming_calibration: StreamingCalibration | None = None  # what streaming="auto" follows
+        self._producer: torch.cuda.Stream
+        self._consumer: torch.cuda.Stream
         if partition is not None:
             self._producer, self._consumer = partition.producer_stream, partition.consumer_stream
         else:
@@ -158,8 +168,10 @@ class MoELayer:
 
     # ------------------------------------------------------------------ public calls
 
-    def run(self, x, x_sf, topk_idx, topk_weights, w13, w2, *, streaming: bool | str = False, out=None,
-            num_tokens=None, timeline=None) -> torch.Tensor:
+    def run(self, x: torch.Tensor, x_sf: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+            w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight, *, streaming: bool | str = False,
+            out: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None,
+            timeline: Timeline | None = None) -> torch.Tensor:
         """The layer on a routed batch: x [n, H] (float8_e4m3fn with x_sf float32 [n, H/128], or bfloat16
         with x_sf None, per ``payload``), topk_idx int32 [n, K] (-1 = masked), topk_weights float32 [n, K];
         this rank's experts w13 [E_local, 2I, H] and w2 [E_local, H, I] as :meth:`expert_weights` gives them
@@ -182,13 +194,14 @@ class MoELayer:
                                  self.streaming_calibration, x, x_sf, topk_idx, topk_weights, w13, w2,
                                  streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
 
-        def produce(start: int, end: int):
+        def produce(start: int, end: int) -> _Chunk:
             return x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end], topk_weights[start:end]
 
         return self._invoke(mode, n, produce, w13, w2, out, num_tokens, timeline)
 
-    def forward(self, hidden, router_weight, w13, w2, *, streaming: bool | str = False, out=None,
-                num_tokens=None, timeline=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight,
+                w2: torch.Tensor | Fp8Weight, *, streaming: bool | str = False, out: torch.Tensor | None = None,
+                num_tokens: torch.Tensor | None = None, timeline: Timeline | None = None) -> torch.Tensor:
         """The layer with its own producers: per chunk (streamed) or for the whole batch, router GEMM
         (``router_weight`` bfloat16 [E, H]) -> top-k softmax weights -> FP8 quantisation (FP8 payload)
         -> publish. ``hidden`` bfloat16 [n, H]; weights, ``num_tokens`` and ``timeline`` as in :meth:`run`;
@@ -199,7 +212,7 @@ class MoELayer:
                                      hidden, router_weight, w13, w2, streaming=streaming, out=out,
                                      num_tokens=num_tokens, timeline=timeline)
 
-        def produce(start: int, end: int):
+        def produce(start: int, end: int) -> _Chunk:
             rows = hidden[start:end]
             topk_idx, topk_weights = route(rows, router_weight, cfg.topk)
             x, x_sf = quantize_rows_fp8(rows) if cfg.payload.has_scales else (rows, None)
@@ -207,7 +220,8 @@ class MoELayer:
 
         return self._invoke(mode, n, produce, w13, w2, out, num_tokens, timeline)
 
-    def expert_weights(self, w13: torch.Tensor, w2: torch.Tensor):
+    def expert_weights(self, w13: torch.Tensor,
+                       w2: torch.Tensor) -> tuple[Fp8Weight, Fp8Weight] | tuple[torch.Tensor, torch.Tensor]:
         """This rank's experts (w13 [E_local, 2I, H], w2 [E_local, H, I], bfloat16 on the layer's device) in
         the format this layer's GEMMs take: FP8 payload -> :class:`~chunkring.moe.weights.Fp8Weight` pairs
         (128x128 block scales; quantised once here, at load), bf16 payload -> the tensors as given."""
@@ -232,7 +246,8 @@ class MoELayer:
         for ring in self.rings.values():
             ring.set_timeout(seconds)
 
-    def calibrate(self, router_weight, w13, w2, token_counts, *, iterations: int = 10, warmup: int = 2,
+    def calibrate(self, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight,
+                  token_counts: Iterable[int], *, iterations: int = 10, warmup: int = 2,
                   tolerance: float = DEFAULT_TOLERANCE) -> StreamingCalibration:
         """Decide what ``streaming="auto"`` calls do on this machine: time :meth:`forward` batch-ready and
         streamed at each of ``token_counts`` (CUDA-graph replays, random hidden states, these weights) and
@@ -283,11 +298,11 @@ class MoELayer:
             ring.destroy()
         if self.combine is not None:
             self.runtime.free(self.combine)
-            self.combine = None
+            self.combine = None  # type: ignore[assignment]  # destroyed: _check_alive() guards every call
 
     # ------------------------------------------------------------------ internals
 
-    def _launch_pull(self, mode: CallMode, trace) -> None:
+    def _launch_pull(self, mode: CallMode, trace: tuple[torch.Tensor | None, int]) -> None:
         stage, ring = self._stage, self.rings[mode]
         arrivals = self._arrivals[mode] if self._pull_grid > 1 else None  # one block acknowledges chunks itself
         self._kernels.launch("moe_pull", ring.desc, arrivals, stage.held, stage.x.view(torch.uint8), stage.sf,
@@ -299,7 +314,9 @@ class MoELayer:
         if self.combine is None:
             raise ChunkringUsageError("this MoELayer was destroyed")
 
-    def _invoke(self, mode: CallMode, n: int, produce, w13, w2, out, num_tokens, timeline) -> torch.Tensor:
+    def _invoke(self, mode: CallMode, n: int, produce: Callable[[int, int], _Chunk], w13: torch.Tensor | Fp8Weight,
+                w2: torch.Tensor | Fp8Weight, out: torch.Tensor | None, num_tokens: torch.Tensor | None,
+                timeline: Timeline | None) -> torch.Tensor:
         """Enqueue one call of ``mode`` (its arguments checked)."""
         ring, stage = self.rings[mode], self._stage
         if out is None:
@@ -317,14 +334,14 @@ class MoELayer:
         kernels, me = self._kernels, self.runtime.rank
         trace = (None, 0) if timeline is None else (timeline.buffer, timeline.capacity)
 
-        def mark(event: Event, chunk: int = -1):
+        def mark(event: Event, chunk: int = -1) -> None:
             if timeline is not None:
                 kernels.launch("moe_trace_mark", *trace, int(event), me, chunk, block=32,
                                stream=torch.cuda.current_stream())
 
         starts = list(range(0, n, T)) if n else [0]
 
-        def produce_chunks(chunks):
+        def produce_chunks(chunks: Iterable[int]) -> None:
             with torch.cuda.stream(producer):
                 for chunk in chunks:
                     start = starts[chunk]
@@ -381,7 +398,11 @@ class ChunkedMoE(torch.nn.Module):
     Weights start as :func:`init_weights` draws from ``generator`` (a CPU ``torch.Generator``).
     """
 
-    def __init__(self, layer: MoELayer, *, generator: torch.Generator | None = None):
+    router_weight: torch.Tensor  # a registered buffer
+    w13: torch.Tensor | Fp8Weight
+    w2: torch.Tensor | Fp8Weight
+
+    def __init__(self, layer: MoELayer, *, generator: torch.Generator | None = None) -> None:
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise ChunkringUsageError(f"expected a MoELayer, got {type(layer).__name__}", field="layer")
@@ -392,6 +413,7 @@ class ChunkedMoE(torch.nn.Module):
         self.register_buffer("router_weight", router.to(device))
         self.w13, self.w2 = layer.expert_weights(w13[mine].to(device), w2[mine].to(device))
 
-    def forward(self, hidden: torch.Tensor, streaming: bool = False, num_tokens: torch.Tensor | None = None):
+    def forward(self, hidden: torch.Tensor, streaming: bool = False,
+                num_tokens: torch.Tensor | None = None) -> torch.Tensor:
         return self.layer.forward(hidden, self.router_weight, self.w13, self.w2, streaming=streaming,
                                   num_tokens=num_tokens)

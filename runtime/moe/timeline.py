@@ -18,6 +18,7 @@ import os
 from collections import defaultdict, deque
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
@@ -80,7 +81,7 @@ class Timeline:
     :meth:`clear`.
     """
 
-    def __init__(self, device, capacity: int = 4096):
+    def __init__(self, device: torch.device | str | int, capacity: int = 4096) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ChunkringUsageError(f"must be a positive int, got {capacity!r}", field="capacity")
         try:
@@ -100,7 +101,7 @@ class Timeline:
         """How many records the buffer stores; appends past it are counted, not stored."""
         return self._capacity
 
-    def clear(self, stream=None) -> None:
+    def clear(self, stream: torch.cuda.Stream | None = None) -> None:
         """Forget every record: zero the count on ``stream`` (default: the current stream).
 
         Stream-ordered, with no host synchronisation, so it can be captured in a CUDA graph. The
@@ -147,7 +148,7 @@ class Timeline:
         return self._buffer[1:1 + 4 * stored].cpu().numpy().reshape(stored, 4).copy()
 
 
-def _checked_records(records) -> np.ndarray:
+def _checked_records(records: npt.ArrayLike) -> np.ndarray:
     array = np.asarray(records)
     if array.ndim != 2 or array.shape[1] != 4 or not np.issubdtype(array.dtype, np.integer):
         raise ChunkringUsageError(f"expected an integer array [m, 4], got {array.dtype} {array.shape}",
@@ -159,13 +160,13 @@ def _time_ordered(records: np.ndarray) -> list[tuple[int, int, int, int]]:
     """Records as (kind, src, chunk, t_ns) tuples by time; equal times keep append order, which is
     causal for events of one stream."""
     order = np.argsort(records[:, 3], kind="stable")
-    return [tuple(int(v) for v in row) for row in records[order]]
+    return [(int(kind), int(src), int(chunk), int(t)) for kind, src, chunk, t in records[order]]
 
 
 class _TraceBuilder:
     """Builds one rank's trace events with timestamps in microseconds from ``origin_ns``."""
 
-    def __init__(self, rank: int, origin_ns: int):
+    def __init__(self, rank: int, origin_ns: int) -> None:
         self.pid = rank + 1
         self.origin_ns = origin_ns
         self.events: list[dict] = []
@@ -178,7 +179,7 @@ class _TraceBuilder:
                             "ts": self._us(begin_ns), "dur": (end_ns - begin_ns) / 1000.0,
                             "args": {"src": src, "chunk": chunk}})
 
-    def instant(self, name: str, family: str, lane: str, t_ns: int, src: int, chunk: int, **args) -> None:
+    def instant(self, name: str, family: str, lane: str, t_ns: int, src: int, chunk: int, **args: object) -> None:
         self.events.append({"ph": "i", "s": "t", "name": name, "cat": family, "pid": self.pid, "tid": LANES[lane],
                             "ts": self._us(t_ns), "args": {"src": src, "chunk": chunk, **args}})
 
@@ -194,7 +195,8 @@ def _span_name(family: str, src: int, chunk: int) -> str:
     return family
 
 
-def _add_paired(trace: _TraceBuilder, events, family: str, lane: str, begin: Event, end: Event) -> None:
+def _add_paired(trace: _TraceBuilder, events: list[tuple[int, int, int, int]], family: str, lane: str, begin: Event,
+                end: Event) -> None:
     """The k-th ``begin`` of a (src, chunk) with its k-th ``end``; leftovers become ``unpaired`` instants."""
     open_begins: dict[tuple[int, int], deque[int]] = defaultdict(deque)
     for kind, src, chunk, t in events:
@@ -211,7 +213,7 @@ def _add_paired(trace: _TraceBuilder, events, family: str, lane: str, begin: Eve
             trace.unpaired(begin, family, t, src, chunk)
 
 
-def _add_drains(trace: _TraceBuilder, events) -> None:
+def _add_drains(trace: _TraceBuilder, events: list[tuple[int, int, int, int]]) -> None:
     """``drain``: from the last PUBLISHED before each DRAINED (and after the one before it) to it."""
     last_published = None
     for kind, src, chunk, t in events:
@@ -225,7 +227,7 @@ def _add_drains(trace: _TraceBuilder, events) -> None:
             last_published = None
 
 
-def _add_waits(trace: _TraceBuilder, events) -> None:
+def _add_waits(trace: _TraceBuilder, events: list[tuple[int, int, int, int]]) -> None:
     """``wait``: from the consumer lane's previous event (or a later CALL_BEGIN) to each OBSERVED; the
     consumer works through chunks one at a time, so these never overlap its other spans."""
     previous = None
@@ -236,7 +238,7 @@ def _add_waits(trace: _TraceBuilder, events) -> None:
             previous = t
 
 
-def _add_instants(trace: _TraceBuilder, events) -> None:
+def _add_instants(trace: _TraceBuilder, events: list[tuple[int, int, int, int]]) -> None:
     for kind, src, chunk, t in events:
         if kind == Event.ACKED:
             trace.instant(f"ack src {src} chunk {chunk}", "ack", "consumer", t, src, chunk)
@@ -246,7 +248,7 @@ def _add_instants(trace: _TraceBuilder, events) -> None:
             trace.instant(f"unknown {_kind_name(kind)}", "unknown", "consumer", t, src, chunk)
 
 
-def spans(records, rank: int, origin_ns: int | None = None) -> list[dict]:
+def spans(records: npt.ArrayLike, rank: int, origin_ns: int | None = None) -> list[dict]:
     """One rank's records as Chrome trace events, sorted by time.
 
     ``records``: int array ``[m, 4]`` from :meth:`Timeline.records`. ``origin_ns``: the time that
@@ -276,7 +278,8 @@ def spans(records, rank: int, origin_ns: int | None = None) -> list[dict]:
 def _lane_metadata(rank: int) -> list[dict]:
     """Perfetto/chrome://tracing names and orders the tracks from these ("ph": "M", no ts)."""
     pid = rank + 1
-    events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": LANES["producer"], "args": {"name": f"rank {rank}"}},
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": LANES["producer"],
+               "args": {"name": f"rank {rank}"}},
               {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": LANES["producer"],
                "args": {"sort_index": rank}}]
     for lane, tid in LANES.items():
@@ -290,7 +293,8 @@ def _earliest_ns(records_by_rank: dict[int, np.ndarray]) -> int:
     return min(starts) if starts else 0
 
 
-def write_chrome_trace(path, records_by_rank: dict, metadata: dict | None = None) -> dict:
+def write_chrome_trace(path: str | os.PathLike[str], records_by_rank: dict[int, npt.ArrayLike],
+                       metadata: dict | None = None) -> dict:
     """Write the ranks' records as one Chrome trace JSON file; returns what it wrote.
 
     ``records_by_rank``: rank -> int array ``[m, 4]`` (:meth:`Timeline.records`, gathered from each

@@ -29,7 +29,7 @@ class Fp8Weight:
     data: torch.Tensor
     scale: torch.Tensor
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.data, torch.Tensor) or self.data.dtype != torch.float8_e4m3fn or self.data.dim() != 3:
             raise ChunkringUsageError("expected a float8_e4m3fn tensor [E, N, K]", field="data")
         E, N, K = self.data.shape
@@ -44,13 +44,13 @@ class Fp8Weight:
     def shape(self) -> torch.Size:
         return self.data.shape
 
-    def to(self, device) -> "Fp8Weight":
+    def to(self, device: torch.device | str | int) -> Fp8Weight:
         return Fp8Weight(self.data.to(device), self.scale.to(device))
 
-    def contiguous(self) -> "Fp8Weight":
+    def contiguous(self) -> Fp8Weight:
         return Fp8Weight(self.data.contiguous(), self.scale.contiguous())
 
-    def __getitem__(self, experts) -> "Fp8Weight":
+    def __getitem__(self, experts: slice | torch.Tensor) -> Fp8Weight:
         """The weights of a slice of experts (e.g. this rank's)."""
         return Fp8Weight(self.data[experts], self.scale[experts])
 
@@ -63,28 +63,34 @@ class Fp8Weight:
 
 def quantize_weight_fp8(w: torch.Tensor) -> Fp8Weight:
     """w [E, N, K] (bfloat16 or float32, finite) -> :class:`Fp8Weight`: each 128x128 block's absmax maps to
-    448 (e4m3's largest finite value); a zero block gets scale 1. Runs where ``w`` lives."""
+    448 (e4m3's largest finite value); a zero block gets scale 1. Runs where ``w`` lives, one expert at a
+    time (an fp32 copy of one expert, not of every expert, is the largest temporary)."""
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in (torch.bfloat16, torch.float32):
         raise ChunkringUsageError("expected a bfloat16 or float32 tensor [E, N, K]", field="w")
     E, N, K = w.shape
     nb, kb = -(-N // WEIGHT_BLOCK), -(-K // WEIGHT_BLOCK)
-    padded = torch.zeros((E, nb * WEIGHT_BLOCK, kb * WEIGHT_BLOCK), dtype=torch.float32, device=w.device)
-    padded[:, :N, :K] = w
-    blocks = padded.view(E, nb, WEIGHT_BLOCK, kb, WEIGHT_BLOCK)
-    scale = blocks.abs().amax(dim=(2, 4)) / _E4M3_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (blocks / scale[:, :, None, :, None]).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
-    data = q.view(E, nb * WEIGHT_BLOCK, kb * WEIGHT_BLOCK)[:, :N, :K].contiguous()
+    data = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty((E, nb, kb), dtype=torch.float32, device=w.device)
+    padded = torch.zeros((nb * WEIGHT_BLOCK, kb * WEIGHT_BLOCK), dtype=torch.float32, device=w.device)
+    blocks = padded.view(nb, WEIGHT_BLOCK, kb, WEIGHT_BLOCK)
+    for e in range(E):
+        padded[:N, :K] = w[e]
+        s = blocks.abs().amax(dim=(1, 3)) / _E4M3_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = (blocks / s[:, None, :, None]).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+        data[e] = q.view(nb * WEIGHT_BLOCK, kb * WEIGHT_BLOCK)[:N, :K]
+        scale[e] = s
     return Fp8Weight(data, scale)
 
 
-def init_weights(config: MoEConfig, generator: torch.Generator | None = None):
+def init_weights(config: MoEConfig,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every expert's weights and the router, bfloat16 on the CPU, drawn from ``generator`` as scaled
     normal samples: router [E, H], w13 [E, 2I, H], w2 [E, H, I]. Ranks that seed alike draw alike, so
     each can keep its own experts and still compute a reference over all of them."""
     E, H, inter = config.num_experts, config.hidden, config.intermediate
 
-    def draw(*shape, fan_in):
+    def draw(*shape: int, fan_in: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=generator) / fan_in**0.5).to(torch.bfloat16)
 
     return draw(E, H, fan_in=H), draw(E, 2 * inter, H, fan_in=H), draw(E, H, inter, fan_in=inter)

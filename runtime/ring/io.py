@@ -6,27 +6,35 @@ before anything is enqueued.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat
+from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+
+if TYPE_CHECKING:
+    from chunkring._jit.launch import KernelLibrary
+    from chunkring.bringup import Runtime
+    from chunkring.ring.ring import Ring
 
 __all__ = ["publish_chunk", "enqueue_publish", "gather", "gather_grid_limit", "GatherOutputs"]
 
 _GATHER_BLOCK = 512
 
 
-def _library(runtime):
+def _library(runtime: Runtime) -> KernelLibrary:
     from chunkring._jit import library_for
 
     return library_for(runtime, "ring_host_api")
 
 
-def _x_dtype(spec):
+def _x_dtype(spec: RingSpec) -> torch.dtype:
     return torch.float8_e4m3fn if spec.payload is PayloadFormat.FP8_E4M3 else torch.bfloat16
 
 
-def check_tensor(name, tensor, shape, dtype, device):
+def check_tensor(name: str, tensor: object, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
     """A typed error naming ``name`` unless ``tensor`` is a contiguous ``dtype`` tensor of ``shape`` on ``device``."""
     if not isinstance(tensor, torch.Tensor):
         raise ChunkringUsageError(f"expected a torch.Tensor, got {type(tensor).__name__}", field=name)
@@ -40,8 +48,10 @@ def check_tensor(name, tensor, shape, dtype, device):
         raise ChunkringUsageError("tensor must be contiguous", field=name)
 
 
-def publish_chunk(ring, *, x, x_sf, topk_idx, topk_weights, token_base: int, end_of_stream: bool,
-                  valid_tokens=None, batch_rows: int | None = None, stream=None):
+def publish_chunk(ring: Ring, *, x: torch.Tensor, x_sf: torch.Tensor | None, topk_idx: torch.Tensor,
+                  topk_weights: torch.Tensor, token_base: int, end_of_stream: bool,
+                  valid_tokens: torch.Tensor | None = None, batch_rows: int | None = None,
+                  stream: torch.cuda.Stream | None = None) -> None:
     """Publish ``x`` [n, H] (fp8 e4m3 or bf16, per the spec), ``x_sf`` [n, H/128] fp32 (FP8 only, else
     None), ``topk_idx`` [n, K] int32 (-1 = masked) and ``topk_weights`` [n, K] fp32 as this rank's next
     chunk - rows ``[token_base, token_base + n)`` of its batch - ordered on ``stream`` (default:
@@ -87,8 +97,10 @@ def publish_chunk(ring, *, x, x_sf, topk_idx, topk_weights, token_base: int, end
     enqueue_publish(ring, x, x_sf, topk_idx, topk_weights, token_base, end_of_stream, valid_tokens, batch_rows, stream)
 
 
-def enqueue_publish(ring, x, x_sf, topk_idx, topk_weights, token_base: int, end_of_stream: bool, valid_tokens,
-                    batch_rows: int | None, stream) -> None:
+def enqueue_publish(ring: Ring, x: torch.Tensor, x_sf: torch.Tensor | None, topk_idx: torch.Tensor,
+                    topk_weights: torch.Tensor, token_base: int, end_of_stream: bool,
+                    valid_tokens: torch.Tensor | None, batch_rows: int | None,
+                    stream: torch.cuda.Stream | None) -> None:
     """:func:`publish_chunk` without its argument checks, for a caller that checked the whole batch once
     (the MoE layer publishes slices of a batch it validated at its public boundary)."""
     scales = x_sf if x_sf is not None else topk_weights  # never read for bf16: zero scale floats per row
@@ -101,7 +113,7 @@ class GatherOutputs:
     """Dense per-source outputs of :func:`gather`: ``x`` [W, capacity, H], ``x_sf`` [W, capacity, H/128],
     ``topk_idx`` / ``topk_weights`` [W, capacity, K], ``counts`` [W] int64 (rows received per source)."""
 
-    def __init__(self, ring, capacity: int):
+    def __init__(self, ring: Ring, capacity: int) -> None:
         spec, device = ring.spec, ring.runtime.torch_device
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ChunkringUsageError(f"must be a non-negative int, got {capacity!r}", field="capacity")
@@ -117,7 +129,7 @@ class GatherOutputs:
         self.arrivals = torch.zeros((W, spec.num_slots), dtype=torch.int32, device=device)
 
 
-def gather(ring, out: GatherOutputs, *, grid: int = 1, stream=None) -> None:
+def gather(ring: Ring, out: GatherOutputs, *, grid: int = 1, stream: torch.cuda.Stream | None = None) -> None:
     """Consume one invocation - every chunk of every source up to its end of stream - into ``out``,
     on ``stream``. Rows land at ``[source, token_base + t]``; rows nobody sent keep their old value.
     A chunk that would not fit ``out.capacity`` is reported through the ring's status, not written.
@@ -145,7 +157,7 @@ def gather(ring, out: GatherOutputs, *, grid: int = 1, stream=None) -> None:
         out.capacity, arrivals, grid=grid, block=_GATHER_BLOCK, stream=stream)
 
 
-def gather_grid_limit(ring, sms: int) -> int:
+def gather_grid_limit(ring: Ring, sms: int) -> int:
     """The largest :func:`gather` grid whose blocks are all resident at once on ``sms`` SMs: the
     persistent-consumer shape that occupies those SMs completely."""
     if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:

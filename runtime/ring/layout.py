@@ -31,11 +31,15 @@ region                    shape, dtype                    written by → read by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import ACK_WORDS_PER_SLOT, FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+
+if TYPE_CHECKING:  # the layout itself is host arithmetic; only views() touches torch
+    import torch
 
 __all__ = ["RingLayout", "Region", "DESC_FIELDS", "LAYOUT_VERSION", "CONTROL", "STATUS", "META"]
 
@@ -134,10 +138,11 @@ class RingLayout:
         """The batch-ready contract's per-rank input region (every token's x, x_sf, topk_idx and
         topk_weights at once), which the ring replaces when streaming."""
         if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 0:
-            raise ChunkringUsageError(f"must be a non-negative int, got {max_tokens_per_rank!r}", field="max_tokens_per_rank")
+            raise ChunkringUsageError(f"must be a non-negative int, got {max_tokens_per_rank!r}",
+                                      field="max_tokens_per_rank")
         return max_tokens_per_rank * self.payload_bytes_per_token
 
-    def views(self, buffer) -> dict:
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed torch views of every region of ``buffer`` (a uint8 tensor of ``total_bytes``)."""
         import torch
 

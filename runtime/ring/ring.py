@@ -7,6 +7,8 @@ between runs (a collective that bumps the epoch) and reads the status record aft
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from chunkring.env import check_timeout_s, watchdog_timeout_s
@@ -21,6 +23,9 @@ from chunkring.ring.layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
 from chunkring.ring.spec import RingSpec
 from chunkring.ring.status import ErrorCode, InputRecord, StatusRecord
 
+if TYPE_CHECKING:
+    from chunkring.bringup import Runtime
+
 __all__ = ["Ring"]
 
 
@@ -33,7 +38,7 @@ class Ring:
     ``meta`` [S, 4] int64, ...), ``desc`` (the device descriptor, a uint64 tensor viewed as int64).
     """
 
-    def __init__(self, runtime, spec: RingSpec, *, timeout_s: float | None = None):
+    def __init__(self, runtime: Runtime, spec: RingSpec, *, timeout_s: float | None = None) -> None:
         if not isinstance(spec, RingSpec):
             raise ChunkringUsageError(f"expected a RingSpec, got {type(spec).__name__}", field="spec")
         if spec.world_size != runtime.world_size:
@@ -122,14 +127,14 @@ class Ring:
         self.runtime.free(self.buffer)
         self._destroyed = True
 
-    def __enter__(self) -> "Ring":
+    def __enter__(self) -> Ring:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.destroy()
 
 
-def _check_identical(runtime, value) -> None:
+def _check_identical(runtime: Runtime, value: object) -> None:
     """Fail every rank alike if the ranks passed different arguments to a collective constructor."""
     everyone = runtime.allgather_object(value)  # [value] in a single process
     if any(v != everyone[0] for v in everyone):

@@ -30,7 +30,7 @@ class PayloadFormat(enum.IntEnum):
     BF16 = 1  # x: bfloat16 [T, H]; no scales
 
     @classmethod
-    def checked(cls, value, *, field: str = "payload") -> "PayloadFormat":
+    def checked(cls, value: object, *, field: str = "payload") -> PayloadFormat:
         """``value`` as a PayloadFormat: a member, or its int value (not a bool or a float that merely
         compares equal to one); anything else is a ``ChunkringUsageError`` naming ``field``."""
         if isinstance(value, cls):
@@ -70,7 +70,7 @@ class RingSpec:
     epoch_bits: int = 16
     laps_per_epoch: int = 1 << 40
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("world_size", "num_slots", "tokens_per_slot", "hidden", "topk", "num_experts",
                      "epoch_bits", "laps_per_epoch"):
             value = getattr(self, name)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from chunkring.ring.layout import STATUS
 
@@ -37,7 +39,7 @@ class InputField(enum.IntEnum):
     VALID_TOKENS = 5  # the device token count outside [0, batch rows]: clamped
 
 
-_MASKED_AS = {
+_MASKED_AS: dict[int, str] = {
     InputField.TOPK_IDX: "masked as -1",
     InputField.X_SF: "read as 0",
     InputField.NUM_TOKENS: "chunk read as empty",
@@ -59,7 +61,7 @@ class Site(enum.IntEnum):
     PUBLISH = 7
 
 
-_WHAT = {
+_WHAT: dict[int, str] = {
     Site.WAIT_ROUTE: "waiting for source {peer}'s route of slot {slot}",
     Site.WAIT_LAYOUT: "waiting for source {peer}'s layout of slot {slot}",
     Site.WAIT_REUSABLE: "waiting for every rank's ack of slot {slot} (ack word {peer})",
@@ -72,19 +74,20 @@ _WHAT = {
 
 @dataclass(frozen=True)
 class StatusRecord:
-    """The first error a rank's kernels recorded (``code == NONE`` when there was none)."""
+    """The first error a rank's kernels recorded (``code == NONE`` when there was none). A code or site
+    this decoder does not know stays a plain int."""
 
-    code: ErrorCode
+    code: ErrorCode | int
     pe: int
     peer: int
     slot: int
     expected: int
     observed: int
-    site: Site
+    site: Site | int
     count: int
 
     @classmethod
-    def from_words(cls, words) -> "StatusRecord":
+    def from_words(cls, words: Iterable[int]) -> StatusRecord:
         w = _unsigned(words)
         return cls(
             code=_enum_or_int(ErrorCode, w[STATUS["code"]]),
@@ -119,9 +122,10 @@ class StatusRecord:
 
 @dataclass(frozen=True)
 class InputRecord:
-    """The first malformed value this rank's consumers masked (``count`` of them in all; 0 = none)."""
+    """The first malformed value this rank's consumers masked (``count`` of them in all; 0 = none). A
+    field this decoder does not know stays a plain int."""
 
-    field: InputField
+    field: InputField | int
     pe: int
     source: int
     slot: int
@@ -131,7 +135,7 @@ class InputRecord:
     count: int
 
     @classmethod
-    def from_words(cls, words, pe: int) -> "InputRecord":
+    def from_words(cls, words: Iterable[int], pe: int) -> InputRecord:
         w = _unsigned(words)
         return cls(field=_enum_or_int(InputField, w[STATUS["input_field"]]), pe=pe, source=w[STATUS["input_source"]],
                    slot=w[STATUS["input_slot"]], row=w[STATUS["input_row"]], column=w[STATUS["input_column"]],
@@ -141,7 +145,7 @@ class InputRecord:
     def ok(self) -> bool:
         return self.count == 0
 
-    def shown_value(self):
+    def shown_value(self) -> int | float:
         if self.field == InputField.X_SF:
             import struct
 
@@ -159,12 +163,15 @@ class InputRecord:
                 f"({_MASKED_AS.get(self.field, 'masked')}; {self.count} value(s) masked in all)")
 
 
-def _unsigned(words) -> list[int]:
+def _unsigned(words: Iterable[int]) -> list[int]:
     """Status words as the device wrote them: torch reads the int64 region as signed."""
     return [int(v) & ((1 << 64) - 1) for v in words]
 
 
-def _enum_or_int(kind, value):
+_Enum = TypeVar("_Enum", bound=enum.IntEnum)
+
+
+def _enum_or_int(kind: type[_Enum], value: int) -> _Enum | int:
     try:
         return kind(value)
     except ValueError:

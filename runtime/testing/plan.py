@@ -57,7 +57,7 @@ class DispatchPlan:
     experts_per_rank: int
     block_m: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Cheap structural checks only (no value scans): a plan is usually built by this module.
         e_local = self.experts_per_rank
         for name, dtype, length in (("expert_offsets", torch.int64, e_local + 1), ("counts", torch.int64, e_local)):
@@ -91,7 +91,7 @@ class DispatchPlan:
         expert = self.local_expert_of_rows()[real].to(torch.int64) + self.dest_rank * self.experts_per_rank
         columns = (self.src_rank[real].tolist(), self.token_index[real].tolist(), self.topk_pos[real].tolist(),
                    expert.tolist())
-        return sorted(zip(*columns))
+        return sorted(zip(*columns, strict=True))
 
     def __repr__(self) -> str:
         return (f"DispatchPlan(dest_rank={self.dest_rank}, experts_per_rank={self.experts_per_rank}, "
@@ -142,7 +142,7 @@ def plan_batch(per_source_topk_idx: list, per_source_topk_weights: list, *, dest
 
     rows = int(offsets[-1])
 
-    def scatter(values: torch.Tensor, dtype: torch.dtype, fill) -> torch.Tensor:
+    def scatter(values: torch.Tensor, dtype: torch.dtype, fill: float) -> torch.Tensor:
         out = torch.full((rows,), fill, dtype=dtype)
         out[dest] = values[picked].to(dtype)
         return out
@@ -163,21 +163,22 @@ def plan_batch(per_source_topk_idx: list, per_source_topk_weights: list, *, dest
 # -- validation: everything is checked before any planning work starts -------------------------------------
 
 
-def _check_int(field: str, value, *, low: int | None = None, high: int | None = None) -> None:
+def _check_int(field: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ChunkringUsageError(f"must be an int, got {type(value).__name__}", field=field)
     if (low is not None and value < low) or (high is not None and value > high):
         raise ChunkringUsageError(f"must be in [{low}, {'inf' if high is None else high}], got {value}", field=field)
 
 
-def _check_per_source(per_source_topk_idx, per_source_topk_weights, world_size: int, num_experts: int) -> None:
+def _check_per_source(per_source_topk_idx: list, per_source_topk_weights: list, world_size: int,
+                      num_experts: int) -> None:
     """One [n_s, K] CPU pair per source, one K for all, and every index in [-1, num_experts)."""
     idx_field, weights_field = "per_source_topk_idx", "per_source_topk_weights"
     for field, value in ((idx_field, per_source_topk_idx), (weights_field, per_source_topk_weights)):
         if not isinstance(value, (list, tuple)) or len(value) != world_size:
             raise ChunkringUsageError(f"need a list of {world_size} tensors (one per source rank)", field=field)
     topk = None
-    for s, (idx, w) in enumerate(zip(per_source_topk_idx, per_source_topk_weights)):
+    for s, (idx, w) in enumerate(zip(per_source_topk_idx, per_source_topk_weights, strict=True)):
         where = f"source {s}: "
         for name, t, dtype, field in (("topk_idx", idx, torch.int32, idx_field),
                                       ("topk_weights", w, torch.float32, weights_field)):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.producer import E4M3_MAX, quantize_rows_fp8
 from chunkring.moe.weights import quantize_weight_fp8
-from chunkring.ring.spec import FP8_SCALE_BLOCK
+from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat
 
 __all__ = [
     "E4M3_MAX",
@@ -125,7 +125,8 @@ def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     return out
 
 
-def layer_weights_reference(w13: torch.Tensor, w2: torch.Tensor, payload) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_weights_reference(w13: torch.Tensor, w2: torch.Tensor,
+                            payload: PayloadFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 w13, w2 as the layer's GEMMs see them for ``payload``: FP8 -> quantised per 128x128 block
     (:func:`chunkring.moe.quantize_weight_fp8`, what :meth:`MoELayer.expert_weights` does) and dequantised;
     bf16 -> as given."""
@@ -134,7 +135,7 @@ def layer_weights_reference(w13: torch.Tensor, w2: torch.Tensor, payload) -> tup
     return w13.float(), w2.float()
 
 
-def _check_matrix(field: str, t, dtypes: tuple) -> None:
+def _check_matrix(field: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None:
     if not isinstance(t, torch.Tensor):
         raise ChunkringUsageError(f"must be a torch.Tensor, got {type(t).__name__}", field=field)
     if t.dtype not in dtypes:

@@ -4,10 +4,18 @@ and PE 1, the floor the ring protocol is compared against. Used by the ``bringup
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from chunkring._jit.launch import KernelLibrary
+    from chunkring.bringup import Runtime
+
 __all__ = ["pingpong"]
 
 
-def pingpong(runtime, lib, signal, iters: int) -> float | None:
+def pingpong(runtime: Runtime, lib: KernelLibrary, signal: torch.Tensor, iters: int) -> float | None:
     """Raw NVSHMEM signal round trip between PE 0 and PE 1 in microseconds (on PE 0; None elsewhere).
     A collective: every PE calls it; ``signal`` is a one-word symmetric int64 tensor, ``lib`` a
     ``KernelLibrary`` of the self-test kernels (``library_for(runtime, "selftest")``)."""

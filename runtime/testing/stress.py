@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from chunkring._jit.launch import library_for
 from chunkring.errors import ChunkringUsageError
 
-from chunkring._jit.launch import library_for
+if TYPE_CHECKING:
+    import torch
+
+    from chunkring.bringup import Runtime
+    from chunkring.ring.ring import Ring
+    from chunkring.ring.status import StatusRecord
 
 __all__ = ["MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "StressLibrary", "StressPlan"]
 
@@ -31,7 +38,7 @@ class StressPlan:
 
     @classmethod
     def random(cls, rng: np.random.Generator, invocations: int, world_size: int, max_tokens: int,
-               empty_ranks: tuple[int, ...] = ()) -> "StressPlan":
+               empty_ranks: tuple[int, ...] = ()) -> StressPlan:
         tokens = rng.integers(0, max_tokens + 1, size=(invocations, world_size), dtype=np.int32)
         # Zero is over-represented on purpose: it is the case peers' issue trackers are full of.
         tokens[rng.random((invocations, world_size)) < 0.15] = 0
@@ -47,15 +54,15 @@ class StressPlan:
 class StressLibrary:
     """The stress kernels built for one protocol variant (``mutant`` names one of ``MUTANTS``)."""
 
-    def __init__(self, runtime, mutant: str = "none"):
+    def __init__(self, runtime: Runtime, mutant: str = "none") -> None:
         if mutant not in MUTANTS:
             raise ChunkringUsageError(f"unknown mutant {mutant!r}; have {sorted(MUTANTS)}", field="mutant")
         self.mutant = mutant
         self.runtime = runtime
         self.library = library_for(runtime, "ring_stress", defines={"CHUNKRING_MUTANT": MUTANTS[mutant]})
 
-    def run_stress(self, ring, plan: StressPlan, *, seed: int, max_delay_ns: int, stress_blocks: int = 4,
-                   stream=None):
+    def run_stress(self, ring: Ring, plan: StressPlan, *, seed: int, max_delay_ns: int, stress_blocks: int = 4,
+                   stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """Enqueue one ring_stress launch; returns the ``received`` tensor [world_size] (tokens per source)."""
         import torch
 
@@ -71,7 +78,7 @@ class StressLibrary:
                             stress, stress.numel(), grid=2 + stress_blocks, block=256, stream=stream)
         return received
 
-    def run_stale_epoch(self, ring, tokens: int):
+    def run_stale_epoch(self, ring: Ring, tokens: int) -> StatusRecord:
         """Reset ``ring``, then let a late ready signal of the previous epoch (what its lap 0 published)
         land in every ready word of slot 0 before producers publish (they wait ~50 ms first). Returns
         this rank's status record: the real protocol reports STALE_EPOCH and accepts nothing. A collective.
@@ -89,7 +96,7 @@ class StressLibrary:
         torch.cuda.synchronize()
         return ring.status()
 
-    def run_litmus(self, writer: int, reader: int, iters: int, lanes: int = 256, stress_blocks: int = 16):
+    def run_litmus(self, writer: int, reader: int, iters: int, lanes: int = 256, stress_blocks: int = 16) -> int:
         """Message-passing litmus between two PEs, beside ``stress_blocks`` memory-stress blocks on
         every PE; returns the violation count seen by ``reader``."""
         import torch

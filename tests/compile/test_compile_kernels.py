@@ -8,8 +8,8 @@ import pytest
 
 from chunkring._jit import arch_of, build, default_arch, kernel_sources, nvshmem_version
 from chunkring._jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, _cache_key, program_options
-from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS
 from chunkring.errors import ChunkringUsageError
+from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove
 #: that the host accepts our kernels.

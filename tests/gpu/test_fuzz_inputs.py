@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from chunkring import ChunkringInputError, MoEConfig, MoELayer, Ring, RingSpec
-from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from chunkring.ring.io import GatherOutputs, gather, publish_chunk
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import InputField
+from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, weights
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,8 @@ BAD_SCALES = (float("nan"), float("inf"), float("-inf"))
 
 
 def check_guards(padded, lo, hi, what):
-    assert bool((padded[:lo] == SENTINEL).all()) and bool((padded[hi:] == SENTINEL).all()), f"{what}: guard band written"
+    assert bool((padded[:lo] == SENTINEL).all()) and bool((padded[hi:] == SENTINEL).all()), \
+        f"{what}: guard band written"
 
 
 def expect_report(check, expected):

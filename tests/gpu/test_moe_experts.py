@@ -64,9 +64,10 @@ def test_device_plan_is_the_host_plan_with_the_payload_in_the_gemm_layout(runtim
         lo, count = offsets[e], int(host.counts[e])
         assert bool((src[lo + count:offsets[e + 1]] == -1).all()), f"expert {e}: padding rows marked real"
         got = sorted(zip(src[lo:lo + count].tolist(), token[lo:lo + count].tolist(), k[lo:lo + count].tolist(),
-                         weight[lo:lo + count].tolist()))
+                         weight[lo:lo + count].tolist(), strict=True))
         want = sorted(zip(host.src_rank[lo:lo + count].tolist(), host.token_index[lo:lo + count].tolist(),
-                          host.topk_pos[lo:lo + count].tolist(), host.weight[lo:lo + count].tolist()))
+                          host.topk_pos[lo:lo + count].tolist(), host.weight[lo:lo + count].tolist(),
+                          strict=True))
         assert got == want, f"expert {e}: the device plan's rows differ from the host plan's"
     real = torch.nonzero(src >= 0).flatten()
     rows = plan.rows.cpu()[real]
@@ -99,9 +100,9 @@ def test_expert_outputs_of_every_planned_row_match_the_recipe(runtime, payload):
     src = plan.src
     real = torch.nonzero(src >= 0).flatten()
     ends = plan.group_end.tolist()
-    starts = [e_end - c for e_end, c in zip(ends, plan.counts.tolist())]
+    starts = [e_end - c for e_end, c in zip(ends, plan.counts.tolist(), strict=True)]
     expert = torch.empty_like(src)
-    for e, (lo, hi) in enumerate(zip(starts, ends)):
+    for e, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
         expert[lo:hi] = e
     rows = x_in.to(device)[src[real].long(), plan.token[real].long()]
     e_of = expert[real].long()

@@ -19,7 +19,6 @@ import torch
 
 from chunkring import MoEConfig, MoELayer
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
-
 from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, weights
 
 pytestmark = pytest.mark.gpu

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from chunkring import ChunkedMoE, MoEConfig, MoELayer
+from chunkring.moe.producer import route
 from chunkring.moe.weights import init_weights
+from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import (
     dequantize_fp8_per128,
     layer_weights_reference,
     moe_reference,
     quantize_fp8_per128,
 )
-from chunkring.moe.producer import route
-from chunkring.ring.spec import PayloadFormat
 
 pytestmark = pytest.mark.gpu
 
@@ -260,7 +260,7 @@ def _rank_outputs_wrong(runtime, variant: int) -> list:
         return wrong
     from mpi4py import MPI
 
-    return [any(per_iteration) for per_iteration in zip(*MPI.COMM_WORLD.allgather(wrong))]
+    return [any(per_iteration) for per_iteration in zip(*MPI.COMM_WORLD.allgather(wrong), strict=True)]
 
 
 def test_negative_control_acknowledging_the_last_chunk_at_its_pull_loses_combine_rows(runtime):

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from chunkring import ChunkringTimeoutError, MoEConfig, MoELayer, Ring, RingSpec, SmPartition
-from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from chunkring.ring.io import GatherOutputs, gather, gather_grid_limit, publish_chunk
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import Site
+from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, weights
 from tests.gpu.test_ring_host_api import K, T, source_tensors
 

@@ -20,7 +20,8 @@ def source_tensors(spec, src, invocation, n, device):
     """What rank `src` sends in `invocation`: a function of (src, invocation) alone, so every rank can
     build every source's reference without communication."""
     g = torch.Generator(device="cpu").manual_seed(1000 * invocation + src)
-    x = torch.randn(n, H, generator=g).to(torch.float8_e4m3fn if spec.payload == PayloadFormat.FP8_E4M3 else torch.bfloat16)
+    fp8 = spec.payload == PayloadFormat.FP8_E4M3
+    x = torch.randn(n, H, generator=g).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
     x_sf = torch.rand(n, H // 128, generator=g) if spec.payload == PayloadFormat.FP8_E4M3 else None
     idx = torch.randint(-1, spec.num_experts, (n, K), generator=g, dtype=torch.int32)
     w = torch.rand(n, K, generator=g)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from chunkring import Ring, RingSpec
-from chunkring.testing.stress import StressLibrary, StressPlan
 from chunkring.errors import ChunkringRuntimeError
 from chunkring.ring.layout import CONTROL
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import ErrorCode
+from chunkring.testing.stress import StressLibrary, StressPlan
 
 pytestmark = pytest.mark.gpu
 

@@ -30,8 +30,8 @@ import pytest
 from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat
 from chunkring.launcher import cli, exitcodes
 from chunkring.launcher.config import from_table, load_table, parse_overrides
-from chunkring.launcher.jobs import JOBS, fault
 from chunkring.launcher.jobdir import failed_ranks, first_failure, record_failure
+from chunkring.launcher.jobs import JOBS, fault
 from tests.conftest import HAVE_GPU
 
 

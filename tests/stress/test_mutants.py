@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from chunkring import Ring, RingSpec
-from chunkring.testing.stress import MUTANTS, StressLibrary, StressPlan
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import ErrorCode
+from chunkring.testing.stress import MUTANTS, StressLibrary, StressPlan
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +61,8 @@ def scenario(runtime, mutant: str) -> list:
     if mutant in ("ignore_epoch", "none"):
         ring = _ring(runtime, 1)
         record = lib.run_stale_epoch(ring, T)
-        caught.append(None if record.code == ErrorCode.STALE_EPOCH else f"stale value not rejected: {record.describe()}")
+        caught.append(None if record.code == ErrorCode.STALE_EPOCH
+                      else f"stale value not rejected: {record.describe()}")
         runtime.barrier()
         ring.destroy()
     if mutant in ("no_release_fence", "no_acquire_fence", "none"):
@@ -69,7 +70,8 @@ def scenario(runtime, mutant: str) -> list:
             ring = _ring(runtime, num_slots)
             for launch in range(3):
                 plan = StressPlan.random(rng, 300, runtime.world_size, 2 * T * num_slots)
-                failures = _collective_any(runtime, _stress_fails(runtime, lib, ring, plan, seed=launch, max_delay_ns=300))
+                fails = _stress_fails(runtime, lib, ring, plan, seed=launch, max_delay_ns=300)
+                failures = _collective_any(runtime, fails)
                 caught.extend(failures)
                 if failures:  # every rank stops together: the next launch must pair across ranks
                     break

@@ -12,14 +12,16 @@ from tests.conftest import HAVE_GPU
 
 @pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU path")
 def test_no_gpu_message():
-    proc = subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", "bringup"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", "bringup"], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 3
     assert "no CUDA GPU" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
 def test_unknown_job_is_a_usage_error():
-    proc = subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", "nosuchjob"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", "nosuchjob"], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
@@ -117,7 +119,8 @@ def test_every_jobs_help_lists_its_keys_with_the_preset_values(job, capsys):
     preset = load_table(job)
     for field in dataclasses.fields(JOBS[job].CONFIG):
         value = preset.get(field.name, field.default)
-        shown = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value)
+        shown = (f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool)
+                 else repr(value))
         assert f"  {field.name} = {shown} " in out, (field.name, shown)
 
 

@@ -23,7 +23,8 @@ def summarise(tmp_path, rc, *junit):
     build.write_text(json.dumps({"selftest": {"seconds": 4.1, "cache_hit": False, "key": "k"}}))
     subprocess.run([sys.executable, str(REPO / "scripts/gpu_summary.py"), "--suite", "s", "--ranks", str(len(junit)),
                     "--rc", str(rc), "--seconds", "12", "--junit", *junit, "--build", str(build), "--command", "c",
-                    "--out", str(out)], check=True, capture_output=True, env={"CHUNKRING_COMMIT": "abc1234", "PATH": ""})
+                    "--out", str(out)],
+                   check=True, capture_output=True, env={"CHUNKRING_COMMIT": "abc1234", "PATH": ""})
     return json.loads(out.read_text())
 
 

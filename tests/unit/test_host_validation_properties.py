@@ -107,7 +107,7 @@ def monkeypatch_module():
 
 
 FIELDS = ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "payload", "front_num_slots",
-          "front_tokens_per_slot", "block_m")
+          "front_tokens_per_slot")
 
 
 @settings(max_examples=400, deadline=None)
@@ -121,10 +121,11 @@ def test_moe_config_is_valid_or_names_a_field(values, use):
     except ChunkringUsageError as exc:
         assert exc.field in FIELDS
         return
-    for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "block_m"):
+    for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank"):
         value = getattr(cfg, name)
         assert type(value) is int and value >= 1, name
-    assert cfg.intermediate % 8 == 0 and isinstance(cfg.payload, PayloadFormat)
+    assert isinstance(cfg.payload, PayloadFormat)
+    assert cfg.intermediate % (128 if cfg.payload.has_scales else 8) == 0
     given_payload = kwargs.get("payload", PayloadFormat.FP8_E4M3)
     assert type(given_payload) in (int, PayloadFormat), f"payload {given_payload!r} accepted"  # not True, not 1.0
     assert (cfg.front_num_slots is None) == (cfg.front_tokens_per_slot is None)

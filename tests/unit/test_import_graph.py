@@ -106,7 +106,8 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
                         anchor = anchor.rpartition(".")[0]
                     base = f"{anchor}.{base}" if base else anchor
                 # "from pkg import mod" imports the module pkg.mod; "from mod import name" imports mod.
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
             edges |= {t for t in (_known(t, modules) for t in targets) if t is not None and t != name}
         graph[name] = edges
     return graph
@@ -193,7 +194,7 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
         mine = layer_of(module)
         if mine is None:
             continue
-        path = _path(graph, module, lambda m: (layer_of(m) or 0) > mine)
+        path = _path(graph, module, lambda m, mine=mine: (layer_of(m) or 0) > mine)
         if path:
             out.append(f"{module} ({LAYERS[mine][0]}) reaches {path[-1]} ({LAYERS[layer_of(path[-1])][0]}): "
                        + " -> ".join(path))

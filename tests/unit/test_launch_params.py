@@ -75,7 +75,8 @@ def test_signatures_come_from_the_extern_c_declaration():
     ('extern "C" __global__ void k(CHUNKRING_NULLABLE int n) {}', "not a pointer"),
     ('extern "C" {\n__global__ void k(int n) {}\n}', "bad.cu:1: not a kernel signature"),
     ('__global__ void k(int n) {}', "not declared `extern \"C\"`"),
-    ('extern "C" __global__ void k() {}\n\nextern "C" __global__ void k() {}', "bad.cu:3: kernel 'k' is declared twice"),
+    ('extern "C" __global__ void k() {}\n\nextern "C" __global__ void k() {}',
+     "bad.cu:3: kernel 'k' is declared twice"),
 ])
 def test_a_signature_the_launches_cannot_map_is_refused(source, message):
     with pytest.raises(ChunkringRuntimeError, match=message):

@@ -16,8 +16,8 @@ from chunkring.launcher.config import parse_overrides
 
 
 def run_cli(*argv, env=None):
-    return subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", *argv], check=False, capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", *argv], check=False, capture_output=True,
+                          text=True, timeout=120, env=env)
 
 
 def test_dry_run_prints_command_and_environment():
@@ -27,7 +27,8 @@ def test_dry_run_prints_command_and_environment():
     assert "NVSHMEM_DISABLE_NVLS=1" in env_line and "CUDA_MPS_PIPE_DIRECTORY=" in env_line
     assert cmd_line.startswith("mpirun -np 4 --timeout 600")
     assert "--hostfile hosts.txt" in cmd_line
-    for name in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "CUDA_MPS_PIPE_DIRECTORY"):
+    for name in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                 "CUDA_MPS_PIPE_DIRECTORY"):
         assert f"-x {name}" in cmd_line
     assert cmd_line.endswith("-m chunkring.launcher.worker bringup bringup rounds=3")
 

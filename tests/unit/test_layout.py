@@ -70,7 +70,8 @@ def test_views_are_typed_windows_of_one_buffer():
 def test_descriptor_values():
     spec = RingSpec(4, 2, 128, 7168, PayloadFormat.FP8_E4M3, 8, 256)
     layout = RingLayout(spec)
-    desc = dict(zip(DESC_FIELDS, layout.descriptor(my_pe=3, base=0x7000_0000_0000, timeout_ns=5).tolist()))
+    words = layout.descriptor(my_pe=3, base=0x7000_0000_0000, timeout_ns=5).tolist()
+    desc = dict(zip(DESC_FIELDS, words, strict=True))
     assert desc["layout_version"] == LAYOUT_VERSION and desc["desc_bytes"] == 8 * len(DESC_FIELDS)
     assert desc["my_pe"] == 3 and desc["x_row_bytes"] == 7168 and desc["x_sf_row_floats"] == 56
     assert desc["off_status"] == layout.regions["status"].offset and desc["total_bytes"] == layout.total_bytes

@@ -81,7 +81,7 @@ def test_auto_calls_follow_the_calibration():
 
 @pytest.mark.parametrize("max_tokens,chunk", [(8192, 512), (2048, 128), (4096, 256), (10, 1), (1, 1)])
 def test_default_ring_is_two_slots_of_one_sixteenth(max_tokens, chunk):
-    cfg = MoEConfig(num_experts=4, hidden=256, intermediate=64, topk=2, max_tokens_per_rank=max_tokens)
+    cfg = MoEConfig(num_experts=4, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=max_tokens)
     ringed = cfg.with_default_ring()
     assert (ringed.front_num_slots, ringed.front_tokens_per_slot) == (2, chunk)
     assert ringed.streaming and ringed.max_tokens_per_rank == max_tokens

@@ -23,7 +23,7 @@ GOOD = dict(num_experts=16, hidden=256, intermediate=128, topk=4, max_tokens_per
     (dict(front_tokens_per_slot=8), "front_num_slots"),
     (dict(front_num_slots=0, front_tokens_per_slot=8), "front_num_slots"),
     (dict(front_num_slots=2, front_tokens_per_slot=65), "front_tokens_per_slot"),
-    (dict(block_m=0), "block_m"),
+    (dict(intermediate=64), "intermediate"),  # the FP8 payload's activations carry one scale per 1x128
 ])
 def test_bad_config_names_the_field(change, field):
     with pytest.raises(ChunkringUsageError) as info:
@@ -99,7 +99,7 @@ def test_a_config_is_valid_exactly_when_its_rings_are(num_experts, hidden, topk,
     except ChunkringUsageError:
         rings_ok = False
     try:
-        MoEConfig(num_experts=num_experts, hidden=hidden, intermediate=64, topk=topk, max_tokens_per_rank=tokens,
+        MoEConfig(num_experts=num_experts, hidden=hidden, intermediate=128, topk=topk, max_tokens_per_rank=tokens,
                   payload=payload, **front)
         config_ok = True
     except ChunkringUsageError:

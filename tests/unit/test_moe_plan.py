@@ -65,9 +65,9 @@ def naive_plan(idx_rows, w_rows, dest, experts_per_rank, block_m):
     """Per-token Python planner over every source's batch (idx_rows[s], w_rows[s]: lists of rows).
     Returns the plan's tensors as lists."""
     groups = [[] for _ in range(experts_per_rank)]
-    for s, (rows_i, rows_w) in enumerate(zip(idx_rows, w_rows)):
-        for t, (experts, weights) in enumerate(zip(rows_i, rows_w)):
-            for k, (e, wt) in enumerate(zip(experts, weights)):
+    for s, (rows_i, rows_w) in enumerate(zip(idx_rows, w_rows, strict=True)):
+        for t, (experts, weights) in enumerate(zip(rows_i, rows_w, strict=True)):
+            for k, (e, wt) in enumerate(zip(experts, weights, strict=True)):
                 local = e - dest * experts_per_rank
                 if e != -1 and 0 <= local < experts_per_rank:
                     groups[local].append((s, t, k, wt))
@@ -76,7 +76,7 @@ def naive_plan(idx_rows, w_rows, dest, experts_per_rank, block_m):
         pad = -len(group) % block_m
         rows += group + [(-1, -1, -1, 0.0)] * pad
         offsets.append(len(rows))
-    columns = list(zip(*rows)) if rows else [()] * 4
+    columns = list(zip(*rows, strict=True)) if rows else [()] * 4
     return dict(expert_offsets=offsets, counts=[len(g) for g in groups], src_rank=list(columns[0]),
                 token_index=list(columns[1]), topk_pos=list(columns[2]), weight=list(columns[3]))
 

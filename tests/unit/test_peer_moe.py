@@ -1,6 +1,7 @@
 """The bench's peer baseline (plain-torch MoE, one rank) against the fp32 reference on bf16 activations."""
 
 import torch
+
 from chunkring.benchmarks.peer_moe import torch_moe
 from chunkring.moe.producer import route
 from chunkring.testing.reference import moe_reference

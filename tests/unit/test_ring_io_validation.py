@@ -16,8 +16,9 @@ RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=torch.dev
 
 
 def good(n=3):
-    return dict(x=torch.zeros(n, 256, dtype=torch.float8_e4m3fn), x_sf=torch.zeros(n, 2), topk_idx=torch.zeros(n, 4, dtype=torch.int32),
-                topk_weights=torch.zeros(n, 4), token_base=0, end_of_stream=True)
+    return dict(x=torch.zeros(n, 256, dtype=torch.float8_e4m3fn), x_sf=torch.zeros(n, 2),
+                topk_idx=torch.zeros(n, 4, dtype=torch.int32), topk_weights=torch.zeros(n, 4), token_base=0,
+                end_of_stream=True)
 
 
 @pytest.mark.parametrize("change,field", [

@@ -63,7 +63,8 @@ def test_masked_inputs_say_what_where_and_how():
     nan_bits = struct.unpack("<I", struct.pack("<f", float("inf")))[0]
     assert "X_SF" in input_record(field=InputField.X_SF, value=nan_bits, count=1).describe()
     assert input_record(field=InputField.X_SF, value=nan_bits, count=1).shown_value() == float("inf")
-    assert "rank 0's num_tokens: 99 (clamped" in input_record(field=InputField.VALID_TOKENS, value=99, count=1).describe()
+    clamped = input_record(field=InputField.VALID_TOKENS, value=99, count=1).describe()
+    assert "rank 0's num_tokens: 99 (clamped" in clamped
 
 
 def test_enums_mirror_the_cuda_headers():

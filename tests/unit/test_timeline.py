@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from chunkring import ChunkringRuntimeError, ChunkringUsageError, Event, Timeline
 from chunkring.moe.timeline import LANES, spans, write_chrome_trace
 

@@ -26,6 +26,29 @@ __device__ __forceinline__ void block_copy16(void* dst, const void* src, u64 byt
     for (; i < n; i += stride) d[i] = s[i];
 }
 
+// A warp copies `bytes` (a multiple of 16, both pointers 16-byte aligned): each lane keeps up to eight
+// 16-byte loads in flight before storing them - one load per lane per iteration leaves a warp copying a
+// 4 KB row latency-bound, eight round trips in a row.
+__device__ __forceinline__ void warp_copy16(void* dst, const void* src, u64 bytes, unsigned lane) {
+    constexpr unsigned kInFlight = 8, kWarp = 32;
+    auto* d = static_cast<int4*>(dst);
+    const auto* s = static_cast<const int4*>(src);
+    const u64 n = bytes / 16;
+    for (u64 base = 0; base < n; base += kInFlight * kWarp) {
+        int4 v[kInFlight];
+#pragma unroll
+        for (unsigned u = 0; u < kInFlight; ++u) {
+            const u64 i = base + u * kWarp + lane;
+            if (i < n) v[u] = s[i];
+        }
+#pragma unroll
+        for (unsigned u = 0; u < kInFlight; ++u) {
+            const u64 i = base + u * kWarp + lane;
+            if (i < n) d[i] = v[u];
+        }
+    }
+}
+
 // `words` 4-byte words (topk_idx, topk_weights, scales).
 __device__ __forceinline__ void block_copy4(void* dst, const void* src, u64 words) {
     auto* d = static_cast<unsigned*>(dst);

@@ -211,7 +211,11 @@ def worker_command(args, *, progress: bool = False) -> list[str]:
 
 def mpirun_command(args, ranks: int, environ: dict, *, progress: bool = False) -> list[str]:
     """The exact mpirun command line for ``args`` (Open MPI), forwarding every variable ranks need."""
-    cmd = ["mpirun", "-np", str(ranks), "--timeout", str(args.timeout), "--oversubscribe"]
+    cmd = ["mpirun", "-np", str(ranks), "--timeout", str(args.timeout)]
+    if not (args.hostfile or args.host):
+        # Several ranks on this node's GPUs (or one GPU under MPS) may outnumber its cores; across nodes
+        # the hostfile's slots say where ranks go, and oversubscribing would hide a wrong one.
+        cmd.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     if args.hostfile:

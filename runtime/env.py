@@ -20,6 +20,7 @@ __all__ = [
     "module_loading_is_eager",
     "cache_dir",
     "check_timeout_s",
+    "check_work_queues",
     "watchdog_timeout_s",
 ]
 
@@ -86,6 +87,16 @@ def check_timeout_s(value: float, *, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 24 * 3600:
         raise ChunkringUsageError(f"must be in (0, 86400] seconds, got {value!r}", field=field)
     return float(value)
+
+
+def check_work_queues() -> None:
+    """Refuse ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware work queue serialises every stream of the
+    process, so a producer queued behind a spinning consumer never runs (a producer starved on the H200,
+    even with the SMs split between them). Every ring spins on its peers, so every ring needs more."""
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise ChunkringUsageError("CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream in one hardware queue, where a "
+                                  "producer waits behind a spinning consumer forever; unset it (the default is 8)",
+                                  field="CUDA_DEVICE_MAX_CONNECTIONS")
 
 
 def module_loading_is_eager() -> bool:

@@ -13,10 +13,10 @@ give the consumer its own stream, and enqueue producer work before the consumer.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from chunkring.env import check_work_queues
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
 if TYPE_CHECKING:
@@ -65,10 +65,7 @@ class SmPartition:
     """
 
     def __init__(self, runtime: Runtime, producer_sms: int) -> None:
-        if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-            raise ChunkringUsageError("CUDA_DEVICE_MAX_CONNECTIONS=1 couples the partitions through one hardware "
-                                      "queue (a producer starved on the H200); unset it",
-                                      field="CUDA_DEVICE_MAX_CONNECTIONS")
+        check_work_queues()
         from cuda.core import ContextOptions, SMResourceOptions
 
         device = runtime.device

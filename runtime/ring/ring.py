@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chunkring.env import check_timeout_s, watchdog_timeout_s
+from chunkring.env import check_timeout_s, check_work_queues, watchdog_timeout_s
 from chunkring.errors import (
     ChunkringDeviceError,
     ChunkringInputError,
@@ -44,6 +44,7 @@ class Ring:
         if spec.world_size != runtime.world_size:
             raise ChunkringUsageError(f"spec is for {spec.world_size} ranks, the job has {runtime.world_size}",
                                       field="world_size")
+        check_work_queues()
         timeout_s = watchdog_timeout_s() if timeout_s is None else check_timeout_s(timeout_s, field="timeout_s")
         _check_identical(runtime, (spec, timeout_s))
         self.runtime = runtime

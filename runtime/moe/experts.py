@@ -119,6 +119,27 @@ class ExpertCompute:
         self._deep_gemm: Any = load_deep_gemm() if self.fp8 else None  # deep_gemm is untyped
         self._grid = _BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self._offsets_bytes = 4 * (experts_per_rank + 1)  # group_offsets' shared memory
+        self._warm = False  # the GEMM engine's kernels compiled and loaded (warm_up)
+
+    def warm_up(self, w13, w2) -> None:
+        """Run the expert GEMMs once on an empty plan (no rows: they visit no block), on the current
+        stream, so the GEMM engine compiles and loads its kernels now. DeepGEMM compiles a kernel at its
+        first use and loads the module then, and a module load waits for the kernels already running: a
+        call's first GEMM, enqueued while its pull waits for chunks the host has not enqueued yet, never
+        returned (a first call that streamed deadlocked on the H200). The layer calls this before it
+        enqueues anything that spins; the kernels depend only on the layer's shapes, so once suffices."""
+        if self._warm or not self.fp8:
+            return
+        E, P = self.experts_per_rank, self.capacity
+        dev = self.device
+        no_rows = torch.zeros(E, dtype=torch.int32, device=dev)
+        row_bytes, sf_per_row = self.config.hidden, self.config.hidden // FP8_SCALE_BLOCK
+        plan = DevicePlan(counts=no_rows, group_end=no_rows, src=torch.full((P,), -1, dtype=torch.int32, device=dev),
+                          token=no_rows, k=no_rows, weight=no_rows.float(),
+                          rows=torch.empty((P, row_bytes), dtype=torch.uint8, device=dev),
+                          rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev))
+        self.experts(plan, w13, w2)
+        self._warm = True
 
     def __call__(self, stage, w13, w2, peer_combine: torch.Tensor, on_experts_done) -> None:
         """Plan ``stage``'s rows (moe_pull's output), run the experts, call ``on_experts_done`` (a timeline

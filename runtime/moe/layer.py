@@ -327,6 +327,8 @@ class MoELayer:
         producer, consumer = self._producer, self._consumer
         producer.wait_stream(caller)
         consumer.wait_stream(caller)
+        with torch.cuda.stream(consumer):
+            self._compute.warm_up(w13, w2)  # before anything of this call spins (ExpertCompute.warm_up)
         # No record_stream on the caller's tensors: the caller's stream waits for both side streams at
         # the end of the call, so its frees (stream-ordered on it) already come after our last use. That
         # also keeps the allocator from ever recording events on a partition's streams, which may be

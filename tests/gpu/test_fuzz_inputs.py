@@ -25,7 +25,7 @@ from chunkring.ring.io import GatherOutputs, gather, publish_chunk
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import InputField
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
-from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, weights
+from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, tolerance, weights
 
 pytestmark = pytest.mark.gpu
 
@@ -105,7 +105,7 @@ def test_layer_masks_and_reports_corrupted_inputs(runtime, record_testsuite_prop
             check_guards(padded, GUARD, GUARD + n, f"case {case}")
             ref = layer_reference(layer, dequantize_fp8_per128(xq, clean_sf)[:valid].to(device), clean_idx[:valid],
                                   w[:valid], w13, w2)
-            assert rel_error(out[:valid], ref) <= 1e-2, f"case {case} ({field.name})"
+            assert rel_error(out[:valid], ref) <= tolerance(layer), f"case {case} ({field.name})"
             assert not bool(out[valid:].any()), f"case {case}: rows past the count were written"
             # Who reads the bad value: every rank reads every topk_idx; a scale only where its row is
             # pulled (this test routes the row to expert idx[row, 0] on every rank's copy of the plan);

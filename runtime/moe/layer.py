@@ -379,6 +379,10 @@ class MoELayer:
 
         produce_chunks(range(first, len(starts)))
         with torch.cuda.stream(producer):
+            # The drain spins until every destination acknowledged; started only after this rank's own
+            # consumer is done (its held acks sent, so no wait on it is lost), it does not hold an SM
+            # through the expert GEMMs, whose persistent grids want every SM (docs/PERFORMANCE.md).
+            producer.wait_stream(consumer)
             kernels.launch("moe_drain", ring.desc, block=32, stream=producer)
             mark(Event.DRAINED)
             # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank wrote a row.

@@ -126,7 +126,7 @@ def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     return out
 
 
-def reference_tolerance(payload) -> float:
+def reference_tolerance(payload: PayloadFormat) -> float:
     """The relative (Frobenius) error a layer's output may have against :func:`moe_reference` on its
     dequantised inputs and :func:`layer_weights_reference` weights (``fp8_recipe`` for the FP8 payload).
 

@@ -37,7 +37,7 @@ import torch
 import chunkring
 from chunkring import MoEConfig, MoELayer
 from chunkring.benchmarks.peer_moe import torch_moe
-from chunkring.benchmarks.probe_deepgemm import _mega_fns, _one_rank_group, moe_reference, time_eager
+from chunkring.benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_group, time_eager
 from chunkring.moe.calibrate import replay_median_ms
 from chunkring.moe.experts import load_deep_gemm
 from chunkring.moe.producer import quantize_rows_fp8, route
@@ -100,7 +100,7 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
 
             y = torch.empty(t, H, dtype=torch.bfloat16, device=device)
             tk = {"xq": xq, "xsf": xsf, "idx": idx, "w": w, "x": hidden}
-            _, staged, _ = _mega_fns(dg, buffer, tk, t, y, l1, l2)
+            _, staged, _ = mega_moe_calls(dg, buffer, tk, t, y, l1, l2)
             eager = time_eager(staged, args.iterations)["median_ms"]
             graph = replay_median_ms(staged, iterations=args.iterations, warmup=3)
             row["megamoe_ms"], row["megamoe_eager_ms"], row["megamoe_graph_ms"] = min(eager, graph), eager, graph
@@ -136,7 +136,7 @@ def main() -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     runtime = chunkring.init()
     dg = load_deep_gemm()
-    group, _ = _one_rank_group()
+    group, _ = one_rank_group()
     rows = []
     try:
         for name in args.shapes.split(","):

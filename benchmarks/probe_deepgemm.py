@@ -626,7 +626,7 @@ def section_masked(dg, res, args, ops, budget):
         res.save()
 
 
-def _one_rank_group():
+def one_rank_group():
     """A one-rank torch.distributed group without a launcher (FileStore rendezvous, NCCL; gloo fallback)."""
     import tempfile
 
@@ -648,7 +648,7 @@ def _one_rank_group():
     raise RuntimeError("no one-rank process group")
 
 
-def _mega_fns(dg, buffer, tk, t, y, l1, l2):
+def mega_moe_calls(dg, buffer, tk, t, y, l1, l2):
     """The MegaMoE call, and the call with its input staging (bound to this token count's tensors)."""
     idx64 = tk["idx"].long()
 
@@ -672,7 +672,7 @@ def _mega_fns(dg, buffer, tk, t, y, l1, l2):
 
 def section_mega(dg, res, args, ops, budget):
     fig = res.fig.setdefault("mega", {})
-    group, backend = _one_rank_group()
+    group, backend = one_rank_group()
     fig["process_group_backend"] = backend
     fig["api"] = {"get_symm_buffer_for_mega_moe": hasattr(dg, "get_symm_buffer_for_mega_moe"),
                   "transform_weights_for_mega_moe_sm90": hasattr(dg, "transform_weights_for_mega_moe_sm90"),
@@ -705,7 +705,7 @@ def section_mega(dg, res, args, ops, budget):
                 entry["num_max_tokens_per_rank"] = buffer.num_max_tokens_per_rank
             tk = ops.tokens(t)
             y = torch.empty(t, HIDDEN, dtype=torch.bfloat16, device=ops.dev)
-            call, staged_copy, staged_predispatch = _mega_fns(dg, buffer, tk, t, y, l1, l2)
+            call, staged_copy, staged_predispatch = mega_moe_calls(dg, buffer, tk, t, y, l1, l2)
             y.fill_(7.0)
             entry["first_call_s"] = first_call(staged_copy)
             # fp64 reference on the dequantised operands (x as staged, weights as quantised)

@@ -130,14 +130,7 @@ class ExpertCompute:
         enqueues anything that spins; the kernels depend only on the layer's shapes, so once suffices."""
         if self._warm or not self.fp8:
             return
-        E, P = self.experts_per_rank, self.capacity
-        dev = self.device
-        no_rows = torch.zeros(E, dtype=torch.int32, device=dev)
-        row_bytes, sf_per_row = self.config.hidden, self.config.hidden // FP8_SCALE_BLOCK
-        plan = DevicePlan(counts=no_rows, group_end=no_rows, src=torch.full((P,), -1, dtype=torch.int32, device=dev),
-                          token=no_rows, k=no_rows, weight=no_rows.float(),
-                          rows=torch.empty((P, row_bytes), dtype=torch.uint8, device=dev),
-                          rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev))
+        plan, _ = self._allocate_plan()  # every count 0
         self.experts(plan, w13, w2)
         self._warm = True
 
@@ -152,25 +145,32 @@ class ExpertCompute:
 
     def plan(self, stage) -> DevicePlan:
         """Every staged choice of a local expert in its expert's group, with its payload copied there."""
-        cfg, dev, P = self.config, self.device, self.capacity
-        E, H, K = self.experts_per_rank, cfg.hidden, cfg.topk
+        cfg = self.config
+        E, K = self.experts_per_rank, cfg.topk
         W, N = stage.idx.shape[0], stage.idx.shape[1]
-        counters = torch.zeros((2, E), dtype=torch.int32, device=dev)  # counts, then the scatter's cursors
+        plan, cursors = self._allocate_plan()
+        row_bytes, sf_per_row = plan.rows.shape[1], plan.rows_sf.shape[0]
+        choices = W * N * K
+        self._launch("moe_plan_count", stage.idx, choices, self.first_expert, E, plan.counts)
+        self._launch("moe_plan_scatter", stage.x.view(torch.uint8), stage.sf, stage.idx, stage.w, N, K, row_bytes,
+                     sf_per_row, self.first_expert, E, GROUP_ALIGN, plan.counts, cursors, plan.rows, plan.rows_sf,
+                     self.capacity, plan.src, plan.token, plan.k, plan.weight, plan.group_end, choices, shared=True)
+        return plan
+
+    def _allocate_plan(self) -> tuple[DevicePlan, torch.Tensor]:
+        """A plan's buffers with no rows planned (every count 0, every row padding), and the scatter's
+        per-expert cursors (0)."""
+        dev, P, E, H = self.device, self.capacity, self.experts_per_rank, self.config.hidden
+        counters = torch.zeros((3, E), dtype=torch.int32, device=dev)  # counts, group ends, cursors
         row_bytes, sf_per_row = (H, H // FP8_SCALE_BLOCK) if self.fp8 else (2 * H, 0)
         plan = DevicePlan(
-            counts=counters[0], group_end=torch.empty(E, dtype=torch.int32, device=dev),
-            src=torch.full((P,), -1, dtype=torch.int32, device=dev),
+            counts=counters[0], group_end=counters[1], src=torch.full((P,), -1, dtype=torch.int32, device=dev),
             token=torch.empty(P, dtype=torch.int32, device=dev), k=torch.empty(P, dtype=torch.int32, device=dev),
             weight=torch.empty(P, dtype=torch.float32, device=dev),
             rows=torch.empty((P, row_bytes), dtype=torch.uint8, device=dev),
             # The GEMM's scale layout (MN-major): scale j of row p at j * P + p.
             rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev))
-        choices = W * N * K
-        self._launch("moe_plan_count", stage.idx, choices, self.first_expert, E, plan.counts)
-        self._launch("moe_plan_scatter", stage.x.view(torch.uint8), stage.sf, stage.idx, stage.w, N, K, row_bytes,
-                     sf_per_row, self.first_expert, E, GROUP_ALIGN, plan.counts, counters[1], plan.rows, plan.rows_sf,
-                     P, plan.src, plan.token, plan.k, plan.weight, plan.group_end, choices, shared=True)
-        return plan
+        return plan, counters[2]
 
     def experts(self, plan: DevicePlan, w13, w2) -> torch.Tensor:
         """bf16 [P, H]: w2[e] @ swiglu(w13[e] @ row) for every planned row (padding rows: unspecified)."""

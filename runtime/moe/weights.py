@@ -40,20 +40,6 @@ class Fp8Weight:
         if self.scale.device != self.data.device:
             raise ChunkringUsageError(f"is on {self.scale.device}, data on {self.data.device}", field="scale")
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    def to(self, device: torch.device | str | int) -> Fp8Weight:
-        return Fp8Weight(self.data.to(device), self.scale.to(device))
-
-    def contiguous(self) -> Fp8Weight:
-        return Fp8Weight(self.data.contiguous(), self.scale.contiguous())
-
-    def __getitem__(self, experts: slice | torch.Tensor) -> Fp8Weight:
-        """The weights of a slice of experts (e.g. this rank's)."""
-        return Fp8Weight(self.data[experts], self.scale[experts])
-
     def dequantize(self) -> torch.Tensor:
         """float32 [E, N, K]: data * its block's scale."""
         E, N, K = self.data.shape

@@ -3,12 +3,18 @@
 # run the GPU test suite with 1 rank and with N ranks on one GPU under MPS, run the main job, and
 # write one JSON summary per suite run into $RESULTS (default tests/gpu_results); with $OUT set (the
 # device tool), also pack them and the log into $OUT/gpu_results.tgz.
-#   CHUNKRING_COMMIT=<sha> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS]
+#   CHUNKRING_COMMIT=<sha> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS] [PART...]
+# PART: one_rank, mps, launcher (default: all three, in that order) - to split the suite over device calls.
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
 ranks=${2:-4}
+parts=("${@:3}")
+[ ${#parts[@]} -gt 0 ] || parts=(one_rank mps launcher)
+for part in "${parts[@]}"; do
+    case $part in one_rank|mps|launcher) ;; *) echo "unknown part: $part (one_rank, mps, launcher)" >&2; exit 2;; esac
+done
 results=${RESULTS:-tests/gpu_results}
 logs=${LOGS:-/tmp/chunkring-logs}
 mkdir -p "$results" "$logs" "${BENCH_RESULTS:-benchmarks/results}"
@@ -39,58 +45,65 @@ run_suite() {  # name ranks command...
     return "$rc"
 }
 status=0
-# The GPU host runs what needs it (kernel builds, GPU and MPI tests); the CPU suite is CI's job.
 # faulthandler dumps every thread's stack if a test outlives the limit, naming where it waits.
 limits=(--timeout 240 -o faulthandler_timeout=200)
-run_suite gpu-1rank 1 python3 -m pytest tests/compile tests/gpu tests/mpi -v -rs --durations=8 "${limits[@]}" \
-    --junitxml="$logs/gpu-1rank.xml" || status=1
-run_suite stress-1rank 1 python3 -m pytest tests/stress -q -rA "${limits[@]}" --junitxml="$logs/stress-1rank.xml" || status=1
+one_rank() {
+    # The GPU host runs what needs it (kernel builds, GPU and MPI tests); the CPU suite is CI's job.
+    run_suite gpu-1rank 1 python3 -m pytest tests/compile tests/gpu tests/mpi -v -rs --durations=8 "${limits[@]}" \
+        --junitxml="$logs/gpu-1rank.xml" || status=1
+    run_suite stress-1rank 1 python3 -m pytest tests/stress -q -rA "${limits[@]}" --junitxml="$logs/stress-1rank.xml" || status=1
 
-# Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
-export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
-nvidia-cuda-mps-control -d
-# mpirun forwarding what every rank needs: the carried packages, the MPS pipe, the kernel cache.
-mpi=(mpirun --oversubscribe -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
-     -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT)
-mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
-    local suite=$1 n=$2 limit=$3; shift 3
-    run_suite "$suite" "$n" "${mpi[@]}" -np "$n" --timeout "$limit" \
-        bash -c "exec python3 -m pytest --with-mpi $* --junitxml=$logs/$suite.xml.\$OMPI_COMM_WORLD_RANK"
+    for job in bringup run; do
+        chunkring-launch $job --json "$results/${CHUNKRING_COMMIT}-${job}-1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1
+    done
 }
-mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 420 tests/gpu tests/mpi -q -rs "${limits[*]}" || status=1
-mpi_pytest "moe-2rank-mps" 2 200 tests/gpu/test_moe_layer.py -q -rs "${limits[*]}" || status=1
-mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1
-"${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \
-    --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
-for n in 1 "$ranks"; do
-    "${mpi[@]}" -np "$n" --timeout 120 python3 benchmarks/bench_input_checks.py \
-        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-input_checks_${n}rank_mps.json" 2>&1 |
-        tee -a "$logs/bench.log" || status=1
-done
-for job in bringup run; do
-    chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1
-done
-echo quit | nvidia-cuda-mps-control
-for job in bringup run; do
-    chunkring-launch $job --json "$results/${CHUNKRING_COMMIT}-${job}-1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1
-done
-# The launcher's own MPS daemon: stress, chaos (a delayed rank must pass; a killed rank must end the job
-# with status 5 and leave no daemon behind), doctor.
-launch() {  # expected-status name args...
-    local want=$1 name=$2; shift 2
-    local start=$SECONDS
-    chunkring-launch --np "$ranks" --mps "$@" --timeout 300 2>&1 | tee "$logs/$name.log"
-    local rc=${PIPESTATUS[0]}
-    echo "chunkring-launch $* -> status $rc (expected $want) in $((SECONDS - start)) s" | tee -a "$logs/$name.log"
-    # A live MPS process (not a zombie left for init to reap) would mean the daemon outlived the job.
-    ps -eo stat=,pid=,comm= | awk '$1 !~ /^Z/ && $3 ~ /nvidia-cuda-mps/ {print; found=1} END {exit !found}' &&
-        { echo "an MPS daemon outlived the job"; status=1; }
-    [ "$rc" = "$want" ] || status=1
+mps() {
+    # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
+    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+    nvidia-cuda-mps-control -d
+    # mpirun forwarding what every rank needs: the carried packages, the MPS pipe, the kernel cache.
+    mpi=(mpirun --oversubscribe -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
+         -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT)
+    mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
+        local suite=$1 n=$2 limit=$3; shift 3
+        run_suite "$suite" "$n" "${mpi[@]}" -np "$n" --timeout "$limit" \
+            bash -c "exec python3 -m pytest --with-mpi $* --junitxml=$logs/$suite.xml.\$OMPI_COMM_WORLD_RANK"
+    }
+    mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 420 tests/gpu tests/mpi -q -rs "${limits[*]}" || status=1
+    mpi_pytest "moe-2rank-mps" 2 200 tests/gpu/test_moe_layer.py -q -rs "${limits[*]}" || status=1
+    mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1
+    "${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \
+        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
+    for n in 1 "$ranks"; do
+        "${mpi[@]}" -np "$n" --timeout 120 python3 benchmarks/bench_input_checks.py \
+            --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-input_checks_${n}rank_mps.json" 2>&1 |
+            tee -a "$logs/bench.log" || status=1
+    done
+    for job in bringup run; do
+        chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1
+    done
+    echo quit | nvidia-cuda-mps-control
 }
-launch 0 stress stress iterations=100 --json "$results/${CHUNKRING_COMMIT}-launch-stress-${ranks}rank-mps.json"
-launch 0 chaos-delay stress --config chaos chaos=delay --json "$results/${CHUNKRING_COMMIT}-launch-chaos-delay-${ranks}rank-mps.json"
-launch 5 chaos-kill stress --config chaos
-chunkring-launch doctor 2>&1 | tee "$logs/doctor.log" || status=1
+launcher() {
+    # The launcher's own MPS daemon: stress, chaos (a delayed rank must pass; a killed rank must end the job
+    # with status 5 and leave no daemon behind), doctor.
+    launch() {  # expected-status name args...
+        local want=$1 name=$2; shift 2
+        local start=$SECONDS
+        chunkring-launch --np "$ranks" --mps "$@" --timeout 300 2>&1 | tee "$logs/$name.log"
+        local rc=${PIPESTATUS[0]}
+        echo "chunkring-launch $* -> status $rc (expected $want) in $((SECONDS - start)) s" | tee -a "$logs/$name.log"
+        # A live MPS process (not a zombie left for init to reap) would mean the daemon outlived the job.
+        ps -eo stat=,pid=,comm= | awk '$1 !~ /^Z/ && $3 ~ /nvidia-cuda-mps/ {print; found=1} END {exit !found}' &&
+            { echo "an MPS daemon outlived the job"; status=1; }
+        [ "$rc" = "$want" ] || status=1
+    }
+    launch 0 stress stress iterations=100 --json "$results/${CHUNKRING_COMMIT}-launch-stress-${ranks}rank-mps.json"
+    launch 0 chaos-delay stress --config chaos chaos=delay --json "$results/${CHUNKRING_COMMIT}-launch-chaos-delay-${ranks}rank-mps.json"
+    launch 5 chaos-kill stress --config chaos
+    chunkring-launch doctor 2>&1 | tee "$logs/doctor.log" || status=1
+}
+for part in "${parts[@]}"; do "$part"; done
 # The device machine returns at most 8 files: send one archive of the summaries and the combined log.
 if [ -n "${OUT:-}" ]; then
     cat "$logs"/*.log > "$results/suite.log"

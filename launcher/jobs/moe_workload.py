@@ -22,7 +22,7 @@ class LayerFields:
     payload: str = "fp8"
     front_num_slots: int = 2
     front_tokens_per_slot: int = 128
-    tolerance: float = 2e-2  # the FP8 recipe's bound, chunkring.testing.reference.reference_tolerance
+    tolerance: float = 4e-2  # the FP8 recipe's bound, chunkring.testing.reference.reference_tolerance
     seed: int = 0
     producer_sms: int = 0  # SMs of the producers' green-context partition (the consumer gets the rest); 0: none
 

@@ -132,13 +132,16 @@ def reference_tolerance(payload: PayloadFormat) -> float:
 
     bf16 payload: 1e-2 - bf16 rounding of the GEMMs' outputs, the activation and the combine rows (2^-9
     relative each) and accumulation order, measured 0.3-0.5 %.
-    FP8 payload: 2e-2. The reference applies the recipe's roundings, but not the GEMM's accumulation
+    FP8 payload: 4e-2. The reference applies the recipe's roundings, but not the GEMM's accumulation
     order: L1's output differs from it by ~1e-3 relative, which flips the e4m3 rounding of the activation
-    wherever a value lies that close to a rounding boundary (about 1e-3 / 2^-4, a few % of the elements),
-    and each flip moves an element by one e4m3 step, 2^-3 of its binade. Measured 0.5-1.4 % on the GPU
-    suite's shapes (H200, 4c2596a); a misplaced row or scale moves the output by far more than 2e-2.
+    wherever a value lies that close to a rounding boundary, and each flip moves an element by one e4m3
+    step, 2^-3 of its binade. The flips are few, so their sum varies most on small outputs: on the
+    fuzz test's shape (28 tokens, H=256, I=128) L1 noise of 1e-3 (2e-3) gives a mean of 1.4 % (1.8 %),
+    p99 1.9 % (2.4 %), max 2.0 % (2.7 %) over 400 draws (a CPU simulation of the recipe); the H200
+    measured 0.5-1.4 % on the layer tests and up to 2.5 % in the fuzz test (79c8f61). A lost or
+    misplaced row of those outputs moves it by more than 6 %, a dropped scale block by more.
     """
-    return 2e-2 if payload.has_scales else 1e-2
+    return 4e-2 if payload.has_scales else 1e-2
 
 
 def layer_weights_reference(w13: torch.Tensor, w2: torch.Tensor,

@@ -148,7 +148,10 @@ def load_experts(state_dict: Mapping[str, torch.Tensor], config: MoEConfig, *, f
                                   f"{config.num_experts}", field="count")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ChunkringUsageError(f"must be a non-negative int or None, got {rank!r}", field="rank")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ChunkringUsageError(f"not a torch device: {exc}", field="device") from None
 
     owner = f"experts [{first_expert}, {first_expert + count})" + ("" if rank is None else f" of rank {rank}")
     beyond = keys.key("gate", prefix, config.num_experts)

@@ -320,6 +320,8 @@ def test_keys_of_other_ranks_are_not_checked():
     (dict(first_expert=7, count=2), "count"),
     (dict(rank=-1), "rank"),
     (dict(rank=False), "rank"),
+    (dict(device="gpu7"), "device"),
+    (dict(device=1.5), "device"),
 ])
 def test_bad_arguments(kwargs, field):
     sd, _, _ = bf16_checkpoint(BF16)

@@ -10,8 +10,8 @@ and replayed against :meth:`MoELayer.run`; ``torch.library.opcheck`` on the real
 argument written, the fake implementation's output matching the real one's metadata).
 
 Every rank runs every test (``mpirun ... pytest --with-mpi tests/gpu``, as the other GPU tests); every
-rank derives its inputs from (step, rank) seeds. The residual adds and the doubling are exact in any
-fusion (one bf16 rounding each, and x2 is exact), so Inductor's code matches eager bit for bit.
+rank derives its inputs from (step, rank) seeds. The model's elementwise ops round alike in any fusion
+(:class:`TwoLayers`), so Inductor's code matches eager bit for bit.
 
 The CPU half (tests/unit/test_custom_op.py) pins the schema, the effect, the fake implementation and
 the tracing of this same model on meta tensors.
@@ -36,15 +36,20 @@ TIMEOUT_S = 120
 
 
 class TwoLayers(torch.nn.Module):
-    """What a serving model does around the layer: elementwise work, two MoE calls, a residual."""
+    """What a serving model does around the layer: elementwise work, two MoE calls (the second on the
+    first's output), a residual. Each elementwise op reads realised tensors only (the input, an
+    operator's output), so however Inductor fuses them each output rounds once, as eager does: x2 is
+    exact, and the residual add is one bf16 rounding of an fp32 sum. (``hidden + first(...)`` fed to a
+    second add would not be: Inductor may recompute it inside the second add's kernel in fp32, without
+    the bf16 rounding between the adds that eager does.)"""
 
     def __init__(self, first, second):
         super().__init__()
         self.first, self.second = first, second
 
     def forward(self, hidden, streaming=False, num_tokens=None):
-        h = hidden + self.first(hidden, streaming=streaming, num_tokens=num_tokens)
-        return h + self.second(h * 2, streaming=streaming, num_tokens=num_tokens)
+        h = self.first(hidden * 2, streaming=streaming, num_tokens=num_tokens)
+        return hidden + self.second(h, streaming=streaming, num_tokens=num_tokens)
 
 
 def by_methods(model, hidden, streaming, num_tokens):
@@ -53,8 +58,7 @@ def by_methods(model, hidden, streaming, num_tokens):
         return module.layer.forward(x, module.router_weight, module.w13, module.w2, streaming=streaming,
                                     num_tokens=num_tokens)
 
-    h = hidden + call(model.first, hidden)
-    return h + call(model.second, h * 2)
+    return hidden + call(model.second, call(model.first, hidden * 2))
 
 
 def make_model(runtime):

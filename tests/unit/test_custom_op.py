@@ -12,7 +12,9 @@
   :func:`moe_forward`: Fp8Weight split into its tensors, ``"auto"`` resolved to a constant bool, the
   layer's handle read) into one graph holding exactly one ``chunkring.moe_forward`` call, and
   AOTAutograd threads its effect token; run on meta tensors, so the fake implementation answers;
-* a handle of no live layer (never made, or garbage-collected) is a ``ChunkringUsageError``.
+* a handle of no live layer (never made, or garbage-collected) is a ``ChunkringUsageError``;
+* the GPU test's model (its elementwise ops around two opaque bf16 calls) compiles with Inductor to the
+  same bits as eager - the premise of that test's bitwise comparison.
 
 What only tests/gpu/test_custom_op_gpu.py shows: the real implementation on a real layer (the handle
 look-up, the layer's argument checks, the call), Inductor's code around it on CUDA, a compiled model
@@ -301,3 +303,34 @@ def test_negative_control_an_op_without_the_effect_is_dropped(backend, n, use):
     _control_calls.clear()
     torch.compile(fn, fullgraph=True, backend=backend)(torch.ones(n, 4))
     assert _control_calls == [], f"torch {torch.__version__} kept the call: {_control_calls}"
+
+
+@torch.library.custom_op("chunkring_test::mix", mutates_args=())
+def _mix(x: torch.Tensor, k: float) -> torch.Tensor:
+    return (torch.sin(x.float() * k) * 3.3).to(torch.bfloat16)
+
+
+@_mix.register_fake
+def _(x, k):
+    return torch.empty_like(x)
+
+
+class Mix(torch.nn.Module):
+    """In place of a ChunkedMoE: an opaque op with a bf16 output, as the layer's."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x, streaming=False, num_tokens=None):
+        return torch.ops.chunkring_test.mix(x, self.k)
+
+
+def test_the_gpu_models_elementwise_work_rounds_as_eager_under_inductor():
+    """The GPU test compares its compiled TwoLayers with eager bit for bit; this pins the premise that
+    Inductor's fusion of its elementwise ops around two opaque calls rounds as eager does."""
+    model = TwoLayers(Mix(1.1), Mix(0.7))
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    for seed in range(3):
+        x = (torch.randn(64, H, generator=torch.Generator().manual_seed(seed)) * 4).to(torch.bfloat16)
+        assert torch.equal(compiled(x), model(x)), seed

@@ -41,6 +41,7 @@ from chunkring.moe.calls import CallMode, check_forward_args, check_run_args
 from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import ExpertCompute
+from chunkring.moe.op import moe_forward, register_layer
 from chunkring.moe.producer import quantize_rows_fp8, route
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import ExpertWeights, Fp8Weight, init_weights, payload_weights
@@ -95,7 +96,9 @@ class MoELayer:
     Call with the batch already routed (today's MegaMoE contract) - :meth:`run` - or with hidden states
     and a router, so the layer's own producers route, quantise and publish - :meth:`forward`. Either
     call returns bfloat16 [n, H] and is stream-ordered after torch's current stream; neither waits on
-    the host. Errors found on the device (timeouts, bad metadata) are raised by :meth:`check`.
+    the host. Errors found on the device (timeouts, bad metadata) are raised by :meth:`check`. For a
+    model that ``torch.compile`` traces, :func:`chunkring.moe.op.moe_forward` / ``moe_run`` make the same
+    calls as one PyTorch operator each (:attr:`handle` names the layer to them).
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | None = None,
@@ -153,6 +156,14 @@ class MoELayer:
             self._producer, self._consumer = partition.producer_stream, partition.consumer_stream
         else:
             self._producer, self._consumer = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        self._handle = register_layer(self)
+
+    @property
+    def handle(self) -> int:
+        """The integer that names this layer to the ``chunkring::moe_forward`` / ``chunkring::moe_run``
+        operators (:mod:`chunkring.moe.op`), unique in this process and never reused. After
+        :meth:`destroy` the operators refuse it as the methods do."""
+        return self._handle
 
     @property
     def producer_stream(self) -> torch.cuda.Stream:
@@ -409,7 +420,9 @@ class ChunkedMoE(torch.nn.Module):
     128x128 block scales for the FP8 payload, bfloat16 otherwise).
 
     ``forward(hidden, streaming=False, num_tokens=None)`` routes ``hidden`` bfloat16 [n, H] and returns
-    bfloat16 [n, H] (``num_tokens`` as in :meth:`MoELayer.run`).
+    bfloat16 [n, H] (``num_tokens`` as in :meth:`MoELayer.run`): :meth:`MoELayer.forward` as the
+    ``chunkring::moe_forward`` operator (:func:`chunkring.moe.op.moe_forward`), so ``torch.compile`` of a
+    model holding this module traces it as one op, without a graph break.
     Weights start as :func:`init_weights` draws from ``generator`` (a CPU ``torch.Generator``).
     """
 
@@ -428,7 +441,7 @@ class ChunkedMoE(torch.nn.Module):
         self.register_buffer("router_weight", router.to(device))
         self.w13, self.w2 = layer.expert_weights(w13[mine].to(device), w2[mine].to(device))
 
-    def forward(self, hidden: torch.Tensor, streaming: bool = False,
+    def forward(self, hidden: torch.Tensor, streaming: bool | str = False,
                 num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        return self.layer.forward(hidden, self.router_weight, self.w13, self.w2, streaming=streaming,
-                                  num_tokens=num_tokens)
+        return moe_forward(self.layer, hidden, self.router_weight, self.w13, self.w2, streaming=streaming,
+                           num_tokens=num_tokens)

@@ -87,8 +87,8 @@ class HfMoEBlock:
 
 
 def find_moe_blocks(model: nn.Module) -> list[HfMoEBlock]:
-    """Every sparse MoE block of ``model`` chunkring can replace, in module order, checked (see the module
-    docstring for what is refused). Host-only. A model without one, or with a module that looks like an
+    """Every sparse MoE block of ``model`` chunkring can replace, in module order, its structure checked
+    (activation, weight layout; :func:`plan_moe_blocks` adds dtypes and shapes). Host-only. A model without one, or with a module that looks like an
     MoE block of another kind (it has both ``gate`` and ``experts``), raises ``ChunkringUsageError``."""
     if not isinstance(model, nn.Module):
         raise ChunkringUsageError(f"expected a torch.nn.Module, got {type(model).__name__}", field="model")
@@ -140,14 +140,19 @@ def _describe(name: str, block: nn.Module, arch: str) -> HfMoEBlock:
     if (arch == "deepseek_v3") != (shared is not None):
         raise ChunkringUsageError("a DeepSeek-V3 block has shared experts and a Qwen3-MoE block none",
                                   field=f"{name}.shared_experts")
-    result = HfMoEBlock(name, block, arch, num_experts, topk, hidden, inter, shared is not None)
-    for key, weight in expert_state_dict(block).items():
+    return HfMoEBlock(name, block, arch, num_experts, topk, hidden, inter, shared is not None)
+
+
+def _check_weights(block: HfMoEBlock) -> None:
+    """Every routed expert's weights bfloat16 of the block's shapes - so that no rank's
+    :meth:`MoELayer.load_experts` can refuse its share after other ranks built their layers."""
+    inter, hidden = block.intermediate, block.hidden
+    for key, weight in expert_state_dict(block.module).items():
         want = (inter, hidden) if key.endswith(("gate_proj.weight", "up_proj.weight")) else (hidden, inter)
         if tuple(weight.shape) != want or weight.dtype != torch.bfloat16:
             raise ChunkringUsageError(f"expected bfloat16 {want}, got {weight.dtype} {tuple(weight.shape)}: "
                                       "chunkring loads bfloat16 experts (model.to(torch.bfloat16) first)",
-                                      field=f"{name}.{key}")
-    return result
+                                      field=f"{block.name}.{key}")
 
 
 def expert_state_dict(block: nn.Module) -> dict[str, torch.Tensor]:
@@ -202,6 +207,7 @@ def plan_moe_blocks(model: nn.Module, *, world_size: int, max_tokens_per_rank: i
         raise ChunkringUsageError(f"expected True, False or 'auto', got {streaming!r}", field="streaming")
     plan = []
     for block in find_moe_blocks(model):
+        _check_weights(block)
         if payload.has_scales:
             for field, hf_field, value in (("intermediate", "moe_intermediate_size", block.intermediate),
                                            ("hidden", "hidden_size", block.hidden)):

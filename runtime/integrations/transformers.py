@@ -88,8 +88,9 @@ class HfMoEBlock:
 
 def find_moe_blocks(model: nn.Module) -> list[HfMoEBlock]:
     """Every sparse MoE block of ``model`` chunkring can replace, in module order, its structure checked
-    (activation, weight layout; :func:`plan_moe_blocks` adds dtypes and shapes). Host-only. A model without one, or with a module that looks like an
-    MoE block of another kind (it has both ``gate`` and ``experts``), raises ``ChunkringUsageError``."""
+    (activation, weight layout; :func:`plan_moe_blocks` adds dtypes and shapes). Host-only. A model
+    without one, or with a module that looks like an MoE block of another kind (it has both ``gate`` and
+    ``experts``), raises ``ChunkringUsageError``."""
     if not isinstance(model, nn.Module):
         raise ChunkringUsageError(f"expected a torch.nn.Module, got {type(model).__name__}", field="model")
     classes = _block_classes()
@@ -159,8 +160,8 @@ def expert_state_dict(block: nn.Module) -> dict[str, torch.Tensor]:
     """The block's routed experts under Hugging Face's per-expert names, ``experts.{e}.gate_proj.weight``
     [I, H], ``up_proj`` [I, H], ``down_proj`` [H, I] (:data:`chunkring.moe.HF_EXPERT_KEYS` with an empty
     prefix): views of the fused ``gate_up_proj`` [E, 2I, H] (gate = rows [0, I), up = rows [I, 2I), as the
-    block's ``chunk(2)`` splits them) and ``down_proj`` [E, H, I]. Detached views: nothing is copied until :func:`chunkring.load_experts` copies a rank's
-    share."""
+    block's ``chunk(2)`` splits them) and ``down_proj`` [E, H, I]. Detached views: nothing is copied until
+    :func:`chunkring.load_experts` copies a rank's share."""
     experts = block.experts
     out: dict[str, torch.Tensor] = {}
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
@@ -179,7 +180,7 @@ def route(block: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """The block's own routing of ``rows`` [n, H]: its ``gate`` called as the block calls it, giving topk_idx
     int32 [n, K] and topk_weights float32 [n, K] - the router's weights (model dtype for Qwen3-MoE, float32
     for DeepSeek-V3) widened to float32, which is exact. Detached: the layer computes no gradients."""
-    _, weights, indices = block.gate(rows)
+    _, weights, indices = block.get_submodule("gate")(rows)
     return indices.detach().to(torch.int32).contiguous(), weights.detach().to(torch.float32).contiguous()
 
 
@@ -243,14 +244,16 @@ class ChunkringMoEBlock(nn.Module):
     with at most ``max_tokens_per_rank`` tokens (0 is fine). Inference only: no gradients.
     """
 
+    gate: nn.Module
+    shared_experts: nn.Module | None
     w13: torch.Tensor | Fp8Weight
     w2: torch.Tensor | Fp8Weight
 
     def __init__(self, block: HfMoEBlock, layer: MoELayer, *, streaming: bool | str = False) -> None:
         super().__init__()
         self.architecture, self.hidden = block.architecture, block.hidden
-        self.gate = block.module.gate
-        self.shared_experts = block.module.shared_experts if block.shared_experts else None
+        self.gate = block.module.get_submodule("gate")
+        self.shared_experts = block.module.get_submodule("shared_experts") if block.shared_experts else None
         self.layer = layer
         self.streaming = streaming
         self.w13, self.w2 = layer.load_experts(expert_state_dict(block.module))
@@ -265,8 +268,9 @@ class ChunkringMoEBlock(nn.Module):
             x, x_sf = quantize_rows_fp8(x)
         out = self.layer.run(x, x_sf, topk_idx, topk_weights, self.w13, self.w2, streaming=self.streaming)
         routed = out.to(dtype).reshape(shape)
-        if self.shared_experts is not None:
-            return routed + self.shared_experts(hidden_states)
+        shared = self.shared_experts
+        if shared is not None:
+            return routed + shared(hidden_states)
         return routed
 
     def extra_repr(self) -> str:

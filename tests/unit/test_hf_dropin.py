@@ -99,7 +99,7 @@ def test_every_block_matches_transformers_in_fp32(models, world):
         rows = x.reshape(-1, config.hidden)
         got = chunkring_math(block.module, fp32_blocks[block.name], rows, config, world)
         errors.append(rel(got, want.reshape(-1, config.hidden)))
-    print(f"{arch}, {world} rank(s): relative error per block {['%.1e' % e for e in errors]}")
+    print(f"{arch}, {world} rank(s): relative error per block {[format(e, '.1e') for e in errors]}")
     assert max(errors) < EXACT, errors
 
 

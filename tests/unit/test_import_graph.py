@@ -5,9 +5,10 @@ circle anywhere, and each layer imports only those below it -
     <- chunkring.moe <- chunkring.integrations <- chunkring.testing <- chunkring.benchmarks and scripts/
     <- chunkring.launcher
 
-so the protocol core never pulls in the MoE layer, the MoE layer never a framework adapter, library code never the launcher, the test helpers or
-the benchmarks, and benchmarks and scripts never the launcher. Every import counts, also one inside a
-function (a lazy import is still a circle when the two modules need each other); a package's
+so the protocol core never pulls in the MoE layer, the MoE layer never a framework adapter, library code
+never the launcher, the test helpers or the benchmarks, and benchmarks and scripts never the launcher.
+Every import counts, also one inside a function (a lazy import is still a circle when the two modules
+need each other); a package's
 ``__init__`` is a module of its own, and importing ``a.b.c`` is not counted as importing ``a`` or
 ``a.b`` (Python runs those first, but they are the facade, not a dependency)."""
 

@@ -14,7 +14,7 @@ mkdir -p "$dest"
 # to 0.1.5 because its _C.so is the newest build whose torch symbols all resolve in the host's torch
 # 2.11.0+cu130: 0.1.5.post3, 0.1.6, 0.1.7 and 0.2.x each miss 1-8 torch 2.11 symbols and fail at import.
 # apache-tvm-ffi is pinned to 0.1.11 because sgl-deep-gemm 0.1.5 requires exactly that version.
-# transformers (the hf extra: tests/gpu/test_hf_dropin.py, chunkring.integrations.transformers) with what
+# transformers (the hf extra: tests/gpu/test_hf_dropin_model.py, chunkring.integrations.transformers) with what
 # `import transformers.models.qwen3_moe.modeling_qwen3_moe` (and deepseek_v3, and building and running their
 # models) needs beyond the host's torch (filelock, fsspec, jinja2, networkx, sympy, typing-extensions),
 # numpy and pytest (packaging) - checked by importing with only these on the path: huggingface-hub (with

@@ -76,7 +76,10 @@ gpu_mps() {
     mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 420 tests/gpu tests/mpi --ignore=tests/mpi/test_launcher_mpi.py \
         -q -rs "${limits[*]}" || status=1
 }
-moe_2rank_mps() { mpi_pytest "moe-2rank-mps" 2 200 tests/gpu/test_moe_layer.py -q -rs "${limits[*]}" || status=1; }
+moe_2rank_mps() {  # the MoE layer and the transformers drop-in at a second rank count
+    mpi_pytest "moe-2rank-mps" 2 300 tests/gpu/test_moe_layer.py tests/gpu/test_hf_dropin_model.py -q -rs "${limits[*]}" ||
+        status=1
+}
 stress_mps() { mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1; }
 bench_mps() {
     "${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \

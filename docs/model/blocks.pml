@@ -257,7 +257,7 @@ proctype Pull(byte b) {
            od
         :: else -> skip
         fi;
-        d_step { old = ended; ended++ }
+        atomic { old = ended; ended++ }   /* atomic: a jump target */
         if :: old + 1 == W * NPULL -> sealed_all = true :: else -> skip fi
 #else
         d_step { old = ended; ended++ }                    /* ARRIVE */

@@ -18,25 +18,9 @@ Rules pinned (property names as in blocks.pml):
 """
 from __future__ import annotations
 
-import importlib.util
-import shutil
-import sys
-from pathlib import Path
-
 import pytest
 
-_DRIVER = Path(__file__).resolve().parents[2] / "scripts" / "check_model.py"
-if "chunkring_check_model" in sys.modules:   # loaded by test_spin_model.py in the same session
-    check_model = sys.modules["chunkring_check_model"]
-else:
-    _spec = importlib.util.spec_from_file_location("chunkring_check_model", _DRIVER)
-    check_model = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = check_model   # dataclasses need the module registered
-    _spec.loader.exec_module(check_model)
-
-_MISSING = [t for t in ("spin", "gcc") if shutil.which(t) is None]
-needs_tools = pytest.mark.skipif(bool(_MISSING), reason=f"SPIN model check needs {' and '.join(_MISSING)} "
-                                 "on PATH (apt-get install spin gcc)")
+from tests.model.spin_driver import check_config, check_model, needs_tools
 
 S, P, X = check_model.SAFETY, check_model.PASS, check_model.CEX
 BLOCKS_PINNED = {
@@ -79,15 +63,4 @@ def test_blocks_bug_macros_only_in_blocks_model():
 @needs_tools
 @pytest.mark.parametrize("cfg", BLOCK_CONFIGS, ids=lambda c: c.name)
 def test_spin_blocks_config(cfg):
-    res = check_model.run_config(cfg)
-    summary = (f"{cfg.name} ({' '.join(cfg.macros)}): errors={res.errors} "
-               f"states={res.states} violated={res.violated} {res.detail}")
-    assert res.errors is not None, "pan printed no 'errors:' line: " + summary
-    assert res.truncated is None, "search truncated: " + summary
-    if cfg.expect == P:
-        assert res.errors == 0, "correct model has a counterexample: " + summary
-    else:
-        assert res.errors >= 1, f"bug not detected ({cfg.why}): " + summary
-        assert res.violated and res.violated.startswith(cfg.prop), (
-            f"counterexample violates the wrong rule, expected {cfg.prop}: " + summary)
-    assert res.ok, summary
+    check_config(cfg)

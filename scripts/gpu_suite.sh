@@ -87,10 +87,8 @@ serving_1rank() {
     run_suite serving-1rank 1 python3 -m pytest "${serving_tests[@]}" -v -rs "${limits[@]}" \
         --junitxml="$logs/serving-1rank.xml" || status=1
 }
-serving_mps() {  # at 2 ranks and at $ranks
-    for n in 2 "$ranks"; do
-        mpi_pytest "serving-${n}rank-mps" "$n" 400 "${serving_tests[*]}" -q -rs "${limits[*]}" || status=1
-    done
+serving_mps() {  # at $ranks (moe_2rank_mps runs the drop-in at 2)
+    mpi_pytest "serving-${ranks}rank-mps" "$ranks" 400 "${serving_tests[*]}" -q -rs "${limits[*]}" || status=1
 }
 stress_mps() { mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1; }
 bench_mps() {

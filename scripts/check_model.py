@@ -185,6 +185,38 @@ CONFIGS: tuple[Config, ...] = (
                "finish, drain and held acks included"),
     Config("live_held_w2s2", ("W=2", "S=2", "N0=3", "HELD_ACK"), PASS, check=LIVE_FAIR,
            why="held eos ack, 2 slots, 3 chunks from rank 0: fair runs finish"),
+    # ---- the MoE layer as it ships (-DHELD_ACK -DBLOCKS=2): moe_pull's grid
+    # shares every chunk, the last block to arrive acks it, and each source's
+    # eos chunk is held (no arrival) until moe_ack_held, after the whole pull
+    # kernel and the combine; the host refills held[] and zeroes the arrival
+    # counts before each pull.  COMBINE_BEFORE_REDUCE and every block's read
+    # (NO_OVERWRITE_BEFORE_EVERY_ACK) together.
+    Config("heldblk2_w2s1", ("W=2", "S=1", "BLOCKS=2", "HELD_ACK"), PASS,
+           why="2 pull blocks, held eos ack, 2 chunks from rank 0 through 1 slot "
+               "(ring wraps in the call), rank 1 empty, two invocations"),
+    Config("heldblk2_w2s2", ("W=2", "S=2", "BLOCKS=2", "HELD_ACK", "NINV=1", "N0=3"),
+           PASS, hashbits=26,
+           why="2 pull blocks, held eos ack, 2 slots, one invocation of 3 chunks "
+               "from rank 0 (wraps slot 0; the drain waits on both slots)"),
+    Config("heldblk2_w2s1_n3", ("W=2", "S=1", "BLOCKS=2", "HELD_ACK", "NINV=1", "N0=3"),
+           PASS, hashbits=26,
+           why="2 pull blocks, held eos ack, 3 chunks through 1 slot: two acked "
+               "chunks reuse one arrival count inside the call"),
+    Config("bug_ack_held_at_pull_blk2",
+           ("W=2", "S=1", "BLOCKS=2", "HELD_ACK", "BUG_ACK_HELD_AT_PULL"), CEX,
+           "COMBINE_BEFORE_REDUCE",
+           "2 pull blocks, the eos chunk acked by its last arrival (kNoDeferredAck): "
+           "the owner reduces before a combine write lands"),
+    Config("bug_ack_first_arrival_held",
+           ("W=2", "S=1", "BLOCKS=2", "HELD_ACK", "BUG_ACK_FIRST_ARRIVAL"), CEX,
+           "NO_OVERWRITE_BEFORE_EVERY_ACK",
+           "held eos ack, the first pull block to arrive acks a non-eos chunk: the "
+           "owner rewrites the slot while the other block has not read it"),
+    Config("bug_reset_after_ack_held",
+           ("W=2", "S=1", "BLOCKS=2", "HELD_ACK", "NINV=1", "N0=3", "BUG_RESET_AFTER_ACK"),
+           CEX, COMPLETION, hashbits=26,
+           why="held eos ack, the count zeroed after the ack: an arrival at the "
+               "slot's next acked chunk is wiped, that chunk is never acked"),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 

@@ -19,7 +19,10 @@
  * (PROTOCOL.md "The MoE layer on the ring", device/kernels/moe_stream.cu):
  * consumer(d) is moe_pull, then moe_combine_push, then moe_ack_held;
  * producer(r) zeroes its combine rows, publishes, then runs moe_drain and
- * reduces its combine rows (see "Held acks" below).
+ * reduces its combine rows (see "Held acks" below).  -DHELD_ACK -DBLOCKS=n
+ * is the layer as it ships: moe_pull's grid of n blocks shares every chunk,
+ * the last block to arrive acks it, and each source's eos chunk is held (no
+ * arrival) until moe_ack_held.
  * Spin interleaves sequentially consistently, so "[release]" is the program
  * order "payload store before ready SET" and "[acquire]" is "payload load
  * after the ready load".
@@ -51,7 +54,8 @@
  *                    path, arrivals == nullptr, unchanged).  W=2, BLOCKS=2
  *                    is 7 processes: pan -f then needs gcc -DNFAIR=3
  *   -DHELD_ACK       the MoE layer's held end-of-stream ack, combine and
- *                    drain (below); single-block, not SERIALIZED
+ *                    drain (below); not SERIALIZED; with BLOCKS=n the
+ *                    multi-block pull (below)
  *   bug variants and the property their counterexample breaks (W=2, S=1):
  *     BUG_NO_ACK_WAIT          P1 skipped   -> NO_OVERWRITE_BEFORE_EVERY_ACK
  *     BUG_PUBLISH_BEFORE_DATA  P3 reversed  -> NO_READ_BEFORE_PUBLISH
@@ -74,9 +78,13 @@
  *   and with HELD_ACK:
  *     BUG_ACK_HELD_AT_PULL     the eos chunk is acked at its read like every
  *                              other chunk (the kNoDeferredAck mutant of
- *                              moe_pull) -> COMBINE_BEFORE_REDUCE (the owner's
- *                              drain returns, and it reduces, before a
- *                              consumer's combine write for it)
+ *                              moe_pull; with BLOCKS=2 by its last arrival)
+ *                              -> COMBINE_BEFORE_REDUCE (the owner's drain
+ *                              returns, and it reduces, before a consumer's
+ *                              combine write for it)
+ *   and the two BLOCKS=2 bugs above with HELD_ACK too (the held eos chunk
+ *   never arrives, so BUG_RESET_AFTER_ACK needs two acked chunks of one slot
+ *   in one call: S=1, N0=3)
  *   and under LIVENESS: BUG_SKIP_EOS_EMPTY, and SERIALIZED with N0=2 > S=1
  *   -> ALL_FINISH (an acceptance cycle even under weak fairness)
  *
@@ -114,9 +122,11 @@
  * every source reached its eos, the consumer performs the combine: one
  * store per source, combined[CMB(d, r)] = inv + 1 (ghost: "d's rows for r of
  * invocation inv", one step per source, in rank order), then acks each held
- * chunk with the same tagged CAS as every other ack, in rank order (the
- * moe_ack_held blocks; before the CAS it reads the held slot's meta, which
- * must still be chunk q: NO_OVERWRITE_BEFORE_EVERY_ACK).  Producer r, at the
+ * chunk with the same tagged CAS as every other ack (the moe_ack_held
+ * blocks, one per source, all concurrent: the acks go out from a
+ * nondeterministic first source in rotation, every order for W = 2; before
+ * the CAS each reads the held slot's meta, which must still be chunk q:
+ * NO_OVERWRITE_BEFORE_EVERY_ACK).  Producer r, at the
  * start of each invocation and before its first publish, zeroes its row of
  * every consumer (combined[CMB(*, r)] = 0); after its last publish it drains
  * (drain(): for every seq in [max(0, q - S), q), the last chunk of each
@@ -127,8 +137,22 @@
  * writes nothing), the expert work between pull and combine (no protocol
  * word), the release fence of the held ack's CAS covering the combine stores
  * of an earlier kernel (program order here), and the cursor store of the
- * held ack (cursor[r] is the single block's local next_seq, as without
- * HELD_ACK).  The producer never waits for a held ack within an invocation
+ * held ack with BLOCKS = 1 (cursor[r] is the single block's local next_seq,
+ * as without HELD_ACK).
+ * With BLOCKS > 1 (moe_pull's grid, as shipped): every block reads every
+ * chunk; a chunk other than a source's eos chunk is acked by its last
+ * arrival (C3', as without HELD_ACK); the eos chunk gets no arrival at all,
+ * block 0 alone records it in held[] (consume_invocation writes deferred[src]
+ * from block 0), and moe_ack_held acks it, which stream order starts only
+ * after every block of the pull finished (kfin) -- so its ack covers every
+ * block's read -- and then stores d's cursor for r, as ack_chunk does.
+ * Block 0's process runs the rest of d's consumer stream (combine, held
+ * acks, then the host's refill of held[] and zeroing of the arrival counts,
+ * asserted already zero); the next call's blocks start after it (callfin).
+ * Not modelled: the owner's drain waiting for its own consumer stream (the
+ * layer's producer.wait_stream(consumer)); leaving it out only adds
+ * schedules, and it orders the owner's own rows, never a peer's.
+ * The producer never waits for a held ack within an invocation
  * (the eos chunk is its last publish); across invocations P1 may wait for
  * the held ack of the previous one, which comes without any further publish.
  *
@@ -159,6 +183,8 @@
  *     guarantee's boundary;
  *   - BUG_SKIP_EOS_EMPTY: the consumers spin forever on the empty rank;
  *   - BLOCKS=2, SERIALIZED: finishes with no fairness (in check_model.py);
+ *     HELD_ACK with BLOCKS=2 is checked for safety only (its fair liveness
+ *     search is larger than the interleaved BLOCKS=2 one below);
  *     BLOCKS=2 interleaved, NINV=1 (ring wraps in the call): finishes under
  *     weak fairness -- a one-off run, too big for check_model.py: spin
  *     -DW=2 -DS=1 -DBLOCKS=2 -DNINV=1 -DLIVENESS -a; gcc -DNFAIR=3
@@ -196,9 +222,6 @@
 #endif
 #define EMPTY_RANK 1
 #ifdef HELD_ACK
-#if BLOCKS > 1
-#error "HELD_ACK models the single-block pull (BLOCKS=1)"
-#endif
 #ifdef SERIALIZED
 #error "HELD_ACK: the MoE layer runs its producer and consumer streams concurrently"
 #endif
@@ -303,6 +326,10 @@ byte  kfin[W];             /* blocks of d that finished their current kernel:
 byte  combined[W * W];
 #define CMB(d, r)    ((d) * W + (r))
 #define NO_HELD      255   /* held[r]: no eos chunk of r held (the -1 fill) */
+#if BLOCKS > 1
+byte  callfin[W];          /* calls of d whose consumer stream finished (pull,
+                            * combine, held acks): the next pull starts after */
+#endif
 #endif
 
 hidden byte NO_READ_BEFORE_PUBLISH = 1;
@@ -526,7 +553,16 @@ inline chunk_step() {
   atomic { e = eos[j];
            CHECK(NO_READ_BEFORE_PUBLISH, route_pay[j] == q + 1 &&
                  count[j] == TOKENS(r) && e == EXP_EOS(r, q)) }
-#if BLOCKS > 1
+#if BLOCKS > 1 && defined(HELD_ACK) && !defined(BUG_ACK_HELD_AT_PULL)
+  /* the eos chunk: no arrival; block 0 records it in held[] (deferred[src]
+   * = seq, written by block 0 only); the ack waits for moe_ack_held, after
+   * the whole pull kernel (every block's reads) and the combine */
+  d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
+           readers[j] = readers[j] | RBIT(d, b);   /* ghost: block b of d done */
+           if :: e && b == 0 -> held[r] = q :: else fi }
+  if :: !e -> arrive() :: else fi                  /* every other chunk: C3' */
+#elif BLOCKS > 1
+  /* (with HELD_ACK: BUG_ACK_HELD_AT_PULL, the eos chunk arrives too) */
   d_step { CHECK(NO_READ_BEFORE_PUBLISH, layout_pay[j] == q + 1);
            readers[j] = readers[j] | RBIT(d, b) }  /* ghost: block b of d done */
   arrive();
@@ -546,6 +582,39 @@ inline chunk_step() {
   if :: e -> act[r] = 0; nact-- :: else fi        /* eos: active[r] = 0 */
 }
 
+#ifdef HELD_ACK
+/* After d's pull of invocation inv: moe_combine_push, d's rows for every
+ * source, one store per source; then moe_ack_held: ack each held eos chunk
+ * (stream order: after the combine; C3's release fence covers it).  The
+ * kernel is one block per source, all concurrent: the acks go out in any
+ * order -- here from a nondeterministic first source in rotation (every
+ * order for W = 2).  Each block reads the held slot's meta first: the slot is
+ * still d's until this ack (read and CAS are one step here: no one can
+ * rewrite the slot between them).  With BLOCKS > 1, ack_chunk's cursor store
+ * follows the CAS as a step of its own: the next call's blocks read it. */
+inline combine_and_ack_held() {
+  for (r : 0 .. W - 1) { combined[CMB(d, r)] = inv + 1 }
+  select (i : 0 .. W - 1);                         /* the first ack's source */
+  for (k : 1 .. W) {
+    r = (i + k) % W;
+    if
+    :: held[r] != NO_HELD ->
+       d_step { q = held[r]; s = q % S; g = GEN(q); j = SIX(r, s) }
+       atomic { CHECK(NO_OVERWRITE_BEFORE_EVERY_ACK,
+                      route_pay[j] == q + 1 && layout_pay[j] == q + 1 && eos[j]);
+                ack_cas() }
+#if BLOCKS > 1
+       cursor_mem[CIX(d, r)] = q + 1
+#endif
+    :: else
+    fi
+  }
+  atomic { r = 0; q = 0; s = 0; g = 0; i = 0; j = 0; k = 0 }   /* (atomic: a
+                                                    * loop exit may not jump
+                                                    * into a d_step) */
+}
+#endif
+
 #if BLOCKS > 1
 proctype consumer(byte d; byte b)   /* block b of rank d's consumer grid */
 #else
@@ -562,6 +631,7 @@ proctype consumer(byte d)
 #endif
 #ifdef HELD_ACK
   byte held[W];          /* held[r]: q of r's eos chunk, held (or NO_HELD) */
+  byte k;
 #endif
 
   for (inv : 0 .. NINV - 1) {
@@ -576,7 +646,13 @@ proctype consumer(byte d)
      * next_seq: one step, since no one writes them concurrently -- every ack
      * of this kernel needs this block's arrival, which comes later (and if
      * one did, COMPLETION / NO_ABA would see the wrong chunk consumed). */
+#ifdef HELD_ACK
+    /* ... and after the previous call's combine and held acks (and the
+     * host's refill of held[] and zeroing of the arrival counts) */
+    if :: callfin[d] >= inv :: error_reported -> goto end_abort fi;
+#else
     if :: kfin[d] >= BLOCKS * inv :: error_reported -> goto end_abort fi;
+#endif
     d_step { r = 0;
              do :: r < W -> cursor[r] = cursor_mem[CIX(d, r)]; r++ :: else -> break od;
              r = 0 }
@@ -597,27 +673,30 @@ proctype consumer(byte d)
        }
     :: else -> break
     od;
-#ifdef HELD_ACK
-    /* moe_combine_push: d's rows for every source, one store per source */
-    for (r : 0 .. W - 1) { combined[CMB(d, r)] = inv + 1 }
-    /* moe_ack_held: ack each held eos chunk (stream order: after the combine;
-     * C3's release fence covers it).  Reading the held slot's meta first:
-     * the slot is still d's until this ack (read and CAS are one step here:
-     * no one can rewrite the slot between them) */
-    for (r : 0 .. W - 1) {
-      if
-      :: held[r] != NO_HELD ->
-         d_step { q = held[r]; s = q % S; g = GEN(q); i = 0; j = SIX(r, s) }
-         atomic { CHECK(NO_OVERWRITE_BEFORE_EVERY_ACK,
-                        route_pay[j] == q + 1 && layout_pay[j] == q + 1 && eos[j]);
-                  ack_cas() }
-      :: else
-      fi
-    }
-    atomic { r = 0; q = 0; s = 0; g = 0; j = 0 }   /* (atomic: a loop exit
-                                                    * may not jump into a d_step) */
-#endif
-#if BLOCKS > 1
+#if defined(HELD_ACK) && BLOCKS > 1
+    kfin[d]++;                                     /* this block's pull is done */
+    if
+    :: b == 0 ->
+       /* the rest of d's consumer stream, modelled in block 0's process: the
+        * combine kernel starts after every block of the pull (stream order);
+        * then moe_ack_held; then the host's refill of held[] (block 0's
+        * held[] is the device array: only block 0 writes it) and zeroing of
+        * the arrival counts, before the next call's pull */
+       if :: kfin[d] >= BLOCKS * (inv + 1) :: error_reported -> goto end_abort fi;
+       combine_and_ack_held();
+       d_step { i = 0;
+                do
+                :: i < W * S -> CHECK(COMPLETION, arrivals[d * W * S + i] == 0);
+                                arrivals[d * W * S + i] = 0; i++
+                :: else -> break
+                od;
+                i = 0 }
+       callfin[d]++
+    :: else
+    fi;
+#elif defined(HELD_ACK)
+    combine_and_ack_held();
+#elif BLOCKS > 1
     kfin[d]++;
 #endif
 #if defined(SERIALIZED) || defined(LIVENESS)

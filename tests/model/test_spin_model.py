@@ -62,6 +62,19 @@ write for that source; the owner drains, then reduces), pinned by name below:
   bug_ack_held_at_pull           the end-of-stream chunk acknowledged at its read:
                                  the owner reduces before a combine write lands
                                  (COMBINE_BEFORE_REDUCE)
+
+The MoE layer as it ships (ring.pml -DHELD_ACK -DBLOCKS=2: moe_pull's grid
+shares every chunk and its last arrival acks it, each source's end-of-stream
+chunk gets no arrival and is held until moe_ack_held, after the whole pull and
+the combine), pinned by name below:
+  heldblk2_w2s1, _w2s2, _w2s1_n3  every property holds, COMBINE_BEFORE_REDUCE and
+                                 every block's read included (ring wraps in the
+                                 call; two acked chunks share one arrival count
+                                 in one call)
+  bug_ack_held_at_pull_blk2      the eos chunk acked by its last arrival
+                                 (COMBINE_BEFORE_REDUCE)
+  bug_ack_first_arrival_held     NO_OVERWRITE_BEFORE_EVERY_ACK
+  bug_reset_after_ack_held       COMPLETION (3 chunks through 1 slot in one call)
 """
 from __future__ import annotations
 
@@ -128,6 +141,20 @@ HELD_PINNED = {
     "live_held_w2s2": (check_model.LIVE_FAIR, check_model.PASS, None),
 }
 
+HELD_BLOCKS_PINNED = {
+    "heldblk2_w2s1": (check_model.SAFETY, check_model.PASS, None),
+    "heldblk2_w2s2": (check_model.SAFETY, check_model.PASS, None),
+    "heldblk2_w2s1_n3": (check_model.SAFETY, check_model.PASS, None),
+    "bug_ack_held_at_pull_blk2": (check_model.SAFETY, check_model.CEX, "COMBINE_BEFORE_REDUCE"),
+    "bug_ack_first_arrival_held": (check_model.SAFETY, check_model.CEX,
+                                   "NO_OVERWRITE_BEFORE_EVERY_ACK"),
+    "bug_reset_after_ack_held": (check_model.SAFETY, check_model.CEX, check_model.COMPLETION),
+}
+
+
+def _blocks(c) -> bool:
+    return any(m.startswith("BLOCKS=") for m in c.macros)
+
 
 def test_liveness_configs_pinned():
     """The liveness checks exist with their fairness mode and expectation; a
@@ -144,25 +171,24 @@ def test_multiblock_configs_pinned():
     """The multi-block consumer checks exist with their mode, expectation and
     expected property, all with 2 blocks per rank; every other check keeps the
     single-block model (BLOCKS unset)."""
-    blk = {c.name: c for c in check_model.CONFIGS
-           if any(m.startswith("BLOCKS=") for m in c.macros)}
+    blk = {c.name: c for c in check_model.CONFIGS if _blocks(c) and "HELD_ACK" not in c.macros}
     assert {n: (c.check, c.expect, c.prop) for n, c in blk.items()} == BLOCKS_PINNED
-    for c in blk.values():
-        assert "BLOCKS=2" in c.macros, c.name
-    for c in check_model.CONFIGS:   # the multi-block bugs need blocks
-        if {"BUG_ACK_FIRST_ARRIVAL", "BUG_RESET_AFTER_ACK"} & set(c.macros):
-            assert c.name in blk, c.name
+    for c in check_model.CONFIGS:
+        if _blocks(c):
+            assert "BLOCKS=2" in c.macros, c.name
+        if {"BUG_ACK_FIRST_ARRIVAL", "BUG_RESET_AFTER_ACK"} & set(c.macros):   # the multi-block bugs
+            assert _blocks(c), c.name
 
 
 def test_held_ack_configs_pinned():
     """The MoE layer's held-ack checks exist with their mode, expectation and
     expected property; at least one safety run wraps the ring inside a call
     (more chunks from rank 0 than slots); the held-ack bug needs HELD_ACK."""
-    held = {c.name: c for c in check_model.CONFIGS if "HELD_ACK" in c.macros}
+    held = {c.name: c for c in check_model.CONFIGS if "HELD_ACK" in c.macros and not _blocks(c)}
     assert {n: (c.check, c.expect, c.prop) for n, c in held.items()} == HELD_PINNED
-    for c in held.values():   # one block, both streams concurrent
-        assert not any(m.startswith("BLOCKS=") for m in c.macros), c.name
-        assert "SERIALIZED" not in c.macros, c.name
+    for c in check_model.CONFIGS:   # both streams concurrent
+        if "HELD_ACK" in c.macros:
+            assert "SERIALIZED" not in c.macros, c.name
 
     def wraps(c):
         m = dict(x.split("=") for x in c.macros if "=" in x)
@@ -171,7 +197,17 @@ def test_held_ack_configs_pinned():
                for c in held.values())
     for c in check_model.CONFIGS:
         if "BUG_ACK_HELD_AT_PULL" in c.macros:
-            assert c.name in held, c.name
+            assert "HELD_ACK" in c.macros, c.name
+
+
+def test_shipped_layer_configs_pinned():
+    """The MoE layer as it ships - held acks and a multi-block pull together - is checked with its
+    mode, expectation and expected property: the correct model (one run wrapping the ring inside a
+    call, one reusing an arrival count inside a call) and each of the held-ack and multi-block bugs."""
+    both = {c.name: c for c in check_model.CONFIGS if "HELD_ACK" in c.macros and _blocks(c)}
+    assert {n: (c.check, c.expect, c.prop) for n, c in both.items()} == HELD_BLOCKS_PINNED
+    bugs = {"BUG_ACK_HELD_AT_PULL", "BUG_ACK_FIRST_ARRIVAL", "BUG_RESET_AFTER_ACK"}
+    assert bugs <= {m for c in both.values() for m in c.macros}
 
 
 @needs_tools

@@ -113,7 +113,11 @@ CONFIGS: tuple[Config, ...] = (
            COMPLETION, "empty rank publishes nothing: consumers wait forever"),
     Config("bug_untagged_ack", ("W=2", "S=1", "INJECT", "BUG_UNTAGGED_ACK"), CEX,
            "ACKS_RIGHT_GEN",
-           "late epoch-1 ack ORed into this epoch's mask: P1 sees a forged full mask"),
+           "ack words counted whatever generation they hold (kAckAnyGeneration): a late "
+           "epoch-1 ack, or the previous lap's, is taken for this chunk's"),
+    Config("bug_untagged_ack_lap", ("W=2", "S=1", "BUG_UNTAGGED_ACK"), CEX, "ACKS_RIGHT_GEN",
+           "kAckAnyGeneration without stale messages: from lap 2 the owner takes the "
+           "previous lap's ack for this one and reuses the slot unread"),
     # ---- liveness (ALL_FINISH): every producer and consumer finishes
     Config("live_w2s1", ("W=2", "S=1"), PASS, check=LIVE_FAIR,
            why="interleaved, rank 1 empty, ring wraps in the call: fair runs finish"),

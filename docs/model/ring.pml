@@ -269,7 +269,9 @@
 #define MKGEN(ep, sq) (((ep) << SEQ_BITS) | ((sq) & SEQ_MASK))
 #endif
 #define GEN(q)       MKGEN(EPOCH, (q) / S + 1)
-#define TAG(g)       (g)
+/* the generation destination d's ack word of slot q % S holds before d acks
+ * q: its ack of the slot's previous lap, 0 on lap 0 (rules.cuh ack_prev_gen) */
+#define PREVGEN(q)   ((q) >= S -> GEN((q) - S) : 0)
 #define EPOCH_OF(g)  ((g) >> SEQ_BITS)
 #define SEQ_OF(g)    ((g) & SEQ_MASK)
 
@@ -296,8 +298,11 @@ byte  route_pay[W * S];    /* slot payload at owner r: q+1 of the chunk; the */
 byte  layout_pay[W * S];   /* metadata (count, eos) goes with the route part */
 byte  count[W * S];
 bit   eos[W * S];
-byte  ack_tag[W * S];      /* ack[s] = (tag, mask) at owner r */
-byte  ack_mask[W * S];
+/* ack[s][d] at owner r: one word per (slot, destination), a short like a
+ * ready word (low byte the generation d acked, high byte the ghost: q+1 of
+ * the chunk d acked, or STALE_GHOST for an injected epoch-1 swap) */
+short ack_word[W * S * W];
+#define AIX(j, d)    ((j) * W + (d))               /* j = SIX(r, s) */
 byte  consumed_gen[W * S];
 bit   error_reported;      /* a consumer reported an ERROR */
 #if defined(SERIALIZED) || defined(LIVENESS)
@@ -306,8 +311,6 @@ byte  prod_fin, cons_fin;  /* invocations finished by producers / consumer
                             * stream order, and the liveness claim */
 #endif
 /* ghosts, never read by the protocol */
-byte  armed_q[W * S];      /* q+1 of the chunk ack[s] is armed for */
-byte  ack_prov[W * S];     /* mask bits set by a consumer that read that chunk */
 byte  readers[W * S];      /* RBIT(d, b): block b of destination d finished
                             * reading the slot (BLOCKS = 1: bit d) */
 #if BLOCKS > 1
@@ -402,6 +405,31 @@ inline publish_layout() {
 #define LAYOUT_PART write_layout(); publish_layout()
 #endif
 
+/* WAIT REUSABLE / drain for chunk qa of slot j: destination by destination,
+ * spin until ack[s][d] holds gen(qa) (wait_acked() in ring.cuh); a word of
+ * another epoch or a later lap is an ERROR, reported, never accepted.
+ * BUG_UNTAGGED_ACK (the kAckAnyGeneration mutant): any nonzero word counts. */
+#ifdef BUG_UNTAGGED_ACK
+#define ACKED(w, g)   (WGEN(w) != 0)
+#define BAD_ACK(w, g) false
+#else
+#define ACKED(w, g)   (WGEN(w) == (g))
+#define BAD_ACK(w, g) BAD(w, g)
+#endif
+inline wait_acked(qa) {
+  for (d : 0 .. W - 1) {
+    do
+    :: atomic { ACKED(ack_word[AIX(j, d)], GEN(qa)) ->
+         CHECK(ACKS_RIGHT_GEN, WGHOST(ack_word[AIX(j, d)]) == qa + 1) }; break
+    :: atomic { BAD_ACK(ack_word[AIX(j, d)], GEN(qa)) ->
+         REPORT_ERROR(WGHOST(ack_word[AIX(j, d)]) == STALE_GHOST) }; goto end_abort
+    :: error_reported -> goto end_abort                      /* ABORT */
+    POLL_AGAIN
+    od
+  }
+  d = 0
+}
+
 proctype producer(byte r)
 {
   byte q = 0;            /* next_seq: persists across invocations */
@@ -423,22 +451,16 @@ proctype producer(byte r)
      * publishes exactly one empty eos chunk (BUG_SKIP_EOS_EMPTY: none) */
     for (k : 1 .. NPUB(r)) {
       s = q % S; g = GEN(q); j = SIX(r, s);
-      /* P1 WAIT REUSABLE (lap >= 1): ack[s] == (tag(gen(q-S)), FULL) [acquire] */
+      /* P1 WAIT REUSABLE (lap >= 1): every ack[s][d] == gen(q-S) [acquire] */
       if
       :: q >= S ->
 #ifndef BUG_NO_ACK_WAIT
-         do
-         :: atomic { ack_tag[j] == TAG(GEN(q - S)) && ack_mask[j] == FULL ->
-              CHECK(ACKS_RIGHT_GEN, ack_prov[j] == FULL) }; break
-         :: error_reported -> goto end_abort                 /* ABORT */
-         POLL_AGAIN
-         od;
+         wait_acked(q - S);
 #endif
          consumed_gen[j] = GEN(q - S)       /* P1: then consumed_gen[s] */
       :: else
       fi;
-      /* P2 arm: ack[s] = (tag(g), 0), a local store before the publishes */
-      d_step { ack_tag[j] = TAG(g); ack_mask[j] = 0; armed_q[j] = q + 1; ack_prov[j] = 0 }
+      /* (no P2: nothing is armed; ack[s][d] already holds gen(q-S)) */
       /* P3: route and layout parts, each written then published, either order */
       first_done = 0;
       if
@@ -452,12 +474,7 @@ proctype producer(byte r)
      * [max(0, q - S), q): (tag(gen(seq)), FULL) [acquire] */
     for (k : (q > S -> q - S : 0) .. q - 1) {
       j = SIX(r, k % S);
-      do
-      :: atomic { ack_tag[j] == TAG(GEN(k)) && ack_mask[j] == FULL ->
-           CHECK(ACKS_RIGHT_GEN, ack_prov[j] == FULL) }; break
-      :: error_reported -> goto end_abort                   /* ABORT */
-      POLL_AGAIN
-      od
+      wait_acked(k)
     }
     /* reduce: read every consumer's rows of this invocation (atomic: the
      * loop exit may not jump into a d_step) */
@@ -489,20 +506,24 @@ inline wait_ready(word) {
   POLL_AGAIN
   od
 }
-/* ACK (C3): CAS on r's ack[s]: tag == tag(g) -> set bit d, else ERROR (the
- * ack is not counted).  One atomic step: the remote CAS. */
+/* ACK (C3): one remote swap of r's ack[s][d] := gen(q) (ghost q+1), returning
+ * the word it replaced, which must be d's ack of the slot's previous lap,
+ * gen(q-S) (0 on lap 0); anything else -- gen(q) itself, a double ack; an
+ * epoch-1 value; a missing ack -- is an ERROR (legitimate only with a stale
+ * cause).  One atomic step: the remote swap (and the check of what it
+ * returned, which touches only d's own registers).  BUG_UNTAGGED_ACK: the
+ * consumer's check is gone too (classify_ack in the mutant). */
 inline ack_cas() {
   atomic {
-#ifdef BUG_UNTAGGED_ACK
-    ack_mask[j] = ack_mask[j] | (1 << d);          /* BUG: OR, no tag check */
-#else
+    replaced = ack_word[AIX(j, d)];
+    ack_word[AIX(j, d)] = PUBWORD(q, g);
+#ifndef BUG_UNTAGGED_ACK
     if
-    :: ack_tag[j] == TAG(g) -> ack_mask[j] = ack_mask[j] | (1 << d)
-    :: else -> REPORT_ERROR(false); goto end_abort /* never a stale cause */
+    :: WGEN(replaced) == PREVGEN(q)
+    :: else -> REPORT_ERROR(WGHOST(replaced) == STALE_GHOST); goto end_abort
     fi;
 #endif
-    /* ghost provenance: the bit is right iff ack[s] is armed for (r, q) */
-    if :: armed_q[j] == q + 1 -> ack_prov[j] = ack_prov[j] | (1 << d) :: else fi
+    replaced = 0
   }
 }
 
@@ -625,6 +646,7 @@ proctype consumer(byte d)
                           * persists; BLOCKS > 1: the block's next_seq) */
   bit  act[W];           /* active[r] */
   byte nact, inv, r, q, s, g, i, j;
+  short replaced;        /* the ack word an ack's swap replaced */
   bit  e;
 #if BLOCKS > 1
   byte got;              /* the count this block's arrival made */
@@ -738,24 +760,17 @@ proctype stale_set()
   fi
 }
 
-/* A late ack of the epoch-1 run: tag(epoch 1, sq) with the bit of rank sd,
- * executed at owner sr on ack[ss] by the same ack code as the consumer's
- * ACK; it never sets ack_prov (it is not an ack of this epoch). */
+/* A late ack of the epoch-1 run: the swap of a destination sd of that run,
+ * writing its epoch-1 generation (seq sq) into ack[ss][sd] at owner
+ * sr; the value it replaces is lost (an ack of this epoch it overwrites is
+ * lost with it: the owner then waits, or reports the stale value). */
 proctype stale_ack()
 {
   byte sd, sr, ss, sq;
   if
   :: atomic { select (sd : 0 .. W - 1); select (sr : 0 .. W - 1);
               select (ss : 0 .. S - 1); select (sq : 1 .. STALE_SEQS);
-#ifdef BUG_UNTAGGED_ACK
-              ack_mask[SIX(sr, ss)] = ack_mask[SIX(sr, ss)] | (1 << sd);
-#else
-              if
-              :: ack_tag[SIX(sr, ss)] == TAG(MKGEN(STALE_EPOCH, sq)) ->
-                 ack_mask[SIX(sr, ss)] = ack_mask[SIX(sr, ss)] | (1 << sd)
-              :: else                                   /* CAS fails */
-              fi;
-#endif
+              ack_word[AIX(SIX(sr, ss), sd)] = STALE_WORD(sq);
               sd = 0; sr = 0; ss = 0; sq = 0 }
   :: skip
   fi

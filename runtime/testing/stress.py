@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 __all__ = ["MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "StressLibrary", "StressPlan"]
 
 #: protocol/mutants.cuh Mutant values (append-only): the protocol's, which the stress suite must catch.
-MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4}
+MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4,
+           "ack_any_generation": 7}
 #: The consumer-input mutant (protocol/validate.cuh checks off): caught by tests/gpu/test_fuzz_inputs.py,
 #: and the baseline that benchmarks/bench_input_checks.py measures the checks' cost against.
 NO_INPUT_CHECKS = 5

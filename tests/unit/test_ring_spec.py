@@ -22,13 +22,13 @@ def test_good_spec():
 
 
 @pytest.mark.parametrize("world,ok", [(63, True), (64, True), (65, False)])
-def test_ack_mask_width(world, ok):
+def test_source_mask_width(world, ok):
     if ok:
         spec(world_size=world, num_experts=world * 4)
     else:
         with pytest.raises(ChunkringUsageError) as info:
             spec(world_size=world, num_experts=world * 4)
-        assert info.value.field == "world_size" and "ack" in str(info.value)
+        assert info.value.field == "world_size" and "64" in str(info.value)
 
 
 @pytest.mark.parametrize("changes,field", [

@@ -19,12 +19,12 @@ enum class ErrorCode : unsigned long long {
     kTimeout = 1,          // a wait outlasted desc.timeout_ns
     kStaleEpoch = 2,       // a ready word carried another epoch's generation
     kGenerationAhead = 3,  // a ready word carried a later lap than expected: a slot was overwritten unread
-    kAckTagMismatch = 4,   // an ack word was armed for another generation
+    kAckTagMismatch = 4,   // an ack's swap replaced another generation than its previous-lap ack (name kept)
     kBadDescriptor = 5,    // layout version or descriptor size differ between host and device
     kLapOverflow = 6,      // the lap field is exhausted: reset the epoch
     kPayloadMismatch = 7,  // (test kernels) a row did not hold what its producer wrote
     kPeerUnreachable = 8,  // a peer's slot is not load/store reachable from here
-    kDoubleAck = 9,        // an ack bit was already set for this generation
+    kDoubleAck = 9,        // an ack word already held this generation
     kBadMetadata = 10,     // retired: malformed slot metadata is now masked and reported (validate.cuh)
 };
 

@@ -11,7 +11,7 @@
  * PROTOCOL.md's edge C3' (finish_chunk / consume_invocation with arrivals):
  * every block waits for every chunk, reads it, then ARRIVES (atomicAdd on
  * the per-(source, slot) count arrivals[r][s] at d); the block whose arrival
- * makes the count n zeroes it and only then acks (the same CAS as a single
+ * makes the count n zeroes it and only then acks (the same swap as a single
  * block) and stores d's cursor for r.  Each block keeps its own next_seq,
  * read from d's cursors (cursor_mem) at kernel start; kernel inv of rank d
  * starts after all n blocks of kernel inv-1 finished (stream order).
@@ -29,12 +29,12 @@
  *
  * Atomicity: atomic / d_step wrap only what is one operation in the
  * implementation -- a single store or load (plus ghost bookkeeping and the
- * assertions on what was just observed), the ack CAS, an injector's single
+ * assertions on what was just observed), the ack swap, an injector's single
  * late message, a block's arrival (one atomicAdd and its returned count) --
  * and the payload store / load of one part (the payload is one abstract
  * value), and a block's read of its cursors at kernel start (no one writes
  * them then: every ack of the kernel needs that block's later arrival).  The
- * last arrival's zeroing of the count, its ack CAS and its cursor store are
+ * last arrival's zeroing of the count, its ack swap and its cursor store are
  * three separate steps, as on the GPU.  WAIT READY polls the route word,
  * then the layout word, as wait_chunk() in
  * device/include/chunkring/protocol/ring.cuh does.
@@ -62,13 +62,15 @@
  *     BUG_NO_EPOCH    (INJECT) no epoch     -> STALE_NEVER_ACCEPTED
  *     BUG_NARROW_GEN           1-bit seq    -> COMPLETION (false ERROR, below)
  *     BUG_SKIP_EOS_EMPTY       no empty eos -> COMPLETION (deadlock)
- *     BUG_UNTAGGED_ACK (INJECT) OR ack      -> ACKS_RIGHT_GEN
+ *     BUG_UNTAGGED_ACK  any nonzero ack word counts (the kAckAnyGeneration
+ *                       mutant) -> ACKS_RIGHT_GEN (with INJECT an epoch-1
+ *                       ack; without, from lap 2 the previous lap's ack)
  *   and with BLOCKS=2:
  *     BUG_ACK_FIRST_ARRIVAL    the first arrival acks (the last one still
  *                              zeroes the count) -> NO_OVERWRITE_BEFORE_EVERY_ACK
  *                              (the owner rewrites the slot while the other
  *                              block of that rank has not read it).  Paths
- *                              that end in a false ack-tag ERROR instead exist
+ *                              that end in a false ack ERROR instead exist
  *                              too (a block's late arrival is counted for the
  *                              slot's next chunk); the process creation order
  *                              in init makes pan meet the overwrite first
@@ -98,8 +100,10 @@
  *                                  destination (ghost bit RBIT(d, b))
  *   NO_ABA                         the accepted ready words were published
  *                                  for exactly chunk (r,q)
- *   ACKS_RIGHT_GEN                 a full mask seen by P1 consists of bits set
- *                                  by consumers that read q-S of this epoch
+ *   ACKS_RIGHT_GEN                 every ack word P1 (or the drain) accepts
+ *                                  was written by its destination's ack of
+ *                                  that very chunk, this epoch (one word per
+ *                                  (slot, destination), swapped to gen(q))
  *   STALE_NEVER_ACCEPTED           an epoch-1 value is never accepted
  *   COMPLETION                     every chunk consumed once; no ERROR report
  *                                  without a real stale cause; plus pan's
@@ -122,20 +126,20 @@
  * every source reached its eos, the consumer performs the combine: one
  * store per source, combined[CMB(d, r)] = inv + 1 (ghost: "d's rows for r of
  * invocation inv", one step per source, in rank order), then acks each held
- * chunk with the same tagged CAS as every other ack (the moe_ack_held
+ * chunk with the same swap as every other ack (the moe_ack_held
  * blocks, one per source, all concurrent: the acks go out from a
  * nondeterministic first source in rotation, every order for W = 2; before
- * the CAS each reads the held slot's meta, which must still be chunk q:
+ * the swap each reads the held slot's meta, which must still be chunk q:
  * NO_OVERWRITE_BEFORE_EVERY_ACK).  Producer r, at the
  * start of each invocation and before its first publish, zeroes its row of
  * every consumer (combined[CMB(*, r)] = 0); after its last publish it drains
  * (drain(): for every seq in [max(0, q - S), q), the last chunk of each
- * slot, the P1 wait for (tag(gen(seq)), FULL) [acquire]) and then reduces:
+ * slot, the P1 wait for every ack[s][d] == gen(seq) [acquire]) and then reduces:
  * one step that asserts COMBINE_BEFORE_REDUCE for every consumer.  Abstracted
  * away: rows and their count (every consumer writes one marker for every
  * source, the empty rank included, though a consumer with no row for r
  * writes nothing), the expert work between pull and combine (no protocol
- * word), the release fence of the held ack's CAS covering the combine stores
+ * word), the release fence of the held ack's swap covering the combine stores
  * of an earlier kernel (program order here), and the cursor store of the
  * held ack with BLOCKS = 1 (cursor[r] is the single block's local next_seq,
  * as without HELD_ACK).
@@ -247,8 +251,8 @@
 #define RFULL         ((1 << CONSUMERS) - 1)
 
 /* ------------------------------------------------------- generations ---- */
-/* gen(q) = (epoch << SEQ_BITS) | (lap(q) + 1), 0 = never published; the ack
- * tag is the same folded (epoch, seq) value.  The model runs in epoch 2:
+/* gen(q) = (epoch << SEQ_BITS) | (lap(q) + 1), 0 = never published;
+ * the ack words hold the same value.  The model runs in epoch 2:
  * the collective reset after the aborted epoch-1 run zeroed every word. */
 #define EPOCH        2
 #define STALE_EPOCH  1
@@ -471,7 +475,7 @@ proctype producer(byte r)
     }
 #ifdef HELD_ACK
     /* moe_drain: drain() waits for the last chunk of every slot, seq in
-     * [max(0, q - S), q): (tag(gen(seq)), FULL) [acquire] */
+     * [max(0, q - S), q): every ack[s][d] == gen(seq) [acquire] */
     for (k : (q > S -> q - S : 0) .. q - 1) {
       j = SIX(r, k % S);
       wait_acked(k)
@@ -532,7 +536,7 @@ inline ack_cas() {
  * (r, q).  ARRIVE is atomicAdd(&arrivals[r][s], 1): one atomic step, and its
  * result (got, the count this block made) is the block's own.  The block that
  * makes the count BLOCKS (gridDim) is the last arrival: it zeroes the count
- * (a plain store, a step of its own), then acks (the CAS, a step of its own),
+ * (a plain store, a step of its own), then acks (the swap, a step of its own),
  * then stores d's cursor for r (ack_chunk's relaxed store, a step of its
  * own).  The GPU-scope fences around the arrival are the program order here
  * (Spin is sequentially consistent). */
@@ -610,9 +614,9 @@ inline chunk_step() {
  * kernel is one block per source, all concurrent: the acks go out in any
  * order -- here from a nondeterministic first source in rotation (every
  * order for W = 2).  Each block reads the held slot's meta first: the slot is
- * still d's until this ack (read and CAS are one step here: no one can
+ * still d's until this ack (read and swap are one step here: no one can
  * rewrite the slot between them).  With BLOCKS > 1, ack_chunk's cursor store
- * follows the CAS as a step of its own: the next call's blocks read it. */
+ * follows the swap as a step of its own: the next call's blocks read it. */
 inline combine_and_ack_held() {
   for (r : 0 .. W - 1) { combined[CMB(d, r)] = inv + 1 }
   select (i : 0 .. W - 1);                         /* the first ack's source */

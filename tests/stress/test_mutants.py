@@ -3,7 +3,8 @@ by the stress suite. A clean run of the real protocol proves little unless these
 
 Scenarios: `no_ack_wait` - one slot, a fast producer and slow consumers, so reuse before the acks
 overwrites unread chunks; `ack_any_generation` - the same run: from lap 2 on, every ack word still
-holds the previous lap's generation, which the mutant counts, so the slot is reused unread; `ignore_epoch` - stale ready words of an old epoch after a reset;
+holds the previous lap's generation, which the mutant counts, so the slot is reused unread;
+`ignore_epoch` - stale ready words of an old epoch after a reset;
 `no_release_fence` / `no_acquire_fence` - the ring stress under memory stress plus the cross-PE
 message-passing litmus (two ranks or more). The mutation score is the share of
 test_mutant_is_caught cases that pass. These run after the GPU suite (scripts/gpu_suite.sh): a mutant

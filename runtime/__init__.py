@@ -27,7 +27,16 @@ from chunkring.errors import (
     ChunkringUsageError,
     NoGpuError,
 )
-from chunkring.moe import ChunkedMoE, Event, MoEConfig, MoELayer, StreamingCalibration, Timeline
+from chunkring.moe import (
+    ChunkedMoE,
+    Event,
+    ExpertKeys,
+    MoEConfig,
+    MoELayer,
+    StreamingCalibration,
+    Timeline,
+    load_experts,
+)
 from chunkring.partition import SmPartition
 from chunkring.ranks import RankInfo
 from chunkring.ring import GatherOutputs, PayloadFormat, Ring, RingSpec, gather, publish_chunk
@@ -41,6 +50,7 @@ __all__ = [
     "ChunkringTimeoutError",
     "ChunkringUsageError",
     "Event",
+    "ExpertKeys",
     "GatherOutputs",
     "MoEConfig",
     "MoELayer",
@@ -56,5 +66,6 @@ __all__ = [
     "current",
     "gather",
     "init",
+    "load_experts",
     "publish_chunk",
 ]

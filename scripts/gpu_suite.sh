@@ -4,16 +4,18 @@
 # write one JSON summary per suite run into $RESULTS (default tests/gpu_results); with $OUT set (the
 # device tool), also pack them and the log into $OUT/gpu_results.tgz.
 #   CHUNKRING_COMMIT=<sha> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS] [PART...]
-# PART: one_rank, mps, launcher (default: all three, in that order) - to split the suite over device calls.
+# PART: gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher (default:
+# all, in that order) - to split the suite over device calls.
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
 ranks=${2:-4}
+all_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 parts=("${@:3}")
-[ ${#parts[@]} -gt 0 ] || parts=(one_rank mps launcher)
+[ ${#parts[@]} -gt 0 ] || parts=("${all_parts[@]}")
 for part in "${parts[@]}"; do
-    case $part in one_rank|mps|launcher) ;; *) echo "unknown part: $part (one_rank, mps, launcher)" >&2; exit 2;; esac
+    [[ " ${all_parts[*]} " == *" $part "* ]] || { echo "unknown part: $part (${all_parts[*]})" >&2; exit 2; }
 done
 results=${RESULTS:-tests/gpu_results}
 logs=${LOGS:-/tmp/chunkring-logs}
@@ -47,31 +49,39 @@ run_suite() {  # name ranks command...
 status=0
 # faulthandler dumps every thread's stack if a test outlives the limit, naming where it waits.
 limits=(--timeout 240 -o faulthandler_timeout=200)
-one_rank() {
-    # The GPU host runs what needs it (kernel builds, GPU and MPI tests); the CPU suite is CI's job.
+# Parts: 1-rank ones run without an MPS daemon; *_mps ones share one daemon, started by the first of them.
+gpu_1rank() {  # the CPU suite is CI's job; the GPU host runs what needs it (kernel builds, GPU and MPI tests)
     run_suite gpu-1rank 1 python3 -m pytest tests/compile tests/gpu tests/mpi -v -rs --durations=8 "${limits[@]}" \
         --junitxml="$logs/gpu-1rank.xml" || status=1
+}
+stress_1rank() {
     run_suite stress-1rank 1 python3 -m pytest tests/stress -q -rA "${limits[@]}" --junitxml="$logs/stress-1rank.xml" || status=1
-
+}
+jobs_1rank() {
     for job in bringup run; do
         chunkring-launch $job --json "$results/${CHUNKRING_COMMIT}-${job}-1rank.json" 2>&1 | tee -a "$logs/main.log" || status=1
     done
 }
-mps() {
-    # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
-    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
-    nvidia-cuda-mps-control -d
-    # mpirun forwarding what every rank needs: the carried packages, the MPS pipe, the kernel cache.
-    mpi=(mpirun --oversubscribe -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
-         -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT)
-    mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
-        local suite=$1 n=$2 limit=$3; shift 3
-        run_suite "$suite" "$n" "${mpi[@]}" -np "$n" --timeout "$limit" \
-            bash -c "exec python3 -m pytest --with-mpi $* --junitxml=$logs/$suite.xml.\$OMPI_COMM_WORLD_RANK"
-    }
-    mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 420 tests/gpu tests/mpi -q -rs "${limits[*]}" || status=1
-    mpi_pytest "moe-2rank-mps" 2 200 tests/gpu/test_moe_layer.py -q -rs "${limits[*]}" || status=1
-    mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1
+# mpirun forwarding what every rank needs: the carried packages, the MPS pipe, the kernel cache.
+mpi=(mpirun --oversubscribe -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
+     -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT)
+mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
+    local suite=$1 n=$2 limit=$3; shift 3
+    run_suite "$suite" "$n" "${mpi[@]}" -np "$n" --timeout "$limit" \
+        bash -c "exec python3 -m pytest --with-mpi $* --junitxml=$logs/$suite.xml.\$OMPI_COMM_WORLD_RANK"
+}
+# The launcher's harness tests (tests/mpi/test_launcher_mpi.py) start an mpirun of their own, which cannot start
+# inside this mpirun job on the GPU host (Open MPI 4.1.6 then looks for ssh/rsh); they need no GPU, and CI runs them.
+gpu_mps() {
+    mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 420 tests/gpu tests/mpi --ignore=tests/mpi/test_launcher_mpi.py \
+        -q -rs "${limits[*]}" || status=1
+}
+moe_2rank_mps() {  # the MoE layer and the transformers drop-in at a second rank count
+    mpi_pytest "moe-2rank-mps" 2 300 tests/gpu/test_moe_layer.py tests/gpu/test_hf_dropin_model.py -q -rs "${limits[*]}" ||
+        status=1
+}
+stress_mps() { mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1; }
+bench_mps() {
     "${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \
         --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
     for n in 1 "$ranks"; do
@@ -79,10 +89,23 @@ mps() {
             --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-input_checks_${n}rank_mps.json" 2>&1 |
             tee -a "$logs/bench.log" || status=1
     done
+}
+jobs_mps() {
     for job in bringup run; do
         chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1
     done
+}
+# Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
+mps_daemon=0
+mps_up() {
+    [ $mps_daemon = 1 ] && return
+    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+    nvidia-cuda-mps-control -d && mps_daemon=1
+}
+mps_down() {
+    [ $mps_daemon = 1 ] || return 0
     echo quit | nvidia-cuda-mps-control
+    mps_daemon=0
 }
 launcher() {
     # The launcher's own MPS daemon: stress, chaos (a delayed rank must pass; a killed rank must end the job
@@ -103,7 +126,11 @@ launcher() {
     launch 5 chaos-kill stress --config chaos
     chunkring-launch doctor 2>&1 | tee "$logs/doctor.log" || status=1
 }
-for part in "${parts[@]}"; do "$part"; done
+for part in "${parts[@]}"; do
+    case $part in *_mps) mps_up;; *) mps_down;; esac  # the launcher starts its own daemon
+    "$part"
+done
+mps_down
 # The device machine returns at most 8 files: send one archive of the summaries and the combined log.
 if [ -n "${OUT:-}" ]; then
     cat "$logs"/*.log > "$results/suite.log"

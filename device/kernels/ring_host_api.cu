@@ -13,7 +13,7 @@ using chunkring::util::block_copy16;
 using chunkring::util::block_copy4;
 
 // Publish rows [0, n_tokens) of the given tensors as this rank's next chunk, rows
-// [token_base, token_base + n_tokens) of its batch. One block.
+// [token_base, token_base + n_tokens) of its batch.
 // x: [n, hidden] payload bytes; x_sf: [n, hidden/128] fp32 (FP8 only); topk_idx/topk_weights: [n, topk].
 //
 // valid_tokens (nullable): the batch's real token count, read here at run time - a CUDA graph
@@ -21,42 +21,115 @@ using chunkring::util::block_copy4;
 // only the rows below it and ends the stream if it reaches it; a chunk wholly past it publishes
 // nothing (its stream already ended), except the first, which an empty rank still publishes, empty.
 // A count outside [0, batch_rows] is clamped and reported (protocol/validate.cuh), never used as an index.
+//
+// Two forms, the same protocol steps (protocol/ring.cuh: begin_chunk, the slot's stores, publish,
+// end_chunk): ring_publish_tensors does all of them in one block; a chunk too large for one block to
+// copy quickly is published by three kernels in the producer's stream - ring_publish_open (one block:
+// begin_chunk), ring_publish_copy (a grid, each block a share of the rows) and ring_publish_close (one
+// block: metadata, publish, end_chunk). Stream order is what orders them: the copy starts after the
+// open's acquire of the slot's acks, and the close's system-scope release covers the copy kernel's
+// stores (docs/PROTOCOL.md, "Ordering, edge by edge", the split publish). The copy and the close do
+// nothing once this rank has recorded an error, so a failed open never lets a slot be overwritten.
+
+namespace {
+
+struct ChunkExtent {
+    u64 n;         // rows this chunk carries
+    bool eos;      // it ends the stream
+    bool publish;  // false: wholly past the real count, nothing is published
+};
+
+// Every kernel of one publish computes the same extent from the same inputs.
+__device__ ChunkExtent chunk_extent(const RingDesc& d, int n_tokens, long long token_base, int end_of_stream,
+                                    const int* valid_tokens, long long batch_rows, bool report) {
+    ChunkExtent e{static_cast<u64>(n_tokens), end_of_stream != 0, true};
+    if (valid_tokens == nullptr) return e;
+    const long long asked = *valid_tokens;
+    const long long valid = asked < 0 ? 0 : (asked > batch_rows ? batch_rows : asked);
+    if (report && asked != valid && threadIdx.x == 0 && token_base == 0)  // once per call, by its first chunk
+        report_input(d, InputField::kValidTokens, d.my_pe, 0, 0, 0, static_cast<u64>(asked));
+    if (token_base > 0 && token_base >= valid) return {0, false, false};
+    const u64 left = static_cast<u64>(valid - token_base);
+    e.n = left < e.n ? left : e.n;
+    e.eos = token_base + static_cast<long long>(n_tokens) >= valid;
+    return e;
+}
+
+// This block's share of the chunk's rows [lo, hi) (of `parts` equal shares), copied into `slot`.
+__device__ void copy_rows(const RingDesc& d, u64 slot, const unsigned char* x, const float* x_sf, const int* topk_idx,
+                          const float* topk_weights, u64 n, u64 part, u64 parts) {
+    const u64 lo = n * part / parts, hi = n * (part + 1) / parts, rows = hi - lo, K = d.topk;
+    block_copy16(slot_x(d, slot) + lo * d.x_row_bytes, x + lo * d.x_row_bytes, rows * d.x_row_bytes);
+    block_copy4(slot_x_sf(d, slot) + lo * d.x_sf_row_floats, x_sf + lo * d.x_sf_row_floats, rows * d.x_sf_row_floats);
+    block_copy4(slot_topk_idx(d, slot) + lo * K, topk_idx + lo * K, rows * K);
+    block_copy4(slot_topk_weights(d, slot) + lo * K, topk_weights + lo * K, rows * K);
+}
+
+// Metadata, both ready words, the producer's cursor: the chunk is out.
+__device__ void close_chunk(const RingDesc& d, u64 epoch, u64 seq, const ChunkExtent& e, long long token_base) {
+    const u64 slot = slot_of(seq, d.num_slots);
+    if (threadIdx.x == 0) {
+        u64* meta = slot_meta(d, slot);
+        meta[kMetaTokenBase] = static_cast<u64>(token_base);
+        meta[kMetaNumTokens] = e.n;
+        meta[kMetaFlags] = e.eos ? kMetaEndOfStream : 0;
+    }
+    publish(d, epoch, seq, ReadyKind::kRoute);
+    publish(d, epoch, seq, ReadyKind::kLayout);
+    end_chunk(d, seq);
+}
+
+// NOTES: relaxed - only this rank's producers write next_seq, and they are stream-ordered.
+__device__ __forceinline__ u64 next_seq(const RingDesc& d) { return ptx::ld_relaxed_sys(control_word(d, kControlNextSeq)); }
+
+}  // namespace
+
+// The whole publish in one block.
 extern "C" __global__ void ring_publish_tensors(const RingDesc* desc, const unsigned char* x, const float* x_sf,
                                                 const int* topk_idx, const float* topk_weights, int n_tokens,
                                                 long long token_base, int end_of_stream,
                                                 CHUNKRING_NULLABLE const int* valid_tokens, long long batch_rows) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
-    u64 n = static_cast<u64>(n_tokens);
-    bool eos = end_of_stream != 0;
-    if (valid_tokens != nullptr) {
-        const long long asked = *valid_tokens;
-        const long long valid = asked < 0 ? 0 : (asked > batch_rows ? batch_rows : asked);
-        if (asked != valid && threadIdx.x == 0 && token_base == 0)  // reported once per call, by its first chunk
-            report_input(d, InputField::kValidTokens, d.my_pe, 0, 0, 0, static_cast<u64>(asked));
-        if (token_base > 0 && token_base >= valid) return;  // block-uniform
-        const u64 left = static_cast<u64>(valid - token_base);
-        n = left < n ? left : n;
-        eos = token_base + static_cast<long long>(n_tokens) >= valid;
-    }
-    const u64 epoch = current_epoch(d);
-    // NOTES: relaxed - only this rank's producers write next_seq, and they are stream-ordered.
-    const u64 seq = ptx::ld_relaxed_sys(control_word(d, kControlNextSeq));
+    const ChunkExtent e = chunk_extent(d, n_tokens, token_base, end_of_stream, valid_tokens, batch_rows, true);
+    if (!e.publish) return;  // block-uniform
+    const u64 epoch = current_epoch(d), seq = next_seq(d);
     if (!begin_chunk(d, epoch, seq)) return;
-    const u64 slot = slot_of(seq, d.num_slots);
-    block_copy4(slot_topk_idx(d, slot), topk_idx, n * d.topk);
-    block_copy4(slot_topk_weights(d, slot), topk_weights, n * d.topk);
-    if (threadIdx.x == 0) {
-        u64* meta = slot_meta(d, slot);
-        meta[kMetaTokenBase] = static_cast<u64>(token_base);
-        meta[kMetaNumTokens] = n;
-        meta[kMetaFlags] = eos ? kMetaEndOfStream : 0;
-    }
-    publish(d, epoch, seq, ReadyKind::kRoute);
-    block_copy16(slot_x(d, slot), x, n * d.x_row_bytes);
-    block_copy4(slot_x_sf(d, slot), x_sf, n * d.x_sf_row_floats);
-    publish(d, epoch, seq, ReadyKind::kLayout);
-    end_chunk(d, seq);
+    copy_rows(d, slot_of(seq, d.num_slots), x, x_sf, topk_idx, topk_weights, e.n, 0, 1);
+    close_chunk(d, epoch, seq, e, token_base);
+}
+
+// A publish in three kernels, 1/3: wait until the slot is free (every destination acked its previous lap; one block).
+extern "C" __global__ void ring_publish_open(const RingDesc* desc, int n_tokens, long long token_base,
+                                             int end_of_stream, CHUNKRING_NULLABLE const int* valid_tokens,
+                                             long long batch_rows) {
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d)) return;
+    if (!chunk_extent(d, n_tokens, token_base, end_of_stream, valid_tokens, batch_rows, true).publish) return;
+    begin_chunk(d, current_epoch(d), next_seq(d));  // a failure is recorded: the next two see it
+}
+
+// 2/3: every block copies its share of the rows into the slot.
+extern "C" __global__ void ring_publish_copy(const RingDesc* desc, const unsigned char* x, const float* x_sf,
+                                             const int* topk_idx, const float* topk_weights, int n_tokens,
+                                             long long token_base, int end_of_stream,
+                                             CHUNKRING_NULLABLE const int* valid_tokens, long long batch_rows) {
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d) || has_error(d)) return;
+    const ChunkExtent e = chunk_extent(d, n_tokens, token_base, end_of_stream, valid_tokens, batch_rows, false);
+    if (!e.publish) return;
+    copy_rows(d, slot_of(next_seq(d), d.num_slots), x, x_sf, topk_idx, topk_weights, e.n, blockIdx.x, gridDim.x);
+}
+
+// 3/3: metadata, publish, cursor (one block).
+extern "C" __global__ void ring_publish_close(const RingDesc* desc, int n_tokens, long long token_base,
+                                              int end_of_stream, CHUNKRING_NULLABLE const int* valid_tokens,
+                                              long long batch_rows) {
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d) || has_error(d)) return;
+    const ChunkExtent e = chunk_extent(d, n_tokens, token_base, end_of_stream, valid_tokens, batch_rows, false);
+    if (!e.publish) return;
+    close_chunk(d, current_epoch(d), next_seq(d), e, token_base);
 }
 
 // Consume one invocation: every chunk of every source until each has sent its end of stream, copying

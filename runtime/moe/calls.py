@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from chunkring.moe.config import MoEConfig
     from chunkring.moe.weights import Fp8Weight
 
-__all__ = ["CallMode", "check_forward_args", "check_run_args"]
+__all__ = ["CallMode", "check_forward_args", "check_run_args", "resolve_streaming"]
 
 
 class CallMode(enum.Enum):
@@ -68,6 +68,21 @@ def check_forward_args(config: MoEConfig, experts_per_rank: int, device: torch.d
                          timeline), n
 
 
+def resolve_streaming(config: MoEConfig, calibration: StreamingCalibration | None, streaming: object) -> bool:
+    """A call's ``streaming`` argument as the bool it means: ``"auto"`` -> what ``calibration`` decided
+    (batch-ready without one); a ``ChunkringUsageError`` for anything else than True, False or "auto", or
+    for True on a layer without a streaming ring. Host values only: the operator wrappers
+    (:mod:`chunkring.moe.op`) call it while torch.compile traces, to hand the operator a constant bool."""
+    if isinstance(streaming, str) and streaming == "auto":
+        streaming = calibration is not None and calibration.streams
+    if not isinstance(streaming, bool):
+        raise ChunkringUsageError(f'must be True, False or "auto", got {streaming!r}', field="streaming")
+    if streaming and not config.streaming:
+        raise ChunkringUsageError("streaming=True needs front_num_slots and front_tokens_per_slot in the MoEConfig",
+                                  field="streaming")
+    return streaming
+
+
 def _check_batch(config: MoEConfig, device: torch.device, name: str, x: object, dtype: torch.dtype) -> int:
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ChunkringUsageError("expected a 2-D tensor [n, hidden]", field=name)
@@ -82,13 +97,7 @@ def _check_common(config: MoEConfig, experts_per_rank: int, device: torch.device
                   calibration: StreamingCalibration | None, n: int, w13: torch.Tensor | Fp8Weight,
                   w2: torch.Tensor | Fp8Weight, streaming: bool | str, out: torch.Tensor | None,
                   num_tokens: torch.Tensor | None, timeline: Timeline | None) -> CallMode:
-    if isinstance(streaming, str) and streaming == "auto":
-        streaming = calibration is not None and calibration.streams
-    if not isinstance(streaming, bool):
-        raise ChunkringUsageError(f'must be True, False or "auto", got {streaming!r}', field="streaming")
-    if streaming and not config.streaming:
-        raise ChunkringUsageError("streaming=True needs front_num_slots and front_tokens_per_slot in the MoEConfig",
-                                  field="streaming")
+    streaming = resolve_streaming(config, calibration, streaming)
     check_expert_weights(config, experts_per_rank, device, w13, w2)
     if out is not None:
         check_tensor("out", out, (n, config.hidden), torch.bfloat16, device)

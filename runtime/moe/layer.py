@@ -29,7 +29,7 @@ and how its producers publish.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,11 +38,13 @@ from chunkring.env import module_loading_is_eager
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration, calibrate
 from chunkring.moe.calls import CallMode, check_forward_args, check_run_args
+from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import ExpertCompute
+from chunkring.moe.op import moe_forward, register_layer
 from chunkring.moe.producer import quantize_rows_fp8, route
 from chunkring.moe.timeline import Event, Timeline
-from chunkring.moe.weights import Fp8Weight, init_weights, quantize_weight_fp8
+from chunkring.moe.weights import ExpertWeights, Fp8Weight, init_weights, payload_weights
 from chunkring.ring.io import check_tensor, enqueue_publish
 from chunkring.ring.ring import Ring, _check_identical
 from chunkring.ring.spec import FP8_SCALE_BLOCK
@@ -94,7 +96,9 @@ class MoELayer:
     Call with the batch already routed (today's MegaMoE contract) - :meth:`run` - or with hidden states
     and a router, so the layer's own producers route, quantise and publish - :meth:`forward`. Either
     call returns bfloat16 [n, H] and is stream-ordered after torch's current stream; neither waits on
-    the host. Errors found on the device (timeouts, bad metadata) are raised by :meth:`check`.
+    the host. Errors found on the device (timeouts, bad metadata) are raised by :meth:`check`. For a
+    model that ``torch.compile`` traces, :func:`chunkring.moe.op.moe_forward` / ``moe_run`` make the same
+    calls as one PyTorch operator each (:attr:`handle` names the layer to them).
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | None = None,
@@ -152,6 +156,14 @@ class MoELayer:
             self._producer, self._consumer = partition.producer_stream, partition.consumer_stream
         else:
             self._producer, self._consumer = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        self._handle = register_layer(self)
+
+    @property
+    def handle(self) -> int:
+        """The integer that names this layer to the ``chunkring::moe_forward`` / ``chunkring::moe_run``
+        operators (:mod:`chunkring.moe.op`), unique in this process and never reused. After
+        :meth:`destroy` the operators refuse it as the methods do."""
+        return self._handle
 
     @property
     def producer_stream(self) -> torch.cuda.Stream:
@@ -220,8 +232,7 @@ class MoELayer:
 
         return self._invoke(mode, n, produce, w13, w2, out, num_tokens, timeline)
 
-    def expert_weights(self, w13: torch.Tensor,
-                       w2: torch.Tensor) -> tuple[Fp8Weight, Fp8Weight] | tuple[torch.Tensor, torch.Tensor]:
+    def expert_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
         """This rank's experts (w13 [E_local, 2I, H], w2 [E_local, H, I], bfloat16 on the layer's device) in
         the format this layer's GEMMs take: FP8 payload -> :class:`~chunkring.moe.weights.Fp8Weight` pairs
         (128x128 block scales; quantised once here, at load), bf16 payload -> the tensors as given."""
@@ -229,9 +240,18 @@ class MoELayer:
         device = self.runtime.torch_device
         check_tensor("w13", w13, (E, 2 * inter, H), torch.bfloat16, device)
         check_tensor("w2", w2, (E, H, inter), torch.bfloat16, device)
-        if self.config.payload.has_scales:
-            return quantize_weight_fp8(w13), quantize_weight_fp8(w2)
-        return w13.contiguous(), w2.contiguous()
+        return payload_weights(self.config, w13, w2)
+
+    def load_experts(self, state_dict: Mapping[str, torch.Tensor], *, prefix: str = "",
+                     keys: ExpertKeys = HF_EXPERT_KEYS) -> ExpertWeights:
+        """This rank's experts from a checkpoint's ``state_dict``, on the layer's device, in the format
+        :meth:`expert_weights` returns: :func:`chunkring.moe.checkpoint.load_experts` with this layer's
+        config, expert range and rank. ``prefix``: the layer's keys' prefix (``"model.layers.3.mlp."``);
+        ``keys``: the key templates (Hugging Face's by default). Not a collective: each rank reads its own
+        experts' keys and ignores every other key."""
+        self._check_alive()
+        return load_experts(state_dict, self.config, first_expert=self.first_expert, count=self.experts_per_rank,
+                            prefix=prefix, keys=keys, device=self.runtime.torch_device, rank=self.runtime.rank)
 
     def check(self) -> None:
         """Raise ``ChunkringRuntimeError`` with the device's diagnostic if any call recorded an error
@@ -400,7 +420,9 @@ class ChunkedMoE(torch.nn.Module):
     128x128 block scales for the FP8 payload, bfloat16 otherwise).
 
     ``forward(hidden, streaming=False, num_tokens=None)`` routes ``hidden`` bfloat16 [n, H] and returns
-    bfloat16 [n, H] (``num_tokens`` as in :meth:`MoELayer.run`).
+    bfloat16 [n, H] (``num_tokens`` as in :meth:`MoELayer.run`): :meth:`MoELayer.forward` as the
+    ``chunkring::moe_forward`` operator (:func:`chunkring.moe.op.moe_forward`), so ``torch.compile`` of a
+    model holding this module traces it as one op, without a graph break.
     Weights start as :func:`init_weights` draws from ``generator`` (a CPU ``torch.Generator``).
     """
 
@@ -419,7 +441,7 @@ class ChunkedMoE(torch.nn.Module):
         self.register_buffer("router_weight", router.to(device))
         self.w13, self.w2 = layer.expert_weights(w13[mine].to(device), w2[mine].to(device))
 
-    def forward(self, hidden: torch.Tensor, streaming: bool = False,
+    def forward(self, hidden: torch.Tensor, streaming: bool | str = False,
                 num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        return self.layer.forward(hidden, self.router_weight, self.w13, self.w2, streaming=streaming,
-                                  num_tokens=num_tokens)
+        return moe_forward(self.layer, hidden, self.router_weight, self.w13, self.w2, streaming=streaming,
+                           num_tokens=num_tokens)

@@ -14,7 +14,7 @@ import torch
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.config import MoEConfig
 
-__all__ = ["WEIGHT_BLOCK", "Fp8Weight", "init_weights", "quantize_weight_fp8"]
+__all__ = ["WEIGHT_BLOCK", "ExpertWeights", "Fp8Weight", "init_weights", "payload_weights", "quantize_weight_fp8"]
 
 #: Rows and columns of weight that share one fp32 scale.
 WEIGHT_BLOCK = 128
@@ -67,6 +67,20 @@ def quantize_weight_fp8(w: torch.Tensor) -> Fp8Weight:
         data[e] = q.view(nb * WEIGHT_BLOCK, kb * WEIGHT_BLOCK)[:N, :K]
         scale[e] = s
     return Fp8Weight(data, scale)
+
+
+#: This rank's w13 and w2 as a layer's GEMMs take them: two Fp8Weight (FP8 payload) or two bfloat16 tensors.
+ExpertWeights = tuple[Fp8Weight, Fp8Weight] | tuple[torch.Tensor, torch.Tensor]
+
+
+def payload_weights(config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+    """w13 [E_local, 2I, H] and w2 [E_local, H, I] (bfloat16, already checked) in the format ``config``'s
+    payload runs its GEMMs on: FP8 -> :func:`quantize_weight_fp8` of each (once, at load), bf16 -> as
+    given (contiguous). The one place both :meth:`MoELayer.expert_weights` and the checkpoint loader
+    (:mod:`chunkring.moe.checkpoint`) turn bf16 experts into the payload's format."""
+    if config.payload.has_scales:
+        return quantize_weight_fp8(w13), quantize_weight_fp8(w2)
+    return w13.contiguous(), w2.contiguous()
 
 
 def init_weights(config: MoEConfig,

@@ -17,7 +17,7 @@ import torch
 
 from chunkring import ChunkedMoE, MoEConfig, MoELayer
 from chunkring.moe.producer import route
-from chunkring.moe.weights import init_weights
+from chunkring.moe.weights import init_weights, quantize_weight_fp8
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import (
     dequantize_fp8_per128,
@@ -337,6 +337,41 @@ def test_calibrated_auto_calls_take_the_agreed_mode_and_match_the_reference(runt
         hidden = torch.randn(40, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
         ref = fp8_reference_of(module, 17, hidden)
         out = layer.forward(hidden, module.router_weight, module.w13, module.w2, streaming="auto")
+        torch.cuda.synchronize()
+        layer.check()
+        assert rel_error(out, ref) <= tolerance(layer)
+    finally:
+        layer.destroy()
+
+
+@pytest.mark.parametrize("checkpoint", ["bf16", "fp8"])
+def test_experts_loaded_from_a_checkpoint_run_like_the_weights_they_hold(runtime, checkpoint):
+    """MoELayer.load_experts on a live FP8 layer: a Hugging Face-style state dict of every expert (bf16, or
+    FP8 with DeepSeek-V3's 128x128 ``weight_scale_inv``) gives this rank's experts on the GPU, and a call
+    with them matches the reference of the weights the checkpoint holds."""
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=32)
+    layer = MoELayer(runtime, cfg, timeout_s=60)
+    try:
+        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(31))
+        prefix, state = "model.layers.1.mlp.", {}
+        for e in range(cfg.num_experts):
+            for name, weight in (("gate_proj", w13[e, :INTER]), ("up_proj", w13[e, INTER:]), ("down_proj", w2[e])):
+                key = f"{prefix}experts.{e}.{name}.weight"
+                if checkpoint == "fp8":
+                    q = quantize_weight_fp8(weight[None].contiguous())
+                    state[key], state[key + "_scale_inv"] = q.data[0], q.scale[0]
+                else:
+                    state[key] = weight.clone()
+        state[f"{prefix}gate.weight"] = torch.zeros(cfg.num_experts, H)  # the router: not the loader's
+        w13_local, w2_local = layer.load_experts(state, prefix=prefix)
+        assert w13_local.data.device == device and w13_local.data.shape[0] == layer.experts_per_rank
+        gen = torch.Generator().manual_seed(rank)
+        xq, sf = quantize_fp8_per128(torch.randn(32, H, generator=gen))
+        idx, w = routing(32, cfg.num_experts, 2, "uniform", gen)
+        # The FP8 checkpoint's weights are its blocks dequantised; quantising those again gives them back.
+        ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
+        out = layer.run(*(t.to(device) for t in (xq, sf, idx, w)), w13_local, w2_local, streaming=False)
         torch.cuda.synchronize()
         layer.check()
         assert rel_error(out, ref) <= tolerance(layer)

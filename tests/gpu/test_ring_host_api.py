@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chunkring import Ring, RingSpec
-from chunkring.ring.io import GatherOutputs, gather, publish_chunk
+from chunkring.ring.io import GatherOutputs, gather, publish_chunk, publish_grid
 from chunkring.ring.spec import PayloadFormat
 
 pytestmark = pytest.mark.gpu
@@ -69,3 +69,54 @@ def test_publish_and_gather(runtime, payload, num_slots, grid):
                     assert torch.equal(out.x_sf[src, :m], rsf)
                 assert bool((out.topk_idx[src, m:] == -7).all()), "rows nobody sent were written"
             runtime.barrier()
+
+
+@pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
+def test_a_chunk_too_large_for_one_block_is_published_by_several(runtime, payload):
+    """Chunks over PUBLISH_BYTES_PER_BLOCK go out through the three-kernel publish (open, a grid of copy
+    blocks, close): exact bytes at every rank, with a one-slot ring that wraps at every chunk (each open
+    waits for the previous chunk's acks) and a device token count that ends each rank's stream inside a
+    chunk, so the chunk after it publishes nothing."""
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    hidden, T, chunks = 7168, 256, 3
+    spec = RingSpec(world_size=W, num_slots=1, tokens_per_slot=T, hidden=hidden, payload=payload, topk=K,
+                    num_experts=4 * W)
+    fp8 = payload == PayloadFormat.FP8_E4M3
+    assert publish_grid(T * hidden * (1 if fp8 else 2)) > 1, "the shape must take the three-kernel publish"
+    batch = chunks * T
+    valid = [T + 17 + 5 * src for src in range(W)]  # inside the second chunk; the third publishes nothing
+
+    def batch_of(src):
+        g = torch.Generator().manual_seed(77 + src)
+        x = torch.randn(batch, hidden, generator=g).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        x_sf = torch.rand(batch, hidden // 128, generator=g) if fp8 else None
+        idx = torch.randint(-1, spec.num_experts, (batch, K), generator=g, dtype=torch.int32)
+        return x, x_sf, idx, torch.rand(batch, K, generator=g)
+
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    with Ring(runtime, spec, timeout_s=30) as ring:
+        out = GatherOutputs(ring, batch)
+        out.topk_idx.fill_(-7)
+        x, x_sf, idx, w = (None if t is None else t.to(device) for t in batch_of(rank))
+        count = torch.tensor([valid[rank]], dtype=torch.int32, device=device)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(producer):
+            for base in range(0, batch, T):
+                rows = slice(base, base + T)
+                publish_chunk(ring, x=x[rows], x_sf=None if x_sf is None else x_sf[rows], topk_idx=idx[rows],
+                              topk_weights=w[rows], token_base=base, end_of_stream=base + T >= batch,
+                              valid_tokens=count, batch_rows=batch)
+        gather(ring, out, stream=consumer)
+        torch.cuda.synchronize()
+        ring.check()
+        assert out.counts.tolist() == valid
+        for src in range(W):
+            m = valid[src]
+            rx, rsf, ridx, rw = batch_of(src)
+            assert torch.equal(out.x[src, :m].view(torch.uint8).cpu(), rx[:m].view(torch.uint8)), src
+            assert torch.equal(out.topk_idx[src, :m].cpu(), ridx[:m])
+            assert torch.equal(out.topk_weights[src, :m].cpu(), rw[:m])
+            if rsf is not None:
+                assert torch.equal(out.x_sf[src, :m].cpu(), rsf[:m])
+            assert bool((out.topk_idx[src, m:] == -7).all()), "rows past the count were written"
+        runtime.barrier()

@@ -2,11 +2,13 @@
 circle anywhere, and each layer imports only those below it -
 
     chunkring's process runtime (bringup, env, errors, partition, ranks) <- chunkring._jit <- chunkring.ring
-    <- chunkring.moe <- chunkring.testing <- chunkring.benchmarks and scripts/ <- chunkring.launcher
+    <- chunkring.moe <- chunkring.integrations <- chunkring.testing <- chunkring.benchmarks and scripts/
+    <- chunkring.launcher
 
-so the protocol core never pulls in the MoE layer, library code never the launcher, the test helpers or
-the benchmarks, and benchmarks and scripts never the launcher. Every import counts, also one inside a
-function (a lazy import is still a circle when the two modules need each other); a package's
+so the protocol core never pulls in the MoE layer, the MoE layer never a framework adapter, library code
+never the launcher, the test helpers or the benchmarks, and benchmarks and scripts never the launcher.
+Every import counts, also one inside a function (a lazy import is still a circle when the two modules
+need each other); a package's
 ``__init__`` is a module of its own, and importing ``a.b.c`` is not counted as importing ``a`` or
 ``a.b`` (Python runs those first, but they are the facade, not a dependency)."""
 
@@ -26,6 +28,7 @@ LAYERS = [
     ("_jit", ("chunkring._jit",)),
     ("ring", ("chunkring.ring",)),
     ("moe", ("chunkring.moe",)),
+    ("integrations", ("chunkring.integrations",)),
     ("testing", ("chunkring.testing",)),
     ("benchmarks", ("chunkring.benchmarks", "scripts")),
     ("launcher", ("chunkring.launcher",)),
@@ -215,6 +218,7 @@ def test_the_graph_is_read(graph):
     assert "chunkring.launcher.worker" in graph["chunkring.launcher.cli"]       # lazy, in main()
     assert "chunkring.benchmarks.bench_moe" in graph["chunkring.launcher.jobs.bench"]
     assert "chunkring.ring.ring" in graph["chunkring.moe.layer"]
+    assert "chunkring.moe.layer" in graph["chunkring.integrations.transformers"]
     assert "chunkring.bringup" in graph["chunkring"]
 
 
@@ -239,6 +243,8 @@ def test_each_layer_imports_only_those_below(graph):
     ("scripts", "chunkring.launcher"),
     ("chunkring.testing", "chunkring.launcher"),
     ("chunkring.moe", "chunkring.benchmarks"),
+    ("chunkring.moe", "chunkring.integrations"),
+    ("chunkring.integrations", "chunkring.testing"),
 ])
 def test_named_rules(graph, low, high):
     """The rules issue 16 names, spelled out (the layering above implies each)."""

@@ -1,0 +1,237 @@
+"""The MoE layer's operators (chunkring.moe.op) in compiled models on the GPU: ``torch.compile(fullgraph=True)``
+of a two-layer model around :class:`ChunkedMoE` (an FP8 layer, then a bf16 one, with elementwise work
+and a residual around them), captured into a CUDA graph under the layer's capture rules
+(test_moe_graph.py: one call before the capture, no host synchronisation inside it, the real token
+count in a device int32 rewritten before each replay) and replayed with fresh inputs - each replay
+bitwise equal to the same model computed with the layer's methods, no operator involved, batch-ready
+and streamed, with the ``aot_eager`` and ``inductor`` backends. Also: a rank with zero tokens (a shape
+torch.compile specialises) still runs both calls, so its peers' calls complete; ``moe_run`` compiled
+and replayed against :meth:`MoELayer.run`; ``torch.library.opcheck`` on the real implementation (no
+argument written, the fake implementation's output matching the real one's metadata).
+
+Every rank runs every test (``mpirun ... pytest --with-mpi tests/gpu``, as the other GPU tests); every
+rank derives its inputs from (step, rank) seeds. The model's elementwise ops round alike in any fusion
+(:class:`TwoLayers`), so Inductor's code matches eager bit for bit.
+
+The CPU half (tests/unit/test_custom_op.py) pins the schema, the effect, the fake implementation and
+the tracing of this same model on meta tensors.
+"""
+
+import pytest
+import torch
+
+from chunkring import ChunkedMoE, MoEConfig, MoELayer, PayloadFormat
+from chunkring.moe.op import moe_run
+from tests.gpu.test_moe_graph import Batch
+from tests.gpu.test_moe_graph import make_layer as make_graph_layer
+from tests.gpu.test_moe_layer import INTER, H
+
+pytestmark = pytest.mark.gpu
+
+C, SLOTS, MAX_TOKENS, TOPK = 16, 2, 72, 2
+REPLAYS = 40
+#: The watchdog limit: ranks compile before their first call, each at its own pace; a rank spinning in a
+#: call waits for its peers' compilations too.
+TIMEOUT_S = 120
+
+
+class TwoLayers(torch.nn.Module):
+    """What a serving model does around the layer: elementwise work, two MoE calls (the second on the
+    first's output), a residual. Each elementwise op reads realised tensors only (the input, an
+    operator's output), so however Inductor fuses them each output rounds once, as eager does: x2 is
+    exact, and the residual add is one bf16 rounding of an fp32 sum. (``hidden + first(...)`` fed to a
+    second add would not be: Inductor may recompute it inside the second add's kernel in fp32, without
+    the bf16 rounding between the adds that eager does.)"""
+
+    def __init__(self, first, second):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, hidden, streaming=False, num_tokens=None):
+        h = self.first(hidden * 2, streaming=streaming, num_tokens=num_tokens)
+        return hidden + self.second(h, streaming=streaming, num_tokens=num_tokens)
+
+
+def by_methods(model, hidden, streaming, num_tokens):
+    """:meth:`TwoLayers.forward` with every MoE call made by :meth:`MoELayer.forward` (no operator)."""
+    def call(module, x):
+        return module.layer.forward(x, module.router_weight, module.w13, module.w2, streaming=streaming,
+                                    num_tokens=num_tokens)
+
+    return hidden + call(model.second, call(model.first, hidden * 2))
+
+
+def make_model(runtime):
+    W = runtime.world_size
+    layers = []
+    for payload in (PayloadFormat.FP8_E4M3, PayloadFormat.BF16):
+        cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                        payload=payload, front_num_slots=SLOTS, front_tokens_per_slot=C)
+        layers.append(MoELayer(runtime, cfg, timeout_s=TIMEOUT_S))
+    model = TwoLayers(*(ChunkedMoE(layer, generator=torch.Generator().manual_seed(i + 1))
+                        for i, layer in enumerate(layers)))
+    return model, layers
+
+
+def check(layers):
+    torch.cuda.synchronize()
+    for layer in layers:
+        layer.check()
+
+
+def backend_or_skip(backend):
+    if backend == "inductor":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            pytest.skip("the inductor backend needs Triton, which this torch install lacks")
+    return backend
+
+
+class Hidden:
+    """The captured call's inputs, written in place before each replay."""
+
+    def __init__(self, runtime):
+        device = runtime.torch_device
+        self.x = torch.zeros(MAX_TOKENS, H, dtype=torch.bfloat16, device=device)
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.rank = runtime.rank
+
+    def fill(self, step):
+        gen = torch.Generator().manual_seed(1_000_003 * step + self.rank)
+        n = 0 if (step + self.rank) % 7 == 0 else int(torch.randint(1, MAX_TOKENS + 1, (1,), generator=gen))
+        self.x.copy_(torch.randn(MAX_TOKENS, H, generator=gen).to(torch.bfloat16))
+        self.count.fill_(n)
+        return n
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
+def test_compiled_model_captures_and_replays_bitwise_like_eager(runtime, streaming, backend):
+    backend = backend_or_skip(backend)
+    torch._dynamo.reset()
+    model, layers = make_model(runtime)
+    try:
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        inputs = Hidden(runtime)
+        inputs.fill(0)
+        # The layer's eager call before a capture (its GEMM kernels loaded), and the compilation.
+        first = compiled(inputs.x, streaming=streaming, num_tokens=inputs.count)
+        check(layers)
+        assert torch.equal(first, by_methods(model, inputs.x, streaming, inputs.count))
+        check(layers)
+
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the capture raises
+        try:
+            with torch._dynamo.config.patch(error_on_recompile=True), \
+                    torch.cuda.graph(graph, capture_error_mode="global"):
+                out = compiled(inputs.x, streaming=streaming, num_tokens=inputs.count)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+        for step in range(1, REPLAYS + 1):
+            n = inputs.fill(step)
+            graph.replay()
+            replayed = out.clone()
+            eager = by_methods(model, inputs.x, streaming, inputs.count)
+            check(layers)
+            assert torch.equal(replayed, eager), f"replay {step} (n={n}) differs from the eager calls"
+            if step % 10 == 0:  # and the compiled model outside the graph, interleaved on the same rings
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    again = compiled(inputs.x, streaming=streaming, num_tokens=inputs.count)
+                check(layers)
+                assert torch.equal(again, eager), f"compiled call at step {step} differs from the eager calls"
+    finally:
+        torch._dynamo.reset()
+        for layer in layers:
+            layer.destroy()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_rank_with_zero_tokens_still_runs_both_calls(runtime, backend, monkeypatch):
+    """torch.compile specialises a zero-row batch, and Inductor drops an op with an empty output unless it
+    carries an effect: the rank would skip the collective and its peers' calls would time out."""
+    backend = backend_or_skip(backend)
+    torch._dynamo.reset()
+    model, layers = make_model(runtime)
+    try:
+        calls = []
+        for i, layer in enumerate(layers):
+            method = layer.forward
+
+            def counted(*args, _method=method, _i=i, **kwargs):
+                calls.append(_i)
+                return _method(*args, **kwargs)
+
+            monkeypatch.setattr(layer, "forward", counted)  # what the operator's implementation calls
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        last = runtime.rank == runtime.world_size - 1
+        n = 0 if last else 13
+        gen = torch.Generator().manual_seed(77 + runtime.rank)
+        hidden = torch.randn(n, H, generator=gen).to(torch.bfloat16).to(runtime.torch_device)
+        for streaming in (False, True):
+            calls.clear()
+            out = compiled(hidden, streaming=streaming)
+            check(layers)
+            assert calls == [0, 1], f"streaming={streaming}: the layers' calls made: {calls}"
+            assert out.shape == (n, H)
+            assert torch.equal(out, by_methods(model, hidden, streaming, None))
+    finally:
+        torch._dynamo.reset()
+        for layer in layers:
+            layer.destroy()
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
+def test_compiled_moe_run_captures_and_replays_like_run(runtime, streaming):
+    torch._dynamo.reset()
+    layer, experts, _ = make_graph_layer(runtime)
+    try:
+        batch = Batch(runtime, layer.config)
+
+        def call(x, sf, idx, w, count):
+            return moe_run(layer, x, sf, idx, w, *experts, streaming=streaming, num_tokens=count)
+
+        compiled = torch.compile(call, fullgraph=True, backend=backend_or_skip("inductor"))
+        batch.fill(0)
+        compiled(*batch.args(), batch.count)
+        check([layer])
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch._dynamo.config.patch(error_on_recompile=True), \
+                    torch.cuda.graph(graph, capture_error_mode="global"):
+                out = compiled(*batch.args(), batch.count)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for step in range(1, 21):
+            n = batch.fill(step)
+            graph.replay()
+            replayed = out.clone()
+            eager = layer.run(*batch.args(), *experts, streaming=streaming, num_tokens=batch.count)
+            check([layer])
+            assert torch.equal(replayed, eager), f"replay {step} (n={n}) differs from layer.run"
+    finally:
+        torch._dynamo.reset()
+        layer.destroy()
+
+
+def test_opcheck_of_the_real_implementation(runtime):
+    """torch.library.opcheck runs the operator several times (the same sequence on every rank): its
+    schema check finds no argument written, its fake-tensor check compares the fake implementation's
+    output with the real one's, and it traces the op through AOTAutograd with dynamic shapes."""
+    model, layers = make_model(runtime)
+    try:
+        module = model.first
+        gen = torch.Generator().manual_seed(5 + runtime.rank)
+        hidden = torch.randn(21, H, generator=gen).to(torch.bfloat16).to(runtime.torch_device)
+        count = torch.full((1,), 17, dtype=torch.int32, device=runtime.torch_device)
+        args = (module.layer.handle, hidden, module.router_weight, module.w13.data, module.w13.scale, module.w2.data,
+                module.w2.scale, True, count)
+        result = torch.library.opcheck(torch.ops.chunkring.moe_forward.default, args)
+        check(layers)
+        assert all(v == "SUCCESS" for v in result.values()), result
+    finally:
+        for layer in layers:
+            layer.destroy()

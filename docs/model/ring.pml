@@ -171,9 +171,9 @@
  * count -- every process that stays enabled keeps being scheduled, i.e.
  * every launched block keeps running, the GPU's forward progress for
  * resident blocks.  Weak fairness suffices because every awaited condition
- * is stable: a ready word keeps gen(q) until this consumer's ack (P1), a
- * full ack mask stays until its producer re-arms, the stream-order counters
- * only grow; a condition that came and went would need strong fairness and
+ * is stable: a ready word keeps gen(q) until this consumer's ack (P1), an
+ * ack word keeps gen(q) until that destination acks q+S, which P1 orders
+ * after the owner's wait; the stream-order counters only grow; a condition that came and went would need strong fairness and
  * would show up as a fair cycle of polls that all miss.  The SERIALIZED
  * stream-order waits stay blocking guards: there the kernel has not been
  * launched yet, it does not spin.  Results (scripts/check_model.py):

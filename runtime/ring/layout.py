@@ -18,7 +18,7 @@ region                    shape, dtype                    written by → read by
 ``meta``                  [S, 4] int64                    owner's route producer → every consumer
 ``route_ready``           [W, S'] int64 (row = 128 B k)   source W's producer (remote SET) → this rank
 ``layout_ready``          [W, S'] int64                   source W's producer (remote SET) → this rank
-``ack``                   [S, 16] int64 (2 words used)    every consumer (remote CAS) → owner's producer
+``ack``                   [S, A] int64 (A = W to a line)  consumer d (remote swap, word d) → owner's producer
 ``consumed``              [S] int64                       owner's producer → owner (host, diagnostics)
 ``cursor``                [W'] int64                      this rank's consumer (next seq per source)
 ``control``               [16] int64                      epoch (host reset), producer's next seq

@@ -92,7 +92,7 @@ class RingSpec:
             raise ChunkringUsageError(f"{self.num_experts} experts do not split evenly over {self.world_size} ranks",
                                       field="num_experts")
         _check_range("topk", self.topk, 1, min(self.num_experts, 32))
-        # The seq field must hold every lap of an epoch, and the ack tag needs 16 bits of each field.
+        # The seq field must hold every lap of an epoch; epoch_bits >= 16 leaves room for 65,535 resets.
         _check_range("epoch_bits", self.epoch_bits, 16, 32)
         _check_range("laps_per_epoch", self.laps_per_epoch, 1, self.max_laps,
                      f"{self.seq_bits}-bit lap field (64 - epoch_bits)")

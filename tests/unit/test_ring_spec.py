@@ -1,5 +1,6 @@
-"""RingSpec rejects every impossible or unsafe shape with the field named: world sizes past the ack
-mask (63/64/65), generation fields too narrow for the laps, misaligned rows, uneven expert splits."""
+"""RingSpec rejects every impossible or unsafe shape with the field named: world sizes past the
+consumer's 64-bit source mask (63/64/65), generation fields too narrow for the laps, misaligned rows,
+uneven expert splits."""
 
 import pytest
 from hypothesis import given, settings

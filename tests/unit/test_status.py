@@ -1,5 +1,5 @@
 """Status records decode into messages that say who is stuck: ready-word generations with their epoch
-and lap, ack words with their tag, mask and the ranks whose ack is missing."""
+and lap, ack words (one per destination, holding the generation it acknowledged) the same way."""
 
 import re
 import struct

@@ -50,6 +50,8 @@ __device__ __forceinline__ bool block_agree(bool thread0_ok) {
 __device__ __forceinline__ bool wait_acked(const RingDesc& d, u64 epoch, u64 seq) {
     const u64 slot = slot_of(seq, d.num_slots), gen = gen_of(d, epoch, seq);
     const u32 bits = epoch_bits(d);
+    // One timeout for the whole wait, however many words it polls (as for the one-word ack mask before).
+    const u64 deadline = ptx::globaltimer_ns() + d.timeout_ns;
     for (u64 dest = 0; dest < d.world_size; ++dest) {
         const u64* word = ack_word(d, slot, dest);
         // NOTES: relaxed polling; the acquire fence below orders what follows.
@@ -61,7 +63,7 @@ __device__ __forceinline__ bool wait_acked(const RingDesc& d, u64 epoch, u64 seq
                 case GenState::kStaleEpoch: record_error(d, ErrorCode::kStaleEpoch, Site::kWaitReusable, dest, slot, gen, observed); return -1;
                 default: record_error(d, ErrorCode::kGenerationAhead, Site::kWaitReusable, dest, slot, gen, observed); return -1;
             }
-        });
+        }, deadline);
         if (!ok) return false;
     }
     ptx::fence_acq_rel_sys();  // acquire: consumers' reads (and what they wrote for us) before our next step

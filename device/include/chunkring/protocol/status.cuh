@@ -72,9 +72,12 @@ __device__ __forceinline__ bool check_descriptor(const RingDesc& d) {
 // The one bounded spin: calls `poll(observed)` until it returns 1 (done) or -1 (it recorded an error).
 // Gives up, returning false, when this rank already has an error or after desc.timeout_ns - then it
 // records a timeout naming the site, peer, slot and the last value observed. Caller: one thread.
+// `deadline` (globaltimer ns, 0: now + desc.timeout_ns) lets one timeout bound several spins of one
+// wait (wait_acked's, destination by destination).
 template <typename Poll>
-__device__ __forceinline__ bool spin_until(const RingDesc& d, Site site, u64 peer, u64 slot, u64 expected, Poll poll) {
-    const u64 deadline = ptx::globaltimer_ns() + d.timeout_ns;
+__device__ __forceinline__ bool spin_until(const RingDesc& d, Site site, u64 peer, u64 slot, u64 expected, Poll poll,
+                                           u64 deadline = 0) {
+    if (deadline == 0) deadline = ptx::globaltimer_ns() + d.timeout_ns;
     u64 observed = 0;
     for (u32 round = 0;; ++round) {
         const int verdict = poll(observed);  // 1 done, 0 keep waiting, -1 poll recorded an error

@@ -97,6 +97,27 @@ class StressLibrary:
         torch.cuda.synchronize()
         return ring.status()
 
+    def run_stale_ack(self, ring: Ring, tokens: int) -> StatusRecord:
+        """Reset ``ring`` (one slot), then let a late ack of the previous epoch (its lap 0's generation) land in
+        every destination's ack word of this rank's slot 0 before anyone acks; every rank publishes ``tokens``
+        rows, more than a slot holds, so each owner waits for the acks of its chunk 0 before reusing the
+        slot. Returns this rank's status record: the real protocol never counts the stale word - an owner
+        that polls it reports STALE_EPOCH, a consumer whose swap replaces it ACK_TAG_MISMATCH. A collective.
+        """
+        import torch
+
+        if ring.spec.num_slots != 1 or tokens <= ring.spec.tokens_per_slot:
+            raise ChunkringUsageError("needs a one-slot ring and more tokens than a slot holds", field="tokens")
+        ring.reset()
+        stale = ((ring.epoch - 1) << (64 - ring.spec.epoch_bits)) | 1
+        ring.views["ack"][0, : ring.spec.world_size] = stale
+        torch.cuda.synchronize()
+        self.runtime.barrier()
+        plan = StressPlan(np.full((1, ring.spec.world_size), tokens, dtype=np.int32))
+        self.run_stress(ring, plan, seed=13, max_delay_ns=0)
+        torch.cuda.synchronize()
+        return ring.status()
+
     def run_litmus(self, writer: int, reader: int, iters: int, lanes: int = 256, stress_blocks: int = 16) -> int:
         """Message-passing litmus between two PEs, beside ``stress_blocks`` memory-stress blocks on
         every PE; returns the violation count seen by ``reader``."""

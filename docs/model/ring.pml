@@ -193,9 +193,19 @@
  *     weak fairness -- a one-off run, too big for check_model.py: spin
  *     -DW=2 -DS=1 -DBLOCKS=2 -DNINV=1 -DLIVENESS -a; gcc -DNFAIR=3
  *     -DCOLLAPSE -DMEMLIM=10000; ./pan -a -f -w28: 27.2 M states, 266 s,
- *     3.7 GB.  Weak fairness here also means every block of the grid is
+ *     3.7 GB (with the earlier tagged-mask acks; not rerun since the
+ *     one-swap acks).  Weak fairness here also means every block of the grid is
  *     resident (the last arrival must come), as a co-resident grid is.
  * No timeout is modelled: a pass means the timeout never has to fire.
+ *
+ * With one-swap acks (one word per (slot, destination)) every configuration
+ * of scripts/check_model.py meets its expectation, 43 of 43 (2 shared CPU
+ * cores, --jobs 1, 551 s in all); the largest searches: blk2_w2s2 33.8 M
+ * states (119 s, 2.1 GB), heldblk2_w2s2 28.9 M (46 s, 1.9 GB), w2s2_stale
+ * 21.9 M (60 s, 1.3 GB; one invocation of 3 chunks, since the
+ * per-destination words made the two-invocation run reach -DMEMLIM at
+ * 67 M states), held_w2s1_stale 22.2 M, w2s1_stale 18.2 M, w3s1 17.5 M,
+ * held_w3s1 15.7 M.  PROTOCOL.md "Evidence" has the table.
  */
 
 /* ------------------------------------------------------------ sizes ---- */

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Model-check docs/model/ring.pml (the chunkring protocol) with SPIN.
+"""Model-check docs/model/ring.pml (the chunkring protocol) and docs/model/blocks.pml (the MoE
+consumer's incremental expert blocks) with SPIN.
 
 For every configuration -- the correct model in a few sizes, with and without
 the stale epoch-1 injector, interleaved and SERIALIZED, with one consumer block
 per rank and with two (-DBLOCKS=2, the multi-block consumer), with the MoE
 layer's held end-of-stream ack, combine and drain (-DHELD_ACK), plus one run per
-injected bug -- this runs ``spin -a`` with the configuration's macros,
+injected bug; and blocks.pml's incremental expert blocks (configurations blk_*
+and bugblk_*: reserve, land, seal, claim) -- this runs ``spin -a`` with the configuration's macros,
 compiles ``pan.c`` with gcc and runs ``./pan``, all in a temporary directory
 (nothing is written into the repository).
 
@@ -47,7 +49,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "docs" / "model" / "ring.pml"
+MODEL_DIR = REPO / "docs" / "model"
+MODEL = MODEL_DIR / "ring.pml"
+BLOCKS_MODEL = "blocks.pml"
 
 DEPTH = 100_000          # pan -m; the deepest search here is < 1000 steps
 MEMLIM_MB = 3072         # pan -DMEMLIM; reaching it counts as truncation
@@ -73,6 +77,7 @@ class Config:
     why: str = ""
     hashbits: int = 24              # pan -w
     check: str = SAFETY             # SAFETY, LIVE_FAIR or LIVE_ANY
+    model: str = "ring.pml"         # the model file, in docs/model
 
     def defines(self) -> tuple[str, ...]:
         """The spin macros: a liveness check builds the LIVENESS model."""
@@ -227,6 +232,44 @@ CONFIGS: tuple[Config, ...] = (
            why="held eos ack, the count zeroed after the ack: an arrival at the "
                "slot's next acked chunk is wiped, that chunk is never acked"),
 )
+
+# ---- docs/model/blocks.pml: the MoE consumer's incremental expert blocks (PROTOCOL.md "Incremental
+# expert blocks"): pull blocks reserve rows per expert, store them into pool blocks and count them
+# landed; the lander that fills a block seals it, the last end-of-stream arrival seals the partial
+# blocks; consumer blocks claim sealed blocks with a CAS.  Safety only: every loop is bounded, so no
+# invalid end state plus ALL_COMPUTED means every row is eventually computed.
+def _blk(name: str, macros: tuple[str, ...], expect: str, prop: str | None, why: str,
+         hashbits: int = 24) -> Config:
+    return Config(name, macros, expect, prop, why, hashbits=hashbits, model=BLOCKS_MODEL)
+
+
+BLOCK_CONFIGS: tuple[Config, ...] = (
+    _blk("blk_fixed", (), PASS, None,
+         "2 pull blocks, 2 consumers, 4 rows from 2 sources ending at different times: expert 0 "
+         "one full block and a partial one, expert 1 a partial one"),
+    _blk("blk_route_any", ("ROUTE_ANY",), PASS, None, hashbits=25,
+         why="every routing of the 4 rows to 2 experts (the pool bound's tight 3 + 1 case included)"),
+    _blk("blk_two_calls", ("NINV=2",), PASS, None,
+         "two calls: counters reset, the pool's rows left stale (a stale row is never read)"),
+    _blk("blk_cons3", ("NCONS=3",), PASS, None, "3 consumer blocks racing for the claims"),
+    _blk("bugblk_seal_on_reserve", ("BUG_SEAL_ON_RESERVE",), CEX, "NO_READ_BEFORE_LANDED",
+         "a block sealed by the reservation of its last row: read before its rows land "
+         "(the kSealOnReserve GPU mutant)"),
+    _blk("bugblk_land_before_store", ("BUG_LAND_BEFORE_STORE",), CEX, "NO_READ_BEFORE_LANDED",
+         "landed incremented before the payload store: a full block sealed with a row unwritten"),
+    _blk("bugblk_seal_at_source_eos", ("BUG_SEAL_AT_SOURCE_EOS",), CEX, "COMPUTED_ONCE",
+         "partial blocks sealed at ONE source's end: a later source's row lands in the sealed "
+         "block, which is sealed and computed again"),
+    _blk("bugblk_claim_no_cas", ("BUG_CLAIM_NO_CAS",), CEX, "COMPUTED_ONCE",
+         "claim = load SEALED then store CLAIMED: two consumers compute one block"),
+    _blk("bugblk_exit_before_seal", ("BUG_EXIT_BEFORE_SEAL",), CEX, "ALL_COMPUTED",
+         "a consumer exits once every source ended and nothing is sealed, before the finisher "
+         "sealed the partial blocks: their rows are never computed"),
+    _blk("bugblk_small_pool", ("BUG_SMALL_POOL",), CEX, "NO_OVERFLOW",
+         "pool of ceil(R / block_m) blocks, without the per-expert padding of padded_rows_bound: "
+         "3 + 1 rows need 3 blocks"),
+)
+CONFIGS = CONFIGS + BLOCK_CONFIGS
 BY_NAME = {c.name: c for c in CONFIGS}
 
 
@@ -299,19 +342,23 @@ def parse_pan(out: str) -> dict:
     return info
 
 
-def run_config(cfg: Config | str, keep: bool = False, model: Path = MODEL) -> Result:
-    """Run one configuration; return its Result (``ok`` = expectation met)."""
+def run_config(cfg: Config | str, keep: bool = False, model: Path | None = None) -> Result:
+    """Run one configuration; return its Result (``ok`` = expectation met).  ``model`` overrides
+    the configuration's model file (docs/model/``cfg.model``)."""
     if isinstance(cfg, str):
         cfg = BY_NAME[cfg]
+    if model is None:
+        model = MODEL_DIR / cfg.model
+    pml = Path(model).name
     res = Result(cfg.name, cfg.check, cfg.expect, list(cfg.defines()),
                  expected_property=cfg.prop)
     work = tempfile.mkdtemp(prefix=f"chunkring-spin-{cfg.name}-")
     t0 = time.monotonic()
     try:
-        shutil.copy(model, os.path.join(work, "ring.pml"))
+        shutil.copy(model, os.path.join(work, pml))
         defs = [f"-D{m}" for m in cfg.defines()]
         steps = [
-            (["spin", *defs, "-a", "ring.pml"], 120),
+            (["spin", *defs, "-a", pml], 120),
             # -DSAFETY leaves the cycle search out of pan
             (["gcc", "-O2", "-w", *(("-DSAFETY",) if cfg.check == SAFETY else ()),
               "-DCOLLAPSE", f"-DMEMLIM={MEMLIM_MB}", "-o", "pan", "pan.c"], 300),
@@ -398,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for c in CONFIGS:
             exp = c.expect if c.expect == PASS else f"counterexample ({c.prop})"
-            print(f"{c.name:26} {c.check:11} {' '.join('-D' + m for m in c.defines()):50} "
+            print(f"{c.name:26} {c.model:10} {c.check:11} {' '.join('-D' + m for m in c.defines()):50} "
                   f"{exp}: {c.why}")
         return 0
     selected = list(CONFIGS)
@@ -418,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     # start the expensive configurations first
     order = sorted(selected, key=lambda c: c.name not in (
-        "w2s2_stale", "blk2_w2s2", "w3s1", "live_w2s2", "blk2_w2s1", "held_w3s1"))
+        "w2s2_stale", "blk2_w2s2", "w3s1", "live_w2s2", "blk2_w2s1", "held_w3s1", "blk_route_any"))
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as ex:
         futs = {c.name: ex.submit(run_config, c, args.keep) for c in order}
         results = [futs[c.name].result() for c in selected]
@@ -430,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; FAILED: {', '.join(bad)}" if bad else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": str(MODEL.relative_to(REPO)), "total_seconds": round(total, 2),
+            models = sorted({str((MODEL_DIR / c.model).relative_to(REPO)) for c in selected})
+            json.dump({"model": str(MODEL.relative_to(REPO)), "models": models, "total_seconds": round(total, 2),
                        "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
     return 1 if bad else 0
 

@@ -5,15 +5,17 @@
 # device tool), also pack them and the log into $OUT/gpu_results.tgz.
 #   CHUNKRING_COMMIT=<sha> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS] [PART...]
 # PART: gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher (default:
-# all, in that order) - to split the suite over device calls.
+# all, in that order) - to split the suite over device calls; serving_1rank / serving_mps run only the serving-stack
+# tests (custom op, transformers drop-in, integration guide), which the full parts include.
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
 ranks=${2:-4}
-all_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
+all_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher
+           serving_1rank serving_mps)
 parts=("${@:3}")
-[ ${#parts[@]} -gt 0 ] || parts=("${all_parts[@]}")
+[ ${#parts[@]} -gt 0 ] || parts=("${all_parts[@]:0:9}")
 for part in "${parts[@]}"; do
     [[ " ${all_parts[*]} " == *" $part "* ]] || { echo "unknown part: $part (${all_parts[*]})" >&2; exit 2; }
 done
@@ -79,6 +81,16 @@ gpu_mps() {
 moe_2rank_mps() {  # the MoE layer and the transformers drop-in at a second rank count
     mpi_pytest "moe-2rank-mps" 2 300 tests/gpu/test_moe_layer.py tests/gpu/test_hf_dropin_model.py -q -rs "${limits[*]}" ||
         status=1
+}
+serving_tests=(tests/gpu/test_custom_op_gpu.py tests/gpu/test_hf_dropin_model.py tests/gpu/test_integration_guide.py)
+serving_1rank() {
+    run_suite serving-1rank 1 python3 -m pytest "${serving_tests[@]}" -v -rs "${limits[@]}" \
+        --junitxml="$logs/serving-1rank.xml" || status=1
+}
+serving_mps() {  # at 2 ranks and at $ranks
+    for n in 2 "$ranks"; do
+        mpi_pytest "serving-${n}rank-mps" "$n" 400 "${serving_tests[*]}" -q -rs "${limits[*]}" || status=1
+    done
 }
 stress_mps() { mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1; }
 bench_mps() {

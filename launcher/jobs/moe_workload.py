@@ -40,7 +40,7 @@ class LayerFields:
 
         return MoEConfig(num_experts=self.num_experts, hidden=self.hidden, intermediate=self.intermediate,
                          topk=self.topk, max_tokens_per_rank=self.max_tokens_per_rank,
-                         payload=PayloadFormat.FP8_E4M3 if self.payload == "fp8" else PayloadFormat.BF16,
+                         payload=PayloadFormat.checked(self.payload),
                          front_num_slots=self.front_num_slots, front_tokens_per_slot=self.front_tokens_per_slot)
 
 

@@ -1,7 +1,7 @@
 """A drop-in chunkring MoE block for Hugging Face transformers models (Qwen3-MoE, DeepSeek-V3).
 
-:func:`replace_moe_blocks` walks a model, and for each sparse MoE block it knows builds one
-:class:`~chunkring.moe.layer.MoELayer` and puts a :class:`ChunkringMoEBlock` in the block's place:
+:func:`replace_moe_blocks` walks a model and puts a :class:`ChunkringMoEBlock` in the place of each sparse
+MoE block it knows, over one :class:`~chunkring.moe.layer.MoELayer` per distinct block shape:
 
 * the router is the block's own ``gate`` module, kept and called exactly as the block calls it, so the
   top-k experts and weights are the model's: Qwen3-MoE's softmax over the experts, top-k, renormalised
@@ -184,15 +184,6 @@ def route(block: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return indices.detach().to(torch.int32).contiguous(), weights.detach().to(torch.float32).contiguous()
 
 
-def _payload(payload: PayloadFormat | str) -> PayloadFormat:
-    if isinstance(payload, str):
-        names = {"fp8": PayloadFormat.FP8_E4M3, "bf16": PayloadFormat.BF16}
-        if payload.lower() not in names:
-            raise ChunkringUsageError(f"expected 'fp8', 'bf16' or a PayloadFormat, got {payload!r}", field="payload")
-        return names[payload.lower()]
-    return PayloadFormat.checked(payload)
-
-
 def plan_moe_blocks(model: nn.Module, *, world_size: int, max_tokens_per_rank: int,
                     payload: PayloadFormat | str = PayloadFormat.FP8_E4M3, streaming: bool | str = False,
                     front_num_slots: int | None = None,
@@ -201,7 +192,7 @@ def plan_moe_blocks(model: nn.Module, *, world_size: int, max_tokens_per_rank: i
     (:func:`find_moe_blocks`) with the :class:`MoEConfig` of its layer on ``world_size`` ranks. A streaming
     ring is configured when ``streaming`` is not False or ``front_*`` are given (the default ring,
     :meth:`MoEConfig.with_default_ring`, unless both ``front_*`` are)."""
-    payload = _payload(payload)
+    payload = PayloadFormat.checked(payload)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ChunkringUsageError(f"must be a positive int, got {world_size!r}", field="world_size")
     if not (streaming is True or streaming is False or streaming == "auto"):
@@ -287,11 +278,12 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
                        front_num_slots: int | None = None, front_tokens_per_slot: int | None = None,
                        timeout_s: float | None = None) -> dict[str, nn.Module]:
     """Put a :class:`ChunkringMoEBlock` in the place of every sparse MoE block of ``model`` (Qwen3-MoE's
-    ``Qwen3MoeSparseMoeBlock``, DeepSeek-V3's ``DeepseekV3MoE``), each over a :class:`MoELayer` of its own
-    (``payload`` "fp8" / "bf16" or a :class:`PayloadFormat`; ``max_tokens_per_rank`` tokens per rank and
-    call; a streaming ring as :func:`plan_moe_blocks` says) holding this rank's share of its experts,
-    loaded from the block's weights. Returns the replaced blocks by name, in module order: the model no
-    longer refers to them, so dropping the result frees every expert this rank does not own.
+    ``Qwen3MoeSparseMoeBlock``, DeepSeek-V3's ``DeepseekV3MoE``), each over the :class:`MoELayer` of its
+    shape, shared by every block of that shape (``payload`` "fp8" / "bf16" or a :class:`PayloadFormat`;
+    ``max_tokens_per_rank`` tokens per rank and call; a streaming ring as :func:`plan_moe_blocks` says),
+    and holding this rank's share of its own experts, loaded from the block's weights. Returns the replaced
+    blocks by name, in module order: the model no longer refers to them, so dropping the result frees
+    every expert this rank does not own.
 
     A collective: every rank passes the same model (same weights) and arguments. Every check runs first,
     on the host (:func:`plan_moe_blocks`): a refused model raises ``ChunkringUsageError`` on every rank,
@@ -301,18 +293,18 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
     plan = plan_moe_blocks(model, world_size=runtime.world_size, max_tokens_per_rank=max_tokens_per_rank,
                            payload=payload, streaming=streaming, front_num_slots=front_num_slots,
                            front_tokens_per_slot=front_tokens_per_slot)
+    # One layer per distinct shape, shared by the blocks of that shape: a layer holds no weights, and a
+    # model's blocks run one after another on one stream, so their calls are ordered (docs/INTEGRATION.md).
+    layers: dict[MoEConfig, MoELayer] = {}
     built: list[tuple[str, ChunkringMoEBlock]] = []
     try:
         for block, config in plan:
-            layer = MoELayer(runtime, config, timeout_s=timeout_s)
-            try:
-                built.append((block.name, ChunkringMoEBlock(block, layer, streaming=streaming)))
-            except BaseException:
-                layer.destroy()
-                raise
+            if config not in layers:
+                layers[config] = MoELayer(runtime, config, timeout_s=timeout_s)
+            built.append((block.name, ChunkringMoEBlock(block, layers[config], streaming=streaming)))
     except BaseException:
-        for _, done in built:
-            done.layer.destroy()
+        for layer in layers.values():
+            layer.destroy()
         raise
     replaced: dict[str, nn.Module] = {}
     for (block, _), (name, new) in zip(plan, built, strict=True):
@@ -324,7 +316,8 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
 
 def chunkring_blocks(model: nn.Module) -> Iterator[tuple[str, ChunkringMoEBlock]]:
     """The :class:`ChunkringMoEBlock` modules of ``model`` by name (e.g. to set ``streaming`` or destroy
-    their layers: ``block.layer.destroy()`` is a collective)."""
+    their layers: ``block.layer.destroy()`` is a collective; blocks of one shape share a layer, and
+    destroying it again does nothing)."""
     for name, module in model.named_modules():
         if isinstance(module, ChunkringMoEBlock):
             yield name, module

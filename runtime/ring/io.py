@@ -97,17 +97,17 @@ def publish_chunk(ring: Ring, *, x: torch.Tensor, x_sf: torch.Tensor | None, top
     enqueue_publish(ring, x, x_sf, topk_idx, topk_weights, token_base, end_of_stream, valid_tokens, batch_rows, stream)
 
 
+PUBLISH_BYTES_PER_BLOCK = 512 * 1024
+PUBLISH_MAX_BLOCKS = 64
+_PUBLISH_BLOCK = 512
+
+
 def publish_grid(payload_bytes: int) -> int:
     """Blocks that copy a chunk of ``payload_bytes`` into its slot: one (the one-kernel publish) up to
     :data:`PUBLISH_BYTES_PER_BLOCK`, beyond that one per that many bytes, at most :data:`PUBLISH_MAX_BLOCKS`.
     One block copies ~26 GB/s (an 8,192-token FP8 batch of hidden 4,096, 34 MB, took 1.29 ms); the three-kernel
     publish costs two more launches, a few microseconds, which a chunk below the threshold would not win back."""
     return max(1, min(-(-payload_bytes // PUBLISH_BYTES_PER_BLOCK), PUBLISH_MAX_BLOCKS))
-
-
-PUBLISH_BYTES_PER_BLOCK = 512 * 1024
-PUBLISH_MAX_BLOCKS = 64
-_PUBLISH_BLOCK = 512
 
 
 def enqueue_publish(ring: Ring, x: torch.Tensor, x_sf: torch.Tensor | None, topk_idx: torch.Tensor,

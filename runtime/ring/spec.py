@@ -21,6 +21,10 @@ FP8_SCALE_BLOCK = 128
 ROW_ALIGN_BYTES = 16
 
 
+#: The short names :meth:`PayloadFormat.checked` accepts, and the members they name.
+_PAYLOAD_NAMES = {"fp8": "FP8_E4M3", "bf16": "BF16"}
+
+
 class PayloadFormat(enum.IntEnum):
     """How token activations sit in a slot. Values cross into device code: append only."""
 
@@ -29,13 +33,17 @@ class PayloadFormat(enum.IntEnum):
 
     @classmethod
     def checked(cls, value: object, *, field: str = "payload") -> PayloadFormat:
-        """``value`` as a PayloadFormat: a member, or its int value (not a bool or a float that merely
-        compares equal to one); anything else is a ``ChunkringUsageError`` naming ``field``."""
+        """``value`` as a PayloadFormat: a member, its int value (not a bool or a float that merely
+        compares equal to one) or its short name, ``"fp8"`` or ``"bf16"`` (config files and job keys);
+        anything else is a ``ChunkringUsageError`` naming ``field``."""
         if isinstance(value, cls):
             return value
         if isinstance(value, int) and not isinstance(value, bool) and value in cls._value2member_map_:
             return cls(value)
-        raise ChunkringUsageError(f"unknown payload format {value!r}; use chunkring.PayloadFormat", field=field)
+        if isinstance(value, str) and value in _PAYLOAD_NAMES:
+            return cls[_PAYLOAD_NAMES[value]]
+        raise ChunkringUsageError(f"unknown payload format {value!r}; use chunkring.PayloadFormat, 'fp8' or 'bf16'",
+                                  field=field)
 
     @property
     def element_bytes(self) -> int:

@@ -81,25 +81,11 @@ the combine), pinned by name below:
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import sys
-from pathlib import Path
-
 import pytest
 
-_DRIVER = Path(__file__).resolve().parents[2] / "scripts" / "check_model.py"
-_spec = importlib.util.spec_from_file_location("chunkring_check_model", _DRIVER)
-check_model = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = check_model   # dataclasses need the module registered
-_spec.loader.exec_module(check_model)
-
-_MISSING = [t for t in ("spin", "gcc") if shutil.which(t) is None]
-_WHY = f"SPIN model check needs {' and '.join(_MISSING)} on PATH (apt-get install spin gcc)"
-#: scripts/test.sh sets it: a suite it promises must run, so a missing tool is a failure, not a skip.
-REQUIRED = os.environ.get("CHUNKRING_REQUIRE_SPIN") == "1"
-needs_tools = pytest.mark.skipif(bool(_MISSING), reason=_WHY)
+from tests.model.spin_driver import MISSING as _MISSING
+from tests.model.spin_driver import REQUIRED, check_config, check_model, needs_tools
+from tests.model.spin_driver import WHY as _WHY
 
 
 def test_model_checker_tools_present():
@@ -214,17 +200,8 @@ def test_shipped_layer_configs_pinned():
 
 
 @needs_tools
-@pytest.mark.parametrize("cfg", check_model.CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", [c for c in check_model.CONFIGS if c.model == "ring.pml"],
+                         ids=lambda c: c.name)
 def test_spin_config(cfg):
-    res = check_model.run_config(cfg)
-    summary = (f"{cfg.name} ({' '.join(cfg.macros)}): errors={res.errors} "
-               f"states={res.states} violated={res.violated} {res.detail}")
-    assert res.errors is not None, "pan printed no 'errors:' line: " + summary
-    assert res.truncated is None, "search truncated: " + summary
-    if cfg.expect == check_model.PASS:
-        assert res.errors == 0, "correct model has a counterexample: " + summary
-    else:
-        assert res.errors >= 1, f"bug not detected ({cfg.why}): " + summary
-        assert res.violated and res.violated.startswith(cfg.prop), (
-            f"counterexample violates the wrong rule, expected {cfg.prop}: " + summary)
-    assert res.ok, summary
+    """ring.pml's configurations (blocks.pml's: tests/model/test_spin_blocks.py)."""
+    check_config(cfg)

@@ -63,3 +63,15 @@ def test_gather_rejects_bad_outputs():
         with pytest.raises(ChunkringUsageError) as info:
             gather(RING, GatherOutputs(RING, 4), grid=grid)
         assert info.value.field == "grid"
+
+
+def test_publish_grid_keeps_small_chunks_on_one_block_and_caps_large_ones():
+    """One block (the one-kernel publish) up to PUBLISH_BYTES_PER_BLOCK, one more per that many bytes
+    after it, never more than PUBLISH_MAX_BLOCKS: the three-kernel publish only where a copy is large."""
+    from chunkring.ring.io import PUBLISH_BYTES_PER_BLOCK as B
+    from chunkring.ring.io import PUBLISH_MAX_BLOCKS, publish_grid
+
+    assert [publish_grid(n) for n in (0, 1, B)] == [1, 1, 1]
+    assert [publish_grid(n) for n in (B + 1, 2 * B, 2 * B + 1)] == [2, 2, 3]
+    assert publish_grid(8192 * 4096) == PUBLISH_MAX_BLOCKS  # the 34 MB FP8 batch of DeepGEMM's shape
+    assert publish_grid(256 * 7168) == 4  # one 256-token chunk of hidden 7,168: the GPU test's split shape

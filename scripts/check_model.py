@@ -90,8 +90,13 @@ CONFIGS: tuple[Config, ...] = (
     Config("w2s1_stale", ("W=2", "S=1", "INJECT"), PASS,
            why="stale epoch-1 SETs/acks: never accepted, errors only if stale"),
     Config("w2s2", ("W=2", "S=2"), PASS, why="interleaved, 2 slots"),
-    Config("w2s2_stale", ("W=2", "S=2", "INJECT", "STALE_SEQS=1"), PASS,
-           why="2 slots with stale injection (stale seq 1 only)", hashbits=25),
+    # With one ack word per (slot, destination) the stale ack injector has W times the targets: the
+    # two-invocation run (NINV=2, N0=2) reached MEMLIM at 67 M states, so this one is one invocation
+    # of 3 chunks from rank 0 - slot 0 still wraps (P1 waits for gen(0) while a stale epoch-1 ack of
+    # the same lap field may land in any word) - 21.9 M states, 1.25 GB.
+    Config("w2s2_stale", ("W=2", "S=2", "INJECT", "STALE_SEQS=1", "NINV=1", "N0=3"), PASS,
+           why="2 slots with stale injection (stale seq 1 only), one invocation of 3 chunks "
+               "from rank 0 (wraps slot 0)", hashbits=25),
     Config("w3s1", ("W=3", "S=1"), PASS, why="3 ranks (rank 2: 1 chunk/inv)"),
     Config("serial_w2s1", ("W=2", "S=1", "SERIALIZED"), PASS,
            why="stream-serialized, 1 chunk/source/inv"),
@@ -118,7 +123,11 @@ CONFIGS: tuple[Config, ...] = (
            COMPLETION, "empty rank publishes nothing: consumers wait forever"),
     Config("bug_untagged_ack", ("W=2", "S=1", "INJECT", "BUG_UNTAGGED_ACK"), CEX,
            "ACKS_RIGHT_GEN",
-           "late epoch-1 ack ORed into this epoch's mask: P1 sees a forged full mask"),
+           "ack words counted whatever generation they hold (kAckAnyGeneration): a late "
+           "epoch-1 ack, or the previous lap's, is taken for this chunk's"),
+    Config("bug_untagged_ack_lap", ("W=2", "S=1", "BUG_UNTAGGED_ACK"), CEX, "ACKS_RIGHT_GEN",
+           "kAckAnyGeneration without stale messages: from lap 2 the owner takes the "
+           "previous lap's ack for this one and reuses the slot unread"),
     # ---- liveness (ALL_FINISH): every producer and consumer finishes
     Config("live_w2s1", ("W=2", "S=1"), PASS, check=LIVE_FAIR,
            why="interleaved, rank 1 empty, ring wraps in the call: fair runs finish"),
@@ -275,6 +284,7 @@ class Result:
     depth: int | None = None
     seconds: float = 0.0            # spin + gcc + pan wall time
     pan_seconds: float | None = None
+    memory_mb: float | None = None  # pan's "total actual memory usage"
     violated: str | None = None     # property of the first counterexample
     expected_property: str | None = None
     truncated: str | None = None    # why the search is incomplete, if it is
@@ -303,6 +313,8 @@ def parse_pan(out: str) -> dict:
     info["depth"] = int(m.group(1)) if m else None
     m = re.search(r"pan: elapsed time\s+([\d.e+-]+)", out)
     info["pan_seconds"] = float(m.group(1)) if m else None
+    m = re.search(r"([\d.]+)\s+total actual memory usage", out)
+    info["memory_mb"] = float(m.group(1)) if m else None
     trunc = []
     if "depth too small" in out:
         trunc.append("max search depth too small")
@@ -364,6 +376,7 @@ def run_config(cfg: Config | str, keep: bool = False, model: Path | None = None)
         info = parse_pan(out)
         res.errors, res.states, res.depth = info["errors"], info["states"], info["depth"]
         res.pan_seconds, res.violated = info["pan_seconds"], info["violated"]
+        res.memory_mb = info["memory_mb"]
         res.truncated = info["truncated"]
         if res.errors is None:
             res.detail = "no 'errors:' line in pan output: " + out.strip()[-800:]
@@ -395,7 +408,7 @@ def run_config(cfg: Config | str, keep: bool = False, model: Path | None = None)
 
 
 def print_table(results: list[Result]) -> None:
-    cols = ("config", "check", "expected", "errors", "states", "seconds", "violated",
+    cols = ("config", "check", "expected", "errors", "states", "seconds", "MB", "violated",
             "verdict")
     rows = []
     for r in results:
@@ -403,7 +416,8 @@ def print_table(results: list[Result]) -> None:
         rows.append((r.name, r.check, exp,
                      "-" if r.errors is None else str(r.errors),
                      "-" if r.states is None else str(r.states),
-                     f"{r.seconds:.1f}", r.violated or "-",
+                     f"{r.seconds:.1f}", "-" if r.memory_mb is None else f"{r.memory_mb:.0f}",
+                     r.violated or "-",
                      "OK" if r.ok else "FAIL: " + " ".join(r.detail.split())[:160]))
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"

@@ -94,6 +94,11 @@ stress_mps() { mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q
 bench_mps() {
     "${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \
         --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
+    for n in 2 4 8; do  # the ack's cost against the rank count (one remote swap per chunk and destination)
+        "${mpi[@]}" -np "$n" --timeout 120 python3 benchmarks/bench_ring_latency.py --ack-cost \
+            --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ack_cost_${n}rank_mps.json" 2>&1 |
+            tee -a "$logs/bench.log" || status=1
+    done
     for n in 1 "$ranks"; do
         "${mpi[@]}" -np "$n" --timeout 120 python3 benchmarks/bench_input_checks.py \
             --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-input_checks_${n}rank_mps.json" 2>&1 |

@@ -5,6 +5,10 @@
 //   slot is reused (no ack waits) inside the measurement.
 // ring_slot_roundtrip: PE 0 produces into a one-slot ring; every PE consumes and acknowledges. Each
 //   iteration is one full slot round trip: publish -> consume -> ack by every rank -> reusable.
+// ring_ack_cost: the same round trip with each side's share timed: PE 0's wait in begin_chunk for every
+//   destination's ack word, and each consumer's ack_chunk (one remote swap, a fetching atomic: a full
+//   round trip to the owner) and wait for the chunk. elapsed_ns[4] per PE: [0] producer total, [1]
+//   producer's ack waits (PE 0 only), [2] this consumer's acks, [3] this consumer's chunk waits.
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
@@ -46,5 +50,43 @@ extern "C" __global__ void ring_slot_roundtrip(const RingDesc* desc, int iters, 
     } else {
         for (u64 seq = 0; seq < static_cast<u64>(iters); ++seq)
             if (!wait_chunk(d, epoch, 0, seq) || !ack_chunk(d, epoch, 0, seq)) return;
+    }
+}
+
+extern "C" __global__ void ring_ack_cost(const RingDesc* desc, int iters, unsigned long long* elapsed_ns) {
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d)) return;
+    const u64 epoch = current_epoch(d), n = static_cast<u64>(iters);
+    if (blockIdx.x == 0) {
+        if (d.my_pe != 0) return;
+        u64 ack_wait = 0;
+        const u64 start = ptx::globaltimer_ns();
+        for (u64 seq = 0; seq <= n; ++seq) {  // the last begin_chunk waits for the acks of chunk n - 1
+            const u64 t0 = ptx::globaltimer_ns();
+            if (!begin_chunk(d, epoch, seq)) return;
+            ack_wait += ptx::globaltimer_ns() - t0;
+            if (seq == n) break;
+            publish(d, epoch, seq, ReadyKind::kRoute);
+            publish(d, epoch, seq, ReadyKind::kLayout);
+            end_chunk(d, seq);
+        }
+        if (threadIdx.x == 0) {
+            elapsed_ns[0] = ptx::globaltimer_ns() - start;
+            elapsed_ns[1] = ack_wait;
+        }
+    } else {
+        u64 ack = 0, wait = 0;
+        for (u64 seq = 0; seq < n; ++seq) {
+            const u64 t0 = ptx::globaltimer_ns();
+            if (!wait_chunk(d, epoch, 0, seq)) return;
+            const u64 t1 = ptx::globaltimer_ns();
+            if (!ack_chunk(d, epoch, 0, seq)) return;
+            ack += ptx::globaltimer_ns() - t1;
+            wait += t1 - t0;
+        }
+        if (threadIdx.x == 0) {
+            elapsed_ns[2] = ack;
+            elapsed_ns[3] = wait;
+        }
     }
 }

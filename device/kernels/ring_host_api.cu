@@ -99,7 +99,7 @@ extern "C" __global__ void ring_publish_tensors(const RingDesc* desc, const unsi
     close_chunk(d, epoch, seq, e, token_base);
 }
 
-// A publish in three kernels, 1/3: wait until the slot is free and arm its acks (one block).
+// A publish in three kernels, 1/3: wait until the slot is free (every destination acked its previous lap; one block).
 extern "C" __global__ void ring_publish_open(const RingDesc* desc, int n_tokens, long long token_base,
                                              int end_of_stream, CHUNKRING_NULLABLE const int* valid_tokens,
                                              long long batch_rows) {

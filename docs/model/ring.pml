@@ -11,7 +11,7 @@
  * PROTOCOL.md's edge C3' (finish_chunk / consume_invocation with arrivals):
  * every block waits for every chunk, reads it, then ARRIVES (atomicAdd on
  * the per-(source, slot) count arrivals[r][s] at d); the block whose arrival
- * makes the count n zeroes it and only then acks (the same CAS as a single
+ * makes the count n zeroes it and only then acks (the same swap as a single
  * block) and stores d's cursor for r.  Each block keeps its own next_seq,
  * read from d's cursors (cursor_mem) at kernel start; kernel inv of rank d
  * starts after all n blocks of kernel inv-1 finished (stream order).
@@ -29,12 +29,12 @@
  *
  * Atomicity: atomic / d_step wrap only what is one operation in the
  * implementation -- a single store or load (plus ghost bookkeeping and the
- * assertions on what was just observed), the ack CAS, an injector's single
+ * assertions on what was just observed), the ack swap, an injector's single
  * late message, a block's arrival (one atomicAdd and its returned count) --
  * and the payload store / load of one part (the payload is one abstract
  * value), and a block's read of its cursors at kernel start (no one writes
  * them then: every ack of the kernel needs that block's later arrival).  The
- * last arrival's zeroing of the count, its ack CAS and its cursor store are
+ * last arrival's zeroing of the count, its ack swap and its cursor store are
  * three separate steps, as on the GPU.  WAIT READY polls the route word,
  * then the layout word, as wait_chunk() in
  * device/include/chunkring/protocol/ring.cuh does.
@@ -62,13 +62,15 @@
  *     BUG_NO_EPOCH    (INJECT) no epoch     -> STALE_NEVER_ACCEPTED
  *     BUG_NARROW_GEN           1-bit seq    -> COMPLETION (false ERROR, below)
  *     BUG_SKIP_EOS_EMPTY       no empty eos -> COMPLETION (deadlock)
- *     BUG_UNTAGGED_ACK (INJECT) OR ack      -> ACKS_RIGHT_GEN
+ *     BUG_UNTAGGED_ACK  any nonzero ack word counts (the kAckAnyGeneration
+ *                       mutant) -> ACKS_RIGHT_GEN (with INJECT an epoch-1
+ *                       ack; without, from lap 2 the previous lap's ack)
  *   and with BLOCKS=2:
  *     BUG_ACK_FIRST_ARRIVAL    the first arrival acks (the last one still
  *                              zeroes the count) -> NO_OVERWRITE_BEFORE_EVERY_ACK
  *                              (the owner rewrites the slot while the other
  *                              block of that rank has not read it).  Paths
- *                              that end in a false ack-tag ERROR instead exist
+ *                              that end in a false ack ERROR instead exist
  *                              too (a block's late arrival is counted for the
  *                              slot's next chunk); the process creation order
  *                              in init makes pan meet the overwrite first
@@ -98,8 +100,10 @@
  *                                  destination (ghost bit RBIT(d, b))
  *   NO_ABA                         the accepted ready words were published
  *                                  for exactly chunk (r,q)
- *   ACKS_RIGHT_GEN                 a full mask seen by P1 consists of bits set
- *                                  by consumers that read q-S of this epoch
+ *   ACKS_RIGHT_GEN                 every ack word P1 (or the drain) accepts
+ *                                  was written by its destination's ack of
+ *                                  that very chunk, this epoch (one word per
+ *                                  (slot, destination), swapped to gen(q))
  *   STALE_NEVER_ACCEPTED           an epoch-1 value is never accepted
  *   COMPLETION                     every chunk consumed once; no ERROR report
  *                                  without a real stale cause; plus pan's
@@ -122,20 +126,20 @@
  * every source reached its eos, the consumer performs the combine: one
  * store per source, combined[CMB(d, r)] = inv + 1 (ghost: "d's rows for r of
  * invocation inv", one step per source, in rank order), then acks each held
- * chunk with the same tagged CAS as every other ack (the moe_ack_held
+ * chunk with the same swap as every other ack (the moe_ack_held
  * blocks, one per source, all concurrent: the acks go out from a
  * nondeterministic first source in rotation, every order for W = 2; before
- * the CAS each reads the held slot's meta, which must still be chunk q:
+ * the swap each reads the held slot's meta, which must still be chunk q:
  * NO_OVERWRITE_BEFORE_EVERY_ACK).  Producer r, at the
  * start of each invocation and before its first publish, zeroes its row of
  * every consumer (combined[CMB(*, r)] = 0); after its last publish it drains
  * (drain(): for every seq in [max(0, q - S), q), the last chunk of each
- * slot, the P1 wait for (tag(gen(seq)), FULL) [acquire]) and then reduces:
+ * slot, the P1 wait for every ack[s][d] == gen(seq) [acquire]) and then reduces:
  * one step that asserts COMBINE_BEFORE_REDUCE for every consumer.  Abstracted
  * away: rows and their count (every consumer writes one marker for every
  * source, the empty rank included, though a consumer with no row for r
  * writes nothing), the expert work between pull and combine (no protocol
- * word), the release fence of the held ack's CAS covering the combine stores
+ * word), the release fence of the held ack's swap covering the combine stores
  * of an earlier kernel (program order here), and the cursor store of the
  * held ack with BLOCKS = 1 (cursor[r] is the single block's local next_seq,
  * as without HELD_ACK).
@@ -167,9 +171,9 @@
  * count -- every process that stays enabled keeps being scheduled, i.e.
  * every launched block keeps running, the GPU's forward progress for
  * resident blocks.  Weak fairness suffices because every awaited condition
- * is stable: a ready word keeps gen(q) until this consumer's ack (P1), a
- * full ack mask stays until its producer re-arms, the stream-order counters
- * only grow; a condition that came and went would need strong fairness and
+ * is stable: a ready word keeps gen(q) until this consumer's ack (P1), an
+ * ack word keeps gen(q) until that destination acks q+S, which P1 orders
+ * after the owner's wait; the stream-order counters only grow; a condition that came and went would need strong fairness and
  * would show up as a fair cycle of polls that all miss.  The SERIALIZED
  * stream-order waits stay blocking guards: there the kernel has not been
  * launched yet, it does not spin.  Results (scripts/check_model.py):
@@ -188,10 +192,20 @@
  *     BLOCKS=2 interleaved, NINV=1 (ring wraps in the call): finishes under
  *     weak fairness -- a one-off run, too big for check_model.py: spin
  *     -DW=2 -DS=1 -DBLOCKS=2 -DNINV=1 -DLIVENESS -a; gcc -DNFAIR=3
- *     -DCOLLAPSE -DMEMLIM=10000; ./pan -a -f -w28: 27.2 M states, 266 s,
- *     3.7 GB.  Weak fairness here also means every block of the grid is
+ *     -DCOLLAPSE -DMEMLIM=10000; ./pan -a -f -w28: with one-swap acks
+ *     26.0 M states stored, 0 errors, 309 s, 3.5 GB (27.2 M, 266 s, 3.7 GB
+ *     with the earlier tagged-mask acks).  Weak fairness here also means every block of the grid is
  *     resident (the last arrival must come), as a co-resident grid is.
  * No timeout is modelled: a pass means the timeout never has to fire.
+ *
+ * With one-swap acks (one word per (slot, destination)) every configuration
+ * of scripts/check_model.py meets its expectation, 43 of 43 (2 shared CPU
+ * cores, --jobs 1, 551 s in all); the largest searches: blk2_w2s2 33.8 M
+ * states (119 s, 2.1 GB), heldblk2_w2s2 28.9 M (46 s, 1.9 GB), w2s2_stale
+ * 21.9 M (60 s, 1.3 GB; one invocation of 3 chunks, since the
+ * per-destination words made the two-invocation run reach -DMEMLIM at
+ * 67 M states), held_w2s1_stale 22.2 M, w2s1_stale 18.2 M, w3s1 17.5 M,
+ * held_w3s1 15.7 M.  PROTOCOL.md "Evidence" has the table.
  */
 
 /* ------------------------------------------------------------ sizes ---- */
@@ -247,8 +261,8 @@
 #define RFULL         ((1 << CONSUMERS) - 1)
 
 /* ------------------------------------------------------- generations ---- */
-/* gen(q) = (epoch << SEQ_BITS) | (lap(q) + 1), 0 = never published; the ack
- * tag is the same folded (epoch, seq) value.  The model runs in epoch 2:
+/* gen(q) = (epoch << SEQ_BITS) | (lap(q) + 1), 0 = never published;
+ * the ack words hold the same value.  The model runs in epoch 2:
  * the collective reset after the aborted epoch-1 run zeroed every word. */
 #define EPOCH        2
 #define STALE_EPOCH  1
@@ -269,7 +283,9 @@
 #define MKGEN(ep, sq) (((ep) << SEQ_BITS) | ((sq) & SEQ_MASK))
 #endif
 #define GEN(q)       MKGEN(EPOCH, (q) / S + 1)
-#define TAG(g)       (g)
+/* the generation destination d's ack word of slot q % S holds before d acks
+ * q: its ack of the slot's previous lap, 0 on lap 0 (rules.cuh ack_prev_gen) */
+#define PREVGEN(q)   ((q) >= S -> GEN((q) - S) : 0)
 #define EPOCH_OF(g)  ((g) >> SEQ_BITS)
 #define SEQ_OF(g)    ((g) & SEQ_MASK)
 
@@ -296,8 +312,11 @@ byte  route_pay[W * S];    /* slot payload at owner r: q+1 of the chunk; the */
 byte  layout_pay[W * S];   /* metadata (count, eos) goes with the route part */
 byte  count[W * S];
 bit   eos[W * S];
-byte  ack_tag[W * S];      /* ack[s] = (tag, mask) at owner r */
-byte  ack_mask[W * S];
+/* ack[s][d] at owner r: one word per (slot, destination), a short like a
+ * ready word (low byte the generation d acked, high byte the ghost: q+1 of
+ * the chunk d acked, or STALE_GHOST for an injected epoch-1 swap) */
+short ack_word[W * S * W];
+#define AIX(j, d)    ((j) * W + (d))               /* j = SIX(r, s) */
 byte  consumed_gen[W * S];
 bit   error_reported;      /* a consumer reported an ERROR */
 #if defined(SERIALIZED) || defined(LIVENESS)
@@ -306,8 +325,6 @@ byte  prod_fin, cons_fin;  /* invocations finished by producers / consumer
                             * stream order, and the liveness claim */
 #endif
 /* ghosts, never read by the protocol */
-byte  armed_q[W * S];      /* q+1 of the chunk ack[s] is armed for */
-byte  ack_prov[W * S];     /* mask bits set by a consumer that read that chunk */
 byte  readers[W * S];      /* RBIT(d, b): block b of destination d finished
                             * reading the slot (BLOCKS = 1: bit d) */
 #if BLOCKS > 1
@@ -402,6 +419,31 @@ inline publish_layout() {
 #define LAYOUT_PART write_layout(); publish_layout()
 #endif
 
+/* WAIT REUSABLE / drain for chunk qa of slot j: destination by destination,
+ * spin until ack[s][d] holds gen(qa) (wait_acked() in ring.cuh); a word of
+ * another epoch or a later lap is an ERROR, reported, never accepted.
+ * BUG_UNTAGGED_ACK (the kAckAnyGeneration mutant): any nonzero word counts. */
+#ifdef BUG_UNTAGGED_ACK
+#define ACKED(w, g)   (WGEN(w) != 0)
+#define BAD_ACK(w, g) false
+#else
+#define ACKED(w, g)   (WGEN(w) == (g))
+#define BAD_ACK(w, g) BAD(w, g)
+#endif
+inline wait_acked(qa) {
+  for (d : 0 .. W - 1) {
+    do
+    :: atomic { ACKED(ack_word[AIX(j, d)], GEN(qa)) ->
+         CHECK(ACKS_RIGHT_GEN, WGHOST(ack_word[AIX(j, d)]) == qa + 1) }; break
+    :: atomic { BAD_ACK(ack_word[AIX(j, d)], GEN(qa)) ->
+         REPORT_ERROR(WGHOST(ack_word[AIX(j, d)]) == STALE_GHOST) }; goto end_abort
+    :: error_reported -> goto end_abort                      /* ABORT */
+    POLL_AGAIN
+    od
+  }
+  d = 0
+}
+
 proctype producer(byte r)
 {
   byte q = 0;            /* next_seq: persists across invocations */
@@ -423,22 +465,16 @@ proctype producer(byte r)
      * publishes exactly one empty eos chunk (BUG_SKIP_EOS_EMPTY: none) */
     for (k : 1 .. NPUB(r)) {
       s = q % S; g = GEN(q); j = SIX(r, s);
-      /* P1 WAIT REUSABLE (lap >= 1): ack[s] == (tag(gen(q-S)), FULL) [acquire] */
+      /* P1 WAIT REUSABLE (lap >= 1): every ack[s][d] == gen(q-S) [acquire] */
       if
       :: q >= S ->
 #ifndef BUG_NO_ACK_WAIT
-         do
-         :: atomic { ack_tag[j] == TAG(GEN(q - S)) && ack_mask[j] == FULL ->
-              CHECK(ACKS_RIGHT_GEN, ack_prov[j] == FULL) }; break
-         :: error_reported -> goto end_abort                 /* ABORT */
-         POLL_AGAIN
-         od;
+         wait_acked(q - S);
 #endif
          consumed_gen[j] = GEN(q - S)       /* P1: then consumed_gen[s] */
       :: else
       fi;
-      /* P2 arm: ack[s] = (tag(g), 0), a local store before the publishes */
-      d_step { ack_tag[j] = TAG(g); ack_mask[j] = 0; armed_q[j] = q + 1; ack_prov[j] = 0 }
+      /* (no P2: nothing is armed; ack[s][d] already holds gen(q-S)) */
       /* P3: route and layout parts, each written then published, either order */
       first_done = 0;
       if
@@ -449,15 +485,10 @@ proctype producer(byte r)
     }
 #ifdef HELD_ACK
     /* moe_drain: drain() waits for the last chunk of every slot, seq in
-     * [max(0, q - S), q): (tag(gen(seq)), FULL) [acquire] */
+     * [max(0, q - S), q): every ack[s][d] == gen(seq) [acquire] */
     for (k : (q > S -> q - S : 0) .. q - 1) {
       j = SIX(r, k % S);
-      do
-      :: atomic { ack_tag[j] == TAG(GEN(k)) && ack_mask[j] == FULL ->
-           CHECK(ACKS_RIGHT_GEN, ack_prov[j] == FULL) }; break
-      :: error_reported -> goto end_abort                   /* ABORT */
-      POLL_AGAIN
-      od
+      wait_acked(k)
     }
     /* reduce: read every consumer's rows of this invocation (atomic: the
      * loop exit may not jump into a d_step) */
@@ -489,20 +520,24 @@ inline wait_ready(word) {
   POLL_AGAIN
   od
 }
-/* ACK (C3): CAS on r's ack[s]: tag == tag(g) -> set bit d, else ERROR (the
- * ack is not counted).  One atomic step: the remote CAS. */
+/* ACK (C3): one remote swap of r's ack[s][d] := gen(q) (ghost q+1), returning
+ * the word it replaced, which must be d's ack of the slot's previous lap,
+ * gen(q-S) (0 on lap 0); anything else -- gen(q) itself, a double ack; an
+ * epoch-1 value; a missing ack -- is an ERROR (legitimate only with a stale
+ * cause).  One atomic step: the remote swap (and the check of what it
+ * returned, which touches only d's own registers).  BUG_UNTAGGED_ACK: the
+ * consumer's check is gone too (classify_ack in the mutant). */
 inline ack_cas() {
   atomic {
-#ifdef BUG_UNTAGGED_ACK
-    ack_mask[j] = ack_mask[j] | (1 << d);          /* BUG: OR, no tag check */
-#else
+    replaced = ack_word[AIX(j, d)];
+    ack_word[AIX(j, d)] = PUBWORD(q, g);
+#ifndef BUG_UNTAGGED_ACK
     if
-    :: ack_tag[j] == TAG(g) -> ack_mask[j] = ack_mask[j] | (1 << d)
-    :: else -> REPORT_ERROR(false); goto end_abort /* never a stale cause */
+    :: WGEN(replaced) == PREVGEN(q)
+    :: else -> REPORT_ERROR(WGHOST(replaced) == STALE_GHOST); goto end_abort
     fi;
 #endif
-    /* ghost provenance: the bit is right iff ack[s] is armed for (r, q) */
-    if :: armed_q[j] == q + 1 -> ack_prov[j] = ack_prov[j] | (1 << d) :: else fi
+    replaced = 0
   }
 }
 
@@ -511,7 +546,7 @@ inline ack_cas() {
  * (r, q).  ARRIVE is atomicAdd(&arrivals[r][s], 1): one atomic step, and its
  * result (got, the count this block made) is the block's own.  The block that
  * makes the count BLOCKS (gridDim) is the last arrival: it zeroes the count
- * (a plain store, a step of its own), then acks (the CAS, a step of its own),
+ * (a plain store, a step of its own), then acks (the swap, a step of its own),
  * then stores d's cursor for r (ack_chunk's relaxed store, a step of its
  * own).  The GPU-scope fences around the arrival are the program order here
  * (Spin is sequentially consistent). */
@@ -589,9 +624,9 @@ inline chunk_step() {
  * kernel is one block per source, all concurrent: the acks go out in any
  * order -- here from a nondeterministic first source in rotation (every
  * order for W = 2).  Each block reads the held slot's meta first: the slot is
- * still d's until this ack (read and CAS are one step here: no one can
+ * still d's until this ack (read and swap are one step here: no one can
  * rewrite the slot between them).  With BLOCKS > 1, ack_chunk's cursor store
- * follows the CAS as a step of its own: the next call's blocks read it. */
+ * follows the swap as a step of its own: the next call's blocks read it. */
 inline combine_and_ack_held() {
   for (r : 0 .. W - 1) { combined[CMB(d, r)] = inv + 1 }
   select (i : 0 .. W - 1);                         /* the first ack's source */
@@ -625,6 +660,7 @@ proctype consumer(byte d)
                           * persists; BLOCKS > 1: the block's next_seq) */
   bit  act[W];           /* active[r] */
   byte nact, inv, r, q, s, g, i, j;
+  short replaced;        /* the ack word an ack's swap replaced */
   bit  e;
 #if BLOCKS > 1
   byte got;              /* the count this block's arrival made */
@@ -738,24 +774,17 @@ proctype stale_set()
   fi
 }
 
-/* A late ack of the epoch-1 run: tag(epoch 1, sq) with the bit of rank sd,
- * executed at owner sr on ack[ss] by the same ack code as the consumer's
- * ACK; it never sets ack_prov (it is not an ack of this epoch). */
+/* A late ack of the epoch-1 run: the swap of a destination sd of that run,
+ * writing its epoch-1 generation (seq sq) into ack[ss][sd] at owner
+ * sr; the value it replaces is lost (an ack of this epoch it overwrites is
+ * lost with it: the owner then waits, or reports the stale value). */
 proctype stale_ack()
 {
   byte sd, sr, ss, sq;
   if
   :: atomic { select (sd : 0 .. W - 1); select (sr : 0 .. W - 1);
               select (ss : 0 .. S - 1); select (sq : 1 .. STALE_SEQS);
-#ifdef BUG_UNTAGGED_ACK
-              ack_mask[SIX(sr, ss)] = ack_mask[SIX(sr, ss)] | (1 << sd);
-#else
-              if
-              :: ack_tag[SIX(sr, ss)] == TAG(MKGEN(STALE_EPOCH, sq)) ->
-                 ack_mask[SIX(sr, ss)] = ack_mask[SIX(sr, ss)] | (1 << sd)
-              :: else                                   /* CAS fails */
-              fi;
-#endif
+              ack_word[AIX(SIX(sr, ss), sd)] = STALE_WORD(sq);
               sd = 0; sr = 0; ss = 0; sq = 0 }
   :: skip
   fi

@@ -18,7 +18,7 @@ region                    shape, dtype                    written by → read by
 ``meta``                  [S, 4] int64                    owner's route producer → every consumer
 ``route_ready``           [W, S'] int64 (row = 128 B k)   source W's producer (remote SET) → this rank
 ``layout_ready``          [W, S'] int64                   source W's producer (remote SET) → this rank
-``ack``                   [S, 16] int64 (2 words used)    every consumer (remote CAS) → owner's producer
+``ack``                   [S, A] int64 (A = W to a line)  consumer d (remote swap, word d) → owner's producer
 ``consumed``              [S] int64                       owner's producer → owner (host, diagnostics)
 ``cursor``                [W'] int64                      this rank's consumer (next seq per source)
 ``control``               [16] int64                      epoch (host reset), producer's next seq
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.ring.spec import ACK_WORDS_PER_SLOT, FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 
 if TYPE_CHECKING:  # the layout itself is host arithmetic; only views() touches torch
     import torch
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # the layout itself is host arithmetic; only views() touches 
 __all__ = ["RingLayout", "Region", "DESC_FIELDS", "LAYOUT_VERSION", "CONTROL", "STATUS", "META"]
 
 #: Bumped whenever a region or a descriptor field changes; the device refuses other versions.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 LINE = 128
 WORD = 8
 
@@ -101,8 +101,7 @@ class RingLayout:
         S, T, H, K, W = spec.num_slots, spec.tokens_per_slot, spec.hidden, spec.topk, spec.world_size
         fp8 = spec.payload is PayloadFormat.FP8_E4M3
         self.ready_row_words = _round_up(S, LINE // WORD)  # a source's words never share a line with another's
-        self.ack_slot_words = LINE // WORD  # a slot's ack words own their line
-        assert ACK_WORDS_PER_SLOT <= self.ack_slot_words
+        self.ack_slot_words = _round_up(W, LINE // WORD)  # one word per destination; a slot's own lines
         regions = [
             ("x", (S, T, H), "float8_e4m3fn" if fp8 else "bfloat16"),
             ("x_sf", (S, T, H // FP8_SCALE_BLOCK if fp8 else 0), "float32"),

@@ -10,13 +10,11 @@ from dataclasses import dataclass
 
 from chunkring.errors import ChunkringUsageError
 
-__all__ = ["PayloadFormat", "RingSpec", "MAX_WORLD_SIZE", "ACK_BITS_PER_WORD", "FP8_SCALE_BLOCK"]
+__all__ = ["PayloadFormat", "RingSpec", "MAX_WORLD_SIZE", "FP8_SCALE_BLOCK"]
 
-#: Ack words hold a 32-bit generation tag and a 32-bit rank mask (docs/PROTOCOL.md, "Acks"); a slot
-#: carries two of them, so up to 64 destination ranks can acknowledge one chunk.
-ACK_BITS_PER_WORD = 32
-ACK_WORDS_PER_SLOT = 2
-MAX_WORLD_SIZE = ACK_BITS_PER_WORD * ACK_WORDS_PER_SLOT
+#: A consumer tracks the sources still active in one 64-bit mask (protocol/ring.cuh consume_invocation,
+#: kMaxWorldSize); each slot has one ack word per destination rank (docs/PROTOCOL.md, "Acks").
+MAX_WORLD_SIZE = 64
 #: Channels sharing one fp32 scale in the FP8 payload.
 FP8_SCALE_BLOCK = 128
 #: Rows are moved in 16-byte vectors.
@@ -86,7 +84,7 @@ class RingSpec:
                 raise ChunkringUsageError(f"must be an int, got {type(value).__name__}", field=name)
         object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
         _check_range("world_size", self.world_size, 1, MAX_WORLD_SIZE,
-                     f"ack masks hold {MAX_WORLD_SIZE} ranks ({ACK_WORDS_PER_SLOT} words x {ACK_BITS_PER_WORD} bits)")
+                     f"a consumer's source mask holds {MAX_WORLD_SIZE} ranks")
         _check_range("num_slots", self.num_slots, 1, 1 << 16)
         _check_range("tokens_per_slot", self.tokens_per_slot, 1, 1 << 16)
         _check_range("hidden", self.hidden, 1, 1 << 16)
@@ -102,7 +100,7 @@ class RingSpec:
             raise ChunkringUsageError(f"{self.num_experts} experts do not split evenly over {self.world_size} ranks",
                                       field="num_experts")
         _check_range("topk", self.topk, 1, min(self.num_experts, 32))
-        # The seq field must hold every lap of an epoch, and the ack tag needs 16 bits of each field.
+        # The seq field must hold every lap of an epoch; epoch_bits >= 16 leaves room for 65,535 resets.
         _check_range("epoch_bits", self.epoch_bits, 16, 32)
         _check_range("laps_per_epoch", self.laps_per_epoch, 1, self.max_laps,
                      f"{self.seq_bits}-bit lap field (64 - epoch_bits)")

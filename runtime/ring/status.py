@@ -64,7 +64,7 @@ class Site(enum.IntEnum):
 _WHAT: dict[int, str] = {
     Site.WAIT_ROUTE: "waiting for source {peer}'s route of slot {slot}",
     Site.WAIT_LAYOUT: "waiting for source {peer}'s layout of slot {slot}",
-    Site.WAIT_REUSABLE: "waiting for every rank's ack of slot {slot} (ack word {peer})",
+    Site.WAIT_REUSABLE: "waiting for rank {peer}'s ack of slot {slot}",
     Site.ACK: "acknowledging source {peer}'s slot {slot}",
     Site.PAYLOAD: "checking source {peer}'s slot {slot}",
     Site.DESCRIPTOR: "checking the ring descriptor",
@@ -109,14 +109,9 @@ class StatusRecord:
             return "no error"
         where = _WHAT.get(self.site, "at site {site}").format(peer=self.peer, slot=self.slot, site=self.site)
         code = self.code.name if isinstance(self.code, ErrorCode) else self.code
-        if self.site in (Site.WAIT_REUSABLE, Site.ACK):  # ack words: tag:32 | rank mask:32
-            word = self.peer if self.site == Site.WAIT_REUSABLE else 0
-            values = f"expected {_ack(self.expected)}, observed {_ack(self.observed)}"
-            missing = [word * 32 + bit for bit in range(32) if (self.expected & ~self.observed) >> bit & 1]
-            if self.site == Site.WAIT_REUSABLE and missing and self.expected >> 32 == self.observed >> 32:
-                values += f"; no ack yet from rank(s) {missing}"
-        else:
-            values = f"expected {_gen(self.expected, epoch_bits)}, observed {_gen(self.observed, epoch_bits)}"
+        # every word a protocol error names holds a generation - ack words too (one per destination):
+        # at WAIT_REUSABLE the one the owner waits for, at ACK the one the consumer's swap should replace
+        values = f"expected {_gen(self.expected, epoch_bits)}, observed {_gen(self.observed, epoch_bits)}"
         return f"PE {self.pe}: {code} while {where}: {values} ({self.count} error(s) recorded)"
 
 
@@ -182,6 +177,3 @@ def _gen(value: int, epoch_bits: int) -> str:
     seq_bits = 64 - epoch_bits
     return f"0x{value:x} (epoch {value >> seq_bits}, lap field {value & ((1 << seq_bits) - 1)})"
 
-
-def _ack(value: int) -> str:
-    return f"tag 0x{value >> 32:08x} mask 0x{value & 0xFFFFFFFF:08x}"

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 __all__ = ["MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "StressLibrary", "StressPlan"]
 
 #: protocol/mutants.cuh Mutant values (append-only): the protocol's, which the stress suite must catch.
-MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4}
+MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4,
+           "ack_any_generation": 7}
 #: The consumer-input mutant (protocol/validate.cuh checks off): caught by tests/gpu/test_fuzz_inputs.py,
 #: and the baseline that benchmarks/bench_input_checks.py measures the checks' cost against.
 NO_INPUT_CHECKS = 5
@@ -93,6 +94,27 @@ class StressLibrary:
         self.runtime.barrier()
         plan = StressPlan(np.full((1, ring.spec.world_size), tokens, dtype=np.int32))
         self.run_stress(ring, plan, seed=11, max_delay_ns=50_000_000)
+        torch.cuda.synchronize()
+        return ring.status()
+
+    def run_stale_ack(self, ring: Ring, tokens: int) -> StatusRecord:
+        """Reset ``ring`` (one slot), then let a late ack of the previous epoch (its lap 0's generation) land in
+        every destination's ack word of this rank's slot 0 before anyone acks; every rank publishes ``tokens``
+        rows, more than a slot holds, so each owner waits for the acks of its chunk 0 before reusing the
+        slot. Returns this rank's status record: the real protocol never counts the stale word - an owner
+        that polls it reports STALE_EPOCH, a consumer whose swap replaces it ACK_TAG_MISMATCH. A collective.
+        """
+        import torch
+
+        if ring.spec.num_slots != 1 or tokens <= ring.spec.tokens_per_slot:
+            raise ChunkringUsageError("needs a one-slot ring and more tokens than a slot holds", field="tokens")
+        ring.reset()
+        stale = ((ring.epoch - 1) << (64 - ring.spec.epoch_bits)) | 1
+        ring.views["ack"][0, : ring.spec.world_size] = stale
+        torch.cuda.synchronize()
+        self.runtime.barrier()
+        plan = StressPlan(np.full((1, ring.spec.world_size), tokens, dtype=np.int32))
+        self.run_stress(ring, plan, seed=13, max_delay_ns=0)
         torch.cuda.synchronize()
         return ring.status()
 

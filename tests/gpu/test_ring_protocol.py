@@ -1,7 +1,7 @@
 """The ring protocol on the GPU: >=10,000 self-describing chunks per configuration through the real
 device API, with ring wrap, random delays on both sides, both publish orders, zero-token and
-whole-empty ranks, 1 and 2 slots, several launches (replays) per epoch, stale signals of an old
-epoch, and a message-passing litmus under memory stress. Runs with 1 rank or under mpirun."""
+whole-empty ranks, 1 and 2 slots, several launches (replays) per epoch, stale signals and stale acks
+of an old epoch, and a message-passing litmus under memory stress. Runs with 1 rank or under mpirun."""
 
 import numpy as np
 import pytest
@@ -84,6 +84,19 @@ def test_stale_signal_of_an_old_epoch_is_reported_not_accepted(runtime, stress):
     record = stress.run_stale_epoch(ring, TOKENS_PER_SLOT)
     assert record.code == ErrorCode.STALE_EPOCH, record.describe()
     with pytest.raises(ChunkringRuntimeError, match="STALE_EPOCH"):
+        ring.check()
+    runtime.barrier()
+    ring.destroy()
+
+
+def test_stale_ack_of_an_old_epoch_is_reported_not_counted(runtime, stress):
+    # One-swap acks: an ack word holding the previous epoch's generation is never taken for this epoch's
+    # ack; whichever side meets it first reports it (the owner polling it, or the consumer whose swap
+    # replaces it), on every rank, since every rank owns a poisoned slot and acks every source's chunk 0.
+    ring = make_ring(runtime, 1, timeout_s=5.0)
+    record = stress.run_stale_ack(ring, 2 * TOKENS_PER_SLOT)
+    assert record.code in (ErrorCode.STALE_EPOCH, ErrorCode.ACK_TAG_MISMATCH), record.describe()
+    with pytest.raises(ChunkringRuntimeError, match="STALE_EPOCH|ACK_TAG_MISMATCH"):
         ring.check()
     runtime.barrier()
     ring.destroy()

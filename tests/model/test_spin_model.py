@@ -12,9 +12,12 @@ Rules pinned (property names as in ring.pml):
                                  only after every destination read q-S
                                  (BUG_NO_ACK_WAIT breaks it)
   NO_ABA                         accepted ready words belong to chunk (r, q)
-  ACKS_RIGHT_GEN                 the ack CAS is tagged with (epoch, seq): a full
-                                 mask is made of acks of q-S of this epoch
-                                 (BUG_UNTAGGED_ACK + a late epoch-1 ack breaks it)
+  ACKS_RIGHT_GEN                 one ack word per (slot, destination), swapped to
+                                 gen(q): every word P1 or the drain accepts was
+                                 written by that destination's ack of q, this epoch
+                                 (BUG_UNTAGGED_ACK, the kAckAnyGeneration mutant,
+                                 breaks it with a late epoch-1 ack and, without
+                                 stale messages, with the previous lap's ack)
   STALE_NEVER_ACCEPTED           the epoch in the generation rejects late
                                  epoch-1 SETs (BUG_NO_EPOCH breaks it)
   COMPLETION                     every chunk consumed, no deadlock, no ERROR

@@ -2,7 +2,9 @@
 by the stress suite. A clean run of the real protocol proves little unless these fail.
 
 Scenarios: `no_ack_wait` - one slot, a fast producer and slow consumers, so reuse before the acks
-overwrites unread chunks; `ignore_epoch` - stale ready words of an old epoch after a reset;
+overwrites unread chunks; `ack_any_generation` - the same run: from lap 2 on, every ack word still
+holds the previous lap's generation, which the mutant counts, so the slot is reused unread;
+`ignore_epoch` - stale ready words of an old epoch after a reset;
 `no_release_fence` / `no_acquire_fence` - the ring stress under memory stress plus the cross-PE
 message-passing litmus (two ranks or more). The mutation score is the share of
 test_mutant_is_caught cases that pass. These run after the GPU suite (scripts/gpu_suite.sh): a mutant
@@ -52,7 +54,7 @@ def scenario(runtime, mutant: str) -> list:
     lib = StressLibrary(runtime, mutant)
     rng = np.random.default_rng(7)
     caught = []
-    if mutant in ("no_ack_wait", "none"):
+    if mutant in ("no_ack_wait", "ack_any_generation", "none"):
         ring = _ring(runtime, 1)
         plan = StressPlan(np.full((200, runtime.world_size), 3 * T, dtype=np.int32))
         caught.append(_stress_fails(runtime, lib, ring, plan, seed=1, max_delay_ns=20_000))

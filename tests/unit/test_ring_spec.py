@@ -1,5 +1,6 @@
-"""RingSpec rejects every impossible or unsafe shape with the field named: world sizes past the ack
-mask (63/64/65), generation fields too narrow for the laps, misaligned rows, uneven expert splits."""
+"""RingSpec rejects every impossible or unsafe shape with the field named: world sizes past the
+consumer's 64-bit source mask (63/64/65), generation fields too narrow for the laps, misaligned rows,
+uneven expert splits."""
 
 import pytest
 from hypothesis import given, settings
@@ -22,13 +23,13 @@ def test_good_spec():
 
 
 @pytest.mark.parametrize("world,ok", [(63, True), (64, True), (65, False)])
-def test_ack_mask_width(world, ok):
+def test_source_mask_width(world, ok):
     if ok:
         spec(world_size=world, num_experts=world * 4)
     else:
         with pytest.raises(ChunkringUsageError) as info:
             spec(world_size=world, num_experts=world * 4)
-        assert info.value.field == "world_size" and "ack" in str(info.value)
+        assert info.value.field == "world_size" and "64" in str(info.value)
 
 
 @pytest.mark.parametrize("changes,field", [

@@ -1,5 +1,5 @@
 """Status records decode into messages that say who is stuck: ready-word generations with their epoch
-and lap, ack words with their tag, mask and the ranks whose ack is missing."""
+and lap, ack words (one per destination, holding the generation it acknowledged) the same way."""
 
 import re
 import struct
@@ -22,12 +22,12 @@ def test_no_error():
     assert record().ok and record().describe() == "no error"
 
 
-def test_ack_timeout_names_the_missing_ranks():
-    r = record(code=ErrorCode.TIMEOUT, site=Site.WAIT_REUSABLE, pe=0, peer=1, slot=3,
-               expected=(0x00010001 << 32) | 0b1011, observed=(0x00010001 << 32) | 0b0001, count=1)
+def test_ack_timeout_names_the_missing_rank():
+    r = record(code=ErrorCode.TIMEOUT, site=Site.WAIT_REUSABLE, pe=0, peer=33, slot=3,
+               expected=(1 << 48) | 2, observed=(1 << 48) | 1, count=1)
     text = r.describe()
-    assert "TIMEOUT" in text and "slot 3" in text and "ack word 1" in text
-    assert "no ack yet from rank(s) [33, 35]" in text
+    assert "PE 0: TIMEOUT while waiting for rank 33's ack of slot 3" in text
+    assert "expected 0x1000000000002 (epoch 1, lap field 2)" in text and "(epoch 1, lap field 1)" in text
 
 
 def test_stale_epoch_shows_both_epochs():

@@ -2,7 +2,8 @@
 // Facts from NVSHMEM 3.4.5's headers (nvshmemi_signal_op in non_abi/device/common/
 // nvshmemi_common_device.cuh; the wait and the AMOs in device/nvshmem_defines.h): signal SET is a plain
 // volatile store and ADD a relaxed atomicAdd_system — neither fences; signal_wait_until is a volatile
-// spin with no acquire after it (NVIDIA/nvshmem#75); atomic_or is a relaxed atomicOr_system. Callers
+// spin with no acquire after it (NVIDIA/nvshmem#75); atomic_or is a relaxed atomicOr_system, atomic_swap
+// a relaxed atomicExch_system (device/nvshmem_defines.h, the P2P path). Callers
 // add the fences; see protocol/.
 #pragma once
 
@@ -27,9 +28,10 @@ __device__ __forceinline__ void atomic_or_relaxed(u64* word, u64 bits, int pe) {
     nvshmem_uint64_atomic_or(word, bits, pe);
 }
 
-// Relaxed remote compare-and-swap; returns the value found. NOTES: a release fence must precede it.
-__device__ __forceinline__ u64 atomic_cas_relaxed(u64* word, u64 expected, u64 desired, int pe) {
-    return nvshmem_uint64_atomic_compare_swap(word, expected, desired, pe);
+// Relaxed remote swap: stores `value`, returns the value it replaced (a fetching AMO: complete at
+// `pe` when it returns). NOTES: a release fence must precede it.
+__device__ __forceinline__ u64 atomic_swap_relaxed(u64* word, u64 value, int pe) {
+    return nvshmem_uint64_atomic_swap(word, value, pe);
 }
 
 }  // namespace chunkring::comm

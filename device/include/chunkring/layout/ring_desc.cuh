@@ -9,7 +9,7 @@ namespace chunkring::layout {
 
 using u64 = ::cuda::std::uint64_t;
 
-constexpr u64 kRingLayoutVersion = 1;  // == runtime/ring/layout.py LAYOUT_VERSION
+constexpr u64 kRingLayoutVersion = 2;  // == runtime/ring/layout.py LAYOUT_VERSION
 
 struct RingDesc {
     u64 layout_version;   // kRingLayoutVersion
@@ -86,8 +86,9 @@ __device__ __forceinline__ u64* route_ready_word(const RingDesc& d, u64 src, u64
 __device__ __forceinline__ u64* layout_ready_word(const RingDesc& d, u64 src, u64 slot) {
     return region<u64>(d, d.off_layout_ready) + src * d.ready_row_words + slot;
 }
-__device__ __forceinline__ u64* ack_word(const RingDesc& d, u64 slot, u64 word) {
-    return region<u64>(d, d.off_ack) + slot * d.ack_slot_words + word;
+// Destination `dest`'s ack word of `slot` (rules.cuh: one word per destination, holding a generation).
+__device__ __forceinline__ u64* ack_word(const RingDesc& d, u64 slot, u64 dest) {
+    return region<u64>(d, d.off_ack) + slot * d.ack_slot_words + dest;
 }
 __device__ __forceinline__ u64* consumed_word(const RingDesc& d, u64 slot) { return region<u64>(d, d.off_consumed) + slot; }
 __device__ __forceinline__ u64* cursor_word(const RingDesc& d, u64 src) { return region<u64>(d, d.off_cursor) + src; }

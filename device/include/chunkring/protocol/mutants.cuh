@@ -1,5 +1,5 @@
 // Deliberately broken protocol variants, for negative controls only. Each removes exactly one rule, and
-// a GPU test must catch every one: 1-4 (ring.cuh, rules.cuh) tests/stress/test_mutants.py; 5 and 6 the
+// a GPU test must catch every one: 1-4 and 7 (ring.cuh, rules.cuh) tests/stress/test_mutants.py; 5 and 6 the
 // tests of the kernels that rely on those rules (runtime/testing/stress.py names them).
 // Values are append-only; production builds never define the macro.
 #pragma once
@@ -18,6 +18,7 @@ enum class Mutant : unsigned {
     kIgnoreEpoch = 4,     // wait: generations are compared without their epoch
     kNoInputChecks = 5,   // consume: slot values used as counts, indices and scales unchecked (validate.cuh)
     kNoDeferredAck = 6,   // consume: an ack the caller defers is sent at once, before what it was deferred for
+    kAckAnyGeneration = 7,  // reuse: an ack word counts whatever generation it holds (rules.cuh classify_acked)
 };
 
 constexpr Mutant kMutant = static_cast<Mutant>(CHUNKRING_MUTANT);

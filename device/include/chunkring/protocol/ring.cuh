@@ -6,8 +6,8 @@
 //   slot payload + meta of source r ........ r's producer (local stores), read by every consumer
 //   route_ready[r][s], layout_ready[r][s] ... r's producer, by remote SET into each destination's
 //                                            own buffer, so every consumer spins on local memory
-//   ack[s] words of owner r ................. r's producer arms them (tag, empty mask) before
-//                                            publishing; each consumer d sets bit d by remote CAS
+//   ack[s][d] words of owner r .............. consumer d alone, by one remote swap writing the
+//                                            generation it acknowledges; r's producer polls them
 //   consumed[s], control[next_seq] .......... r's producer;  cursor[src] ... this rank's consumer
 //   control[epoch] .......................... the host, in the collective reset, between kernels
 #pragma once
@@ -43,21 +43,27 @@ __device__ __forceinline__ bool block_agree(bool thread0_ok) {
 
 // ---------------------------------------------------------------- producer (owner of the slot)
 
-// Thread 0 only: wait until every destination acknowledged chunk `seq` (the ack words of its slot
-// carry seq's generation tag and the full mask).
-// Orders: every consumer's reads of chunk `seq` (their release fence + CAS) happen-before our
-// acquire fence, hence before whatever the caller does next with the slot.
+// Thread 0 only: wait until every destination acknowledged chunk `seq` (each destination's ack word
+// of its slot holds seq's generation). A word of another epoch, or of a later lap, is an error, never
+// accepted. Orders: every consumer's reads of chunk `seq` (their release fence + swap) happen-before
+// our acquire fence, hence before whatever the caller does next with the slot.
 __device__ __forceinline__ bool wait_acked(const RingDesc& d, u64 epoch, u64 seq) {
     const u64 slot = slot_of(seq, d.num_slots), gen = gen_of(d, epoch, seq);
-    const u32 bits = epoch_bits(d), words = ack_words_used(static_cast<u32>(d.world_size));
-    for (u32 w = 0; w < words; ++w) {
-        const u64 want = ack_value(ack_tag(gen, bits), ack_full_mask(w, static_cast<u32>(d.world_size)));
-        u64* word = ack_word(d, slot, w);
+    const u32 bits = epoch_bits(d);
+    // One timeout for the whole wait, however many words it polls (as for the one-word ack mask before).
+    const u64 deadline = ptx::globaltimer_ns() + d.timeout_ns;
+    for (u64 dest = 0; dest < d.world_size; ++dest) {
+        const u64* word = ack_word(d, slot, dest);
         // NOTES: relaxed polling; the acquire fence below orders what follows.
-        const bool ok = spin_until(d, Site::kWaitReusable, w, slot, want, [&](u64& observed) {
+        const bool ok = spin_until(d, Site::kWaitReusable, dest, slot, gen, [&](u64& observed) {
             observed = ptx::ld_relaxed_sys(word);
-            return observed == want ? 1 : 0;
-        });
+            switch (classify_acked(observed, gen, bits)) {
+                case GenState::kReady: return 1;
+                case GenState::kNotYet: return 0;
+                case GenState::kStaleEpoch: record_error(d, ErrorCode::kStaleEpoch, Site::kWaitReusable, dest, slot, gen, observed); return -1;
+                default: record_error(d, ErrorCode::kGenerationAhead, Site::kWaitReusable, dest, slot, gen, observed); return -1;
+            }
+        }, deadline);
         if (!ok) return false;
     }
     ptx::fence_acq_rel_sys();  // acquire: consumers' reads (and what they wrote for us) before our next step
@@ -65,12 +71,13 @@ __device__ __forceinline__ bool wait_acked(const RingDesc& d, u64 epoch, u64 seq
 }
 
 // Before writing chunk `seq` into its slot: wait until every destination acknowledged the chunk
-// that last used the slot (seq - S), then arm the slot's ack words for `seq`.
+// that last used the slot (seq - S). Nothing is armed: each destination's ack word already holds
+// gen(seq - S), the value its ack of seq must replace.
 __device__ __forceinline__ bool begin_chunk(const RingDesc& d, u64 epoch, u64 seq) {
     bool ok = true;
     if (threadIdx.x == 0) {
         const u64 slot = slot_of(seq, d.num_slots), lap = lap_of(seq, d.num_slots);
-        const u32 bits = epoch_bits(d), words = ack_words_used(static_cast<u32>(d.world_size));
+        const u32 bits = epoch_bits(d);
         if (!lap_fits(lap, bits)) {
             record_error(d, ErrorCode::kLapOverflow, Site::kPublish, d.my_pe, slot, seq_mask(bits) - 1, lap);
             ok = false;
@@ -79,12 +86,6 @@ __device__ __forceinline__ bool begin_chunk(const RingDesc& d, u64 epoch, u64 se
             ok = wait_acked(d, epoch, seq - d.num_slots);
             // NOTES: relaxed - diagnostic for the host, read after the kernel ends.
             if (ok) ptx::st_relaxed_sys(consumed_word(d, slot), gen_of(d, epoch, seq - d.num_slots));
-        }
-        if (ok) {
-            const u32 tag = ack_tag(gen_of(d, epoch, seq), bits);
-            // NOTES: relaxed - the release fence in publish() orders these before any consumer can
-            // see the chunk, hence before any consumer's CAS on them.
-            for (u32 w = 0; w < words; ++w) ptx::st_relaxed_sys(ack_word(d, slot, w), ack_value(tag, 0));
         }
     }
     return block_agree(ok);
@@ -166,33 +167,25 @@ __device__ __forceinline__ const T* peer_view(const RingDesc& d, const T* local,
     return static_cast<const T*>(nvshmem_ptr(local, static_cast<int>(src)));
 }
 
-// Give chunk `seq` of source `src` back: after every thread finished reading it, set our bit in
-// the owner's ack word - by compare-and-swap, only if the word is armed for this very generation.
-// Orders: the block's reads -> __syncthreads -> system-scope release fence -> remote CAS.
+// Give chunk `seq` of source `src` back: after every thread finished reading it, write its generation
+// into our ack word of the slot at the owner - one remote atomic swap, whatever the world size - and
+// check what it replaced: our ack of the slot's previous lap (0 on lap 0). Our own generation there is
+// a double ack; anything else (another epoch's value, a missing ack) an ack of the wrong generation.
+// Both are reported; neither can make the owner count an ack it did not get, since the owner accepts
+// only gen(seq) itself in every destination's word.
+// Orders: the block's reads -> __syncthreads -> system-scope release fence -> remote swap.
 __device__ __forceinline__ bool ack_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq) {
     __syncthreads();
     bool ok = true;
     if (threadIdx.x == 0) {
-        const u64 slot = slot_of(seq, d.num_slots);
-        const u32 me = static_cast<u32>(d.my_pe), bit = ack_bit_of(me);
-        const u32 tag = ack_tag(gen_of(d, epoch, seq), epoch_bits(d));
-        u64* word = ack_word(d, slot, ack_word_of(me));
+        const u64 slot = slot_of(seq, d.num_slots), gen = gen_of(d, epoch, seq);
+        const u64 prev = ack_prev_gen(epoch, seq, d.num_slots, epoch_bits(d));
         ptx::fence_acq_rel_sys();  // release: our reads of the slot before the owner may reuse it
-        u64 current = ack_value(tag, 0);
-        for (;;) {
-            const u64 found = comm::atomic_cas_relaxed(word, current, current | bit, static_cast<int>(src));
-            if (found == current) break;
-            if (ack_value_tag(found) != tag) {
-                record_error(d, ErrorCode::kAckTagMismatch, Site::kAck, src, slot, ack_value(tag, bit), found);
-                ok = false;
-                break;
-            }
-            if (ack_value_mask(found) & bit) {
-                record_error(d, ErrorCode::kDoubleAck, Site::kAck, src, slot, ack_value(tag, bit), found);
-                ok = false;
-                break;
-            }
-            current = found;  // another destination's bit landed first: retry with it included
+        const u64 replaced = comm::atomic_swap_relaxed(ack_word(d, slot, d.my_pe), gen, static_cast<int>(src));
+        switch (classify_ack(replaced, gen, prev)) {
+            case AckState::kFirst: break;
+            case AckState::kDouble: record_error(d, ErrorCode::kDoubleAck, Site::kAck, src, slot, prev, replaced); ok = false; break;
+            default: record_error(d, ErrorCode::kAckTagMismatch, Site::kAck, src, slot, prev, replaced); ok = false; break;
         }
         // NOTES: relaxed - only this consumer reads its cursor, in later chunk steps or kernels.
         if (ok) ptx::st_relaxed_sys(cursor_word(d, src), seq + 1);

@@ -41,27 +41,28 @@ __host__ __device__ constexpr GenState classify_gen(u64 observed, u64 expected, 
                                                                                     : GenState::kAhead;
 }
 
-// Ack words: [tag:32 | mask:32]. The tag names the generation being acknowledged (16 low bits of
-// the epoch, 16 low bits of the lap field): the owner arms the word with it before publishing, and a
-// consumer sets its bit only if the tag matches (compare-and-swap), so no ack can be counted for
-// another generation - not one from an aborted epoch, not one from another lap.
-constexpr u32 kAckBitsPerWord = 32;
-constexpr u32 kAckWordsPerSlot = 2;
-constexpr u32 kMaxWorldSize = kAckBitsPerWord * kAckWordsPerSlot;  // == runtime/ring/spec.py MAX_WORLD_SIZE
-__host__ __device__ constexpr u32 ack_tag(u64 gen, u32 epoch_bits) {
-    return static_cast<u32>(((gen_epoch(gen, epoch_bits) & 0xffffu) << 16) | (gen_lap_field(gen, epoch_bits) & 0xffffu));
+// Ack words: one per (slot, destination) at the slot's owner, holding the full generation of the
+// chunk that destination last acknowledged in that slot (0 after a reset). Destination d acknowledges
+// chunk seq by one remote atomic swap writing gen(seq) into its own word, and checks the value it
+// replaced: it must be the generation d acknowledged there one lap before (ack_prev_gen). The owner
+// accepts chunk seq's slot back only when every destination's word holds exactly gen(seq) (compared
+// with classify_gen, like a ready word), so no ack can be counted for another generation - not one from
+// an aborted epoch, not one from another lap - and each ack costs one remote atomic at any world size.
+constexpr u32 kMaxWorldSize = 64;  // == runtime/ring/spec.py MAX_WORLD_SIZE (consume_invocation's u64 mask)
+__host__ __device__ constexpr u64 ack_prev_gen(u64 epoch, u64 seq, u64 num_slots, u32 epoch_bits) {
+    return seq < num_slots ? 0 : make_gen(epoch, lap_of(seq - num_slots, num_slots), epoch_bits);
 }
-__host__ __device__ constexpr u64 ack_value(u32 tag, u32 mask) { return (static_cast<u64>(tag) << 32) | mask; }
-__host__ __device__ constexpr u32 ack_value_tag(u64 value) { return static_cast<u32>(value >> 32); }
-__host__ __device__ constexpr u32 ack_value_mask(u64 value) { return static_cast<u32>(value); }
-__host__ __device__ constexpr u32 ack_word_of(u32 rank) { return rank / kAckBitsPerWord; }
-__host__ __device__ constexpr u32 ack_bit_of(u32 rank) { return 1u << (rank % kAckBitsPerWord); }
-__host__ __device__ constexpr u32 ack_words_used(u32 world_size) { return (world_size + kAckBitsPerWord - 1) / kAckBitsPerWord; }
-// All destination ranks whose bits live in ack word `word` (every rank consumes every chunk).
-__host__ __device__ constexpr u32 ack_full_mask(u32 word, u32 world_size) {
-    const u32 first = word * kAckBitsPerWord;
-    const u32 count = world_size <= first ? 0 : (world_size - first >= kAckBitsPerWord ? kAckBitsPerWord : world_size - first);
-    return count == kAckBitsPerWord ? 0xffffffffu : ((1u << count) - 1u);
+// What the value an ack's swap replaced says about that ack of generation `gen`.
+enum class AckState : u32 { kFirst = 0, kDouble = 1, kUnexpected = 2 };
+__host__ __device__ constexpr AckState classify_ack(u64 replaced, u64 gen, u64 prev_gen) {
+    if constexpr (kMutant == Mutant::kAckAnyGeneration) return AckState::kFirst;
+    if (replaced == prev_gen) return AckState::kFirst;
+    return replaced == gen ? AckState::kDouble : AckState::kUnexpected;
+}
+// The owner's test of one destination's ack word for chunk generation `gen` (P1).
+__host__ __device__ constexpr GenState classify_acked(u64 observed, u64 gen, u32 epoch_bits) {
+    if constexpr (kMutant == Mutant::kAckAnyGeneration) return observed != 0 ? GenState::kReady : GenState::kNotYet;
+    return classify_gen(observed, gen, epoch_bits);
 }
 
 // ---- boundaries pinned: checked by every kernel build ----
@@ -75,9 +76,11 @@ static_assert(kMutant != Mutant::kNone || classify_gen(make_gen(3, 3, 16), make_
 static_assert(kMutant != Mutant::kNone || classify_gen(make_gen(3, 5, 16), make_gen(3, 4, 16), 16) == GenState::kAhead);
 static_assert(kMutant != Mutant::kNone || classify_gen(make_gen(2, 4, 16), make_gen(3, 4, 16), 16) == GenState::kStaleEpoch);
 static_assert(kMutant != Mutant::kNone || classify_gen(make_gen(4, 0, 16), make_gen(3, 4, 16), 16) == GenState::kStaleEpoch);
-static_assert(ack_tag(make_gen(1, 0, 16), 16) == 0x00010001u && ack_tag(make_gen(1, 0x10000, 16), 16) == 0x00010001u);
-static_assert(ack_full_mask(0, 1) == 1u && ack_full_mask(0, 32) == 0xffffffffu && ack_full_mask(1, 32) == 0u);
-static_assert(ack_full_mask(1, 33) == 1u && ack_full_mask(1, 64) == 0xffffffffu && ack_words_used(33) == 2);
-static_assert(ack_word_of(31) == 0 && ack_word_of(32) == 1 && ack_bit_of(33) == 2u);
-
+static_assert(ack_prev_gen(3, 1, 2, 16) == 0 && ack_prev_gen(3, 2, 2, 16) == make_gen(3, 0, 16));
+static_assert(ack_prev_gen(3, 5, 2, 16) == make_gen(3, 1, 16));
+static_assert(kMutant != Mutant::kNone || classify_ack(0, make_gen(3, 0, 16), 0) == AckState::kFirst);
+static_assert(kMutant != Mutant::kNone || classify_ack(make_gen(3, 1, 16), make_gen(3, 1, 16), make_gen(3, 0, 16)) == AckState::kDouble);
+static_assert(kMutant != Mutant::kNone || classify_ack(make_gen(2, 0, 16), make_gen(3, 0, 16), 0) == AckState::kUnexpected);
+static_assert(kMutant != Mutant::kNone || classify_acked(make_gen(3, 0, 16), make_gen(3, 1, 16), 16) == GenState::kNotYet);
+static_assert(kMutant != Mutant::kNone || classify_acked(make_gen(2, 1, 16), make_gen(3, 1, 16), 16) == GenState::kStaleEpoch);
 }  // namespace chunkring::protocol

@@ -19,12 +19,12 @@ enum class ErrorCode : unsigned long long {
     kTimeout = 1,          // a wait outlasted desc.timeout_ns
     kStaleEpoch = 2,       // a ready word carried another epoch's generation
     kGenerationAhead = 3,  // a ready word carried a later lap than expected: a slot was overwritten unread
-    kAckTagMismatch = 4,   // an ack word was armed for another generation
+    kAckTagMismatch = 4,   // an ack's swap replaced another generation than its previous-lap ack (name kept)
     kBadDescriptor = 5,    // layout version or descriptor size differ between host and device
     kLapOverflow = 6,      // the lap field is exhausted: reset the epoch
     kPayloadMismatch = 7,  // (test kernels) a row did not hold what its producer wrote
     kPeerUnreachable = 8,  // a peer's slot is not load/store reachable from here
-    kDoubleAck = 9,        // an ack bit was already set for this generation
+    kDoubleAck = 9,        // an ack word already held this generation
     kBadMetadata = 10,     // retired: malformed slot metadata is now masked and reported (validate.cuh)
 };
 
@@ -72,9 +72,12 @@ __device__ __forceinline__ bool check_descriptor(const RingDesc& d) {
 // The one bounded spin: calls `poll(observed)` until it returns 1 (done) or -1 (it recorded an error).
 // Gives up, returning false, when this rank already has an error or after desc.timeout_ns - then it
 // records a timeout naming the site, peer, slot and the last value observed. Caller: one thread.
+// `deadline` (globaltimer ns, 0: now + desc.timeout_ns) lets one timeout bound several spins of one
+// wait (wait_acked's, destination by destination).
 template <typename Poll>
-__device__ __forceinline__ bool spin_until(const RingDesc& d, Site site, u64 peer, u64 slot, u64 expected, Poll poll) {
-    const u64 deadline = ptx::globaltimer_ns() + d.timeout_ns;
+__device__ __forceinline__ bool spin_until(const RingDesc& d, Site site, u64 peer, u64 slot, u64 expected, Poll poll,
+                                           u64 deadline = 0) {
+    if (deadline == 0) deadline = ptx::globaltimer_ns() + d.timeout_ns;
     u64 observed = 0;
     for (u32 round = 0;; ++round) {
         const int verdict = poll(observed);  // 1 done, 0 keep waiting, -1 poll recorded an error

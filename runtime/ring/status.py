@@ -13,6 +13,7 @@ from chunkring.errors import (
     ChunkringInputError,
     ChunkringPeerAbortedError,
     ChunkringTimeoutError,
+    ChunkringUsageError,
 )
 from chunkring.ring.layout import STATUS
 
@@ -197,7 +198,8 @@ class AbortRecord:
         fits = (0 <= epoch < 1 << (64 - ABORT_CODE_BITS - ABORT_ORIGIN_BITS) and 0 <= origin < 1 << ABORT_ORIGIN_BITS
                 and 0 < int(code) < 1 << ABORT_CODE_BITS)
         if not fits:
-            raise ValueError(f"epoch {epoch}, origin {origin} or code {code} does not fit the abort word")
+            raise ChunkringUsageError(f"epoch {epoch}, origin {origin} or code {code} does not fit the abort word",
+                                      field="abort")
         return cls(int(epoch) << (ABORT_CODE_BITS + ABORT_ORIGIN_BITS) | origin << ABORT_CODE_BITS | int(code))
 
     @property

@@ -14,6 +14,7 @@ from chunkring.errors import (
     ChunkringPeerAbortedError,
     ChunkringRuntimeError,
     ChunkringTimeoutError,
+    ChunkringUsageError,
 )
 from chunkring.ring.layout import STATUS
 from chunkring.ring.ring import check_epochs_agree
@@ -114,9 +115,9 @@ def test_abort_word_round_trips_every_field():
         assert AbortRecord.from_word(a.word - (1 << 64) if a.word >> 63 else a.word) == a  # torch's signed view
     assert not AbortRecord.from_word(0).raised
     for epoch, origin in ((1, 256), (1 << 48, 0)):
-        with pytest.raises(ValueError):
+        with pytest.raises(ChunkringUsageError):
             AbortRecord.make(epoch, origin, ErrorCode.TIMEOUT)
-    with pytest.raises(ValueError):
+    with pytest.raises(ChunkringUsageError):
         AbortRecord.make(1, 0, ErrorCode.NONE)  # a raised word is never 0
 
 

@@ -7,7 +7,8 @@ wrong stream, a destroyed object). Raised before any GPU work starts.
 ``ChunkringDeviceError`` carries the record a kernel wrote (a failed check, a bad peer value), and
 ``ChunkringTimeoutError`` the record of a device watchdog that fired: who waited, where, for whom, on
 which slot, what it expected and what it last saw; ``ChunkringInputError`` the first malformed value a
-consumer masked (docs/PROTOCOL.md, "What a consumer trusts").
+consumer masked (docs/PROTOCOL.md, "What a consumer trusts"); ``ChunkringPeerAbortedError`` that another
+rank of the ring failed first (its rank and error code), which is why this rank's kernels stopped.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the ring layer sits above this module: annotations only
-    from chunkring.ring.status import InputRecord, StatusRecord
+    from chunkring.ring.status import AbortRecord, ErrorCode, InputRecord, StatusRecord
 
 __all__ = ["ChunkringError", "ChunkringUsageError", "ChunkringRuntimeError", "ChunkringDeviceError",
-           "ChunkringInputError", "ChunkringTimeoutError", "NoGpuError"]
+           "ChunkringInputError", "ChunkringPeerAbortedError", "ChunkringTimeoutError", "NoGpuError"]
 
 
 class ChunkringError(Exception):
@@ -40,7 +41,7 @@ class ChunkringRuntimeError(ChunkringError, RuntimeError):
 class ChunkringDeviceError(ChunkringRuntimeError):
     """A kernel recorded an error; ``record`` is the :class:`chunkring.ring.status.StatusRecord`."""
 
-    def __init__(self, message: str, record: StatusRecord | InputRecord) -> None:
+    def __init__(self, message: str, record: StatusRecord | InputRecord | AbortRecord) -> None:
         super().__init__(message)
         self.record = record
 
@@ -53,6 +54,19 @@ class ChunkringInputError(ChunkringDeviceError):
     """A consumer masked malformed slot contents (an out-of-range expert, a NaN scale, an impossible
     count): the call completed by the documented masking rule, but its output is not what the caller
     meant. ``record`` is the :class:`chunkring.ring.status.InputRecord` of the first such value."""
+
+
+class ChunkringPeerAbortedError(ChunkringDeviceError):
+    """Another rank of the ring recorded an error, and its abort word stopped this rank's waits (or would
+    stop the next): ``origin_rank`` names that rank, ``code`` its error, ``epoch`` the ring's epoch then;
+    ``record`` is the :class:`chunkring.ring.status.AbortRecord`. This rank did not fail on its own: look at
+    the origin's report. The ring needs a :meth:`chunkring.Ring.reset` (a collective) like any failure."""
+
+    def __init__(self, message: str, record: AbortRecord) -> None:
+        super().__init__(message, record)
+        self.origin_rank: int = record.origin
+        self.code: ErrorCode | int = record.code
+        self.epoch: int = record.epoch
 
 
 class NoGpuError(ChunkringRuntimeError):

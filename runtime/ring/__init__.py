@@ -7,9 +7,10 @@ from chunkring.ring.io import GatherOutputs, gather, gather_grid_limit, publish_
 from chunkring.ring.layout import RingLayout
 from chunkring.ring.ring import Ring
 from chunkring.ring.spec import FP8_SCALE_BLOCK, MAX_WORLD_SIZE, PayloadFormat, RingSpec
-from chunkring.ring.status import ErrorCode, InputField, InputRecord, Site, StatusRecord
+from chunkring.ring.status import AbortRecord, ErrorCode, InputField, InputRecord, Site, StatusRecord
 
 __all__ = [
+    "AbortRecord",
     "FP8_SCALE_BLOCK",
     "MAX_WORLD_SIZE",
     "ErrorCode",

@@ -22,7 +22,8 @@ region                    shape, dtype                    written by → read by
 ``consumed``              [S] int64                       owner's producer → owner (host, diagnostics)
 ``cursor``                [W'] int64                      this rank's consumer (next seq per source)
 ``control``               [16] int64                      epoch (host reset), producer's next seq
-``status``                [16] int64                      first error seen by this rank's kernels, first masked input
+``status``                [16] int64                      first error seen by this rank's kernels, first masked input;
+                                                          the abort word (any rank's first error, remote CAS)
 ========================  ==============================  =============================================
 
 ``meta`` per slot: ``[token_base, num_tokens, flags, reserved]``; flags bit 0 = end of stream.
@@ -53,7 +54,7 @@ CONTROL = {"epoch": 0, "next_seq": 1}
 #: Index of each word of the ``status`` region (see device/include/chunkring/protocol/status.cuh).
 STATUS = {"code": 0, "pe": 1, "peer": 2, "slot": 3, "expected": 4, "observed": 5, "site": 6, "count": 7,
           "input_field": 8, "input_source": 9, "input_slot": 10, "input_row": 11, "input_column": 12,
-          "input_value": 13, "input_count": 14}
+          "input_value": 13, "input_count": 14, "abort": 15}
 #: Index of each word of a slot's ``meta`` row.
 META = {"token_base": 0, "num_tokens": 1, "flags": 2}
 META_EOS = 1

@@ -12,16 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.env import check_timeout_s, check_work_queues, watchdog_timeout_s
-from chunkring.errors import (
-    ChunkringDeviceError,
-    ChunkringInputError,
-    ChunkringRuntimeError,
-    ChunkringTimeoutError,
-    ChunkringUsageError,
-)
+from chunkring.errors import ChunkringInputError, ChunkringRuntimeError, ChunkringUsageError
 from chunkring.ring.layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
 from chunkring.ring.spec import RingSpec
-from chunkring.ring.status import ErrorCode, InputRecord, StatusRecord
+from chunkring.ring.status import AbortRecord, InputRecord, StatusRecord, status_error
 
 if TYPE_CHECKING:
     from chunkring.bringup import Runtime
@@ -71,15 +65,19 @@ class Ring:
         return int(self.views["control"][CONTROL["epoch"]].item())
 
     def reset(self) -> None:
-        """Start a new epoch: zero every generation, ack, cursor and status word, and bump the epoch.
+        """Start a new epoch: zero every generation, ack, cursor and status word (the abort word too), and
+        bump the epoch.
 
         A collective, between kernels. Any signal or ack still in flight from the previous epoch (an
-        aborted run) carries the old epoch and can never satisfy a wait of the new one.
+        aborted run) carries the old epoch and can never satisfy a wait of the new one. Every rank must be
+        in the same epoch (a rank that missed a reset is not): otherwise every rank raises
+        ``ChunkringRuntimeError`` naming each rank's epoch, before anything is zeroed.
         """
         self._check_alive()
         torch.cuda.synchronize(self.runtime.torch_device)
-        self.runtime.barrier()  # every rank's kernels of the old epoch have ended
+        self.runtime.barrier()  # every rank's kernels of the old epoch have ended (their aborts landed)
         epoch = int(self.views["control"][CONTROL["epoch"]].item()) + 1
+        check_epochs_agree(self.runtime.allgather_object(epoch - 1))  # the same list, so the same verdict, everywhere
         if epoch >= 1 << self.spec.epoch_bits:
             raise ChunkringRuntimeError(f"epoch field exhausted after {epoch - 1} resets; allocate a new Ring")
         for name in ("route_ready", "layout_ready", "ack", "consumed", "cursor", "control", "status", "meta"):
@@ -106,20 +104,26 @@ class Ring:
         self._check_alive()
         return InputRecord.from_words(self.views["status"].tolist(), self.runtime.rank)
 
+    def abort_status(self) -> AbortRecord:
+        """This rank's abort word: which rank of the ring failed first in this epoch, with which error, if
+        any did (synchronises the device)."""
+        self._check_alive()
+        return AbortRecord.from_word(int(self.views["status"][STATUS["abort"]].item()))
+
     def check(self) -> None:
         """Raise if any kernel of this rank recorded an error: ``ChunkringTimeoutError`` for a watchdog,
-        ``ChunkringDeviceError`` for another protocol error (both leave the ring to :meth:`reset`), or
-        ``ChunkringInputError`` if a consumer masked malformed slot contents (the ring stays usable; the
-        report is cleared once raised). Each carries the decoded record as ``.record``."""
-        record, masked = self.status(), self.input_status()
-        if not record.ok:
-            kind = ChunkringTimeoutError if record.code == ErrorCode.TIMEOUT else ChunkringDeviceError
-            also = f"; also {masked.describe()}" if not masked.ok else ""
-            raise kind(record.describe(self.spec.epoch_bits) + also, record)
-        if not masked.ok:
+        ``ChunkringDeviceError`` for another protocol error of this rank, ``ChunkringPeerAbortedError``
+        when another rank failed first (``origin_rank``, ``code``: raised whether or not a wait of this rank
+        saw it) - all three leave the ring to :meth:`reset` - or ``ChunkringInputError`` if a consumer
+        masked malformed slot contents (the ring stays usable; the report is cleared once raised). Each
+        carries the decoded record as ``.record``."""
+        self._check_alive()
+        error = status_error(self.views["status"].tolist(), rank=self.runtime.rank, epoch_bits=self.spec.epoch_bits)
+        if isinstance(error, ChunkringInputError):
             self.views["status"][STATUS["input_field"]:STATUS["input_count"] + 1].zero_()
             torch.cuda.synchronize(self.runtime.torch_device)
-            raise ChunkringInputError(masked.describe(), masked)
+        if error is not None:
+            raise error
 
     def destroy(self) -> None:
         """Free the ring's symmetric memory. A collective."""
@@ -133,6 +137,15 @@ class Ring:
 
     def __exit__(self, *exc: object) -> None:
         self.destroy()
+
+
+def check_epochs_agree(epochs: list[int]) -> None:
+    """Every rank's ring epoch, in rank order: raise ``ChunkringRuntimeError`` naming them unless all are
+    equal (a rank that missed a reset would accept nothing its peers publish, and they nothing of its)."""
+    if len(set(epochs)) > 1:
+        by_rank = ", ".join(f"rank {rank}: {epoch}" for rank, epoch in enumerate(epochs))
+        raise ChunkringRuntimeError(f"ranks disagree on the ring's epoch ({by_rank}): every rank must call "
+                                    f"reset() together; allocate a new Ring to recover")
 
 
 def _check_identical(runtime: Runtime, value: object) -> None:

@@ -1,4 +1,5 @@
-"""Decode the status record protocol kernels leave in a ring (device/include/chunkring/protocol/status.cuh)."""
+"""Decode the status record protocol kernels leave in a ring (device/include/chunkring/protocol/status.cuh),
+and map it to the exception ``Ring.check`` raises (:func:`status_error`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from chunkring.errors import (
+    ChunkringDeviceError,
+    ChunkringInputError,
+    ChunkringPeerAbortedError,
+    ChunkringTimeoutError,
+    ChunkringUsageError,
+)
 from chunkring.ring.layout import STATUS
 
-__all__ = ["ErrorCode", "InputField", "InputRecord", "Site", "StatusRecord"]
+__all__ = ["AbortRecord", "ErrorCode", "InputField", "InputRecord", "Site", "StatusRecord", "status_error"]
 
 
 class ErrorCode(enum.IntEnum):
@@ -26,6 +34,7 @@ class ErrorCode(enum.IntEnum):
     PEER_UNREACHABLE = 8
     DOUBLE_ACK = 9
     BAD_METADATA = 10  # retired: malformed metadata is masked and reported as an InputRecord
+    PEER_ABORTED = 11  # a wait stopped because a rank of the ring recorded an error (the abort word names it)
 
 
 class InputField(enum.IntEnum):
@@ -104,11 +113,19 @@ class StatusRecord:
     def ok(self) -> bool:
         return self.code == ErrorCode.NONE
 
+    @property
+    def cause(self) -> ErrorCode | int:
+        """The error that started it: this record's own code, or for ``PEER_ABORTED`` the code the failed
+        rank recorded (the abort word in ``observed``)."""
+        return AbortRecord.from_word(self.observed).code if self.code == ErrorCode.PEER_ABORTED else self.code
+
     def describe(self, epoch_bits: int = 16) -> str:
         if self.ok:
             return "no error"
         where = _WHAT.get(self.site, "at site {site}").format(peer=self.peer, slot=self.slot, site=self.site)
         code = self.code.name if isinstance(self.code, ErrorCode) else self.code
+        if self.code == ErrorCode.PEER_ABORTED:  # `observed` holds the abort word that stopped the wait
+            return f"PE {self.pe}: {code} while {where}: {AbortRecord.from_word(self.observed).describe()}"
         # every word a protocol error names holds a generation - ack words too (one per destination):
         # at WAIT_REUSABLE the one the owner waits for, at ACK the one the consumer's swap should replace
         values = f"expected {_gen(self.expected, epoch_bits)}, observed {_gen(self.observed, epoch_bits)}"
@@ -156,6 +173,80 @@ class InputRecord:
         cell = f" row {self.row} column {self.column}" if self.field in (InputField.TOPK_IDX, InputField.X_SF) else ""
         return (f"PE {self.pe}: malformed {name} in {where}{cell}: {self.shown_value()!r} "
                 f"({_MASKED_AS.get(self.field, 'masked')}; {self.count} value(s) masked in all)")
+
+
+#: Field widths of the abort word (protocol/status.cuh kAbortCodeBits, kAbortOriginBits).
+ABORT_CODE_BITS = 8
+ABORT_ORIGIN_BITS = 8
+
+
+@dataclass(frozen=True)
+class AbortRecord:
+    """The abort word of a ring at one rank: the first error any rank of the ring recorded in the epoch
+    (``word == 0``: none). Layout, as protocol/status.cuh ``make_abort``: [63:16] epoch, [15:8] origin
+    rank, [7:0] error code."""
+
+    word: int
+
+    @classmethod
+    def from_word(cls, word: int) -> AbortRecord:
+        return cls(int(word) & ((1 << 64) - 1))
+
+    @classmethod
+    def make(cls, epoch: int, origin: int, code: ErrorCode | int) -> AbortRecord:
+        """The word rank ``origin`` raises for ``code`` in ``epoch`` (the device's ``make_abort``)."""
+        fits = (0 <= epoch < 1 << (64 - ABORT_CODE_BITS - ABORT_ORIGIN_BITS) and 0 <= origin < 1 << ABORT_ORIGIN_BITS
+                and 0 < int(code) < 1 << ABORT_CODE_BITS)
+        if not fits:
+            raise ChunkringUsageError(f"epoch {epoch}, origin {origin} or code {code} does not fit the abort word",
+                                      field="abort")
+        return cls(int(epoch) << (ABORT_CODE_BITS + ABORT_ORIGIN_BITS) | origin << ABORT_CODE_BITS | int(code))
+
+    @property
+    def raised(self) -> bool:
+        return self.word != 0
+
+    @property
+    def origin(self) -> int:
+        return self.word >> ABORT_CODE_BITS & ((1 << ABORT_ORIGIN_BITS) - 1)
+
+    @property
+    def code(self) -> ErrorCode | int:
+        return _enum_or_int(ErrorCode, self.word & ((1 << ABORT_CODE_BITS) - 1))
+
+    @property
+    def epoch(self) -> int:
+        return self.word >> (ABORT_CODE_BITS + ABORT_ORIGIN_BITS)
+
+    def describe(self) -> str:
+        if not self.raised:
+            return "no rank aborted"
+        code = self.code.name if isinstance(self.code, ErrorCode) else self.code
+        return f"rank {self.origin} recorded {code} (epoch {self.epoch}) and aborted the ring"
+
+
+def status_error(words: Iterable[int], *, rank: int, epoch_bits: int = 16) -> ChunkringDeviceError | None:
+    """The error ``Ring.check`` raises for one rank's status words, or ``None``. In order: this rank's own
+    error - ``ChunkringTimeoutError`` for a watchdog, ``ChunkringDeviceError`` otherwise; then a peer's
+    abort - ``ChunkringPeerAbortedError`` naming the rank that failed, whether or not a wait of this rank
+    saw it; then the first masked input - ``ChunkringInputError``."""
+    w = _unsigned(words)
+    record, masked = StatusRecord.from_words(w), InputRecord.from_words(w, rank)
+    abort = AbortRecord.from_word(w[STATUS["abort"]])
+    also = f"; also {masked.describe()}" if not masked.ok else ""
+    if not record.ok and record.code != ErrorCode.PEER_ABORTED:  # this rank failed
+        if abort.raised and abort.origin != rank:
+            also += f"; rank {abort.origin}'s abort ({abort.describe()}) reached this rank first"
+        kind = ChunkringTimeoutError if record.code == ErrorCode.TIMEOUT else ChunkringDeviceError
+        return kind(record.describe(epoch_bits) + also, record)
+    if record.code == ErrorCode.PEER_ABORTED or abort.raised:  # a peer failed
+        seen = AbortRecord.from_word(record.observed) if record.code == ErrorCode.PEER_ABORTED else abort
+        stopped = record.describe(epoch_bits) if not record.ok else f"PE {rank}: {seen.describe()}"
+        return ChunkringPeerAbortedError(f"{stopped}; this rank did not fail itself (see rank {seen.origin}'s "
+                                         f"report; reset() to continue){also}", seen)
+    if not masked.ok:
+        return ChunkringInputError(masked.describe(), masked)
+    return None
 
 
 def _unsigned(words: Iterable[int]) -> list[int]:

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from chunkring import ChunkringTimeoutError, MoEConfig, MoELayer, Ring, RingSpec, SmPartition
+from chunkring import ChunkringPeerAbortedError, ChunkringTimeoutError, MoEConfig, MoELayer, Ring, RingSpec, SmPartition
 from chunkring.ring.io import GatherOutputs, gather, gather_grid_limit, publish_chunk
 from chunkring.ring.spec import PayloadFormat
-from chunkring.ring.status import Site
+from chunkring.ring.status import ErrorCode, Site
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, tolerance, weights
 from tests.gpu.test_ring_host_api import K, T, source_tensors
@@ -131,7 +131,9 @@ def test_consumer_filling_the_gpu_without_a_partition_starves_the_producer(runti
 
 
 def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
-    """Also: the watchdog limit set for one call (``set_timeout``) is the one that fires."""
+    """Also: the watchdog limit set for one call (``set_timeout``) is the one that fires. The first consumer
+    whose watchdog fires aborts the ring, so a peer still waiting reports ``ChunkringPeerAbortedError``
+    naming that consumer - its own record still names the wait and the silent rank."""
     W = runtime.world_size
     with make_ring(runtime, 1, timeout_s=60.0) as ring:
         out = GatherOutputs(ring, T)
@@ -142,11 +144,16 @@ def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
         gather(ring, out)
         torch.cuda.synchronize()
         assert time.monotonic() - start < 20, "the 2 s limit set for this call did not apply"
-        with pytest.raises(ChunkringTimeoutError) as info:
+        with pytest.raises((ChunkringTimeoutError, ChunkringPeerAbortedError)) as info:
             ring.check()
-        record = info.value.record
-        assert (record.pe, record.site, record.peer, record.slot, record.observed) == (
-            runtime.rank, Site.WAIT_ROUTE, 0, 0, 0), record
+        record = ring.status()
+        assert (record.pe, record.site, record.peer, record.slot) == (runtime.rank, Site.WAIT_ROUTE, 0, 0), record
+        timed_out = runtime.allgather_object(record.code == ErrorCode.TIMEOUT)
+        if isinstance(info.value, ChunkringPeerAbortedError):
+            assert info.value.code == ErrorCode.TIMEOUT and timed_out[info.value.origin_rank], info.value
+        else:
+            assert record.observed == 0, record
+        assert any(timed_out)
         runtime.barrier()
         ring.reset()
         ring.set_timeout(60.0)

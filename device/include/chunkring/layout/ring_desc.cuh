@@ -54,6 +54,9 @@ enum StatusWord : u64 {
     kStatusInputField = 8, kStatusInputSource = 9, kStatusInputSlot = 10, kStatusInputRow = 11,
     kStatusInputColumn = 12, kStatusInputValue = 13,
     kStatusInputCount = 14,
+    // The abort word: the first error any rank of this ring recorded in the epoch, written by that rank
+    // into every rank's word (protocol/status.cuh raise_abort); 0 while none has.
+    kStatusAbort = 15,
 };
 enum MetaWord : u64 { kMetaTokenBase = 0, kMetaNumTokens = 1, kMetaFlags = 2, kMetaWords = 4 };
 constexpr u64 kMetaEndOfStream = 1;

@@ -10,6 +10,8 @@
 //                                            generation it acknowledges; r's producer polls them
 //   consumed[s], control[next_seq] .......... r's producer;  cursor[src] ... this rank's consumer
 //   control[epoch] .......................... the host, in the collective reset, between kernels
+//   status[abort] ........................... the first rank to fail, by remote CAS into every rank's word
+//                                            (status.cuh raise_abort); every spin_until polls its own
 #pragma once
 
 #include "chunkring/comm/signal.cuh"

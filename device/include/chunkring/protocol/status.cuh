@@ -2,10 +2,11 @@
 // status region (code, PE, peer, slot, expected and observed values, site) and printed once; the
 // kernel then returns instead of trapping, so the host can read the record and raise
 // (runtime/ring/status.py) and the CUDA context stays usable. Every spin-wait also stops once its rank
-// has an error, so one failure ends the whole kernel quickly.
+// has an error, so one failure ends the whole kernel quickly - and, through the abort word every rank
+// of the ring holds, every peer's kernels too (raise_abort, spin_until).
 #pragma once
 
-
+#include "chunkring/comm/signal.cuh"
 #include "chunkring/layout/ring_desc.cuh"
 #include "chunkring/ptx/ordering.cuh"
 
@@ -26,12 +27,29 @@ enum class ErrorCode : unsigned long long {
     kPeerUnreachable = 8,  // a peer's slot is not load/store reachable from here
     kDoubleAck = 9,        // an ack word already held this generation
     kBadMetadata = 10,     // retired: malformed slot metadata is now masked and reported (validate.cuh)
+    kPeerAborted = 11,     // a wait stopped because a rank of the ring recorded an error (the abort word names it)
 };
 
 // Where a wait or check happened; append-only, mirrored by runtime/ring/status.py Site.
 enum class Site : unsigned long long {
     kNone = 0, kWaitRoute = 1, kWaitLayout = 2, kWaitReusable = 3, kAck = 4, kPayload = 5, kDescriptor = 6, kPublish = 7,
 };
+
+// The abort word (status word kStatusAbort): [63:16] the epoch, [15:8] the rank that failed, [7:0] its
+// error code - never 0 once raised, since a recorded code is never kNone. Mirrored by
+// runtime/ring/status.py AbortRecord. Wide enough: epochs have at most 32 bits (RingSpec.epoch_bits),
+// ranks are < 64 and codes append-only below 256.
+constexpr u64 kAbortCodeBits = 8, kAbortOriginBits = 8;
+constexpr __host__ __device__ u64 make_abort(u64 epoch, u64 origin, ErrorCode code) {
+    return epoch << (kAbortCodeBits + kAbortOriginBits) | origin << kAbortCodeBits | static_cast<u64>(code);
+}
+constexpr __host__ __device__ u64 abort_origin(u64 word) { return word >> kAbortCodeBits & ((1ull << kAbortOriginBits) - 1); }
+constexpr __host__ __device__ u64 abort_code(u64 word) { return word & ((1ull << kAbortCodeBits) - 1); }
+constexpr __host__ __device__ u64 abort_epoch(u64 word) { return word >> (kAbortCodeBits + kAbortOriginBits); }
+static_assert(abort_origin(make_abort(0xffffffffull, 63, ErrorCode::kTimeout)) == 63, "origin field holds every rank");
+static_assert(abort_epoch(make_abort(0xffffffffull, 63, ErrorCode::kTimeout)) == 0xffffffffull, "epoch field holds 32 bits");
+static_assert(abort_code(make_abort(1, 0, ErrorCode::kPeerAborted)) == 11, "code field holds every code");
+static_assert(make_abort(0, 0, ErrorCode::kTimeout) != 0, "a raised abort is never 0");
 
 __device__ __forceinline__ bool has_error(const RingDesc& d) {
     // NOTES: relaxed is enough - this only makes a spin stop early; the record itself is read by the
@@ -48,6 +66,26 @@ __device__ __forceinline__ bool claim_first_record(const RingDesc& d, layout::St
     return atomicCAS(reinterpret_cast<unsigned long long*>(layout::status_word(d, code_word)), 0ull, code) == 0ull;
 }
 
+// This rank's abort word: non-zero once some rank of the ring (this one included) recorded an error.
+// NOTES: relaxed, local - peers write it with a remote atomic; a wait needs only to see it eventually,
+// and reads nothing of the failed rank because of it.
+__device__ __forceinline__ u64 abort_word(const RingDesc& d) {
+    return ptx::ld_relaxed_sys(layout::status_word(d, layout::kStatusAbort));
+}
+
+// Tell every rank of the ring, this one too, that this rank failed: one compare-and-swap from 0 into each
+// rank's abort word, so at every rank the first error of the epoch wins. NOTES: relaxed, no fence - an
+// abort carries no payload (a peer only stops waiting; it reads nothing of ours because of it), so eventual
+// visibility is all it needs. The swap is fetching, so it has landed at every rank before this returns,
+// hence before the kernel ends and before any reset can zero the words (docs/PROTOCOL.md).
+__device__ __noinline__ void raise_abort(const RingDesc& d, ErrorCode code) {
+    // NOTES: relaxed - the host wrote the epoch in the reset, stream-ordered before this kernel began.
+    const u64 epoch = ptx::ld_relaxed_sys(layout::control_word(d, layout::kControlEpoch));
+    const u64 word = make_abort(epoch, d.my_pe, code);
+    for (u64 pe = 0; pe < d.world_size; ++pe)
+        comm::atomic_cas_relaxed(layout::status_word(d, layout::kStatusAbort), 0, word, static_cast<int>(pe));
+}
+
 __device__ __noinline__ void record_error(const RingDesc& d, ErrorCode code, Site site, u64 peer, u64 slot,
                                           u64 expected, u64 observed) {
     using namespace layout;
@@ -61,6 +99,9 @@ __device__ __noinline__ void record_error(const RingDesc& d, ErrorCode code, Sit
     *status_word(d, kStatusSite) = static_cast<u64>(site);
     printf("chunkring: PE %llu error %llu at site %llu: peer %llu slot %llu expected 0x%llx observed 0x%llx\n",
            d.my_pe, code_value, static_cast<u64>(site), peer, slot, expected, observed);
+    // A peer's abort is not re-raised (its origin told every rank already); a descriptor this device does not
+    // understand names no peer list to trust.
+    if (code != ErrorCode::kPeerAborted && code != ErrorCode::kBadDescriptor) raise_abort(d, code);
 }
 
 __device__ __forceinline__ bool check_descriptor(const RingDesc& d) {
@@ -70,8 +111,9 @@ __device__ __forceinline__ bool check_descriptor(const RingDesc& d) {
 }
 
 // The one bounded spin: calls `poll(observed)` until it returns 1 (done) or -1 (it recorded an error).
-// Gives up, returning false, when this rank already has an error or after desc.timeout_ns - then it
-// records a timeout naming the site, peer, slot and the last value observed. Caller: one thread.
+// Gives up, returning false, when this rank already has an error; when a peer raised the abort word - then
+// it records kPeerAborted (observed: the abort word, which names the failed rank); or after desc.timeout_ns -
+// then it records a timeout naming the site, peer, slot and the last value observed. Caller: one thread.
 // `deadline` (globaltimer ns, 0: now + desc.timeout_ns) lets one timeout bound several spins of one
 // wait (wait_acked's, destination by destination).
 template <typename Poll>
@@ -84,6 +126,12 @@ __device__ __forceinline__ bool spin_until(const RingDesc& d, Site site, u64 pee
         if (verdict != 0) return verdict > 0;
         if ((round & 63u) == 63u) {
             if (has_error(d)) return false;
+            // Every 64th poll, with the error word and the timer: one more local load per 64 keeps the
+            // poll loop's traffic what it was, and still stops within microseconds of a peer's abort.
+            if (const u64 abort = abort_word(d)) {
+                record_error(d, ErrorCode::kPeerAborted, site, peer, slot, expected, abort);
+                return false;
+            }
             if (ptx::globaltimer_ns() > deadline) {
                 record_error(d, ErrorCode::kTimeout, site, peer, slot, expected, observed);
                 return false;

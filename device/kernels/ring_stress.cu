@@ -168,6 +168,8 @@ __device__ bool consume_and_check(const RingDesc& d, u64 epoch, u64 seed, u32 ma
 // consumed from r (the host compares with the plan). stress: scratch words hammered by the stress blocks
 // until every consumer block finished; stress[0] counts the finished consumer blocks.
 // arrivals [world_size * num_slots] (zeroed; null when consumer_blocks is 1): the multi-block consumer's counts.
+// A multi-block consumer runs one invocation per launch: each block reads the cursors when its invocation
+// starts, which is safe only before any block can arrive and advance them (consume_invocation).
 extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, int invocations, u64 seed,
                                        unsigned max_delay_ns, unsigned long long* received, u64* stress, u64 stress_words,
                                        CHUNKRING_NULLABLE unsigned* arrivals, int consumer_blocks) {

@@ -75,7 +75,9 @@ class StressLibrary:
                    consumer_blocks: int = 1, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """Enqueue one ring_stress launch; returns the ``received`` tensor [world_size] (tokens per source).
         ``consumer_blocks`` > 1: every consumer block checks every chunk and the last one to finish it
-        acknowledges it (ring.cuh finish_chunk: the multi-block consumer)."""
+        acknowledges it (ring.cuh finish_chunk: the multi-block consumer). Such a consumer reads its cursors
+        once per kernel (consume_invocation: before any block can arrive and advance them), so the plan must
+        then hold one invocation; the ring still wraps within it."""
         import torch
 
         if plan.tokens.ndim != 2 or plan.tokens.shape[1] != ring.spec.world_size:
@@ -84,6 +86,8 @@ class StressLibrary:
             raise ChunkringUsageError("must be in [0, 128]", field="stress_blocks")
         if not 1 <= consumer_blocks <= 16:  # every block of the grid resident at once, whatever the rank count
             raise ChunkringUsageError("must be in [1, 16]", field="consumer_blocks")
+        if consumer_blocks > 1 and plan.tokens.shape[0] != 1:
+            raise ChunkringUsageError("a multi-block consumer runs one invocation per launch", field="plan")
         device = self.runtime.torch_device
         plan_dev = torch.from_numpy(np.ascontiguousarray(plan.tokens, dtype=np.int32)).to(device)
         received = torch.zeros(ring.spec.world_size, dtype=torch.int64, device=device)

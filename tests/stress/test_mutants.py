@@ -6,8 +6,9 @@ overwrites unread chunks; `ack_any_generation` - the same run: from lap 2 on, ev
 holds the previous lap's generation, which the mutant counts, so the slot is reused unread;
 `no_ack_release` / `no_ack_acquire` (the fences around an ack: the consumer's before its swap, the
 owner's after its wait) - the same run, where every slot is reused the moment its acks land;
-`no_arrival_fences` - the same run with a 4-block consumer, each block checking every chunk after its own
-random delay, the last to finish acknowledging it (ring.cuh finish_chunk);
+`no_arrival_fences` - a 4-block consumer, each block checking every chunk after its own random delay, the
+last to finish acknowledging it (ring.cuh finish_chunk), over one slot reused 150 times per launch (a
+multi-block consumer runs one invocation per launch);
 `ignore_epoch` - stale ready words of an old epoch after a reset;
 `no_release_fence` / `no_acquire_fence` / `gpu_scope_fences` (the publish release and the wait acquire
 removed, or both at GPU scope) - the ring stress under memory stress plus the cross-PE message-passing
@@ -71,7 +72,14 @@ def scenario(runtime, mutant: str) -> list:
         ring.destroy()
     if mutant in ("no_arrival_fences", "none"):
         ring = _ring(runtime, 1)
-        caught.append(_stress_fails(runtime, lib, ring, fast_reuse, seed=2, max_delay_ns=20_000, consumer_blocks=4))
+        one_long_invocation = StressPlan(np.full((1, runtime.world_size), 150 * T, dtype=np.int32))
+        for launch in range(3):
+            fails = _stress_fails(runtime, lib, ring, one_long_invocation, seed=2 + launch, max_delay_ns=20_000,
+                                  consumer_blocks=4)
+            failures = _collective_any(runtime, fails)
+            caught.extend(failures)
+            if failures:  # every rank stops together: the next launch must pair across ranks
+                break
         runtime.barrier()
         ring.destroy()
     if mutant in ("ignore_epoch", "none"):

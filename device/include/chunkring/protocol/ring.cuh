@@ -233,8 +233,9 @@ __device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 s
         if constexpr (kMutant != Mutant::kNoArrivalFences) ptx::fence_acq_rel_gpu();
         last = atomicAdd(count, 1u) == gridDim.x - 1;
         if (last) {
-            // acquire: every other block's reads before the ack (the RMW chain on `count` makes every
-            // earlier arrival's release visible); ack_chunk's system-scope release is cumulative over them.
+            // acquire, at GPU scope like the releases it pairs with: every other block's reads before the ack
+            // (the RMW chain on `count` makes every earlier arrival's release visible); ack_chunk's
+            // system-scope release is then cumulative over them.
             if constexpr (kMutant != Mutant::kNoArrivalFences) ptx::fence_acq_rel_gpu();
             *count = 0;  // nobody touches it again before our ack lets the slot be reused
         }

@@ -3,6 +3,7 @@ target is then the documented CPU fallback, sm_90), and the on-disk cache is key
 input - source, header, macro, any other option, architecture - recompiles and an unchanged one does not."""
 
 import dataclasses
+import struct
 
 import pytest
 
@@ -74,12 +75,40 @@ MUTANT_KERNELS = [
 _VALUE = {**MUTANTS, "no_input_checks": NO_INPUT_CHECKS, "no_held_ack": NO_HELD_ACK, "no_push_release": NO_PUSH_RELEASE}
 
 
+def kernel_code(cubin: bytes) -> dict[str, bytes]:
+    """The machine code of each kernel in a cubin (ELF64: its ``.text.<kernel>`` sections). The whole file
+    differs with any macro, used or not, so only the code says whether a mutant reached a kernel."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i):  # name offset, file offset, size
+        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize)
+        return name, offset, size
+
+    names = section(shstrndx)[1]
+    code = {}
+    for i in range(shnum):
+        name, offset, size = section(i)
+        title = cubin[names + name:cubin.index(b"\0", names + name)].decode()
+        if title.startswith(".text."):
+            code[title] = cubin[offset:offset + size]
+    return code
+
+
+def test_an_unused_mutant_leaves_the_code_alone():
+    # the control for the test below: moe_experts reads only kNoPushRelease
+    real = kernel_code(bytes(build("moe_experts").object_code.code))
+    assert ".text.moe_combine_push" in real
+    assert kernel_code(bytes(build("moe_experts", defines={"CHUNKRING_MUTANT": MUTANTS["no_ack_release"]})
+                             .object_code.code)) == real
+
+
 @pytest.mark.parametrize("mutant,kernel", MUTANT_KERNELS)
 def test_each_mutant_builds_a_different_kernel(mutant, kernel):
     # A mutant that compiles to the real kernel's code would make its negative control prove nothing.
-    real = bytes(build(kernel).object_code.code)
-    broken = bytes(build(kernel, defines={"CHUNKRING_MUTANT": _VALUE[mutant]}).object_code.code)
-    assert broken[:4] == b"\x7fELF" and broken != real
+    real = kernel_code(bytes(build(kernel).object_code.code))
+    broken = kernel_code(bytes(build(kernel, defines={"CHUNKRING_MUTANT": _VALUE[mutant]}).object_code.code))
+    assert broken.keys() == real.keys() and broken != real
 
 
 def test_the_key_covers_the_architecture_and_every_option():

@@ -21,12 +21,17 @@
 
 #include <cuda/std/cstdint>
 
+#include "chunkring/protocol/mutants.cuh"
+#include "chunkring/ptx/ordering.cuh"
 #include "chunkring/util/copy.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
 namespace {
 
 namespace util = chunkring::util;
+namespace ptx = chunkring::ptx;
+using chunkring::protocol::kMutant;
+using chunkring::protocol::Mutant;
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
@@ -192,12 +197,14 @@ extern "C" __global__ void moe_swiglu_bf16(const __nv_bfloat16* gate_up, const i
 // and rounded to bf16 - the precision of the layer's output, which the source's reduction over k
 // (fp32 accumulation) keeps - goes to its source's combine buffer [capacity * K, H] at token * K + k.
 // peer_combine [W]: each source's combine buffer as this GPU addresses it (load/store reachable peers,
-// checked by the layer at construction). Stream order puts moe_ack_held after this kernel, and its
-// system-scope release orders these stores before the acknowledgement the source waits for.
+// checked by the layer at construction). pushed [1] (zeroed before the launch): every block, once its
+// stores are released, adds 1; moe_ack_held (moe_stream.cu) acquires the count - every block's arrival -
+// before it acknowledges the held chunks, so each source's owner sees these rows once it sees the ack
+// (docs/PROTOCOL.md, "The MoE layer on the ring").
 extern "C" __global__ void moe_combine_push(const __nv_bfloat16* out, const int* row_src, const int* row_token,
                                             const int* row_k, const float* row_weight, const unsigned* counts,
                                             int num_local, int block_m, long long hidden, int topk,
-                                            const unsigned long long* peer_combine) {
+                                            const unsigned long long* peer_combine, unsigned long long* pushed) {
     extern __shared__ unsigned offsets[];
     group_offsets(counts, num_local, block_m, offsets);
     const u64 used = offsets[num_local], H = static_cast<u64>(hidden);
@@ -216,5 +223,14 @@ extern "C" __global__ void moe_combine_push(const __nv_bfloat16* out, const int*
             for (int j = 0; j < 8; ++j) r[j] = __float2bfloat16_rn(__bfloat162float(v[j]) * w);
             *reinterpret_cast<int4*>(to + i) = *reinterpret_cast<const int4*>(r);
         }
+    }
+    __syncthreads();  // every thread's stores before thread 0's fence, which is then cumulative over them
+    if (threadIdx.x == 0) {
+        // release: fence, then the arrival. System scope, although the acquiring thread (moe_ack_held) is on
+        // this GPU: the stores went to other GPUs' memory, where their reader is, and a system-scope fence
+        // orders them at that scope before the arrival, so the edge needs nothing of how the ack's release
+        // composes with a GPU-scope one for another GPU's memory.
+        if constexpr (kMutant != Mutant::kNoPushRelease) ptx::fence_acq_rel_sys();
+        atomicAdd(pushed, 1ull);  // NOTES: relaxed; the fence before it makes it the release
     }
 }

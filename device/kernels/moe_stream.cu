@@ -101,16 +101,31 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
     consume_invocation(d, current_epoch(d), arrivals, hold, visit, acked);
 }
 
-// One block per source rank: acknowledge the chunk moe_pull held for it, if any. Stream order puts
-// this after moe_combine_push (moe_experts.cu), whose stores the ack's system-scope release fence then orders before
-// the acknowledgement (kernel completion orders a kernel's stores before the next kernel in the
-// stream): once its owner sees this ack, every combine row this rank computed for it has landed.
+// One block per source rank: acknowledge the chunk moe_pull held for it, if any, once every block of
+// moe_combine_push (moe_experts.cu) arrived on `pushed` (push_blocks of them). Each arrival follows that
+// block's release of its combine stores; thread 0's relaxed read of the full count, then ack_chunk's
+// system-scope fence, acquire them all, and the same fence is the ack's release, cumulative over them:
+// once its owner sees this ack, every combine row this rank computed for it has landed. Stream order
+// has the push complete already; the count makes the edge explicit instead of resting on kernel
+// completion for another GPU's memory (docs/PROTOCOL.md, "The MoE layer on the ring").
 extern "C" __global__ void moe_ack_held(const RingDesc* desc, const unsigned long long* held,
+                                        const unsigned long long* pushed, long long push_blocks,
                                         CHUNKRING_NULLABLE long long* trace, long long trace_capacity) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     const u64 src = blockIdx.x, seq = held[src];
     if (seq == kNoHeldChunk) return;  // nothing pulled from src (its wait failed and was recorded)
+    bool all_pushed = true;
+    if (threadIdx.x == 0) {
+        const u64 want = static_cast<u64>(push_blocks);
+        const auto* count = reinterpret_cast<const u64*>(pushed);
+        // NOTES: relaxed polling; ack_chunk's fence after it is the acquire.
+        all_pushed = spin_until(d, Site::kWaitPushed, d.my_pe, 0, want, [&](u64& observed) {
+            observed = ptx::ld_relaxed_sys(count);
+            return observed == want ? 1 : 0;
+        });
+    }
+    if (!block_agree(all_pushed)) return;
     // The slot is still ours until the ack: its meta names the chunk for the trace.
     const u64 base = peer_view(d, slot_meta(d, slot_of(seq, d.num_slots)), src)[kMetaTokenBase];
     if (ack_chunk(d, current_epoch(d), src, seq) && threadIdx.x == 0)

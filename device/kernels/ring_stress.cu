@@ -2,7 +2,9 @@
 // protocol (protocol/ring.cuh), with random delays on both sides and memory-stress blocks beside them.
 // Built with CHUNKRING_MUTANT=<n> they run a deliberately broken protocol, which the tests must catch.
 //
-// ring_stress grid: block 0 = this rank's producer, block 1 = its consumer, blocks 2.. = memory stress.
+// ring_stress grid: block 0 = this rank's producer, blocks [1, 1 + consumer_blocks) = its consumer (each
+// block checks every chunk; with more than one, the last to finish a chunk acknowledges it), the rest =
+// memory stress.
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
@@ -138,20 +140,23 @@ __device__ bool check_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, u64 
     return true;
 }
 
-// One invocation through the protocol's consumer loop, every chunk checked word by word.
-__device__ bool consume_and_check(const RingDesc& d, u64 epoch, u64 seed, u32 max_delay_ns, unsigned long long* received) {
+// One invocation through the protocol's consumer loop, every chunk checked word by word by this block.
+// `arrivals` (null for a one-block consumer): finish_chunk's counts, shared by the consumer blocks; the
+// first consumer block counts the tokens received.
+__device__ bool consume_and_check(const RingDesc& d, u64 epoch, u64 seed, u32 max_delay_ns, unsigned* arrivals,
+                                  unsigned long long* received) {
     __shared__ u64 seen[kMaxWorldSize];  // tokens seen per source this invocation: the next token base
     for (u64 s = threadIdx.x; s < d.world_size; s += blockDim.x) seen[s] = 0;
     __syncthreads();
-    return consume_invocation(d, epoch, nullptr, nullptr, [&](u64 src, u64 seq, u64) {
-        random_delay(seed ^ 0x55, src, seq, max_delay_ns);
+    return consume_invocation(d, epoch, arrivals, nullptr, [&](u64 src, u64 seq, u64) {
+        random_delay(seed ^ 0x55 ^ (static_cast<u64>(blockIdx.x) << 48), src, seq, max_delay_ns);
         __syncthreads();
         u64 n = 0;
         if (!check_chunk(d, epoch, src, seq, seen[src], &n)) return false;
         __syncthreads();  // every thread has read seen[src]
         if (threadIdx.x == 0) {
             seen[src] += n;
-            received[src] += n;
+            if (blockIdx.x == 1) received[src] += n;
         }
         return true;
     });
@@ -160,32 +165,57 @@ __device__ bool consume_and_check(const RingDesc& d, u64 epoch, u64 seed, u32 ma
 }  // namespace
 
 // plan[i * world_size + r]: tokens rank r produces in invocation i. received[r]: tokens this rank
-// consumed from r (the host compares with the plan). stress: scratch words hammered by blocks >= 2
-// until the consumer finishes; stress[0] is the stop flag.
+// consumed from r (the host compares with the plan). stress: scratch words hammered by the stress blocks
+// until every consumer block finished; stress[0] counts the finished consumer blocks.
+// arrivals [world_size * num_slots] (zeroed; null when consumer_blocks is 1): the multi-block consumer's counts.
+// A multi-block consumer runs one invocation per launch: each block reads the cursors when its invocation
+// starts, which is safe only before any block can arrive and advance them (consume_invocation).
 extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, int invocations, u64 seed,
-                                       unsigned max_delay_ns, unsigned long long* received, u64* stress, u64 stress_words) {
+                                       unsigned max_delay_ns, unsigned long long* received, u64* stress, u64 stress_words,
+                                       CHUNKRING_NULLABLE unsigned* arrivals, int consumer_blocks) {
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     const u64 epoch = current_epoch(d);
+    const unsigned consumers_end = 1 + static_cast<unsigned>(consumer_blocks);
     if (blockIdx.x == 0) {
         for (int i = 0; i < invocations; ++i)
             if (!produce_invocation(d, epoch, static_cast<u64>(plan[i * d.world_size + d.my_pe]), seed + i, max_delay_ns)) break;
-    } else if (blockIdx.x == 1) {
+    } else if (blockIdx.x < consumers_end) {
         for (int i = 0; i < invocations; ++i)
-            if (!consume_and_check(d, epoch, seed + i, max_delay_ns, received)) break;
+            if (!consume_and_check(d, epoch, seed + i, max_delay_ns, arrivals, received)) break;
         __syncthreads();
-        if (threadIdx.x == 0) ptx::st_relaxed_sys(stress, 1);  // NOTES: relaxed stop flag; stress blocks only poll it
+        // NOTES: relaxed - the count only stops the stress blocks, which poll it.
+        if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(stress), 1ull);
     } else {
-        memory_stress(stress, stress_words, seed, [&] { return ptx::ld_relaxed_sys(stress) != 0 || has_error(d); });
+        memory_stress(stress, stress_words, seed,
+                      [&] { return ptx::ld_relaxed_sys(stress) >= static_cast<u64>(consumer_blocks) || has_error(d); });
     }
 }
 
-// Message-passing litmus across PEs: the writer PE stores data then a flag into the reader PE's
-// memory (release fence between, unless the mutant removes it); the reader sees the flag, fences
-// (acquire), and reads the data. A reader that sees flag i but data < i counts a violation. The data
-// accesses are plain (weak) loads and stores, as payload accesses are: L1 may serve a stale copy
-// unless the acquire fence invalidates it. Blocks [0, mp_blocks) run one message-passing pair per
-// thread, each on its own lines; blocks >= mp_blocks stress memory until every pair block is done.
+// Message-passing litmus across PEs, with the protocol's own publish and wait fences (ring.cuh
+// publish_release_fence, wait_acquire_fence: their mutants remove or weaken them here too). Two
+// directions, each a kernel: litmus_mp (push) - the writer PE stores data then a flag into the reader
+// PE's memory; litmus_mp_pull (the ring's direction) - the writer stores data into its own memory and
+// SETs the flag in the reader's, and the reader loads the data through nvshmem_ptr. Either way the reader
+// sees the flag, fences (acquire), and reads the data; flag i with data < i is a violation. The data
+// accesses are plain (weak) loads and stores, as payload accesses are: L1 may serve a stale copy unless
+// the acquire fence invalidates it. Blocks [0, mp_blocks) run one message-passing pair per thread, each
+// on its own lines (data and flag 128 B apart); blocks >= mp_blocks stress memory until every pair
+// block is done.
+template <typename ReadData>
+__device__ unsigned long long litmus_read(const u64* flag, int iters, ReadData read_data) {
+    unsigned long long bad = 0;
+    const u64 deadline = ptx::globaltimer_ns() + 10ull * 1000 * 1000 * 1000;
+    for (u64 seen = 0; seen < static_cast<u64>(iters) && ptx::globaltimer_ns() < deadline;) {
+        const u64 f = ptx::ld_relaxed_sys(flag);
+        if (f == seen) continue;
+        wait_acquire_fence();
+        bad += read_data() < f;
+        seen = f;
+    }
+    return bad;
+}
+
 __device__ void litmus_lane(u64* lines, int writer, int reader, int iters, unsigned long long* violations) {
     const int me = nvshmem_my_pe();
     const u64 lane = blockIdx.x * blockDim.x + threadIdx.x;
@@ -197,32 +227,59 @@ __device__ void litmus_lane(u64* lines, int writer, int reader, int iters, unsig
         if (remote_data == nullptr) return;
         for (u64 i = 1; i <= static_cast<u64>(iters); ++i) {
             *remote_data = i;  // NOTES: weak data store, like a payload row
-            if constexpr (kMutant != Mutant::kNoReleaseFence) ptx::fence_acq_rel_sys();
+            publish_release_fence();
             ptx::st_relaxed_sys(remote_flag, i);
         }
     } else if (me == reader) {
-        unsigned long long bad = 0;
-        const u64 deadline = ptx::globaltimer_ns() + 10ull * 1000 * 1000 * 1000;
-        for (u64 seen = 0; seen < static_cast<u64>(iters) && ptx::globaltimer_ns() < deadline;) {
-            const u64 f = ptx::ld_relaxed_sys(flag);
-            if (f == seen) continue;
-            if constexpr (kMutant != Mutant::kNoAcquireFence) ptx::fence_acq_rel_sys();
-            const u64 v = *data;  // NOTES: weak data load, like a payload read (may hit a stale L1 line)
-            bad += v < f;
-            seen = f;
-        }
+        // NOTES: weak data load, like a payload read (may hit a stale L1 line)
+        const unsigned long long bad = litmus_read(flag, iters, [&] { return *data; });
         if (bad) atomicAdd(violations, bad);
     }
 }
 
-extern "C" __global__ void litmus_mp(u64* lines, int writer, int reader, int iters, unsigned long long* violations,
-                                     int mp_blocks, u64* stress, u64 stress_words) {
+// The ring's direction: the writer is a producer filling its own slot and publishing it (P3), the
+// reader a consumer observing the ready word in its own memory (C1) and reading the slot through
+// nvshmem_ptr (peer_view).
+__device__ void litmus_pull_lane(u64* lines, int writer, int reader, int iters, unsigned long long* violations) {
+    const int me = nvshmem_my_pe();
+    const u64 lane = blockIdx.x * blockDim.x + threadIdx.x;
+    u64* data = lines + lane * 32;
+    u64* flag = data + 16;
+    if (me == writer) {
+        for (u64 i = 1; i <= static_cast<u64>(iters); ++i) {
+            *data = i;  // NOTES: weak local store, like a producer's slot row
+            publish_release_fence();
+            comm::signal_set_relaxed(flag, i, reader);  // the ready SET, into the reader's memory
+        }
+    } else if (me == reader) {
+        const u64* peer_data = static_cast<const u64*>(nvshmem_ptr(data, writer));
+        if (peer_data == nullptr) return;
+        // NOTES: weak load through the peer mapping, like a consumer's slot read (may hit a stale L1 line)
+        const unsigned long long bad = litmus_read(flag, iters, [&] { return *peer_data; });
+        if (bad) atomicAdd(violations, bad);
+    }
+}
+
+template <typename Lane>
+__device__ void litmus_grid(Lane lane, int mp_blocks, u64* stress, u64 stress_words, int iters) {
     if (blockIdx.x < static_cast<unsigned>(mp_blocks)) {
-        litmus_lane(lines, writer, reader, iters, violations);
+        lane();
         __syncthreads();
         if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(stress), 1ull);  // this pair block is done
     } else {
         // NOTES: relaxed - the done count only stops the stress early.
         memory_stress(stress, stress_words, iters, [&] { return ptx::ld_relaxed_sys(stress) >= static_cast<u64>(mp_blocks); });
     }
+}
+
+extern "C" __global__ void litmus_mp(u64* lines, int writer, int reader, int iters, unsigned long long* violations,
+                                     int mp_blocks, u64* stress, u64 stress_words) {
+    litmus_grid([&] { litmus_lane(lines, writer, reader, iters, violations); }, mp_blocks, stress, stress_words, iters);
+}
+
+extern "C" __global__ void litmus_mp_pull(u64* lines, int writer, int reader, int iters,
+                                          unsigned long long* violations, int mp_blocks, u64* stress,
+                                          u64 stress_words) {
+    litmus_grid([&] { litmus_pull_lane(lines, writer, reader, iters, violations); }, mp_blocks, stress, stress_words,
+                iters);
 }

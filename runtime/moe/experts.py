@@ -118,6 +118,10 @@ class ExpertCompute:
                                           GROUP_ALIGN)
         self._deep_gemm: Any = load_deep_gemm() if self.fp8 else None  # deep_gemm is untyped
         self._grid = _BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        # moe_combine_push's arrivals: each block adds 1 after releasing its stores; moe_ack_held waits for
+        # push_blocks of them before the held acks (docs/PROTOCOL.md, "The MoE layer on the ring").
+        self.pushed = torch.zeros(1, dtype=torch.int64, device=device)
+        self.push_blocks = self._grid
         self._offsets_bytes = 4 * (experts_per_rank + 1)  # group_offsets' shared memory
         self._warm = False  # the GEMM engine's kernels compiled and loaded (warm_up)
 
@@ -197,10 +201,13 @@ class ExpertCompute:
         return torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
 
     def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor) -> None:
-        """Each real row of ``out``, times its weight, to its source's combine buffer at token * K + k."""
+        """Each real row of ``out``, times its weight, to its source's combine buffer at token * K + k; then
+        :attr:`pushed` holds :attr:`push_blocks` (zeroed here first, stream-ordered after the previous
+        call's reader of it)."""
         cfg = self.config
+        self.pushed.zero_()
         self._launch("moe_combine_push", out, plan.src, plan.token, plan.k, plan.weight, plan.counts,
-                     self.experts_per_rank, GROUP_ALIGN, cfg.hidden, cfg.topk, peer_combine, shared=True)
+                     self.experts_per_rank, GROUP_ALIGN, cfg.hidden, cfg.topk, peer_combine, self.pushed, shared=True)
 
     def _launch(self, name: str, *args, shared: bool = False) -> None:
         self.kernels.launch(name, *args, grid=self._grid, block=_BLOCK,

@@ -89,9 +89,9 @@ class MoELayer:
 
     ``partition``: an :class:`chunkring.SmPartition` whose producer and consumer streams the calls use
     (otherwise the layer makes two ordinary streams).  ``timeout_s``: the rings' watchdog limit.
-    ``variant``: the ``CHUNKRING_MUTANT`` value the layer's ring kernels are compiled with - 0, the real
-    protocol; tests build deliberately broken variants (:mod:`chunkring.testing.stress` names them) to
-    show that they catch what each rule prevents.
+    ``variant``: the ``CHUNKRING_MUTANT`` value the layer's kernels (ring and experts) are compiled with - 0,
+    the real protocol; tests build deliberately broken variants (:mod:`chunkring.testing.stress` names
+    them) to show that they catch what each rule prevents.
 
     Call with the batch already routed (today's MegaMoE contract) - :meth:`run` - or with hidden states
     and a router, so the layer's own producers route, quantise and publish - :meth:`forward`. Either
@@ -148,7 +148,8 @@ class MoELayer:
         # Each source's combine buffer as this GPU addresses it (moe_combine_push writes there).
         self._peer_combine = torch.tensor([peer.data_ptr() for peer in peers], dtype=torch.int64, device=device)
         self._compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank,
-                                      library_for(runtime, "moe_experts"), device)
+                                      library_for(runtime, "moe_experts",
+                                                  defines={"CHUNKRING_MUTANT": variant} if variant else None), device)
         self.streaming_calibration: StreamingCalibration | None = None  # what streaming="auto" follows
         self._producer: torch.cuda.Stream
         self._consumer: torch.cuda.Stream
@@ -394,8 +395,8 @@ class MoELayer:
             mark(Event.EXPERTS_BEGIN)
             self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE))
             mark(Event.COMBINE_DONE)
-            kernels.launch("moe_ack_held", ring.desc, stage.held, *trace, grid=spec.world_size, block=32,
-                           stream=consumer)
+            kernels.launch("moe_ack_held", ring.desc, stage.held, self._compute.pushed, self._compute.push_blocks,
+                           *trace, grid=spec.world_size, block=32, stream=consumer)
 
         produce_chunks(range(first, len(starts)))
         with torch.cuda.stream(producer):

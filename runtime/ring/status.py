@@ -68,6 +68,7 @@ class Site(enum.IntEnum):
     PAYLOAD = 5
     DESCRIPTOR = 6
     PUBLISH = 7
+    WAIT_PUSHED = 8
 
 
 _WHAT: dict[int, str] = {
@@ -78,6 +79,7 @@ _WHAT: dict[int, str] = {
     Site.PAYLOAD: "checking source {peer}'s slot {slot}",
     Site.DESCRIPTOR: "checking the ring descriptor",
     Site.PUBLISH: "publishing slot {slot}",
+    Site.WAIT_PUSHED: "waiting for this rank's combine push before its held acks",
 }
 
 
@@ -129,6 +131,8 @@ class StatusRecord:
         # every word a protocol error names holds a generation - ack words too (one per destination):
         # at WAIT_REUSABLE the one the owner waits for, at ACK the one the consumer's swap should replace
         values = f"expected {_gen(self.expected, epoch_bits)}, observed {_gen(self.observed, epoch_bits)}"
+        if self.site == Site.WAIT_PUSHED:  # the one wait on a count: of combine-push blocks arrived
+            values = f"expected {self.expected} blocks, observed {self.observed}"
         return f"PE {self.pe}: {code} while {where}: {values} ({self.count} error(s) recorded)"
 
 

@@ -17,11 +17,13 @@ if TYPE_CHECKING:
     from chunkring.ring.ring import Ring
     from chunkring.ring.status import StatusRecord
 
-__all__ = ["MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "StressLibrary", "StressPlan"]
+__all__ = ["LITMUS_DIRECTIONS", "MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "NO_PUSH_RELEASE", "StressLibrary",
+           "StressPlan"]
 
 #: protocol/mutants.cuh Mutant values (append-only): the protocol's, which the stress suite must catch.
 MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4,
-           "ack_any_generation": 7}
+           "ack_any_generation": 7, "no_ack_release": 9, "no_ack_acquire": 10, "no_arrival_fences": 11,
+           "gpu_scope_fences": 12}
 #: The consumer-input mutant (protocol/validate.cuh checks off): caught by tests/gpu/test_fuzz_inputs.py,
 #: and the baseline that benchmarks/bench_input_checks.py measures the checks' cost against.
 NO_INPUT_CHECKS = 5
@@ -29,6 +31,13 @@ NO_INPUT_CHECKS = 5
 #: its pull, before the combine rows that the held acknowledgement promises its owner (caught by
 #: tests/gpu/test_moe_layer.py).
 NO_HELD_ACK = 6
+#: protocol/mutants.cuh kNoPushRelease: the combine push's blocks arrive on the push count without releasing
+#: their stores, so the held acknowledgement no longer orders them (tests/gpu/test_moe_layer.py).
+NO_PUSH_RELEASE = 8
+#: The message-passing litmus kernels of ring_stress.cu: "push", the writer stores into the reader's memory
+#: (litmus_mp); "pull", the ring's own direction: the writer stores into its own memory and SETs the
+#: reader's flag, the reader loads through nvshmem_ptr (litmus_mp_pull).
+LITMUS_DIRECTIONS = {"push": "litmus_mp", "pull": "litmus_mp_pull"}
 
 
 @dataclass(frozen=True)
@@ -63,20 +72,31 @@ class StressLibrary:
         self.library = library_for(runtime, "ring_stress", defines={"CHUNKRING_MUTANT": MUTANTS[mutant]})
 
     def run_stress(self, ring: Ring, plan: StressPlan, *, seed: int, max_delay_ns: int, stress_blocks: int = 4,
-                   stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """Enqueue one ring_stress launch; returns the ``received`` tensor [world_size] (tokens per source)."""
+                   consumer_blocks: int = 1, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Enqueue one ring_stress launch; returns the ``received`` tensor [world_size] (tokens per source).
+        ``consumer_blocks`` > 1: every consumer block checks every chunk and the last one to finish it
+        acknowledges it (ring.cuh finish_chunk: the multi-block consumer). Such a consumer reads its cursors
+        once per kernel (consume_invocation: before any block can arrive and advance them), so the plan must
+        then hold one invocation; the ring still wraps within it."""
         import torch
 
         if plan.tokens.ndim != 2 or plan.tokens.shape[1] != ring.spec.world_size:
             raise ChunkringUsageError(f"plan must be [invocations, {ring.spec.world_size}]", field="plan")
         if not 0 <= stress_blocks <= 128:
             raise ChunkringUsageError("must be in [0, 128]", field="stress_blocks")
+        if not 1 <= consumer_blocks <= 16:  # every block of the grid resident at once, whatever the rank count
+            raise ChunkringUsageError("must be in [1, 16]", field="consumer_blocks")
+        if consumer_blocks > 1 and plan.tokens.shape[0] != 1:
+            raise ChunkringUsageError("a multi-block consumer runs one invocation per launch", field="plan")
         device = self.runtime.torch_device
         plan_dev = torch.from_numpy(np.ascontiguousarray(plan.tokens, dtype=np.int32)).to(device)
         received = torch.zeros(ring.spec.world_size, dtype=torch.int64, device=device)
         stress = torch.zeros(1 << 20, dtype=torch.int64, device=device)
+        arrivals = (torch.zeros(ring.spec.world_size * ring.spec.num_slots, dtype=torch.int32, device=device)
+                    if consumer_blocks > 1 else None)
         self.library.launch("ring_stress", ring.desc, plan_dev, plan.tokens.shape[0], seed, max_delay_ns, received,
-                            stress, stress.numel(), grid=2 + stress_blocks, block=256, stream=stream)
+                            stress, stress.numel(), arrivals, consumer_blocks,
+                            grid=1 + consumer_blocks + stress_blocks, block=256, stream=stream)
         return received
 
     def run_stale_epoch(self, ring: Ring, tokens: int) -> StatusRecord:
@@ -118,11 +138,17 @@ class StressLibrary:
         torch.cuda.synchronize()
         return ring.status()
 
-    def run_litmus(self, writer: int, reader: int, iters: int, lanes: int = 256, stress_blocks: int = 16) -> int:
+    def run_litmus(self, writer: int, reader: int, iters: int, lanes: int = 256, stress_blocks: int = 16,
+                   direction: str = "push") -> int:
         """Message-passing litmus between two PEs, beside ``stress_blocks`` memory-stress blocks on
-        every PE; returns the violation count seen by ``reader``."""
+        every PE; returns the violation count seen by ``reader``. ``direction`` names one of
+        ``LITMUS_DIRECTIONS``: "push" (the writer stores into the reader's memory) or "pull" (the ring's:
+        the writer stores into its own memory, the reader loads through nvshmem_ptr). A collective."""
         import torch
 
+        if direction not in LITMUS_DIRECTIONS:
+            raise ChunkringUsageError(f"unknown direction {direction!r}; have {sorted(LITMUS_DIRECTIONS)}",
+                                      field="direction")
         if lanes <= 0 or lanes % 32:
             raise ChunkringUsageError("must be a positive multiple of 32", field="lanes")
         if not 0 <= stress_blocks <= 128:
@@ -131,8 +157,8 @@ class StressLibrary:
         violations = torch.zeros(1, dtype=torch.int64, device=self.runtime.torch_device)
         stress = torch.zeros(1 << 20, dtype=torch.int64, device=self.runtime.torch_device)
         self.runtime.barrier()
-        self.library.launch("litmus_mp", lines, writer, reader, iters, violations, lanes // 32, stress, stress.numel(),
-                            grid=lanes // 32 + stress_blocks, block=32)
+        self.library.launch(LITMUS_DIRECTIONS[direction], lines, writer, reader, iters, violations, lanes // 32, stress,
+                            stress.numel(), grid=lanes // 32 + stress_blocks, block=32)
         torch.cuda.synchronize()
         self.runtime.barrier()
         self.runtime.free(lines)

@@ -3,13 +3,14 @@ target is then the documented CPU fallback, sm_90), and the on-disk cache is key
 input - source, header, macro, any other option, architecture - recompiles and an unchanged one does not."""
 
 import dataclasses
+import struct
 
 import pytest
 
 from chunkring._jit import arch_of, build, default_arch, kernel_sources, nvshmem_version
 from chunkring._jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, _cache_key, program_options
 from chunkring.errors import ChunkringUsageError
-from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS
+from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS, NO_PUSH_RELEASE
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove
 #: that the host accepts our kernels.
@@ -60,14 +61,54 @@ def test_bad_build_requests(kwargs, field):
 def test_every_protocol_mutant_compiles(mutant):
     # The mutants are the stress suite's negative controls; a mutant that fails to build proves nothing.
     code = bytes(build("ring_stress", defines={"CHUNKRING_MUTANT": MUTANTS[mutant]}).object_code.code)
-    assert b"ring_stress" in code and b"litmus_mp" in code
+    assert b"ring_stress" in code and b"litmus_mp" in code and b"litmus_mp_pull" in code
 
 
-@pytest.mark.parametrize("mutant", [NO_INPUT_CHECKS, NO_HELD_ACK])
-def test_each_moe_layer_mutant_builds_a_different_kernel(mutant):
-    real = bytes(build("moe_stream").object_code.code)
-    broken = bytes(build("moe_stream", defines={"CHUNKRING_MUTANT": mutant}).object_code.code)
-    assert broken[:4] == b"\x7fELF" and broken != real
+#: Each mutant and every kernel source it reaches (its `if constexpr` is in code that kernel runs): the
+#: stress kernels for every protocol mutant, the MoE layer's kernels for the rules they rely on.
+MUTANT_KERNELS = [
+    *((mutant, "ring_stress") for mutant in sorted(MUTANTS) if mutant != "none"),
+    ("no_input_checks", "moe_stream"), ("no_held_ack", "moe_stream"), ("no_push_release", "moe_experts"),
+    ("no_ack_release", "moe_stream"), ("no_ack_acquire", "moe_stream"), ("no_arrival_fences", "moe_stream"),
+    ("no_arrival_fences", "ring_host_api"),
+]
+_VALUE = {**MUTANTS, "no_input_checks": NO_INPUT_CHECKS, "no_held_ack": NO_HELD_ACK, "no_push_release": NO_PUSH_RELEASE}
+
+
+def kernel_code(cubin: bytes) -> dict[str, bytes]:
+    """The machine code of each kernel in a cubin (ELF64: its ``.text.<kernel>`` sections). The whole file
+    differs with any macro, used or not, so only the code says whether a mutant reached a kernel."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i):  # name offset, file offset, size
+        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize)
+        return name, offset, size
+
+    names = section(shstrndx)[1]
+    code = {}
+    for i in range(shnum):
+        name, offset, size = section(i)
+        title = cubin[names + name:cubin.index(b"\0", names + name)].decode()
+        if title.startswith(".text."):
+            code[title] = cubin[offset:offset + size]
+    return code
+
+
+def test_an_unused_mutant_leaves_the_code_alone():
+    # the control for the test below: moe_experts reads only kNoPushRelease
+    real = kernel_code(bytes(build("moe_experts").object_code.code))
+    assert ".text.moe_combine_push" in real
+    assert kernel_code(bytes(build("moe_experts", defines={"CHUNKRING_MUTANT": MUTANTS["no_ack_release"]})
+                             .object_code.code)) == real
+
+
+@pytest.mark.parametrize("mutant,kernel", MUTANT_KERNELS)
+def test_each_mutant_builds_a_different_kernel(mutant, kernel):
+    # A mutant that compiles to the real kernel's code would make its negative control prove nothing.
+    real = kernel_code(bytes(build(kernel).object_code.code))
+    broken = kernel_code(bytes(build(kernel, defines={"CHUNKRING_MUTANT": _VALUE[mutant]}).object_code.code))
+    assert broken.keys() == real.keys() and broken != real
 
 
 def test_the_key_covers_the_architecture_and_every_option():

@@ -290,6 +290,26 @@ def test_negative_control_acknowledging_the_last_chunk_at_its_pull_loses_combine
     assert any(caught), "the NO_HELD_ACK mutant escaped: the held acknowledgement is not what orders the reduction"
 
 
+def test_negative_control_combine_push_without_its_release(runtime):
+    """The combine rows reach their owner before the held acknowledgement through an explicit edge
+    (docs/PROTOCOL.md, "The MoE layer on the ring"): each moe_combine_push block releases its stores at
+    system scope before it arrives on the push count, which moe_ack_held acquires before it acks. The
+    NO_PUSH_RELEASE mutant arrives without the release, so an owner may reduce rows still in flight. Expected
+    on one GPU (every rank on it): an escape, and an xfail saying why; on a multi-GPU node: caught, strictly.
+    One rank has no peer: its drain is stream-ordered after its own push."""
+    from chunkring.testing.stress import NO_PUSH_RELEASE
+
+    if runtime.world_size < 2:
+        pytest.skip("the push's release orders rows for a peer's reduction; one rank has no peer")
+
+    caught = _rank_outputs_wrong(runtime, NO_PUSH_RELEASE)
+    print(f"no_push_release: outputs wrong in {sum(caught)} of {len(caught)} calls")
+    if not any(caught) and torch.cuda.device_count() == 1:
+        pytest.xfail("no_push_release escaped: every rank shares one GPU's L2, and the push kernel completes "
+                     "before the ack kernel starts in the consumer stream, so no reordering was there to see")
+    assert any(caught), "the NO_PUSH_RELEASE mutant escaped: the push's release is not what orders the rows"
+
+
 def fp8_reference_of(module, seed, hidden):
     """The fp32 reference of ``module`` (a ChunkedMoE drawn with ``seed``, FP8 payload) on ``hidden``."""
     _, w13, w2 = init_weights(module.layer.config, torch.Generator().manual_seed(seed))  # every expert

@@ -103,8 +103,12 @@ def test_stale_ack_of_an_old_epoch_is_reported_not_counted(runtime, stress):
     ring.destroy()
 
 
-def test_litmus_message_passing(runtime, stress):
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_litmus_message_passing(runtime, stress, direction):
+    """Both directions with the protocol's fences: "push" (the writer stores into the reader's memory) and
+    "pull", the ring's own (the writer stores into its own memory and SETs the reader's flag; the reader
+    loads through nvshmem_ptr)."""
     if runtime.world_size < 2:
         pytest.skip("the cross-PE litmus needs two ranks")
-    violations = stress.run_litmus(writer=0, reader=1, iters=20000)
+    violations = stress.run_litmus(writer=0, reader=1, iters=20000, direction=direction)
     assert violations == 0

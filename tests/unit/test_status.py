@@ -60,6 +60,13 @@ def test_stale_epoch_shows_both_epochs():
     assert "epoch 2, lap field 1" in text and "epoch 1, lap field 1" in text
 
 
+def test_push_wait_timeout_shows_block_counts_not_generations():
+    r = record(code=ErrorCode.TIMEOUT, site=Site.WAIT_PUSHED, pe=1, peer=1, expected=264, observed=263, count=1)
+    text = r.describe()
+    assert "PE 1: TIMEOUT while waiting for this rank's combine push before its held acks" in text
+    assert "expected 264 blocks, observed 263" in text and "epoch" not in text
+
+
 def test_negative_words_from_torch_are_read_as_unsigned():
     r = record(code=ErrorCode.TIMEOUT, site=Site.WAIT_ROUTE, expected=-1)
     assert r.expected == (1 << 64) - 1

@@ -1,6 +1,7 @@
 // Deliberately broken protocol variants, for negative controls only. Each removes exactly one rule, and
-// a GPU test must catch every one: 1-4 and 7 (ring.cuh, rules.cuh) tests/stress/test_mutants.py; 5 and 6 the
-// tests of the kernels that rely on those rules (runtime/testing/stress.py names them).
+// a GPU test must catch every one: 1-4, 7 and 9-12 (ring.cuh, rules.cuh) tests/stress/test_mutants.py; 5, 6
+// and 8 the tests of the kernels that rely on those rules (runtime/testing/stress.py names them). A fence
+// mutant may escape where every rank shares one GPU; its test says so (docs/PROTOCOL.md, "Evidence").
 // Values are append-only; production builds never define the macro.
 #pragma once
 
@@ -19,6 +20,11 @@ enum class Mutant : unsigned {
     kNoInputChecks = 5,   // consume: slot values used as counts, indices and scales unchecked (validate.cuh)
     kNoDeferredAck = 6,   // consume: an ack the caller defers is sent at once, before what it was deferred for
     kAckAnyGeneration = 7,  // reuse: an ack word counts whatever generation it holds (rules.cuh classify_acked)
+    kNoPushRelease = 8,     // combine push: a block arrives on the push count without releasing its stores first
+    kNoAckRelease = 9,      // ack: the consumer's reads of the slot are not ordered before its ack swap
+    kNoAckAcquire = 10,     // reuse, drain: what the owner does next is not ordered after the acks it observed
+    kNoArrivalFences = 11,  // multi-block consume: no fence orders each block's reads before the last block's ack
+    kGpuScopeFences = 12,   // publish, wait: the release and the acquire fence at GPU scope, not system scope
 };
 
 constexpr Mutant kMutant = static_cast<Mutant>(CHUNKRING_MUTANT);

@@ -43,6 +43,23 @@ __device__ __forceinline__ bool block_agree(bool thread0_ok) {
     return result;
 }
 
+// The fences of the publish/observe edge (P3 -> C1), each in one place: the protocol and the litmus
+// kernels (ring_stress.cu) both call these, so a mutant of either fence breaks both. System scope: the
+// thread on the other side of the edge runs on another GPU, and the PTX memory model pairs a release
+// with an acquire across GPUs only when both are .sys.
+// P3: run by each signalling thread before its relaxed SET - fence, then store: a release pattern.
+__device__ __forceinline__ void publish_release_fence() {
+    if constexpr (kMutant == Mutant::kNoReleaseFence) return;
+    else if constexpr (kMutant == Mutant::kGpuScopeFences) ptx::fence_acq_rel_gpu();
+    else ptx::fence_acq_rel_sys();
+}
+// C1: run after the relaxed loads that observed the ready words - load, then fence: an acquire pattern.
+__device__ __forceinline__ void wait_acquire_fence() {
+    if constexpr (kMutant == Mutant::kNoAcquireFence) return;
+    else if constexpr (kMutant == Mutant::kGpuScopeFences) ptx::fence_acq_rel_gpu();
+    else ptx::fence_acq_rel_sys();
+}
+
 // ---------------------------------------------------------------- producer (owner of the slot)
 
 // Thread 0 only: wait until every destination acknowledged chunk `seq` (each destination's ack word
@@ -68,7 +85,9 @@ __device__ __forceinline__ bool wait_acked(const RingDesc& d, u64 epoch, u64 seq
         }, deadline);
         if (!ok) return false;
     }
-    ptx::fence_acq_rel_sys();  // acquire: consumers' reads (and what they wrote for us) before our next step
+    // acquire: consumers' reads (and what they wrote for us) before our next step. System scope: they ran
+    // on other GPUs and released with system-scope fences before their swaps.
+    if constexpr (kMutant != Mutant::kNoAckAcquire) ptx::fence_acq_rel_sys();
     return true;
 }
 
@@ -120,7 +139,7 @@ __device__ __forceinline__ void publish(const RingDesc& d, u64 epoch, u64 seq, R
     const u64 slot = slot_of(seq, d.num_slots), gen = gen_of(d, epoch, seq);
     u64* word = kind == ReadyKind::kRoute ? route_ready_word(d, d.my_pe, slot) : layout_ready_word(d, d.my_pe, slot);
     for (u64 dest = threadIdx.x; dest < d.world_size; dest += blockDim.x) {
-        if constexpr (kMutant != Mutant::kNoReleaseFence) ptx::fence_acq_rel_sys();
+        publish_release_fence();
         comm::signal_set_relaxed(word, gen, static_cast<int>(dest));
     }
 }
@@ -157,7 +176,7 @@ __device__ __forceinline__ bool wait_chunk(const RingDesc& d, u64 epoch, u64 src
                 }
             });
         }
-        if (ok && kMutant != Mutant::kNoAcquireFence) ptx::fence_acq_rel_sys();  // acquire
+        if (ok) wait_acquire_fence();
     }
     return block_agree(ok);
 }
@@ -182,7 +201,9 @@ __device__ __forceinline__ bool ack_chunk(const RingDesc& d, u64 epoch, u64 src,
     if (threadIdx.x == 0) {
         const u64 slot = slot_of(seq, d.num_slots), gen = gen_of(d, epoch, seq);
         const u64 prev = ack_prev_gen(epoch, seq, d.num_slots, epoch_bits(d));
-        ptx::fence_acq_rel_sys();  // release: our reads of the slot before the owner may reuse it
+        // release: our reads of the slot before the owner may reuse it. System scope: the owner, whose
+        // acquire this pairs with, runs on another GPU.
+        if constexpr (kMutant != Mutant::kNoAckRelease) ptx::fence_acq_rel_sys();
         const u64 replaced = comm::atomic_swap_relaxed(ack_word(d, slot, d.my_pe), gen, static_cast<int>(src));
         switch (classify_ack(replaced, gen, prev)) {
             case AckState::kFirst: break;
@@ -210,10 +231,14 @@ __device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 s
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned* count = arrivals + src * d.num_slots + slot_of(seq, d.num_slots);
-        ptx::fence_acq_rel_gpu();  // release: this block's reads before its arrival
+        // release: this block's reads before its arrival. GPU scope: the blocks of this grid share one GPU.
+        if constexpr (kMutant != Mutant::kNoArrivalFences) ptx::fence_acq_rel_gpu();
         last = atomicAdd(count, 1u) == gridDim.x - 1;
         if (last) {
-            ptx::fence_acq_rel_gpu();  // acquire: every other block's reads before the ack
+            // acquire, at GPU scope like the releases it pairs with: every other block's reads before the ack
+            // (the RMW chain on `count` makes every earlier arrival's release visible); ack_chunk's
+            // system-scope release is then cumulative over them.
+            if constexpr (kMutant != Mutant::kNoArrivalFences) ptx::fence_acq_rel_gpu();
             *count = 0;  // nobody touches it again before our ack lets the slot be reused
         }
     }

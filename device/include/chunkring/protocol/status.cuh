@@ -33,6 +33,7 @@ enum class ErrorCode : unsigned long long {
 // Where a wait or check happened; append-only, mirrored by runtime/ring/status.py Site.
 enum class Site : unsigned long long {
     kNone = 0, kWaitRoute = 1, kWaitLayout = 2, kWaitReusable = 3, kAck = 4, kPayload = 5, kDescriptor = 6, kPublish = 7,
+    kWaitPushed = 8,  // moe_ack_held waiting for every combine-push block's arrival (values: block counts)
 };
 
 // The abort word (status word kStatusAbort): [63:16] the epoch, [15:8] the rank that failed, [7:0] its

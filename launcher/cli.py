@@ -5,6 +5,7 @@
     chunkring-launch --np 4 --mps stress --config chaos  # one rank killed on purpose: must end with status 5
     chunkring-launch bringup rounds=32                # override config keys (typed, checked)
     chunkring-launch --dry-run --np 8 --hostfile hosts bringup   # print the mpirun command and environment
+    chunkring-launch --np 16 --hostfile hosts --npernode 8 --ifname eth0 run   # two nodes of 8 GPUs
     chunkring-launch doctor                           # check GPUs, driver, packages, compiler, MPI, MPS
 
 Jobs: bringup (NVSHMEM signals/atomics check), run (the MoE layer, batch-ready and streamed, checked and
@@ -68,6 +69,11 @@ def _parser(*, add_help: bool = True, job_help: str = "") -> argparse.ArgumentPa
                              "always stopped afterwards")
     parser.add_argument("--hostfile", default=None, help="Open MPI hostfile for a multi-node job")
     parser.add_argument("--host", default=None, help="Open MPI host list, e.g. node1:8,node2:8")
+    parser.add_argument("--npernode", type=int, default=None,
+                        help="ranks per node of a --hostfile/--host job (mpirun --map-by ppr:N:node): one per GPU")
+    parser.add_argument("--ifname", default=None,
+                        help="network interface NVSHMEM's UID bootstrap uses between nodes "
+                             "(NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME), e.g. eth0")
     parser.add_argument("--timeout", type=int, default=600,
                         help="wall-clock limit of the whole job in seconds (mpirun --timeout; default 600); "
                              "past it every rank is ended and the status is 4")
@@ -108,6 +114,10 @@ def parse_args(argv):
         parser.error("--timeout must be positive")
     if args.hostfile and args.host:
         parser.error("give --hostfile or --host, not both")
+    if args.npernode is not None and not (args.hostfile or args.host):
+        parser.error("--npernode places ranks on the nodes of --hostfile or --host; give one")
+    if args.npernode is not None and not 1 <= args.npernode <= 64:
+        parser.error("--npernode must be in [1, 64]")
     return args
 
 
@@ -222,6 +232,8 @@ def mpirun_command(args, ranks: int, environ: dict, *, progress: bool = False) -
         cmd += ["--hostfile", args.hostfile]
     if args.host:
         cmd += ["--host", args.host]
+    if getattr(args, "npernode", None):
+        cmd += ["--map-by", f"ppr:{args.npernode}:node"]  # N ranks on each node, in node order
     for name in sorted(environ):
         if name.startswith(FORWARDED_PREFIXES):
             cmd += ["-x", name]
@@ -288,6 +300,30 @@ def main(argv=None) -> int:
         return exitcodes.INTERRUPTED
 
 
+#: Single-node settings a multi-node job must not carry to its ranks (chunkring.env.SINGLE_NODE_DEFAULTS):
+#: with them NVSHMEM would have no network transport and bootstrap on loopback only.
+_SINGLE_NODE_ONLY = {"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}
+
+
+def multi_node_environment(args, environ: dict) -> None:
+    """For a ``--hostfile``/``--host`` job: set the bootstrap interface from ``--ifname`` and refuse the
+    single-node settings (a ``ChunkringUsageError`` naming the variable). NVSHMEM's network transport is
+    what its own default picks (``NVSHMEM_REMOTE_TRANSPORT`` unset: IB RC through its proxy) unless the
+    caller exported another (``libfabric`` with ``NVSHMEM_LIBFABRIC_PROVIDER=efa`` on EFA); either way it is
+    forwarded with every other ``NVSHMEM_`` variable (docs/LAUNCHER.md, "Two nodes")."""
+    if args.ifname:
+        environ["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] = args.ifname
+    if environ.get("NVSHMEM_IB_ENABLE_IBGDA", "0").lower() in ("1", "true", "y", "yes"):
+        raise ChunkringUsageError("chunkring's kernels are built with NVSHMEM's IBGDA device code compiled out "
+                                  "(NVRTC cannot link it: docs/BUILD.md); use the proxy transport (unset it)",
+                                  field="NVSHMEM_IB_ENABLE_IBGDA")
+    for name, value in _SINGLE_NODE_ONLY.items():
+        if environ.get(name) == value:
+            raise ChunkringUsageError(f"{name}={value} is a single-node setting; a --hostfile/--host job needs "
+                                      f"{'a network transport' if value == 'none' else 'a routable interface'} "
+                                      f"(unset it{'; or give --ifname' if value == 'lo' else ''})", field=name)
+
+
 def _launch(args, config) -> int:
     needs_gpu = _needs_gpu(args.job)
     if args.np is not None:
@@ -303,6 +339,8 @@ def _launch(args, config) -> int:
         return exitcodes.USAGE
     progress = not args.no_progress and sys.stderr.isatty()
     environ = {**EAGER_LOADING, **os.environ, **MULTICAST_OFF}
+    if args.hostfile or args.host:
+        multi_node_environment(args, environ)
     if args.dry_run:
         return _dry_run(args, ranks, environ, through_mpirun)
     with SignalCatcher() as catcher, private_mps(environ, dry_run=False) if args.mps else contextlib.nullcontext():

@@ -267,6 +267,16 @@ class Runtime:
             raise ChunkringUsageError(f"PE {pe} outside world of {self.world_size}", field="pe")
         return nvshmem.get_peer_tensor(tensor, pe)
 
+    def peer_address(self, tensor: torch.Tensor, pe: int) -> int:
+        """The host's ``nvshmem_ptr``: the address at which this GPU reaches ``tensor``'s counterpart on
+        ``pe`` with loads and stores, or 0 when NVSHMEM maps no such window (a peer over the network)."""
+        from nvshmem.bindings import ptr
+
+        self._check_open()
+        if not 0 <= pe < self.world_size:
+            raise ChunkringUsageError(f"PE {pe} outside world of {self.world_size}", field="pe")
+        return int(ptr(tensor.data_ptr(), pe) or 0)
+
     def allgather_object(self, obj: T) -> list[T]:
         """Every rank's ``obj`` (small, picklable), in rank order, on every rank. A collective on the host
         (:meth:`HostComm.allgather_object`); trivial in a single process."""

@@ -18,6 +18,7 @@ __all__ = [
     "MULTICAST_OFF",
     "apply_process_defaults",
     "module_loading_is_eager",
+    "transport_mode",
     "cache_dir",
     "check_timeout_s",
     "check_work_queues",
@@ -87,6 +88,15 @@ def check_timeout_s(value: float, *, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 24 * 3600:
         raise ChunkringUsageError(f"must be in (0, 86400] seconds, got {value!r}", field=field)
     return float(value)
+
+
+def transport_mode() -> str:
+    """How rings reach their peers' buffers unless told (``CHUNKRING_TRANSPORT``: ``auto``, the default, uses
+    loads and stores where NVSHMEM maps a peer and RMA elsewhere; ``rma`` uses RMA for every peer)."""
+    raw = os.environ.get("CHUNKRING_TRANSPORT", "auto")
+    if raw not in ("auto", "rma"):  # chunkring.ring.transport.TRANSPORT_MODES
+        raise ChunkringUsageError(f"must be 'auto' or 'rma', got {raw!r}", field="CHUNKRING_TRANSPORT")
+    return raw
 
 
 def check_work_queues() -> None:

@@ -6,14 +6,15 @@
 #   CHUNKRING_COMMIT=<sha> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS] [PART...]
 # PART: gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher (default:
 # all, in that order) - to split the suite over device calls; serving_1rank / serving_mps run only the serving-stack
-# tests (custom op, transformers drop-in, integration guide), which the full parts include.
+# tests (custom op, transformers drop-in, integration guide), which the full parts include; gpu_1rank_rma / gpu_mps_rma
+# run the GPU tests with every peer on the RMA data path (pytest --transport rma: NVSHMEM gets/puts, self included).
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
 ranks=${2:-4}
 all_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher
-           serving_1rank serving_mps)
+           serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${all_parts[@]:0:9}")
 for part in "${parts[@]}"; do
@@ -56,6 +57,10 @@ gpu_1rank() {  # the CPU suite is CI's job; the GPU host runs what needs it (ker
     run_suite gpu-1rank 1 python3 -m pytest tests/compile tests/gpu tests/mpi -v -rs --durations=8 "${limits[@]}" \
         --junitxml="$logs/gpu-1rank.xml" || status=1
 }
+gpu_1rank_rma() {  # the same GPU tests, every ring forced onto the RMA data path
+    run_suite gpu-1rank-rma 1 python3 -m pytest tests/gpu -v -rs --durations=8 "${limits[@]}" --transport rma \
+        --junitxml="$logs/gpu-1rank-rma.xml" || status=1
+}
 stress_1rank() {
     run_suite stress-1rank 1 python3 -m pytest tests/stress -q -rA "${limits[@]}" --junitxml="$logs/stress-1rank.xml" || status=1
 }
@@ -77,6 +82,9 @@ mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
 gpu_mps() {
     mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 420 tests/gpu tests/mpi --ignore=tests/mpi/test_launcher_mpi.py \
         -q -rs "${limits[*]}" || status=1
+}
+gpu_mps_rma() {
+    mpi_pytest "gpu-${ranks}rank-mps-rma" "$ranks" 420 tests/gpu --transport rma -q -rs "${limits[*]}" || status=1
 }
 moe_2rank_mps() {  # the MoE layer and the transformers drop-in at a second rank count
     mpi_pytest "moe-2rank-mps" 2 300 tests/gpu/test_moe_layer.py tests/gpu/test_hf_dropin_model.py -q -rs "${limits[*]}" ||

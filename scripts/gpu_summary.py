@@ -80,6 +80,9 @@ def main() -> None:
         **counts,
         "ranks_reporting": len(per_rank),
         "nvshmem": nvshmem_version(),
+        # How the suite's rings reached their peers: "rma" when forced (CHUNKRING_TRANSPORT or pytest
+        # --transport rma, also in figures["transport_rma"]), "auto" otherwise.
+        "transport": "rma" if figures.get("transport_rma") == 1.0 else os.environ.get("CHUNKRING_TRANSPORT", "auto"),
         "figures": figures,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,25 @@ def _gpu_available() -> bool:
 HAVE_GPU = _gpu_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--transport", choices=("auto", "rma"), default=None,
+                     help="how every ring reaches its peers' slots (sets CHUNKRING_TRANSPORT for the session; "
+                          "rma: NVSHMEM gets/puts for every peer, self included)")
+
+
+@pytest.hookimpl(trylast=True)  # after the junitxml plugin has set up its report
+def pytest_configure(config):
+    transport = config.getoption("--transport")
+    if transport is not None:
+        os.environ["CHUNKRING_TRANSPORT"] = transport  # read by every Ring built afterwards
+    # Which transport the session ran, as a JUnit property scripts/gpu_summary.py reports (1: forced RMA).
+    from _pytest.junitxml import xml_key
+
+    xml = config.stash.get(xml_key, None)
+    if xml is not None:
+        xml.add_global_property("transport_rma", int(chunkring.env.transport_mode() == "rma"))
+
+
 def pytest_collection_modifyitems(config, items):
     if HAVE_GPU:
         return

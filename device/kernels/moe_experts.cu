@@ -23,6 +23,7 @@
 
 #include "chunkring/protocol/mutants.cuh"
 #include "chunkring/ptx/ordering.cuh"
+#include "chunkring/protocol/transport.cuh"
 #include "chunkring/util/copy.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
@@ -32,6 +33,7 @@ namespace util = chunkring::util;
 namespace ptx = chunkring::ptx;
 using chunkring::protocol::kMutant;
 using chunkring::protocol::Mutant;
+using chunkring::layout::RingDesc;
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
@@ -196,25 +198,32 @@ extern "C" __global__ void moe_swiglu_bf16(const __nv_bfloat16* gate_up, const i
 // One block per row in use (grid-stride): a real row of out [P, H] bf16, times its top-k weight in fp32
 // and rounded to bf16 - the precision of the layer's output, which the source's reduction over k
 // (fp32 accumulation) keeps - goes to its source's combine buffer [capacity * K, H] at token * K + k.
-// peer_combine [W]: each source's combine buffer as this GPU addresses it (load/store reachable peers,
-// checked by the layer at construction). pushed [1] (zeroed before the launch): every block, once its
-// stores are released, adds 1; moe_ack_held (moe_stream.cu) acquires the count - every block's arrival -
+// Per source, as the ring descriptor `desc` says (protocol/transport.cuh; null desc: every source DIRECT):
+//   DIRECT: stores through peer_combine[src] (the source's combine buffer as this GPU addresses it);
+//   RMA:    the weighted row overwrites its own row of `out`, then one non-blocking block put of it to
+//           `combine` (this rank's combine buffer: a symmetric address, the same offset at every PE) on src.
+//           `out` must be NVSHMEM-registered for an off-node source (the layer allocates it symmetric).
+// pushed [1] (zeroed before the launch): every block, once its stores are released (and its puts
+// delivered: put_done), adds 1; moe_ack_held (moe_stream.cu) acquires the count - every block's arrival -
 // before it acknowledges the held chunks, so each source's owner sees these rows once it sees the ack
 // (docs/PROTOCOL.md, "The MoE layer on the ring").
-extern "C" __global__ void moe_combine_push(const __nv_bfloat16* out, const int* row_src, const int* row_token,
+extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_src, const int* row_token,
                                             const int* row_k, const float* row_weight, const unsigned* counts,
                                             int num_local, int block_m, long long hidden, int topk,
-                                            const unsigned long long* peer_combine, unsigned long long* pushed) {
+                                            const unsigned long long* peer_combine,
+                                            CHUNKRING_NULLABLE const RingDesc* desc,
+                                            CHUNKRING_NULLABLE __nv_bfloat16* combine, unsigned long long* pushed) {
     extern __shared__ unsigned offsets[];
     group_offsets(counts, num_local, block_m, offsets);
     const u64 used = offsets[num_local], H = static_cast<u64>(hidden);
     for (u64 row = blockIdx.x; row < used; row += gridDim.x) {
         const int src = row_src[row];
-        if (src < 0) continue;
+        if (src < 0) continue;  // uniform across the block: one row per block
+        const bool rma = desc != nullptr && chunkring::protocol::peer_is_rma(*desc, src);
         const float w = row_weight[row];
-        auto* to = reinterpret_cast<__nv_bfloat16*>(peer_combine[src]) +
-                   (static_cast<u64>(row_token[row]) * topk + row_k[row]) * H;
-        const __nv_bfloat16* from = out + row * H;
+        const u64 at = (static_cast<u64>(row_token[row]) * topk + row_k[row]) * H;
+        __nv_bfloat16* from = out + row * H;
+        __nv_bfloat16* to = rma ? from : reinterpret_cast<__nv_bfloat16*>(peer_combine[src]) + at;
         for (u64 i = threadIdx.x * 8; i < H; i += blockDim.x * 8) {  // 8 values: one 16-byte load and store
             const int4 raw = *reinterpret_cast<const int4*>(from + i);
             const auto* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
@@ -223,7 +232,10 @@ extern "C" __global__ void moe_combine_push(const __nv_bfloat16* out, const int*
             for (int j = 0; j < 8; ++j) r[j] = __float2bfloat16_rn(__bfloat162float(v[j]) * w);
             *reinterpret_cast<int4*>(to + i) = *reinterpret_cast<const int4*>(r);
         }
+        if (rma) chunkring::protocol::put_block(combine + at, from, H * sizeof(__nv_bfloat16), src);
     }
+    // Every put of this block delivered at its source before its arrival (nvshmem_quiet).
+    if (desc != nullptr && desc->rma_peers != 0) chunkring::protocol::put_done();
     __syncthreads();  // every thread's stores before thread 0's fence, which is then cumulative over them
     if (threadIdx.x == 0) {
         // release: fence, then the arrival. System scope, although the acquiring thread (moe_ack_held) is on

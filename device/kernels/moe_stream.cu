@@ -21,7 +21,6 @@
 
 using namespace chunkring;
 using namespace chunkring::protocol;
-using chunkring::util::block_copy4;
 namespace timeline = chunkring::moe::timeline;
 
 namespace {
@@ -53,9 +52,13 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
     const bool first_thread = threadIdx.x == 0 && blockIdx.x == 0;  // reports and traces for the grid
     __shared__ long long chunk_of[kMaxWorldSize];  // per source: the chunk being pulled, for the trace
     auto visit = [&](u64 src, u64, u64 slot) {
-        const u64* meta = peer_view(d, slot_meta(d, slot), src);
-        const u64 base = meta[kMetaTokenBase];
-        const u64 n = checked_chunk_rows(d, src, slot, base, meta[kMetaNumTokens], N, first_thread);
+        // Every read of the slot below is a fetch (protocol/transport.cuh): loads through nvshmem_ptr or
+        // NVSHMEM gets, as the descriptor says for src; all of them complete before this visit returns,
+        // so before the chunk's acknowledgement.
+        ChunkMeta meta;
+        if (!chunk_meta(d, src, slot, meta)) return false;
+        const u64 base = meta.token_base;
+        const u64 n = checked_chunk_rows(d, src, slot, base, meta.num_tokens, N, first_thread);
         if (first_thread) {
             chunk_of[src] = n ? static_cast<long long>(base / T) : 0;
             timeline::record(trace, trace_capacity, timeline::kObserved, src, chunk_of[src]);
@@ -64,29 +67,38 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
         const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x;
         const u64 first_row = src * N + (n ? base : 0);  // the chunk's row 0 in the stage
         int* idx = stage_idx + first_row * K;
-        const int* peer_idx = peer_view(d, slot_topk_idx(d, slot), src);
+        // Routing and weights of every row of the share land in the stage raw; the routing is checked in
+        // place (fetch_block returns with the bytes visible to the whole block).
+        fetch_block(d, idx + lo * K, slot_topk_idx(d, slot) + lo * K, (hi - lo) * K * sizeof(int), src);
+        fetch_block(d, stage_w + (first_row + lo) * K, slot_topk_weights(d, slot) + lo * K,
+                    (hi - lo) * K * sizeof(float), src);
         for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x)
-            idx[i] = checked_expert(d, src, slot, i / K, i % K, peer_idx[i]);
-        block_copy4(stage_w + (first_row + lo) * K, peer_view(d, slot_topk_weights(d, slot), src) + lo * K,
-                    (hi - lo) * K);
+            idx[i] = checked_expert(d, src, slot, i / K, i % K, idx[i]);
         __syncthreads();  // idx is read back below by other warps of the block
 
         // A warp per row: the row's K choices decide (one lane each) whether this rank needs its payload.
         const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
-        const auto* peer_x = reinterpret_cast<const unsigned char*>(peer_view(d, slot_x(d, slot), src));
-        const float* peer_sf = peer_view(d, slot_x_sf(d, slot), src);
-        for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
-            bool mine = false;
+        auto mine = [&](u64 row) {
+            bool any = false;
             for (u64 k = lane; k < K; k += kWarp) {
                 const int e = idx[row * K + k];
-                mine |= e >= expert_lo && e < expert_hi;
+                any |= e >= expert_lo && e < expert_hi;
             }
-            if (!__any_sync(0xffffffffu, mine)) continue;
-            chunkring::util::warp_copy16(stage_x + (first_row + row) * row_bytes, peer_x + row * row_bytes, row_bytes,
-                                         lane);
-            for (u64 i = lane; i < sf_floats; i += kWarp)
-                stage_sf[(first_row + row) * sf_floats + i] =
-                    checked_scale(d, src, slot, row, i, peer_sf[row * sf_floats + i]);
+            return __any_sync(0xffffffffu, any);
+        };
+        for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
+            if (!mine(row)) continue;
+            fetch_warp(d, stage_x + (first_row + row) * row_bytes, slot_x(d, slot) + row * row_bytes, row_bytes, src,
+                       lane);
+            fetch_warp(d, stage_sf + (first_row + row) * sf_floats, slot_x_sf(d, slot) + row * sf_floats,
+                       sf_floats * sizeof(float), src, lane);
+        }
+        fetch_done(d, src);  // every row's bytes are in the stage, visible to the block
+        // The scales of the rows fetched, checked in place (the same warp per row as above).
+        for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
+            if (!mine(row)) continue;
+            float* sf = stage_sf + (first_row + row) * sf_floats;
+            for (u64 i = lane; i < sf_floats; i += kWarp) sf[i] = checked_scale(d, src, slot, row, i, sf[i]);
         }
         __syncthreads();
         if (first_thread) timeline::record(trace, trace_capacity, timeline::kPulled, src, chunk_of[src]);
@@ -126,11 +138,13 @@ extern "C" __global__ void moe_ack_held(const RingDesc* desc, const unsigned lon
         });
     }
     if (!block_agree(all_pushed)) return;
-    // The slot is still ours until the ack: its meta names the chunk for the trace.
-    const u64 base = peer_view(d, slot_meta(d, slot_of(seq, d.num_slots)), src)[kMetaTokenBase];
+    // The slot is still ours until the ack: its meta names the chunk for the trace (fetched only when
+    // traced: a get to an RMA peer costs a round trip).
+    ChunkMeta meta{};
+    if (trace != nullptr && !chunk_meta(d, src, slot_of(seq, d.num_slots), meta)) return;
     if (ack_chunk(d, current_epoch(d), src, seq) && threadIdx.x == 0)
         timeline::record(trace, trace_capacity, timeline::kAcked, static_cast<long long>(src),
-                         static_cast<long long>(base / d.tokens_per_slot));
+                         static_cast<long long>(meta.token_base / d.tokens_per_slot));
 }
 
 // One block: wait until every destination acknowledged every chunk this rank published, so every

@@ -147,18 +147,18 @@ extern "C" __global__ void ring_gather(const RingDesc* desc, unsigned char* out_
     if (!check_descriptor(d)) return;
     const u64 cap = static_cast<u64>(capacity);
     consume_invocation(d, current_epoch(d), arrivals, nullptr, [&](u64 src, u64 seq, u64 slot) {
-        const u64* meta = peer_view(d, slot_meta(d, slot), src);
-        const u64 base = meta[kMetaTokenBase];
-        const u64 n = checked_chunk_rows(d, src, slot, base, meta[kMetaNumTokens], cap,
+        ChunkMeta meta;  // every read of the slot is a fetch: loads or gets, per src's transport
+        if (!chunk_meta(d, src, slot, meta)) return false;
+        const u64 base = meta.token_base;
+        const u64 n = checked_chunk_rows(d, src, slot, base, meta.num_tokens, cap,
                                          threadIdx.x == 0 && blockIdx.x == 0);  // all check, one reports
         // This block's share: rows [lo, hi) of the chunk, copied in bulk.
         const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x, rows = hi - lo;
         const u64 row = src * cap + (n ? base : 0) + lo, row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats, K = d.topk;
-        const auto* x = static_cast<const unsigned char*>(peer_view(d, slot_x(d, slot), src));
-        block_copy16(out_x + row * row_bytes, x + lo * row_bytes, rows * row_bytes);
-        block_copy4(out_x_sf + row * sf_floats, peer_view(d, slot_x_sf(d, slot), src) + lo * sf_floats, rows * sf_floats);
-        block_copy4(out_topk_idx + row * K, peer_view(d, slot_topk_idx(d, slot), src) + lo * K, rows * K);
-        block_copy4(out_topk_weights + row * K, peer_view(d, slot_topk_weights(d, slot), src) + lo * K, rows * K);
+        fetch_block(d, out_x + row * row_bytes, slot_x(d, slot) + lo * row_bytes, rows * row_bytes, src);
+        fetch_block(d, out_x_sf + row * sf_floats, slot_x_sf(d, slot) + lo * sf_floats, rows * sf_floats * sizeof(float), src);
+        fetch_block(d, out_topk_idx + row * K, slot_topk_idx(d, slot) + lo * K, rows * K * sizeof(int), src);
+        fetch_block(d, out_topk_weights + row * K, slot_topk_weights(d, slot) + lo * K, rows * K * sizeof(float), src);
         if (threadIdx.x == 0 && blockIdx.x == 0) out_counts[src] += static_cast<long long>(n);
         return true;
     });

@@ -10,13 +10,14 @@ partition) and rank 0's progress bar. Figures are keyed ``n<tokens>_c<chunk>_<fi
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 from chunkring.benchmarks import bench_moe
 from chunkring.errors import ChunkringUsageError
 
 from ..progress import progress
-from .moe_workload import LayerFields, open_layer
+from .moe_workload import LayerFields, open_layer, transport_figures
 
 
 def _ints(text: str, field: str) -> tuple[int, ...]:
@@ -79,11 +80,16 @@ def run(runtime, config: CONFIG) -> dict:
     total = len(config.chunk_sizes) * len(config.token_counts)
     bar = progress("bench", runtime.rank, total=total)
 
+    used: dict = {}
+
+    @contextlib.contextmanager
     def open_chunked(chunk: int):
-        return open_layer(runtime, config, replace(config.layer_config(), front_tokens_per_slot=chunk))
+        with open_layer(runtime, config, replace(config.layer_config(), front_tokens_per_slot=chunk)) as layer:
+            used.update(transport_figures(layer))  # which data path the times are of
+            yield layer
 
     figures = bench_moe.run(runtime, open_chunked, chunk_sizes=config.chunk_sizes, token_counts=config.token_counts,
                             timing=config.timing, trace=config.trace_shape, trace_out=config.trace_out,
                             on_shape=bar.update)
     bar.close(total, "")
-    return figures
+    return {**figures, **used}

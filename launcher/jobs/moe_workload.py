@@ -25,10 +25,13 @@ class LayerFields:
     tolerance: float = 4e-2  # the FP8 recipe's bound, chunkring.testing.reference.reference_tolerance
     seed: int = 0
     producer_sms: int = 0  # SMs of the producers' green-context partition (the consumer gets the rest); 0: none
+    transport: str = ""  # "auto", "rma" (NVSHMEM gets/puts for every peer) or "": CHUNKRING_TRANSPORT (default auto)
 
     def __post_init__(self):
         if self.payload not in ("fp8", "bf16"):
             raise ChunkringUsageError(f"must be 'fp8' or 'bf16', got {self.payload!r}", field="payload")
+        if self.transport not in ("", "auto", "rma"):
+            raise ChunkringUsageError(f"must be 'auto', 'rma' or '', got {self.transport!r}", field="transport")
         if self.producer_sms < 0:
             raise ChunkringUsageError("must be >= 0 (0: no partition)", field="producer_sms")
         if not 0 < self.tolerance < 1:
@@ -41,7 +44,8 @@ class LayerFields:
         return MoEConfig(num_experts=self.num_experts, hidden=self.hidden, intermediate=self.intermediate,
                          topk=self.topk, max_tokens_per_rank=self.max_tokens_per_rank,
                          payload=PayloadFormat.checked(self.payload),
-                         front_num_slots=self.front_num_slots, front_tokens_per_slot=self.front_tokens_per_slot)
+                         front_num_slots=self.front_num_slots, front_tokens_per_slot=self.front_tokens_per_slot,
+                         transport=self.transport or None)
 
 
 @contextlib.contextmanager
@@ -65,6 +69,16 @@ def open_layer(runtime, fields: LayerFields, config=None):
     finally:
         if partition is not None:
             partition.close()
+
+
+def transport_figures(layer) -> dict:
+    """The transport a layer's rings use at this rank, as figures: ``transport_rma`` (1 when forced) and
+    ``rma_peers`` (how many PEs this rank reaches by RMA)."""
+    from chunkring.ring.transport import Transport
+
+    ring = next(iter(layer.rings.values()))
+    return {"transport_rma": int(ring.transport_mode == "rma"),
+            "rma_peers": sum(t is Transport.RMA for t in layer.transports)}
 
 
 @dataclass

@@ -22,6 +22,7 @@ from .moe_workload import (
     route_batch,
     seeded_hidden,
     seeded_weights,
+    transport_figures,
 )
 
 
@@ -54,7 +55,7 @@ def run(runtime, config: CONFIG) -> dict:
         weights = seeded_weights(layer, config.seed)
         hidden = seeded_hidden(config.tokens_per_rank, cfg.hidden, config.seed * 1000 + 1 + runtime.rank, device)
         ref = reference_output(route_batch(hidden, module.router_weight, cfg.topk, config.payload), weights)
-        figures = {}
+        figures = transport_figures(layer)  # which data path these times are of
         for mode, streaming in (("batch", False), ("streamed", True)):
             out = module(hidden, streaming=streaming)
             torch.cuda.synchronize()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from chunkring.errors import ChunkringUsageError
 from chunkring.ring.layout import RingLayout
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+from chunkring.ring.transport import TRANSPORT_MODES
 
 __all__ = ["DEFAULT_FRONT_NUM_SLOTS", "MoEConfig"]
 
@@ -30,6 +31,9 @@ class MoEConfig:
     experts' w13 is [2I, H], w2 is [H, I]).  max_tokens_per_rank: capacity of one call's batch per rank.
     payload: what travels between ranks (FP8 e4m3 with per-128 fp32 scales, or bf16).
     front_num_slots, front_tokens_per_slot: the streaming ring (both or neither; neither = batch-ready only).
+    transport: how each rank reaches its peers' slots and combine rows (:mod:`chunkring.ring.transport`):
+    ``"auto"`` (loads/stores where NVSHMEM maps a peer, RMA elsewhere), ``"rma"`` (RMA for every peer), or
+    None: ``CHUNKRING_TRANSPORT`` (default auto).
     The FP8 payload runs FP8 expert GEMMs whose activations carry one scale per 1x128: its ``intermediate``
     must be a multiple of 128 (the bf16 payload's, of 8: 16-byte rows for the grouped GEMMs).
     """
@@ -42,6 +46,7 @@ class MoEConfig:
     payload: PayloadFormat = PayloadFormat.FP8_E4M3
     front_num_slots: int | None = None
     front_tokens_per_slot: int | None = None
+    transport: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank"):
@@ -63,6 +68,9 @@ class MoEConfig:
         if self.front_tokens_per_slot is not None and self.front_tokens_per_slot > self.max_tokens_per_rank:
             raise ChunkringUsageError(f"{self.front_tokens_per_slot} exceeds max_tokens_per_rank="
                                       f"{self.max_tokens_per_rank}", field="front_tokens_per_slot")
+        if self.transport is not None and self.transport not in TRANSPORT_MODES:
+            raise ChunkringUsageError(f"must be one of {TRANSPORT_MODES} or None, got {self.transport!r}",
+                                      field="transport")
         # The rings' own rules (RingSpec, RingLayout) at one rank: what fails there fails at every rank count.
         self.check_world_size(1)
 

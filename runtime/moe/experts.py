@@ -124,6 +124,9 @@ class ExpertCompute:
         self.push_blocks = self._grid
         self._offsets_bytes = 4 * (experts_per_rank + 1)  # group_offsets' shared memory
         self._warm = False  # the GEMM engine's kernels compiled and loaded (warm_up)
+        # bf16 [P, H] in NVSHMEM-registered memory, set by a layer with RMA peers: the experts' output, whose
+        # rows the combine push puts from (an RMA put's local buffer must be registered off-node).
+        self.rma_out: torch.Tensor | None = None
 
     def warm_up(self, w13, w2) -> None:
         """Run the expert GEMMs once on an empty plan (no rows: they visit no block), on the current
@@ -138,14 +141,14 @@ class ExpertCompute:
         self.experts(plan, w13, w2)
         self._warm = True
 
-    def __call__(self, stage, w13, w2, peer_combine: torch.Tensor, on_experts_done) -> None:
+    def __call__(self, stage, w13, w2, peer_combine: torch.Tensor, on_experts_done, *,
+                 desc: torch.Tensor | None = None, combine: torch.Tensor | None = None) -> None:
         """Plan ``stage``'s rows (moe_pull's output), run the experts, call ``on_experts_done`` (a timeline
-        mark) and push the weighted rows to ``peer_combine`` (int64 [W]: each source's combine buffer as
-        this GPU addresses it)."""
+        mark) and push the weighted rows to each source (:meth:`combine_push`)."""
         plan = self.plan(stage)
         out = self.experts(plan, w13, w2)
         on_experts_done()
-        self.combine_push(plan, out, peer_combine)
+        self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
 
     def plan(self, stage) -> DevicePlan:
         """Every staged choice of a local expert in its expert's group, with its payload copied there."""
@@ -189,7 +192,7 @@ class ExpertCompute:
             act_sf = torch.empty((inter // FP8_SCALE_BLOCK, P), dtype=torch.float32, device=dev)
             self._launch("moe_swiglu_fp8", gate_up, plan.src, plan.counts, E, GROUP_ALIGN, inter, act, act_sf, P,
                          shared=True)
-            out = torch.empty((P, H), dtype=torch.bfloat16, device=dev)
+            out = self.rma_out if self.rma_out is not None else torch.empty((P, H), dtype=torch.bfloat16, device=dev)
             dg.m_grouped_fp8_gemm_nt_contiguous((act, act_sf.t()), (w2.data, w2.scale), out, plan.group_end,
                                                 use_psum_layout=True)
             return out
@@ -198,16 +201,24 @@ class ExpertCompute:
         gate_up = torch._grouped_mm(plan.rows.view(torch.bfloat16), w13.transpose(1, 2), offs=ends)
         act = torch.empty((P, inter), dtype=torch.bfloat16, device=dev)
         self._launch("moe_swiglu_bf16", gate_up, plan.src, plan.counts, E, GROUP_ALIGN, inter, act, shared=True)
-        return torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
+        out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
+        if self.rma_out is None:
+            return out
+        return self.rma_out.copy_(out)  # _grouped_mm allocates its output; the puts need registered memory
 
-    def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor) -> None:
-        """Each real row of ``out``, times its weight, to its source's combine buffer at token * K + k; then
-        :attr:`pushed` holds :attr:`push_blocks` (zeroed here first, stream-ordered after the previous
-        call's reader of it)."""
+    def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor, *,
+                     desc: torch.Tensor | None = None, combine: torch.Tensor | None = None) -> None:
+        """Each real row of ``out``, times its weight, to its source's combine buffer at token * K + k:
+        stores through ``peer_combine`` (int64 [W]: each source's combine buffer as this GPU addresses it)
+        for DIRECT sources, an RMA put to ``combine`` (this rank's symmetric combine buffer) on the source
+        for RMA ones - as ``desc`` (a ring descriptor, :attr:`chunkring.Ring.desc`) says; without one every
+        source is DIRECT. An RMA row is weighted in place in ``out`` first. Then :attr:`pushed` holds
+        :attr:`push_blocks` (zeroed here first, stream-ordered after the previous call's reader of it)."""
         cfg = self.config
         self.pushed.zero_()
         self._launch("moe_combine_push", out, plan.src, plan.token, plan.k, plan.weight, plan.counts,
-                     self.experts_per_rank, GROUP_ALIGN, cfg.hidden, cfg.topk, peer_combine, self.pushed, shared=True)
+                     self.experts_per_rank, GROUP_ALIGN, cfg.hidden, cfg.topk, peer_combine, desc, combine,
+                     self.pushed, shared=True)
 
     def _launch(self, name: str, *args, shared: bool = False) -> None:
         self.kernels.launch(name, *args, grid=self._grid, block=_BLOCK,

@@ -48,6 +48,7 @@ from chunkring.moe.weights import ExpertWeights, Fp8Weight, init_weights, payloa
 from chunkring.ring.io import check_tensor, enqueue_publish
 from chunkring.ring.ring import Ring, _check_identical
 from chunkring.ring.spec import FP8_SCALE_BLOCK
+from chunkring.ring.transport import Transport
 
 if TYPE_CHECKING:
     from chunkring.bringup import Runtime
@@ -65,14 +66,22 @@ class _Stage:
     """What one rank's consumer pulls in a call, from either ring: every source's rows at their token
     index (``N = max_tokens_per_rank`` rows per source), and the pull's bookkeeping."""
 
-    def __init__(self, config: MoEConfig, world_size: int, device: torch.device) -> None:
+    def __init__(self, config: MoEConfig, world_size: int, device: torch.device,
+                 alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
+        """``alloc(shape, dtype)`` (a zero-filled tensor): where the pulled rows land - NVSHMEM's symmetric
+        heap when a source is read by RMA (a get's local buffer must be registered off-node)."""
         W, N, H, K = world_size, config.max_tokens_per_rank, config.hidden, config.topk
         fp8 = config.payload.has_scales
-        self.x = torch.zeros((W, N, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=device)
-        self.sf = torch.zeros((W, N, H // FP8_SCALE_BLOCK if fp8 else 0), dtype=torch.float32, device=device)
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return alloc(shape, dtype) if alloc is not None else torch.zeros(shape, dtype=dtype, device=device)
+
+        self.x = zeros((W, N, H), torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        self.sf = zeros((W, N, H // FP8_SCALE_BLOCK if fp8 else 0), torch.float32)
         # -1 (planned nowhere) is refilled before every pull: a row no chunk brought is never computed.
-        self.idx = torch.full((W, N, K), -1, dtype=torch.int32, device=device)
-        self.w = torch.zeros((W, N, K), dtype=torch.float32, device=device)
+        self.idx = zeros((W, N, K), torch.int32).fill_(-1)
+        self.w = zeros((W, N, K), torch.float32)
+        self.symmetric = (self.x, self.sf, self.idx, self.w) if alloc is not None else ()
         # Per source: the seq of its last chunk, whose acknowledgement waits for the combine (-1: none).
         self.held = torch.full((W,), -1, dtype=torch.int64, device=device)
 
@@ -127,8 +136,14 @@ class MoELayer:
         from chunkring._jit import library_for
 
         self._kernels = library_for(runtime, "moe_stream", defines={"CHUNKRING_MUTANT": variant} if variant else None)
-        self.rings = {mode: Ring(runtime, spec, timeout_s=timeout_s) for mode, spec in specs.items()}
-        self._stage = _Stage(config, world, device)
+        self.rings = {mode: Ring(runtime, spec, timeout_s=timeout_s, transport=config.transport)
+                      for mode, spec in specs.items()}
+        # Every ring's buffer lives in the same symmetric heap, so NVSHMEM maps a peer for all or none.
+        self.transports = self.rings[CallMode.BATCH_READY].transports
+        # Where any rank reads or writes a peer by RMA, the local ends of its gets and puts (the stage, the
+        # experts' output) must be NVSHMEM-registered: symmetric allocations, a collective, so decided alike.
+        self._rma_anywhere = any(runtime.allgather_object(Transport.RMA in self.transports))
+        self._stage = _Stage(config, world, device, runtime.alloc if self._rma_anywhere else None)
         # Per ring, per (source, slot): the pull's blocks done with the current chunk (ring.cuh finish_chunk).
         self._arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
                           for mode, spec in specs.items()}
@@ -140,16 +155,17 @@ class MoELayer:
         # One bf16 row per (token, k) of this rank's batch; consumers write into it from their GPUs, and the
         # reduction over k accumulates in fp32 (bf16 is the output's precision: a wider row buys nothing).
         self.combine = runtime.alloc((config.max_tokens_per_rank * config.topk, config.hidden), torch.bfloat16)
-        peers = [runtime.peer(self.combine, pe) for pe in range(world)]
-        for pe, peer in enumerate(peers):
-            if peer is None:
-                raise ChunkringUsageError(f"PE {pe} is not load/store reachable from PE {runtime.rank}; the "
-                                          "combine push needs NVLink or the same GPU", field="runtime")
-        # Each source's combine buffer as this GPU addresses it (moe_combine_push writes there).
-        self._peer_combine = torch.tensor([peer.data_ptr() for peer in peers], dtype=torch.int64, device=device)
+        # Each DIRECT source's combine buffer as this GPU addresses it (moe_combine_push stores there); 0 for
+        # an RMA source, which the push reaches by a put to self.combine's symmetric address instead.
+        direct = [runtime.peer_address(self.combine, pe) if t is Transport.DIRECT else 0
+                  for pe, t in enumerate(self.transports)]
+        self._peer_combine = torch.tensor(direct, dtype=torch.int64, device=device)
         self._compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank,
                                       library_for(runtime, "moe_experts",
                                                   defines={"CHUNKRING_MUTANT": variant} if variant else None), device)
+        if self._rma_anywhere:
+            self._compute.rma_out = runtime.alloc((self._compute.capacity, config.hidden), torch.bfloat16)
+        log.info("chunkring MoELayer: %s", self.describe_transport())
         self.streaming_calibration: StreamingCalibration | None = None  # what streaming="auto" follows
         self._producer: torch.cuda.Stream
         self._consumer: torch.cuda.Stream
@@ -178,6 +194,11 @@ class MoELayer:
 
     def __repr__(self) -> str:
         return f"MoELayer({self.config}, rank {self.runtime.rank} of {self.runtime.world_size})"
+
+    def describe_transport(self) -> str:
+        """One line: which sources this rank pulls from (and pushes combine rows to) with loads and stores,
+        which by RMA (:attr:`transports`, per PE, the same for every ring of the layer)."""
+        return self.rings[CallMode.BATCH_READY].describe_transport()
 
     # ------------------------------------------------------------------ public calls
 
@@ -318,6 +339,10 @@ class MoELayer:
         for ring in self.rings.values():
             ring.destroy()
         if self.combine is not None:
+            for tensor in (*self._stage.symmetric, self._compute.rma_out):
+                if tensor is not None:
+                    self.runtime.free(tensor)
+            self._compute.rma_out = None
             self.runtime.free(self.combine)
             self.combine = None  # type: ignore[assignment]  # destroyed: _check_alive() guards every call
 
@@ -393,7 +418,8 @@ class MoELayer:
             self._arrivals[mode].zero_()  # a failed earlier call may have left counts behind
             self._launch_pull(mode, trace)
             mark(Event.EXPERTS_BEGIN)
-            self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE))
+            self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
+                          combine=self.combine)
             mark(Event.COMBINE_DONE)
             kernels.launch("moe_ack_held", ring.desc, stage.held, self._compute.pushed, self._compute.push_blocks,
                            *trace, grid=spec.world_size, block=32, stream=consumer)

@@ -8,6 +8,7 @@ from chunkring.ring.layout import RingLayout
 from chunkring.ring.ring import Ring
 from chunkring.ring.spec import FP8_SCALE_BLOCK, MAX_WORLD_SIZE, PayloadFormat, RingSpec
 from chunkring.ring.status import AbortRecord, ErrorCode, InputField, InputRecord, Site, StatusRecord
+from chunkring.ring.transport import Transport
 
 __all__ = [
     "AbortRecord",
@@ -23,6 +24,7 @@ __all__ = [
     "RingSpec",
     "Site",
     "StatusRecord",
+    "Transport",
     "gather",
     "gather_grid_limit",
     "publish_chunk",

@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the layout itself is host arithmetic; only views() touches 
 __all__ = ["RingLayout", "Region", "DESC_FIELDS", "LAYOUT_VERSION", "CONTROL", "STATUS", "META"]
 
 #: Bumped whenever a region or a descriptor field changes; the device refuses other versions.
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 LINE = 128
 WORD = 8
 
@@ -65,7 +65,7 @@ DESC_FIELDS = (
     "topk", "num_experts", "payload_format", "epoch_bits", "timeout_ns", "base",
     "off_x", "off_x_sf", "off_topk_idx", "off_topk_weights", "off_meta", "off_route_ready",
     "off_layout_ready", "off_ack", "off_consumed", "off_cursor", "off_control", "off_status",
-    "x_row_bytes", "x_sf_row_floats", "ready_row_words", "ack_slot_words", "total_bytes",
+    "x_row_bytes", "x_sf_row_floats", "ready_row_words", "ack_slot_words", "total_bytes", "rma_peers",
 )
 
 
@@ -154,11 +154,14 @@ class RingLayout:
             out[name] = raw.view(getattr(torch, region.dtype)).view(region.shape)
         return out
 
-    def descriptor(self, *, my_pe: int, base: int, timeout_ns: int) -> np.ndarray:
-        """The device descriptor as a uint64 array in ``DESC_FIELDS`` order."""
+    def descriptor(self, *, my_pe: int, base: int, timeout_ns: int, rma_peers: int = 0) -> np.ndarray:
+        """The device descriptor as a uint64 array in ``DESC_FIELDS`` order. ``rma_peers``: bit ``pe`` set
+        when this rank reaches ``pe``'s buffers by NVSHMEM RMA (:mod:`chunkring.ring.transport`)."""
         spec = self.spec
         if not 0 <= my_pe < spec.world_size:
             raise ChunkringUsageError(f"PE {my_pe} outside world of {spec.world_size}", field="my_pe")
+        if isinstance(rma_peers, bool) or not isinstance(rma_peers, int) or not 0 <= rma_peers < 1 << spec.world_size:
+            raise ChunkringUsageError(f"not a mask of {spec.world_size} PEs: {rma_peers!r}", field="rma_peers")
         values = {
             "layout_version": LAYOUT_VERSION,
             "desc_bytes": WORD * len(DESC_FIELDS),
@@ -179,6 +182,7 @@ class RingLayout:
             "ready_row_words": self.ready_row_words,
             "ack_slot_words": self.ack_slot_words,
             "total_bytes": self.total_bytes,
+            "rma_peers": rma_peers,
         }
         assert set(values) == set(DESC_FIELDS), set(values) ^ set(DESC_FIELDS)
         return np.array([values[name] for name in DESC_FIELDS], dtype=np.uint64)

@@ -7,6 +7,7 @@ between runs (a collective that bumps the epoch) and reads the status record aft
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,12 +16,15 @@ from chunkring.env import check_timeout_s, check_work_queues, watchdog_timeout_s
 from chunkring.errors import ChunkringInputError, ChunkringRuntimeError, ChunkringUsageError
 from chunkring.ring.layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
 from chunkring.ring.spec import RingSpec
-from chunkring.ring.status import AbortRecord, InputRecord, StatusRecord, status_error
+from chunkring.ring.status import AbortRecord, ErrorCode, InputRecord, StatusRecord, status_error
+from chunkring.ring.transport import Transport, check_transport_mode, choose_transports, describe_transports, rma_mask
 
 if TYPE_CHECKING:
     from chunkring.bringup import Runtime
 
 __all__ = ["Ring"]
+
+log = logging.getLogger("chunkring")
 
 
 class Ring:
@@ -29,10 +33,16 @@ class Ring:
 
     Attributes: ``spec``, ``layout``, ``views`` (dict of typed tensors over this rank's buffer: ``x``
     [S, T, H], ``x_sf`` [S, T, H/128] fp32, ``topk_idx`` [S, T, K] int32, ``topk_weights`` [S, T, K] fp32,
-    ``meta`` [S, 4] int64, ...), ``desc`` (the device descriptor, a uint64 tensor viewed as int64).
+    ``meta`` [S, 4] int64, ...), ``desc`` (the device descriptor, a uint64 tensor viewed as int64),
+    ``transports`` (per PE: :class:`~chunkring.ring.transport.Transport`, how this rank's kernels reach
+    that PE's slots), ``transport_mode``.
+
+    ``transport``: ``"auto"`` (loads and stores where NVSHMEM maps a peer, RMA elsewhere) or ``"rma"``
+    (RMA for every peer, this rank included); ``None`` reads ``CHUNKRING_TRANSPORT`` (default auto).
     """
 
-    def __init__(self, runtime: Runtime, spec: RingSpec, *, timeout_s: float | None = None) -> None:
+    def __init__(self, runtime: Runtime, spec: RingSpec, *, timeout_s: float | None = None,
+                 transport: str | None = None) -> None:
         if not isinstance(spec, RingSpec):
             raise ChunkringUsageError(f"expected a RingSpec, got {type(spec).__name__}", field="spec")
         if spec.world_size != runtime.world_size:
@@ -40,13 +50,19 @@ class Ring:
                                       field="world_size")
         check_work_queues()
         timeout_s = watchdog_timeout_s() if timeout_s is None else check_timeout_s(timeout_s, field="timeout_s")
-        _check_identical(runtime, (spec, timeout_s))
+        self.transport_mode = check_transport_mode(transport)
+        _check_identical(runtime, (spec, timeout_s, self.transport_mode))
         self.runtime = runtime
         self.spec = spec
         self.layout = RingLayout(spec)
         self.buffer = runtime.alloc(self.layout.total_bytes, torch.uint8)
         self.views = self.layout.views(self.buffer)
-        desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(), timeout_ns=int(timeout_s * 1e9))
+        # Decided once, here: a peer NVSHMEM maps into this GPU is read with loads, any other by RMA.
+        self.transports: tuple[Transport, ...] = choose_transports(
+            lambda pe: runtime.peer_address(self.buffer, pe), spec.world_size, self.transport_mode)
+        log.info("chunkring Ring: %s", self.describe_transport())
+        desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(), timeout_ns=int(timeout_s * 1e9),
+                                      rma_peers=rma_mask(self.transports))
         self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
         self._destroyed = False
         self.reset()
@@ -54,6 +70,10 @@ class Ring:
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else f"epoch {self.epoch}"
         return f"Ring({self.spec}, {self.layout.total_bytes} B/rank, {state})"
+
+    def describe_transport(self) -> str:
+        """One line: which PEs this rank reaches with loads and stores, which by RMA."""
+        return describe_transports(self.runtime.rank, self.transports, self.transport_mode)
 
     def _check_alive(self) -> None:
         if self._destroyed:

@@ -1,6 +1,8 @@
 """The bench's method (chunkring.benchmarks.bench_moe) and its launcher entry point, without a GPU: what
 follows from one shape's measured times, and what the ``bench`` job hands the method."""
 
+import contextlib
+
 import pytest
 
 from chunkring.benchmarks import bench_moe
@@ -46,13 +48,19 @@ def test_the_job_hands_the_method_its_config(monkeypatch):
     seen = {}
 
     def fake_run(runtime, open_layer, **kwargs):
-        seen.update(kwargs, layers={c: open_layer(c) for c in kwargs["chunk_sizes"]})
+        layers = {}
+        for c in kwargs["chunk_sizes"]:
+            with open_layer(c) as layer:
+                layers[c] = layer
+        seen.update(kwargs, layers=layers)
         kwargs["on_shape"](1, "n=16 chunk=32: streamed/batch 1.00")
         return {"c32_auto_streams": 0}
 
     monkeypatch.setattr(bench_moe, "run", fake_run)
-    monkeypatch.setattr(bench, "open_layer", lambda runtime, fields, cfg: cfg)  # the layer's MoEConfig
-    assert bench.run(type("R", (), {"rank": 1})(), config) == {"c32_auto_streams": 0}
+    # The "layer" is its MoEConfig; the transport figures come from it.
+    monkeypatch.setattr(bench, "open_layer", lambda runtime, fields, cfg: contextlib.nullcontext(cfg))
+    monkeypatch.setattr(bench, "transport_figures", lambda cfg: {"transport_rma": int(cfg.transport == "rma")})
+    assert bench.run(type("R", (), {"rank": 1})(), config) == {"c32_auto_streams": 0, "transport_rma": 0}
     assert seen["chunk_sizes"] == (32, 64) and seen["token_counts"] == (16, 64)
     assert seen["timing"] == Timing(iterations=7, warmup=2, rotate=3, seed=5)
     assert seen["trace"] == (64, 32) and seen["trace_out"] == config.trace_out

@@ -55,3 +55,14 @@ def test_numeric_suite_properties_become_figures(tmp_path):
                     '<property name="note" value="text"/></properties></testsuite></testsuites>')
     s = summarise(tmp_path, 0, str(path))
     assert s["figures"]["fuzz_cases_x_sf_rank0"] == 220 and "note" not in s["figures"]
+
+
+def test_the_summary_says_which_transport_ran(tmp_path):
+    plain = summarise(tmp_path, 0, write(tmp_path / "r0.xml", errors=0, failures=0, skipped=0, tests=1))
+    assert plain["transport"] == "auto"
+    path = tmp_path / "r1.xml"
+    path.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest" errors="0" failures="0" skipped="0" '
+                    'tests="1"><properties><property name="transport_rma" value="1"/></properties></testsuite>'
+                    '</testsuites>')
+    forced = summarise(tmp_path, 0, str(path))
+    assert forced["transport"] == "rma" and forced["figures"]["transport_rma"] == 1

@@ -162,3 +162,55 @@ def test_json_report_has_the_result_file_keys(monkeypatch):
     assert (out["commit"], out["ranks"], out["suite"], out["config"]["topk"]) == ("abc1234", 2, "run", 2)
     assert out["figures"] == {"rank0_ms": 1.5, "rank1_ms": 2.5}
     assert "topk=2" in out["command"]
+
+
+def multi_node_args(**kw):
+    base = dict(timeout=600, hostfile="hosts", host=None, npernode=8, ifname=None, job="run", config=None,
+                overrides=[], json=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_a_hostfile_job_maps_ranks_per_node_and_never_oversubscribes():
+    cmd = cli.mpirun_command(multi_node_args(), 16, {"NVSHMEM_DISABLE_NVLS": "1", "CHUNKRING_TRANSPORT": "auto"})
+    assert "--oversubscribe" not in cmd
+    at = cmd.index("--hostfile")
+    assert cmd[at:at + 4] == ["--hostfile", "hosts", "--map-by", "ppr:8:node"]
+    assert cmd[:3] == ["mpirun", "-np", "16"]
+    assert "CHUNKRING_TRANSPORT" in cmd and "NVSHMEM_DISABLE_NVLS" in cmd
+    host = cli.mpirun_command(multi_node_args(hostfile=None, host="a:8,b:8", npernode=None), 16, {})
+    assert "--oversubscribe" not in host and "--map-by" not in host and "--host" in host
+    single = cli.mpirun_command(multi_node_args(hostfile=None, npernode=None), 4, {})
+    assert "--oversubscribe" in single and "--map-by" not in single
+
+
+def test_multi_node_environment_sets_the_bootstrap_interface_and_refuses_single_node_settings():
+    env = {"NVSHMEM_DISABLE_NVLS": "1"}
+    cli.multi_node_environment(multi_node_args(ifname="eth0"), env)
+    assert env["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "eth0" and "NVSHMEM_REMOTE_TRANSPORT" not in env
+    for name, value in (("NVSHMEM_REMOTE_TRANSPORT", "none"), ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
+                        ("NVSHMEM_IB_ENABLE_IBGDA", "1")):
+        with pytest.raises(ChunkringUsageError) as info:
+            cli.multi_node_environment(multi_node_args(), {name: value})
+        assert info.value.field == name
+    env = {"NVSHMEM_REMOTE_TRANSPORT": "libfabric", "NVSHMEM_LIBFABRIC_PROVIDER": "efa"}
+    cli.multi_node_environment(multi_node_args(), env)  # EFA: the caller's choice, kept and forwarded
+    assert env["NVSHMEM_REMOTE_TRANSPORT"] == "libfabric"
+
+
+def test_two_node_dry_run():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVSHMEM_")}
+    proc = run_cli("--dry-run", "--np", "16", "--hostfile", "hosts", "--npernode", "8", "--ifname", "eth0", "run",
+                   env={**env, "CHUNKRING_TRANSPORT": "auto"})
+    assert proc.returncode == 0, proc.stderr
+    env_line, cmd_line = proc.stdout.strip().splitlines()
+    assert "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=eth0" in env_line and "NVSHMEM_DISABLE_NVLS=1" in env_line
+    assert "--hostfile hosts --map-by ppr:8:node" in cmd_line and "--oversubscribe" not in cmd_line
+    for name in ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "CHUNKRING_TRANSPORT", "NCCL_NVLS_ENABLE"):
+        assert f"-x {name}" in cmd_line
+    bad = run_cli("--dry-run", "--np", "16", "--hostfile", "hosts", "run",
+                  env={**env, "NVSHMEM_REMOTE_TRANSPORT": "none"})
+    assert bad.returncode == 2 and "NVSHMEM_REMOTE_TRANSPORT" in bad.stderr
+
+
+def test_npernode_needs_hosts():
+    assert run_cli("--dry-run", "--np", "2", "--npernode", "2", "bringup").returncode == 2

@@ -9,7 +9,7 @@ namespace chunkring::layout {
 
 using u64 = ::cuda::std::uint64_t;
 
-constexpr u64 kRingLayoutVersion = 2;  // == runtime/ring/layout.py LAYOUT_VERSION
+constexpr u64 kRingLayoutVersion = 3;  // == runtime/ring/layout.py LAYOUT_VERSION
 
 struct RingDesc {
     u64 layout_version;   // kRingLayoutVersion
@@ -42,8 +42,9 @@ struct RingDesc {
     u64 ready_row_words;
     u64 ack_slot_words;
     u64 total_bytes;
+    u64 rma_peers;        // bit pe set: read pe's slots and write its combine rows by NVSHMEM RMA, not loads/stores
 };
-static_assert(sizeof(RingDesc) == 30 * sizeof(u64), "RingDesc must match runtime/ring/layout.py DESC_FIELDS");
+static_assert(sizeof(RingDesc) == 31 * sizeof(u64), "RingDesc must match runtime/ring/layout.py DESC_FIELDS");
 
 // Word indices inside the control, status and meta regions (runtime/ring/layout.py CONTROL, STATUS, META).
 enum ControlWord : u64 { kControlEpoch = 0, kControlNextSeq = 1 };

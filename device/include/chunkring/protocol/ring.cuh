@@ -18,6 +18,7 @@
 #include "chunkring/layout/ring_desc.cuh"
 #include "chunkring/protocol/rules.cuh"
 #include "chunkring/protocol/status.cuh"
+#include "chunkring/protocol/transport.cuh"
 #include "chunkring/ptx/ordering.cuh"
 
 namespace chunkring::protocol {
@@ -182,7 +183,8 @@ __device__ __forceinline__ bool wait_chunk(const RingDesc& d, u64 epoch, u64 src
 }
 
 // A pointer to `local`'s counterpart in `src`'s buffer for direct loads (NVLink or same GPU), or
-// an error when the peer is only reachable through a network transport.
+// null when the peer is only reachable through a network transport. Kernels that may run with RMA
+// peers (RingDesc.rma_peers) read slots through protocol/transport.cuh's fetch_* instead.
 template <typename T>
 __device__ __forceinline__ const T* peer_view(const RingDesc& d, const T* local, u64 src) {
     return static_cast<const T*>(nvshmem_ptr(local, static_cast<int>(src)));
@@ -283,9 +285,9 @@ __device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arriv
             const u64 seq = next_seq[src], slot = slot_of(seq, d.num_slots);
             if (!wait_chunk(d, epoch, src, seq)) return false;
             if (threadIdx.x == 0) {
-                const u64* meta = peer_view(d, slot_meta(d, slot), src);
-                step_ok = meta != nullptr;
-                if (step_ok) step_eos = meta[kMetaFlags] & kMetaEndOfStream;
+                ChunkMeta meta;  // after wait_chunk's acquire: loads or a get, per src's transport
+                step_ok = fetch_meta(d, src, slot, meta);
+                if (step_ok) step_eos = meta.flags & kMetaEndOfStream;
                 else record_error(d, ErrorCode::kPeerUnreachable, Site::kPayload, src, slot, 0, 0);
             }
             __syncthreads();

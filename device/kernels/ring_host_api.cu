@@ -2,6 +2,7 @@
 // a torch producer fills tensors and publishes them as the next chunk, stream-ordered; a consumer
 // gathers every chunk of one invocation from every source into dense per-source outputs.
 // Both go through the device API of protocol/ring.cuh; neither takes a host-supplied generation.
+#include "chunkring/protocol/publish.cuh"
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/protocol/validate.cuh"
 #include "chunkring/util/copy.cuh"
@@ -16,11 +17,8 @@ using chunkring::util::block_copy4;
 // [token_base, token_base + n_tokens) of its batch.
 // x: [n, hidden] payload bytes; x_sf: [n, hidden/128] fp32 (FP8 only); topk_idx/topk_weights: [n, topk].
 //
-// valid_tokens (nullable): the batch's real token count, read here at run time - a CUDA graph
-// captured with fixed shapes replays with whatever count the caller wrote. The chunk then carries
-// only the rows below it and ends the stream if it reaches it; a chunk wholly past it publishes
-// nothing (its stream already ended), except the first, which an empty rank still publishes, empty.
-// A count outside [0, batch_rows] is clamped and reported (protocol/validate.cuh), never used as an index.
+// valid_tokens (nullable) and batch_rows: a device token count that may cut the chunk short (chunk_extent,
+// protocol/publish.cuh).
 //
 // Two forms, the same protocol steps (protocol/ring.cuh: begin_chunk, the slot's stores, publish,
 // end_chunk): ring_publish_tensors does all of them in one block; a chunk too large for one block to
@@ -33,28 +31,6 @@ using chunkring::util::block_copy4;
 
 namespace {
 
-struct ChunkExtent {
-    u64 n;         // rows this chunk carries
-    bool eos;      // it ends the stream
-    bool publish;  // false: wholly past the real count, nothing is published
-};
-
-// Every kernel of one publish computes the same extent from the same inputs.
-__device__ ChunkExtent chunk_extent(const RingDesc& d, int n_tokens, long long token_base, int end_of_stream,
-                                    const int* valid_tokens, long long batch_rows, bool report) {
-    ChunkExtent e{static_cast<u64>(n_tokens), end_of_stream != 0, true};
-    if (valid_tokens == nullptr) return e;
-    const long long asked = *valid_tokens;
-    const long long valid = asked < 0 ? 0 : (asked > batch_rows ? batch_rows : asked);
-    if (report && asked != valid && threadIdx.x == 0 && token_base == 0)  // once per call, by its first chunk
-        report_input(d, InputField::kValidTokens, d.my_pe, 0, 0, 0, static_cast<u64>(asked));
-    if (token_base > 0 && token_base >= valid) return {0, false, false};
-    const u64 left = static_cast<u64>(valid - token_base);
-    e.n = left < e.n ? left : e.n;
-    e.eos = token_base + static_cast<long long>(n_tokens) >= valid;
-    return e;
-}
-
 // This block's share of the chunk's rows [lo, hi) (of `parts` equal shares), copied into `slot`.
 __device__ void copy_rows(const RingDesc& d, u64 slot, const unsigned char* x, const float* x_sf, const int* topk_idx,
                           const float* topk_weights, u64 n, u64 part, u64 parts) {
@@ -64,23 +40,6 @@ __device__ void copy_rows(const RingDesc& d, u64 slot, const unsigned char* x, c
     block_copy4(slot_topk_idx(d, slot) + lo * K, topk_idx + lo * K, rows * K);
     block_copy4(slot_topk_weights(d, slot) + lo * K, topk_weights + lo * K, rows * K);
 }
-
-// Metadata, both ready words, the producer's cursor: the chunk is out.
-__device__ void close_chunk(const RingDesc& d, u64 epoch, u64 seq, const ChunkExtent& e, long long token_base) {
-    const u64 slot = slot_of(seq, d.num_slots);
-    if (threadIdx.x == 0) {
-        u64* meta = slot_meta(d, slot);
-        meta[kMetaTokenBase] = static_cast<u64>(token_base);
-        meta[kMetaNumTokens] = e.n;
-        meta[kMetaFlags] = e.eos ? kMetaEndOfStream : 0;
-    }
-    publish(d, epoch, seq, ReadyKind::kRoute);
-    publish(d, epoch, seq, ReadyKind::kLayout);
-    end_chunk(d, seq);
-}
-
-// NOTES: relaxed - only this rank's producers write next_seq, and they are stream-ordered.
-__device__ __forceinline__ u64 next_seq(const RingDesc& d) { return ptx::ld_relaxed_sys(control_word(d, kControlNextSeq)); }
 
 }  // namespace
 

@@ -42,7 +42,7 @@ from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import ExpertCompute
 from chunkring.moe.op import moe_forward, register_layer
-from chunkring.moe.producer import quantize_rows_fp8, route
+from chunkring.moe.producer import enqueue_produce
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import ExpertWeights, Fp8Weight, init_weights, payload_weights
 from chunkring.ring.io import check_tensor, enqueue_publish
@@ -58,8 +58,9 @@ __all__ = ["CallMode", "ChunkedMoE", "MoELayer"]
 
 log = logging.getLogger("chunkring")
 
-#: One chunk as a call's producers hand it to the publish: x, x_sf (None for bf16), topk_idx, topk_weights.
-_Chunk = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
+#: Enqueues rows [start, end) of a call's batch as the ring's next chunk on the producer stream:
+#: (ring, start, end, end_of_stream, valid_tokens, batch_rows, stream).
+_Publish = Callable[[Ring, int, int, bool, torch.Tensor | None, int | None, torch.cuda.Stream], None]
 
 
 class _Stage:
@@ -147,6 +148,9 @@ class MoELayer:
         # Per ring, per (source, slot): the pull's blocks done with the current chunk (ring.cuh finish_chunk).
         self._arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
                           for mode, spec in specs.items()}
+        # Per ring: the fused producer's blocks done with the current chunk (moe_produce.cu last_to_arrive).
+        self._produce_kernels = library_for(runtime, "moe_produce")
+        self._produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start
         # would stall the others (docs/PROTOCOL.md, "Progress").
         consumer_sms = partition.consumer_sms if partition is not None else torch.cuda.get_device_properties(
@@ -228,17 +232,20 @@ class MoELayer:
                                  self.streaming_calibration, x, x_sf, topk_idx, topk_weights, w13, w2,
                                  streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
 
-        def produce(start: int, end: int) -> _Chunk:
-            return x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end], topk_weights[start:end]
+        def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
+                    stream: torch.cuda.Stream) -> None:
+            enqueue_publish(ring, x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end],
+                            topk_weights[start:end], start, eos, valid, rows, stream)
 
-        return self._invoke(mode, n, produce, w13, w2, out, num_tokens, timeline)
+        return self._invoke(mode, n, publish, w13, w2, out, num_tokens, timeline)
 
     def forward(self, hidden: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight,
                 w2: torch.Tensor | Fp8Weight, *, streaming: bool | str = False, out: torch.Tensor | None = None,
                 num_tokens: torch.Tensor | None = None, timeline: Timeline | None = None) -> torch.Tensor:
         """The layer with its own producers: per chunk (streamed) or for the whole batch, router GEMM
-        (``router_weight`` bfloat16 [E, H]) -> top-k softmax weights -> FP8 quantisation (FP8 payload)
-        -> publish. ``hidden`` bfloat16 [n, H]; weights, ``num_tokens`` and ``timeline`` as in :meth:`run`;
+        (``router_weight`` bfloat16 [E, H], an fp32 GEMM in torch) -> one fused kernel: top-k softmax
+        weights, FP8 quantisation (FP8 payload), publish (:func:`chunkring.moe.producer.enqueue_produce`).
+        ``hidden`` bfloat16 [n, H]; weights, ``num_tokens`` and ``timeline`` as in :meth:`run`;
         returns bfloat16 [n, H]."""
         self._check_alive()
         cfg = self.config
@@ -246,13 +253,18 @@ class MoELayer:
                                      hidden, router_weight, w13, w2, streaming=streaming, out=out,
                                      num_tokens=num_tokens, timeline=timeline)
 
-        def produce(start: int, end: int) -> _Chunk:
-            rows = hidden[start:end]
-            topk_idx, topk_weights = route(rows, router_weight, cfg.topk)
-            x, x_sf = quantize_rows_fp8(rows) if cfg.payload.has_scales else (rows, None)
-            return x, x_sf, topk_idx, topk_weights
+        router = router_weight.float().T  # once per call, on the caller's stream, which the producer waits for
+        if hidden.data_ptr() % 16:
+            hidden = hidden.clone()  # the fused producer loads rows in 8-byte pieces
+        arrivals = self._produce_arrivals[mode]
 
-        return self._invoke(mode, n, produce, w13, w2, out, num_tokens, timeline)
+        def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
+                    stream: torch.cuda.Stream) -> None:
+            chunk = hidden[start:end]
+            logits = chunk.float() @ router  # the GEMM chunkring.moe.producer.route runs
+            enqueue_produce(ring, self._produce_kernels, logits, chunk, start, eos, valid, rows, arrivals, stream)
+
+        return self._invoke(mode, n, publish, w13, w2, out, num_tokens, timeline)
 
     def expert_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
         """This rank's experts (w13 [E_local, 2I, H], w2 [E_local, H, I], bfloat16 on the layer's device) in
@@ -360,7 +372,7 @@ class MoELayer:
         if self.combine is None:
             raise ChunkringUsageError("this MoELayer was destroyed")
 
-    def _invoke(self, mode: CallMode, n: int, produce: Callable[[int, int], _Chunk], w13: torch.Tensor | Fp8Weight,
+    def _invoke(self, mode: CallMode, n: int, publish: _Publish, w13: torch.Tensor | Fp8Weight,
                 w2: torch.Tensor | Fp8Weight, out: torch.Tensor | None, num_tokens: torch.Tensor | None,
                 timeline: Timeline | None) -> torch.Tensor:
         """Enqueue one call of ``mode`` (its arguments checked)."""
@@ -395,9 +407,7 @@ class MoELayer:
                     start = starts[chunk]
                     end = min(start + T, n)
                     mark(Event.PRODUCE_BEGIN, chunk)
-                    x, x_sf, topk_idx, topk_weights = produce(start, end)
-                    enqueue_publish(ring, x, x_sf, topk_idx, topk_weights, start, end == n, num_tokens,
-                                    None if num_tokens is None else n, producer)
+                    publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, producer)
                     mark(Event.PUBLISHED, chunk)
 
         # Enqueue order (docs/PROTOCOL.md, "Progress"): the chunks that fit the ring first - their publishes
@@ -410,6 +420,7 @@ class MoELayer:
             mark(Event.CALL_BEGIN)
             # Before our first publish: no consumer writes a row of ours before seeing a chunk of ours.
             self.combine[:n * K].zero_()
+            self._produce_arrivals[mode].zero_()  # a failed earlier call may have left a count behind
         produce_chunks(range(first))
 
         with torch.cuda.stream(consumer):

@@ -1,5 +1,9 @@
-"""The streamed layer's producers: router GEMM -> TopK -> FP8 quantisation of the rows, in torch,
-ready to be published as a chunk (:func:`chunkring.publish_chunk`).
+"""The layer's producers: router GEMM -> TopK -> FP8 quantisation of the rows -> publish.
+
+:func:`enqueue_produce` is what a call runs: the router GEMM in torch, then one fused kernel per chunk
+(device/kernels/moe_produce.cu) that routes, quantises and publishes. :func:`route` and
+:func:`quantize_rows_fp8` compute the same in torch: the reference the kernel is tested against, and the
+producers of callers that route a batch themselves (:meth:`chunkring.MoELayer.run`).
 
 These run on the GPU inside a call, so they never read a device value on the host (no checks that
 would need one: a non-finite activation gives a non-finite scale, which the output shows).
@@ -7,11 +11,17 @@ would need one: a non-finite activation gives a non-finite scale, which the outp
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
-__all__ = ["E4M3_MAX", "quantize_rows_fp8", "route"]
+if TYPE_CHECKING:
+    from chunkring._jit.launch import KernelLibrary
+    from chunkring.ring.ring import Ring
+
+__all__ = ["E4M3_MAX", "enqueue_produce", "produce_grid", "quantize_rows_fp8", "route"]
 
 #: Largest finite float8_e4m3fn value (e4m3fn has no infinity; the all-ones code is NaN).
 E4M3_MAX = 448.0
@@ -42,3 +52,31 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # independent of that policy.
     scaled = (blocks / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
     return scaled.to(torch.float8_e4m3fn).reshape(n, h), scale
+
+
+#: Elements of ``hidden`` one block of the fused producer takes (64 KB of bf16: routing a row costs about as
+#: much as quantising 128 of its columns); a chunk of more gets more blocks, at most PRODUCE_MAX_BLOCKS.
+PRODUCE_ELEMENTS_PER_BLOCK = 32768
+PRODUCE_MAX_BLOCKS = 128
+_PRODUCE_BLOCK = 256
+
+
+def produce_grid(rows: int, hidden: int) -> int:
+    """Blocks of the fused producer (``moe_produce_chunk``) for a chunk of ``rows`` x ``hidden``."""
+    return max(1, min(-(-rows * hidden // PRODUCE_ELEMENTS_PER_BLOCK), PRODUCE_MAX_BLOCKS))
+
+
+def enqueue_produce(ring: Ring, kernels: KernelLibrary, logits: torch.Tensor, hidden: torch.Tensor,
+                    token_base: int, end_of_stream: bool, valid_tokens: torch.Tensor | None, batch_rows: int | None,
+                    arrivals: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Publish ``hidden`` bf16 [n, H] as the ring's next chunk, routed by ``logits`` fp32 [n, E] (the router
+    GEMM's output), in one kernel: top-k with renormalised softmax weights, FP8 quantisation (FP8 payload)
+    and the publish (device/kernels/moe_produce.cu; what it computes equals :func:`route` and
+    :func:`quantize_rows_fp8` up to a few ulps of the weights). ``arrivals`` int32 [1], zero (the kernel
+    leaves it zero; zero it again after a failed call). Arguments are the layer's, checked at its boundary;
+    ``valid_tokens`` / ``batch_rows`` as in :func:`chunkring.publish_chunk`."""
+    rows = hidden.shape[0]
+    grid = produce_grid(rows, hidden.shape[1])
+    kernels.launch("moe_produce_chunk", ring.desc, logits, hidden, logits.shape[1], rows, token_base,
+                   int(end_of_stream), valid_tokens, 0 if batch_rows is None else batch_rows,
+                   arrivals if grid > 1 else None, grid=grid, block=_PRODUCE_BLOCK, stream=stream)

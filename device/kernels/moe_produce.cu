@@ -1,0 +1,157 @@
+// The MoE layer's fused producer: one kernel per chunk takes the router's logits and the chunk's hidden
+// rows and publishes the chunk - top-k of the logits with renormalised softmax weights, the rows quantised
+// to FP8 with one fp32 scale per 128 columns (bf16 payload: the rows as they are), written straight into
+// the ring slot, then the slot's metadata and both ready words. The router GEMM stays a GEMM (torch).
+//
+//   moe_produce_chunk  a grid; every block waits until the slot is free (begin_chunk), computes its share
+//                      of the rows into the slot and arrives on `arrivals`; the last block to arrive
+//                      publishes the chunk (close_chunk). One block needs no arrival count.
+//
+// Ordering (docs/PROTOCOL.md, "Ordering, edge by edge", the fused producer): each block acquires the slot
+// itself (begin_chunk); protocol/publish.cuh last_to_arrive orders every block's slot stores before the
+// last block's publish, whose system-scope release fence is cumulative over them. A block whose
+// begin_chunk fails (an error recorded) never arrives, so nothing is published over a slot still in use.
+//
+// What it computes matches chunkring.moe.producer's torch reference (route, quantize_rows_fp8):
+//   - routing: the K largest logits (a NaN ranks above everything, as torch.topk ranks it; equal logits:
+//     the lower expert first); weight_k = exp(l_k - l_max) / sum_j exp(l_j - l_max) over the K chosen -
+//     softmax renormalised over the chosen, whose full-row denominator cancels. A few ulps from torch's
+//     softmax-then-renormalise, never a different choice but for equal logits;
+//   - FP8 rows: bitwise torch's quantize_rows_fp8 (IEEE divisions, NaN kept, a non-positive or NaN scale
+//     replaced by 1, the clamp to +-448 before the round-to-nearest-even cast).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "chunkring/protocol/publish.cuh"
+#include "chunkring/util/kernel_params.cuh"
+
+using namespace chunkring;
+using namespace chunkring::protocol;
+
+namespace {
+
+constexpr u32 kWarp = 32;
+constexpr u64 kScaleBlock = 128;     // columns per FP8 scale (runtime/ring/spec.py FP8_SCALE_BLOCK)
+constexpr float kE4M3Max = 448.0f;   // largest finite float8_e4m3fn
+
+// A candidate expert: its logit's rank key (NaN above +inf) and its index; idx < 0 = none.
+struct Pick {
+    float key;
+    int idx;
+};
+
+__device__ __forceinline__ float rank_key(float logit) { return isnan(logit) ? __int_as_float(0x7f800000) : logit; }
+
+// a before b in the top-k order: larger key first, then the lower index; a real pick before none.
+__device__ __forceinline__ bool before(const Pick& a, const Pick& b) {
+    if (a.idx < 0 || b.idx < 0) return b.idx < 0 && a.idx >= 0;
+    return a.key > b.key || (a.key == b.key && a.idx < b.idx);
+}
+
+// One warp routes one token: K rounds, each taking the best logit strictly after the previous pick in the
+// top-k order (so nothing is excluded by a list). Writes idx[K] and weights[K].
+__device__ void route_token(const float* logits, int num_experts, int topk, int* idx, float* weights) {
+    const u32 lane = threadIdx.x % kWarp;
+    Pick prev{0.0f, -1};  // none yet: every expert is eligible
+    float top_logit = 0.0f, my_logit = 0.0f;
+    for (int k = 0; k < topk; ++k) {
+        Pick best{0.0f, -1};
+        for (int e = static_cast<int>(lane); e < num_experts; e += kWarp) {
+            const Pick cand{rank_key(logits[e]), e};
+            if ((prev.idx < 0 || before(prev, cand)) && before(cand, best)) best = cand;
+        }
+#pragma unroll
+        for (u32 offset = kWarp / 2; offset > 0; offset /= 2) {
+            const Pick other{__shfl_xor_sync(0xffffffffu, best.key, offset), __shfl_xor_sync(0xffffffffu, best.idx, offset)};
+            if (before(other, best)) best = other;
+        }
+        prev = best;  // warp-uniform; num_experts >= topk, so it is a real pick
+        const float logit = logits[best.idx];
+        if (k == 0) top_logit = logit;
+        if (lane == static_cast<u32>(k)) my_logit = logit;  // topk <= 32: lane k keeps pick k
+        if (lane == 0) idx[k] = best.idx;
+    }
+    const float e = static_cast<int>(lane) < topk ? expf(my_logit - top_logit) : 0.0f;
+    float sum = e;
+#pragma unroll
+    for (u32 offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (static_cast<int>(lane) < topk) weights[lane] = e / sum;
+}
+
+// One warp quantises 128 columns of a row: absmax -> scale = absmax / 448 (1 if not positive or NaN) ->
+// each value / scale, clamped to +-448 (NaN kept), rounded to nearest e4m3.
+__device__ void quantize_block(const __nv_bfloat16* in, unsigned char* out, float* scale_out) {
+    const u32 lane = threadIdx.x % kWarp;
+    const uint2 raw = *reinterpret_cast<const uint2*>(in + lane * 4);
+    const auto* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    float x[4], amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        x[j] = __bfloat162float(v[j]);
+        const float a = fabsf(x[j]);
+        amax = (a > amax || isnan(a)) ? a : amax;  // NaN wins, as torch's amax
+    }
+#pragma unroll
+    for (u32 offset = kWarp / 2; offset > 0; offset /= 2) {
+        const float other = __shfl_xor_sync(0xffffffffu, amax, offset);
+        amax = (other > amax || isnan(other)) ? other : amax;
+    }
+    float scale = amax / kE4M3Max;
+    if (!(scale > 0.0f)) scale = 1.0f;
+    __align__(4) __nv_fp8_e4m3 q[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float y = x[j] / scale;
+        q[j] = __nv_fp8_e4m3(isnan(y) ? y : fminf(fmaxf(y, -kE4M3Max), kE4M3Max));
+    }
+    *reinterpret_cast<u32*>(out + lane * 4) = *reinterpret_cast<const u32*>(q);
+    if (lane == 0) *scale_out = scale;
+}
+
+// This block's share of rows [0, n): routing and the payload rows, one warp per task.
+__device__ void produce_rows(const RingDesc& d, u64 slot, const float* logits, const __nv_bfloat16* hidden, u64 n,
+                             int num_experts) {
+    const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x, rows = hi - lo;
+    const u64 H = d.hidden, K = d.topk, col_blocks = H / kScaleBlock;
+    const bool fp8 = d.payload_format == 0;
+    const u32 lane = threadIdx.x % kWarp;
+    const u64 warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+    for (u64 task = warp; task < rows * (1 + col_blocks); task += warps) {
+        if (task < rows) {
+            const u64 row = lo + task;
+            route_token(logits + row * static_cast<u64>(num_experts), num_experts, static_cast<int>(K),
+                        slot_topk_idx(d, slot) + row * K, slot_topk_weights(d, slot) + row * K);
+            continue;
+        }
+        const u64 row = lo + (task - rows) / col_blocks, block = (task - rows) % col_blocks;
+        const __nv_bfloat16* in = hidden + row * H + block * kScaleBlock;
+        unsigned char* out = slot_x(d, slot) + row * d.x_row_bytes;
+        if (fp8) {
+            quantize_block(in, out + block * kScaleBlock, slot_x_sf(d, slot) + row * d.x_sf_row_floats + block);
+        } else {  // bf16: 128 columns = 256 bytes, 8 per lane
+            reinterpret_cast<uint2*>(out + block * kScaleBlock * 2)[lane] = reinterpret_cast<const uint2*>(in)[lane];
+        }
+    }
+}
+
+}  // namespace
+
+// Publish rows [0, n_tokens) as this rank's next chunk, rows [token_base, token_base + n_tokens) of its
+// batch: logits fp32 [n, num_experts] (the router GEMM's output), hidden bf16 [n, hidden] (both
+// contiguous). valid_tokens / batch_rows: a device token count that may cut the chunk short (chunk_extent).
+// arrivals (nullable for a one-block grid): one counter, zero before the launch (the last block leaves it
+// zero; after a failed launch the host zeroes it).
+extern "C" __global__ void moe_produce_chunk(const RingDesc* desc, const float* logits, const __nv_bfloat16* hidden,
+                                             int num_experts, int n_tokens, long long token_base, int end_of_stream,
+                                             CHUNKRING_NULLABLE const int* valid_tokens, long long batch_rows,
+                                             CHUNKRING_NULLABLE unsigned* arrivals) {
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d) || has_error(d)) return;
+    const ChunkExtent e = chunk_extent(d, n_tokens, token_base, end_of_stream, valid_tokens, batch_rows,
+                                       blockIdx.x == 0);
+    if (!e.publish) return;  // grid-uniform
+    const u64 epoch = current_epoch(d), seq = next_seq(d), slot = slot_of(seq, d.num_slots);
+    if (!begin_chunk(d, epoch, seq)) return;  // recorded; this block never arrives, so nothing is published
+    produce_rows(d, slot, logits, hidden, e.n, num_experts);
+    if (last_to_arrive(arrivals)) close_chunk(d, epoch, seq, e, token_base);
+}

@@ -1,0 +1,101 @@
+"""The MoE layer's fused producer (device/kernels/moe_produce.cu, chunkring.moe.producer.enqueue_produce)
+against its torch reference (route, quantize_rows_fp8): every rank publishes chunks it routes and
+quantises in one kernel, every rank gathers every source's chunks through the ring, and each row must
+equal the reference computed from the same logits - FP8 rows and scales bitwise, the chosen experts
+as a valid top-k of the logits (ties, as in a zero row, to the lower expert), their weights within a few
+ulps of torch's softmax over them - and, where the top-k is unique, the experts route() chose. One-block
+and multi-block grids (the last block to arrive publishes), a one-slot ring that wraps at every chunk,
+a device token count that cuts a stream short, a zero row and a row holding NaN."""
+
+import pytest
+import torch
+
+from chunkring import Ring, RingSpec
+from chunkring._jit import library_for
+from chunkring.moe.producer import enqueue_produce, produce_grid, quantize_rows_fp8, route
+from chunkring.ring.io import GatherOutputs, gather
+from chunkring.ring.spec import PayloadFormat
+
+pytestmark = pytest.mark.gpu
+
+K, E = 8, 64
+#: Weight tolerance: the kernel's exp(l - l_max) / sum over the chosen against torch's softmax over the
+#: chosen logits - the same exponentials, summed in another order (a few ulps).
+WEIGHT_RTOL = 4e-6
+
+
+def check_routing(logits, idx, weights, ref_idx):
+    """idx [n, K] must be a top-k of logits [n, E] in order (equal logits: lower expert first), weights the
+    softmax over the chosen logits, and idx route()'s choice wherever the top-k is unique."""
+    chosen = logits.gather(1, idx.long())
+    assert bool((chosen[:, :-1] >= chosen[:, 1:]).all()), "picks out of order"
+    rest = logits.scatter(1, idx.long(), float("-inf"))
+    assert bool((chosen[:, -1] >= rest.max(dim=1).values).all()), "an unchosen expert has a larger logit"
+    tied = (chosen[:, :-1] == chosen[:, 1:]) & (idx[:, :-1] > idx[:, 1:])
+    assert not bool(tied.any()), "equal logits not in expert order"
+    torch.testing.assert_close(weights, torch.softmax(chosen, dim=-1), rtol=WEIGHT_RTOL, atol=0)
+    # route() ranks softmax probabilities, which tie where they underflow to 0: compare where they do not.
+    p = torch.softmax(logits, dim=-1)
+    unique = p.gather(1, idx.long())[:, -1] > p.scatter(1, idx.long(), -1.0).max(dim=1).values
+    assert torch.equal(idx[unique], ref_idx[unique]), "a unique top-k differs from route()'s"
+
+
+def source_batch(src, invocation, n, hidden, device):
+    """Rank `src`'s hidden rows in `invocation`, its router logits (computed from the rows before one NaN
+    was put in: torch.topk orders NaNs unspecified, so routing is compared on finite logits) and the
+    reference routing, built alike on every rank."""
+    g = torch.Generator(device="cpu").manual_seed(7919 * invocation + src)
+    x = (torch.randn(n, hidden, generator=g) * torch.rand(n, 1, generator=g) * 4).to(torch.bfloat16)
+    x[2].zero_()  # a zero row: every scale 1
+    router = torch.randn(E, hidden, generator=g).to(torch.bfloat16)
+    x, router = x.to(device), router.to(device)
+    logits = x.float() @ router.float().T
+    ref_idx, _ = route(x, router, K)
+    x[3, 5] = float("nan")  # its block's scale is 1 and the NaN stays NaN, as in torch
+    return x, logits, ref_idx
+
+
+@pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
+@pytest.mark.parametrize("hidden,tokens_per_slot", [(256, 8), (2048, 64)])  # 1 block; 4 blocks per chunk
+def test_fused_producer_matches_the_torch_reference(runtime, payload, hidden, tokens_per_slot):
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    T = tokens_per_slot
+    assert produce_grid(T, hidden) == (1 if hidden == 256 else 4)
+    spec = RingSpec(world_size=W, num_slots=1, tokens_per_slot=T, hidden=hidden, payload=payload, topk=K,
+                    num_experts=E)
+    kernels = library_for(runtime, "moe_produce")
+    library_for(runtime, "ring_host_api")  # loaded before a producer spins: a module load would wait for it
+    arrivals = torch.zeros(1, dtype=torch.int32, device=device)
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    capacity = 3 * T
+    with Ring(runtime, spec, timeout_s=30) as ring:
+        for invocation, (n, valid) in enumerate([(3 * T, None), (2 * T + 3, None), (3 * T, 2 * T - 5)]):
+            out = GatherOutputs(ring, capacity)
+            out.topk_idx.fill_(-7)
+            hidden_rows, logits, _ = source_batch(rank, invocation, n, hidden, device)
+            valid_t = None if valid is None else torch.tensor([valid], dtype=torch.int32, device=device)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(producer):
+                for base in range(0, n, T):
+                    end = min(n, base + T)
+                    enqueue_produce(ring, kernels, logits[base:end], hidden_rows[base:end], base, end == n,
+                                    valid_t, None if valid is None else n, arrivals, producer)
+            gather(ring, out, grid=2, stream=consumer)
+            torch.cuda.synchronize()
+            ring.check()
+            sent = n if valid is None else valid
+            assert out.counts.tolist() == [sent] * W
+            assert int(arrivals.item()) == 0, "the last block leaves the arrival count at zero"
+            for src in range(W):
+                rows, src_logits, ref_idx = source_batch(src, invocation, n, hidden, device)
+                rows = rows[:sent]
+                check_routing(src_logits[:sent], out.topk_idx[src, :sent], out.topk_weights[src, :sent],
+                              ref_idx[:sent])
+                if payload is PayloadFormat.FP8_E4M3:
+                    ref_x, ref_sf = quantize_rows_fp8(rows)
+                    assert torch.equal(out.x[src, :sent].view(torch.uint8), ref_x.view(torch.uint8)), src
+                    assert torch.equal(out.x_sf[src, :sent], ref_sf), src
+                else:
+                    assert torch.equal(out.x[src, :sent].view(torch.uint8), rows.view(torch.uint8)), src
+                assert bool((out.topk_idx[src, sent:] == -7).all()), "rows past the count were sent"
+            runtime.barrier()

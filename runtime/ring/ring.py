@@ -16,7 +16,7 @@ from chunkring.env import check_timeout_s, check_work_queues, watchdog_timeout_s
 from chunkring.errors import ChunkringInputError, ChunkringRuntimeError, ChunkringUsageError
 from chunkring.ring.layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
 from chunkring.ring.spec import RingSpec
-from chunkring.ring.status import AbortRecord, ErrorCode, InputRecord, StatusRecord, status_error
+from chunkring.ring.status import AbortRecord, InputRecord, StatusRecord, status_error
 from chunkring.ring.transport import Transport, check_transport_mode, choose_transports, describe_transports, rma_mask
 
 if TYPE_CHECKING:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -104,18 +105,11 @@ class StressLibrary:
         land in every ready word of slot 0 before producers publish (they wait ~50 ms first). Returns
         this rank's status record: the real protocol reports STALE_EPOCH and accepts nothing. A collective.
         """
-        import torch
+        def plant(stale: int) -> None:
+            for name in ("route_ready", "layout_ready"):
+                ring.views[name][:, 0] = stale
 
-        ring.reset()
-        stale = ((ring.epoch - 1) << (64 - ring.spec.epoch_bits)) | 1
-        for name in ("route_ready", "layout_ready"):
-            ring.views[name][:, 0] = stale
-        torch.cuda.synchronize()
-        self.runtime.barrier()
-        plan = StressPlan(np.full((1, ring.spec.world_size), tokens, dtype=np.int32))
-        self.run_stress(ring, plan, seed=11, max_delay_ns=50_000_000)
-        torch.cuda.synchronize()
-        return ring.status()
+        return self._run_after_stale_words(ring, plant, tokens, seed=11, max_delay_ns=50_000_000)
 
     def run_stale_ack(self, ring: Ring, tokens: int) -> StatusRecord:
         """Reset ``ring`` (one slot), then let a late ack of the previous epoch (its lap 0's generation) land in
@@ -124,17 +118,26 @@ class StressLibrary:
         slot. Returns this rank's status record: the real protocol never counts the stale word - an owner
         that polls it reports STALE_EPOCH, a consumer whose swap replaces it ACK_TAG_MISMATCH. A collective.
         """
-        import torch
-
         if ring.spec.num_slots != 1 or tokens <= ring.spec.tokens_per_slot:
             raise ChunkringUsageError("needs a one-slot ring and more tokens than a slot holds", field="tokens")
+
+        def plant(stale: int) -> None:
+            ring.views["ack"][0, : ring.spec.world_size] = stale
+
+        return self._run_after_stale_words(ring, plant, tokens, seed=13, max_delay_ns=0)
+
+    def _run_after_stale_words(self, ring: Ring, plant: Callable[[int], None], tokens: int, *, seed: int,
+                               max_delay_ns: int) -> StatusRecord:
+        """Reset ``ring``, ``plant`` the previous epoch's lap-0 generation in some of this rank's words, then
+        run one invocation of ``tokens`` rows per rank; this rank's status record."""
+        import torch
+
         ring.reset()
-        stale = ((ring.epoch - 1) << (64 - ring.spec.epoch_bits)) | 1
-        ring.views["ack"][0, : ring.spec.world_size] = stale
+        plant(((ring.epoch - 1) << (64 - ring.spec.epoch_bits)) | 1)
         torch.cuda.synchronize()
         self.runtime.barrier()
         plan = StressPlan(np.full((1, ring.spec.world_size), tokens, dtype=np.int32))
-        self.run_stress(ring, plan, seed=13, max_delay_ns=0)
+        self.run_stress(ring, plan, seed=seed, max_delay_ns=max_delay_ns)
         torch.cuda.synchronize()
         return ring.status()
 

@@ -8,11 +8,18 @@ import os
 import sys
 
 
-def write(path: str, *, suite: str, world_size: int, figures: dict) -> None:
+def write(path: str, *, suite: str, world_size: int, figures: dict, records: list[dict] | None = None,
+          files: list[str] | None = None) -> None:
+    """The summary keys, ``figures`` (name -> number), and where given ``records`` (one dict per measured
+    case, for benchmarks whose results are a table) and ``files`` (names of figures written beside it)."""
     import torch
 
     summary = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(0),
                "gpus": torch.cuda.device_count(), "ranks": world_size, "suite": suite, "command": " ".join(sys.argv),
                "passed": 1, "failed": 0, "skipped": 0, "figures": figures}
+    if records is not None:
+        summary["records"] = records
+    if files is not None:
+        summary["files"] = files
     with open(path, "w") as out:
         json.dump(summary, out, indent=2)

@@ -14,7 +14,7 @@ give the consumer its own stream, and enqueue producer work before the consumer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chunkring.env import check_work_queues
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
@@ -22,7 +22,21 @@ from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 if TYPE_CHECKING:
     from chunkring.bringup import Runtime
 
-__all__ = ["PartitionPlan", "plan_partition", "SmPartition"]
+__all__ = ["DEFAULT_PARTITION", "PRODUCER_SM_SHARE", "NO_PARTITION", "PartitionPlan", "SmPartition",
+           "check_partition_arg", "default_producer_sms", "plan_partition"]
+
+#: ``MoELayer(partition=...)``: the library sizes a partition for streamed calls (:func:`default_producer_sms`).
+DEFAULT_PARTITION = "auto"
+#: ``MoELayer(partition=...)``: no partition; every call on ordinary streams over the whole GPU.
+NO_PARTITION = "none"
+
+#: The producers' default share of the SMs. Measured on the H200 (benchmarks/results/README.md, "Payload, SM
+#: partition, slots", f25e268, 2,048 tokens, flash shape): producers on 8 / 16 / 32 SMs made the call 13.03 /
+#: 10.84 / 9.65 ms against 9.20 ms unpartitioned - the router GEMM, quantisation and the owner's reduction
+#: on few SMs cost more than the overlap buys, and 32 of 132 (about a quarter) was the best measured.
+#: REFERENCE.md section 4: an 8-SM producer beside a 124-SM consumer is the smallest split that made
+#: progress. benchmarks/bench_overlap.py (--producer-sms) re-measures it with the fused producers.
+PRODUCER_SM_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,44 @@ def plan_partition(total_sms: int, min_partition: int, alignment: int, producer_
     return PartitionPlan(total_sms, producer_sms, consumer)
 
 
+def default_producer_sms(total_sms: int, min_partition: int, alignment: int, consumer_grid: int,
+                         consumer_blocks_per_sm: int, share: float = PRODUCER_SM_SHARE) -> int:
+    """The producer partition's size when the caller names none: ``share`` of ``total_sms`` rounded to the
+    device's ``alignment`` (at least ``min_partition``), shrunk where needed so that the consumer partition
+    keeps its whole grid resident at once - ``consumer_grid`` blocks at ``consumer_blocks_per_sm`` per SM
+    (a consumer block that cannot start stalls the others, docs/PROTOCOL.md "Progress") - and at least
+    ``min_partition`` SMs. ``ChunkringUsageError`` (field ``partition``) where no split satisfies both
+    sides: a GPU or MPS share too small to split; run such a layer with ``partition="none"``."""
+    for name, value in (("total_sms", total_sms), ("min_partition", min_partition), ("alignment", alignment),
+                        ("consumer_grid", consumer_grid), ("consumer_blocks_per_sm", consumer_blocks_per_sm)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ChunkringUsageError(f"must be a positive int, got {value!r}", field=name)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+        raise ChunkringUsageError(f"must be in (0, 1), got {share!r}", field="share")
+    consumer_needs = max(min_partition, -(-consumer_grid // consumer_blocks_per_sm))
+    lowest = -(-min_partition // alignment) * alignment  # the smallest aligned producer partition
+    wanted = max(lowest, alignment * round(total_sms * share / alignment))
+    most = (total_sms - consumer_needs) // alignment * alignment
+    producer = min(wanted, most)
+    if producer < lowest:
+        raise ChunkringUsageError(
+            f"{total_sms} SMs cannot hold a producer partition of at least {min_partition} SMs and a consumer "
+            f"partition of {consumer_needs} (its {consumer_grid} blocks resident); pass partition=\"none\"",
+            field="partition")
+    return producer
+
+
+def check_partition_arg(partition: object) -> str | SmPartition:
+    """``MoELayer``'s ``partition`` argument as given, or ``ChunkringUsageError``: an :class:`SmPartition`,
+    ``"auto"`` (:data:`DEFAULT_PARTITION`) or ``"none"`` (:data:`NO_PARTITION`). ``None`` is refused rather
+    than guessed at: it read as "no partition" before the default became one."""
+    if isinstance(partition, SmPartition) or (isinstance(partition, str)
+                                              and partition in (DEFAULT_PARTITION, NO_PARTITION)):
+        return partition
+    raise ChunkringUsageError(f'expected an SmPartition, "{DEFAULT_PARTITION}" or "{NO_PARTITION}", got '
+                              f"{partition!r}", field="partition")
+
+
 class SmPartition:
     """A producer and a consumer green context on this rank's GPU, with one torch stream each.
 
@@ -69,10 +121,7 @@ class SmPartition:
         from cuda.core import ContextOptions, SMResourceOptions
 
         device = runtime.device
-        try:
-            sm = device.resources.sm
-        except Exception as exc:
-            raise ChunkringRuntimeError(f"this driver or GPU offers no green contexts: {exc}") from exc
+        sm = _sm_resource(runtime)
         self.plan = plan_partition(sm.sm_count, sm.min_partition_size, sm.coscheduled_alignment, producer_sms)
         self.runtime = runtime
         self._contexts, self._streams = [], []
@@ -101,6 +150,16 @@ class SmPartition:
             torch.cuda.ExternalStream(int(s.handle), device=runtime.torch_device) for s in self._streams)
         self.consumer_sms = remainder.sm_count
 
+    @classmethod
+    def sized_for(cls, runtime: Runtime, consumer_grid: int, consumer_blocks_per_sm: int) -> SmPartition:
+        """The default partition for a consumer of ``consumer_grid`` blocks (``consumer_blocks_per_sm``
+        resident per SM) on this rank's GPU, or this GPU's share under MPS: :func:`default_producer_sms`
+        of the SMs the driver reports, with the device's minimum partition and alignment."""
+        check_work_queues()
+        sm = _sm_resource(runtime)
+        return cls(runtime, default_producer_sms(sm.sm_count, sm.min_partition_size, sm.coscheduled_alignment,
+                                                 consumer_grid, consumer_blocks_per_sm))
+
     def __repr__(self) -> str:
         return f"SmPartition(producer={self.plan.producer_sms} SMs, consumer={self.consumer_sms} SMs)"
 
@@ -118,3 +177,11 @@ class SmPartition:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sm_resource(runtime: Runtime) -> Any:  # cuda.core's SMResource
+    try:
+        return runtime.device.resources.sm
+    except Exception as exc:
+        raise ChunkringRuntimeError(f"this driver or GPU offers no green contexts (a MoELayer runs without "
+                                    f'a partition with partition="none"): {exc}') from exc

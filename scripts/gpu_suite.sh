@@ -7,14 +7,15 @@
 # PART: gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher (default:
 # all, in that order) - to split the suite over device calls; serving_1rank / serving_mps run only the serving-stack
 # tests (custom op, transformers drop-in, integration guide), which the full parts include; gpu_1rank_rma / gpu_mps_rma
-# run the GPU tests with every peer on the RMA data path (pytest --transport rma: NVSHMEM gets/puts, self included).
+# run the GPU tests with every peer on the RMA data path (pytest --transport rma: NVSHMEM gets/puts, self included);
+# overlap_1rank runs benchmarks/bench_overlap.py (streamed vs batch-ready vs the overlap bound, at most 190 s).
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
 ranks=${2:-4}
 all_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher
-           serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma)
+           serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${all_parts[@]:0:9}")
 for part in "${parts[@]}"; do
@@ -112,6 +113,14 @@ bench_mps() {
             --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-input_checks_${n}rank_mps.json" 2>&1 |
             tee -a "$logs/bench.log" || status=1
     done
+}
+overlap_1rank() {  # bounded for a 4-minute device call: 2,048 tokens, the default ring (128) + 2 chunk sizes per
+    # shape; the first call per shape and SM count compiles DeepGEMM's kernels, outside the timings (printed).
+    # The JSON is rewritten after each shape, so a run the timeout cuts keeps the shapes it finished.
+    local out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-overlap.json
+    timeout 190 python3 benchmarks/bench_overlap.py --shapes flash,v3 --tokens 2048 --chunks 512,1024 \
+        --iterations 10 --json "$out" 2>&1 | tee "$logs/overlap.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 jobs_mps() {
     for job in bringup run; do

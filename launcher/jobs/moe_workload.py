@@ -24,7 +24,9 @@ class LayerFields:
     front_tokens_per_slot: int = 128
     tolerance: float = 4e-2  # the FP8 recipe's bound, chunkring.testing.reference.reference_tolerance
     seed: int = 0
-    producer_sms: int = 0  # SMs of the producers' green-context partition (the consumer gets the rest); 0: none
+    # Streamed calls' SM partition: "auto" (the layer sizes one: chunkring.partition.default_producer_sms),
+    # "none", or the producers' SM count N (the consumer gets the rest). Batch-ready calls keep the whole GPU.
+    producer_sms: int | str = "auto"
     transport: str = ""  # "auto", "rma" (NVSHMEM gets/puts for every peer) or "": CHUNKRING_TRANSPORT (default auto)
 
     def __post_init__(self):
@@ -32,8 +34,11 @@ class LayerFields:
             raise ChunkringUsageError(f"must be 'fp8' or 'bf16', got {self.payload!r}", field="payload")
         if self.transport not in ("", "auto", "rma"):
             raise ChunkringUsageError(f"must be 'auto', 'rma' or '', got {self.transport!r}", field="transport")
-        if self.producer_sms < 0:
-            raise ChunkringUsageError("must be >= 0 (0: no partition)", field="producer_sms")
+        if not (self.producer_sms in ("auto", "none") or (isinstance(self.producer_sms, int)
+                                                          and not isinstance(self.producer_sms, bool)
+                                                          and self.producer_sms > 0)):
+            raise ChunkringUsageError(f'must be "auto", "none" or a positive SM count, got {self.producer_sms!r}',
+                                      field="producer_sms")
         if not 0 < self.tolerance < 1:
             raise ChunkringUsageError("must be in (0, 1)", field="tolerance")
         self.layer_config()  # the layer's own checks, before any rank starts GPU work
@@ -50,16 +55,18 @@ class LayerFields:
 
 @contextlib.contextmanager
 def open_layer(runtime, fields: LayerFields, config=None):
-    """The job's ``MoELayer`` (``config``: a MoEConfig, default ``fields.layer_config()``), on an
-    ``SmPartition`` of ``fields.producer_sms`` producer SMs if that is set; destroyed (a collective,
-    after every rank's work ended) and the partition closed on exit."""
+    """The job's ``MoELayer`` (``config``: a MoEConfig, default ``fields.layer_config()``), its streamed
+    calls on the partition ``fields.producer_sms`` names (an ``SmPartition`` of N producer SMs, the layer's
+    own with "auto", none with "none"); destroyed (a collective, after every rank's work ended) and the
+    partition closed on exit."""
     import torch
 
     from chunkring import MoELayer, SmPartition
 
-    partition = SmPartition(runtime, fields.producer_sms) if fields.producer_sms else None
+    sms = fields.producer_sms
+    partition = SmPartition(runtime, sms) if isinstance(sms, int) else None
     try:
-        layer = MoELayer(runtime, config or fields.layer_config(), partition=partition)
+        layer = MoELayer(runtime, config or fields.layer_config(), partition=partition or sms)
         try:
             yield layer
         finally:

@@ -184,6 +184,8 @@ def _one_call(runtime, config: CONFIG, layer, weights, replay, iteration: int, p
     """Build this rank's batch and reference, inject what the plan says, call, check."""
     import torch
 
+    from chunkring.moe.calls import CallMode
+
     rank, cfg = runtime.rank, layer.config
     n = plan.tokens[rank]
     seed = (config.seed * 1_000_003 + iteration) * 4099 + rank  # distinct per (seed, iteration, rank)
@@ -193,7 +195,8 @@ def _one_call(runtime, config: CONFIG, layer, weights, replay, iteration: int, p
     if config.chaos != "none" and rank == config.chaos_rank and iteration == config.chaos_iteration:
         _chaos(config)
     if plan.delay is not None and plan.delay.rank == rank:
-        stream = layer.producer_stream if plan.delay.side == "producer" else layer.consumer_stream
+        producer, consumer = layer.streams(CallMode.BATCH_READY if plan.mode == "batch" else CallMode.STREAMED)
+        stream = producer if plan.delay.side == "producer" else consumer
         with torch.cuda.stream(stream):
             torch.cuda._sleep(plan.delay.cycles)
         tally["delays_injected"] += 1

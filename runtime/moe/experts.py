@@ -23,7 +23,9 @@ call captures into a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,32 +125,53 @@ class ExpertCompute:
         self.pushed = torch.zeros(1, dtype=torch.int64, device=device)
         self.push_blocks = self._grid
         self._offsets_bytes = 4 * (experts_per_rank + 1)  # group_offsets' shared memory
-        self._warm = False  # the GEMM engine's kernels compiled and loaded (warm_up)
+        self._warm: set[int | None] = set()  # the SM counts (warm_up's sms) whose GEMM kernels are loaded
         # bf16 [P, H] in NVSHMEM-registered memory, set by a layer with RMA peers: the experts' output, whose
         # rows the combine push puts from (an RMA put's local buffer must be registered off-node).
         self.rma_out: torch.Tensor | None = None
 
-    def warm_up(self, w13, w2) -> None:
+    def warm_up(self, w13, w2, *, sms: int | None = None) -> None:
         """Run the expert GEMMs once on an empty plan (no rows: they visit no block), on the current
         stream, so the GEMM engine compiles and loads its kernels now. DeepGEMM compiles a kernel at its
         first use and loads the module then, and a module load waits for the kernels already running: a
         call's first GEMM, enqueued while its pull waits for chunks the host has not enqueued yet, never
         returned (a first call that streamed deadlocked on the H200). The layer calls this before it
-        enqueues anything that spins; the kernels depend only on the layer's shapes, so once suffices."""
-        if self._warm or not self.fp8:
+        enqueues anything that spins; the kernels depend only on the layer's shapes and on ``sms``
+        (:meth:`gemm_sms`), so once per SM count suffices."""
+        if sms in self._warm or not self.fp8:
             return
         plan, _ = self._allocate_plan()  # every count 0
-        self.experts(plan, w13, w2)
-        self._warm = True
+        with self.gemm_sms(sms):
+            self.experts(plan, w13, w2)
+        self._warm.add(sms)
 
     def __call__(self, stage, w13, w2, peer_combine: torch.Tensor, on_experts_done, *,
-                 desc: torch.Tensor | None = None, combine: torch.Tensor | None = None) -> None:
+                 desc: torch.Tensor | None = None, combine: torch.Tensor | None = None, sms: int | None = None) -> None:
         """Plan ``stage``'s rows (moe_pull's output), run the experts, call ``on_experts_done`` (a timeline
-        mark) and push the weighted rows to each source (:meth:`combine_push`)."""
+        mark) and push the weighted rows to each source (:meth:`combine_push`). ``sms``: the SMs the current
+        stream may use (its green-context partition's), None for the whole GPU (:meth:`gemm_sms`)."""
         plan = self.plan(stage)
-        out = self.experts(plan, w13, w2)
+        with self.gemm_sms(sms):
+            out = self.experts(plan, w13, w2)
         on_experts_done()
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
+
+    @contextlib.contextmanager
+    def gemm_sms(self, sms: int | None) -> Iterator[None]:
+        """Enqueue DeepGEMM's GEMMs for ``sms`` SMs inside the block (None: unchanged, the whole GPU). Its
+        persistent grids have ``get_num_sms()`` blocks, the whole GPU unless set: on a partition of fewer
+        SMs the blocks past it would run as a second wave after the others. The setting is process-wide, so
+        it is restored on exit; a CUDA graph keeps the grid it captured."""
+        dg = self._deep_gemm
+        if sms is None or dg is None:
+            yield
+            return
+        before = dg.get_num_sms()
+        dg.set_num_sms(sms)
+        try:
+            yield
+        finally:
+            dg.set_num_sms(before)
 
     def plan(self, stage) -> DevicePlan:
         """Every staged choice of a local expert in its expert's group, with its payload copied there."""

@@ -45,6 +45,7 @@ from chunkring.moe.op import moe_forward, register_layer
 from chunkring.moe.producer import enqueue_produce
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import ExpertWeights, Fp8Weight, init_weights, payload_weights
+from chunkring.partition import DEFAULT_PARTITION, SmPartition, check_partition_arg
 from chunkring.ring.io import check_tensor, enqueue_publish
 from chunkring.ring.ring import Ring, _check_identical
 from chunkring.ring.spec import FP8_SCALE_BLOCK
@@ -52,7 +53,6 @@ from chunkring.ring.transport import Transport
 
 if TYPE_CHECKING:
     from chunkring.bringup import Runtime
-    from chunkring.partition import SmPartition
 
 __all__ = ["CallMode", "ChunkedMoE", "MoELayer"]
 
@@ -97,8 +97,13 @@ class MoELayer:
     """The layer's symmetric buffers and its two call modes. A collective to construct: every rank
     passes an identical :class:`MoEConfig` (checked).
 
-    ``partition``: an :class:`chunkring.SmPartition` whose producer and consumer streams the calls use
-    (otherwise the layer makes two ordinary streams).  ``timeout_s``: the rings' watchdog limit.
+    ``partition``: where streamed calls run. ``"auto"`` (the default): on a layer with a streaming ring, a
+    green-context :class:`chunkring.SmPartition` the layer makes and closes, sized by
+    :func:`chunkring.partition.default_producer_sms` - a streamed call's consumer runs beside its producers
+    and is the side confined (docs/PROTOCOL.md, "Progress"); an ``SmPartition``: that one (the caller
+    closes it, after :meth:`destroy`); ``"none"``: ordinary streams. Batch-ready calls always run on two
+    ordinary streams over the whole GPU: their producers finish before any consumer needs them.
+    ``timeout_s``: the rings' watchdog limit.
     ``variant``: the ``CHUNKRING_MUTANT`` value the layer's kernels (ring and experts) are compiled with - 0,
     the real protocol; tests build deliberately broken variants (:mod:`chunkring.testing.stress` names
     them) to show that they catch what each rule prevents.
@@ -111,10 +116,11 @@ class MoELayer:
     calls as one PyTorch operator each (:attr:`handle` names the layer to them).
     """
 
-    def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | None = None,
+    def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
                  timeout_s: float | None = None, variant: int = 0) -> None:
         if not isinstance(config, MoEConfig):
             raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")
+        check_partition_arg(partition)
         world = runtime.world_size
         if config.num_experts % world:
             raise ChunkringUsageError(f"{config.num_experts} experts do not split evenly over {world} ranks",
@@ -153,9 +159,14 @@ class MoELayer:
         self._produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start
         # would stall the others (docs/PROTOCOL.md, "Progress").
-        consumer_sms = partition.consumer_sms if partition is not None else torch.cuda.get_device_properties(
+        resident = self._kernels.resident_blocks_per_sm("moe_pull", _PULL_BLOCK)
+        self._own_partition = None
+        if partition == DEFAULT_PARTITION and config.streaming:
+            partition = self._own_partition = SmPartition.sized_for(runtime, PULL_GRID, resident)
+        confined = self._partition = partition if isinstance(partition, SmPartition) else None
+        consumer_sms = confined.consumer_sms if confined is not None else torch.cuda.get_device_properties(
             device).multi_processor_count
-        self._pull_grid = min(PULL_GRID, consumer_sms * self._kernels.resident_blocks_per_sm("moe_pull", _PULL_BLOCK))
+        self._pull_grid = min(PULL_GRID, consumer_sms * resident)
         # One bf16 row per (token, k) of this rank's batch; consumers write into it from their GPUs, and the
         # reduction over k accumulates in fp32 (bf16 is the output's precision: a wider row buys nothing).
         self.combine = runtime.alloc((config.max_tokens_per_rank * config.topk, config.hidden), torch.bfloat16)
@@ -171,12 +182,13 @@ class MoELayer:
             self._compute.rma_out = runtime.alloc((self._compute.capacity, config.hidden), torch.bfloat16)
         log.info("chunkring MoELayer: %s", self.describe_transport())
         self.streaming_calibration: StreamingCalibration | None = None  # what streaming="auto" follows
-        self._producer: torch.cuda.Stream
-        self._consumer: torch.cuda.Stream
-        if partition is not None:
-            self._producer, self._consumer = partition.producer_stream, partition.consumer_stream
-        else:
-            self._producer, self._consumer = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        # Per mode: (producer, consumer) streams, and the SMs the consumer's GEMMs may fill (None: all).
+        whole = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        self._streams = {CallMode.BATCH_READY: whole, CallMode.STREAMED: whole}
+        self._consumer_sms: dict[CallMode, int | None] = {CallMode.BATCH_READY: None, CallMode.STREAMED: None}
+        if confined is not None:
+            self._streams[CallMode.STREAMED] = (confined.producer_stream, confined.consumer_stream)
+            self._consumer_sms[CallMode.STREAMED] = confined.consumer_sms
         self._handle = register_layer(self)
 
     @property
@@ -186,15 +198,27 @@ class MoELayer:
         :meth:`destroy` the operators refuse it as the methods do."""
         return self._handle
 
+    def streams(self, mode: CallMode) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The (producer, consumer) streams a call of ``mode`` runs on: the partition's for a streamed call
+        of a partitioned layer, else two ordinary streams over the whole GPU (shared by both modes)."""
+        return self._streams[mode]
+
     @property
     def producer_stream(self) -> torch.cuda.Stream:
-        """The stream a call's producers (route, quantise, publish, drain, reduce) run on."""
-        return self._producer
+        """The stream a streamed call's producers (route, quantise, publish, drain, reduce) run on (see
+        :meth:`streams`)."""
+        return self._streams[CallMode.STREAMED][0]
 
     @property
     def consumer_stream(self) -> torch.cuda.Stream:
-        """The stream a call's consumer steps (pull, experts, combine push, ack) run on."""
-        return self._consumer
+        """The stream a streamed call's consumer steps (pull, experts, combine push, ack) run on (see
+        :meth:`streams`)."""
+        return self._streams[CallMode.STREAMED][1]
+
+    @property
+    def partition(self) -> SmPartition | None:
+        """The partition streamed calls run on (the layer's own with ``partition="auto"``), or None."""
+        return self._partition
 
     def __repr__(self) -> str:
         return f"MoELayer({self.config}, rank {self.runtime.rank} of {self.runtime.world_size})"
@@ -331,9 +355,12 @@ class MoELayer:
     def stats(self) -> dict[str, int]:
         """What one call of this layer uses at this rank: the pull's blocks (``pull_grid``), the expert
         plan's fixed row capacity (``plan_rows``), the streaming ring's chunk size and slots (0 without
-        one), and :meth:`memory`'s symmetric bytes."""
+        one), the SMs of a streamed call's producer and consumer partitions (0 without one), and
+        :meth:`memory`'s symmetric bytes."""
         streamed = self.rings.get(CallMode.STREAMED)
+        part = self._partition
         return {"pull_grid": self._pull_grid, "plan_rows": self._compute.capacity,
+                "producer_sms": part.plan.producer_sms if part else 0, "consumer_sms": part.consumer_sms if part else 0,
                 "chunk_tokens": streamed.spec.tokens_per_slot if streamed else 0,
                 "ring_slots": streamed.spec.num_slots if streamed else 0, **self.memory()}
 
@@ -347,7 +374,10 @@ class MoELayer:
         self._launch_pull(mode, (None, 0))
 
     def destroy(self) -> None:
-        """Free the symmetric buffers (a collective)."""
+        """Free the symmetric buffers (a collective) and close the partition the layer made."""
+        if self._own_partition is not None:
+            self._own_partition.close()  # synchronises its streams first
+            self._own_partition = None
         for ring in self.rings.values():
             ring.destroy()
         if self.combine is not None:
@@ -382,11 +412,12 @@ class MoELayer:
         cfg, spec = self.config, ring.spec
         K, H, T = cfg.topk, cfg.hidden, spec.tokens_per_slot
         caller = torch.cuda.current_stream(self.runtime.torch_device)
-        producer, consumer = self._producer, self._consumer
+        producer, consumer = self._streams[mode]
+        sms = self._consumer_sms[mode]
         producer.wait_stream(caller)
         consumer.wait_stream(caller)
         with torch.cuda.stream(consumer):
-            self._compute.warm_up(w13, w2)  # before anything of this call spins (ExpertCompute.warm_up)
+            self._compute.warm_up(w13, w2, sms=sms)  # before anything of this call spins (ExpertCompute.warm_up)
         # No record_stream on the caller's tensors: the caller's stream waits for both side streams at
         # the end of the call, so its frees (stream-ordered on it) already come after our last use. That
         # also keeps the allocator from ever recording events on a partition's streams, which may be
@@ -430,7 +461,7 @@ class MoELayer:
             self._launch_pull(mode, trace)
             mark(Event.EXPERTS_BEGIN)
             self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
-                          combine=self.combine)
+                          combine=self.combine, sms=sms)
             mark(Event.COMBINE_DONE)
             kernels.launch("moe_ack_held", ring.desc, stage.held, self._compute.pushed, self._compute.push_blocks,
                            *trace, grid=spec.world_size, block=32, stream=consumer)
@@ -462,6 +493,8 @@ class ChunkedMoE(torch.nn.Module):
     ``chunkring::moe_forward`` operator (:func:`chunkring.moe.op.moe_forward`), so ``torch.compile`` of a
     model holding this module traces it as one op, without a graph break.
     Weights start as :func:`init_weights` draws from ``generator`` (a CPU ``torch.Generator``).
+    Its streamed calls run on ``layer``'s partition: by default (``MoELayer(partition="auto")``) one the
+    layer sized and made; batch-ready calls keep the whole GPU.
     """
 
     router_weight: torch.Tensor  # a registered buffer

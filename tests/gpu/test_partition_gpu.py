@@ -23,3 +23,61 @@ def test_streams_run_torch_work_and_primary_context_stays_current(runtime):
                                                                part.consumer_stream.cuda_stream)
         # The primary context is current: an ordinary allocation and kernel still work.
         assert torch.ones(4, device=runtime.torch_device).sum().item() == 4
+
+
+def _layer_config(runtime, streaming=True):
+    from chunkring import MoEConfig
+
+    W = runtime.world_size
+    ring = {"front_num_slots": 2, "front_tokens_per_slot": 16} if streaming else {}
+    return MoEConfig(num_experts=2 * W, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64, **ring)
+
+
+def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime):
+    """partition="auto" (the default): streamed calls on a partition the layer sized and made, batch-ready
+    calls on whole-GPU streams; both modes give the same output; destroy() closes the partition."""
+    from chunkring import MoELayer
+    from chunkring.moe.calls import CallMode
+    from chunkring.partition import default_producer_sms
+    from chunkring.testing.reference import quantize_fp8_per128
+    from tests.gpu.test_moe_layer import local_weights, routing, weights
+
+    cfg = _layer_config(runtime)
+    layer = MoELayer(runtime, cfg)
+    part = layer.partition
+    try:
+        sm = runtime.device.resources.sm
+        resident = layer._kernels.resident_blocks_per_sm("moe_pull", 256)
+        expected = default_producer_sms(sm.sm_count, sm.min_partition_size, sm.coscheduled_alignment, 16, resident)
+        assert part is not None and part.plan.producer_sms == expected
+        stats = layer.stats()
+        assert (stats["producer_sms"], stats["consumer_sms"]) == (expected, part.consumer_sms)
+        assert layer.streams(CallMode.STREAMED) == (part.producer_stream, part.consumer_stream)
+        batch_streams = {s.cuda_stream for s in layer.streams(CallMode.BATCH_READY)}
+        assert batch_streams.isdisjoint({part.producer_stream.cuda_stream, part.consumer_stream.cuda_stream})
+        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(3))
+        gen = torch.Generator().manual_seed(50 + runtime.rank)
+        xq, sf = quantize_fp8_per128(torch.randn(61, cfg.hidden, generator=gen))
+        idx, w = routing(61, cfg.num_experts, cfg.topk, "uniform", gen)
+        args = [t.to(runtime.torch_device) for t in (xq, sf, idx, w)]
+        experts = local_weights(layer, w13, w2)
+        outs = [layer.run(*args, *experts, streaming=streaming) for streaming in (False, True)]
+        torch.cuda.synchronize()
+        layer.check()
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        layer.destroy()
+    assert part._streams == [] and part._contexts == []  # closed with the layer
+
+
+def test_no_partition_on_request_or_without_a_streaming_ring(runtime):
+    from chunkring import MoELayer
+    from chunkring.moe.calls import CallMode
+
+    for cfg, partition in ((_layer_config(runtime), "none"), (_layer_config(runtime, streaming=False), "auto")):
+        layer = MoELayer(runtime, cfg, partition=partition)
+        try:
+            assert layer.partition is None and layer.stats()["producer_sms"] == 0
+            assert layer.streams(CallMode.STREAMED) == layer.streams(CallMode.BATCH_READY)
+        finally:
+            layer.destroy()

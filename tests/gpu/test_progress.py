@@ -163,9 +163,11 @@ def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
         check_gathered(runtime, ring, out, [T] * W, 1)
 
 
-def test_layer_on_a_partition_with_a_delayed_producer_and_an_empty_rank(runtime):
-    """The streamed layer on green-context streams; the last rank sleeps 3 s before its call (its peers'
-    consumers wait for it), the first rank has no tokens."""
+@pytest.mark.parametrize("which", ["given", "default"])
+def test_layer_on_a_partition_with_a_delayed_producer_and_an_empty_rank(runtime, which):
+    """The streamed layer on green-context streams - a partition the caller made, or the one the layer
+    makes by default; the last rank sleeps 3 s before its call (its peers' consumers wait for it), the first
+    rank has no tokens."""
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=2, max_tokens_per_rank=64,
                     front_num_slots=2, front_tokens_per_slot=16)
@@ -176,7 +178,8 @@ def test_layer_on_a_partition_with_a_delayed_producer_and_an_empty_rank(runtime)
     idx, w = routing(n, cfg.num_experts, 2, "uniform", gen)
     args = [t.to(device) for t in (xq, sf, idx, w)]
     with SmPartition(runtime, producer_sms=16) as part:
-        layer = MoELayer(runtime, cfg, partition=part, timeout_s=60)
+        layer = MoELayer(runtime, cfg, partition=part if which == "given" else "auto", timeout_s=60)
+        assert layer.partition is not None and (layer.partition is part) == (which == "given")
         try:
             experts = local_weights(layer, w13, w2)
             ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)

@@ -119,3 +119,20 @@ def test_an_int_is_taken_for_a_float_but_not_the_reverse():
     with pytest.raises(ChunkringUsageError) as info:
         from_table(JOBS["stress"].CONFIG, {**load_table("stress"), "tolerance": True}, job="stress")
     assert info.value.field == "tolerance"
+
+
+@pytest.mark.parametrize("value", ["auto", "none", 16])
+def test_producer_sms_takes_auto_none_or_a_count(value):
+    config = from_table(JOBS["run"].CONFIG, {**load_table("run"), "producer_sms": value}, job="run")
+    assert config.producer_sms == value
+
+
+def test_streamed_calls_get_the_default_partition_unless_a_config_says_otherwise():
+    assert from_table(JOBS["run"].CONFIG, load_table("run"), job="run").producer_sms == "auto"
+
+
+@pytest.mark.parametrize("value", [0, -8, "16", "off", True, 1.5])
+def test_producer_sms_refuses_anything_else(value):
+    with pytest.raises(ChunkringUsageError) as info:
+        from_table(JOBS["run"].CONFIG, {**load_table("run"), "producer_sms": value}, job="run")
+    assert info.value.field == "producer_sms"

@@ -5,7 +5,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.partition import plan_partition
+from chunkring.partition import (
+    DEFAULT_PARTITION,
+    NO_PARTITION,
+    check_partition_arg,
+    default_producer_sms,
+    plan_partition,
+)
 
 
 def test_h200_default_split():
@@ -42,3 +48,72 @@ def test_one_hardware_queue_is_refused_before_any_gpu_work(monkeypatch):
     with pytest.raises(ChunkringUsageError) as info:
         SmPartition(runtime=None, producer_sms=16)  # refused before the runtime is touched
     assert info.value.field == "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+# The default partition's size (chunkring.partition.default_producer_sms): a quarter of the SMs, from the
+# H200 measurements PRODUCER_SM_SHARE cites, within what the device's rules and the consumer's grid allow.
+
+def test_default_on_the_h200_is_a_quarter_of_the_sms():
+    # 132 SMs, partitions of 8 aligned to 8 (REFERENCE.md section 1), the layer's 16-block pull.
+    assert default_producer_sms(132, 8, 8, consumer_grid=16, consumer_blocks_per_sm=8) == 32
+    assert plan_partition(132, 8, 8, 32).consumer_sms == 100
+
+
+def test_default_shrinks_to_keep_the_consumer_grid_resident():
+    # A consumer of 120 blocks at 1 per SM needs 120 SMs: the producers get the 8 left after alignment.
+    assert default_producer_sms(132, 8, 8, consumer_grid=120, consumer_blocks_per_sm=1) == 8
+    # An MPS share of 24 SMs: a quarter rounds to 8, the consumer keeps 16.
+    assert default_producer_sms(24, 8, 8, consumer_grid=16, consumer_blocks_per_sm=8) == 8
+
+
+@pytest.mark.parametrize("total,grid,per_sm", [(15, 16, 8), (132, 130, 1), (8, 1, 1)])
+def test_default_refuses_a_gpu_too_small_to_split(total, grid, per_sm):
+    with pytest.raises(ChunkringUsageError, match='partition="none"') as info:
+        default_producer_sms(total, 8, 8, consumer_grid=grid, consumer_blocks_per_sm=per_sm)
+    assert info.value.field == "partition"
+
+
+@pytest.mark.parametrize("name,kwargs", [("total_sms", {"total_sms": 0}), ("consumer_grid", {"consumer_grid": 1.5}),
+                                         ("consumer_blocks_per_sm", {"consumer_blocks_per_sm": True}),
+                                         ("share", {"share": 1.0}), ("share", {"share": 0})])
+def test_default_refuses_bad_inputs(name, kwargs):
+    args = {"total_sms": 132, "min_partition": 8, "alignment": 8, "consumer_grid": 16, "consumer_blocks_per_sm": 8,
+            **kwargs}
+    with pytest.raises(ChunkringUsageError) as info:
+        default_producer_sms(**args)
+    assert info.value.field == name
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 300), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]), st.integers(1, 300),
+       st.integers(1, 16), st.floats(0.01, 0.99))
+def test_any_default_is_a_valid_plan_that_holds_the_consumer_grid(total, min_partition, alignment, grid, per_sm,
+                                                                   share):
+    try:
+        producer = default_producer_sms(total, min_partition, alignment, grid, per_sm, share)
+    except ChunkringUsageError:
+        # Refused only where even the smallest aligned producer partition leaves the consumer too little.
+        lowest = -(-min_partition // alignment) * alignment
+        assert total - lowest < max(min_partition, -(-grid // per_sm))
+        return
+    plan = plan_partition(total, min_partition, alignment, producer)  # the device's rules hold
+    assert plan.consumer_sms * per_sm >= grid
+
+
+@pytest.mark.parametrize("value", [None, "", "AUTO", 16, True, object()])
+def test_partition_argument_other_than_a_partition_auto_or_none_is_refused(value):
+    with pytest.raises(ChunkringUsageError, match="auto") as info:
+        check_partition_arg(value)
+    assert info.value.field == "partition"
+    # The layer refuses it before touching the runtime (None is not a runtime).
+    from chunkring import MoEConfig, MoELayer
+
+    cfg = MoEConfig(num_experts=4, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64)
+    with pytest.raises(ChunkringUsageError) as layer_info:
+        MoELayer(None, cfg, partition=value)
+    assert layer_info.value.field == "partition"
+
+
+@pytest.mark.parametrize("value", [DEFAULT_PARTITION, NO_PARTITION])
+def test_partition_argument_auto_and_none_are_accepted(value):
+    assert check_partition_arg(value) == value

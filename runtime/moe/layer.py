@@ -36,11 +36,12 @@ import torch
 
 from chunkring.env import module_loading_is_eager
 from chunkring.errors import ChunkringUsageError
+from chunkring.moe.blocks import BlockPool, pool_shape
 from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration, calibrate
 from chunkring.moe.calls import CallMode, check_forward_args, check_run_args
 from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
 from chunkring.moe.config import MoEConfig
-from chunkring.moe.experts import ExpertCompute
+from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.op import moe_forward, register_layer
 from chunkring.moe.producer import enqueue_produce
 from chunkring.moe.timeline import Event, Timeline
@@ -124,6 +125,12 @@ class MoELayer:
             specs[CallMode.STREAMED] = config.ring_spec(world, streamed=True)
         if isinstance(variant, bool) or not isinstance(variant, int) or variant < 0:
             raise ChunkringUsageError(f"must be a non-negative int, got {variant!r}", field="variant")
+        if config.incremental and partition is not None:
+            # The incremental pull runs on a third stream beside the waves (docs/PROTOCOL.md, "Incremental
+            # expert blocks"); an SmPartition has two, and a pull on the producer's stream would spin ahead
+            # of the publishes it waits for.
+            raise ChunkringUsageError("waves > 1 (incremental expert blocks) runs without an SmPartition for now",
+                                      field="waves")
         if not module_loading_is_eager():
             raise ChunkringUsageError(
                 "CUDA loads modules lazily in this process, which can deadlock a producer and a consumer "
@@ -169,6 +176,19 @@ class MoELayer:
                                                   defines={"CHUNKRING_MUTANT": variant} if variant else None), device)
         if self._rma_anywhere:
             self._compute.rma_out = runtime.alloc((self._compute.capacity, config.hidden), torch.bfloat16)
+        # Incremental expert blocks (config.waves > 1): the pool the pull writes rows into, and the stream
+        # the pull runs on, beside the waves on the consumer stream.
+        self._blocks: BlockPool | None = None
+        self._pull_stream: torch.cuda.Stream | None = None
+        if config.incremental:
+            if self._rma_anywhere:
+                # An RMA get's local buffer must be NVSHMEM-registered off-node; the pool is not (yet).
+                raise ChunkringUsageError("waves > 1 (incremental expert blocks) needs every peer DIRECT for now",
+                                          field="waves")
+            self._blocks = BlockPool(pool_shape(config.max_tokens_per_rank, config.topk, world,
+                                                self.experts_per_rank, GROUP_ALIGN),
+                                     config.hidden, config.payload.has_scales, device)
+            self._pull_stream = torch.cuda.Stream(device)
         log.info("chunkring MoELayer: %s", self.describe_transport())
         self.streaming_calibration: StreamingCalibration | None = None  # what streaming="auto" follows
         self._producer: torch.cuda.Stream
@@ -368,6 +388,33 @@ class MoELayer:
                              self.first_expert + self.experts_per_rank, *trace, grid=self._pull_grid,
                              block=_PULL_BLOCK, stream=torch.cuda.current_stream(self.runtime.torch_device))
 
+    def _enqueue_waves(self, mode: CallMode, trace: tuple[torch.Tensor | None, int], w13: torch.Tensor | Fp8Weight,
+                       w2: torch.Tensor | Fp8Weight, mark: Callable[[Event], None]) -> None:
+        """The consumer's incremental expert blocks, from the consumer stream (current): zero the pool's
+        words and the push count; ``moe_pull_blocks`` on the pull stream; ``waves`` waves on the consumer
+        stream, concurrent with the pull (each claim waits for sealed blocks; the last for every stream's
+        end); then the consumer joins the pull stream, so ``moe_ack_held`` (after this) reads the held
+        seqs the pull wrote and runs after the last wave's combine push."""
+        pool, pull_stream, ring = self._blocks, self._pull_stream, self.rings[mode]
+        assert pool is not None and pull_stream is not None  # only called with a pool
+        consumer = torch.cuda.current_stream(self.runtime.torch_device)
+        pool.reset()
+        self._compute.pushed.zero_()
+        pull_stream.wait_stream(consumer)  # after the resets above and the previous call's last wave
+        stage, shape = self._stage, pool.shape
+        arrivals = self._arrivals[mode] if self._pull_grid > 1 else None
+        self._kernels.launch("moe_pull_blocks", ring.desc, arrivals, stage.held, stage.idx, stage.w, pool.pos,
+                             self.config.max_tokens_per_rank, self.first_expert,
+                             self.first_expert + self.experts_per_rank, pool.words, shape.blocks_per_expert,
+                             shape.blocks, shape.block_m, pool.x, pool.sf, pool.src, pool.token, pool.k, pool.weight,
+                             *trace, grid=self._pull_grid, block=_PULL_BLOCK, stream=pull_stream)
+        mark(Event.EXPERTS_BEGIN)
+        for wave in range(self.config.waves):
+            self._compute.wave(pool, w13, w2, self._peer_combine, last=wave == self.config.waves - 1, desc=ring.desc,
+                               combine=self.combine)
+        mark(Event.EXPERTS_DONE)
+        consumer.wait_stream(pull_stream)
+
     def _check_alive(self) -> None:
         if self.combine is None:
             raise ChunkringUsageError("this MoELayer was destroyed")
@@ -427,12 +474,16 @@ class MoELayer:
             stage.idx.fill_(-1)
             stage.held.fill_(-1)
             self._arrivals[mode].zero_()  # a failed earlier call may have left counts behind
-            self._launch_pull(mode, trace)
-            mark(Event.EXPERTS_BEGIN)
-            self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
-                          combine=self.combine)
+            if self._blocks is not None:
+                self._enqueue_waves(mode, trace, w13, w2, mark)
+            else:
+                self._launch_pull(mode, trace)
+                mark(Event.EXPERTS_BEGIN)
+                self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
+                              combine=self.combine)
             mark(Event.COMBINE_DONE)
-            kernels.launch("moe_ack_held", ring.desc, stage.held, self._compute.pushed, self._compute.push_blocks,
+            push_arrivals = self._compute.push_blocks * (cfg.waves if self._blocks is not None else 1)
+            kernels.launch("moe_ack_held", ring.desc, stage.held, self._compute.pushed, push_arrivals,
                            *trace, grid=spec.world_size, block=32, stream=consumer)
 
         produce_chunks(range(first, len(starts)))

@@ -284,6 +284,8 @@ extern "C" __global__ void moe_wave_claim(const RingDesc* desc, unsigned* words,
             observed = ptx::ld_relaxed_gpu(pool.counter(blk::kSealed)) - claimed;
             return observed >= want ? 1 : 0;
         });
+        // NOTES: relaxed - an upper bound for the scan; a block allocated after this is claimed by a later wave
+        // (the last wave reads it after sealed_all's acquire, when it no longer grows).
         allocated = min(ptx::ld_relaxed_gpu(pool.counter(blk::kPoolNext)), pool.blocks);
         claimed_here = 0;
         *pool.counter(blk::kWaveCount) = 0;
@@ -291,6 +293,7 @@ extern "C" __global__ void moe_wave_claim(const RingDesc* desc, unsigned* words,
     __syncthreads();
     if (!ready) return;  // recorded (timeout, or this rank's error): the wave computes nothing
     for (u32 id = threadIdx.x; id < allocated; id += blockDim.x) {
+        // NOTES: relaxed - a candidate only; the CAS below decides, and the fence after it acquires.
         const u32 state = ptx::ld_relaxed_gpu(pool.state(id));
         if (!(state & blk::kSealedBit) || (state & blk::kClaimedBit)) continue;
         const u32 n = state & blk::kCountMask;
@@ -298,7 +301,7 @@ extern "C" __global__ void moe_wave_claim(const RingDesc* desc, unsigned* words,
         if (atomicCAS(pool.state(id), state, blk::kClaimedBit | n) != state) continue;
         // acquire: pairs with the sealer's release, hence with every lander's (the rows, expert_of).
         ptx::fence_acq_rel_gpu();
-        const u32 landed = ptx::ld_relaxed_gpu(pool.landed(id));
+        const u32 landed = ptx::ld_relaxed_gpu(pool.landed(id));  // NOTES: relaxed - after the acquire fence
         if (landed != n) {
             // A block sealed before its rows landed (the kSealOnReserve mutant): the direct detector.
             protocol::record_error(d, protocol::ErrorCode::kInternal, Site::kBlocks, d.my_pe, id, n, landed);

@@ -18,7 +18,10 @@ Expert work happens once per call, after every source's stream ended, however ma
 chunk-local expert groups (computing each chunk as it lands) re-read every active expert's weights
 per chunk, which measured 1.5-18x slower than batch-ready at DeepSeek-like shapes
 (benchmarks/results/README.md). What streaming overlaps is the producers' work with the pull of the
-chunks already published.
+chunks already published. With ``MoEConfig.waves > 1`` (opt-in: incremental expert blocks, docs/PROTOCOL.md)
+the pull instead writes each row into a block of its expert, on a stream of its own, and ``waves`` fixed
+launches of expert work on the consumer stream each compute the blocks sealed by then (each expert's
+weights read about once per wave that has its blocks); the held acks follow the last wave.
 
 A source's last chunk is acknowledged only after its combine rows landed, so a drained producer knows
 its combine buffer is complete: no barrier, no global token count, no host synchronisation. Both modes

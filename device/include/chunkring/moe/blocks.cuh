@@ -129,6 +129,7 @@ __device__ __forceinline__ void end_of_streams(const RingDesc& d, const Pool& po
     // The finisher: every pull block ended every source, so every reservation is final and every
     // reserved row has landed. acquire: the RMW chain on kEnded brings every block's release.
     ptx::fence_acq_rel_gpu();
+    // NOTES: relaxed loads below - every word was last written before a release that the fence acquired.
     for (u32 e = 0; e < pool.experts; ++e) {
         const u32 c = min(ptx::ld_relaxed_gpu(pool.reserve(e)), pool.blocks_per_expert * pool.block_m);
         const u32 n = c % pool.block_m;

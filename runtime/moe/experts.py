@@ -222,7 +222,7 @@ class ExpertCompute:
         plan, cursors = self._allocate_plan()
         words, E, J, P, bm = pool.kernel_args()
         self.kernels.launch("moe_wave_claim", desc, words, E, J, P, bm, self.wave_min_blocks, int(last), plan.counts,
-                            grid=1, block=1024, stream=torch.cuda.current_stream(self.device))
+                            grid=1, block=_BLOCK, stream=torch.cuda.current_stream(self.device))
         row_bytes, sf_per_row = plan.rows.shape[1], plan.rows_sf.shape[0]
         self._launch("moe_wave_gather", words, E, J, P, bm, pool.x, pool.sf, pool.src, pool.token, pool.k,
                      pool.weight, row_bytes, sf_per_row, plan.counts, cursors, plan.rows, plan.rows_sf, self.capacity,

@@ -99,8 +99,8 @@ def _seal_on_reserve_caught(runtime, variant):
     (e4m3 and bf16 0xFF bytes): per call, whether the output missed the reference or the call recorded an
     error. Every row names one expert of the last rank, so its blocks fill and seal while producers publish."""
     device, rank, world = runtime.torch_device, runtime.rank, runtime.world_size
-    case = ("fp8", 1, 2, 4, 8, "many", "one_expert")
-    cfg = dict(num_experts=2 * world, hidden=H, intermediate=INTER, topk=1, max_tokens_per_rank=512,
+    n = 325  # 41 chunks of 8 tokens: two full blocks of 128 rows and a partial one per source
+    cfg = dict(num_experts=2 * world, hidden=H, intermediate=INTER, topk=1, max_tokens_per_rank=n + 3,
                front_num_slots=2, front_tokens_per_slot=8, waves=4)
     layer = MoELayer(runtime, MoEConfig(**cfg), timeout_s=20, variant=variant)
     caught = []
@@ -108,11 +108,12 @@ def _seal_on_reserve_caught(runtime, variant):
         w13, w2 = weights(cfg["num_experts"], torch.Generator().manual_seed(7))
         w13_local, w2_local = local_weights(layer, w13, w2)
         for it in range(5):
-            n, x_in, idx, w, args = _inputs(case, it, rank, world, cfg["num_experts"], device)
-            n = min(n, 512)
+            gen = torch.Generator().manual_seed(100 * it + rank)
+            xq, sf = quantize_fp8_per128(torch.randn(n, H, generator=gen))
             idx = torch.full((n, 1), cfg["num_experts"] - 1, dtype=torch.int32)  # the last rank's last expert
-            x_in, args = x_in[:n], [args[0][:n], args[1][:n], idx.to(device), args[3][:n]]
-            ref = layer_reference(layer, x_in, idx, w[:n], w13, w2)
+            w = torch.rand(n, 1, generator=gen) + 0.1
+            ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
+            args = [t.to(device) for t in (xq, sf, idx, w)]
             layer._blocks.x.fill_(0xFF)  # NaN in e4m3 and in bf16: a row read before it landed shows
             try:
                 out = layer.run(*args, w13_local, w2_local, streaming=True)

@@ -354,11 +354,13 @@ class MoELayer:
     def stats(self) -> dict[str, int]:
         """What one call of this layer uses at this rank: the pull's blocks (``pull_grid``), the expert
         plan's fixed row capacity (``plan_rows``), the streaming ring's chunk size and slots (0 without
-        one), and :meth:`memory`'s symmetric bytes."""
+        one), the waves of expert work per call (``waves``) and the incremental block pool's device bytes
+        (``block_pool_bytes``, 0 with ``waves=1``), and :meth:`memory`'s symmetric bytes."""
         streamed = self.rings.get(CallMode.STREAMED)
         return {"pull_grid": self._pull_grid, "plan_rows": self._compute.capacity,
                 "chunk_tokens": streamed.spec.tokens_per_slot if streamed else 0,
-                "ring_slots": streamed.spec.num_slots if streamed else 0, **self.memory()}
+                "ring_slots": streamed.spec.num_slots if streamed else 0, "waves": self.config.waves,
+                "block_pool_bytes": self._blocks.nbytes if self._blocks is not None else 0, **self.memory()}
 
     def pull(self, mode: CallMode = CallMode.STREAMED) -> None:
         """Enqueue the consumer's pull of ``mode``'s ring alone, on the current stream: what benchmarks time

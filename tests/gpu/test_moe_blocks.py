@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from chunkring import ChunkringRuntimeError, MoEConfig, MoELayer
+from chunkring import ChunkringRuntimeError, ChunkringUsageError, MoEConfig, MoELayer, SmPartition
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.test_moe_layer import layer_reference, local_weights, rel_error, routing, tolerance, weights
@@ -144,3 +144,18 @@ def test_negative_control_a_block_sealed_at_its_reservation(runtime):
     caught = _seal_on_reserve_caught(runtime, SEAL_ON_RESERVE)
     print(f"seal_on_reserve: caught in {sum(caught)} of {len(caught)} calls")
     assert any(caught), "the kSealOnReserve mutant escaped: no wave claimed a block before its rows landed"
+
+
+def test_waves_on_a_partition_are_refused_before_gpu_work(runtime):
+    """The incremental pull needs a third stream beside the waves; an SmPartition has two, so the layer
+    refuses the combination at construction, naming the field (docs/PROTOCOL.md, "Incremental expert
+    blocks"), and builds the same config with waves=1."""
+    cfg = dict(num_experts=2 * runtime.world_size, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=64,
+               front_num_slots=2, front_tokens_per_slot=8)
+    with SmPartition(runtime, producer_sms=16) as part:
+        with pytest.raises(ChunkringUsageError) as info:
+            MoELayer(runtime, MoEConfig(**cfg, waves=2), partition=part)
+        assert info.value.field == "waves"
+        layer = MoELayer(runtime, MoEConfig(**cfg), partition=part)
+        assert layer.stats()["waves"] == 1 and layer.stats()["block_pool_bytes"] == 0
+        layer.destroy()

@@ -143,11 +143,18 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
     const bool first_thread = threadIdx.x == 0 && blockIdx.x == 0;
     const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
     __shared__ long long chunk_of[kMaxWorldSize];
+    // Per source: the end of its last non-empty chunk of this call. Every block sees the same chunks, so
+    // every block masks the same ones; only thread 0 writes it, after a barrier that follows every read.
+    __shared__ u64 next_base[kMaxWorldSize];
+    for (u64 src = threadIdx.x; src < d.world_size; src += blockDim.x) next_base[src] = 0;
+    __syncthreads();
     auto visit = [&](u64 src, u64, u64 slot) {
         ChunkMeta meta;
         if (!chunk_meta(d, src, slot, meta)) return false;
         const u64 base = meta.token_base;
-        const u64 n = checked_chunk_rows(d, src, slot, base, meta.num_tokens, N, first_thread);
+        const u64 n = checked_chunk_order(d, src, slot, base,
+                                          checked_chunk_rows(d, src, slot, base, meta.num_tokens, N, first_thread),
+                                          next_base[src], first_thread);
         if (first_thread) {
             chunk_of[src] = n ? static_cast<long long>(base / T) : 0;
             timeline::record(trace, trace_capacity, timeline::kObserved, src, chunk_of[src]);
@@ -161,7 +168,8 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
                     (hi - lo) * K * sizeof(float), src);
         for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x)
             idx[i] = checked_expert(d, src, slot, i / K, i % K, idx[i]);
-        __syncthreads();  // idx is read back below by other warps of the block
+        __syncthreads();  // idx is read back below by other warps of the block; every read of next_base done
+        if (threadIdx.x == 0 && n) next_base[src] = base + n;
 
         // Pass 1: reserve, then start the payload fetches into every reserved row.
         for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {

@@ -13,12 +13,18 @@ import math
 import pytest
 import torch
 
+import chunkring.env
 from chunkring import ChunkringRuntimeError, ChunkringUsageError, MoEConfig, MoELayer, SmPartition
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.test_moe_layer import layer_reference, local_weights, rel_error, routing, tolerance, weights
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    # The pool is not NVSHMEM-registered, so a layer with waves > 1 refuses RMA peers at construction
+    # (docs/PROTOCOL.md, "Incremental expert blocks"); the forced-RMA suite has nothing to run here.
+    pytest.mark.skipif(chunkring.env.transport_mode() == "rma", reason="waves > 1 runs with DIRECT peers only"),
+]
 
 H, INTER = 256, 128
 

@@ -21,6 +21,7 @@
 
 #include <cuda/std/cstdint>
 
+#include "chunkring/moe/blocks.cuh"
 #include "chunkring/protocol/mutants.cuh"
 #include "chunkring/ptx/ordering.cuh"
 #include "chunkring/protocol/transport.cuh"
@@ -34,6 +35,7 @@ namespace ptx = chunkring::ptx;
 using chunkring::protocol::kMutant;
 using chunkring::protocol::Mutant;
 using chunkring::layout::RingDesc;
+using chunkring::protocol::Site;
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
@@ -244,5 +246,120 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
         // composes with a GPU-scope one for another GPU's memory.
         if constexpr (kMutant != Mutant::kNoPushRelease) ptx::fence_acq_rel_sys();
         atomicAdd(pushed, 1ull);  // NOTES: relaxed; the fence before it makes it the release
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// One wave of incremental expert blocks (docs/PROTOCOL.md, "Incremental expert blocks", the wave claim
+// rule): moe_wave_claim claims every sealed, unclaimed pool block, moe_wave_gather copies the claimed
+// blocks' rows into a plan (the layout moe_plan_scatter builds: groups per expert, block_m-aligned), and
+// the plan's GEMMs, SwiGLU and combine push are the batch path's own. Why a compacted copy rather than the
+// pool itself with -1 labels on unclaimed blocks: DeepGEMM's per-row contiguous GEMM skips only the
+// WGMMAs of a half block labelled -1; it still loads that block's rows and an expert's weights and stores
+// a zero tile, over the pool's whole worst-case M, in every wave (docs/notes_deepgemm.md a).
+
+// One block. Waits (thread 0, bounded) until at least `min_blocks` sealed blocks are unclaimed or the
+// finisher sealed everything (`last`: only the latter), then claims every sealed block below pool_next:
+// a compare-and-swap kSealed | n -> kClaimed | n, whose winner alone adds the block to wave_ids and its n
+// rows to counts[expert] (zeroed by the host). The last wave checks that every allocated block was
+// claimed (PROTOCOL.md step 9's exit test).
+extern "C" __global__ void moe_wave_claim(const RingDesc* desc, unsigned* words, int num_local, int blocks_per_expert,
+                                          int pool_blocks, int block_m, int min_blocks, int last, unsigned* counts) {
+    namespace blk = chunkring::moe::blocks;
+    namespace protocol = chunkring::protocol;
+    const RingDesc& d = *desc;
+    if (!protocol::check_descriptor(d)) return;
+    const blk::Pool pool{words, static_cast<u32>(num_local), static_cast<u32>(blocks_per_expert),
+                         static_cast<u32>(pool_blocks), static_cast<u32>(block_m)};
+    __shared__ bool ready;
+    __shared__ u32 allocated, claimed_here;
+    if (threadIdx.x == 0) {
+        // NOTES: only the claim kernels write kClaimed, stream-ordered one after another: a plain read.
+        const u32 claimed = *pool.counter(blk::kClaimed);
+        const u32 want = last ? 1u : static_cast<u32>(min_blocks);
+        ready = protocol::spin_until(d, Site::kWaitBlocks, d.my_pe, 0, want, [&](u64& observed) {
+            if (ptx::ld_acquire_gpu(pool.counter(blk::kSealedAll)) != 0) return 1;  // acquire: every seal
+            if (last) return 0;
+            // NOTES: relaxed - a count only decides when to look; each claim's own CAS + fence acquires.
+            observed = ptx::ld_relaxed_gpu(pool.counter(blk::kSealed)) - claimed;
+            return observed >= want ? 1 : 0;
+        });
+        // NOTES: relaxed - an upper bound for the scan; a block allocated after this is claimed by a later wave
+        // (the last wave reads it after sealed_all's acquire, when it no longer grows).
+        allocated = min(ptx::ld_relaxed_gpu(pool.counter(blk::kPoolNext)), pool.blocks);
+        claimed_here = 0;
+        *pool.counter(blk::kWaveCount) = 0;
+    }
+    __syncthreads();
+    if (!ready) return;  // recorded (timeout, or this rank's error): the wave computes nothing
+    for (u32 id = threadIdx.x; id < allocated; id += blockDim.x) {
+        // NOTES: relaxed - a candidate only; the CAS below decides, and the fence after it acquires.
+        const u32 state = ptx::ld_relaxed_gpu(pool.state(id));
+        if (!(state & blk::kSealedBit) || (state & blk::kClaimedBit)) continue;
+        const u32 n = state & blk::kCountMask;
+        // Exactly once: a block leaves kSealed only through this swap (the model's bug_claim_no_cas).
+        if (atomicCAS(pool.state(id), state, blk::kClaimedBit | n) != state) continue;
+        // acquire: pairs with the sealer's release, hence with every lander's (the rows, expert_of).
+        ptx::fence_acq_rel_gpu();
+        const u32 landed = ptx::ld_relaxed_gpu(pool.landed(id));  // NOTES: relaxed - after the acquire fence
+        if (landed != n) {
+            // A block sealed before its rows landed (the kSealOnReserve mutant): the direct detector.
+            protocol::record_error(d, protocol::ErrorCode::kInternal, Site::kBlocks, d.my_pe, id, n, landed);
+        }
+        pool.wave_ids()[atomicAdd(pool.counter(blk::kWaveCount), 1u)] = id;
+        atomicAdd(counts + *pool.expert_of(id), n);
+        atomicAdd(&claimed_here, 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 claimed = *pool.counter(blk::kClaimed) + claimed_here;
+        *pool.counter(blk::kClaimed) = claimed;
+        // The exit test: after the finisher's seal every allocated block is sealed, so the last wave leaves
+        // none behind; a block that was never sealed would be rows never computed.
+        if (last && claimed != allocated)
+            protocol::record_error(d, protocol::ErrorCode::kInternal, Site::kBlocks, d.my_pe, 0, allocated, claimed);
+    }
+}
+
+// The claimed blocks' rows into a plan (moe_plan_scatter's layout and outputs; counts from
+// moe_wave_claim, cursors [E_local] zeroed by the host): a warp per claimed pool row. Stream-ordered
+// after moe_wave_claim, whose claimants acquired every row (kernel boundary: their acquires order these
+// reads, in this later kernel of the same stream).
+//   pool_x [P * bm, row_bytes]   pool_sf [P * bm, sf_per_row] (row-major, as the pull stored them)
+extern "C" __global__ void moe_wave_gather(const unsigned* words, int num_local, int blocks_per_expert,
+                                           int pool_blocks, int block_m, const unsigned char* pool_x,
+                                           const float* pool_sf, const int* pool_src, const int* pool_token,
+                                           const int* pool_k, const float* pool_w, long long row_bytes,
+                                           int sf_per_row, const unsigned* counts, unsigned* cursors,
+                                           unsigned char* rows, float* rows_sf, long long sf_stride, int* row_src,
+                                           int* row_token, int* row_k, float* row_weight, int* group_end) {
+    namespace blk = chunkring::moe::blocks;
+    extern __shared__ unsigned offsets[];  // E_local + 1
+    group_offsets(counts, num_local, block_m, offsets);
+    if (blockIdx.x == 0)
+        for (int e = threadIdx.x; e < num_local; e += blockDim.x) group_end[e] = offsets[e] + counts[e];
+    const blk::Pool pool{const_cast<unsigned*>(words), static_cast<u32>(num_local),
+                         static_cast<u32>(blocks_per_expert), static_cast<u32>(pool_blocks),
+                         static_cast<u32>(block_m)};
+    const u64 claimed = *pool.counter(blk::kWaveCount), bm = static_cast<u64>(block_m);
+    const u32 lane = threadIdx.x % kWarp;
+    const u64 warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp, warps = gridDim.x * blockDim.x / kWarp;
+    for (u64 item = warp; item < claimed * bm; item += warps) {
+        const u32 id = pool.wave_ids()[item / bm];
+        const u64 n = *pool.state(id) & blk::kCountMask, from = static_cast<u64>(id) * bm + item % bm;
+        if (item % bm >= n) continue;  // uniform across the warp: one row per warp
+        const u32 e = *pool.expert_of(id);
+        u64 p = 0;
+        if (lane == 0) p = offsets[e] + atomicAdd(cursors + e, 1u);
+        p = __shfl_sync(0xffffffffu, p, 0);
+        if (lane == 0) {
+            row_src[p] = pool_src[from];
+            row_token[p] = pool_token[from];
+            row_k[p] = pool_k[from];
+            row_weight[p] = pool_w[from];
+        }
+        util::warp_copy16(rows + p * row_bytes, pool_x + from * row_bytes, static_cast<u64>(row_bytes), lane);
+        for (u64 j = lane; j < static_cast<u64>(sf_per_row); j += kWarp)
+            rows_sf[j * sf_stride + p] = pool_sf[from * sf_per_row + j];
     }
 }

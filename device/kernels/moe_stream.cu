@@ -17,6 +17,7 @@
 #include "chunkring/protocol/validate.cuh"
 #include "chunkring/util/copy.cuh"
 #include "chunkring/util/kernel_params.cuh"
+#include "chunkring/moe/blocks.cuh"
 #include "chunkring/moe/timeline.cuh"
 
 using namespace chunkring;
@@ -111,6 +112,117 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
     // the combine rows land (caught by tests/gpu/test_moe_layer.py).
     u64* hold = kMutant == Mutant::kNoDeferredAck ? nullptr : reinterpret_cast<u64*>(held);
     consume_invocation(d, current_epoch(d), arrivals, hold, visit, acked);
+}
+
+// moe_pull with incremental expert blocks (docs/PROTOCOL.md, "Incremental expert blocks"): the same walk
+// over every source's chunks, the same checks and acknowledgements, but each (token, k) choice of a local
+// expert goes straight into its expert's block of the pool (moe/blocks.cuh) instead of the stage: per
+// chunk share, (1) a warp per row: lane 0 reserves the row's choices in k order (RESERVE, ALLOCATE or
+// WAIT), the warp starts fetching the row's payload into each reserved pool row; fetch_done; (2) a warp
+// per row again: the scales checked in place, source, token, k and weight stored, then lane 0 lands each
+// choice (LAND, SEAL A FULL BLOCK). After its last source each block arrives on `ended`; the last one
+// seals the partial blocks. The waves (moe_experts.cu) run concurrently, on another stream.
+//   stage_idx / stage_w [W, N, K]: the routing, fetched and checked as moe_pull does (scratch here)
+//   pos [W, N, K] u32: each choice's pool row between the two passes (kNoRow: none)
+//   words: moe/blocks.cuh's words (zeroed by the host before the launch); E = expert_hi - expert_lo
+//   pool_x [P * bm, x_row_bytes]   pool_sf [P * bm, x_sf_row_floats]   pool_src / token / k, pool_w [P * bm]
+extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLABLE unsigned* arrivals,
+                                           unsigned long long* held, int* stage_idx, float* stage_w,
+                                           unsigned* pos, long long token_capacity, int expert_lo, int expert_hi,
+                                           unsigned* words, int blocks_per_expert, int pool_blocks, int block_m,
+                                           unsigned char* pool_x, float* pool_sf, int* pool_src, int* pool_token,
+                                           int* pool_k, float* pool_w, CHUNKRING_NULLABLE long long* trace,
+                                           long long trace_capacity) {
+    namespace blk = chunkring::moe::blocks;
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d)) return;
+    const blk::Pool pool{words, static_cast<u32>(expert_hi - expert_lo), static_cast<u32>(blocks_per_expert),
+                         static_cast<u32>(pool_blocks), static_cast<u32>(block_m)};
+    const u64 N = static_cast<u64>(token_capacity), T = d.tokens_per_slot, K = d.topk;
+    const u64 row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats;
+    const bool first_thread = threadIdx.x == 0 && blockIdx.x == 0;
+    const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+    __shared__ long long chunk_of[kMaxWorldSize];
+    // Per source: the end of its last non-empty chunk of this call. Every block sees the same chunks, so
+    // every block masks the same ones; only thread 0 writes it, after a barrier that follows every read.
+    __shared__ u64 next_base[kMaxWorldSize];
+    for (u64 src = threadIdx.x; src < d.world_size; src += blockDim.x) next_base[src] = 0;
+    __syncthreads();
+    auto visit = [&](u64 src, u64, u64 slot) {
+        ChunkMeta meta;
+        if (!chunk_meta(d, src, slot, meta)) return false;
+        const u64 base = meta.token_base;
+        const u64 n = checked_chunk_order(d, src, slot, base,
+                                          checked_chunk_rows(d, src, slot, base, meta.num_tokens, N, first_thread),
+                                          next_base[src], first_thread);
+        if (first_thread) {
+            chunk_of[src] = n ? static_cast<long long>(base / T) : 0;
+            timeline::record(trace, trace_capacity, timeline::kObserved, src, chunk_of[src]);
+        }
+        const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x;
+        const u64 first_row = src * N + (n ? base : 0);
+        int* idx = stage_idx + first_row * K;
+        unsigned* at = pos + first_row * K;
+        fetch_block(d, idx + lo * K, slot_topk_idx(d, slot) + lo * K, (hi - lo) * K * sizeof(int), src);
+        fetch_block(d, stage_w + (first_row + lo) * K, slot_topk_weights(d, slot) + lo * K,
+                    (hi - lo) * K * sizeof(float), src);
+        for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x)
+            idx[i] = checked_expert(d, src, slot, i / K, i % K, idx[i]);
+        __syncthreads();  // idx is read back below by other warps of the block; every read of next_base done
+        if (threadIdx.x == 0 && n) next_base[src] = base + n;
+
+        // Pass 1: reserve, then start the payload fetches into every reserved row.
+        for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
+            if (lane == 0) {
+                // One lane, the row's choices in k order: an allocation never waits behind this lane's own
+                // wait (PROTOCOL.md step 2).
+                for (u64 k = 0; k < K; ++k) {
+                    const int e = idx[row * K + k];
+                    at[row * K + k] = e >= expert_lo && e < expert_hi
+                                          ? blk::reserve_row(d, pool, static_cast<u32>(e - expert_lo))
+                                          : blk::kNoRow;
+                }
+            }
+            __syncwarp();  // lane 0's positions, for every lane of the warp
+            for (u64 k = 0; k < K; ++k) {
+                const u32 p = at[row * K + k];
+                if (p == blk::kNoRow) continue;
+                fetch_warp(d, pool_x + p * row_bytes, slot_x(d, slot) + row * row_bytes, row_bytes, src, lane);
+                fetch_warp(d, pool_sf + p * sf_floats, slot_x_sf(d, slot) + row * sf_floats,
+                           sf_floats * sizeof(float), src, lane);
+            }
+        }
+        fetch_done(d, src);  // every reserved row's bytes are in the pool, visible to the block
+        // Pass 2 (the same warp per row): STORE the rest of each row, then LAND it.
+        for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
+            for (u64 k = 0; k < K; ++k) {
+                const u32 p = at[row * K + k];
+                if (p == blk::kNoRow) continue;
+                float* sf = pool_sf + p * sf_floats;
+                for (u64 i = lane; i < sf_floats; i += kWarp) sf[i] = checked_scale(d, src, slot, row, i, sf[i]);
+                if (lane == 0) {
+                    pool_src[p] = static_cast<int>(src);
+                    pool_token[p] = static_cast<int>(base + row);
+                    pool_k[p] = static_cast<int>(k);
+                    pool_w[p] = stage_w[(first_row + row) * K + k];
+                }
+                __syncwarp();  // every lane's stores of the row before lane 0's release (LAND)
+                if (lane == 0) blk::land_row(pool, p);
+            }
+        }
+        __syncthreads();
+        if (first_thread) timeline::record(trace, trace_capacity, timeline::kPulled, src, chunk_of[src]);
+        return true;
+    };
+    auto acked = [&](u64 src, u64) {
+        if (first_thread) timeline::record(trace, trace_capacity, timeline::kAcked, src, chunk_of[src]);
+    };
+    u64* hold = kMutant == Mutant::kNoDeferredAck ? nullptr : reinterpret_cast<u64*>(held);
+    // A block whose walk failed (recorded) never arrives on `ended`: the waves' last claim then waits,
+    // and stops at this rank's error (spin_until), so no partial block is sealed with rows missing.
+    if (!consume_invocation(d, current_epoch(d), arrivals, hold, visit, acked)) return;
+    __syncthreads();  // every LAND of this block before thread 0's release
+    if (threadIdx.x == 0) blk::end_of_streams(d, pool);
 }
 
 // One block per source rank: acknowledge the chunk moe_pull held for it, if any, once every block of

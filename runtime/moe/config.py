@@ -16,11 +16,15 @@ from chunkring.ring.layout import RingLayout
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 from chunkring.ring.transport import TRANSPORT_MODES
 
-__all__ = ["DEFAULT_FRONT_NUM_SLOTS", "MoEConfig"]
+__all__ = ["DEFAULT_FRONT_NUM_SLOTS", "MAX_WAVES", "MoEConfig"]
 
 #: Slots of the default streaming ring (MoEConfig.with_default_ring): the consumer pulls each chunk within
 #: microseconds of its publish, so producers never wait for a second slot to free (docs/PERFORMANCE.md).
 DEFAULT_FRONT_NUM_SLOTS = 2
+
+#: Most waves of expert work per call (MoEConfig.waves): each wave reads every expert's weights that has
+#: a block in it, so more waves than a few cost more weight traffic than they hide.
+MAX_WAVES = 8
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,10 @@ class MoEConfig:
     transport: how each rank reaches its peers' slots and combine rows (:mod:`chunkring.ring.transport`):
     ``"auto"`` (loads/stores where NVSHMEM maps a peer, RMA elsewhere), ``"rma"`` (RMA for every peer), or
     None: ``CHUNKRING_TRANSPORT`` (default auto).
+    waves: 1 (default) - the batch plan: the expert work starts after every source's stream ended; 2 to
+    :data:`MAX_WAVES` - incremental expert blocks (docs/PROTOCOL.md, "Incremental expert blocks"): the
+    pull writes rows straight into sealed blocks per expert, and that many fixed launches of expert work
+    each compute the blocks sealed by then, the first while producers still publish.
     The FP8 payload runs FP8 expert GEMMs whose activations carry one scale per 1x128: its ``intermediate``
     must be a multiple of 128 (the bf16 payload's, of 8: 16-byte rows for the grouped GEMMs).
     """
@@ -47,6 +55,7 @@ class MoEConfig:
     front_num_slots: int | None = None
     front_tokens_per_slot: int | None = None
     transport: str | None = None
+    waves: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank"):
@@ -71,8 +80,16 @@ class MoEConfig:
         if self.transport is not None and self.transport not in TRANSPORT_MODES:
             raise ChunkringUsageError(f"must be one of {TRANSPORT_MODES} or None, got {self.transport!r}",
                                       field="transport")
+        if isinstance(self.waves, bool) or not isinstance(self.waves, int) or not 1 <= self.waves <= MAX_WAVES:
+            raise ChunkringUsageError(f"must be an int in [1, {MAX_WAVES}] (1: the batch plan), got {self.waves!r}",
+                                      field="waves")
         # The rings' own rules (RingSpec, RingLayout) at one rank: what fails there fails at every rank count.
         self.check_world_size(1)
+
+    @property
+    def incremental(self) -> bool:
+        """Whether calls compute incremental expert blocks in waves (``waves > 1``) rather than one plan."""
+        return self.waves > 1
 
     @property
     def streaming(self) -> bool:

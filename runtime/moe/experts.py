@@ -33,6 +33,7 @@ import torch
 
 from chunkring.env import cache_dir
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.moe.blocks import BlockPool
 from chunkring.moe.dispatch import padded_rows_bound
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.io import check_tensor
@@ -129,6 +130,10 @@ class ExpertCompute:
         # bf16 [P, H] in NVSHMEM-registered memory, set by a layer with RMA peers: the experts' output, whose
         # rows the combine push puts from (an RMA put's local buffer must be registered off-node).
         self.rma_out: torch.Tensor | None = None
+        # A wave that is not the last waits for this many sealed, unclaimed blocks (or for the end of every
+        # stream): one block per local expert on average, so a wave reads each expert's weights for about a
+        # block's worth of rows or more.
+        self.wave_min_blocks = experts_per_rank
 
     def warm_up(self, w13, w2, *, sms: int | None = None) -> None:
         """Run the expert GEMMs once on an empty plan (no rows: they visit no block), on the current
@@ -229,16 +234,38 @@ class ExpertCompute:
             return out
         return self.rma_out.copy_(out)  # _grouped_mm allocates its output; the puts need registered memory
 
+    def wave(self, pool: BlockPool, w13, w2, peer_combine: torch.Tensor, *, last: bool, desc: torch.Tensor,
+             combine: torch.Tensor | None = None) -> None:
+        """One wave of incremental expert blocks (:mod:`chunkring.moe.blocks`), on the current stream:
+        ``moe_wave_claim`` waits (bounded, on ``desc``'s watchdog) until :attr:`wave_min_blocks` sealed blocks
+        are unclaimed or, for the ``last`` wave, until every block is sealed, and claims every sealed one;
+        ``moe_wave_gather`` copies their rows into a fresh plan; then the batch path's GEMMs, SwiGLU and
+        combine push on that plan. :attr:`pushed` is not zeroed here: the caller zeroes it once per call and
+        ``moe_ack_held`` waits for ``waves * push_blocks`` arrivals, every wave's."""
+        plan, cursors = self._allocate_plan()
+        words, E, J, P, bm = pool.kernel_args()
+        self.kernels.launch("moe_wave_claim", desc, words, E, J, P, bm, self.wave_min_blocks, int(last), plan.counts,
+                            grid=1, block=_BLOCK, stream=torch.cuda.current_stream(self.device))
+        row_bytes, sf_per_row = plan.rows.shape[1], plan.rows_sf.shape[0]
+        self._launch("moe_wave_gather", words, E, J, P, bm, pool.x, pool.sf, pool.src, pool.token, pool.k,
+                     pool.weight, row_bytes, sf_per_row, plan.counts, cursors, plan.rows, plan.rows_sf, self.capacity,
+                     plan.src, plan.token, plan.k, plan.weight, plan.group_end, shared=True)
+        out = self.experts(plan, w13, w2)
+        self.combine_push(plan, out, peer_combine, desc=desc, combine=combine, reset=False)
+
     def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor, *,
-                     desc: torch.Tensor | None = None, combine: torch.Tensor | None = None) -> None:
+                     desc: torch.Tensor | None = None, combine: torch.Tensor | None = None,
+                     reset: bool = True) -> None:
         """Each real row of ``out``, times its weight, to its source's combine buffer at token * K + k:
         stores through ``peer_combine`` (int64 [W]: each source's combine buffer as this GPU addresses it)
         for DIRECT sources, an RMA put to ``combine`` (this rank's symmetric combine buffer) on the source
         for RMA ones - as ``desc`` (a ring descriptor, :attr:`chunkring.Ring.desc`) says; without one every
         source is DIRECT. An RMA row is weighted in place in ``out`` first. Then :attr:`pushed` holds
-        :attr:`push_blocks` (zeroed here first, stream-ordered after the previous call's reader of it)."""
+        :attr:`push_blocks` more (zeroed here first when ``reset``, stream-ordered after the previous call's
+        reader of it)."""
         cfg = self.config
-        self.pushed.zero_()
+        if reset:
+            self.pushed.zero_()
         self._launch("moe_combine_push", out, plan.src, plan.token, plan.k, plan.weight, plan.counts,
                      self.experts_per_rank, GROUP_ALIGN, cfg.hidden, cfg.topk, peer_combine, desc, combine,
                      self.pushed, shared=True)

@@ -18,7 +18,10 @@ Expert work happens once per call, after every source's stream ended, however ma
 chunk-local expert groups (computing each chunk as it lands) re-read every active expert's weights
 per chunk, which measured 1.5-18x slower than batch-ready at DeepSeek-like shapes
 (benchmarks/results/README.md). What streaming overlaps is the producers' work with the pull of the
-chunks already published.
+chunks already published. With ``MoEConfig.waves > 1`` (opt-in: incremental expert blocks, docs/PROTOCOL.md)
+the pull instead writes each row into a block of its expert, on a stream of its own, and ``waves`` fixed
+launches of expert work on the consumer stream each compute the blocks sealed by then (each expert's
+weights read about once per wave that has its blocks); the held acks follow the last wave.
 
 A source's last chunk is acknowledged only after its combine rows landed, so a drained producer knows
 its combine buffer is complete: no barrier, no global token count, no host synchronisation. Both modes
@@ -36,11 +39,12 @@ import torch
 
 from chunkring.env import module_loading_is_eager
 from chunkring.errors import ChunkringUsageError
+from chunkring.moe.blocks import BlockPool, pool_shape
 from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration, calibrate
 from chunkring.moe.calls import CallMode, check_forward_args, check_run_args
 from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
 from chunkring.moe.config import MoEConfig
-from chunkring.moe.experts import ExpertCompute
+from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.op import moe_forward, register_layer
 from chunkring.moe.producer import enqueue_produce
 from chunkring.moe.timeline import Event, Timeline
@@ -101,8 +105,10 @@ class MoELayer:
     green-context :class:`chunkring.SmPartition` the layer makes and closes, sized by
     :func:`chunkring.partition.default_producer_sms` - a streamed call's consumer runs beside its producers
     and is the side confined (docs/PROTOCOL.md, "Progress"); an ``SmPartition``: that one (the caller
-    closes it, after :meth:`destroy`); ``"none"``: ordinary streams. Batch-ready calls always run on two
-    ordinary streams over the whole GPU: their producers finish before any consumer needs them.
+    closes it, after :meth:`destroy`); ``"none"``: ordinary streams. With ``waves > 1`` (incremental expert
+    blocks) ``"auto"`` makes no partition yet and an ``SmPartition`` is refused: that pull needs a third
+    stream. Batch-ready calls always run on two ordinary streams over the whole GPU: their producers finish
+    before any consumer needs them.
     ``timeout_s``: the rings' watchdog limit.
     ``variant``: the ``CHUNKRING_MUTANT`` value the layer's kernels (ring and experts) are compiled with - 0,
     the real protocol; tests build deliberately broken variants (:mod:`chunkring.testing.stress` names
@@ -130,6 +136,12 @@ class MoELayer:
             specs[CallMode.STREAMED] = config.ring_spec(world, streamed=True)
         if isinstance(variant, bool) or not isinstance(variant, int) or variant < 0:
             raise ChunkringUsageError(f"must be a non-negative int, got {variant!r}", field="variant")
+        if config.incremental and isinstance(partition, SmPartition):
+            # The incremental pull runs on a third stream beside the waves (docs/PROTOCOL.md, "Incremental
+            # expert blocks"); an SmPartition has two, and a pull on the producer's stream would spin ahead
+            # of the publishes it waits for. partition="auto" makes none for such a layer, for now.
+            raise ChunkringUsageError("waves > 1 (incremental expert blocks) runs without an SmPartition for now",
+                                      field="waves")
         if not module_loading_is_eager():
             raise ChunkringUsageError(
                 "CUDA loads modules lazily in this process, which can deadlock a producer and a consumer "
@@ -161,7 +173,7 @@ class MoELayer:
         # would stall the others (docs/PROTOCOL.md, "Progress").
         resident = self._kernels.resident_blocks_per_sm("moe_pull", _PULL_BLOCK)
         self._own_partition = None
-        if partition == DEFAULT_PARTITION and config.streaming:
+        if partition == DEFAULT_PARTITION and config.streaming and not config.incremental:
             partition = self._own_partition = SmPartition.sized_for(runtime, PULL_GRID, resident)
         confined = self._partition = partition if isinstance(partition, SmPartition) else None
         consumer_sms = confined.consumer_sms if confined is not None else torch.cuda.get_device_properties(
@@ -180,6 +192,19 @@ class MoELayer:
                                                   defines={"CHUNKRING_MUTANT": variant} if variant else None), device)
         if self._rma_anywhere:
             self._compute.rma_out = runtime.alloc((self._compute.capacity, config.hidden), torch.bfloat16)
+        # Incremental expert blocks (config.waves > 1): the pool the pull writes rows into, and the stream
+        # the pull runs on, beside the waves on the consumer stream.
+        self._blocks: BlockPool | None = None
+        self._pull_stream: torch.cuda.Stream | None = None
+        if config.incremental:
+            if self._rma_anywhere:
+                # An RMA get's local buffer must be NVSHMEM-registered off-node; the pool is not (yet).
+                raise ChunkringUsageError("waves > 1 (incremental expert blocks) needs every peer DIRECT for now",
+                                          field="waves")
+            self._blocks = BlockPool(pool_shape(config.max_tokens_per_rank, config.topk, world,
+                                                self.experts_per_rank, GROUP_ALIGN),
+                                     config.hidden, config.payload.has_scales, device)
+            self._pull_stream = torch.cuda.Stream(device)
         log.info("chunkring MoELayer: %s", self.describe_transport())
         self.streaming_calibration: StreamingCalibration | None = None  # what streaming="auto" follows
         # Per mode: (producer, consumer) streams, and the SMs the consumer's GEMMs may fill (None: all).
@@ -355,14 +380,16 @@ class MoELayer:
     def stats(self) -> dict[str, int]:
         """What one call of this layer uses at this rank: the pull's blocks (``pull_grid``), the expert
         plan's fixed row capacity (``plan_rows``), the streaming ring's chunk size and slots (0 without
-        one), the SMs of a streamed call's producer and consumer partitions (0 without one), and
-        :meth:`memory`'s symmetric bytes."""
+        one), the SMs of a streamed call's producer and consumer partitions (0 without one), the waves of
+        expert work per call (``waves``) and the incremental block pool's device bytes (``block_pool_bytes``,
+        0 with ``waves=1``), and :meth:`memory`'s symmetric bytes."""
         streamed = self.rings.get(CallMode.STREAMED)
         part = self._partition
         return {"pull_grid": self._pull_grid, "plan_rows": self._compute.capacity,
                 "producer_sms": part.plan.producer_sms if part else 0, "consumer_sms": part.consumer_sms if part else 0,
                 "chunk_tokens": streamed.spec.tokens_per_slot if streamed else 0,
-                "ring_slots": streamed.spec.num_slots if streamed else 0, **self.memory()}
+                "ring_slots": streamed.spec.num_slots if streamed else 0, "waves": self.config.waves,
+                "block_pool_bytes": self._blocks.nbytes if self._blocks is not None else 0, **self.memory()}
 
     def pull(self, mode: CallMode = CallMode.STREAMED) -> None:
         """Enqueue the consumer's pull of ``mode``'s ring alone, on the current stream: what benchmarks time
@@ -397,6 +424,33 @@ class MoELayer:
                              stage.idx, stage.w, self.config.max_tokens_per_rank, self.first_expert,
                              self.first_expert + self.experts_per_rank, *trace, grid=self._pull_grid,
                              block=_PULL_BLOCK, stream=torch.cuda.current_stream(self.runtime.torch_device))
+
+    def _enqueue_waves(self, mode: CallMode, trace: tuple[torch.Tensor | None, int], w13: torch.Tensor | Fp8Weight,
+                       w2: torch.Tensor | Fp8Weight, mark: Callable[[Event], None]) -> None:
+        """The consumer's incremental expert blocks, from the consumer stream (current): zero the pool's
+        words and the push count; ``moe_pull_blocks`` on the pull stream; ``waves`` waves on the consumer
+        stream, concurrent with the pull (each claim waits for sealed blocks; the last for every stream's
+        end); then the consumer joins the pull stream, so ``moe_ack_held`` (after this) reads the held
+        seqs the pull wrote and runs after the last wave's combine push."""
+        pool, pull_stream, ring = self._blocks, self._pull_stream, self.rings[mode]
+        assert pool is not None and pull_stream is not None  # only called with a pool
+        consumer = torch.cuda.current_stream(self.runtime.torch_device)
+        pool.reset()
+        self._compute.pushed.zero_()
+        pull_stream.wait_stream(consumer)  # after the resets above and the previous call's last wave
+        stage, shape = self._stage, pool.shape
+        arrivals = self._arrivals[mode] if self._pull_grid > 1 else None
+        self._kernels.launch("moe_pull_blocks", ring.desc, arrivals, stage.held, stage.idx, stage.w, pool.pos,
+                             self.config.max_tokens_per_rank, self.first_expert,
+                             self.first_expert + self.experts_per_rank, pool.words, shape.blocks_per_expert,
+                             shape.blocks, shape.block_m, pool.x, pool.sf, pool.src, pool.token, pool.k, pool.weight,
+                             *trace, grid=self._pull_grid, block=_PULL_BLOCK, stream=pull_stream)
+        mark(Event.EXPERTS_BEGIN)
+        for wave in range(self.config.waves):
+            self._compute.wave(pool, w13, w2, self._peer_combine, last=wave == self.config.waves - 1, desc=ring.desc,
+                               combine=self.combine)
+        mark(Event.EXPERTS_DONE)
+        consumer.wait_stream(pull_stream)
 
     def _check_alive(self) -> None:
         if self.combine is None:
@@ -458,12 +512,16 @@ class MoELayer:
             stage.idx.fill_(-1)
             stage.held.fill_(-1)
             self._arrivals[mode].zero_()  # a failed earlier call may have left counts behind
-            self._launch_pull(mode, trace)
-            mark(Event.EXPERTS_BEGIN)
-            self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
-                          combine=self.combine, sms=sms)
+            if self._blocks is not None:
+                self._enqueue_waves(mode, trace, w13, w2, mark)
+            else:
+                self._launch_pull(mode, trace)
+                mark(Event.EXPERTS_BEGIN)
+                self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
+                              combine=self.combine, sms=sms)
             mark(Event.COMBINE_DONE)
-            kernels.launch("moe_ack_held", ring.desc, stage.held, self._compute.pushed, self._compute.push_blocks,
+            push_arrivals = self._compute.push_blocks * (cfg.waves if self._blocks is not None else 1)
+            kernels.launch("moe_ack_held", ring.desc, stage.held, self._compute.pushed, push_arrivals,
                            *trace, grid=spec.world_size, block=32, stream=consumer)
 
         produce_chunks(range(first, len(starts)))

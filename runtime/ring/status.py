@@ -35,6 +35,7 @@ class ErrorCode(enum.IntEnum):
     DOUBLE_ACK = 9
     BAD_METADATA = 10  # retired: malformed metadata is masked and reported as an InputRecord
     PEER_ABORTED = 11  # a wait stopped because a rank of the ring recorded an error (the abort word names it)
+    INTERNAL = 12  # an invariant of this rank's own kernels failed (incremental expert blocks)
 
 
 class InputField(enum.IntEnum):
@@ -69,6 +70,9 @@ class Site(enum.IntEnum):
     DESCRIPTOR = 6
     PUBLISH = 7
     WAIT_PUSHED = 8
+    WAIT_BLOCKS = 9
+    WAIT_ALLOCATION = 10
+    BLOCKS = 11
 
 
 _WHAT: dict[int, str] = {
@@ -80,6 +84,9 @@ _WHAT: dict[int, str] = {
     Site.DESCRIPTOR: "checking the ring descriptor",
     Site.PUBLISH: "publishing slot {slot}",
     Site.WAIT_PUSHED: "waiting for this rank's combine push before its held acks",
+    Site.WAIT_BLOCKS: "a wave's claim waiting for sealed expert blocks",
+    Site.WAIT_ALLOCATION: "a pull lane waiting for the allocation of expert {slot}'s block",
+    Site.BLOCKS: "checking incremental expert block {slot}",
 }
 
 

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from chunkring.ring.ring import Ring
     from chunkring.ring.status import StatusRecord
 
-__all__ = ["LITMUS_DIRECTIONS", "MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "NO_PUSH_RELEASE", "StressLibrary",
-           "StressPlan"]
+__all__ = ["LITMUS_DIRECTIONS", "MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "NO_PUSH_RELEASE", "SEAL_ON_RESERVE",
+           "StressLibrary", "StressPlan"]
 
 #: protocol/mutants.cuh Mutant values (append-only): the protocol's, which the stress suite must catch.
 MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4,
@@ -35,6 +35,9 @@ NO_HELD_ACK = 6
 #: protocol/mutants.cuh kNoPushRelease: the combine push's blocks arrive on the push count without releasing
 #: their stores, so the held acknowledgement no longer orders them (tests/gpu/test_moe_layer.py).
 NO_PUSH_RELEASE = 8
+#: protocol/mutants.cuh kSealOnReserve: an incremental expert block sealed when its last row is reserved,
+#: before its rows landed (docs/PROTOCOL.md, "The GPU mutant"; caught by tests/gpu/test_moe_blocks.py).
+SEAL_ON_RESERVE = 13
 #: The message-passing litmus kernels of ring_stress.cu: "push", the writer stores into the reader's memory
 #: (litmus_mp); "pull", the ring's own direction: the writer stores into its own memory and SETs the
 #: reader's flag, the reader loads through nvshmem_ptr (litmus_mp_pull).

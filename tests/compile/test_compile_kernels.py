@@ -10,7 +10,7 @@ import pytest
 from chunkring._jit import arch_of, build, default_arch, kernel_sources, nvshmem_version
 from chunkring._jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, _cache_key, program_options
 from chunkring.errors import ChunkringUsageError
-from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS, NO_PUSH_RELEASE
+from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS, NO_PUSH_RELEASE, SEAL_ON_RESERVE
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove
 #: that the host accepts our kernels.
@@ -70,9 +70,10 @@ MUTANT_KERNELS = [
     *((mutant, "ring_stress") for mutant in sorted(MUTANTS) if mutant != "none"),
     ("no_input_checks", "moe_stream"), ("no_held_ack", "moe_stream"), ("no_push_release", "moe_experts"),
     ("no_ack_release", "moe_stream"), ("no_ack_acquire", "moe_stream"), ("no_arrival_fences", "moe_stream"),
-    ("no_arrival_fences", "ring_host_api"),
+    ("no_arrival_fences", "ring_host_api"), ("seal_on_reserve", "moe_stream"),
 ]
-_VALUE = {**MUTANTS, "no_input_checks": NO_INPUT_CHECKS, "no_held_ack": NO_HELD_ACK, "no_push_release": NO_PUSH_RELEASE}
+_VALUE = {**MUTANTS, "no_input_checks": NO_INPUT_CHECKS, "no_held_ack": NO_HELD_ACK, "no_push_release": NO_PUSH_RELEASE,
+          "seal_on_reserve": SEAL_ON_RESERVE}
 
 
 def kernel_code(cubin: bytes) -> dict[str, bytes]:

@@ -1,6 +1,6 @@
 // Deliberately broken protocol variants, for negative controls only. Each removes exactly one rule, and
 // a GPU test must catch every one: 1-4, 7 and 9-12 (ring.cuh, rules.cuh) tests/stress/test_mutants.py; 5, 6
-// and 8 the tests of the kernels that rely on those rules (runtime/testing/stress.py names them). A fence
+// 8 and 13 the tests of the kernels that rely on those rules (runtime/testing/stress.py names them). A fence
 // mutant may escape where every rank shares one GPU; its test says so (docs/PROTOCOL.md, "Evidence").
 // Values are append-only; production builds never define the macro.
 #pragma once
@@ -25,6 +25,8 @@ enum class Mutant : unsigned {
     kNoAckAcquire = 10,     // reuse, drain: what the owner does next is not ordered after the acks it observed
     kNoArrivalFences = 11,  // multi-block consume: no fence orders each block's reads before the last block's ack
     kGpuScopeFences = 12,   // publish, wait: the release and the acquire fence at GPU scope, not system scope
+    kSealOnReserve = 13,    // incremental blocks: a full block is sealed when its last row is reserved, before
+                            // its rows landed (moe/blocks.cuh; the model's bug_seal_on_reserve)
 };
 
 constexpr Mutant kMutant = static_cast<Mutant>(CHUNKRING_MUTANT);

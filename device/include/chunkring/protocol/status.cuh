@@ -28,12 +28,16 @@ enum class ErrorCode : unsigned long long {
     kDoubleAck = 9,        // an ack word already held this generation
     kBadMetadata = 10,     // retired: malformed slot metadata is now masked and reported (validate.cuh)
     kPeerAborted = 11,     // a wait stopped because a rank of the ring recorded an error (the abort word names it)
+    kInternal = 12,        // an invariant of this rank's own kernels failed (incremental blocks: moe/blocks.cuh)
 };
 
 // Where a wait or check happened; append-only, mirrored by runtime/ring/status.py Site.
 enum class Site : unsigned long long {
     kNone = 0, kWaitRoute = 1, kWaitLayout = 2, kWaitReusable = 3, kAck = 4, kPayload = 5, kDescriptor = 6, kPublish = 7,
     kWaitPushed = 8,  // moe_ack_held waiting for every combine-push block's arrival (values: block counts)
+    kWaitBlocks = 9,      // a wave's claim waiting for sealed expert blocks (values: sealed block counts)
+    kWaitAllocation = 10, // a pull lane waiting for another lane's allocation of its expert block (slot: expert)
+    kBlocks = 11,         // an incremental-block invariant checked (slot: pool block; values: row counts)
 };
 
 // The abort word (status word kStatusAbort): [63:16] the epoch, [15:8] the rank that failed, [7:0] its

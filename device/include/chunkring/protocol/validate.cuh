@@ -11,6 +11,7 @@
 //   X_SF        NaN or infinite .................. the scale is read as 0 (that block adds nothing)
 //   NUM_TOKENS  above tokens_per_slot ............ the chunk is read as empty (its stream still ends
 //   TOKEN_BASE  base + count beyond the output ... the chunk is read as empty  if it says so)
+//               (incremental pull) base before the source's previous chunk's end: read as empty
 //   VALID_TOKENS (producer side) outside [0, batch rows] ... clamped into that range
 #pragma once
 
@@ -53,6 +54,18 @@ __device__ __forceinline__ u64 checked_chunk_rows(const RingDesc& d, u64 src, u6
         return 0;
     }
     return n;
+}
+
+// Rows of a non-empty chunk whose rows must not overlap its source's earlier chunks of the call (the
+// incremental pull reserves a pool row per choice, and its pool holds N rows per source: docs/PROTOCOL.md,
+// "Capacity and overflow"): `n` if `base` is at or past `next_base` (the previous chunk's base + count),
+// otherwise 0 - the chunk read as empty, reported as TOKEN_BASE (column: next_base).
+__device__ __forceinline__ u64 checked_chunk_order(const RingDesc& d, u64 src, u64 slot, u64 base, u64 n,
+                                                   u64 next_base, bool report = true) {
+    if constexpr (kMutant == Mutant::kNoInputChecks) return n;
+    if (n == 0 || base >= next_base) return n;
+    if (report) report_input(d, InputField::kTokenBase, src, slot, 0, next_base, base);
+    return 0;
 }
 
 // A top-k choice: an expert in [0, num_experts), or -1 (masked; out-of-range values are reported).

@@ -30,6 +30,28 @@ __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_re
 // The same fence at GPU scope: for orderings between blocks of one kernel on one GPU.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
+// 32-bit words of one GPU's own memory, read and written by blocks of kernels on that GPU only (the MoE
+// consumer's incremental expert blocks, chunkring/moe/blocks.cuh): GPU scope suffices there.
+__device__ __forceinline__ u32 ld_relaxed_gpu(const u32* ptr) {
+    u32 value;
+    asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void st_relaxed_gpu(u32* ptr, u32 value) {
+    asm volatile("st.relaxed.gpu.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ u32 ld_acquire_gpu(const u32* ptr) {
+    u32 value;
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void st_release_gpu(u32* ptr, u32 value) {
+    asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
 // Nanoseconds from the global timer. Watchdogs use it rather than clock64(), whose rate varies.
 __device__ __forceinline__ u64 globaltimer_ns() {
     u64 ns;

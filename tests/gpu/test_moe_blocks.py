@@ -1,0 +1,167 @@
+"""Incremental expert blocks on the GPU (docs/PROTOCOL.md, "Incremental expert blocks"): a layer with
+``waves > 1`` - the pull writing rows straight into sealed blocks per expert, the expert work in waves that
+start while producers still publish - against the fp32 reference (chunkring.testing.reference.
+reference_tolerance) and against the batch plan (``waves=1``) on the same inputs; and the negative control
+the section names, the kSealOnReserve mutant (a block sealed when its last row is reserved, before its rows
+landed), caught by wrong outputs (the pool rows are poisoned with NaN before each call) or by the claimant's
+recorded INTERNAL error (its landed count is short).
+
+Every rank derives its inputs from (case, iteration, rank) seeds and checks its own output."""
+
+import math
+
+import pytest
+import torch
+
+import chunkring.env
+from chunkring import ChunkringRuntimeError, ChunkringUsageError, MoEConfig, MoELayer, SmPartition
+from chunkring.ring.spec import PayloadFormat
+from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
+from tests.gpu.test_moe_layer import layer_reference, local_weights, rel_error, routing, tolerance, weights
+
+pytestmark = [
+    pytest.mark.gpu,
+    # The pool is not NVSHMEM-registered, so a layer with waves > 1 refuses RMA peers at construction
+    # (docs/PROTOCOL.md, "Incremental expert blocks"); the forced-RMA suite has nothing to run here.
+    pytest.mark.skipif(chunkring.env.transport_mode() == "rma", reason="waves > 1 runs with DIRECT peers only"),
+]
+
+H, INTER = 256, 128
+
+# (payload, topk, experts per rank, waves, C = front_tokens_per_slot, tokens, routing)
+CASES = [
+    ("fp8", 2, 2, 2, 8, "many", "uniform"),
+    ("fp8", 8, 2, 4, 8, "uneven", "masked"),
+    ("fp8", 1, 3, 3, 8, "many", "one_expert"),   # every row to one expert: full blocks sealed while streaming
+    ("fp8", 2, 3, 2, 8, "empty_rank", "idle"),
+    ("fp8", 2, 1, 2, 8, "zero", "uniform"),
+    ("bf16", 6, 2, 4, 16, "many", "uniform"),
+]
+
+
+def tokens_of(pattern, C, rank, world):
+    many = 40 * C + 5  # 41 chunks, the last partial: several full blocks of 128 rows per expert
+    return {"zero": 0, "many": many, "uneven": [many, 1, 0, C + 1][rank % 4],
+            "empty_rank": 0 if rank == world - 1 else many}[pattern]
+
+
+def _layers(runtime, case, **kwargs):
+    payload, topk, per_rank, waves, C, pattern, _ = case
+    per_rank = max(per_rank, math.ceil(topk / runtime.world_size))
+    base = dict(num_experts=per_rank * runtime.world_size, hidden=H, intermediate=INTER, topk=topk,
+                max_tokens_per_rank=40 * C + 8, front_num_slots=2, front_tokens_per_slot=C,
+                payload=PayloadFormat.FP8_E4M3 if payload == "fp8" else PayloadFormat.BF16)
+    return (MoELayer(runtime, MoEConfig(**base), timeout_s=60),
+            MoELayer(runtime, MoEConfig(**base, waves=waves), timeout_s=60, **kwargs))
+
+
+def _inputs(case, it, rank, world, num_experts, device):
+    payload, topk, _, _, C, pattern, mode = case
+    gen = torch.Generator().manual_seed(10_000 * CASES.index(case) + 100 * it + rank)
+    n = tokens_of(pattern, C, rank, world)
+    x32 = torch.randn(n, H, generator=gen)
+    idx, w = routing(n, num_experts, topk, mode, gen)
+    if payload == "fp8":
+        xq, sf = quantize_fp8_per128(x32)
+        x_in = dequantize_fp8_per128(xq, sf)
+    else:
+        xq, sf, x_in = x32.to(torch.bfloat16), None, x32.to(torch.bfloat16).float()
+    return n, x_in.to(device), idx, w, [t if t is None else t.to(device) for t in (xq, sf, idx, w)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_incremental_blocks_match_the_reference_and_the_batch_plan(runtime, case):
+    device, rank, world = runtime.torch_device, runtime.rank, runtime.world_size
+    batch, incremental = _layers(runtime, case)
+    try:
+        num_experts = batch.config.num_experts
+        w13, w2 = weights(num_experts, torch.Generator().manual_seed(CASES.index(case)))
+        w13_local, w2_local = local_weights(batch, w13, w2)
+        for it in range(3):
+            n, x_in, idx, w, args = _inputs(case, it, rank, world, num_experts, device)
+            ref = layer_reference(incremental, x_in, idx, w, w13, w2)
+            outs = {}
+            for streaming in (False, True):
+                for name, layer in (("batch", batch), ("waves", incremental)):
+                    out = torch.full((n, H), float("nan"), dtype=torch.bfloat16, device=device)  # sentinel
+                    layer.run(*args, w13_local, w2_local, streaming=streaming, out=out)
+                    torch.cuda.synchronize()
+                    layer.check()
+                    err = rel_error(out, ref)
+                    assert err <= tolerance(layer), f"{name} streaming={streaming} iteration {it}: error {err:.2e}"
+                    outs[name, streaming] = out
+                runtime.barrier()
+            # Each row goes through the same GEMM tile math and SwiGLU whichever block holds it, and the
+            # combine reduces over k in a fixed order: the waves reproduce the batch plan bit for bit.
+            for streaming in (False, True):
+                assert torch.equal(outs["waves", streaming], outs["batch", streaming]), f"streaming={streaming}"
+    finally:
+        incremental.destroy()
+        batch.destroy()
+
+
+def _seal_on_reserve_caught(runtime, variant):
+    """Streamed calls of a ``waves=4`` layer built as ``variant``, each after poisoning the pool rows with NaN
+    (e4m3 and bf16 0xFF bytes): per call, whether the output missed the reference or the call recorded an
+    error. Every row names one expert of the last rank, so its blocks fill and seal while producers publish."""
+    device, rank, world = runtime.torch_device, runtime.rank, runtime.world_size
+    n = 325  # 41 chunks of 8 tokens: two full blocks of 128 rows and a partial one per source
+    cfg = dict(num_experts=2 * world, hidden=H, intermediate=INTER, topk=1, max_tokens_per_rank=n + 3,
+               front_num_slots=2, front_tokens_per_slot=8, waves=4)
+    layer = MoELayer(runtime, MoEConfig(**cfg), timeout_s=20, variant=variant)
+    caught = []
+    try:
+        w13, w2 = weights(cfg["num_experts"], torch.Generator().manual_seed(7))
+        w13_local, w2_local = local_weights(layer, w13, w2)
+        for it in range(5):
+            gen = torch.Generator().manual_seed(100 * it + rank)
+            xq, sf = quantize_fp8_per128(torch.randn(n, H, generator=gen))
+            idx = torch.full((n, 1), cfg["num_experts"] - 1, dtype=torch.int32)  # the last rank's last expert
+            w = torch.rand(n, 1, generator=gen) + 0.1
+            ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
+            args = [t.to(device) for t in (xq, sf, idx, w)]
+            layer._blocks.x.fill_(0xFF)  # NaN in e4m3 and in bf16: a row read before it landed shows
+            try:
+                out = layer.run(*args, w13_local, w2_local, streaming=True)
+                torch.cuda.synchronize()
+                layer.check()
+                wrong = bool(torch.isnan(out).any()) or rel_error(out, ref) > tolerance(layer)
+            except ChunkringRuntimeError as exc:  # the claimant's landed check (INTERNAL), or a peer's abort
+                print(f"seal_on_reserve: call {it} recorded {exc}")
+                wrong = True
+                layer.reset()
+            caught.append(wrong)
+            runtime.barrier()
+    finally:
+        layer.destroy()
+    if world == 1:
+        return caught
+    from mpi4py import MPI
+
+    return [any(c) for c in zip(*MPI.COMM_WORLD.allgather(caught), strict=True)]
+
+
+def test_negative_control_a_block_sealed_at_its_reservation(runtime):
+    """The seal rule (docs/PROTOCOL.md, "The GPU mutant"): the real build passes the same calls the
+    kSealOnReserve mutant fails - a wave claims a block whose rows have not all landed."""
+    from chunkring.testing.stress import SEAL_ON_RESERVE
+
+    assert not any(_seal_on_reserve_caught(runtime, 0))
+    caught = _seal_on_reserve_caught(runtime, SEAL_ON_RESERVE)
+    print(f"seal_on_reserve: caught in {sum(caught)} of {len(caught)} calls")
+    assert any(caught), "the kSealOnReserve mutant escaped: no wave claimed a block before its rows landed"
+
+
+def test_waves_on_a_partition_are_refused_before_gpu_work(runtime):
+    """The incremental pull needs a third stream beside the waves; an SmPartition has two, so the layer
+    refuses the combination at construction, naming the field (docs/PROTOCOL.md, "Incremental expert
+    blocks"), and builds the same config with waves=1."""
+    cfg = dict(num_experts=2 * runtime.world_size, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=64,
+               front_num_slots=2, front_tokens_per_slot=8)
+    with SmPartition(runtime, producer_sms=16) as part:
+        with pytest.raises(ChunkringUsageError) as info:
+            MoELayer(runtime, MoEConfig(**cfg, waves=2), partition=part)
+        assert info.value.field == "waves"
+        layer = MoELayer(runtime, MoEConfig(**cfg), partition=part)
+        assert layer.stats()["waves"] == 1 and layer.stats()["block_pool_bytes"] == 0
+        layer.destroy()

@@ -30,6 +30,35 @@ constexpr u32 kWarp = 32;
 // held[src] before a call's pull: no chunk of src is waiting for its acknowledgement.
 constexpr u64 kNoHeldChunk = ~0ull;
 
+// Where a pull defers each source's last acknowledgement (consume_invocation's `deferred`). The
+// kNoDeferredAck mutant acknowledges last chunks at the pull too: the owner's drain then returns before the
+// combine rows land (caught by tests/gpu/test_moe_layer.py).
+__device__ __forceinline__ u64* held_acks(unsigned long long* held) {
+    return kMutant == Mutant::kNoDeferredAck ? nullptr : reinterpret_cast<u64*>(held);
+}
+
+// Rows [lo, hi) of src's chunk in `slot`: routing and weights fetched into the stage rows that start at
+// idx and w (the chunk's row 0), the routing checked in place (fetch_block returns with the bytes visible
+// to the whole block). The caller syncs the block before other warps read idx back.
+__device__ void pull_routing(const RingDesc& d, u64 src, u64 slot, int* idx, float* w, u64 lo, u64 hi) {
+    const u64 K = d.topk;
+    fetch_block(d, idx + lo * K, slot_topk_idx(d, slot) + lo * K, (hi - lo) * K * sizeof(int), src);
+    fetch_block(d, w + lo * K, slot_topk_weights(d, slot) + lo * K, (hi - lo) * K * sizeof(float), src);
+    for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x)
+        idx[i] = checked_expert(d, src, slot, i / K, i % K, idx[i]);
+}
+
+// consume_invocation's `acked` hook of a traced pull: one record per acknowledgement, by the grid's first thread.
+struct TraceAcked {
+    long long* trace;
+    long long capacity;
+    const long long* chunk_of;  // per source: the chunk being pulled
+    bool first_thread;
+    __device__ void operator()(u64 src, u64) const {
+        if (first_thread) timeline::record(trace, capacity, timeline::kAcked, src, chunk_of[src]);
+    }
+};
+
 }  // namespace
 
 // One call's pull, any grid: consume_invocation over every source; each block copies its share of every
@@ -68,13 +97,7 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
         const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x;
         const u64 first_row = src * N + (n ? base : 0);  // the chunk's row 0 in the stage
         int* idx = stage_idx + first_row * K;
-        // Routing and weights of every row of the share land in the stage raw; the routing is checked in
-        // place (fetch_block returns with the bytes visible to the whole block).
-        fetch_block(d, idx + lo * K, slot_topk_idx(d, slot) + lo * K, (hi - lo) * K * sizeof(int), src);
-        fetch_block(d, stage_w + (first_row + lo) * K, slot_topk_weights(d, slot) + lo * K,
-                    (hi - lo) * K * sizeof(float), src);
-        for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x)
-            idx[i] = checked_expert(d, src, slot, i / K, i % K, idx[i]);
+        pull_routing(d, src, slot, idx, stage_w + first_row * K, lo, hi);
         __syncthreads();  // idx is read back below by other warps of the block
 
         // A warp per row: the row's K choices decide (one lane each) whether this rank needs its payload.
@@ -105,13 +128,8 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
         if (first_thread) timeline::record(trace, trace_capacity, timeline::kPulled, src, chunk_of[src]);
         return true;
     };
-    auto acked = [&](u64 src, u64) {
-        if (first_thread) timeline::record(trace, trace_capacity, timeline::kAcked, src, chunk_of[src]);
-    };
-    // The kNoDeferredAck mutant acknowledges last chunks here too: the owner's drain then returns before
-    // the combine rows land (caught by tests/gpu/test_moe_layer.py).
-    u64* hold = kMutant == Mutant::kNoDeferredAck ? nullptr : reinterpret_cast<u64*>(held);
-    consume_invocation(d, current_epoch(d), arrivals, hold, visit, acked);
+    consume_invocation(d, current_epoch(d), arrivals, held_acks(held), visit,
+                       TraceAcked{trace, trace_capacity, chunk_of, first_thread});
 }
 
 // moe_pull with incremental expert blocks (docs/PROTOCOL.md, "Incremental expert blocks"): the same walk
@@ -163,11 +181,7 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
         const u64 first_row = src * N + (n ? base : 0);
         int* idx = stage_idx + first_row * K;
         unsigned* at = pos + first_row * K;
-        fetch_block(d, idx + lo * K, slot_topk_idx(d, slot) + lo * K, (hi - lo) * K * sizeof(int), src);
-        fetch_block(d, stage_w + (first_row + lo) * K, slot_topk_weights(d, slot) + lo * K,
-                    (hi - lo) * K * sizeof(float), src);
-        for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x)
-            idx[i] = checked_expert(d, src, slot, i / K, i % K, idx[i]);
+        pull_routing(d, src, slot, idx, stage_w + first_row * K, lo, hi);
         __syncthreads();  // idx is read back below by other warps of the block; every read of next_base done
         if (threadIdx.x == 0 && n) next_base[src] = base + n;
 
@@ -214,13 +228,12 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
         if (first_thread) timeline::record(trace, trace_capacity, timeline::kPulled, src, chunk_of[src]);
         return true;
     };
-    auto acked = [&](u64 src, u64) {
-        if (first_thread) timeline::record(trace, trace_capacity, timeline::kAcked, src, chunk_of[src]);
-    };
-    u64* hold = kMutant == Mutant::kNoDeferredAck ? nullptr : reinterpret_cast<u64*>(held);
+
     // A block whose walk failed (recorded) never arrives on `ended`: the waves' last claim then waits,
     // and stops at this rank's error (spin_until), so no partial block is sealed with rows missing.
-    if (!consume_invocation(d, current_epoch(d), arrivals, hold, visit, acked)) return;
+    if (!consume_invocation(d, current_epoch(d), arrivals, held_acks(held), visit,
+                            TraceAcked{trace, trace_capacity, chunk_of, first_thread}))
+        return;
     __syncthreads();  // every LAND of this block before thread 0's release
     if (threadIdx.x == 0) blk::end_of_streams(d, pool);
 }

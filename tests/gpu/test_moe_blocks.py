@@ -17,7 +17,7 @@ import chunkring.env
 from chunkring import ChunkringRuntimeError, ChunkringUsageError, MoEConfig, MoELayer, SmPartition
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
-from tests.gpu.test_moe_layer import layer_reference, local_weights, rel_error, routing, tolerance, weights
+from tests.gpu.test_moe_layer import case_inputs, layer_reference, local_weights, rel_error, tolerance, weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,16 +57,9 @@ def _layers(runtime, case, **kwargs):
 
 def _inputs(case, it, rank, world, num_experts, device):
     payload, topk, _, _, C, pattern, mode = case
-    gen = torch.Generator().manual_seed(10_000 * CASES.index(case) + 100 * it + rank)
     n = tokens_of(pattern, C, rank, world)
-    x32 = torch.randn(n, H, generator=gen)
-    idx, w = routing(n, num_experts, topk, mode, gen)
-    if payload == "fp8":
-        xq, sf = quantize_fp8_per128(x32)
-        x_in = dequantize_fp8_per128(xq, sf)
-    else:
-        xq, sf, x_in = x32.to(torch.bfloat16), None, x32.to(torch.bfloat16).float()
-    return n, x_in.to(device), idx, w, [t if t is None else t.to(device) for t in (xq, sf, idx, w)]
+    seed = 10_000 * CASES.index(case) + 100 * it + rank
+    return (n, *case_inputs(payload, n, num_experts, topk, mode, seed, device))
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
@@ -134,11 +127,7 @@ def _seal_on_reserve_caught(runtime, variant):
             runtime.barrier()
     finally:
         layer.destroy()
-    if world == 1:
-        return caught
-    from mpi4py import MPI
-
-    return [any(c) for c in zip(*MPI.COMM_WORLD.allgather(caught), strict=True)]
+    return [any(c) for c in zip(*runtime.allgather_object(caught), strict=True)]  # caught on any rank
 
 
 def test_negative_control_a_block_sealed_at_its_reservation(runtime):

@@ -49,6 +49,21 @@ CASES = [
 ]
 
 
+def case_inputs(payload, n, num_experts, topk, mode, seed, device):
+    """One rank's batch of a case: the reference's input (x as the layer sees it, on ``device``), routing
+    (CPU), and :meth:`MoELayer.run`'s first four arguments on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    x32 = torch.randn(n, H, generator=gen)
+    idx, w = routing(n, num_experts, topk, mode, gen)
+    if payload == "fp8":
+        xq, sf = quantize_fp8_per128(x32)
+        x_in = dequantize_fp8_per128(xq, sf)
+    else:
+        xq, sf = x32.to(torch.bfloat16), None
+        x_in = xq.float()
+    return x_in.to(device), idx, w, [t if t is None else t.to(device) for t in (xq, sf, idx, w)]
+
+
 def tokens_of(pattern, C, rank, world):
     many = 3 * C + 5  # four chunks, the last partial
     return {"zero": 0, "one": 1, "C-1": C - 1, "C": C, "C+1": C + 1, "many": many,
@@ -120,18 +135,9 @@ def test_layer_matches_reference(runtime, case):
         w13, w2 = weights(num_experts, torch.Generator().manual_seed(CASES.index(case)))
         w13_local, w2_local = local_weights(layer, w13, w2)
         for it in range(ITERATIONS):
-            gen = torch.Generator().manual_seed(10_000 * CASES.index(case) + 100 * it + rank)
-            n = tokens_of(pattern, C, rank, W)
-            x32 = torch.randn(n, H, generator=gen)
-            idx, w = routing(n, num_experts, topk, mode, gen)
-            if payload == "fp8":
-                xq, sf = quantize_fp8_per128(x32)
-                x_in = dequantize_fp8_per128(xq, sf)
-            else:
-                xq, sf = x32.to(torch.bfloat16), None
-                x_in = xq.float()
-            ref = layer_reference(layer, x_in.to(device), idx, w, w13, w2)
-            args = [t if t is None else t.to(device) for t in (xq, sf, idx, w)]
+            n, seed = tokens_of(pattern, C, rank, W), 10_000 * CASES.index(case) + 100 * it + rank
+            x_in, idx, w, args = case_inputs(payload, n, num_experts, topk, mode, seed, device)
+            ref = layer_reference(layer, x_in, idx, w, w13, w2)
             outs = {}
             for streaming in (False, True):
                 out = torch.full((n, H), float("nan"), dtype=torch.bfloat16, device=device)  # sentinel
@@ -266,11 +272,7 @@ def _rank_outputs_wrong(runtime, variant: int) -> list:
             runtime.barrier()
     finally:
         layer.destroy()
-    if W == 1:
-        return wrong
-    from mpi4py import MPI
-
-    return [any(per_iteration) for per_iteration in zip(*MPI.COMM_WORLD.allgather(wrong), strict=True)]
+    return [any(per_iteration) for per_iteration in zip(*runtime.allgather_object(wrong), strict=True)]
 
 
 def test_negative_control_acknowledging_the_last_chunk_at_its_pull_loses_combine_rows(runtime):

@@ -14,10 +14,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
 ranks=${2:-4}
-all_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher
-           serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank)
+default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
+all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank)
 parts=("${@:3}")
-[ ${#parts[@]} -gt 0 ] || parts=("${all_parts[@]:0:9}")
+[ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
     [[ " ${all_parts[*]} " == *" $part "* ]] || { echo "unknown part: $part (${all_parts[*]})" >&2; exit 2; }
 done
@@ -100,19 +100,18 @@ serving_mps() {  # at $ranks (moe_2rank_mps runs the drop-in at 2)
     mpi_pytest "serving-${ranks}rank-mps" "$ranks" 400 "${serving_tests[*]}" -q -rs "${limits[*]}" || status=1
 }
 stress_mps() { mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1; }
+bench() {  # ranks name script args...: one benchmark under mpirun, its JSON named <commit>-<name>.json
+    local n=$1 name=$2; shift 2
+    "${mpi[@]}" -np "$n" --timeout 120 python3 "$@" \
+        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-$name.json" 2>&1 |
+        tee -a "$logs/bench.log" || status=1
+}
 bench_mps() {
-    "${mpi[@]}" -np 2 --timeout 120 python3 benchmarks/bench_ring_latency.py \
-        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ring_latency_2rank_mps.json" 2>&1 | tee "$logs/bench.log" || status=1
+    bench 2 ring_latency_2rank_mps benchmarks/bench_ring_latency.py
     for n in 2 4 8; do  # the ack's cost against the rank count (one remote swap per chunk and destination)
-        "${mpi[@]}" -np "$n" --timeout 120 python3 benchmarks/bench_ring_latency.py --ack-cost \
-            --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-ack_cost_${n}rank_mps.json" 2>&1 |
-            tee -a "$logs/bench.log" || status=1
+        bench "$n" "ack_cost_${n}rank_mps" benchmarks/bench_ring_latency.py --ack-cost
     done
-    for n in 1 "$ranks"; do
-        "${mpi[@]}" -np "$n" --timeout 120 python3 benchmarks/bench_input_checks.py \
-            --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-input_checks_${n}rank_mps.json" 2>&1 |
-            tee -a "$logs/bench.log" || status=1
-    done
+    for n in 1 "$ranks"; do bench "$n" "input_checks_${n}rank_mps" benchmarks/bench_input_checks.py; done
 }
 overlap_1rank() {  # bounded for a 4-minute device call: 2,048 tokens, the default ring (128) + 2 chunk sizes per
     # shape; the first call per shape and SM count compiles DeepGEMM's kernels, outside the timings (printed).

@@ -31,40 +31,21 @@ extern "C" __global__ void ring_publish_pingpong(const RingDesc* desc, int iters
     if (threadIdx.x == 0) *elapsed_ns = ptx::globaltimer_ns() - start;
 }
 
-extern "C" __global__ void ring_slot_roundtrip(const RingDesc* desc, int iters, unsigned long long* elapsed_ns) {
-    const RingDesc& d = *desc;
-    if (!check_descriptor(d)) return;
-    const u64 epoch = current_epoch(d);
-    if (blockIdx.x == 0) {
-        if (d.my_pe != 0) return;
-        const u64 start = ptx::globaltimer_ns();
-        // iters + 1 chunks: the last begin_chunk waits for the acks of chunk iters - 1.
-        for (u64 seq = 0; seq <= static_cast<u64>(iters); ++seq) {
-            if (!begin_chunk(d, epoch, seq)) return;
-            if (seq == static_cast<u64>(iters)) break;
-            publish(d, epoch, seq, ReadyKind::kRoute);
-            publish(d, epoch, seq, ReadyKind::kLayout);
-            end_chunk(d, seq);
-        }
-        if (threadIdx.x == 0) *elapsed_ns = ptx::globaltimer_ns() - start;
-    } else {
-        for (u64 seq = 0; seq < static_cast<u64>(iters); ++seq)
-            if (!wait_chunk(d, epoch, 0, seq) || !ack_chunk(d, epoch, 0, seq)) return;
-    }
-}
+namespace {
 
-extern "C" __global__ void ring_ack_cost(const RingDesc* desc, int iters, unsigned long long* elapsed_ns) {
-    const RingDesc& d = *desc;
-    if (!check_descriptor(d)) return;
-    const u64 epoch = current_epoch(d), n = static_cast<u64>(iters);
+// PE 0 produces into a one-slot ring; every PE's second block consumes and acknowledges. kTimeShares: also
+// time each side's share of it (globaltimer reads in the loop, so the plain round trip is measured without).
+template <bool kTimeShares>
+__device__ void slot_roundtrip(const RingDesc& d, u64 n, unsigned long long* elapsed_ns) {
+    const u64 epoch = current_epoch(d);
     if (blockIdx.x == 0) {
         if (d.my_pe != 0) return;
         u64 ack_wait = 0;
         const u64 start = ptx::globaltimer_ns();
         for (u64 seq = 0; seq <= n; ++seq) {  // the last begin_chunk waits for the acks of chunk n - 1
-            const u64 t0 = ptx::globaltimer_ns();
+            [[maybe_unused]] const u64 t0 = kTimeShares ? ptx::globaltimer_ns() : 0;
             if (!begin_chunk(d, epoch, seq)) return;
-            ack_wait += ptx::globaltimer_ns() - t0;
+            if constexpr (kTimeShares) ack_wait += ptx::globaltimer_ns() - t0;
             if (seq == n) break;
             publish(d, epoch, seq, ReadyKind::kRoute);
             publish(d, epoch, seq, ReadyKind::kLayout);
@@ -72,21 +53,33 @@ extern "C" __global__ void ring_ack_cost(const RingDesc* desc, int iters, unsign
         }
         if (threadIdx.x == 0) {
             elapsed_ns[0] = ptx::globaltimer_ns() - start;
-            elapsed_ns[1] = ack_wait;
+            if constexpr (kTimeShares) elapsed_ns[1] = ack_wait;
         }
     } else {
         u64 ack = 0, wait = 0;
         for (u64 seq = 0; seq < n; ++seq) {
-            const u64 t0 = ptx::globaltimer_ns();
+            [[maybe_unused]] const u64 t0 = kTimeShares ? ptx::globaltimer_ns() : 0;
             if (!wait_chunk(d, epoch, 0, seq)) return;
-            const u64 t1 = ptx::globaltimer_ns();
+            [[maybe_unused]] const u64 t1 = kTimeShares ? ptx::globaltimer_ns() : 0;
             if (!ack_chunk(d, epoch, 0, seq)) return;
-            ack += ptx::globaltimer_ns() - t1;
-            wait += t1 - t0;
+            if constexpr (kTimeShares) {
+                ack += ptx::globaltimer_ns() - t1;
+                wait += t1 - t0;
+            }
         }
-        if (threadIdx.x == 0) {
+        if (kTimeShares && threadIdx.x == 0) {
             elapsed_ns[2] = ack;
             elapsed_ns[3] = wait;
         }
     }
+}
+
+}  // namespace
+
+extern "C" __global__ void ring_slot_roundtrip(const RingDesc* desc, int iters, unsigned long long* elapsed_ns) {
+    if (check_descriptor(*desc)) slot_roundtrip<false>(*desc, static_cast<u64>(iters), elapsed_ns);
+}
+
+extern "C" __global__ void ring_ack_cost(const RingDesc* desc, int iters, unsigned long long* elapsed_ns) {
+    if (check_descriptor(*desc)) slot_roundtrip<true>(*desc, static_cast<u64>(iters), elapsed_ns);
 }

@@ -22,7 +22,7 @@ import torch
 
 from chunkring import ChunkedMoE, MoEConfig, MoELayer, PayloadFormat
 from chunkring.moe.op import moe_run
-from tests.gpu.test_moe_graph import Batch
+from tests.gpu.test_moe_graph import Batch, check_replay, strict_capture
 from tests.gpu.test_moe_graph import make_layer as make_graph_layer
 from tests.gpu.test_moe_layer import INTER, H
 
@@ -88,6 +88,16 @@ def backend_or_skip(backend):
     return backend
 
 
+def compiled_capture(compiled, *args, **kwargs):
+    """A compiled call captured into a CUDA graph: no host synchronisation and no recompilation inside it;
+    (graph, the captured output)."""
+    def call():
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            return compiled(*args, **kwargs)
+
+    return strict_capture(call)
+
+
 class Hidden:
     """The captured call's inputs, written in place before each replay."""
 
@@ -121,14 +131,7 @@ def test_compiled_model_captures_and_replays_bitwise_like_eager(runtime, streami
         assert torch.equal(first, by_methods(model, inputs.x, streaming, inputs.count))
         check(layers)
 
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the capture raises
-        try:
-            with torch._dynamo.config.patch(error_on_recompile=True), \
-                    torch.cuda.graph(graph, capture_error_mode="global"):
-                out = compiled(inputs.x, streaming=streaming, num_tokens=inputs.count)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        graph, out = compiled_capture(compiled, inputs.x, streaming=streaming, num_tokens=inputs.count)
 
         for step in range(1, REPLAYS + 1):
             n = inputs.fill(step)
@@ -197,21 +200,9 @@ def test_compiled_moe_run_captures_and_replays_like_run(runtime, streaming):
         batch.fill(0)
         compiled(*batch.args(), batch.count)
         check([layer])
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch._dynamo.config.patch(error_on_recompile=True), \
-                    torch.cuda.graph(graph, capture_error_mode="global"):
-                out = compiled(*batch.args(), batch.count)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        graph, out = compiled_capture(compiled, *batch.args(), batch.count)
         for step in range(1, 21):
-            n = batch.fill(step)
-            graph.replay()
-            replayed = out.clone()
-            eager = layer.run(*batch.args(), *experts, streaming=streaming, num_tokens=batch.count)
-            check([layer])
-            assert torch.equal(replayed, eager), f"replay {step} (n={n}) differs from layer.run"
+            check_replay(layer, batch, experts, graph, out, step, streaming=streaming)
     finally:
         torch._dynamo.reset()
         layer.destroy()

@@ -65,18 +65,26 @@ def make_layer(runtime):
     return layer, local_weights(layer, w13, w2), (w13, w2)
 
 
-def capture(layer, batch, experts, out, *, streaming):
-    """One eager warm-up call, then the captured call; any host synchronisation inside raises."""
-    layer.run(*batch.args(), *experts, streaming=streaming, out=out, num_tokens=batch.count)
-    torch.cuda.synchronize()
+def strict_capture(call):
+    """``call()`` captured into a CUDA graph, any host synchronisation inside it raising; (graph, its result)."""
     graph = torch.cuda.CUDAGraph()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.graph(graph, capture_error_mode="global"):
-            layer.run(*batch.args(), *experts, streaming=streaming, out=out, num_tokens=batch.count)
+            result = call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return graph
+    return graph, result
+
+
+def capture(layer, batch, experts, out, *, streaming):
+    """One eager warm-up call, then the captured call; any host synchronisation inside raises."""
+    def call():
+        return layer.run(*batch.args(), *experts, streaming=streaming, out=out, num_tokens=batch.count)
+
+    call()
+    torch.cuda.synchronize()
+    return strict_capture(call)[0]
 
 
 def check_replay(layer, batch, experts, graph, out, step, *, streaming, reference=None):

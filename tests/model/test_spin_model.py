@@ -83,17 +83,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model.spin_driver import MISSING as _MISSING
-from tests.model.spin_driver import REQUIRED, check_config, check_model, needs_tools
-from tests.model.spin_driver import WHY as _WHY
+from tests.model.spin_driver import MISSING, REQUIRED, WHY, check_config, check_model, needs_tools
 
 
 def test_model_checker_tools_present():
     """spin and gcc are on PATH: a failure under CHUNKRING_REQUIRE_SPIN=1, else a skip."""
-    if _MISSING:
+    if MISSING:
         if REQUIRED:
-            pytest.fail(f"{_WHY}; CHUNKRING_REQUIRE_SPIN=1 asks for this suite to run", pytrace=False)
-        pytest.skip(_WHY)
+            pytest.fail(f"{WHY}; CHUNKRING_REQUIRE_SPIN=1 asks for this suite to run", pytrace=False)
+        pytest.skip(WHY)
 
 
 LIVENESS_PINNED = {
@@ -200,7 +198,7 @@ def test_shipped_layer_configs_pinned():
 
 
 @needs_tools
-@pytest.mark.parametrize("cfg", [c for c in check_model.CONFIGS if c.model == "ring.pml"],
+@pytest.mark.parametrize("cfg", [c for c in check_model.CONFIGS if c.model == check_model.RING_MODEL],
                          ids=lambda c: c.name)
 def test_spin_config(cfg):
     """ring.pml's configurations (blocks.pml's: tests/model/test_spin_blocks.py)."""

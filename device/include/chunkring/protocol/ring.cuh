@@ -61,6 +61,19 @@ __device__ __forceinline__ void wait_acquire_fence() {
     else ptx::fence_acq_rel_sys();
 }
 
+// A spin_until poll's verdict on a word that should reach generation `want` (a ready word, or an ack word
+// at its owner): 1 there, 0 not yet, -1 after recording why it never will (another epoch's value, or a
+// later lap's: a slot overwritten unread). Thread 0 only.
+__device__ __forceinline__ int poll_verdict(const RingDesc& d, GenState state, Site site, u64 peer, u64 slot, u64 want,
+                                            u64 observed) {
+    switch (state) {
+        case GenState::kReady: return 1;
+        case GenState::kNotYet: return 0;
+        case GenState::kStaleEpoch: record_error(d, ErrorCode::kStaleEpoch, site, peer, slot, want, observed); return -1;
+        default: record_error(d, ErrorCode::kGenerationAhead, site, peer, slot, want, observed); return -1;
+    }
+}
+
 // ---------------------------------------------------------------- producer (owner of the slot)
 
 // Thread 0 only: wait until every destination acknowledged chunk `seq` (each destination's ack word
@@ -77,12 +90,7 @@ __device__ __forceinline__ bool wait_acked(const RingDesc& d, u64 epoch, u64 seq
         // NOTES: relaxed polling; the acquire fence below orders what follows.
         const bool ok = spin_until(d, Site::kWaitReusable, dest, slot, gen, [&](u64& observed) {
             observed = ptx::ld_relaxed_sys(word);
-            switch (classify_acked(observed, gen, bits)) {
-                case GenState::kReady: return 1;
-                case GenState::kNotYet: return 0;
-                case GenState::kStaleEpoch: record_error(d, ErrorCode::kStaleEpoch, Site::kWaitReusable, dest, slot, gen, observed); return -1;
-                default: record_error(d, ErrorCode::kGenerationAhead, Site::kWaitReusable, dest, slot, gen, observed); return -1;
-            }
+            return poll_verdict(d, classify_acked(observed, gen, bits), Site::kWaitReusable, dest, slot, gen, observed);
         }, deadline);
         if (!ok) return false;
     }
@@ -169,12 +177,7 @@ __device__ __forceinline__ bool wait_chunk(const RingDesc& d, u64 epoch, u64 src
             // NOTES: relaxed polling; the acquire fence below orders the payload reads.
             ok = spin_until(d, site, src, slot, want, [&](u64& observed) {
                 observed = ptx::ld_relaxed_sys(word);
-                switch (classify_gen(observed, want, bits)) {
-                    case GenState::kReady: return 1;
-                    case GenState::kNotYet: return 0;
-                    case GenState::kStaleEpoch: record_error(d, ErrorCode::kStaleEpoch, site, src, slot, want, observed); return -1;
-                    default: record_error(d, ErrorCode::kGenerationAhead, site, src, slot, want, observed); return -1;
-                }
+                return poll_verdict(d, classify_gen(observed, want, bits), site, src, slot, want, observed);
             });
         }
         if (ok) wait_acquire_fence();

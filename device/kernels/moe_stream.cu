@@ -128,7 +128,7 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
         if (first_thread) timeline::record(trace, trace_capacity, timeline::kPulled, src, chunk_of[src]);
         return true;
     };
-    consume_invocation(d, current_epoch(d), arrivals, held_acks(held), visit,
+    consume_invocation(d, current_epoch(d), whole_grid(arrivals), held_acks(held), visit,
                        TraceAcked{trace, trace_capacity, chunk_of, first_thread});
 }
 
@@ -231,7 +231,7 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
 
     // A block whose walk failed (recorded) never arrives on `ended`: the waves' last claim then waits,
     // and stops at this rank's error (spin_until), so no partial block is sealed with rows missing.
-    if (!consume_invocation(d, current_epoch(d), arrivals, held_acks(held), visit,
+    if (!consume_invocation(d, current_epoch(d), whole_grid(arrivals), held_acks(held), visit,
                             TraceAcked{trace, trace_capacity, chunk_of, first_thread}))
         return;
     __syncthreads();  // every LAND of this block before thread 0's release

@@ -141,14 +141,14 @@ __device__ bool check_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, u64 
 }
 
 // One invocation through the protocol's consumer loop, every chunk checked word by word by this block.
-// `arrivals` (null for a one-block consumer): finish_chunk's counts, shared by the consumer blocks; the
-// first consumer block counts the tokens received.
-__device__ bool consume_and_check(const RingDesc& d, u64 epoch, u64 seed, u32 max_delay_ns, unsigned* arrivals,
+// `consumers`: the consumer blocks (null counts for a one-block consumer; finish_chunk); the first
+// consumer block counts the tokens received.
+__device__ bool consume_and_check(const RingDesc& d, u64 epoch, u64 seed, u32 max_delay_ns, ConsumerBlocks consumers,
                                   unsigned long long* received) {
     __shared__ u64 seen[kMaxWorldSize];  // tokens seen per source this invocation: the next token base
     for (u64 s = threadIdx.x; s < d.world_size; s += blockDim.x) seen[s] = 0;
     __syncthreads();
-    return consume_invocation(d, epoch, arrivals, nullptr, [&](u64 src, u64 seq, u64) {
+    return consume_invocation(d, epoch, consumers, nullptr, [&](u64 src, u64 seq, u64) {
         random_delay(seed ^ 0x55 ^ (static_cast<u64>(blockIdx.x) << 48), src, seq, max_delay_ns);
         __syncthreads();
         u64 n = 0;
@@ -176,13 +176,14 @@ extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, in
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     const u64 epoch = current_epoch(d);
-    const unsigned consumers_end = 1 + static_cast<unsigned>(consumer_blocks);
+    const ConsumerBlocks consumers{arrivals, static_cast<unsigned>(consumer_blocks)};
+    const unsigned consumers_end = 1 + consumers.blocks;
     if (blockIdx.x == 0) {
         for (int i = 0; i < invocations; ++i)
             if (!produce_invocation(d, epoch, static_cast<u64>(plan[i * d.world_size + d.my_pe]), seed + i, max_delay_ns)) break;
     } else if (blockIdx.x < consumers_end) {
         for (int i = 0; i < invocations; ++i)
-            if (!consume_and_check(d, epoch, seed + i, max_delay_ns, arrivals, received)) break;
+            if (!consume_and_check(d, epoch, seed + i, max_delay_ns, consumers, received)) break;
         __syncthreads();
         // NOTES: relaxed - the count only stops the stress blocks, which poll it.
         if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(stress), 1ull);

@@ -34,9 +34,12 @@ def check_routing(logits, idx, weights, ref_idx):
     tied = (chosen[:, :-1] == chosen[:, 1:]) & (idx[:, :-1] > idx[:, 1:])
     assert not bool(tied.any()), "equal logits not in expert order"
     torch.testing.assert_close(weights, torch.softmax(chosen, dim=-1), rtol=WEIGHT_RTOL, atol=0)
-    # route() ranks softmax probabilities, which tie where they underflow to 0: compare where they do not.
+    # route() ranks softmax probabilities, which tie where distinct logits round to one probability (0 or a
+    # subnormal): compare rows whose chosen probabilities are strictly decreasing and above every other.
     p = torch.softmax(logits, dim=-1)
-    unique = p.gather(1, idx.long())[:, -1] > p.scatter(1, idx.long(), -1.0).max(dim=1).values
+    p_chosen = p.gather(1, idx.long())
+    unique = ((p_chosen[:, -1] > p.scatter(1, idx.long(), -1.0).max(dim=1).values)
+              & (p_chosen[:, :-1] > p_chosen[:, 1:]).all(dim=1))
     assert torch.equal(idx[unique], ref_idx[unique]), "a unique top-k differs from route()'s"
 
 

@@ -223,22 +223,32 @@ __device__ __forceinline__ bool ack_chunk(const RingDesc& d, u64 epoch, u64 src,
 
 // ---------------------------------------------------------------- one invocation, consumer side
 
-// Every block of the grid consuming a chunk together: the last block to finish it acknowledges it.
-// `arrivals` counts finished blocks per (source, slot); it is zero between chunks (the last block
-// zeroes it), and zeroed by the host before a kernel that may follow a failed one. With `arrivals`
-// null, the calling block is the rank's only consumer block and acknowledges directly.
+// The blocks that consume every chunk together: `counts` [world_size * num_slots] counts the finished
+// blocks per (source, slot); it is zero between chunks (the last block zeroes it), and zeroed by the host
+// before a kernel that may follow a failed one. `blocks` is how many arrive per chunk: the whole grid for
+// a consumer kernel, fewer where other blocks of the grid do other work. Null `counts`: one block
+// consumes alone and acknowledges directly.
+struct ConsumerBlocks {
+    unsigned* counts;
+    unsigned blocks;
+};
+
+// Every block of the grid consumes: a consumer kernel's usual shape.
+__device__ __forceinline__ ConsumerBlocks whole_grid(unsigned* counts) { return {counts, gridDim.x}; }
+
+// Every consumer block consuming a chunk together: the last block to finish it acknowledges it.
 // Orders: each block's reads of the chunk -> __syncthreads -> GPU-scope release fence -> arrival; the
 // last arrival -> GPU-scope acquire fence -> ack_chunk (whose system-scope release fence then covers
 // every block's reads).
-__device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, unsigned* arrivals) {
-    if (arrivals == nullptr) return ack_chunk(d, epoch, src, seq);
+__device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, ConsumerBlocks consumers) {
+    if (consumers.counts == nullptr) return ack_chunk(d, epoch, src, seq);
     __shared__ bool last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned* count = arrivals + src * d.num_slots + slot_of(seq, d.num_slots);
+        unsigned* count = consumers.counts + src * d.num_slots + slot_of(seq, d.num_slots);
         // release: this block's reads before its arrival. GPU scope: the blocks of this grid share one GPU.
         if constexpr (kMutant != Mutant::kNoArrivalFences) ptx::fence_acq_rel_gpu();
-        last = atomicAdd(count, 1u) == gridDim.x - 1;
+        last = atomicAdd(count, 1u) == consumers.blocks - 1;
         if (last) {
             // acquire, at GPU scope like the releases it pairs with: every other block's reads before the ack
             // (the RMW chain on `count` makes every earlier arrival's release visible); ack_chunk's
@@ -255,12 +265,13 @@ __device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 s
 // chunk waited for, handed to `visit(src, seq, slot)` (block-level; returns false after recording an
 // error), then acknowledged; a source drops out after its end-of-stream chunk. No global token count is
 // needed, and an empty source (one empty end-of-stream chunk) stalls nobody.
-// With `arrivals` [world_size * num_slots] (see finish_chunk), every block of the grid runs this and
-// visits every chunk, each doing its share of the work; with null, one block consumes alone. Each
-// block starts from the consumer's cursors, read before its first arrival - hence before any block of
-// this kernel can ack and advance them.
-// With `deferred` [world_size] (nullable), the acknowledgement of each source's end-of-stream chunk is
-// deferred: the chunk is visited, its sequence number goes to deferred[src], and the caller
+// With `consumers.counts` (see finish_chunk), every consumer block runs this and visits every chunk, each
+// doing its share of the work; with null, one block consumes alone. Each block starts from the
+// consumer's cursors, read before its first arrival - hence before any block of this kernel can ack and
+// advance them.
+// With `deferred` [world_size] (nullable; a whole-grid consumer only), the acknowledgement of each
+// source's end-of-stream chunk is deferred: the chunk is visited, its sequence number goes to
+// deferred[src] (written by block 0), and the caller
 // acknowledges it later with ack_chunk. Deferring an ack is always safe (C3 asks only that the reads
 // come before it), and it lets the ack carry more: a consumer that writes results back to a source
 // acknowledges that source's last chunk after the writes, so the source's drain() also tells it that
@@ -272,7 +283,7 @@ struct NoHook {
 };
 
 template <typename Visit, typename Acked = NoHook>
-__device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arrivals, u64* deferred, Visit visit,
+__device__ bool consume_invocation(const RingDesc& d, u64 epoch, ConsumerBlocks consumers, u64* deferred, Visit visit,
                                    Acked acked = {}) {
     __shared__ u64 active, next_seq[kMaxWorldSize];
     __shared__ bool step_eos, step_ok;
@@ -298,7 +309,7 @@ __device__ bool consume_invocation(const RingDesc& d, u64 epoch, unsigned* arriv
             if (deferred != nullptr && step_eos) {
                 if (threadIdx.x == 0 && blockIdx.x == 0) deferred[src] = seq;
             } else {
-                if (!finish_chunk(d, epoch, src, seq, arrivals)) return false;
+                if (!finish_chunk(d, epoch, src, seq, consumers)) return false;
                 acked(src, seq);
             }
             if (threadIdx.x == 0) {

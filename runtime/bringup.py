@@ -12,6 +12,7 @@ code never talks to MPI directly.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -240,6 +241,9 @@ class Runtime:
         shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         if any(n < 0 for n in shape):
             raise ChunkringUsageError(f"negative dimension in {shape}", field="shape")
+        if math.prod(shape) == 0:  # NVSHMEM allocates no zero-byte block
+            raise ChunkringUsageError(f"a symmetric tensor needs at least one element, got shape {shape}",
+                                      field="shape")
         try:
             tensor = nvshmem.tensor(shape, dtype=dtype)
         except (nvshmem.NvshmemError, nvshmem.NvshmemInvalid) as exc:

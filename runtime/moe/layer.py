@@ -82,11 +82,13 @@ class _Stage:
             return alloc(shape, dtype) if alloc is not None else torch.zeros(shape, dtype=dtype, device=device)
 
         self.x = zeros((W, N, H), torch.float8_e4m3fn if fp8 else torch.bfloat16)
-        self.sf = zeros((W, N, H // FP8_SCALE_BLOCK if fp8 else 0), torch.float32)
+        # bf16 rows carry no scales: an empty tensor, which no get reaches (and the symmetric heap holds none).
+        self.sf = (zeros((W, N, H // FP8_SCALE_BLOCK), torch.float32) if fp8
+                   else torch.zeros((W, N, 0), dtype=torch.float32, device=device))
         # -1 (planned nowhere) is refilled before every pull: a row no chunk brought is never computed.
         self.idx = zeros((W, N, K), torch.int32).fill_(-1)
         self.w = zeros((W, N, K), torch.float32)
-        self.symmetric = (self.x, self.sf, self.idx, self.w) if alloc is not None else ()
+        self.symmetric = tuple(t for t in (self.x, self.sf, self.idx, self.w) if t.numel()) if alloc is not None else ()
         # Per source: the seq of its last chunk, whose acknowledgement waits for the combine (-1: none).
         self.held = torch.full((W,), -1, dtype=torch.int64, device=device)
 

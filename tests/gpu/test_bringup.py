@@ -46,3 +46,9 @@ def test_free_twice_is_refused(runtime):
     runtime.free(t)
     with pytest.raises(ChunkringUsageError):
         runtime.free(t)
+
+
+@pytest.mark.parametrize("shape", [0, (4, 0), (0, 3, 2)])
+def test_an_empty_symmetric_tensor_is_refused_before_nvshmem(runtime, shape):
+    with pytest.raises(ChunkringUsageError, match="at least one element"):
+        runtime.alloc(shape, torch.float32)

@@ -84,6 +84,7 @@ __device__ __forceinline__ void fetch_block(const RingDesc& d, void* dst, const 
 // only after fetch_done(d, src) by the whole block.
 __device__ __forceinline__ void fetch_warp(const RingDesc& d, void* dst, const void* part, u64 bytes, u64 src,
                                            unsigned lane) {
+    if (bytes == 0) return;  // a bf16 row's scales: no get, so `dst` (an empty stage) need not be registered
     if (peer_is_rma(d, src)) {
         comm::get_warp_nbi(dst, part, bytes, static_cast<int>(src));
         return;

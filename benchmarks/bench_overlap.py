@@ -183,7 +183,7 @@ class _ProducersAlone:
     def __call__(self, hidden, router_weight) -> None:
         import torch
 
-        from chunkring.moe.producer import enqueue_produce
+        from chunkring.moe.producer import enqueue_produce, router_logits
         from chunkring.ring.io import gather
 
         layer, n = self.layer, hidden.shape[0]
@@ -196,10 +196,9 @@ class _ProducersAlone:
         # "Progress" 2), and an eager call never queues a publish that waits behind an absent consumer.
         gather(self.ring, self.out, grid=layer.stats()["pull_grid"], stream=consumer)
         with torch.cuda.stream(producer):
-            router = router_weight.float().T  # as MoELayer.forward: once per call
             for start in range(0, max(n, 1), T):
                 chunk = hidden[start:start + T]
-                logits = chunk.float() @ router
+                logits = router_logits(chunk, router_weight)
                 enqueue_produce(self.ring, layer._produce_kernels, logits, chunk, start, start + T >= n, None, None,
                                 self.arrivals, producer)
         caller.wait_stream(producer)

@@ -46,7 +46,7 @@ from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.op import moe_forward, register_layer
-from chunkring.moe.producer import enqueue_produce
+from chunkring.moe.producer import enqueue_produce, router_logits
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import ExpertWeights, Fp8Weight, init_weights, payload_weights
 from chunkring.partition import DEFAULT_PARTITION, SmPartition, check_partition_arg
@@ -294,8 +294,9 @@ class MoELayer:
                 w2: torch.Tensor | Fp8Weight, *, streaming: bool | str = False, out: torch.Tensor | None = None,
                 num_tokens: torch.Tensor | None = None, timeline: Timeline | None = None) -> torch.Tensor:
         """The layer with its own producers: per chunk (streamed) or for the whole batch, router GEMM
-        (``router_weight`` bfloat16 [E, H], an fp32 GEMM in torch) -> one fused kernel: top-k softmax
-        weights, FP8 quantisation (FP8 payload), publish (:func:`chunkring.moe.producer.enqueue_produce`).
+        (``router_weight`` bfloat16 [E, H]: :func:`chunkring.moe.producer.router_logits`) -> one fused
+        kernel: top-k softmax weights, FP8 quantisation (FP8 payload), publish
+        (:func:`chunkring.moe.producer.enqueue_produce`).
         ``hidden`` bfloat16 [n, H]; weights, ``num_tokens`` and ``timeline`` as in :meth:`run`;
         returns bfloat16 [n, H]."""
         self._check_alive()
@@ -304,7 +305,6 @@ class MoELayer:
                                      hidden, router_weight, w13, w2, streaming=streaming, out=out,
                                      num_tokens=num_tokens, timeline=timeline)
 
-        router = router_weight.float().T  # once per call, on the caller's stream, which the producer waits for
         if hidden.data_ptr() % 16:
             hidden = hidden.clone()  # the fused producer loads rows in 8-byte pieces
         arrivals = self._produce_arrivals[mode]
@@ -312,7 +312,7 @@ class MoELayer:
         def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
                     stream: torch.cuda.Stream) -> None:
             chunk = hidden[start:end]
-            logits = chunk.float() @ router  # the GEMM chunkring.moe.producer.route runs
+            logits = router_logits(chunk, router_weight)  # the GEMM chunkring.moe.producer.route runs
             enqueue_produce(ring, self._produce_kernels, logits, chunk, start, eos, valid, rows, arrivals, stream)
 
         return self._invoke(mode, n, publish, w13, w2, out, num_tokens, timeline)

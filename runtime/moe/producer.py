@@ -21,20 +21,30 @@ if TYPE_CHECKING:
     from chunkring._jit.launch import KernelLibrary
     from chunkring.ring.ring import Ring
 
-__all__ = ["E4M3_MAX", "enqueue_produce", "produce_grid", "quantize_rows_fp8", "route"]
+__all__ = ["E4M3_MAX", "enqueue_produce", "produce_grid", "quantize_rows_fp8", "route", "router_logits"]
 
 #: Largest finite float8_e4m3fn value (e4m3fn has no infinity; the all-ones code is NaN).
 E4M3_MAX = 448.0
+
+
+def router_logits(hidden: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    """The router GEMM: ``hidden`` bf16 [n, H] x ``router_weight`` bf16 [E, H] -> fp32 logits [n, E].
+    A product of two bf16 values is exact in fp32, so the tensor cores' bf16 GEMM with fp32 accumulation
+    and output (CUDA) computes what an fp32 GEMM of the same values does, up to the order of the fp32 sums,
+    in one kernel and without an fp32 copy of the rows; the CPU, which lacks that kernel, runs the fp32 GEMM."""
+    if hidden.is_cuda:
+        return torch.mm(hidden, router_weight.T, out_dtype=torch.float32)
+    return hidden.float() @ router_weight.float().T
 
 
 def route(hidden: torch.Tensor, router_weight: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing of ``hidden`` bf16 [n, H] with ``router_weight`` bf16 [E, H].
 
     Returns topk_idx int32 [n, K] and topk_weights float32 [n, K]: the K largest softmax scores,
-    renormalised to sum to 1 per token. The logits are an fp32 GEMM, so a token's choice does not depend
-    on which other tokens share its chunk beyond fp32 rounding.
+    renormalised to sum to 1 per token. The logits are :func:`router_logits` (fp32 sums), so a token's
+    choice does not depend on which other tokens share its chunk beyond fp32 rounding.
     """
-    logits = hidden.float() @ router_weight.float().T
+    logits = router_logits(hidden, router_weight)
     scores, idx = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
     return idx.to(torch.int32), scores / scores.sum(dim=-1, keepdim=True)
 
@@ -58,16 +68,19 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scaled.to(torch.float8_e4m3fn).reshape(n, h), scale
 
 
-#: Elements of ``hidden`` one block of the fused producer takes (64 KB of bf16: routing a row costs about as
-#: much as quantising 128 of its columns); a chunk of more gets more blocks, at most PRODUCE_MAX_BLOCKS.
-PRODUCE_ELEMENTS_PER_BLOCK = 32768
-PRODUCE_MAX_BLOCKS = 128
+#: Elements of ``hidden`` one block of the fused producer takes: 4 K elements are 32 warp tasks of 128
+#: columns, about 4 per warp of a 256-thread block. Each task is a chain of dependent memory latencies (load,
+#: absmax shuffles, store), so a chunk's kernel time is the tasks per warp, not the bytes: more blocks, not
+#: fewer and longer ones. A block takes whole rows, so a chunk gets at most one block per row, and at most
+#: PRODUCE_MAX_BLOCKS.
+PRODUCE_ELEMENTS_PER_BLOCK = 4096
+PRODUCE_MAX_BLOCKS = 1024
 _PRODUCE_BLOCK = 256
 
 
 def produce_grid(rows: int, hidden: int) -> int:
     """Blocks of the fused producer (``moe_produce_chunk``) for a chunk of ``rows`` x ``hidden``."""
-    return max(1, min(-(-rows * hidden // PRODUCE_ELEMENTS_PER_BLOCK), PRODUCE_MAX_BLOCKS))
+    return max(1, min(-(-rows * hidden // PRODUCE_ELEMENTS_PER_BLOCK), rows, PRODUCE_MAX_BLOCKS))
 
 
 def enqueue_produce(ring: Ring, kernels: KernelLibrary, logits: torch.Tensor, hidden: torch.Tensor,

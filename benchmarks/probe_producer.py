@@ -1,0 +1,106 @@
+"""Where a streamed chunk's production time goes: the router GEMM and the fused producer kernel, timed per
+chunk on the layer's producer partition, for the GEMM's two forms and several block sizes of the kernel.
+
+    python benchmarks/probe_producer.py [--shape flash] [--tokens 2048] [--chunks 128,1024]
+        [--elements 32768,4096,2048] [--json benchmarks/results/<commit>-producer-probe.json]
+
+For each chunk size (tokens per chunk) it times, as CUDA-graph replays of a whole call's chunks (median of
+10), on the producer partition of a streaming layer built as bench_overlap.py builds it:
+
+* ``gemm_fp32_us``: per chunk, ``chunk.float() @ router.float().T`` (two kernels: the copy and an fp32 GEMM);
+* ``gemm_bf16_us``: per chunk, :func:`chunkring.moe.producer.router_logits` (one bf16 tensor-core GEMM, fp32
+  out);
+* ``produce_us[e]``: per chunk, the router GEMM (bf16) and the fused kernel with ``e`` hidden elements per
+  block (``PRODUCE_ELEMENTS_PER_BLOCK``), publishing into a scratch ring that ``ring_gather`` drains on the
+  consumer partition (bench_overlap.py's P), so ``produce_us[e] - gemm_bf16_us`` is the kernel's share.
+
+Each figure is a call's time divided by its chunks, so it includes the gaps between the chunk's kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_overlap import SHAPES, _ProducersAlone, _Shape  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="flash", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--chunks", default="128,1024")
+    parser.add_argument("--elements", default="32768,4096,2048")
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    chunks = [int(c) for c in args.chunks.split(",")]
+    elements = [int(e) for e in args.elements.split(",")]
+
+    import torch
+
+    import chunkring
+    from chunkring.moe import producer
+    from chunkring.moe.calibrate import replay_median_ms
+
+    runtime = chunkring.init()
+    shape = _Shape(args.shape, runtime)
+    hidden, _ = shape.inputs(args.tokens)
+    router = shape.router
+    records = []
+    try:
+        for chunk in chunks:
+            layer = shape.layer(args.tokens, chunk)
+            producers = _ProducersAlone(layer)
+            try:
+                pieces = -(-args.tokens // chunk)
+                stream, _ = layer.streams(producers.mode)
+                timed = dict(iterations=args.iterations, warmup=2)
+
+                def gemms(logits_of) -> None:
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        for start in range(0, args.tokens, chunk):
+                            logits_of(hidden[start:start + chunk])
+                    torch.cuda.current_stream().wait_stream(stream)
+
+                rec = {"shape": args.shape, "tokens": args.tokens, "chunk": chunk, "chunks": pieces,
+                       "producer_sms": layer.stats()["producer_sms"]}
+                rec["gemm_fp32_us"] = 1e3 * replay_median_ms(
+                    lambda: gemms(lambda c: c.float() @ router.float().T), **timed) / pieces
+                rec["gemm_bf16_us"] = 1e3 * replay_median_ms(
+                    lambda: gemms(lambda c: producer.router_logits(c, router)), **timed) / pieces
+                saved = producer.PRODUCE_ELEMENTS_PER_BLOCK
+                try:
+                    for e in elements:
+                        producer.PRODUCE_ELEMENTS_PER_BLOCK = e
+                        rec[f"produce_us_e{e}"] = 1e3 * replay_median_ms(
+                            lambda: producers(hidden, router), **timed) / pieces
+                        rec[f"grid_e{e}"] = producer.produce_grid(chunk, shape.config.hidden)
+                finally:
+                    producer.PRODUCE_ELEMENTS_PER_BLOCK = saved
+                layer.check()
+                records.append(rec)
+                print(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()),
+                      flush=True)
+            finally:
+                torch.cuda.synchronize()
+                producers.destroy()
+                layer.destroy()
+    finally:
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
+                "gpus": 1, "ranks": runtime.world_size, "suite": "producer-probe", "command": " ".join(sys.argv),
+                "records": records}, indent=1))
+        runtime.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,7 @@
 chunk cost beyond that overlap? Issue 19 item 5.
 
     python benchmarks/bench_overlap.py [--shapes flash,v3] [--tokens 2048] [--chunks 256,512,1024]
-        [--iterations 10] [--json benchmarks/results/<commit>-overlap.json] [--no-timeline]
+        [--waves 1,4] [--iterations 10] [--json benchmarks/results/<commit>-overlap.json] [--no-timeline]
     mpirun -np N python benchmarks/bench_overlap.py ...      (N ranks, e.g. sharing one GPU under MPS)
 
 Shapes are one rank's share (``experts`` local experts per rank, so ``num_experts = experts * ranks``):
@@ -29,10 +29,12 @@ after warm-up, ranks started together: :func:`chunkring.moe.calibrate.replay_med
   for chunks, and the consumer's confinement to its partition, spread over the chunks. Ideal streaming
   scores 0; negative would mean the call beat the bound (P or Q measured high).
 
-Records come for the default ring (``chunk_kind`` "default": :meth:`MoEConfig.with_default_ring`, 2 slots of
+Every measurement is repeated per ``--waves`` value (``MoEConfig.waves``: 1, the default, computes the experts
+after the last chunk; 2-8 compute incremental expert blocks in waves while chunks arrive), each record
+carrying its ``waves``. Records come for the default ring (``chunk_kind`` "default": :meth:`MoEConfig.with_default_ring`, 2 slots of
 ``max_tokens_per_rank / 16``) and for the best chunk size (``chunk_kind`` "best": the lowest streamed time
 over the default and ``--chunks``). With the timeline on, the default ring's streamed call at the largest
-token count is recorded once per shape (:class:`chunkring.Timeline`) and rank 0 writes it as a Chrome trace
+token count is recorded once per shape, with the largest ``--waves`` value (:class:`chunkring.Timeline`) and rank 0 writes it as a Chrome trace
 and, if matplotlib is installed, a PNG (scripts/plot_timeline.py) next to the JSON: produce spans per chunk
 on the producer lane, the pulls and the expert block on the consumer lane.
 """
@@ -51,7 +53,7 @@ SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
           "v3": dict(experts=32, hidden=7168, intermediate=2048, topk=8)}
 
 #: Record keys every record carries, in the order the table prints them.
-RECORD_KEYS = ("shape", "tokens", "chunk", "chunk_kind", "chunks", "batch_ms", "streamed_ms", "P_ms", "Q_ms",
+RECORD_KEYS = ("shape", "tokens", "chunk", "chunk_kind", "waves", "chunks", "batch_ms", "streamed_ms", "P_ms", "Q_ms",
                "bound_ms", "per_chunk_cost_us", "streamed_over_batch", "streamed_over_bound")
 
 
@@ -100,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shapes", default="flash,v3", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--tokens", default="2048", help="tokens per rank (comma-separated)")
     parser.add_argument("--chunks", default="256,512,1024", help="chunk sizes besides the default ring's")
+    parser.add_argument("--waves", default="1", help="MoEConfig.waves values, comma-separated (1: the batch plan; "
+                        "2-8: incremental expert blocks computed in waves while chunks arrive)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default=None, help="the result file (rank 0 writes it)")
@@ -109,13 +113,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.shapes = [s for s in args.shapes.split(",") if s]
         args.tokens = [int(t) for t in args.tokens.split(",") if t]
         args.chunks = [int(c) for c in args.chunks.split(",") if c]
+        args.waves = [int(w) for w in args.waves.split(",") if w]
     except ValueError:
-        parser.error("--tokens and --chunks take comma-separated integers")
+        parser.error("--tokens, --chunks and --waves take comma-separated integers")
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.shapes:
         parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     if not args.tokens or min(args.tokens + args.chunks, default=1) < 1:
         parser.error("token counts and chunk sizes must be positive")
+    if not args.waves or not all(1 <= w <= 8 for w in args.waves):
+        parser.error("--waves takes values in [1, 8]")
     if args.iterations < 1 or args.warmup < 0:
         parser.error("--iterations must be >= 1 and --warmup >= 0")
     return args
@@ -139,12 +146,12 @@ class _Shape:
         self.w2_bf16 = (torch.randn(E, H, inter, generator=self.gen, device=device) / inter**0.5).bfloat16()
         self.weights = None  # the layer's format, from the first layer (MoELayer.expert_weights)
 
-    def layer(self, max_tokens: int, chunk: int | None):
+    def layer(self, max_tokens: int, chunk: int | None, waves: int = 1):
         """A layer for batches of up to ``max_tokens``, its ring the default (``chunk`` None) or slots of
-        ``chunk`` tokens; the default partition for streamed calls."""
+        ``chunk`` tokens, its streamed calls in ``waves`` waves; the default partition for streamed calls."""
         from chunkring import MoELayer
 
-        cfg = dataclasses.replace(self.config, max_tokens_per_rank=max_tokens).with_default_ring()
+        cfg = dataclasses.replace(self.config, max_tokens_per_rank=max_tokens, waves=waves).with_default_ring()
         if chunk is not None:
             cfg = dataclasses.replace(cfg, front_tokens_per_slot=chunk)
         layer = MoELayer(self.runtime, cfg)
@@ -208,8 +215,9 @@ class _ProducersAlone:
         self.ring.destroy()
 
 
-def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int) -> dict[int, dict]:
-    """Every chunk size's measured figures at ``n`` tokens (batch_ms and Q_ms once, with the first layer)."""
+def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int, waves: int) -> dict[int, dict]:
+    """Every chunk size's measured figures at ``n`` tokens with ``waves`` (batch_ms and Q_ms once, with the
+    first layer)."""
     import torch
 
     from chunkring.moe.calibrate import replay_median_ms
@@ -219,7 +227,7 @@ def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int) 
     unchunked: dict = {}
     by_chunk = {}
     for chunk in chunks:
-        layer = shape.layer(max(args.tokens), chunk)
+        layer = shape.layer(max(args.tokens), chunk, waves)
         producers = None
         try:
             w13, w2 = shape.weights
@@ -235,7 +243,7 @@ def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int) 
                     lambda: layer.forward(hidden, shape.router, w13, w2), **timed)
                 unchunked["Q_ms"] = replay_median_ms(lambda: layer.run(*routed, w13, w2), **timed)
             producers = _ProducersAlone(layer)
-            measured = dict(unchunked)
+            measured = dict(unchunked, waves=waves)
             measured["P_ms"] = replay_median_ms(lambda: producers(hidden, shape.router), **timed)
             measured["streamed_ms"] = replay_median_ms(
                 lambda: layer.forward(hidden, shape.router, w13, w2, streaming=True), **timed)
@@ -243,8 +251,9 @@ def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int) 
             measured["producer_sms"], measured["consumer_sms"] = stats["producer_sms"], stats["consumer_sms"]
             layer.check()
             by_chunk[chunk] = shape_record(shape.name, n, chunk, measured)
-            _say(runtime, f"{shape.name} {n} tokens, chunk {chunk}{' (default)' if chunk == default_chunk else ''}: "
-                          + ", ".join(f"{k} {by_chunk[chunk][k]:.3f}" for k in RECORD_KEYS[5:]))
+            _say(runtime, f"{shape.name} {n} tokens, chunk {chunk}{' (default)' if chunk == default_chunk else ''}, "
+                          f"{waves} wave(s): "
+                          + ", ".join(f"{k} {by_chunk[chunk][k]:.3f}" for k in RECORD_KEYS[6:]))
         finally:
             torch.cuda.synchronize()
             runtime.barrier()
@@ -254,8 +263,9 @@ def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int) 
     return by_chunk
 
 
-def record_timeline(shape: _Shape, n: int, prefix: str) -> list[str]:
-    """One graph replay of the default ring's streamed call at ``n`` tokens with a Timeline; rank 0 writes
+def record_timeline(shape: _Shape, n: int, waves: int, prefix: str) -> list[str]:
+    """One graph replay of the default ring's streamed call at ``n`` tokens in ``waves`` waves with a
+    Timeline; rank 0 writes
     ``<prefix>.json`` (Chrome trace) and ``<prefix>.png`` if it can plot. Returns the files written."""
     import torch
 
@@ -264,7 +274,7 @@ def record_timeline(shape: _Shape, n: int, prefix: str) -> list[str]:
     from chunkring.moe.timeline import write_chrome_trace
 
     runtime = shape.runtime
-    layer = shape.layer(n, None)
+    layer = shape.layer(n, None, waves)
     try:
         hidden, _ = shape.inputs(n)
         timeline = Timeline(runtime.torch_device, capacity=16 * (n + 64) * runtime.world_size + 1024)
@@ -285,10 +295,11 @@ def record_timeline(shape: _Shape, n: int, prefix: str) -> list[str]:
         return []
     trace = f"{prefix}.json"
     write_chrome_trace(trace, dict(enumerate(gathered)), metadata={
-        "call": "streamed", "shape": shape.name, "tokens_per_rank": n, "chunk": stats["chunk_tokens"],
+        "call": "streamed", "shape": shape.name, "tokens_per_rank": n, "chunk": stats["chunk_tokens"], "waves": waves,
         "producer_sms": stats["producer_sms"], "consumer_sms": stats["consumer_sms"], "ranks": runtime.world_size})
     plotter = Path(__file__).resolve().parents[1] / "scripts" / "plot_timeline.py"
-    title = (f"{shape.name}, {n} tokens/rank, chunks of {stats['chunk_tokens']}, streamed; producers on "
+    title = (f"{shape.name}, {n} tokens/rank, chunks of {stats['chunk_tokens']}, streamed in {waves} wave(s); "
+             f"producers on "
              f"{stats['producer_sms']} SMs, consumer on {stats['consumer_sms']}")
     done = subprocess.run([sys.executable, str(plotter), trace, "-o", f"{prefix}.png", "--title", title],
                           capture_output=True, text=True)
@@ -309,7 +320,8 @@ def write_results(path: str, runtime, records: list[dict], files: list[str]) -> 
     ``<shape>_n<tokens>_<chunk_kind>_<key>``, and the names of the timeline files beside it."""
     from chunkring.benchmarks import result_file
 
-    figures = {f"{r['shape']}_n{r['tokens']}_{r['chunk_kind']}_{k}": v for r in records for k, v in r.items()
+    figures = {f"{r['shape']}_n{r['tokens']}_w{r['waves']}_{r['chunk_kind']}_{k}": v for r in records
+               for k, v in r.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     result_file.write(path, suite="overlap", world_size=runtime.world_size, figures=figures, records=records,
                       files=[Path(f).name for f in files])
@@ -328,11 +340,15 @@ def main(argv: list[str] | None = None) -> int:
             default_chunk = dataclasses.replace(shape.config, max_tokens_per_rank=max(args.tokens)
                                                 ).with_default_ring().front_tokens_per_slot
             for n in args.tokens:
-                by_chunk = measure(shape, n, chunk_sizes(default_chunk, args.chunks, n), args, default_chunk)
-                records += pick_records(by_chunk, default_chunk)
+                for waves in args.waves:
+                    by_chunk = measure(shape, n, chunk_sizes(default_chunk, args.chunks, n), args, default_chunk,
+                                       waves)
+                    records += pick_records(by_chunk, default_chunk)
             if not args.no_timeline:
                 stem = Path(args.json).with_suffix("") if args.json else Path("overlap")
-                files += record_timeline(shape, max(args.tokens), f"{stem}-timeline-{name}-{max(args.tokens)}")
+                waves = max(args.waves)  # the most overlap asked for: expert blocks under production
+                files += record_timeline(shape, max(args.tokens), waves,
+                                         f"{stem}-timeline-{name}-{max(args.tokens)}-w{waves}")
             del shape
             if args.json and runtime.rank == 0:  # after every shape: a run cut short keeps what it measured
                 write_results(args.json, runtime, records, files)

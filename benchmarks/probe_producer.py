@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({
                 "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
                 "gpus": 1, "ranks": runtime.world_size, "suite": "producer-probe", "command": " ".join(sys.argv),
+                "passed": len(records), "failed": len(chunks) - len(records), "skipped": 0,
+                "figures": {f"{k}_chunk{r['chunk']}": v for r in records for k, v in r.items()
+                            if isinstance(v, float)},
                 "records": records}, indent=1))
         runtime.close()
     return 0

@@ -8,7 +8,8 @@
 # all, in that order) - to split the suite over device calls; serving_1rank / serving_mps run only the serving-stack
 # tests (custom op, transformers drop-in, integration guide), which the full parts include; gpu_1rank_rma / gpu_mps_rma
 # run the GPU tests with every peer on the RMA data path (pytest --transport rma: NVSHMEM gets/puts, self included);
-# overlap_1rank runs benchmarks/bench_overlap.py (streamed vs batch-ready vs the overlap bound, at most 190 s).
+# overlap_1rank runs benchmarks/bench_overlap.py (streamed vs batch-ready vs the overlap bound, 1 and 4 waves,
+# at most 240 s).
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,11 +114,11 @@ bench_mps() {
     done
     for n in 1 "$ranks"; do bench "$n" "input_checks_${n}rank_mps" benchmarks/bench_input_checks.py; done
 }
-overlap_1rank() {  # bounded for a 4-minute device call: 2,048 tokens, the default ring (128) + 2 chunk sizes per
+overlap_1rank() {  # bounded for a 5-minute device call: 2,048 tokens, the default ring (128) + 2 chunk sizes per
     # shape; the first call per shape and SM count compiles DeepGEMM's kernels, outside the timings (printed).
     # The JSON is rewritten after each shape, so a run the timeout cuts keeps the shapes it finished.
     local out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-overlap.json
-    timeout 190 python3 benchmarks/bench_overlap.py --shapes flash,v3 --tokens 2048 --chunks 512,1024 \
+    timeout 240 python3 benchmarks/bench_overlap.py --shapes flash,v3 --tokens 2048 --chunks 512,1024 --waves 1,4 \
         --iterations 10 --json "$out" 2>&1 | tee "$logs/overlap.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }

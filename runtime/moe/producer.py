@@ -68,13 +68,15 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scaled.to(torch.float8_e4m3fn).reshape(n, h), scale
 
 
-#: Elements of ``hidden`` one block of the fused producer takes: 4 K elements are 32 warp tasks of 128
-#: columns, about 4 per warp of a 256-thread block. Each task is a chain of dependent memory latencies (load,
-#: absmax shuffles, store), so a chunk's kernel time is the tasks per warp, not the bytes: more blocks, not
-#: fewer and longer ones. A block takes whole rows, so a chunk gets at most one block per row, and at most
-#: PRODUCE_MAX_BLOCKS.
+#: Elements of ``hidden`` one block of the fused producer takes (about 4 warp tasks of 128 columns per warp of
+#: a 256-thread block: each task is a chain of dependent memory latencies, so a chunk's kernel time follows
+#: the tasks per warp, not the bytes), at most one block per row and PRODUCE_MAX_BLOCKS in all: every block
+#: also waits for the slot and arrives, so a grid larger than the SMs hold at once costs more than it
+#: spreads. Measured on the H200's 32-SM producer partition, flash shape (benchmarks/results/
+#: af62508-producer-probe.json): 128-token chunks 43 -> 35 us per chunk going from 16 to 128 blocks;
+#: 1,024-token chunks 96 us at 128 blocks, 155 us at 1,024.
 PRODUCE_ELEMENTS_PER_BLOCK = 4096
-PRODUCE_MAX_BLOCKS = 1024
+PRODUCE_MAX_BLOCKS = 128
 _PRODUCE_BLOCK = 256
 
 

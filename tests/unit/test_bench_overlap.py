@@ -38,9 +38,10 @@ def test_per_chunk_cost_is_the_time_beyond_the_bound_per_chunk():
 
 def test_record_carries_the_required_keys_and_derived_figures():
     record = shape_record("flash", 2048, 512, {"batch_ms": 9.0, "streamed_ms": 8.9, "P_ms": 2.0, "Q_ms": 8.0,
-                                               "producer_sms": 32})
+                                               "producer_sms": 32, "waves": 4})
     assert set(RECORD_KEYS) - {"chunk_kind"} <= set(record)
     assert record["chunks"] == 4 and record["bound_ms"] == 8.5 and record["producer_sms"] == 32
+    assert record["waves"] == 4
     assert record["per_chunk_cost_us"] == pytest.approx(100.0)
     assert record["streamed_over_batch"] == pytest.approx(8.9 / 9.0)
     assert record["streamed_over_bound"] == pytest.approx(8.9 / 8.5)
@@ -48,7 +49,8 @@ def test_record_carries_the_required_keys_and_derived_figures():
 
 
 def _by_chunk(streamed: dict[int, float]) -> dict[int, dict]:
-    return {c: shape_record("flash", 2048, c, {"batch_ms": 9.0, "streamed_ms": s, "P_ms": 1.0, "Q_ms": 8.0})
+    return {c: shape_record("flash", 2048, c, {"batch_ms": 9.0, "streamed_ms": s, "P_ms": 1.0, "Q_ms": 8.0,
+                                               "waves": 1})
             for c, s in streamed.items()}
 
 
@@ -71,10 +73,11 @@ def test_measures_the_default_chunk_and_the_extra_ones_up_to_the_batch():
 
 
 def test_arguments_are_parsed_and_checked():
-    args = parse_args(["--shapes", "flash", "--tokens", "1024,2048", "--chunks", "256"])
-    assert (args.shapes, args.tokens, args.chunks) == (["flash"], [1024, 2048], [256])
-    assert parse_args([]).shapes == ["flash", "v3"]
-    for bad in (["--shapes", "mixtral"], ["--tokens", "2k"], ["--chunks", "0"], ["--iterations", "0"]):
+    args = parse_args(["--shapes", "flash", "--tokens", "1024,2048", "--chunks", "256", "--waves", "1,4"])
+    assert (args.shapes, args.tokens, args.chunks, args.waves) == (["flash"], [1024, 2048], [256], [1, 4])
+    assert parse_args([]).shapes == ["flash", "v3"] and parse_args([]).waves == [1]
+    for bad in (["--shapes", "mixtral"], ["--tokens", "2k"], ["--chunks", "0"], ["--iterations", "0"],
+                ["--waves", "9"], ["--waves", "0"], ["--waves", "two"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

@@ -29,14 +29,15 @@ after warm-up, ranks started together: :func:`chunkring.moe.calibrate.replay_med
   for chunks, and the consumer's confinement to its partition, spread over the chunks. Ideal streaming
   scores 0; negative would mean the call beat the bound (P or Q measured high).
 
-Every measurement is repeated per ``--waves`` value (``MoEConfig.waves``: 1, the default, computes the experts
-after the last chunk; 2-8 compute incremental expert blocks in waves while chunks arrive), each record
-carrying its ``waves``. Records come for the default ring (``chunk_kind`` "default": :meth:`MoEConfig.with_default_ring`, 2 slots of
-``max_tokens_per_rank / 16``) and for the best chunk size (``chunk_kind`` "best": the lowest streamed time
-over the default and ``--chunks``). With the timeline on, the default ring's streamed call at the largest
-token count is recorded once per shape, with the largest ``--waves`` value (:class:`chunkring.Timeline`) and rank 0 writes it as a Chrome trace
-and, if matplotlib is installed, a PNG (scripts/plot_timeline.py) next to the JSON: produce spans per chunk
-on the producer lane, the pulls and the expert block on the consumer lane.
+Every measurement is repeated per ``--waves`` value (``MoEConfig.waves``: 1, the default, computes the
+experts after the last chunk; 2-8 compute incremental expert blocks in waves while chunks arrive), each
+record carrying its ``waves``. Records come for the default ring (``chunk_kind`` "default":
+:meth:`MoEConfig.with_default_ring`, 2 slots of ``max_tokens_per_rank / 16``) and for the best chunk size
+(``chunk_kind`` "best": the lowest streamed time over the default and ``--chunks``). With the timeline on,
+the default ring's streamed call at the largest token count and the largest ``--waves`` value is recorded
+once per shape (:class:`chunkring.Timeline`) and rank 0 writes it as a Chrome trace and, if matplotlib is
+installed, a PNG (scripts/plot_timeline.py) next to the JSON: produce spans per chunk on the producer lane,
+the pulls and the expert work on the consumer lane.
 """
 
 from __future__ import annotations

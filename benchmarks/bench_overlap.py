@@ -174,9 +174,10 @@ class _Shape:
 
 class _ProducersAlone:
     """The streamed call's producer work without its consumer (``P_ms``): a scratch ring of the layer's
-    streaming spec, drained by ``ring_gather`` with the layer's pull grid on the consumer partition."""
+    streaming spec (or with ``num_slots`` slots: as many as a call's chunks, no publish waits for an ack),
+    drained by ``ring_gather`` with the layer's pull grid on the consumer partition."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, num_slots: int | None = None):
         import torch
 
         from chunkring import Ring
@@ -184,7 +185,10 @@ class _ProducersAlone:
         from chunkring.ring.io import GatherOutputs
 
         self.layer, self.mode = layer, CallMode.STREAMED
-        self.ring = Ring(layer.runtime, layer.rings[self.mode].spec, timeout_s=60)
+        spec = layer.rings[self.mode].spec
+        if num_slots is not None:
+            spec = dataclasses.replace(spec, num_slots=num_slots)
+        self.ring = Ring(layer.runtime, spec, timeout_s=60)
         self.out = GatherOutputs(self.ring, layer.config.max_tokens_per_rank)
         self.arrivals = torch.zeros(1, dtype=torch.int32, device=layer.runtime.torch_device)
 

@@ -12,7 +12,10 @@ For each chunk size (tokens per chunk) it times, as CUDA-graph replays of a whol
   out);
 * ``produce_us[e]``: per chunk, the router GEMM (bf16) and the fused kernel with ``e`` hidden elements per
   block (``PRODUCE_ELEMENTS_PER_BLOCK``), publishing into a scratch ring that ``ring_gather`` drains on the
-  consumer partition (bench_overlap.py's P), so ``produce_us[e] - gemm_bf16_us`` is the kernel's share.
+  consumer partition (bench_overlap.py's P), so ``produce_us[e] - gemm_bf16_us`` is the kernel's share;
+* ``produce_us_all_slots``: the same with the layer's default block size into a ring of as many slots as the
+  call has chunks, so no chunk waits for the ack of an earlier one: the kernel's own cost, without the
+  ring's back-pressure (the default ring has 2 slots: chunk i waits for the consumer's ack of chunk i - 2).
 
 Each figure is a call's time divided by its chunks, so it includes the gaps between the chunk's kernels.
 """
@@ -84,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                         rec[f"grid_e{e}"] = producer.produce_grid(chunk, shape.config.hidden)
                 finally:
                     producer.PRODUCE_ELEMENTS_PER_BLOCK = saved
+                unbounded = _ProducersAlone(layer, num_slots=pieces)
+                try:
+                    rec["produce_us_all_slots"] = 1e3 * replay_median_ms(
+                        lambda: unbounded(hidden, router), **timed) / pieces
+                finally:
+                    torch.cuda.synchronize()
+                    unbounded.destroy()
                 layer.check()
                 records.append(rec)
                 print(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()),

@@ -8,6 +8,7 @@
 # all, in that order) - to split the suite over device calls; serving_1rank / serving_mps run only the serving-stack
 # tests (custom op, transformers drop-in, integration guide), which the full parts include; gpu_1rank_rma / gpu_mps_rma
 # run the GPU tests with every peer on the RMA data path (pytest --transport rma: NVSHMEM gets/puts, self included);
+# transport_1rank / transport_mps run the main job on the direct and on the forced-RMA data path (their cost);
 # overlap_1rank runs benchmarks/bench_overlap.py (streamed vs batch-ready vs the overlap bound, 1 and 4 waves,
 # at most 240 s).
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
@@ -16,7 +17,8 @@ cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
 ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
-all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank)
+all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank transport_1rank
+           transport_mps)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -121,7 +123,21 @@ overlap_1rank() {  # bounded for a 5-minute device call: 2,048 tokens, the defau
     timeout 240 python3 benchmarks/bench_overlap.py --shapes flash,v3 --tokens 2048 --chunks 512,1024 --waves 1,4 \
         --iterations 10 --json "$out" 2>&1 | tee "$logs/overlap.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    # Where a streamed chunk's production time goes (the router GEMM, the fused kernel, the ring's back-pressure).
+    timeout 90 python3 benchmarks/probe_producer.py \
+        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-producer-probe.json" 2>&1 | tee "$logs/probe.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
+transport_job() {  # ranks suffix: the main job on each data path, one JSON each
+    local n=$1 suffix=$2 transport
+    for transport in auto rma; do
+        chunkring-launch --np "$n" run transport=$transport \
+            --json "$results/${CHUNKRING_COMMIT}-run-${transport}-${suffix}.json" 2>&1 | tee -a "$logs/transport.log" ||
+            status=1
+    done
+}
+transport_1rank() { transport_job 1 1rank; }
+transport_mps() { transport_job "$ranks" "${ranks}rank-mps"; }
 jobs_mps() {
     for job in bringup run; do
         chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1

@@ -8,7 +8,7 @@
 //                      publishes the chunk (close_chunk). One block needs no arrival count.
 //
 // Ordering (docs/PROTOCOL.md, "Ordering, edge by edge", the fused producer): each block acquires the slot
-// itself (begin_chunk); protocol/publish.cuh last_to_arrive orders every block's slot stores before the
+// itself (begin_chunk); protocol/ring.cuh last_block_to_arrive orders every block's slot stores before the
 // last block's publish, whose system-scope release fence is cumulative over them. A block whose
 // begin_chunk fails (an error recorded) never arrives, so nothing is published over a slot still in use.
 //
@@ -153,5 +153,5 @@ extern "C" __global__ void moe_produce_chunk(const RingDesc* desc, const float* 
     const u64 epoch = current_epoch(d), seq = next_seq(d), slot = slot_of(seq, d.num_slots);
     if (!begin_chunk(d, epoch, seq)) return;  // recorded; this block never arrives, so nothing is published
     produce_rows(d, slot, logits, hidden, e.n, num_experts);
-    if (last_to_arrive(arrivals)) close_chunk(d, epoch, seq, e, token_base);
+    if (arrivals == nullptr || last_block_to_arrive(arrivals, gridDim.x)) close_chunk(d, epoch, seq, e, token_base);
 }

@@ -168,7 +168,7 @@ class MoELayer:
         # Per ring, per (source, slot): the pull's blocks done with the current chunk (ring.cuh finish_chunk).
         self._arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
                           for mode, spec in specs.items()}
-        # Per ring: the fused producer's blocks done with the current chunk (moe_produce.cu last_to_arrive).
+        # Per ring: the fused producer's blocks done with the current chunk (ring.cuh last_block_to_arrive).
         self._produce_kernels = library_for(runtime, "moe_produce")
         self._produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start

@@ -70,7 +70,7 @@ MUTANT_KERNELS = [
     *((mutant, "ring_stress") for mutant in sorted(MUTANTS) if mutant != "none"),
     ("no_input_checks", "moe_stream"), ("no_held_ack", "moe_stream"), ("no_push_release", "moe_experts"),
     ("no_ack_release", "moe_stream"), ("no_ack_acquire", "moe_stream"), ("no_arrival_fences", "moe_stream"),
-    ("no_arrival_fences", "ring_host_api"), ("seal_on_reserve", "moe_stream"),
+    ("no_arrival_fences", "ring_host_api"), ("no_arrival_fences", "moe_produce"), ("seal_on_reserve", "moe_stream"),
 ]
 _VALUE = {**MUTANTS, "no_input_checks": NO_INPUT_CHECKS, "no_held_ack": NO_HELD_ACK, "no_push_release": NO_PUSH_RELEASE,
           "seal_on_reserve": SEAL_ON_RESERVE}

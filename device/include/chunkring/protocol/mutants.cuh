@@ -23,7 +23,8 @@ enum class Mutant : unsigned {
     kNoPushRelease = 8,     // combine push: a block arrives on the push count without releasing its stores first
     kNoAckRelease = 9,      // ack: the consumer's reads of the slot are not ordered before its ack swap
     kNoAckAcquire = 10,     // reuse, drain: what the owner does next is not ordered after the acks it observed
-    kNoArrivalFences = 11,  // multi-block consume: no fence orders each block's reads before the last block's ack
+    kNoArrivalFences = 11,  // last of a grid (ring.cuh last_block_to_arrive): no fence orders each block's work
+                            // before the last block's ack (multi-block consume) or publish (fused producer)
     kGpuScopeFences = 12,   // publish, wait: the release and the acquire fence at GPU scope, not system scope
     kSealOnReserve = 13,    // incremental blocks: a full block is sealed when its last row is reserved, before
                             // its rows landed (moe/blocks.cuh; the model's bug_seal_on_reserve)

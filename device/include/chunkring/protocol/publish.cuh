@@ -52,26 +52,6 @@ __device__ inline void close_chunk(const RingDesc& d, u64 epoch, u64 seq, const 
     end_chunk(d, seq);
 }
 
-// A chunk written by every block of a grid and published by one: true, in every thread, in the last block
-// to finish its rows (`arrivals`: one counter, zero before the kernel; null for a one-block grid).
-// Orders: this block's stores -> __syncthreads -> GPU-scope release -> arrival; the last arrival ->
-// GPU-scope acquire, so the publish (close_chunk) that follows covers every block's stores.
-__device__ inline bool last_to_arrive(unsigned* arrivals) {
-    if (arrivals == nullptr) return true;
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        ptx::fence_acq_rel_gpu();  // release: this block's slot stores before its arrival
-        last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
-        if (last) {
-            ptx::fence_acq_rel_gpu();  // acquire: every other block's slot stores before the publish
-            *arrivals = 0;              // ready for the next chunk, which is stream-ordered after this kernel
-        }
-    }
-    __syncthreads();
-    return last;
-}
-
 // NOTES: relaxed - only this rank's producers write next_seq, and they are stream-ordered.
 __device__ __forceinline__ u64 next_seq(const RingDesc& d) { return ptx::ld_relaxed_sys(control_word(d, kControlNextSeq)); }
 

@@ -236,29 +236,33 @@ struct ConsumerBlocks {
 // Every block of the grid consumes: a consumer kernel's usual shape.
 __device__ __forceinline__ ConsumerBlocks whole_grid(unsigned* counts) { return {counts, gridDim.x}; }
 
-// Every consumer block consuming a chunk together: the last block to finish it acknowledges it.
-// Orders: each block's reads of the chunk -> __syncthreads -> GPU-scope release fence -> arrival; the
-// last arrival -> GPU-scope acquire fence -> ack_chunk (whose system-scope release fence then covers
-// every block's reads).
-__device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, ConsumerBlocks consumers) {
-    if (consumers.counts == nullptr) return ack_chunk(d, epoch, src, seq);
+// Block-level: true, in every thread, in the last of `blocks` blocks to arrive on `count` (zero before the
+// first arrival; the last leaves it zero). The one "last of a grid" rule, used by the multi-block consumer
+// (C3', finish_chunk) and the fused producer's publish (moe_produce.cu).
+// Orders: each block's memory operations -> __syncthreads -> GPU-scope release fence -> relaxed arrival; the
+// last arrival -> GPU-scope acquire fence (the RMW chain on `count` makes every earlier arrival's release
+// visible), so what the last block does next - an ack, a publish, whose system-scope release fence is then
+// cumulative over it - is ordered after every block's work. GPU scope: the blocks share one GPU.
+__device__ __forceinline__ bool last_block_to_arrive(unsigned* count, unsigned blocks) {
     __shared__ bool last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned* count = consumers.counts + src * d.num_slots + slot_of(seq, d.num_slots);
-        // release: this block's reads before its arrival. GPU scope: the blocks of this grid share one GPU.
-        if constexpr (kMutant != Mutant::kNoArrivalFences) ptx::fence_acq_rel_gpu();
-        last = atomicAdd(count, 1u) == consumers.blocks - 1;
+        if constexpr (kMutant != Mutant::kNoArrivalFences) ptx::fence_acq_rel_gpu();  // release
+        last = atomicAdd(count, 1u) == blocks - 1;
         if (last) {
-            // acquire, at GPU scope like the releases it pairs with: every other block's reads before the ack
-            // (the RMW chain on `count` makes every earlier arrival's release visible); ack_chunk's
-            // system-scope release is then cumulative over them.
-            if constexpr (kMutant != Mutant::kNoArrivalFences) ptx::fence_acq_rel_gpu();
-            *count = 0;  // nobody touches it again before our ack lets the slot be reused
+            if constexpr (kMutant != Mutant::kNoArrivalFences) ptx::fence_acq_rel_gpu();  // acquire
+            *count = 0;  // nobody arrives again before the last block's next step lets them
         }
     }
     __syncthreads();
-    return last ? ack_chunk(d, epoch, src, seq) : true;
+    return last;
+}
+
+// Every consumer block consuming a chunk together: the last block to finish it acknowledges it.
+__device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 src, u64 seq, ConsumerBlocks consumers) {
+    if (consumers.counts == nullptr) return ack_chunk(d, epoch, src, seq);
+    unsigned* count = consumers.counts + src * d.num_slots + slot_of(seq, d.num_slots);
+    return last_block_to_arrive(count, consumers.blocks) ? ack_chunk(d, epoch, src, seq) : true;
 }
 
 // Consume one invocation: chunk steps over the sources still active (rank order within a step), each

@@ -240,8 +240,8 @@ class ExpertCompute:
         ``moe_wave_claim`` waits (bounded, on ``desc``'s watchdog) until :attr:`wave_min_blocks` sealed blocks
         are unclaimed or, for the ``last`` wave, until every block is sealed, and claims every sealed one;
         ``moe_wave_gather`` copies their rows into a fresh plan; then the batch path's GEMMs, SwiGLU and
-        combine push on that plan. :attr:`pushed` is not zeroed here: the caller zeroes it once per call and
-        ``moe_ack_held`` waits for ``waves * push_blocks`` arrivals, every wave's."""
+        combine push on that plan (``moe_ack_held`` then waits for ``waves * push_blocks`` arrivals on
+        :attr:`pushed`, every wave's)."""
         plan, cursors = self._allocate_plan()
         words, E, J, P, bm = pool.kernel_args()
         self.kernels.launch("moe_wave_claim", desc, words, E, J, P, bm, self.wave_min_blocks, int(last), plan.counts,
@@ -251,21 +251,17 @@ class ExpertCompute:
                      pool.weight, row_bytes, sf_per_row, plan.counts, cursors, plan.rows, plan.rows_sf, self.capacity,
                      plan.src, plan.token, plan.k, plan.weight, plan.group_end, shared=True)
         out = self.experts(plan, w13, w2)
-        self.combine_push(plan, out, peer_combine, desc=desc, combine=combine, reset=False)
+        self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
 
     def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor, *,
-                     desc: torch.Tensor | None = None, combine: torch.Tensor | None = None,
-                     reset: bool = True) -> None:
+                     desc: torch.Tensor | None = None, combine: torch.Tensor | None = None) -> None:
         """Each real row of ``out``, times its weight, to its source's combine buffer at token * K + k:
         stores through ``peer_combine`` (int64 [W]: each source's combine buffer as this GPU addresses it)
         for DIRECT sources, an RMA put to ``combine`` (this rank's symmetric combine buffer) on the source
         for RMA ones - as ``desc`` (a ring descriptor, :attr:`chunkring.Ring.desc`) says; without one every
         source is DIRECT. An RMA row is weighted in place in ``out`` first. Then :attr:`pushed` holds
-        :attr:`push_blocks` more (zeroed here first when ``reset``, stream-ordered after the previous call's
-        reader of it)."""
+        :attr:`push_blocks` more (the layer zeroes it once per call, before the call's first push)."""
         cfg = self.config
-        if reset:
-            self.pushed.zero_()
         self._launch("moe_combine_push", out, plan.src, plan.token, plan.k, plan.weight, plan.counts,
                      self.experts_per_rank, GROUP_ALIGN, cfg.hidden, cfg.topk, peer_combine, desc, combine,
                      self.pushed, shared=True)

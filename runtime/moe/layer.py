@@ -430,16 +430,15 @@ class MoELayer:
     def _enqueue_waves(self, mode: CallMode, trace: tuple[torch.Tensor | None, int], w13: torch.Tensor | Fp8Weight,
                        w2: torch.Tensor | Fp8Weight, mark: Callable[[Event], None]) -> None:
         """The consumer's incremental expert blocks, from the consumer stream (current): zero the pool's
-        words and the push count; ``moe_pull_blocks`` on the pull stream; ``waves`` waves on the consumer
-        stream, concurrent with the pull (each claim waits for sealed blocks; the last for every stream's
+        words; ``moe_pull_blocks`` on the pull stream; ``waves`` waves on the consumer stream, concurrent
+        with the pull (each claim waits for sealed blocks; the last for every stream's
         end); then the consumer joins the pull stream, so ``moe_ack_held`` (after this) reads the held
         seqs the pull wrote and runs after the last wave's combine push."""
         pool, pull_stream, ring = self._blocks, self._pull_stream, self.rings[mode]
         assert pool is not None and pull_stream is not None  # only called with a pool
         consumer = torch.cuda.current_stream(self.runtime.torch_device)
         pool.reset()
-        self._compute.pushed.zero_()
-        pull_stream.wait_stream(consumer)  # after the resets above and the previous call's last wave
+        pull_stream.wait_stream(consumer)  # after the resets (here and the call's) and the previous call's last wave
         stage, shape = self._stage, pool.shape
         arrivals = self._arrivals[mode] if self._pull_grid > 1 else None
         self._kernels.launch("moe_pull_blocks", ring.desc, arrivals, stage.held, stage.idx, stage.w, pool.pos,
@@ -514,6 +513,7 @@ class MoELayer:
             stage.idx.fill_(-1)
             stage.held.fill_(-1)
             self._arrivals[mode].zero_()  # a failed earlier call may have left counts behind
+            self._compute.pushed.zero_()  # the combine pushes' arrivals, which moe_ack_held counts below
             if self._blocks is not None:
                 self._enqueue_waves(mode, trace, w13, w2, mark)
             else:
@@ -522,7 +522,7 @@ class MoELayer:
                 self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
                               combine=self.combine, sms=sms)
             mark(Event.COMBINE_DONE)
-            push_arrivals = self._compute.push_blocks * (cfg.waves if self._blocks is not None else 1)
+            push_arrivals = self._compute.push_blocks * cfg.waves  # every wave pushes (one: the batch plan)
             kernels.launch("moe_ack_held", ring.desc, stage.held, self._compute.pushed, push_arrivals,
                            *trace, grid=spec.world_size, block=32, stream=consumer)
 

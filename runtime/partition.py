@@ -35,7 +35,8 @@ NO_PARTITION = "none"
 #: 10.84 / 9.65 ms against 9.20 ms unpartitioned - the router GEMM, quantisation and the owner's reduction
 #: on few SMs cost more than the overlap buys, and 32 of 132 (about a quarter) was the best measured.
 #: REFERENCE.md section 4: an 8-SM producer beside a 124-SM consumer is the smallest split that made
-#: progress. benchmarks/bench_overlap.py (--producer-sms) re-measures it with the fused producers.
+#: progress. benchmarks/bench_overlap.py records the split each run used (producer_sms, consumer_sms); no
+#: sweep of it with the fused producers has run yet.
 PRODUCER_SM_SHARE = 0.25
 
 

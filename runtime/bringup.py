@@ -298,6 +298,11 @@ class Runtime:
         self._check_open()
         return self._host.broadcast_object(obj, root)
 
+    def host_barrier(self) -> None:
+        """Return once every rank has called it (:meth:`HostComm.barrier`). Host only: it orders no GPU
+        work and enqueues nothing, so it may run while a stream is being captured."""
+        self._host.barrier()
+
     def barrier(self) -> None:
         """Host-side barrier over all PEs on torch's current stream (NVSHMEM's), then wait for it. A
         collective; unlike :meth:`HostComm.barrier` it is ordered with the stream's GPU work."""

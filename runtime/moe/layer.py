@@ -216,6 +216,7 @@ class MoELayer:
         if confined is not None:
             self._streams[CallMode.STREAMED] = (confined.producer_stream, confined.consumer_stream)
             self._consumer_sms[CallMode.STREAMED] = confined.consumer_sms
+        self._warm_modes: set[CallMode] = set()  # modes whose first call ran (warm-up, then the ranks' barrier)
         self._handle = register_layer(self)
 
     @property
@@ -471,8 +472,15 @@ class MoELayer:
         sms = self._consumer_sms[mode]
         producer.wait_stream(caller)
         consumer.wait_stream(caller)
-        with torch.cuda.stream(consumer):
-            self._compute.warm_up(w13, w2, sms=sms)  # before anything of this call spins (ExpertCompute.warm_up)
+        if mode not in self._warm_modes:
+            with torch.cuda.stream(consumer):
+                self._compute.warm_up(w13, w2, sms=sms)  # before anything of this call spins (ExpertCompute.warm_up)
+            # No rank enqueues anything that spins before every rank has compiled and loaded its GEMM kernels:
+            # a peer's first compile takes seconds to minutes (longer than the watchdog under CPU contention),
+            # and a module load can wait for kernels already running on the GPU. Every rank makes its first
+            # call of a mode at the same call (calls are collective), so this host barrier runs once per mode.
+            self.runtime.host_barrier()
+            self._warm_modes.add(mode)
         # No record_stream on the caller's tensors: the caller's stream waits for both side streams at
         # the end of the call, so its frees (stream-ordered on it) already come after our last use. That
         # also keeps the allocator from ever recording events on a partition's streams, which may be

@@ -197,3 +197,45 @@ def test_layer_on_a_partition_with_a_delayed_producer_and_an_empty_rank(runtime,
                 plain = out
         finally:
             layer.destroy()
+
+
+def test_a_first_call_waits_for_every_ranks_gemm_warm_up(runtime, monkeypatch):
+    """A rank's first call of a mode compiles and loads its GEMM kernels (ExpertCompute.warm_up), which can
+    take longer than the watchdog; its peers must not start spinning meanwhile. The last rank's warm-up
+    sleeps twice the layer's 2 s watchdog: every rank's first call of each mode still completes, because
+    nothing spins before every rank's warm-up (one host barrier per mode, none after: counted)."""
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    if W < 2:
+        pytest.skip("a peer's warm-up outlasting the watchdog needs a peer")
+    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=2, max_tokens_per_rank=64,
+                    front_num_slots=2, front_tokens_per_slot=16)
+    w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(9))
+    gen = torch.Generator().manual_seed(70 + rank)
+    xq, sf = quantize_fp8_per128(torch.randn(48, H, generator=gen))
+    idx, w = routing(48, cfg.num_experts, 2, "uniform", gen)
+    args = [t.to(device) for t in (xq, sf, idx, w)]
+    barriers = []
+    host_barrier = runtime.host_barrier
+    monkeypatch.setattr(runtime, "host_barrier", lambda: (barriers.append(1), host_barrier())[1])
+    layer = MoELayer(runtime, cfg, timeout_s=2.0)
+    try:
+        if rank == W - 1:
+            warm_up = layer._compute.warm_up
+
+            def slow_warm_up(*a, **kw):
+                time.sleep(4.0)
+                warm_up(*a, **kw)
+
+            monkeypatch.setattr(layer._compute, "warm_up", slow_warm_up)
+        experts = local_weights(layer, w13, w2)
+        ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
+        runtime.barrier()
+        barriers.clear()
+        for streaming in (False, True, False, True):
+            out = layer.run(*args, *experts, streaming=streaming)
+            torch.cuda.synchronize()
+            layer.check()
+            assert rel_error(out, ref) <= tolerance(layer)
+        assert len(barriers) == 2, f"{len(barriers)} host barriers in 4 calls of 2 modes"
+    finally:
+        layer.destroy()

@@ -109,12 +109,14 @@ def check_partition_arg(partition: object) -> str | SmPartition:
 
 
 class SmPartition:
-    """A producer and a consumer green context on this rank's GPU, with one torch stream each.
+    """A producer and a consumer green context on this rank's GPU: one torch stream on the producer's SMs,
+    two on the consumer's.
 
     ``producer_stream`` / ``consumer_stream`` are ``torch.cuda.ExternalStream`` objects; use them with
-    ``torch.cuda.stream(...)`` or pass them to chunkring calls. Close it (or use ``with``) before the
-    runtime closes. Several ranks sharing one GPU under MPS each make their own partition of the
-    SMs MPS gives them.
+    ``torch.cuda.stream(...)`` or pass them to chunkring calls. ``consumer_side_stream`` runs work beside
+    the consumer stream on the same SMs (the MoE layer's incremental pull, concurrent with its waves).
+    Close it (or use ``with``) before the runtime closes. Several ranks sharing one GPU under MPS each make
+    their own partition of the SMs MPS gives them.
     """
 
     def __init__(self, runtime: Runtime, producer_sms: int) -> None:
@@ -132,10 +134,10 @@ class SmPartition:
                 raise ChunkringRuntimeError(f"asked for {producer_sms} producer SMs, the driver gave "
                                             f"{[g.sm_count for g in groups]}")
             streams = []
-            for resource in (groups[0], remainder):
+            for resource, count in ((groups[0], 1), (remainder, 2)):
                 context = device.create_context(ContextOptions(resources=[resource]))  # not made current
                 self._contexts.append(context)
-                streams.append(context.create_stream())
+                streams += [context.create_stream() for _ in range(count)]
             self._streams = streams
         except ChunkringRuntimeError:
             self.close()
@@ -147,7 +149,7 @@ class SmPartition:
             device.set_current()  # the primary context stays current for torch and NVSHMEM
         import torch
 
-        self.producer_stream, self.consumer_stream = (
+        self.producer_stream, self.consumer_stream, self.consumer_side_stream = (
             torch.cuda.ExternalStream(int(s.handle), device=runtime.torch_device) for s in self._streams)
         self.consumer_sms = remainder.sm_count
 

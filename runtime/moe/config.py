@@ -41,7 +41,8 @@ class MoEConfig:
     waves: 1 (default) - the batch plan: the expert work starts after every source's stream ended; 2 to
     :data:`MAX_WAVES` - incremental expert blocks (docs/PROTOCOL.md, "Incremental expert blocks"): the
     pull writes rows straight into sealed blocks per expert, and that many fixed launches of expert work
-    each compute the blocks sealed by then, the first while producers still publish.
+    each compute the blocks sealed by then, the first while producers still publish. Streamed calls only:
+    batch-ready calls always compute the batch plan.
     The FP8 payload runs FP8 expert GEMMs whose activations carry one scale per 1x128: its ``intermediate``
     must be a multiple of 128 (the bf16 payload's, of 8: 16-byte rows for the grouped GEMMs).
     """
@@ -88,7 +89,7 @@ class MoEConfig:
 
     @property
     def incremental(self) -> bool:
-        """Whether calls compute incremental expert blocks in waves (``waves > 1``) rather than one plan."""
+        """Whether streamed calls compute incremental expert blocks in waves (``waves > 1``) rather than one plan."""
         return self.waves > 1
 
     @property

@@ -235,13 +235,13 @@ class ExpertCompute:
         return self.rma_out.copy_(out)  # _grouped_mm allocates its output; the puts need registered memory
 
     def wave(self, pool: BlockPool, w13, w2, peer_combine: torch.Tensor, *, last: bool, desc: torch.Tensor,
-             combine: torch.Tensor | None = None) -> None:
+             combine: torch.Tensor | None = None, sms: int | None = None) -> None:
         """One wave of incremental expert blocks (:mod:`chunkring.moe.blocks`), on the current stream:
         ``moe_wave_claim`` waits (bounded, on ``desc``'s watchdog) until :attr:`wave_min_blocks` sealed blocks
         are unclaimed or, for the ``last`` wave, until every block is sealed, and claims every sealed one;
         ``moe_wave_gather`` copies their rows into a fresh plan; then the batch path's GEMMs, SwiGLU and
         combine push on that plan (``moe_ack_held`` then waits for ``waves * push_blocks`` arrivals on
-        :attr:`pushed`, every wave's)."""
+        :attr:`pushed`, every wave's). ``sms``: as for :meth:`__call__`."""
         plan, cursors = self._allocate_plan()
         words, E, J, P, bm = pool.kernel_args()
         self.kernels.launch("moe_wave_claim", desc, words, E, J, P, bm, self.wave_min_blocks, int(last), plan.counts,
@@ -250,7 +250,8 @@ class ExpertCompute:
         self._launch("moe_wave_gather", words, E, J, P, bm, pool.x, pool.sf, pool.src, pool.token, pool.k,
                      pool.weight, row_bytes, sf_per_row, plan.counts, cursors, plan.rows, plan.rows_sf, self.capacity,
                      plan.src, plan.token, plan.k, plan.weight, plan.group_end, shared=True)
-        out = self.experts(plan, w13, w2)
+        with self.gemm_sms(sms):
+            out = self.experts(plan, w13, w2)
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
 
     def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor, *,

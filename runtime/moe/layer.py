@@ -108,9 +108,9 @@ class MoELayer:
     :func:`chunkring.partition.default_producer_sms` - a streamed call's consumer runs beside its producers
     and is the side confined (docs/PROTOCOL.md, "Progress"); an ``SmPartition``: that one (the caller
     closes it, after :meth:`destroy`); ``"none"``: ordinary streams. With ``waves > 1`` (incremental expert
-    blocks) ``"auto"`` makes no partition yet and an ``SmPartition`` is refused: that pull needs a third
-    stream. Batch-ready calls always run on two ordinary streams over the whole GPU: their producers finish
-    before any consumer needs them.
+    blocks) a streamed call's pull runs on the partition's second consumer stream, beside the waves.
+    Batch-ready calls always run on two ordinary streams over the whole GPU, and always compute the batch
+    plan (``waves`` applies to streamed calls): their producers finish before any consumer needs them.
     ``timeout_s``: the rings' watchdog limit.
     ``variant``: the ``CHUNKRING_MUTANT`` value the layer's kernels (ring and experts) are compiled with - 0,
     the real protocol; tests build deliberately broken variants (:mod:`chunkring.testing.stress` names
@@ -138,12 +138,6 @@ class MoELayer:
             specs[CallMode.STREAMED] = config.ring_spec(world, streamed=True)
         if isinstance(variant, bool) or not isinstance(variant, int) or variant < 0:
             raise ChunkringUsageError(f"must be a non-negative int, got {variant!r}", field="variant")
-        if config.incremental and isinstance(partition, SmPartition):
-            # The incremental pull runs on a third stream beside the waves (docs/PROTOCOL.md, "Incremental
-            # expert blocks"); an SmPartition has two, and a pull on the producer's stream would spin ahead
-            # of the publishes it waits for. partition="auto" makes none for such a layer, for now.
-            raise ChunkringUsageError("waves > 1 (incremental expert blocks) runs without an SmPartition for now",
-                                      field="waves")
         if not module_loading_is_eager():
             raise ChunkringUsageError(
                 "CUDA loads modules lazily in this process, which can deadlock a producer and a consumer "
@@ -173,9 +167,10 @@ class MoELayer:
         self._produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start
         # would stall the others (docs/PROTOCOL.md, "Progress").
-        resident = self._kernels.resident_blocks_per_sm("moe_pull", _PULL_BLOCK)
+        resident = min(self._kernels.resident_blocks_per_sm(name, _PULL_BLOCK)
+                       for name in ("moe_pull", "moe_pull_blocks") if name == "moe_pull" or config.incremental)
         self._own_partition = None
-        if partition == DEFAULT_PARTITION and config.streaming and not config.incremental:
+        if partition == DEFAULT_PARTITION and config.streaming:
             partition = self._own_partition = SmPartition.sized_for(runtime, PULL_GRID, resident)
         confined = self._partition = partition if isinstance(partition, SmPartition) else None
         consumer_sms = confined.consumer_sms if confined is not None else torch.cuda.get_device_properties(
@@ -194,8 +189,8 @@ class MoELayer:
                                                   defines={"CHUNKRING_MUTANT": variant} if variant else None), device)
         if self._rma_anywhere:
             self._compute.rma_out = runtime.alloc((self._compute.capacity, config.hidden), torch.bfloat16)
-        # Incremental expert blocks (config.waves > 1): the pool the pull writes rows into, and the stream
-        # the pull runs on, beside the waves on the consumer stream.
+        # Incremental expert blocks (config.waves > 1, streamed calls): the pool the pull writes rows into, and
+        # the stream the pull runs on, beside the waves on the consumer stream - on the consumer's SMs.
         self._blocks: BlockPool | None = None
         self._pull_stream: torch.cuda.Stream | None = None
         if config.incremental:
@@ -206,7 +201,8 @@ class MoELayer:
             self._blocks = BlockPool(pool_shape(config.max_tokens_per_rank, config.topk, world,
                                                 self.experts_per_rank, GROUP_ALIGN),
                                      config.hidden, config.payload.has_scales, device)
-            self._pull_stream = torch.cuda.Stream(device)
+            self._pull_stream = (confined.consumer_side_stream if confined is not None
+                                 else torch.cuda.Stream(device))
         log.info("chunkring MoELayer: %s", self.describe_transport())
         self.streaming_calibration: StreamingCalibration | None = None  # what streaming="auto" follows
         # Per mode: (producer, consumer) streams, and the SMs the consumer's GEMMs may fill (None: all).
@@ -429,7 +425,7 @@ class MoELayer:
                              block=_PULL_BLOCK, stream=torch.cuda.current_stream(self.runtime.torch_device))
 
     def _enqueue_waves(self, mode: CallMode, trace: tuple[torch.Tensor | None, int], w13: torch.Tensor | Fp8Weight,
-                       w2: torch.Tensor | Fp8Weight, mark: Callable[[Event], None]) -> None:
+                       w2: torch.Tensor | Fp8Weight, mark: Callable[[Event], None], sms: int | None) -> None:
         """The consumer's incremental expert blocks, from the consumer stream (current): zero the pool's
         words; ``moe_pull_blocks`` on the pull stream; ``waves`` waves on the consumer stream, concurrent
         with the pull (each claim waits for sealed blocks; the last for every stream's
@@ -450,7 +446,7 @@ class MoELayer:
         mark(Event.EXPERTS_BEGIN)
         for wave in range(self.config.waves):
             self._compute.wave(pool, w13, w2, self._peer_combine, last=wave == self.config.waves - 1, desc=ring.desc,
-                               combine=self.combine)
+                               combine=self.combine, sms=sms)
         mark(Event.EXPERTS_DONE)
         consumer.wait_stream(pull_stream)
 
@@ -522,15 +518,16 @@ class MoELayer:
             stage.held.fill_(-1)
             self._arrivals[mode].zero_()  # a failed earlier call may have left counts behind
             self._compute.pushed.zero_()  # the combine pushes' arrivals, which moe_ack_held counts below
-            if self._blocks is not None:
-                self._enqueue_waves(mode, trace, w13, w2, mark)
+            waves = cfg.waves if self._blocks is not None and mode is CallMode.STREAMED else 1
+            if waves > 1:
+                self._enqueue_waves(mode, trace, w13, w2, mark, sms)
             else:
                 self._launch_pull(mode, trace)
                 mark(Event.EXPERTS_BEGIN)
                 self._compute(stage, w13, w2, self._peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
                               combine=self.combine, sms=sms)
             mark(Event.COMBINE_DONE)
-            push_arrivals = self._compute.push_blocks * cfg.waves  # every wave pushes (one: the batch plan)
+            push_arrivals = self._compute.push_blocks * waves  # every wave pushes (one: the batch plan)
             kernels.launch("moe_ack_held", ring.desc, stage.held, self._compute.pushed, push_arrivals,
                            *trace, grid=spec.world_size, block=32, stream=consumer)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import chunkring.env
-from chunkring import ChunkringRuntimeError, ChunkringUsageError, MoEConfig, MoELayer, SmPartition
+from chunkring import ChunkringRuntimeError, MoEConfig, MoELayer, SmPartition
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.test_moe_layer import case_inputs, layer_reference, local_weights, rel_error, tolerance, weights
@@ -141,16 +141,39 @@ def test_negative_control_a_block_sealed_at_its_reservation(runtime):
     assert any(caught), "the kSealOnReserve mutant escaped: no wave claimed a block before its rows landed"
 
 
-def test_waves_on_a_partition_are_refused_before_gpu_work(runtime):
-    """The incremental pull needs a third stream beside the waves; an SmPartition has two, so the layer
-    refuses the combination at construction, naming the field (docs/PROTOCOL.md, "Incremental expert
-    blocks"), and builds the same config with waves=1."""
-    cfg = dict(num_experts=2 * runtime.world_size, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=64,
-               front_num_slots=2, front_tokens_per_slot=8)
+def test_waves_on_a_given_partition_and_batch_ready_calls_on_the_batch_plan(runtime):
+    """A waves layer on a caller's SmPartition: streamed calls pull on the partition's second consumer stream
+    beside the waves, and match the reference and the batch plan bit for bit; its batch-ready calls compute
+    the batch plan and never touch the block pool (its words, set to a sentinel, stay as they were)."""
+    device, rank, world = runtime.torch_device, runtime.rank, runtime.world_size
+    case = ("fp8", 2, 2, 3, 8, "many", "uniform")
+    payload, topk, per_rank, waves, C, _, _ = case
+    cfg = dict(num_experts=per_rank * world, hidden=H, intermediate=INTER, topk=topk, max_tokens_per_rank=40 * C + 8,
+               front_num_slots=2, front_tokens_per_slot=C)
     with SmPartition(runtime, producer_sms=16) as part:
-        with pytest.raises(ChunkringUsageError) as info:
-            MoELayer(runtime, MoEConfig(**cfg, waves=2), partition=part)
-        assert info.value.field == "waves"
-        layer = MoELayer(runtime, MoEConfig(**cfg), partition=part)
-        assert layer.stats()["waves"] == 1 and layer.stats()["block_pool_bytes"] == 0
-        layer.destroy()
+        batch = MoELayer(runtime, MoEConfig(**cfg), partition=part, timeout_s=60)
+        incremental = MoELayer(runtime, MoEConfig(**cfg, waves=waves), partition=part, timeout_s=60)
+        try:
+            assert incremental._pull_stream is part.consumer_side_stream
+            w13, w2 = weights(cfg["num_experts"], torch.Generator().manual_seed(77))
+            w13_local, w2_local = local_weights(batch, w13, w2)
+            n, x_in, idx, w, args = _inputs(case, 0, rank, world, cfg["num_experts"], device)
+            ref = layer_reference(incremental, x_in, idx, w, w13, w2)
+            outs = {}
+            for name, layer in (("batch", batch), ("waves", incremental)):
+                outs[name] = layer.run(*args, w13_local, w2_local, streaming=True)
+                torch.cuda.synchronize()
+                layer.check()
+                assert rel_error(outs[name], ref) <= tolerance(layer), name
+            assert torch.equal(outs["waves"], outs["batch"])
+            words = incremental._blocks.words
+            words.fill_(0x5A5A5A5A)
+            out = incremental.run(*args, w13_local, w2_local, streaming=False)
+            torch.cuda.synchronize()
+            incremental.check()
+            assert rel_error(out, ref) <= tolerance(incremental)
+            assert bool((words == 0x5A5A5A5A).all()), "a batch-ready call used the block pool"
+            runtime.barrier()
+        finally:
+            incremental.destroy()
+            batch.destroy()

@@ -243,16 +243,31 @@ def test_bad_input_is_refused_before_gpu_work(runtime):
         layer.destroy()
 
 
+#: About 25 ms at the H200's clock: far longer than any rank's own consumer in _rank_outputs_wrong.
+EXPERTS_DELAY_CYCLES = 50_000_000
+
+
 def _rank_outputs_wrong(runtime, variant: int) -> list:
     """Streamed calls of a layer whose ring kernels are compiled as ``variant`` (0: the real ones): per
     iteration, whether any rank's output missed the reference. Every choice names one of the last rank's
     experts: the other ranks' consumers have nothing to compute, so their drains (which start after their
-    own consumers) wait on the last rank's heavy experts through its held acknowledgement alone."""
+    own consumers) wait on the last rank's experts through its held acknowledgement alone. The last rank's
+    experts start EXPERTS_DELAY_CYCLES after its pull (a GPU sleep on its consumer stream): with the held
+    ack that only delays the call, without it every owner reduces before the rows land - whatever the
+    other ranks' own consumers cost (on the RMA path each block's nvshmem_quiet, for one)."""
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     hidden, inter, per_rank, n = 1024, 1024, 8, 256
     cfg = MoEConfig(num_experts=per_rank * W, hidden=hidden, intermediate=inter, topk=4, max_tokens_per_rank=n,
                     front_num_slots=2, front_tokens_per_slot=64)
     layer = MoELayer(runtime, cfg, timeout_s=60, variant=variant)
+    if rank == W - 1:
+        experts = layer._compute.experts
+
+        def delayed_experts(*args):
+            torch.cuda._sleep(EXPERTS_DELAY_CYCLES)
+            return experts(*args)
+
+        layer._compute.experts = delayed_experts
     wrong = []
     try:
         gen = torch.Generator().manual_seed(5)

@@ -128,12 +128,15 @@ overlap_1rank() {  # bounded for a 5-minute device call: 2,048 tokens, the defau
         --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-producer-probe.json" 2>&1 | tee "$logs/probe.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
-transport_job() {  # ranks suffix: the main job on each data path, one JSON each
-    local n=$1 suffix=$2 transport
-    for transport in auto rma; do
-        chunkring-launch --np "$n" run transport=$transport \
-            --json "$results/${CHUNKRING_COMMIT}-run-${transport}-${suffix}.json" 2>&1 | tee -a "$logs/transport.log" ||
-            status=1
+transport_job() {  # ranks suffix: the main job on each data path, twice each, interleaved (a fixed order
+    # of one run each cannot tell a path's cost from the order's), one JSON per run
+    local n=$1 suffix=$2 round transport
+    for round in 1 2; do
+        for transport in auto rma; do
+            chunkring-launch --np "$n" run transport=$transport \
+                --json "$results/${CHUNKRING_COMMIT}-run-${transport}-${suffix}-${round}.json" 2>&1 |
+                tee -a "$logs/transport.log" || status=1
+        done
     done
 }
 transport_1rank() { transport_job 1 1rank; }

@@ -146,8 +146,8 @@ def test_waves_on_a_given_partition_and_batch_ready_calls_on_the_batch_plan(runt
     beside the waves, and match the reference and the batch plan bit for bit; its batch-ready calls compute
     the batch plan and never touch the block pool (its words, set to a sentinel, stay as they were)."""
     device, rank, world = runtime.torch_device, runtime.rank, runtime.world_size
-    case = ("fp8", 2, 2, 3, 8, "many", "uniform")
-    payload, topk, per_rank, waves, C, _, _ = case
+    case = CASES[0]  # fp8, top-2, 2 experts per rank, 2 waves, 8-token chunks, 41 chunks per rank
+    _, topk, per_rank, waves, C, _, _ = case
     cfg = dict(num_experts=per_rank * world, hidden=H, intermediate=INTER, topk=topk, max_tokens_per_rank=40 * C + 8,
                front_num_slots=2, front_tokens_per_slot=C)
     with SmPartition(runtime, producer_sms=16) as part:

@@ -175,16 +175,17 @@ class _Shape:
 class _ProducersAlone:
     """The streamed call's producer work without its consumer (``P_ms``): a scratch ring of the layer's
     streaming spec (or with ``num_slots`` slots: as many as a call's chunks, no publish waits for an ack),
-    drained by ``ring_gather`` with the layer's pull grid on the consumer partition."""
+    drained by ``ring_gather`` with the layer's pull grid on the consumer partition; with ``drain=False`` not
+    drained (a profiler's single call into a ring of a slot per chunk: no publish waits, nothing spins)."""
 
-    def __init__(self, layer, num_slots: int | None = None):
+    def __init__(self, layer, num_slots: int | None = None, drain: bool = True):
         import torch
 
         from chunkring import Ring
         from chunkring.moe.calls import CallMode
         from chunkring.ring.io import GatherOutputs
 
-        self.layer, self.mode = layer, CallMode.STREAMED
+        self.layer, self.mode, self.drain = layer, CallMode.STREAMED, drain
         spec = layer.rings[self.mode].spec
         if num_slots is not None:
             spec = dataclasses.replace(spec, num_slots=num_slots)
@@ -206,7 +207,8 @@ class _ProducersAlone:
         consumer.wait_stream(caller)
         # The drain first: a small grid spinning for chunks leaves the producers their SMs (PROTOCOL.md,
         # "Progress" 2), and an eager call never queues a publish that waits behind an absent consumer.
-        gather(self.ring, self.out, grid=layer.stats()["pull_grid"], stream=consumer)
+        if self.drain:
+            gather(self.ring, self.out, grid=layer.stats()["pull_grid"], stream=consumer)
         with torch.cuda.stream(producer):
             for start in range(0, max(n, 1), T):
                 chunk = hidden[start:start + T]

@@ -18,6 +18,10 @@ For each chunk size (tokens per chunk) it times, as CUDA-graph replays of a whol
   ring's back-pressure (the default ring has 2 slots: chunk i waits for the consumer's ack of chunk i - 2).
 
 Each figure is a call's time divided by its chunks, so it includes the gaps between the chunk's kernels.
+
+``--profile-once``: no timing; per chunk size one eager call of the producers into an undrained ring of a slot
+per chunk (no publish waits and no consumer spins), for a profiler around this script to read the kernels of
+(gpu_suite part ``producer_ncu``: Nsight Compute on ``moe_produce_chunk``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--elements", default="32768,4096,2048")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile-once", action="store_true", help="one untimed call per chunk size, for a profiler")
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.chunks.split(",")]
     elements = [int(e) for e in args.elements.split(",")]
@@ -55,6 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     shape = _Shape(args.shape, runtime)
     hidden, _ = shape.inputs(args.tokens)
     router = shape.router
+    if args.profile_once:
+        for chunk in chunks:
+            layer = shape.layer(args.tokens, chunk)
+            once = _ProducersAlone(layer, num_slots=-(-args.tokens // chunk), drain=False)
+            once(hidden, router)
+            torch.cuda.synchronize()
+            layer.check()
+            once.destroy()
+            layer.destroy()
+            print(f"profiled: {args.tokens} tokens in chunks of {chunk}", flush=True)
+        runtime.close()
+        return 0
     records = []
     try:
         for chunk in chunks:

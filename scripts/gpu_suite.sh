@@ -10,7 +10,8 @@
 # run the GPU tests with every peer on the RMA data path (pytest --transport rma: NVSHMEM gets/puts, self included);
 # transport_1rank / transport_mps run the main job on the direct and on the forced-RMA data path (their cost);
 # overlap_1rank runs benchmarks/bench_overlap.py (streamed vs batch-ready vs the overlap bound, 1 and 4 waves,
-# at most 240 s).
+# at most 240 s); producer_ncu runs Nsight Compute on the fused producer kernel (benchmarks/probe_producer.py
+# --profile-once).
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ bundle=${1:-.whl}
 ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank transport_1rank
-           transport_mps)
+           transport_mps producer_ncu)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -127,6 +128,18 @@ overlap_1rank() {  # bounded for a 5-minute device call: 2,048 tokens, the defau
     timeout 90 python3 benchmarks/probe_producer.py \
         --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-producer-probe.json" 2>&1 | tee "$logs/probe.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+producer_ncu() {  # Nsight Compute on the fused producer kernel (no timing: where its ~28 us per 128-token chunk go)
+    local ncu chunk
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "producer_ncu: no ncu on this host"; status=1; return; }
+    for chunk in 128 1024; do
+        timeout 150 "$ncu" --clock-control none -k regex:moe_produce_chunk -c 2 --section SpeedOfLight \
+            --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+            --section MemoryWorkloadAnalysis python3 benchmarks/probe_producer.py --chunks "$chunk" --profile-once \
+            2>&1 | tee -a "$logs/producer_ncu.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
 }
 transport_job() {  # ranks suffix: the main job on each data path, twice each, interleaved (a fixed order
     # of one run each cannot tell a path's cost from the order's), one JSON per run

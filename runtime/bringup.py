@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -94,6 +95,7 @@ class HostComm:
             raise ChunkringUsageError(f"expected a RankInfo, got {type(ranks).__name__}", field="ranks")
         self.ranks = ranks
         self._comm: Any = None  # mpi4py's COMM_WORLD, once checked
+        self._late: list[Any] = []  # barriers that timed out here (barrier), matched when the absent ranks come
 
     @classmethod
     def from_env(cls) -> HostComm:
@@ -150,10 +152,24 @@ class HostComm:
             return obj
         return self._mpi().bcast(obj, root=root)
 
-    def barrier(self) -> None:
-        """Return once every rank has called it. Host only: it orders no GPU work."""
-        if self.world_size > 1:
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Return once every rank has called it. Host only: it orders no GPU work. With ``timeout_s``, raise
+        :class:`ChunkringRuntimeError` once that many seconds pass with some rank absent (one that raised
+        before it, say) instead of waiting for ever; a rank that comes later still matches this barrier, so
+        the ranks' later collectives stay in step."""
+        if self.world_size == 1:
+            return
+        if timeout_s is None:
             self._mpi().Barrier()
+            return
+        request = self._mpi().Ibarrier()
+        deadline = time.monotonic() + timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                self._late.append(request)  # completed when the absent ranks come; kept, not leaked
+                raise ChunkringRuntimeError(f"rank {self.rank}: not every rank reached the barrier within "
+                                            f"{timeout_s:g} s (a rank that raised before it never comes)")
+            time.sleep(0.001)
 
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (``MPI_Abort``), so none waits in a collective for this one.
@@ -298,10 +314,10 @@ class Runtime:
         self._check_open()
         return self._host.broadcast_object(obj, root)
 
-    def host_barrier(self) -> None:
-        """Return once every rank has called it (:meth:`HostComm.barrier`). Host only: it orders no GPU
-        work and enqueues nothing, so it may run while a stream is being captured."""
-        self._host.barrier()
+    def host_barrier(self, timeout_s: float | None = None) -> None:
+        """Return once every rank has called it (:meth:`HostComm.barrier`, ``timeout_s`` as there). Host only:
+        it orders no GPU work and enqueues nothing, so it may run while a stream is being captured."""
+        self._host.barrier(timeout_s)
 
     def barrier(self) -> None:
         """Host-side barrier over all PEs on torch's current stream (NVSHMEM's), then wait for it. A

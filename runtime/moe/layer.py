@@ -93,6 +93,11 @@ class _Stage:
         self.held = torch.full((W,), -1, dtype=torch.int64, device=device)
 
 
+#: How long a layer's first call of a mode waits at the host barrier for every rank's GEMM warm-up: several
+#: ranks compiling DeepGEMM's kernels at once take minutes at most; a rank that raised before the barrier
+#: never comes, and the others then raise instead of waiting for ever.
+FIRST_CALL_BARRIER_S = 900.0
+
 #: Blocks of the pull kernel at most: each copies a share of every chunk. A few suffice to keep up with
 #: the producers; more would only spin, waiting for chunks, on SMs the producers could use.
 PULL_GRID = 16
@@ -475,7 +480,7 @@ class MoELayer:
             # a peer's first compile takes seconds to minutes (longer than the watchdog under CPU contention),
             # and a module load can wait for kernels already running on the GPU. Every rank makes its first
             # call of a mode at the same call (calls are collective), so this host barrier runs once per mode.
-            self.runtime.host_barrier()
+            self.runtime.host_barrier(timeout_s=FIRST_CALL_BARRIER_S)
             self._warm_modes.add(mode)
         # No record_stream on the caller's tensors: the caller's stream waits for both side streams at
         # the end of the call, so its frees (stream-ordered on it) already come after our last use. That

@@ -216,7 +216,7 @@ def test_a_first_call_waits_for_every_ranks_gemm_warm_up(runtime, monkeypatch):
     args = [t.to(device) for t in (xq, sf, idx, w)]
     barriers = []
     host_barrier = runtime.host_barrier
-    monkeypatch.setattr(runtime, "host_barrier", lambda: (barriers.append(1), host_barrier())[1])
+    monkeypatch.setattr(runtime, "host_barrier", lambda **kw: (barriers.append(1), host_barrier(**kw))[1])
     layer = MoELayer(runtime, cfg, timeout_s=2.0)
     try:
         if rank == W - 1:

@@ -4,11 +4,12 @@ constructors' argument check and the calibration's agreement on one decision."""
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from chunkring import ChunkringUsageError, RankInfo, Runtime
+from chunkring import ChunkringRuntimeError, ChunkringUsageError, RankInfo, Runtime
 from chunkring.bringup import HostComm
 
 
@@ -53,6 +54,21 @@ def test_barrier_orders_the_ranks():
         for p in folder.iterdir():
             p.unlink()
         folder.rmdir()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_barrier_with_a_limit_raises_where_a_rank_is_absent_and_stays_in_step():
+    """The ranks that came raise once the limit passes; the late rank's barrier matches theirs, so the
+    next collective lines up on every rank."""
+    comm, rank, size = _world()
+    if rank == size - 1:
+        time.sleep(1.5)  # past the others' limit
+        comm.barrier(timeout_s=60)
+    else:
+        with pytest.raises(ChunkringRuntimeError, match="within 0.3 s"):
+            comm.barrier(timeout_s=0.3)
+    assert comm.allgather_object(rank) == list(range(size))
+    comm.barrier(timeout_s=60)  # and a bounded barrier that every rank reaches returns
 
 
 @pytest.mark.mpi(min_size=2)

@@ -172,8 +172,8 @@ class MoELayer:
         self._produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start
         # would stall the others (docs/PROTOCOL.md, "Progress").
-        resident = min(self._kernels.resident_blocks_per_sm(name, _PULL_BLOCK)
-                       for name in ("moe_pull", "moe_pull_blocks") if name == "moe_pull" or config.incremental)
+        pulls = ("moe_pull", "moe_pull_blocks") if config.incremental else ("moe_pull",)
+        resident = min(self._kernels.resident_blocks_per_sm(name, _PULL_BLOCK) for name in pulls)
         self._own_partition = None
         if partition == DEFAULT_PARTITION and config.streaming:
             partition = self._own_partition = SmPartition.sized_for(runtime, PULL_GRID, resident)

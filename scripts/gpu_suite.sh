@@ -79,6 +79,9 @@ mpi=(mpirun --oversubscribe -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS
      -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT)
 mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
     local suite=$1 n=$2 limit=$3; shift 3
+    # Without the daemon the ranks' contexts time-slice the GPU: spinning kernels then wait out whole slices, and
+    # the suite measures the scheduler, not the ring.
+    [ $mps_daemon = 1 ] || { echo "$suite: no MPS daemon (a part that runs ranks under MPS is named *_mps or *_mps_*)"; status=1; return; }
     run_suite "$suite" "$n" "${mpi[@]}" -np "$n" --timeout "$limit" \
         bash -c "exec python3 -m pytest --with-mpi $* --junitxml=$logs/$suite.xml.\$OMPI_COMM_WORLD_RANK"
 }
@@ -191,7 +194,7 @@ launcher() {
     chunkring-launch doctor 2>&1 | tee "$logs/doctor.log" || status=1
 }
 for part in "${parts[@]}"; do
-    case $part in *_mps) mps_up;; *) mps_down;; esac  # the launcher starts its own daemon
+    case $part in *_mps | *_mps_*) mps_up;; *) mps_down;; esac  # the launcher starts its own daemon
     "$part"
 done
 mps_down

@@ -67,8 +67,18 @@ def init(rank_info: RankInfo | None = None) -> Runtime:
     device.set_current()
     comm = HostComm(ranks)
     _init_nvshmem(device, comm)
-    _current = Runtime(ranks=ranks, ordinal=ordinal, device=device, comm=comm)
+    _current = Runtime(ranks=ranks, ordinal=ordinal, device=device, comm=comm,
+                       gpu_ranks=_ranks_on_my_gpu(comm, str(device.uuid)))
     return _current
+
+
+def _ranks_on_my_gpu(comm: HostComm, gpu_uuid: str) -> int:
+    """How many ranks of the job run on this rank's GPU (itself included): one per GPU in production,
+    several on one GPU under MPS. A collective over every rank."""
+    import socket
+
+    mine = (socket.gethostname(), gpu_uuid)
+    return sum(gpu == mine for gpu in comm.allgather_object(mine))
 
 
 def current() -> Runtime:
@@ -214,6 +224,9 @@ class Runtime:
     ordinal: int
     device: Device  # cuda.core
     comm: HostComm | None = field(default=None, repr=False)
+    #: Ranks of the job on this rank's GPU, this one included (``init()`` counts them). Under MPS their kernels
+    #: run side by side on its SMs, so the grids that spin are sized to this rank's share (:meth:`sm_share`).
+    gpu_ranks: int = 1
     _tensors: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _libraries: list[NvshmemKernelObject] = field(default_factory=list, repr=False)
     _closed: bool = False
@@ -223,6 +236,9 @@ class Runtime:
             self.comm = HostComm(self.ranks)
         elif self.comm.ranks != self.ranks:
             raise ChunkringUsageError(f"comm is for {self.comm.ranks}, the runtime for {self.ranks}", field="comm")
+        if not 1 <= self.gpu_ranks <= self.world_size:
+            raise ChunkringUsageError(f"must be in [1, world_size={self.world_size}], got {self.gpu_ranks}",
+                                      field="gpu_ranks")
 
     @property
     def rank(self) -> int:
@@ -237,6 +253,16 @@ class Runtime:
         import torch
 
         return torch.device("cuda", self.ordinal)
+
+    def sm_share(self, sms: int | None = None) -> int:
+        """This rank's share of ``sms`` SMs (default: its GPU's), where :attr:`gpu_ranks` ranks use them at once:
+        ``sms // gpu_ranks``, at least 1. Sizes a grid whose blocks spin on other ranks: every rank's such grids
+        must be resident together (docs/PROTOCOL.md, "Progress" 8)."""
+        if sms is None:
+            import torch
+
+            sms = torch.cuda.get_device_properties(self.ordinal).multi_processor_count
+        return max(1, sms // self.gpu_ranks)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -146,10 +146,11 @@ producer_ncu() {  # Nsight Compute on the fused producer kernel (no timing: wher
 }
 transport_job() {  # ranks suffix: the main job on each data path, twice each, interleaved (a fixed order
     # of one run each cannot tell a path's cost from the order's), one JSON per run
-    local n=$1 suffix=$2 round transport
+    local n=$1 suffix=$2 round transport jobdirs=$logs/jobs  # a failed job's per-rank diagnostics stay there
+    mkdir -p "$jobdirs"
     for round in 1 2; do
         for transport in auto rma; do
-            chunkring-launch --np "$n" run transport=$transport \
+            TMPDIR=$jobdirs chunkring-launch --np "$n" run transport=$transport \
                 --json "$results/${CHUNKRING_COMMIT}-run-${transport}-${suffix}-${round}.json" 2>&1 |
                 tee -a "$logs/transport.log" || status=1
         done

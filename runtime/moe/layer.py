@@ -46,7 +46,7 @@ from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.op import moe_forward, register_layer
-from chunkring.moe.producer import enqueue_produce, router_logits
+from chunkring.moe.producer import enqueue_produce, produce_grid_limit, router_logits
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import ExpertWeights, Fp8Weight, init_weights, payload_weights
 from chunkring.partition import DEFAULT_PARTITION, SmPartition, check_partition_arg
@@ -102,6 +102,17 @@ FIRST_CALL_BARRIER_S = 900.0
 #: the producers; more would only spin, waiting for chunks, on SMs the producers could use.
 PULL_GRID = 16
 _PULL_BLOCK = 256
+
+
+def spinning_grids(share: int, pull_blocks_per_sm: int, *, partitioned: bool) -> tuple[int, int]:
+    """(pull grid, fused producer's most blocks) of a streamed call, ``share`` SMs being this rank's
+    (``Runtime.sm_share`` of the consumer's SMs). On a partition the pulls of every rank on the GPU have the
+    consumer's SMs to themselves and the producers wait only on them; without one the two grids spin on
+    the same SMs, one SM per block, the pull taking at most half the share (docs/PROTOCOL.md, "Progress" 8)."""
+    if partitioned:
+        return min(PULL_GRID, share * pull_blocks_per_sm), produce_grid_limit(share, None)
+    pull = min(PULL_GRID, max(1, share // 2))
+    return pull, produce_grid_limit(share, pull)
 
 
 class MoELayer:
@@ -180,7 +191,11 @@ class MoELayer:
         confined = self._partition = partition if isinstance(partition, SmPartition) else None
         consumer_sms = confined.consumer_sms if confined is not None else torch.cuda.get_device_properties(
             device).multi_processor_count
-        self._pull_grid = min(PULL_GRID, consumer_sms * resident)
+        # Ranks sharing this GPU spin on the same SMs: each sizes its spinning grids to its share of them.
+        self._pull_grid, streamed_producer = spinning_grids(runtime.sm_share(consumer_sms), resident,
+                                                            partitioned=confined is not None)
+        self._produce_max_blocks = {CallMode.BATCH_READY: produce_grid_limit(consumer_sms, None),  # never waits
+                                    CallMode.STREAMED: streamed_producer}
         # One bf16 row per (token, k) of this rank's batch; consumers write into it from their GPUs, and the
         # reduction over k accumulates in fp32 (bf16 is the output's precision: a wider row buys nothing).
         self.combine = runtime.alloc((config.max_tokens_per_rank * config.topk, config.hidden), torch.bfloat16)
@@ -315,7 +330,8 @@ class MoELayer:
                     stream: torch.cuda.Stream) -> None:
             chunk = hidden[start:end]
             logits = router_logits(chunk, router_weight)  # the GEMM chunkring.moe.producer.route runs
-            enqueue_produce(ring, self._produce_kernels, logits, chunk, start, eos, valid, rows, arrivals, stream)
+            enqueue_produce(ring, self._produce_kernels, logits, chunk, start, eos, valid, rows, arrivals, stream,
+                            self._produce_max_blocks[mode])
 
         return self._invoke(mode, n, publish, w13, w2, out, num_tokens, timeline)
 

@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
 if TYPE_CHECKING:
     from chunkring._jit.launch import KernelLibrary
     from chunkring.ring.ring import Ring
 
-__all__ = ["E4M3_MAX", "enqueue_produce", "produce_grid", "quantize_rows_fp8", "route", "router_logits"]
+__all__ = ["E4M3_MAX", "enqueue_produce", "produce_grid", "produce_grid_limit", "quantize_rows_fp8", "route",
+           "router_logits"]
 
 #: Largest finite float8_e4m3fn value (e4m3fn has no infinity; the all-ones code is NaN).
 E4M3_MAX = 448.0
@@ -80,22 +82,41 @@ PRODUCE_MAX_BLOCKS = 128
 _PRODUCE_BLOCK = 256
 
 
-def produce_grid(rows: int, hidden: int) -> int:
-    """Blocks of the fused producer (``moe_produce_chunk``) for a chunk of ``rows`` x ``hidden``."""
-    return max(1, min(-(-rows * hidden // PRODUCE_ELEMENTS_PER_BLOCK), rows, PRODUCE_MAX_BLOCKS))
+def produce_grid(rows: int, hidden: int, max_blocks: int = PRODUCE_MAX_BLOCKS) -> int:
+    """Blocks of the fused producer (``moe_produce_chunk``) for a chunk of ``rows`` x ``hidden``, at most
+    ``max_blocks`` (:func:`produce_grid_limit`)."""
+    return max(1, min(-(-rows * hidden // PRODUCE_ELEMENTS_PER_BLOCK), rows, max_blocks, PRODUCE_MAX_BLOCKS))
+
+
+def produce_grid_limit(share: int, consumer_blocks: int | None) -> int:
+    """The most blocks a fused producer may have, ``share`` SMs being this rank's (``Runtime.sm_share``).
+    Every block waits for the slot's acks, spinning, and the acks come from consumers. Where the consumers'
+    blocks use the same SMs (``consumer_blocks`` of this rank's consumer; no partition between them), every
+    block of every rank on the GPU must be resident at once however the GPU places them - a consumer block
+    that cannot start stalls the producers for ever. One SM per block guarantees that: producer and consumer
+    grids together within the share. ``consumer_blocks`` None: the consumer has SMs of its own (a partition),
+    or the producer never waits (one chunk per source, the ring drained), so only the cap applies.
+    docs/PROTOCOL.md, "Progress" 8."""
+    if consumer_blocks is None:
+        return PRODUCE_MAX_BLOCKS
+    if share <= consumer_blocks:
+        raise ChunkringUsageError(f"a consumer of {consumer_blocks} blocks leaves no SM of this rank's share "
+                                  f"({share}) to a producer beside it", field="consumer_blocks")
+    return min(PRODUCE_MAX_BLOCKS, share - consumer_blocks)
 
 
 def enqueue_produce(ring: Ring, kernels: KernelLibrary, logits: torch.Tensor, hidden: torch.Tensor,
                     token_base: int, end_of_stream: bool, valid_tokens: torch.Tensor | None, batch_rows: int | None,
-                    arrivals: torch.Tensor, stream: torch.cuda.Stream) -> None:
+                    arrivals: torch.Tensor, stream: torch.cuda.Stream, max_blocks: int = PRODUCE_MAX_BLOCKS) -> None:
     """Publish ``hidden`` bf16 [n, H] as the ring's next chunk, routed by ``logits`` fp32 [n, E] (the router
     GEMM's output), in one kernel: top-k with renormalised softmax weights, FP8 quantisation (FP8 payload)
     and the publish (device/kernels/moe_produce.cu; what it computes equals :func:`route` and
     :func:`quantize_rows_fp8` up to a few ulps of the weights). ``arrivals`` int32 [1], zero (the kernel
     leaves it zero; zero it again after a failed call). Arguments are the layer's, checked at its boundary;
-    ``valid_tokens`` / ``batch_rows`` as in :func:`chunkring.publish_chunk`."""
+    ``valid_tokens`` / ``batch_rows`` as in :func:`chunkring.publish_chunk`; ``max_blocks`` as
+    :func:`produce_grid_limit` gives it."""
     rows = hidden.shape[0]
-    grid = produce_grid(rows, hidden.shape[1])
+    grid = produce_grid(rows, hidden.shape[1], max_blocks)
     kernels.launch("moe_produce_chunk", ring.desc, logits, hidden, logits.shape[1], rows, token_base,
                    int(end_of_stream), valid_tokens, 0 if batch_rows is None else batch_rows,
                    arrivals if grid > 1 else None, grid=grid, block=_PRODUCE_BLOCK, stream=stream)

@@ -12,13 +12,21 @@ import torch
 
 from chunkring import Ring, RingSpec
 from chunkring._jit import library_for
-from chunkring.moe.producer import enqueue_produce, produce_grid, quantize_rows_fp8, route, router_logits
+from chunkring.moe.producer import (
+    enqueue_produce,
+    produce_grid,
+    produce_grid_limit,
+    quantize_rows_fp8,
+    route,
+    router_logits,
+)
 from chunkring.ring.io import GatherOutputs, gather
 from chunkring.ring.spec import PayloadFormat
 
 pytestmark = pytest.mark.gpu
 
 K, E = 8, 64
+GATHER_GRID = 2  # a consumer of several blocks, the last to finish a chunk acknowledging it
 #: Weight tolerance: the kernel's exp(l - l_max) / sum over the chosen against torch's softmax over the
 #: chosen logits - the same exponentials, summed in another order (a few ulps).
 WEIGHT_RTOL = 4e-6
@@ -63,7 +71,10 @@ def source_batch(src, invocation, n, hidden, device):
 def test_fused_producer_matches_the_torch_reference(runtime, payload, hidden, tokens_per_slot):
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     T = tokens_per_slot
-    assert produce_grid(T, hidden) == (1 if hidden == 256 else 32)
+    # No partition here: the producer's spinning blocks share the SMs with the gather's, on every rank of this
+    # GPU, so its grid leaves room for them (produce_grid_limit).
+    max_blocks = produce_grid_limit(runtime.sm_share(), GATHER_GRID)
+    assert (produce_grid(T, hidden, max_blocks) > 1) == (hidden != 256), "one block, and a grid of several"
     spec = RingSpec(world_size=W, num_slots=1, tokens_per_slot=T, hidden=hidden, payload=payload, topk=K,
                     num_experts=E)
     kernels = library_for(runtime, "moe_produce")
@@ -82,8 +93,8 @@ def test_fused_producer_matches_the_torch_reference(runtime, payload, hidden, to
                 for base in range(0, n, T):
                     end = min(n, base + T)
                     enqueue_produce(ring, kernels, logits[base:end], hidden_rows[base:end], base, end == n,
-                                    valid_t, None if valid is None else n, arrivals, producer)
-            gather(ring, out, grid=2, stream=consumer)
+                                    valid_t, None if valid is None else n, arrivals, producer, max_blocks)
+            gather(ring, out, grid=GATHER_GRID, stream=consumer)
             torch.cuda.synchronize()
             ring.check()
             sent = n if valid is None else valid

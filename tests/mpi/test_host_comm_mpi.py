@@ -124,3 +124,15 @@ def test_the_environment_matches_mpi():
     comm = HostComm.from_env()
     assert (comm.rank, comm.world_size) == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
     assert os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE")) == str(comm.world_size)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_init_counts_the_ranks_that_share_each_gpu():
+    """What ``init()`` sets as ``Runtime.gpu_ranks``: the ranks on the same host reporting the same GPU UUID,
+    here even ranks on one pretend GPU and odd ranks on another (all ranks on this one host)."""
+    from chunkring.bringup import _ranks_on_my_gpu
+
+    comm, rank, size = _world()
+    assert _ranks_on_my_gpu(comm, "GPU-shared") == size
+    assert _ranks_on_my_gpu(comm, f"GPU-{rank % 2}") == (size + 1 - rank % 2) // 2
+    assert _ranks_on_my_gpu(comm, f"GPU-{rank}") == 1

@@ -214,7 +214,7 @@ class _ProducersAlone:
                 chunk = hidden[start:start + T]
                 logits = router_logits(chunk, router_weight)
                 enqueue_produce(self.ring, layer._produce_kernels, logits, chunk, start, start + T >= n, None, None,
-                                self.arrivals, producer)
+                                self.arrivals, producer, layer.stats()["producer_grid_max"])
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
 

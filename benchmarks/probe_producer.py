@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                         producer.PRODUCE_ELEMENTS_PER_BLOCK = e
                         rec[f"produce_us_e{e}"] = 1e3 * replay_median_ms(
                             lambda: producers(hidden, router), **timed) / pieces
-                        rec[f"grid_e{e}"] = producer.produce_grid(chunk, shape.config.hidden)
+                        rec[f"grid_e{e}"] = producer.produce_grid(chunk, shape.config.hidden,
+                                                                  layer.stats()["producer_grid_max"])
                 finally:
                     producer.PRODUCE_ELEMENTS_PER_BLOCK = saved
                 unbounded = _ProducersAlone(layer, num_slots=pieces)

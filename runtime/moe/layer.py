@@ -46,7 +46,7 @@ from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.op import moe_forward, register_layer
-from chunkring.moe.producer import enqueue_produce, produce_grid_limit, router_logits
+from chunkring.moe.producer import PRODUCE_BLOCK, PRODUCE_MAX_BLOCKS, enqueue_produce, produce_grid_limit, router_logits
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import ExpertWeights, Fp8Weight, init_weights, payload_weights
 from chunkring.partition import DEFAULT_PARTITION, SmPartition, check_partition_arg
@@ -104,15 +104,19 @@ PULL_GRID = 16
 _PULL_BLOCK = 256
 
 
-def spinning_grids(share: int, pull_blocks_per_sm: int, *, partitioned: bool) -> tuple[int, int]:
-    """(pull grid, fused producer's most blocks) of a streamed call, ``share`` SMs being this rank's
-    (``Runtime.sm_share`` of the consumer's SMs). On a partition the pulls of every rank on the GPU have the
-    consumer's SMs to themselves and the producers wait only on them; without one the two grids spin on
-    the same SMs, one SM per block, the pull taking at most half the share (docs/PROTOCOL.md, "Progress" 8)."""
-    if partitioned:
-        return min(PULL_GRID, share * pull_blocks_per_sm), produce_grid_limit(share, None)
-    pull = min(PULL_GRID, max(1, share // 2))
-    return pull, produce_grid_limit(share, pull)
+def spinning_grids(consumer_share: int, pull_blocks_per_sm: int, producer_share: int | None = None,
+                   produce_blocks_per_sm: int = 1) -> tuple[int, int]:
+    """(pull grid, fused producer's most blocks) of a streamed call, the shares being this rank's SMs of the
+    consumer's and the producers' partition (``Runtime.sm_share``; ``producer_share`` None: no partition).
+    Both grids spin, on other ranks too (a consumer takes the sources' chunks in a fixed order), so every
+    rank's blocks on the GPU must be resident at once (docs/PROTOCOL.md, "Progress" 8). On a partition each
+    side runs one kernel, so its share holds that kernel's resident blocks per SM; without one the two
+    kernels spin on the same SMs, one SM per block, the pull taking at most half the share."""
+    if producer_share is not None:
+        return (min(PULL_GRID, consumer_share * pull_blocks_per_sm),
+                min(PRODUCE_MAX_BLOCKS, producer_share * produce_blocks_per_sm))
+    pull = min(PULL_GRID, max(1, consumer_share // 2))
+    return pull, produce_grid_limit(consumer_share, pull)
 
 
 class MoELayer:
@@ -179,7 +183,6 @@ class MoELayer:
         self._arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
                           for mode, spec in specs.items()}
         # Per ring: the fused producer's blocks done with the current chunk (ring.cuh last_block_to_arrive).
-        self._produce_kernels = library_for(runtime, "moe_produce")
         self._produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start
         # would stall the others (docs/PROTOCOL.md, "Progress").
@@ -191,11 +194,14 @@ class MoELayer:
         confined = self._partition = partition if isinstance(partition, SmPartition) else None
         consumer_sms = confined.consumer_sms if confined is not None else torch.cuda.get_device_properties(
             device).multi_processor_count
+        self._produce_kernels = library_for(runtime, "moe_produce")
         # Ranks sharing this GPU spin on the same SMs: each sizes its spinning grids to its share of them.
-        self._pull_grid, streamed_producer = spinning_grids(runtime.sm_share(consumer_sms), resident,
-                                                            partitioned=confined is not None)
-        self._produce_max_blocks = {CallMode.BATCH_READY: produce_grid_limit(consumer_sms, None),  # never waits
-                                    CallMode.STREAMED: streamed_producer}
+        producer_share = None if confined is None else runtime.sm_share(confined.plan.producer_sms)
+        self._pull_grid, streamed_producer = spinning_grids(
+            runtime.sm_share(consumer_sms), resident, producer_share,
+            self._produce_kernels.resident_blocks_per_sm("moe_produce_chunk", PRODUCE_BLOCK))
+        # A batch-ready call's producer never waits (one chunk per source, the ring drained): its whole grid.
+        self._produce_max_blocks = {CallMode.BATCH_READY: PRODUCE_MAX_BLOCKS, CallMode.STREAMED: streamed_producer}
         # One bf16 row per (token, k) of this rank's batch; consumers write into it from their GPUs, and the
         # reduction over k accumulates in fp32 (bf16 is the output's precision: a wider row buys nothing).
         self.combine = runtime.alloc((config.max_tokens_per_rank * config.topk, config.hidden), torch.bfloat16)
@@ -398,14 +404,16 @@ class MoELayer:
         return report
 
     def stats(self) -> dict[str, int]:
-        """What one call of this layer uses at this rank: the pull's blocks (``pull_grid``), the expert
+        """What one call of this layer uses at this rank: the pull's blocks (``pull_grid``), a streamed call's
+        fused producer's blocks at most (``producer_grid_max``: :func:`spinning_grids`), the expert
         plan's fixed row capacity (``plan_rows``), the streaming ring's chunk size and slots (0 without
         one), the SMs of a streamed call's producer and consumer partitions (0 without one), the waves of
         expert work per call (``waves``) and the incremental block pool's device bytes (``block_pool_bytes``,
         0 with ``waves=1``), and :meth:`memory`'s symmetric bytes."""
         streamed = self.rings.get(CallMode.STREAMED)
         part = self._partition
-        return {"pull_grid": self._pull_grid, "plan_rows": self._compute.capacity,
+        return {"pull_grid": self._pull_grid, "producer_grid_max": self._produce_max_blocks[CallMode.STREAMED],
+                "plan_rows": self._compute.capacity,
                 "producer_sms": part.plan.producer_sms if part else 0, "consumer_sms": part.consumer_sms if part else 0,
                 "chunk_tokens": streamed.spec.tokens_per_slot if streamed else 0,
                 "ring_slots": streamed.spec.num_slots if streamed else 0, "waves": self.config.waves,

@@ -79,7 +79,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #: 1,024-token chunks 96 us at 128 blocks, 155 us at 1,024.
 PRODUCE_ELEMENTS_PER_BLOCK = 4096
 PRODUCE_MAX_BLOCKS = 128
-_PRODUCE_BLOCK = 256
+PRODUCE_BLOCK = 256
 
 
 def produce_grid(rows: int, hidden: int, max_blocks: int = PRODUCE_MAX_BLOCKS) -> int:
@@ -88,17 +88,13 @@ def produce_grid(rows: int, hidden: int, max_blocks: int = PRODUCE_MAX_BLOCKS) -
     return max(1, min(-(-rows * hidden // PRODUCE_ELEMENTS_PER_BLOCK), rows, max_blocks, PRODUCE_MAX_BLOCKS))
 
 
-def produce_grid_limit(share: int, consumer_blocks: int | None) -> int:
-    """The most blocks a fused producer may have, ``share`` SMs being this rank's (``Runtime.sm_share``).
-    Every block waits for the slot's acks, spinning, and the acks come from consumers. Where the consumers'
-    blocks use the same SMs (``consumer_blocks`` of this rank's consumer; no partition between them), every
-    block of every rank on the GPU must be resident at once however the GPU places them - a consumer block
-    that cannot start stalls the producers for ever. One SM per block guarantees that: producer and consumer
-    grids together within the share. ``consumer_blocks`` None: the consumer has SMs of its own (a partition),
-    or the producer never waits (one chunk per source, the ring drained), so only the cap applies.
-    docs/PROTOCOL.md, "Progress" 8."""
-    if consumer_blocks is None:
-        return PRODUCE_MAX_BLOCKS
+def produce_grid_limit(share: int, consumer_blocks: int) -> int:
+    """The most blocks a fused producer may have beside a consumer of ``consumer_blocks`` blocks on the same
+    SMs (no partition between them), ``share`` SMs being this rank's (``Runtime.sm_share``). Every producer
+    block waits for the slot's acks, spinning, and the acks come from the consumers: every block of every
+    rank on the GPU must be resident at once however the GPU places them, or a consumer block that cannot
+    start stalls the producers for ever. One SM per block guarantees that: producer and consumer grids
+    together within the share (docs/PROTOCOL.md, "Progress" 8)."""
     if share <= consumer_blocks:
         raise ChunkringUsageError(f"a consumer of {consumer_blocks} blocks leaves no SM of this rank's share "
                                   f"({share}) to a producer beside it", field="consumer_blocks")
@@ -119,4 +115,4 @@ def enqueue_produce(ring: Ring, kernels: KernelLibrary, logits: torch.Tensor, hi
     grid = produce_grid(rows, hidden.shape[1], max_blocks)
     kernels.launch("moe_produce_chunk", ring.desc, logits, hidden, logits.shape[1], rows, token_base,
                    int(end_of_stream), valid_tokens, 0 if batch_rows is None else batch_rows,
-                   arrivals if grid > 1 else None, grid=grid, block=_PRODUCE_BLOCK, stream=stream)
+                   arrivals if grid > 1 else None, grid=grid, block=PRODUCE_BLOCK, stream=stream)

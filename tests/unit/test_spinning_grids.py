@@ -44,7 +44,6 @@ def test_the_fused_producer_leaves_a_consumer_beside_it_its_sms():
     assert produce_grid(64, 2048) == 32
     assert produce_grid(64, 2048, produce_grid_limit(H200_SMS // 4, 2)) == 31
     assert produce_grid(64, 2048, produce_grid_limit(H200_SMS, 2)) == 32  # one rank: unchanged
-    assert produce_grid_limit(H200_SMS, None) == PRODUCE_MAX_BLOCKS  # a partition, or a producer that never waits
     assert produce_grid(1024, 7168, produce_grid_limit(H200_SMS, 16)) == H200_SMS - 16
     with pytest.raises(ChunkringUsageError) as info:
         produce_grid_limit(16, 16)
@@ -59,21 +58,25 @@ def test_produce_grid_is_within_every_bound(rows, hidden, max_blocks):
     assert grid == min(-(-rows * hidden // PRODUCE_ELEMENTS_PER_BLOCK), rows, max_blocks, PRODUCE_MAX_BLOCKS)
 
 
-@given(sms=st.integers(8, 264), gpu_ranks=st.integers(1, 8), resident=st.integers(1, 8))
-def test_every_ranks_spinning_blocks_fit_the_gpu_together(sms, gpu_ranks, resident):
+@given(sms=st.integers(16, 264), producer_sms=st.integers(8, 64), gpu_ranks=st.integers(1, 8),
+       pull_per_sm=st.integers(1, 8), produce_per_sm=st.integers(1, 8))
+def test_every_ranks_spinning_blocks_fit_the_gpu_together(sms, producer_sms, gpu_ranks, pull_per_sm, produce_per_sm):
     share = max(1, sms // gpu_ranks)
     if share >= 2:  # without a partition: one SM per block, every rank's pull and producer together
-        pull, producer = spinning_grids(share, resident, partitioned=False)
-        assert 1 <= pull <= PULL_GRID and producer >= 1
+        pull, producer = spinning_grids(share, pull_per_sm)
+        assert 1 <= pull <= PULL_GRID and 1 <= producer <= PRODUCE_MAX_BLOCKS
         assert gpu_ranks * (pull + producer) <= sms
-    # on a partition (sms the consumer's): every rank's pull resident there at once; the producers have their own
-    pull, producer = spinning_grids(share, resident, partitioned=True)
-    assert 1 <= pull <= PULL_GRID and producer == PRODUCE_MAX_BLOCKS
-    assert gpu_ranks * pull <= sms * resident
+    # On a partition (sms the consumer's): each side's kernel, every rank's grid resident in its SMs at once.
+    pull, producer = spinning_grids(share, pull_per_sm, max(1, producer_sms // gpu_ranks), produce_per_sm)
+    assert 1 <= pull <= PULL_GRID and 1 <= producer <= PRODUCE_MAX_BLOCKS
+    assert gpu_ranks * pull <= sms * pull_per_sm
+    assert gpu_ranks * producer <= max(producer_sms, gpu_ranks) * produce_per_sm
 
 
-def test_one_rank_per_gpu_keeps_the_measured_grids():
-    assert spinning_grids(100, 1, partitioned=True) == (PULL_GRID, PRODUCE_MAX_BLOCKS)  # the default streamed call
-    # Without a partition the producer leaves the pull its SMs: 132 - 16, below the 128 cap.
-    assert spinning_grids(H200_SMS, 1, partitioned=False) == (PULL_GRID, H200_SMS - PULL_GRID)
-    assert spinning_grids(H200_SMS // 4, 1, partitioned=False) == (PULL_GRID, H200_SMS // 4 - PULL_GRID)
+def test_the_grids_at_the_measured_shapes():
+    # The default streamed call on the H200: 32 + 100 SMs, 2 pull blocks and 3 producer blocks resident per SM.
+    assert spinning_grids(100, 2, 32, 3) == (PULL_GRID, 96)  # one rank: the producer's grid what its SMs hold
+    assert spinning_grids(100 // 4, 2, 32 // 4, 3) == (PULL_GRID, 24)  # 4 ranks under MPS: a quarter each
+    # Without a partition the producer leaves the pull its SMs: 132 - 16 at one rank, 33 - 16 at four.
+    assert spinning_grids(H200_SMS, 2) == (PULL_GRID, H200_SMS - PULL_GRID)
+    assert spinning_grids(H200_SMS // 4, 2) == (PULL_GRID, H200_SMS // 4 - PULL_GRID)

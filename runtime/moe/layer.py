@@ -46,7 +46,7 @@ from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.op import moe_forward, register_layer
-from chunkring.moe.producer import PRODUCE_BLOCK, PRODUCE_MAX_BLOCKS, enqueue_produce, produce_grid_limit, router_logits
+from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, enqueue_produce, produce_grid_limit, router_logits
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import ExpertWeights, Fp8Weight, init_weights, payload_weights
 from chunkring.partition import DEFAULT_PARTITION, SmPartition, check_partition_arg
@@ -104,19 +104,20 @@ PULL_GRID = 16
 _PULL_BLOCK = 256
 
 
-def spinning_grids(consumer_share: int, pull_blocks_per_sm: int, producer_share: int | None = None,
-                   produce_blocks_per_sm: int = 1) -> tuple[int, int]:
-    """(pull grid, fused producer's most blocks) of a streamed call, the shares being this rank's SMs of the
-    consumer's and the producers' partition (``Runtime.sm_share``; ``producer_share`` None: no partition).
-    Both grids spin, on other ranks too (a consumer takes the sources' chunks in a fixed order), so every
-    rank's blocks on the GPU must be resident at once (docs/PROTOCOL.md, "Progress" 8). On a partition each
-    side runs one kernel, so its share holds that kernel's resident blocks per SM; without one the two
-    kernels spin on the same SMs, one SM per block, the pull taking at most half the share."""
-    if producer_share is not None:
-        return (min(PULL_GRID, consumer_share * pull_blocks_per_sm),
-                min(PRODUCE_MAX_BLOCKS, producer_share * produce_blocks_per_sm))
-    pull = min(PULL_GRID, max(1, consumer_share // 2))
-    return pull, produce_grid_limit(consumer_share, pull)
+def spinning_grids(consumer_sms: int, pull_blocks_per_sm: int, producer_sms: int | None,
+                   gpu_ranks: int) -> tuple[int, int]:
+    """(pull grid, fused producer's most blocks) of a streamed call on the consumer's ``consumer_sms`` SMs and
+    the producers' ``producer_sms`` (None: no partition, both on the consumer's), ``gpu_ranks`` ranks sharing
+    them (docs/PROTOCOL.md, "Progress" 8). One rank per GPU: the measured grids, every pull block resident.
+    Several: one SM per spinning block within the rank's share of each side, one SM of each share left to
+    the other kernels (GEMMs, drain); without a partition the pull takes at most half of it."""
+    if gpu_ranks == 1:
+        return min(PULL_GRID, consumer_sms * pull_blocks_per_sm), PRODUCE_MAX_BLOCKS
+    free = consumer_sms // gpu_ranks - 1
+    if producer_sms is not None:
+        return min(PULL_GRID, max(1, free)), produce_grid_limit(producer_sms, gpu_ranks)
+    pull = min(PULL_GRID, max(1, free // 2))
+    return pull, produce_grid_limit(consumer_sms, gpu_ranks, pull)
 
 
 class MoELayer:
@@ -196,10 +197,8 @@ class MoELayer:
             device).multi_processor_count
         self._produce_kernels = library_for(runtime, "moe_produce")
         # Ranks sharing this GPU spin on the same SMs: each sizes its spinning grids to its share of them.
-        producer_share = None if confined is None else runtime.sm_share(confined.plan.producer_sms)
         self._pull_grid, streamed_producer = spinning_grids(
-            runtime.sm_share(consumer_sms), resident, producer_share,
-            self._produce_kernels.resident_blocks_per_sm("moe_produce_chunk", PRODUCE_BLOCK))
+            consumer_sms, resident, None if confined is None else confined.plan.producer_sms, runtime.gpu_ranks)
         # A batch-ready call's producer never waits (one chunk per source, the ring drained): its whole grid.
         self._produce_max_blocks = {CallMode.BATCH_READY: PRODUCE_MAX_BLOCKS, CallMode.STREAMED: streamed_producer}
         # One bf16 row per (token, k) of this rank's batch; consumers write into it from their GPUs, and the

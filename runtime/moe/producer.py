@@ -88,17 +88,22 @@ def produce_grid(rows: int, hidden: int, max_blocks: int = PRODUCE_MAX_BLOCKS) -
     return max(1, min(-(-rows * hidden // PRODUCE_ELEMENTS_PER_BLOCK), rows, max_blocks, PRODUCE_MAX_BLOCKS))
 
 
-def produce_grid_limit(share: int, consumer_blocks: int) -> int:
-    """The most blocks a fused producer may have beside a consumer of ``consumer_blocks`` blocks on the same
-    SMs (no partition between them), ``share`` SMs being this rank's (``Runtime.sm_share``). Every producer
-    block waits for the slot's acks, spinning, and the acks come from the consumers: every block of every
-    rank on the GPU must be resident at once however the GPU places them, or a consumer block that cannot
-    start stalls the producers for ever. One SM per block guarantees that: producer and consumer grids
-    together within the share (docs/PROTOCOL.md, "Progress" 8)."""
-    if share <= consumer_blocks:
-        raise ChunkringUsageError(f"a consumer of {consumer_blocks} blocks leaves no SM of this rank's share "
-                                  f"({share}) to a producer beside it", field="consumer_blocks")
-    return min(PRODUCE_MAX_BLOCKS, share - consumer_blocks)
+def produce_grid_limit(sms: int, gpu_ranks: int, consumer_blocks: int = 0) -> int:
+    """The most blocks a fused producer may have on ``sms`` SMs that ``gpu_ranks`` ranks share, each running
+    one like it, beside a consumer of ``consumer_blocks`` blocks spinning on the same SMs (0: the consumers
+    have SMs of their own, a partition). Every producer block waits for the slot's acks, spinning, and a
+    consumer takes the sources' chunks in a fixed order, so where ranks share the GPU every rank's spinning
+    blocks must be resident at once however the GPU places them, with room left for their other kernels
+    (the router GEMM): one SM per spinning block within the rank's share of ``sms``, one SM of the share
+    left over. One rank per GPU: its own kernels are stream-ordered, and the grid stays as measured
+    (docs/PROTOCOL.md, "Progress" 8)."""
+    if gpu_ranks == 1:
+        return PRODUCE_MAX_BLOCKS
+    free = sms // gpu_ranks - 1 - consumer_blocks
+    if free < 1:
+        raise ChunkringUsageError(f"{gpu_ranks} ranks on {sms} SMs, each with a consumer of {consumer_blocks} "
+                                  "blocks beside its producer, leave no SM to the producer", field="gpu_ranks")
+    return min(PRODUCE_MAX_BLOCKS, free)
 
 
 def enqueue_produce(ring: Ring, kernels: KernelLibrary, logits: torch.Tensor, hidden: torch.Tensor,

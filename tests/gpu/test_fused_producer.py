@@ -73,7 +73,8 @@ def test_fused_producer_matches_the_torch_reference(runtime, payload, hidden, to
     T = tokens_per_slot
     # No partition here: the producer's spinning blocks share the SMs with the gather's, on every rank of this
     # GPU, so its grid leaves room for them (produce_grid_limit).
-    max_blocks = produce_grid_limit(runtime.sm_share(), GATHER_GRID)
+    sms = torch.cuda.get_device_properties(runtime.torch_device).multi_processor_count
+    max_blocks = produce_grid_limit(sms, runtime.gpu_ranks, GATHER_GRID)
     assert (produce_grid(T, hidden, max_blocks) > 1) == (hidden != 256), "one block, and a grid of several"
     spec = RingSpec(world_size=W, num_slots=1, tokens_per_slot=T, hidden=hidden, payload=payload, topk=K,
                     num_experts=E)

@@ -39,7 +39,6 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
     from chunkring import MoELayer
     from chunkring.moe.calls import CallMode
     from chunkring.moe.layer import spinning_grids
-    from chunkring.moe.producer import PRODUCE_BLOCK
     from chunkring.partition import default_producer_sms
     from chunkring.testing.reference import quantize_fp8_per128
     from tests.gpu.test_moe_layer import local_weights, routing, weights
@@ -55,9 +54,8 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
         stats = layer.stats()
         assert (stats["producer_sms"], stats["consumer_sms"]) == (expected, part.consumer_sms)
         # Every rank on this GPU spins its pull and producer grids in its share of each side (Progress 8).
-        produce_resident = layer._produce_kernels.resident_blocks_per_sm("moe_produce_chunk", PRODUCE_BLOCK)
-        assert (stats["pull_grid"], stats["producer_grid_max"]) == spinning_grids(
-            runtime.sm_share(part.consumer_sms), resident, runtime.sm_share(expected), produce_resident)
+        assert (stats["pull_grid"], stats["producer_grid_max"]) == spinning_grids(part.consumer_sms, resident, expected,
+                                                                                  runtime.gpu_ranks)
         assert layer.streams(CallMode.STREAMED) == (part.producer_stream, part.consumer_stream)
         batch_streams = {s.cuda_stream for s in layer.streams(CallMode.BATCH_READY)}
         assert batch_streams.isdisjoint({part.producer_stream.cuda_stream, part.consumer_stream.cuda_stream})

@@ -42,12 +42,13 @@ def test_a_ranks_share_of_the_sms():
 def test_the_fused_producer_leaves_a_consumer_beside_it_its_sms():
     # The H200 deadlock: 4 ranks under MPS, a 2-block gather beside 32 producer blocks each (132 < 4 x 34).
     assert produce_grid(64, 2048) == 32
-    assert produce_grid(64, 2048, produce_grid_limit(H200_SMS // 4, 2)) == 31
-    assert produce_grid(64, 2048, produce_grid_limit(H200_SMS, 2)) == 32  # one rank: unchanged
-    assert produce_grid(1024, 7168, produce_grid_limit(H200_SMS, 16)) == H200_SMS - 16
+    assert produce_grid(64, 2048, produce_grid_limit(H200_SMS, 4, 2)) == 30  # 33 SMs each: 2 + 30, one left
+    assert produce_grid(64, 2048, produce_grid_limit(H200_SMS, 1, 2)) == 32  # one rank: as measured
+    assert produce_grid_limit(H200_SMS, 1, 16) == PRODUCE_MAX_BLOCKS
+    assert produce_grid_limit(32, 4) == 7  # a 32-SM producer partition shared by 4 ranks
     with pytest.raises(ChunkringUsageError) as info:
-        produce_grid_limit(16, 16)
-    assert info.value.field == "consumer_blocks"
+        produce_grid_limit(64, 4, 15)  # 16 SMs each: 15 for the consumer, 1 left over, none for the producer
+    assert info.value.field == "gpu_ranks"
 
 
 @given(rows=st.integers(1, 4096), hidden=st.sampled_from([256, 1024, 2048, 4096, 7168]),
@@ -58,25 +59,25 @@ def test_produce_grid_is_within_every_bound(rows, hidden, max_blocks):
     assert grid == min(-(-rows * hidden // PRODUCE_ELEMENTS_PER_BLOCK), rows, max_blocks, PRODUCE_MAX_BLOCKS)
 
 
-@given(sms=st.integers(16, 264), producer_sms=st.integers(8, 64), gpu_ranks=st.integers(1, 8),
-       pull_per_sm=st.integers(1, 8), produce_per_sm=st.integers(1, 8))
-def test_every_ranks_spinning_blocks_fit_the_gpu_together(sms, producer_sms, gpu_ranks, pull_per_sm, produce_per_sm):
-    share = max(1, sms // gpu_ranks)
-    if share >= 2:  # without a partition: one SM per block, every rank's pull and producer together
-        pull, producer = spinning_grids(share, pull_per_sm)
-        assert 1 <= pull <= PULL_GRID and 1 <= producer <= PRODUCE_MAX_BLOCKS
-        assert gpu_ranks * (pull + producer) <= sms
-    # On a partition (sms the consumer's): each side's kernel, every rank's grid resident in its SMs at once.
-    pull, producer = spinning_grids(share, pull_per_sm, max(1, producer_sms // gpu_ranks), produce_per_sm)
+@given(consumer_sms=st.integers(24, 264), producer_sms=st.integers(16, 64), gpu_ranks=st.integers(2, 8),
+       pull_per_sm=st.integers(1, 8))
+def test_ranks_sharing_a_gpu_spin_one_block_per_sm_and_leave_each_share_an_sm(consumer_sms, producer_sms, gpu_ranks,
+                                                                              pull_per_sm):
+    # Without a partition: every rank's pull and producer on the same SMs, one SM per block, one SM per rank free.
+    pull, producer = spinning_grids(consumer_sms, pull_per_sm, None, gpu_ranks)
     assert 1 <= pull <= PULL_GRID and 1 <= producer <= PRODUCE_MAX_BLOCKS
-    assert gpu_ranks * pull <= sms * pull_per_sm
-    assert gpu_ranks * producer <= max(producer_sms, gpu_ranks) * produce_per_sm
+    assert gpu_ranks * (pull + producer + 1) <= consumer_sms
+    # On a partition: each side alone, one SM per block, one SM per rank free on each side.
+    pull, producer = spinning_grids(consumer_sms, pull_per_sm, producer_sms, gpu_ranks)
+    assert 1 <= pull <= PULL_GRID and 1 <= producer <= PRODUCE_MAX_BLOCKS
+    assert gpu_ranks * (pull + 1) <= consumer_sms and gpu_ranks * (producer + 1) <= producer_sms
 
 
-def test_the_grids_at_the_measured_shapes():
-    # The default streamed call on the H200: 32 + 100 SMs, 2 pull blocks and 3 producer blocks resident per SM.
-    assert spinning_grids(100, 2, 32, 3) == (PULL_GRID, 96)  # one rank: the producer's grid what its SMs hold
-    assert spinning_grids(100 // 4, 2, 32 // 4, 3) == (PULL_GRID, 24)  # 4 ranks under MPS: a quarter each
-    # Without a partition the producer leaves the pull its SMs: 132 - 16 at one rank, 33 - 16 at four.
-    assert spinning_grids(H200_SMS, 2) == (PULL_GRID, H200_SMS - PULL_GRID)
-    assert spinning_grids(H200_SMS // 4, 2) == (PULL_GRID, H200_SMS // 4 - PULL_GRID)
+def test_one_rank_per_gpu_keeps_the_measured_grids():
+    # The default streamed call on the H200 (32 + 100 SMs, 2 pull blocks resident per SM) and no partition.
+    assert spinning_grids(100, 2, 32, 1) == (PULL_GRID, PRODUCE_MAX_BLOCKS)
+    assert spinning_grids(H200_SMS, 2, None, 1) == (PULL_GRID, PRODUCE_MAX_BLOCKS)
+    assert spinning_grids(4, 2, None, 1) == (8, PRODUCE_MAX_BLOCKS)  # a small consumer: what its SMs hold
+    # Four ranks under MPS on the default partition: 25 consumer SMs and 8 producer SMs each.
+    assert spinning_grids(100, 2, 32, 4) == (PULL_GRID, 7)
+    assert spinning_grids(H200_SMS, 2, None, 4) == (PULL_GRID, 16)  # 33 each: 16 + 16, one left

@@ -7,12 +7,15 @@ ulps of torch's softmax over them - and, where the top-k is unique, the experts 
 and multi-block grids (the last block to arrive publishes), a one-slot ring that wraps at every chunk,
 a device token count that cuts a stream short, a zero row and a row holding NaN."""
 
+import time
+
 import pytest
 import torch
 
-from chunkring import Ring, RingSpec
+from chunkring import ChunkringPeerAbortedError, ChunkringTimeoutError, Ring, RingSpec
 from chunkring._jit import library_for
 from chunkring.moe.producer import (
+    PRODUCE_MAX_BLOCKS,
     enqueue_produce,
     produce_grid,
     produce_grid_limit,
@@ -22,11 +25,13 @@ from chunkring.moe.producer import (
 )
 from chunkring.ring.io import GatherOutputs, gather
 from chunkring.ring.spec import PayloadFormat
+from chunkring.ring.status import ErrorCode, Site
 
 pytestmark = pytest.mark.gpu
 
 K, E = 8, 64
 GATHER_GRID = 2  # a consumer of several blocks, the last to finish a chunk acknowledging it
+SPIN_FIRST_S = 0.5  # long enough for a launched producer to be spinning on the GPU
 #: Weight tolerance: the kernel's exp(l - l_max) / sum over the chosen against torch's softmax over the
 #: chosen logits - the same exponentials, summed in another order (a few ulps).
 WEIGHT_RTOL = 4e-6
@@ -114,3 +119,52 @@ def test_fused_producer_matches_the_torch_reference(runtime, payload, hidden, to
                     assert torch.equal(out.x[src, :sent].view(torch.uint8), rows.view(torch.uint8)), src
                 assert bool((out.topk_idx[src, sent:] == -7).all()), "rows past the count were sent"
             runtime.barrier()
+
+
+@pytest.mark.parametrize("grid", ["past the share", "within the share"])
+def test_producers_spinning_past_their_share_of_a_shared_gpu_starve_the_gathers(runtime, grid):
+    """docs/PROTOCOL.md, "Progress" 8, with its broken variant. Every rank's producer spins for acks first
+    (three 128 x 4,096 chunks through one slot; the gathers launched only once the second chunk spins), then
+    every rank launches its gather. With the full grid (128 blocks a chunk, every rank) every SM holds a
+    spinning producer block, beside which a 512-thread gather block does not fit (registers: 20,480 +
+    49,152 > 65,536): no gather starts and the watchdog ends the call on every rank. With the grid
+    produce_grid_limit gives, the same sequence completes."""
+    if runtime.gpu_ranks < 2:
+        pytest.skip("needs several ranks on one GPU (under MPS)")
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    T, hidden, n = 128, 4096, 3 * 128
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    assert runtime.gpu_ranks * produce_grid(T, hidden) > sms, "the broken variant must leave no SM without a producer"
+    broken = grid == "past the share"
+    max_blocks = PRODUCE_MAX_BLOCKS if broken else produce_grid_limit(sms, runtime.gpu_ranks, GATHER_GRID)
+    spec = RingSpec(world_size=W, num_slots=1, tokens_per_slot=T, hidden=hidden, payload=PayloadFormat.FP8_E4M3,
+                    topk=K, num_experts=E)
+    kernels = library_for(runtime, "moe_produce")
+    library_for(runtime, "ring_host_api")  # loaded before a producer spins: a module load would wait for it
+    arrivals = torch.zeros(1, dtype=torch.int32, device=device)
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    with Ring(runtime, spec, timeout_s=3.0 if broken else 30.0) as ring:
+        out = GatherOutputs(ring, n)
+        hidden_rows, logits, _ = source_batch(rank, 0, n, hidden, device)
+        torch.cuda.synchronize()
+        runtime.host_barrier()
+        with torch.cuda.stream(producer):
+            for base in range(0, n, T):
+                enqueue_produce(ring, kernels, logits[base:base + T], hidden_rows[base:base + T], base, base + T == n,
+                                None, None, arrivals, producer, max_blocks)
+        time.sleep(SPIN_FIRST_S)  # this rank's second chunk now spins for the first one's acks
+        runtime.host_barrier()  # and every other rank's (a host barrier: nothing queued behind the spin)
+        gather(ring, out, grid=GATHER_GRID, stream=consumer)
+        torch.cuda.synchronize()
+        if not broken:
+            ring.check()
+            assert out.counts.tolist() == [n] * W
+            return
+        with pytest.raises((ChunkringTimeoutError, ChunkringPeerAbortedError)):
+            ring.check()
+        record = ring.status()
+        timed_out = runtime.allgather_object(record.code == ErrorCode.TIMEOUT)
+        assert any(timed_out), "no rank's watchdog fired: the gathers found SMs (is a gather block smaller now?)"
+        if record.code == ErrorCode.TIMEOUT:  # a producer waiting for the first chunk's acks, none ever written
+            assert (record.site, record.slot, record.observed) == (Site.WAIT_REUSABLE, 0, 0), record
+        runtime.barrier()

@@ -69,7 +69,21 @@ def init(rank_info: RankInfo | None = None) -> Runtime:
     _init_nvshmem(device, comm)
     _current = Runtime(ranks=ranks, ordinal=ordinal, device=device, comm=comm,
                        gpu_ranks=_ranks_on_my_gpu(comm, str(device.uuid)))
+    if _current.gpu_ranks > 1:
+        from chunkring.env import mps_enabled
+
+        _warn_if_time_sliced(_current.gpu_ranks, mps_enabled(ordinal))
     return _current
+
+
+def _warn_if_time_sliced(gpu_ranks: int, mps: bool) -> None:
+    """Ranks sharing a GPU without MPS each have a context of their own, which the GPU runs in turns: a rank's
+    kernels wait for its slice while its peers spin for it. Correct, but a wait for a peer lasts time slices,
+    not microseconds."""
+    if not mps:
+        log.warning("chunkring: %d ranks share this GPU without MPS, so their kernels run in turns, not side by "
+                    "side; start an MPS daemon (chunkring-launch --mps) for their kernels to run concurrently",
+                    gpu_ranks)
 
 
 def _ranks_on_my_gpu(comm: HostComm, gpu_uuid: str) -> int:

@@ -119,3 +119,15 @@ def module_loading_is_eager() -> bool:
 
         raise ChunkringRuntimeError(f"cuModuleGetLoadingMode failed: {err}")
     return mode == driver.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING
+
+
+def mps_enabled(ordinal: int) -> bool:
+    """Whether contexts on GPU ``ordinal`` are shared through MPS (``CU_DEVICE_ATTRIBUTE_MPS_ENABLED``)."""
+    from cuda.bindings import driver
+
+    err, value = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MPS_ENABLED, ordinal)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        from chunkring.errors import ChunkringRuntimeError
+
+        raise ChunkringRuntimeError(f"cuDeviceGetAttribute(MPS_ENABLED) failed: {err}")
+    return bool(value)

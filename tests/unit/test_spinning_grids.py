@@ -81,3 +81,13 @@ def test_one_rank_per_gpu_keeps_the_measured_grids():
     # Four ranks under MPS on the default partition: 25 consumer SMs and 8 producer SMs each.
     assert spinning_grids(100, 2, 32, 4) == (PULL_GRID, 7)
     assert spinning_grids(H200_SMS, 2, None, 4) == (PULL_GRID, 16)  # 33 each: 16 + 16, one left
+
+
+def test_ranks_sharing_a_gpu_without_mps_are_warned(caplog):
+    from chunkring.bringup import _warn_if_time_sliced
+
+    with caplog.at_level("WARNING", logger="chunkring"):
+        _warn_if_time_sliced(4, mps=True)
+        assert not caplog.records
+        _warn_if_time_sliced(4, mps=False)
+    assert len(caplog.records) == 1 and "4 ranks share this GPU without MPS" in caplog.records[0].getMessage()

@@ -11,7 +11,7 @@
 # transport_1rank / transport_mps run the main job on the direct and on the forced-RMA data path (their cost);
 # overlap_1rank runs benchmarks/bench_overlap.py (streamed vs batch-ready vs the overlap bound, 1 and 4 waves,
 # at most 240 s); producer_ncu runs Nsight Compute on the fused producer kernel (benchmarks/probe_producer.py
-# --profile-once).
+# --profile-once); partition_mps runs the main job with the default partition and with none (interleaved).
 # Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ bundle=${1:-.whl}
 ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank transport_1rank
-           transport_mps producer_ncu)
+           transport_mps partition_mps producer_ncu)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -158,6 +158,19 @@ transport_job() {  # ranks suffix: the main job on each data path, twice each, i
 }
 transport_1rank() { transport_job 1 1rank; }
 transport_mps() { transport_job "$ranks" "${ranks}rank-mps"; }
+partition_mps() {  # the main job at $ranks ranks with the layer's default partition and with none, twice each,
+    # interleaved: whether the 4-rank main job's failures (a closed chunk its consumers did not observe) need
+    # green contexts; failed jobs' per-rank diagnostics stay under the logs
+    local round sms jobdirs=$logs/jobs
+    mkdir -p "$jobdirs"
+    for round in 1 2; do
+        for sms in auto none; do
+            TMPDIR=$jobdirs chunkring-launch --np "$ranks" run producer_sms=$sms \
+                --json "$results/${CHUNKRING_COMMIT}-run-partition-$sms-${ranks}rank-mps-$round.json" 2>&1 |
+                tee -a "$logs/partition.log" || status=1
+        done
+    done
+}
 jobs_mps() {
     for job in bringup run; do
         chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1

@@ -144,33 +144,24 @@ producer_ncu() {  # Nsight Compute on the fused producer kernel (no timing: wher
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
 }
-transport_job() {  # ranks suffix: the main job on each data path, twice each, interleaved (a fixed order
-    # of one run each cannot tell a path's cost from the order's), one JSON per run
-    local n=$1 suffix=$2 round transport jobdirs=$logs/jobs  # a failed job's per-rank diagnostics stay there
+job_rounds() {  # ranks name key value...: the main job with key=value for each value, twice each, interleaved
+    # (a fixed order of one run each cannot tell a value's cost from the order's), one JSON per run; a failed
+    # job's per-rank diagnostics stay under the logs
+    local n=$1 name=$2 key=$3 round value jobdirs=$logs/jobs
+    shift 3
     mkdir -p "$jobdirs"
     for round in 1 2; do
-        for transport in auto rma; do
-            TMPDIR=$jobdirs chunkring-launch --np "$n" run transport=$transport \
-                --json "$results/${CHUNKRING_COMMIT}-run-${transport}-${suffix}-${round}.json" 2>&1 |
-                tee -a "$logs/transport.log" || status=1
+        for value in "$@"; do
+            TMPDIR=$jobdirs chunkring-launch --np "$n" run "$key=$value" \
+                --json "$results/${CHUNKRING_COMMIT}-run-$value-$name-$round.json" 2>&1 | tee -a "$logs/$key.log" ||
+                status=1
         done
     done
 }
-transport_1rank() { transport_job 1 1rank; }
-transport_mps() { transport_job "$ranks" "${ranks}rank-mps"; }
-partition_mps() {  # the main job at $ranks ranks with the layer's default partition and with none, twice each,
-    # interleaved: whether the 4-rank main job's failures (a closed chunk its consumers did not observe) need
-    # green contexts; failed jobs' per-rank diagnostics stay under the logs
-    local round sms jobdirs=$logs/jobs
-    mkdir -p "$jobdirs"
-    for round in 1 2; do
-        for sms in auto none; do
-            TMPDIR=$jobdirs chunkring-launch --np "$ranks" run producer_sms=$sms \
-                --json "$results/${CHUNKRING_COMMIT}-run-partition-$sms-${ranks}rank-mps-$round.json" 2>&1 |
-                tee -a "$logs/partition.log" || status=1
-        done
-    done
-}
+transport_1rank() { job_rounds 1 1rank transport auto rma; }
+transport_mps() { job_rounds "$ranks" "${ranks}rank-mps" transport auto rma; }
+# Whether the 4-rank main job's failures (a closed chunk its consumers did not observe) need green contexts.
+partition_mps() { job_rounds "$ranks" "partition-${ranks}rank-mps" producer_sms auto none; }
 jobs_mps() {
     for job in bringup run; do
         chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1

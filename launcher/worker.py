@@ -65,8 +65,8 @@ def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None =
     except KeyboardInterrupt:  # the launcher forwarded Ctrl-C to a single worker: it reports that itself
         _abort_others(runtime)
         return exitcodes.INTERRUPTED
-    except ChunkringError as exc:
-        _report_failure(runtime, f"{type(exc).__name__}: {exc}")
+    except ChunkringError as exc:  # its notes: which ring, and this rank's protocol words (Ring.check)
+        _report_failure(runtime, "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])]))
     except Exception:  # noqa: BLE001 - any error of any rank must end the whole job, with its diagnostic
         _report_failure(runtime, traceback.format_exc().rstrip("\n"))
     _abort_others(runtime)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.env import module_loading_is_eager
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import ChunkringError, ChunkringUsageError
 from chunkring.moe.blocks import BlockPool, pool_shape
 from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration, calibrate
 from chunkring.moe.calls import CallMode, check_forward_args, check_run_args
@@ -364,8 +364,12 @@ class MoELayer:
     def check(self) -> None:
         """Raise ``ChunkringRuntimeError`` with the device's diagnostic if any call recorded an error
         (synchronises the device)."""
-        for ring in self.rings.values():
-            ring.check()
+        for mode, ring in self.rings.items():
+            try:
+                ring.check()
+            except ChunkringError as error:
+                error.add_note(f"(the layer's {mode.name.lower().replace('_', '-')} ring)")
+                raise
 
     def set_timeout(self, seconds: float) -> None:
         """The watchdog limit of the calls enqueued after this on the current stream (every ring's; see

@@ -16,7 +16,7 @@ from chunkring.env import check_timeout_s, check_work_queues, watchdog_timeout_s
 from chunkring.errors import ChunkringInputError, ChunkringRuntimeError, ChunkringUsageError
 from chunkring.ring.layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
 from chunkring.ring.spec import RingSpec
-from chunkring.ring.status import AbortRecord, InputRecord, StatusRecord, status_error
+from chunkring.ring.status import AbortRecord, InputRecord, StatusRecord, describe_words, status_error
 from chunkring.ring.transport import Transport, check_transport_mode, choose_transports, describe_transports, rma_mask
 
 if TYPE_CHECKING:
@@ -143,7 +143,18 @@ class Ring:
             self.views["status"][STATUS["input_field"]:STATUS["input_count"] + 1].zero_()
             torch.cuda.synchronize(self.runtime.torch_device)
         if error is not None:
+            if not isinstance(error, ChunkringInputError):
+                error.add_note(f"PE {self.runtime.rank}'s protocol words:\n{self.protocol_words()}")
             raise error
+
+    def protocol_words(self) -> str:
+        """This rank's protocol words as text (:func:`chunkring.ring.status.describe_words`): what a failed wait
+        waited for, from this side - the producer's and the consumer's positions, the ready and ack words."""
+        self._check_alive()
+        words = {name: self.views[name].tolist()
+                 for name in ("control", "cursor", "route_ready", "layout_ready", "ack")}
+        return describe_words(words, num_slots=self.spec.num_slots, world_size=self.spec.world_size,
+                              epoch_bits=self.spec.epoch_bits)
 
     def destroy(self) -> None:
         """Free the ring's symmetric memory. A collective."""

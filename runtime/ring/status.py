@@ -15,9 +15,10 @@ from chunkring.errors import (
     ChunkringTimeoutError,
     ChunkringUsageError,
 )
-from chunkring.ring.layout import STATUS
+from chunkring.ring.layout import CONTROL, STATUS
 
-__all__ = ["AbortRecord", "ErrorCode", "InputField", "InputRecord", "Site", "StatusRecord", "status_error"]
+__all__ = ["AbortRecord", "ErrorCode", "InputField", "InputRecord", "Site", "StatusRecord", "describe_words",
+           "status_error"]
 
 
 class ErrorCode(enum.IntEnum):
@@ -258,6 +259,31 @@ def status_error(words: Iterable[int], *, rank: int, epoch_bits: int = 16) -> Ch
     if not masked.ok:
         return ChunkringInputError(masked.describe(), masked)
     return None
+
+
+def describe_words(words: dict[str, list], *, num_slots: int, world_size: int, epoch_bits: int = 16) -> str:
+    """One rank's protocol words as text, for a failure's diagnostic (``Ring.protocol_words``): its producer's
+    next chunk, its consumer's next chunk per source, the ready words it holds per source and slot, and the
+    ack words of its own slots per destination. ``words``: the ring's ``control``, ``cursor``,
+    ``route_ready``, ``layout_ready`` and ``ack`` regions as lists. A generation reads ``e<epoch>:<seq>``, the
+    chunk it stands for; ``-`` is a word never written in the epoch."""
+    S, W, seq_bits = num_slots, world_size, 64 - epoch_bits
+
+    def chunk(value: int, slot: int) -> str:
+        gen = value & ((1 << 64) - 1)
+        if gen == 0:
+            return "-"
+        return f"e{gen >> seq_bits}:{((gen & ((1 << seq_bits) - 1)) - 1) * S + slot}"
+
+    control = words["control"]
+    lines = [f"producer: next chunk {control[CONTROL['next_seq']]} (epoch {control[CONTROL['epoch']]}); "
+             f"consumer: next chunk per source {[int(c) for c in words['cursor'][:W]]}"]
+    for name in ("route_ready", "layout_ready"):
+        rows = (" ".join(chunk(words[name][src][slot], slot) for slot in range(S)) for src in range(W))
+        lines.append(f"{name} by source, slots 0..{S - 1}: " + "; ".join(f"{src}: {r}" for src, r in enumerate(rows)))
+    acks = (" ".join(chunk(words["ack"][slot][dest], slot) for dest in range(W)) for slot in range(S))
+    lines.append(f"acks by slot, destinations 0..{W - 1}: " + "; ".join(f"{slot}: {a}" for slot, a in enumerate(acks)))
+    return "\n".join(lines)
 
 
 def _unsigned(words: Iterable[int]) -> list[int]:

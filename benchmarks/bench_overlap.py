@@ -192,6 +192,7 @@ class _ProducersAlone:
         self.ring = Ring(layer.runtime, spec, timeout_s=60)
         self.out = GatherOutputs(self.ring, layer.config.max_tokens_per_rank)
         self.arrivals = torch.zeros(1, dtype=torch.int32, device=layer.runtime.torch_device)
+        self.max_blocks = layer.stats()["producer_grid_max"]  # the layer's own streamed-call grid
 
     def __call__(self, hidden, router_weight) -> None:
         import torch
@@ -214,7 +215,7 @@ class _ProducersAlone:
                 chunk = hidden[start:start + T]
                 logits = router_logits(chunk, router_weight)
                 enqueue_produce(self.ring, layer._produce_kernels, logits, chunk, start, start + T >= n, None, None,
-                                self.arrivals, producer, layer.stats()["producer_grid_max"])
+                                self.arrivals, producer, self.max_blocks)
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
 

@@ -239,7 +239,7 @@ class Runtime:
     device: Device  # cuda.core
     comm: HostComm | None = field(default=None, repr=False)
     #: Ranks of the job on this rank's GPU, this one included (``init()`` counts them). Under MPS their kernels
-    #: run side by side on its SMs, so the grids that spin are sized to this rank's share (:meth:`sm_share`).
+    #: run side by side on its SMs, so the grids that spin are sized to this rank's share of them.
     gpu_ranks: int = 1
     _tensors: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _libraries: list[NvshmemKernelObject] = field(default_factory=list, repr=False)
@@ -267,16 +267,6 @@ class Runtime:
         import torch
 
         return torch.device("cuda", self.ordinal)
-
-    def sm_share(self, sms: int | None = None) -> int:
-        """This rank's share of ``sms`` SMs (default: its GPU's), where :attr:`gpu_ranks` ranks use them at once:
-        ``sms // gpu_ranks``, at least 1. Sizes a grid whose blocks spin on other ranks: every rank's such grids
-        must be resident together (docs/PROTOCOL.md, "Progress" 8)."""
-        if sms is None:
-            import torch
-
-            sms = torch.cuda.get_device_properties(self.ordinal).multi_processor_count
-        return max(1, sms // self.gpu_ranks)
 
     def _check_open(self) -> None:
         if self._closed:

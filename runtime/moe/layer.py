@@ -184,6 +184,7 @@ class MoELayer:
         self._arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
                           for mode, spec in specs.items()}
         # Per ring: the fused producer's blocks done with the current chunk (ring.cuh last_block_to_arrive).
+        self._produce_kernels = library_for(runtime, "moe_produce")
         self._produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start
         # would stall the others (docs/PROTOCOL.md, "Progress").
@@ -195,7 +196,6 @@ class MoELayer:
         confined = self._partition = partition if isinstance(partition, SmPartition) else None
         consumer_sms = confined.consumer_sms if confined is not None else torch.cuda.get_device_properties(
             device).multi_processor_count
-        self._produce_kernels = library_for(runtime, "moe_produce")
         # Ranks sharing this GPU spin on the same SMs: each sizes its spinning grids to its share of them.
         self._pull_grid, streamed_producer = spinning_grids(
             consumer_sms, resident, None if confined is None else confined.plan.producer_sms, runtime.gpu_ranks)

@@ -79,7 +79,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #: 1,024-token chunks 96 us at 128 blocks, 155 us at 1,024.
 PRODUCE_ELEMENTS_PER_BLOCK = 4096
 PRODUCE_MAX_BLOCKS = 128
-PRODUCE_BLOCK = 256
+_PRODUCE_BLOCK = 256
 
 
 def produce_grid(rows: int, hidden: int, max_blocks: int = PRODUCE_MAX_BLOCKS) -> int:
@@ -120,4 +120,4 @@ def enqueue_produce(ring: Ring, kernels: KernelLibrary, logits: torch.Tensor, hi
     grid = produce_grid(rows, hidden.shape[1], max_blocks)
     kernels.launch("moe_produce_chunk", ring.desc, logits, hidden, logits.shape[1], rows, token_base,
                    int(end_of_stream), valid_tokens, 0 if batch_rows is None else batch_rows,
-                   arrivals if grid > 1 else None, grid=grid, block=PRODUCE_BLOCK, stream=stream)
+                   arrivals if grid > 1 else None, grid=grid, block=_PRODUCE_BLOCK, stream=stream)

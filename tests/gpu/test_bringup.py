@@ -56,10 +56,8 @@ def test_an_empty_symmetric_tensor_is_refused_before_nvshmem(runtime, shape):
 
 def test_init_counts_the_ranks_sharing_this_gpu(runtime):
     """``Runtime.gpu_ranks``: every rank whose GPU has this one's UUID on this host (all of them on a host
-    with one GPU), the same count on each of them; ``sm_share`` divides the GPU's SMs by it."""
+    with one GPU), the same count on each of them."""
     uuids = runtime.allgather_object(str(runtime.device.uuid))
     assert runtime.gpu_ranks == uuids.count(str(runtime.device.uuid))
     if torch.cuda.device_count() == 1:
         assert runtime.gpu_ranks == runtime.world_size
-    sms = torch.cuda.get_device_properties(runtime.torch_device).multi_processor_count
-    assert runtime.sm_share() == sms // runtime.gpu_ranks

@@ -93,7 +93,7 @@ def test_consumer_first_filling_its_partition(runtime):
     counts = counts_for(runtime.world_size, 5)
     with make_ring(runtime, 2) as ring, SmPartition(runtime, producer_sms=16) as part:
         # Ranks sharing one GPU under MPS share the consumer partition's SMs: this rank fills its share.
-        grid = gather_grid_limit(ring, runtime.sm_share(part.consumer_sms))
+        grid = gather_grid_limit(ring, part.consumer_sms // runtime.gpu_ranks)
         for invocation in range(2):
             out = GatherOutputs(ring, 5 * T)
             torch.cuda.synchronize()

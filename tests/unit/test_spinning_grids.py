@@ -1,5 +1,5 @@
 """Grids that spin, sized so that every rank's blocks on one GPU are resident at once (docs/PROTOCOL.md,
-"Progress" 8): a rank's share of the SMs (Runtime.sm_share, gpu_ranks counted at init), the fused
+"Progress" 8): the ranks on a GPU (Runtime.gpu_ranks, counted at init), the fused
 producer's limit beside a consumer on the same SMs (produce_grid_limit), and the layer's pull and producer
 grids with and without a partition (spinning_grids)."""
 
@@ -28,11 +28,9 @@ def test_init_counts_the_ranks_on_this_ranks_gpu_by_host_and_uuid():
     assert _ranks_on_my_gpu(comm, "GPU-b") == 1
 
 
-def test_a_ranks_share_of_the_sms():
+def test_a_runtime_refuses_a_gpu_rank_count_outside_its_world():
     four = RankInfo(rank=1, world_size=4, local_rank=1, local_world_size=4)
-    assert Runtime(ranks=four, ordinal=0, device=None, gpu_ranks=4).sm_share(H200_SMS) == 33
-    assert Runtime(ranks=four, ordinal=0, device=None, gpu_ranks=1).sm_share(H200_SMS) == H200_SMS
-    assert Runtime(ranks=four, ordinal=0, device=None, gpu_ranks=4).sm_share(3) == 1  # never none
+    assert Runtime(ranks=four, ordinal=0, device=None, gpu_ranks=4).gpu_ranks == 4
     for bad in (0, 5):
         with pytest.raises(ChunkringUsageError) as info:
             Runtime(ranks=four, ordinal=0, device=None, gpu_ranks=bad)

@@ -261,12 +261,14 @@ def status_error(words: Iterable[int], *, rank: int, epoch_bits: int = 16) -> Ch
     return None
 
 
-def describe_words(words: dict[str, list], *, num_slots: int, world_size: int, epoch_bits: int = 16) -> str:
+def describe_words(words: dict[str, list], *, num_slots: int, world_size: int, epoch_bits: int = 16,
+                   abort: AbortRecord | None = None) -> str:
     """One rank's protocol words as text, for a failure's diagnostic (``Ring.protocol_words``): its producer's
     next chunk, its consumer's next chunk per source, the ready words it holds per source and slot, and the
     ack words of its own slots per destination. ``words``: the ring's ``control``, ``cursor``,
     ``route_ready``, ``layout_ready`` and ``ack`` regions as lists. A generation reads ``e<epoch>:<seq>``, the
-    chunk it stands for; ``-`` is a word never written in the epoch."""
+    chunk it stands for; ``-`` is a word never written in the epoch. ``abort``: the rank's abort word; when
+    raised, a last line says the words may have moved since the failed wait (below)."""
     S, W, seq_bits = num_slots, world_size, 64 - epoch_bits
 
     def chunk(value: int, slot: int) -> str:
@@ -283,6 +285,11 @@ def describe_words(words: dict[str, list], *, num_slots: int, world_size: int, e
         lines.append(f"{name} by source, slots 0..{S - 1}: " + "; ".join(f"{src}: {r}" for src, r in enumerate(rows)))
     acks = (" ".join(chunk(words["ack"][slot][dest], slot) for dest in range(W)) for slot in range(S))
     lines.append(f"acks by slot, destinations 0..{W - 1}: " + "; ".join(f"{slot}: {a}" for slot, a in enumerate(acks)))
+    if abort is not None and abort.raised:
+        # The abort ends every spin, freeing the SMs its blocks held: a kernel that could not start beside them
+        # (docs/PROTOCOL.md, Progress 8) may then publish, and consumers not yet polling the abort take it.
+        lines.append(f"read after the abort ({abort.describe()}): kernels stalled before it may have run since, so "
+                     "positions and words can be past where the failed wait found them")
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@ as a note by Ring.check): every generation decoded to the chunk it stands for, s
 ranks together show who published, observed and acknowledged what."""
 
 from chunkring.ring.layout import CONTROL
-from chunkring.ring.status import describe_words
+from chunkring.ring.status import AbortRecord, ErrorCode, describe_words
 
 
 def gen(epoch: int, seq: int, slots: int) -> int:
@@ -36,3 +36,16 @@ def test_signed_words_and_other_epochs_decode():
              "ack": [[gen(2, 4, 1)]]}
     lines = describe_words(words, num_slots=1, world_size=1).splitlines()
     assert lines[1].endswith("0: e32768:0") and lines[2].endswith("0: -") and lines[3].endswith("0: e2:4")
+
+
+def test_words_read_after_an_abort_say_they_may_have_moved_since():
+    # The abort ends every spin and frees the SMs its blocks held, so a producer kernel that could not start
+    # beside them may publish afterwards: the words then show a chunk the failed wait never saw.
+    words = {"control": [1, 2], "cursor": [0], "route_ready": [[gen(1, 0, 1)]], "layout_ready": [[gen(1, 0, 1)]],
+             "ack": [[0]]}
+    quiet = describe_words(words, num_slots=1, world_size=1, abort=AbortRecord(0))
+    assert quiet == describe_words(words, num_slots=1, world_size=1)
+    aborted = describe_words(words, num_slots=1, world_size=1, abort=AbortRecord.make(1, 3, ErrorCode.TIMEOUT))
+    assert aborted.splitlines()[:-1] == quiet.splitlines()
+    assert aborted.splitlines()[-1].startswith("read after the abort (rank 3 recorded TIMEOUT (epoch 1)")
+    assert "may have run since" in aborted.splitlines()[-1]

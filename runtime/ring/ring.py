@@ -153,9 +153,8 @@ class Ring:
         self._check_alive()
         words = {name: self.views[name].tolist()
                  for name in ("control", "cursor", "route_ready", "layout_ready", "ack")}
-        abort = AbortRecord.from_word(int(self.views["status"][STATUS["abort"]].item()))
         return describe_words(words, num_slots=self.spec.num_slots, world_size=self.spec.world_size,
-                              epoch_bits=self.spec.epoch_bits, abort=abort)
+                              epoch_bits=self.spec.epoch_bits, abort=self.abort_status())
 
     def destroy(self) -> None:
         """Free the ring's symmetric memory. A collective."""

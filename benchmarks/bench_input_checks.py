@@ -22,9 +22,9 @@ import torch
 import chunkring
 from chunkring import MoEConfig, MoELayer
 from chunkring._jit import library_for
-from chunkring.benchmarks import result_file
 from chunkring.moe.producer import quantize_rows_fp8, route
 from chunkring.ring.io import publish_chunk
+from chunkring.testing import records
 from chunkring.testing.stress import NO_INPUT_CHECKS
 
 
@@ -87,7 +87,7 @@ def main() -> int:
               f"pull {checked_us:.2f} us checked, {unchecked_us:.2f} us unchecked, "
               f"checks {checked_us - unchecked_us:+.2f} us per chunk ({figures['checks_share_of_pull']:+.1%})")
         if args.json:
-            result_file.write(args.json, suite="bench_input_checks", world_size=runtime.world_size, figures=figures)
+            records.write(args.json, suite="bench_input_checks", world_size=runtime.world_size, figures=figures)
     runtime.close()
     return 0
 

@@ -326,12 +326,12 @@ def _say(runtime, text: str) -> None:
 def write_results(path: str, runtime, records: list[dict], files: list[str]) -> None:
     """The result file (rank 0): the summary fields, ``records``, their numbers as ``figures`` keyed
     ``<shape>_n<tokens>_<chunk_kind>_<key>``, and the names of the timeline files beside it."""
-    from chunkring.benchmarks import result_file
+    from chunkring.testing import records
 
     figures = {f"{r['shape']}_n{r['tokens']}_w{r['waves']}_{r['chunk_kind']}_{k}": v for r in records
                for k, v in r.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    result_file.write(path, suite="overlap", world_size=runtime.world_size, figures=figures, records=records,
+    records.write(path, suite="overlap", world_size=runtime.world_size, figures=figures, records=records,
                       files=[Path(f).name for f in files])
 
 

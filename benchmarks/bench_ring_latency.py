@@ -23,9 +23,8 @@ import torch
 import chunkring
 from chunkring import Ring, RingSpec
 from chunkring._jit import library_for
-from chunkring.benchmarks import result_file
 from chunkring.ring.spec import PayloadFormat
-from chunkring.testing import selftest
+from chunkring.testing import records, selftest
 
 
 def launched(runtime, ring, lib, kernel, iters, grid, words=1):
@@ -61,7 +60,7 @@ def ack_cost(runtime, lib, common, iters, json_path) -> None:
     for name in ("round_trip_us", "owner_ack_wait_us", "ack_swap_mean_us", "ack_swap_max_us", "chunk_wait_mean_us"):
         print(f"{name:<30} {figures[name]:8.3f}")
     if json_path:
-        result_file.write(json_path, suite="bench_ring_ack_cost", world_size=runtime.world_size, figures=figures)
+        records.write(json_path, suite="bench_ring_ack_cost", world_size=runtime.world_size, figures=figures)
 
 
 def main() -> int:
@@ -101,7 +100,7 @@ def main() -> int:
             figures = {"raw_signal_one_way_us": floor, "publish_observe_us": publish_rtt / 2,
                        "slot_round_trip_us": slot_round_trip, "publish_observe_over_floor": publish_rtt / 2 / floor,
                        "slot_round_trip_over_floor": slot_round_trip / floor}
-            result_file.write(args.json, suite="bench_ring_latency", world_size=runtime.world_size, figures=figures)
+            records.write(args.json, suite="bench_ring_latency", world_size=runtime.world_size, figures=figures)
     runtime.close()
     return 0
 

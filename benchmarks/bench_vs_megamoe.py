@@ -12,7 +12,7 @@ top-6; ``v3``: hidden 7168, top-8, 32 local experts, intermediate 2048) and toke
 * ``megamoe_ms``: ``deep_gemm.fp8_mega_moe`` on a one-rank process group, its symmetric buffer staged
   with the same FP8 rows, scales and routing (the staging copies timed with the call, as a caller must),
   the faster of eager and CUDA-graph replay;
-* ``torch_bf16_ms``: the plain-torch peer (:func:`chunkring.benchmarks.peer_moe.torch_moe`: route, sort,
+* ``torch_bf16_ms``: the plain-torch peer (:func:`chunkring.testing.peer_moe.torch_moe`: route, sort,
   two ``torch._grouped_mm``) on the bf16 hidden states and bf16 weights;
 * ``chunkring_rel_err`` / ``megamoe_rel_err``: ``||out - ref|| / ||ref||`` against an fp64 reference on
   the dequantised operands (the FP8 rows and the FP8 weights both paths read);
@@ -35,12 +35,12 @@ import sys
 import torch
 
 import chunkring
+from benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_group, time_eager
 from chunkring import MoEConfig, MoELayer
-from chunkring.benchmarks.peer_moe import torch_moe
-from chunkring.benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_group, time_eager
 from chunkring.moe.calibrate import replay_median_ms
 from chunkring.moe.experts import load_deep_gemm
 from chunkring.moe.producer import quantize_rows_fp8, route
+from chunkring.testing.peer_moe import torch_moe
 
 SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
           "v3": dict(experts=32, hidden=7168, intermediate=2048, topk=8)}

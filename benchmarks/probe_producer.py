@@ -32,9 +32,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_overlap import SHAPES, _ProducersAlone, _Shape  # noqa: E402
+from benchmarks.bench_overlap import SHAPES, _ProducersAlone, _Shape
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,8 @@ export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
 commit=${CHUNKRING_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export CHUNKRING_COMMIT=${commit//[^A-Za-z0-9._-]/-}
 prefix="$results/$CHUNKRING_COMMIT"
-if ! python3 -c "import chunkring.benchmarks" 2>/dev/null; then  # an install older than the benchmarks package
-    echo "bench.sh: chunkring.benchmarks is not importable; reinstall chunkring (pip install -e .)" >&2
+if ! python3 -c "import chunkring.testing.bench_moe" 2>/dev/null; then  # an install older than this layout
+    echo "bench.sh: chunkring.testing.bench_moe is not importable; reinstall chunkring (pip install -e .)" >&2
     exit 2
 fi
 status=0
@@ -34,7 +34,7 @@ bench 1rank-flash-sm16 bench --config bench producer_sms=16 'tokens="128,2048"' 
 # Several ranks sharing the GPU under MPS (expert parallel over ranks; four processes time-share one GPU).
 bench "${ranks}rank-mps-flash" --np "$ranks" --mps bench --config bench 'tokens="128,2048"' 'chunks="256,1024"' 'trace=""' \
     max_tokens_per_rank=2048
-python3 benchmarks/bench_input_checks.py --json "$prefix-input_checks_1rank.json" || status=1
+python3 -m benchmarks.bench_input_checks --json "$prefix-input_checks_1rank.json" || status=1
 for trace in "$prefix"-timeline-*-batch.json "$prefix"-timeline-*-streamed.json; do
     [ -f "$trace" ] && python3 scripts/plot_timeline.py "$trace" -o "${trace%.json}.png" 2>/dev/null
 done

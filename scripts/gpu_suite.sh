@@ -114,21 +114,21 @@ bench() {  # ranks name script args...: one benchmark under mpirun, its JSON nam
         tee -a "$logs/bench.log" || status=1
 }
 bench_mps() {
-    bench 2 ring_latency_2rank_mps benchmarks/bench_ring_latency.py
+    bench 2 ring_latency_2rank_mps -m benchmarks.bench_ring_latency
     for n in 2 4 8; do  # the ack's cost against the rank count (one remote swap per chunk and destination)
-        bench "$n" "ack_cost_${n}rank_mps" benchmarks/bench_ring_latency.py --ack-cost
+        bench "$n" "ack_cost_${n}rank_mps" -m benchmarks.bench_ring_latency --ack-cost
     done
-    for n in 1 "$ranks"; do bench "$n" "input_checks_${n}rank_mps" benchmarks/bench_input_checks.py; done
+    for n in 1 "$ranks"; do bench "$n" "input_checks_${n}rank_mps" -m benchmarks.bench_input_checks; done
 }
 overlap_1rank() {  # bounded for a 5-minute device call: 2,048 tokens, the default ring (128) + 2 chunk sizes per
     # shape; the first call per shape and SM count compiles DeepGEMM's kernels, outside the timings (printed).
     # The JSON is rewritten after each shape, so a run the timeout cuts keeps the shapes it finished.
     local out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-overlap.json
-    timeout 240 python3 benchmarks/bench_overlap.py --shapes flash,v3 --tokens 2048 --chunks 512,1024 --waves 1,4 \
+    timeout 240 python3 -m benchmarks.bench_overlap --shapes flash,v3 --tokens 2048 --chunks 512,1024 --waves 1,4 \
         --iterations 10 --json "$out" 2>&1 | tee "$logs/overlap.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     # Where a streamed chunk's production time goes (the router GEMM, the fused kernel, the ring's back-pressure).
-    timeout 90 python3 benchmarks/probe_producer.py \
+    timeout 90 python3 -m benchmarks.probe_producer \
         --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-producer-probe.json" 2>&1 | tee "$logs/probe.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
@@ -139,7 +139,7 @@ producer_ncu() {  # Nsight Compute on the fused producer kernel (no timing: wher
     for chunk in 128 1024; do
         timeout 150 "$ncu" --clock-control none -k regex:moe_produce_chunk -c 2 --section SpeedOfLight \
             --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
-            --section MemoryWorkloadAnalysis python3 benchmarks/probe_producer.py --chunks "$chunk" --profile-once \
+            --section MemoryWorkloadAnalysis python3 -m benchmarks.probe_producer --chunks "$chunk" --profile-once \
             2>&1 | tee -a "$logs/producer_ncu.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done

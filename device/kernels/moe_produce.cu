@@ -31,7 +31,7 @@ using namespace chunkring::protocol;
 namespace {
 
 constexpr u32 kWarp = 32;
-constexpr u64 kScaleBlock = 128;     // columns per FP8 scale (runtime/ring/spec.py FP8_SCALE_BLOCK)
+constexpr u64 kScaleBlock = 128;     // columns per FP8 scale (runtime/chunkring/ring/spec.py FP8_SCALE_BLOCK)
 constexpr float kE4M3Max = 448.0f;   // largest finite float8_e4m3fn
 
 // A candidate expert: its logit's rank key (NaN above +inf) and its index; idx < 0 = none.

@@ -1,4 +1,4 @@
-// Kernels of the MoE layer (runtime/moe/layer.py) that use the ring. The expert work between the pull
+// Kernels of the MoE layer (runtime/chunkring/moe/layer.py) that use the ring. The expert work between the pull
 // and the held acknowledgement is moe_experts.cu's (plan, SwiGLU, combine push) and the GEMM engine's.
 //
 // One call at a destination rank, on its consumer stream:

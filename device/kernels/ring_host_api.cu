@@ -1,4 +1,4 @@
-// Kernels behind the host-side ring API (runtime/ring/io.py publish_chunk / gather):
+// Kernels behind the host-side ring API (runtime/chunkring/ring/io.py publish_chunk / gather):
 // a torch producer fills tensors and publishes them as the next chunk, stream-ordered; a consumer
 // gathers every chunk of one invocation from every source into dense per-source outputs.
 // Both go through the device API of protocol/ring.cuh; neither takes a host-supplied generation.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.launcher.jobs import bringup
+from chunkring_launch.jobs import bringup
 
 pytestmark = pytest.mark.gpu
 

@@ -28,10 +28,10 @@ from types import SimpleNamespace
 import pytest
 
 from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat
-from chunkring.launcher import cli, exitcodes
-from chunkring.launcher.config import from_table, load_table, parse_overrides
-from chunkring.launcher.jobdir import failed_ranks, first_failure, record_failure
-from chunkring.launcher.jobs import JOBS, fault
+from chunkring_launch import cli, exitcodes
+from chunkring_launch.config import from_table, load_table, parse_overrides
+from chunkring_launch.jobdir import failed_ranks, first_failure, record_failure
+from chunkring_launch.jobs import JOBS, fault
 from tests.conftest import HAVE_GPU
 
 
@@ -153,7 +153,7 @@ def _launcher_env(tmp_path) -> dict:
 def _launcher_argv(tmp_path, ranks: int, *overrides, timeout: int = 90) -> list[str]:
     config = tmp_path / "fault.toml"
     config.write_text('job = "fault"\n')
-    return [sys.executable, "-m", "chunkring.launcher.cli", "--np", str(ranks), "--timeout", str(timeout),
+    return [sys.executable, "-m", "chunkring_launch.cli", "--np", str(ranks), "--timeout", str(timeout),
             "--no-progress", "--config", str(config), "fault", *overrides]
 
 

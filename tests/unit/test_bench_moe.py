@@ -1,12 +1,12 @@
-"""The bench's method (chunkring.benchmarks.bench_moe) and its launcher entry point, without a GPU: what
+"""The bench's method (chunkring.testing.bench_moe) and its launcher entry point, without a GPU: what
 follows from one shape's measured times, and what the ``bench`` job hands the method."""
 
 import contextlib
 
 import pytest
 
-from chunkring.benchmarks import bench_moe
-from chunkring.benchmarks.bench_moe import EFFICIENCY_FLOOR, Timing, derived_figures
+from chunkring.testing import bench_moe
+from chunkring.testing.bench_moe import EFFICIENCY_FLOOR, Timing, derived_figures
 
 
 def test_the_overlap_bound_and_the_ratios():
@@ -39,8 +39,8 @@ def test_the_peer_ratios_where_the_peer_ran():
 
 
 def test_the_job_hands_the_method_its_config(monkeypatch):
-    from chunkring.launcher.config import from_table, load_table
-    from chunkring.launcher.jobs import bench
+    from chunkring_launch.config import from_table, load_table
+    from chunkring_launch.jobs import bench
 
     config = from_table(bench.CONFIG, {**load_table("bench"), "tokens": "16,64", "chunks": "32,64",
                                        "trace": "64:32", "iterations": 7, "warmup": 2, "rotate": 3, "seed": 5},

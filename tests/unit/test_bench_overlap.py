@@ -1,12 +1,12 @@
-"""The overlap bench's method (chunkring.benchmarks.bench_overlap) without a GPU: the bound, the per-chunk
+"""The overlap bench's method (benchmarks.bench_overlap) without a GPU: the bound, the per-chunk
 cost, which records it reports, which chunk sizes it measures, its arguments, and its result file."""
 
 import json
 
 import pytest
 
-from chunkring.benchmarks import bench_overlap, result_file
-from chunkring.benchmarks.bench_overlap import (
+from benchmarks import bench_overlap
+from benchmarks.bench_overlap import (
     RECORD_KEYS,
     chunk_sizes,
     overlap_bound,
@@ -15,6 +15,7 @@ from chunkring.benchmarks.bench_overlap import (
     pick_records,
     shape_record,
 )
+from chunkring.testing import records as record_file
 
 
 def test_bound_is_the_longer_side_plus_one_chunk_of_the_shorter():
@@ -85,7 +86,7 @@ def test_arguments_are_parsed_and_checked():
 def test_shapes_are_one_ranks_share():
     # bench_vs_megamoe.py's flash shape (the FP8 consumer issue's), and V3's width and top-k at 32 experts per
     # rank: 8 ranks route over V3's 256 experts.
-    from chunkring.benchmarks.bench_vs_megamoe import SHAPES as MEGAMOE_SHAPES
+    from benchmarks.bench_vs_megamoe import SHAPES as MEGAMOE_SHAPES
 
     assert bench_overlap.SHAPES["flash"] == MEGAMOE_SHAPES["flash"]
     assert bench_overlap.SHAPES["v3"]["experts"] * 8 == 256
@@ -100,15 +101,15 @@ def test_result_file_holds_the_summary_fields_records_and_files(tmp_path, monkey
     monkeypatch.setenv("CHUNKRING_COMMIT", "abc1234")
     record = {**pick_records(_by_chunk({128: 9.6}), 128)[0]}
     path = tmp_path / "abc1234-overlap.json"
-    result_file.write(str(path), suite="overlap", world_size=1, figures={"x": 1.0}, records=[record],
-                      files=["t.png"])
+    record_file.write(str(path), suite="overlap", world_size=1, figures={"x": 1.0}, records=[record],
+                          files=["t.png"])
     summary = json.loads(path.read_text())
     for key in ("commit", "gpu", "gpus", "ranks", "suite", "command", "passed", "failed", "skipped", "figures"):
         assert key in summary, key
     assert summary["commit"] == "abc1234" and summary["suite"] == "overlap"
     assert summary["records"] == [record] and summary["files"] == ["t.png"]
     # Without records the file is what every other bench writes.
-    result_file.write(str(path), suite="s", world_size=2, figures={})
+    record_file.write(str(path), suite="s", world_size=2, figures={})
     assert "records" not in json.loads(path.read_text())
 
 

@@ -12,7 +12,7 @@ from tests.conftest import HAVE_GPU
 
 @pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU path")
 def test_no_gpu_message():
-    proc = subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", "bringup"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "chunkring_launch.cli", "bringup"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 3
     assert "no CUDA GPU" in proc.stderr
@@ -20,13 +20,13 @@ def test_no_gpu_message():
 
 
 def test_unknown_job_is_a_usage_error():
-    proc = subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", "nosuchjob"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "chunkring_launch.cli", "nosuchjob"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
 def run_cli(*argv, env=None):
-    return subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "chunkring_launch.cli", *argv], capture_output=True, text=True,
                           timeout=120, env=env, check=False)
 
 
@@ -51,7 +51,7 @@ def test_topk_past_the_experts_is_a_config_error_without_a_gpu():
     (["--np", "128", "run", "num_experts=128"], "--np: must be in [1, 64], got 128"),
 ])
 def test_a_layer_the_ring_cannot_carry_is_a_config_error(argv, needle, capsys):
-    from chunkring.launcher import cli
+    from chunkring_launch import cli
 
     assert cli.main(argv) == 2
     out, err = capsys.readouterr()
@@ -60,7 +60,7 @@ def test_a_layer_the_ring_cannot_carry_is_a_config_error(argv, needle, capsys):
 
 
 def test_the_dry_run_of_a_fitting_rank_count_passes(capsys):
-    from chunkring.launcher import cli
+    from chunkring_launch import cli
 
     assert cli.main(["--np", "4", "--dry-run", "run"]) == 0
     assert "mpirun -np 4" in capsys.readouterr().out
@@ -68,7 +68,7 @@ def test_the_dry_run_of_a_fitting_rank_count_passes(capsys):
 
 @pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU path")
 def test_doctor_without_a_gpu_is_status_3(monkeypatch, capsys):
-    from chunkring.launcher import cli, doctor
+    from chunkring_launch import cli, doctor
 
     # The kernel build is checked elsewhere (test_launcher); here only the status matters.
     monkeypatch.setattr(doctor, "check_compiler", lambda: doctor.Check("kernel build (NVRTC)", "PASS", "skipped here"))
@@ -79,7 +79,7 @@ def test_doctor_without_a_gpu_is_status_3(monkeypatch, capsys):
 
 
 def test_doctor_status_follows_the_checks():
-    from chunkring.launcher.doctor import NO_GPU_DETAIL, Check, summarize
+    from chunkring_launch.doctor import NO_GPU_DETAIL, Check, summarize
 
     ok, bad = Check("mpirun", "PASS", "here"), Check("mpirun", "FAIL", "missing")
     no_gpu, skip = Check("GPUs", "FAIL", NO_GPU_DETAIL), Check("MPS", "SKIP", "not found")
@@ -92,14 +92,14 @@ def test_doctor_status_follows_the_checks():
 
 
 def test_doctor_takes_no_keys(capsys):
-    from chunkring.launcher import cli
+    from chunkring_launch import cli
 
     assert cli.main(["doctor", "rounds=3"]) == 2
     assert "doctor takes no keys" in capsys.readouterr().err
 
 
 def _help(argv, capsys) -> str:
-    from chunkring.launcher import cli
+    from chunkring_launch import cli
 
     with pytest.raises(SystemExit) as info:
         cli.parse_args(argv)
@@ -111,8 +111,8 @@ def _help(argv, capsys) -> str:
 def test_every_jobs_help_lists_its_keys_with_the_preset_values(job, capsys):
     import dataclasses
 
-    from chunkring.launcher.config import load_table
-    from chunkring.launcher.jobs import JOBS
+    from chunkring_launch.config import load_table
+    from chunkring_launch.jobs import JOBS
 
     out = _help([job, "--help"], capsys)
     assert f"Keys of the {job} job (values of the preset configs/{job}.toml" in out

@@ -3,8 +3,8 @@
 import pytest
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.launcher.config import from_table, load_table
-from chunkring.launcher.jobs import JOBS
+from chunkring_launch.config import from_table, load_table
+from chunkring_launch.jobs import JOBS
 
 
 @pytest.mark.parametrize("job", sorted(JOBS))
@@ -79,7 +79,8 @@ def test_bench_rejects(table, field):
 def test_every_preset_is_valid_for_its_job():
     from importlib import resources
 
-    presets = [p.name[:-5] for p in resources.files("chunkring.configs").iterdir() if p.name.endswith(".toml")]
+    folder = resources.files("chunkring_launch") / "configs"
+    presets = [p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml")]
     assert {"bench", "bench_v3", "bringup", "run", "stress", "chaos", "prefill_8xh200", "decode_8xh200"} <= set(presets)
     for name in presets:
         table = load_table(name)
@@ -88,7 +89,7 @@ def test_every_preset_is_valid_for_its_job():
 
 
 def test_jobs_share_the_layer_fields():
-    from chunkring.launcher.jobs.moe_workload import LayerFields
+    from chunkring_launch.jobs.moe_workload import LayerFields
 
     for job in ("bench", "run", "stress"):
         assert issubclass(JOBS[job].CONFIG, LayerFields)
@@ -101,7 +102,7 @@ def test_the_test_job_is_registered_only_on_request():
     import subprocess
     import sys
 
-    code = "from chunkring.launcher.jobs import JOBS; print(sorted(JOBS))"
+    code = "from chunkring_launch.jobs import JOBS; print(sorted(JOBS))"
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={k: v for k, v in os.environ.items() if k != "CHUNKRING_TEST_JOBS"})
     asked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -95,7 +95,7 @@ def test_collective_constructors_check_arguments_through_the_runtime():
 
 
 def test_the_workers_host_only_runtime_is_a_host_comm():
-    from chunkring.launcher.worker import HostRuntime
+    from chunkring_launch.worker import HostRuntime
 
     rt = HostRuntime(ONE)
     assert isinstance(rt, HostComm) and rt.comm is rt
@@ -111,7 +111,7 @@ def test_library_and_launcher_reach_mpi_only_through_host_comm():
 
     from tests.unit.test_import_graph import _imports, module_files
 
-    allowed = {"chunkring.bringup", "chunkring.launcher.doctor"}
+    allowed = {"chunkring.bringup", "chunkring_launch.doctor"}
     users = set()
     for name, path in module_files().items():
         for node in _imports(ast.parse(path.read_text())):

@@ -3,7 +3,7 @@ circle anywhere, and each layer imports only those below it -
 
     chunkring's process runtime (bringup, env, errors, partition, ranks) <- chunkring._jit <- chunkring.ring
     <- chunkring.moe <- chunkring.integrations <- chunkring.testing <- chunkring.benchmarks and scripts/
-    <- chunkring.launcher
+    <- chunkring_launch
 
 so the protocol core never pulls in the MoE layer, the MoE layer never a framework adapter, library code
 never the launcher, the test helpers or the benchmarks, and benchmarks and scripts never the launcher.
@@ -15,7 +15,6 @@ need each other); a package's
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -30,37 +29,26 @@ LAYERS = [
     ("moe", ("chunkring.moe",)),
     ("integrations", ("chunkring.integrations",)),
     ("testing", ("chunkring.testing",)),
-    ("benchmarks", ("chunkring.benchmarks", "scripts")),
-    ("launcher", ("chunkring.launcher",)),
+    ("benchmarks", ("benchmarks", "scripts")),
+    ("launcher", ("chunkring_launch",)),
 ]
-#: Outside the layers: the package facade (``import chunkring`` gives the whole library), data packages.
-UNLAYERED = ("chunkring", "chunkring.configs")
+#: Outside the layers: the package facade (``import chunkring`` gives the whole library).
+UNLAYERED = ("chunkring",)
 
-
-def package_dirs() -> dict[str, Path]:
-    """Package name -> source folder, as pyproject.toml maps them (the editable install's mapping)."""
-    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    return {name: REPO / folder for name, folder in tool["package-dir"].items()}
+#: Where each importable tree lives: the folder that holds it, as ``sys.path`` would name it (the packages'
+#: folders are named as imported; benchmarks/ and scripts/ run from the repository's root, ``python -m``).
+ROOTS = {"chunkring": REPO / "runtime", "chunkring_launch": REPO / "launcher", "benchmarks": REPO,
+         "scripts": REPO}
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of the package (``a.b`` for a/b.py, ``a`` for a/__init__.py) and every script under
-    scripts/ (as ``scripts.<name>``), with its file."""
-    dirs = package_dirs()
+    """Every module (``a.b`` for a/b.py, ``a`` for a/__init__.py) of each tree of :data:`ROOTS`, with its file."""
     modules: dict[str, Path] = {}
-    for package, folder in dirs.items():
-        for path in sorted(folder.rglob("*.py")):
-            parts = path.relative_to(folder).with_suffix("").parts
-            if "__pycache__" in parts or not all((folder.joinpath(*parts[:i]) / "__init__.py").is_file()
-                                                 for i in range(len(parts))):
-                continue  # not inside a package (e.g. a loose script in a data folder)
-            name = ".".join((package, *parts))
-            name = name.removesuffix(".__init__")
-            if any(len(p) > len(package) and (name == p or name.startswith(p + ".")) for p in dirs):
-                continue  # a subpackage mapped to a folder of its own is read from there
-            modules[name] = path
-    for path in sorted((REPO / "scripts").glob("*.py")):
-        modules[f"scripts.{path.stem}"] = path
+    for top, root in ROOTS.items():
+        for path in sorted((root / top).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if "__pycache__" not in parts:
+                modules[".".join(parts).removesuffix(".__init__")] = path
     return modules
 
 
@@ -214,9 +202,9 @@ def test_the_graph_is_read(graph):
     assert all(any(layer_of(m) == rank for m in graph) for rank in range(len(LAYERS))), sorted(graph)
     assert all(m in graph for m in UNLAYERED)
     assert "chunkring.moe.layer" in graph["chunkring.moe"]                      # package re-export
-    assert "chunkring.launcher.jobs.bench" in graph["chunkring.launcher.jobs"]  # from . import bench
-    assert "chunkring.launcher.worker" in graph["chunkring.launcher.cli"]       # lazy, in main()
-    assert "chunkring.benchmarks.bench_moe" in graph["chunkring.launcher.jobs.bench"]
+    assert "chunkring_launch.jobs.bench" in graph["chunkring_launch.jobs"]  # from . import bench
+    assert "chunkring_launch.worker" in graph["chunkring_launch.cli"]       # lazy, in main()
+    assert "chunkring.testing.bench_moe" in graph["chunkring_launch.jobs.bench"]
     assert "chunkring.ring.ring" in graph["chunkring.moe.layer"]
     assert "chunkring.moe.layer" in graph["chunkring.integrations.transformers"]
     assert "chunkring.bringup" in graph["chunkring"]
@@ -237,12 +225,12 @@ def test_each_layer_imports_only_those_below(graph):
     ("chunkring._jit", "chunkring.ring"),
     ("chunkring.ring", "chunkring.testing"),
     ("chunkring.moe", "chunkring.testing"),
-    ("chunkring.bringup", "chunkring.launcher"),
-    ("chunkring.moe", "chunkring.launcher"),
-    ("chunkring.benchmarks", "chunkring.launcher"),
-    ("scripts", "chunkring.launcher"),
-    ("chunkring.testing", "chunkring.launcher"),
-    ("chunkring.moe", "chunkring.benchmarks"),
+    ("chunkring.bringup", "chunkring_launch"),
+    ("chunkring.moe", "chunkring_launch"),
+    ("benchmarks", "chunkring_launch"),
+    ("scripts", "chunkring_launch"),
+    ("chunkring.testing", "chunkring_launch"),
+    ("chunkring.moe", "benchmarks"),
     ("chunkring.moe", "chunkring.integrations"),
     ("chunkring.integrations", "chunkring.testing"),
 ])
@@ -257,16 +245,16 @@ def test_named_rules(graph, low, high):
 
 
 def test_the_checker_finds_circles_and_layer_breaks():
-    fake = {"chunkring.launcher.jobs": {"chunkring.launcher.jobs.bench"},
-            "chunkring.launcher.jobs.bench": {"chunkring.launcher.worker"},
-            "chunkring.launcher.worker": {"chunkring.launcher.jobs"},
+    fake = {"chunkring_launch.jobs": {"chunkring_launch.jobs.bench"},
+            "chunkring_launch.jobs.bench": {"chunkring_launch.worker"},
+            "chunkring_launch.worker": {"chunkring_launch.jobs"},
             "chunkring.ring.ring": {"chunkring"}, "chunkring": {"chunkring.moe"}, "chunkring.moe": set(),
-            "scripts.x": {"chunkring.launcher.doctor"}, "chunkring.launcher.doctor": set()}
-    assert find_cycles(fake) == [["chunkring.launcher.jobs", "chunkring.launcher.jobs.bench",
-                                  "chunkring.launcher.worker", "chunkring.launcher.jobs"]]
+            "scripts.x": {"chunkring_launch.doctor"}, "chunkring_launch.doctor": set()}
+    assert find_cycles(fake) == [["chunkring_launch.jobs", "chunkring_launch.jobs.bench",
+                                  "chunkring_launch.worker", "chunkring_launch.jobs"]]
     bad = layer_violations(fake)
     assert any(b.startswith("chunkring.ring.ring (ring) reaches chunkring.moe") for b in bad)
-    assert any(b.startswith("scripts.x (benchmarks) reaches chunkring.launcher.doctor") for b in bad)
+    assert any(b.startswith("scripts.x (benchmarks) reaches chunkring_launch.doctor") for b in bad)
     assert find_cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b", "a"]]
 
 

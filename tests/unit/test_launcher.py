@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.launcher import cli
-from chunkring.launcher.config import parse_overrides
+from chunkring_launch import cli
+from chunkring_launch.config import parse_overrides
 
 
 def run_cli(*argv, env=None):
-    return subprocess.run([sys.executable, "-m", "chunkring.launcher.cli", *argv], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "chunkring_launch.cli", *argv], check=False, capture_output=True,
                           text=True, timeout=120, env=env)
 
 
@@ -30,7 +30,7 @@ def test_dry_run_prints_command_and_environment():
     for name in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                  "CUDA_MPS_PIPE_DIRECTORY"):
         assert f"-x {name}" in cmd_line
-    assert cmd_line.endswith("-m chunkring.launcher.worker bringup bringup rounds=3")
+    assert cmd_line.endswith("-m chunkring_launch.worker bringup bringup rounds=3")
 
 
 def test_dry_run_of_the_stress_job():
@@ -40,13 +40,13 @@ def test_dry_run_of_the_stress_job():
     env_line, cmd_line = proc.stdout.strip().splitlines()
     assert "CHUNKRING_JOB_DIR=" in env_line and "-x CHUNKRING_JOB_DIR" in cmd_line
     assert cmd_line.startswith("mpirun -np 4 --timeout 900")
-    assert cmd_line.endswith("-m chunkring.launcher.worker stress stress iterations=0 duration_s=600")
+    assert cmd_line.endswith("-m chunkring_launch.worker stress stress iterations=0 duration_s=600")
 
 
 def test_dry_run_with_one_rank_shows_the_worker_command():
     proc = run_cli("--dry-run", "--np", "1", "--config", "chaos", "stress", "chaos=delay")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1].endswith("-m chunkring.launcher.worker stress chaos chaos=delay")
+    assert proc.stdout.strip().splitlines()[-1].endswith("-m chunkring_launch.worker stress chaos chaos=delay")
 
 
 def test_overrides_may_follow_options():
@@ -112,7 +112,7 @@ def test_a_failing_rank_ends_a_real_mpirun_job(tmp_path):
     cmd = ["mpirun", "-np", "2", "--oversubscribe", "--timeout", "120"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    cmd += [sys.executable, "-m", "chunkring.launcher.worker", "bringup", "bringup"]
+    cmd += [sys.executable, "-m", "chunkring_launch.worker", "bringup", "bringup"]
     start = time.monotonic()
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
     assert proc.returncode != 0
@@ -139,7 +139,7 @@ def test_doctor_reports_every_check_and_says_no_gpu(tmp_path):
 
 
 def test_doctor_flags_multicast_turned_on(monkeypatch):
-    from chunkring.launcher.doctor import check_environment
+    from chunkring_launch.doctor import check_environment
 
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     assert check_environment().status == "FAIL"
@@ -150,8 +150,8 @@ def test_json_report_has_the_result_file_keys(monkeypatch):
 
     import torch
 
-    from chunkring.launcher.jobs.run import CONFIG
-    from chunkring.launcher.worker import report
+    from chunkring_launch.jobs.run import CONFIG
+    from chunkring_launch.worker import report
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda ordinal: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkring.launcher import exitcodes
+from chunkring_launch import exitcodes
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 
@@ -25,7 +25,7 @@ def _env(tmp_path):
 def _argv(tmp_path, *args, np=2, timeout=60):
     config = tmp_path / "fault.toml"
     config.write_text('job = "fault"\n')
-    return [sys.executable, "-m", "chunkring.launcher.cli", "--np", str(np), "--timeout", str(timeout),
+    return [sys.executable, "-m", "chunkring_launch.cli", "--np", str(np), "--timeout", str(timeout),
             "--config", str(config), "fault", *args]
 
 

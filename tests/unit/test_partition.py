@@ -40,7 +40,7 @@ def test_any_accepted_plan_obeys_the_rules(total, min_partition, alignment, prod
 
 
 def test_one_hardware_queue_is_refused_before_any_gpu_work(monkeypatch):
-    # Work-queue policy (runtime/partition.py): with a single connection the partitions share one
+    # Work-queue policy (runtime/chunkring/partition.py): with a single connection the partitions share one
     # hardware queue, and a producer starved behind the consumer on the H200 even with the SM split.
     from chunkring import SmPartition
 

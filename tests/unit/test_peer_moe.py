@@ -2,8 +2,8 @@
 
 import torch
 
-from chunkring.benchmarks.peer_moe import torch_moe
 from chunkring.moe.producer import route
+from chunkring.testing.peer_moe import torch_moe
 from chunkring.testing.reference import moe_reference
 
 E, H, INTER, K = 8, 256, 64, 2

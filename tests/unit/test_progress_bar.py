@@ -3,8 +3,8 @@ updates are throttled, and the launcher's bar stays below other output."""
 
 import io
 
-from chunkring.launcher import progress
-from chunkring.launcher.progress import Progress, TerminalBar, parse_marker, render
+from chunkring_launch import progress
+from chunkring_launch.progress import Progress, TerminalBar, parse_marker, render
 
 
 def test_marker_lines_round_trip():

@@ -5,8 +5,8 @@ call, and delays within their bounds."""
 import pytest
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.launcher.config import from_table, load_table
-from chunkring.launcher.jobs.stress import CONFIG, SIDES, plan_iteration
+from chunkring_launch.config import from_table, load_table
+from chunkring_launch.jobs.stress import CONFIG, SIDES, plan_iteration
 
 
 def preset(**changes):

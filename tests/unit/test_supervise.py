@@ -2,9 +2,9 @@
 
 import signal
 
-from chunkring.launcher import exitcodes
-from chunkring.launcher.jobdir import record_failure
-from chunkring.launcher.supervise import Outcome, conclude, dead_rank
+from chunkring_launch import exitcodes
+from chunkring_launch.jobdir import record_failure
+from chunkring_launch.supervise import Outcome, conclude, dead_rank
 
 OMPI_KILLED = """--------------------------------------------------------------------------
 prterun noticed that process rank 3 with PID 3987 on node gpu7 exited on

@@ -1,4 +1,4 @@
-"""Per-peer transport choice (runtime/ring/transport.py): DIRECT where the host's nvshmem_ptr is not null,
+"""Per-peer transport choice (runtime/chunkring/ring/transport.py): DIRECT where the host's nvshmem_ptr is not null,
 RMA elsewhere or everywhere when forced; the mask the descriptor carries; the mode's validation (argument,
 CHUNKRING_TRANSPORT, MoEConfig). nvshmem_ptr is faked: no GPU, no NVSHMEM."""
 

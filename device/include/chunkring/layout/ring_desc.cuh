@@ -1,6 +1,6 @@
 // The ring descriptor: where every region of a rank's ring buffer lives. Built by the host
-// (runtime/ring/layout.py computes every offset, in one place); the device only reads it.
-// Field list and order mirror runtime/ring/layout.py DESC_FIELDS (tests/unit/test_layout.py compares them).
+// (runtime/chunkring/ring/layout.py computes every offset, in one place); the device only reads it.
+// Field list and order mirror runtime/chunkring/ring/layout.py DESC_FIELDS (tests/unit/test_layout.py compares them).
 #pragma once
 
 #include <cuda/std/cstdint>
@@ -9,7 +9,7 @@ namespace chunkring::layout {
 
 using u64 = ::cuda::std::uint64_t;
 
-constexpr u64 kRingLayoutVersion = 3;  // == runtime/ring/layout.py LAYOUT_VERSION
+constexpr u64 kRingLayoutVersion = 3;  // == runtime/chunkring/ring/layout.py LAYOUT_VERSION
 
 struct RingDesc {
     u64 layout_version;   // kRingLayoutVersion
@@ -21,7 +21,7 @@ struct RingDesc {
     u64 hidden;
     u64 topk;
     u64 num_experts;
-    u64 payload_format;   // runtime/ring/spec.py PayloadFormat: 0 FP8 e4m3 + fp32 scales, 1 bf16
+    u64 payload_format;   // runtime/chunkring/ring/spec.py PayloadFormat: 0 FP8 e4m3 + fp32 scales, 1 bf16
     u64 epoch_bits;       // high bits of a generation holding the epoch
     u64 timeout_ns;       // a spin-wait longer than this reports who is stuck
     u64 base;             // this PE's ring buffer (a symmetric address: same offset on every PE)
@@ -44,9 +44,9 @@ struct RingDesc {
     u64 total_bytes;
     u64 rma_peers;        // bit pe set: read pe's slots and write its combine rows by NVSHMEM RMA, not loads/stores
 };
-static_assert(sizeof(RingDesc) == 31 * sizeof(u64), "RingDesc must match runtime/ring/layout.py DESC_FIELDS");
+static_assert(sizeof(RingDesc) == 31 * sizeof(u64), "RingDesc must match runtime/chunkring/ring/layout.py DESC_FIELDS");
 
-// Word indices inside the control, status and meta regions (runtime/ring/layout.py CONTROL, STATUS, META).
+// Word indices inside the control, status and meta regions (runtime/chunkring/ring/layout.py CONTROL, STATUS, META).
 enum ControlWord : u64 { kControlEpoch = 0, kControlNextSeq = 1 };
 enum StatusWord : u64 {
     kStatusCode = 0, kStatusPe = 1, kStatusPeer = 2, kStatusSlot = 3,

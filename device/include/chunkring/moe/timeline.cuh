@@ -1,5 +1,5 @@
-// The MoE layer's timeline (runtime/moe/timeline.py reads it): device timestamps of chunk events,
-// appended to a buffer only when the caller passes one. Event values are runtime/moe/timeline.py's Event.
+// The MoE layer's timeline (runtime/chunkring/moe/timeline.py reads it): device timestamps of chunk events,
+// appended to a buffer only when the caller passes one. Event values are runtime/chunkring/moe/timeline.py's Event.
 //   buffer [1 + 4 * capacity] int64: buffer[0] counts the appends tried (past capacity they are counted,
 //   not stored, so the host can say how many were lost); record i = (event, src, chunk, globaltimer ns).
 #pragma once

@@ -1,6 +1,6 @@
 // Deliberately broken protocol variants, for negative controls only. Each removes exactly one rule, and
 // a GPU test must catch every one: 1-4, 7 and 9-12 (ring.cuh, rules.cuh) tests/stress/test_mutants.py; 5, 6
-// 8 and 13 the tests of the kernels that rely on those rules (runtime/testing/stress.py names them). A fence
+// 8 and 13 the tests of the kernels that rely on those rules (runtime/chunkring/testing/stress.py names them). A fence
 // mutant may escape where every rank shares one GPU; its test says so (docs/PROTOCOL.md, "Evidence").
 // Values are append-only; production builds never define the macro.
 #pragma once

@@ -48,7 +48,7 @@ __host__ __device__ constexpr GenState classify_gen(u64 observed, u64 expected, 
 // accepts chunk seq's slot back only when every destination's word holds exactly gen(seq) (compared
 // with classify_gen, like a ready word), so no ack can be counted for another generation - not one from
 // an aborted epoch, not one from another lap - and each ack costs one remote atomic at any world size.
-constexpr u32 kMaxWorldSize = 64;  // == runtime/ring/spec.py MAX_WORLD_SIZE (consume_invocation's u64 mask)
+constexpr u32 kMaxWorldSize = 64;  // == runtime/chunkring/ring/spec.py MAX_WORLD_SIZE (consume_invocation's u64 mask)
 __host__ __device__ constexpr u64 ack_prev_gen(u64 epoch, u64 seq, u64 num_slots, u32 epoch_bits) {
     return seq < num_slots ? 0 : make_gen(epoch, lap_of(seq - num_slots, num_slots), epoch_bits);
 }

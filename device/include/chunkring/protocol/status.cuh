@@ -1,7 +1,7 @@
 // Error reporting for protocol kernels: the first error a rank's kernels see is recorded in its
 // status region (code, PE, peer, slot, expected and observed values, site) and printed once; the
 // kernel then returns instead of trapping, so the host can read the record and raise
-// (runtime/ring/status.py) and the CUDA context stays usable. Every spin-wait also stops once its rank
+// (runtime/chunkring/ring/status.py) and the CUDA context stays usable. Every spin-wait also stops once its rank
 // has an error, so one failure ends the whole kernel quickly - and, through the abort word every rank
 // of the ring holds, every peer's kernels too (raise_abort, spin_until).
 #pragma once
@@ -14,7 +14,7 @@ namespace chunkring::protocol {
 
 using layout::RingDesc;
 
-// Append-only; mirrored by runtime/ring/status.py ErrorCode.
+// Append-only; mirrored by runtime/chunkring/ring/status.py ErrorCode.
 enum class ErrorCode : unsigned long long {
     kNone = 0,
     kTimeout = 1,          // a wait outlasted desc.timeout_ns
@@ -31,7 +31,7 @@ enum class ErrorCode : unsigned long long {
     kInternal = 12,        // an invariant of this rank's own kernels failed (incremental blocks: moe/blocks.cuh)
 };
 
-// Where a wait or check happened; append-only, mirrored by runtime/ring/status.py Site.
+// Where a wait or check happened; append-only, mirrored by runtime/chunkring/ring/status.py Site.
 enum class Site : unsigned long long {
     kNone = 0, kWaitRoute = 1, kWaitLayout = 2, kWaitReusable = 3, kAck = 4, kPayload = 5, kDescriptor = 6, kPublish = 7,
     kWaitPushed = 8,  // moe_ack_held waiting for every combine-push block's arrival (values: block counts)
@@ -42,7 +42,7 @@ enum class Site : unsigned long long {
 
 // The abort word (status word kStatusAbort): [63:16] the epoch, [15:8] the rank that failed, [7:0] its
 // error code - never 0 once raised, since a recorded code is never kNone. Mirrored by
-// runtime/ring/status.py AbortRecord. Wide enough: epochs have at most 32 bits (RingSpec.epoch_bits),
+// runtime/chunkring/ring/status.py AbortRecord. Wide enough: epochs have at most 32 bits (RingSpec.epoch_bits),
 // ranks are < 64 and codes append-only below 256.
 constexpr u64 kAbortCodeBits = 8, kAbortOriginBits = 8;
 constexpr __host__ __device__ u64 make_abort(u64 epoch, u64 origin, ErrorCode code) {

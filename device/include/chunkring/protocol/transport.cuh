@@ -1,6 +1,6 @@
 // How a consumer reaches a peer's slot, and a consumer its source's combine rows: the one place that
 // chooses, per peer, between loads/stores through nvshmem_ptr (DIRECT) and NVSHMEM gets/puts (RMA), as
-// RingDesc.rma_peers says (the host decided it when the ring was built: runtime/ring/transport.py).
+// RingDesc.rma_peers says (the host decided it when the ring was built: runtime/chunkring/ring/transport.py).
 // Ordering (docs/PROTOCOL.md, "Transports"): a fetch runs after wait_chunk's acquire and is complete -
 // its bytes in local memory - before fetch_done returns, hence before the ack that frees the slot;
 // a put of combine rows is complete (quiet) before the kernel that issued it ends, hence before the

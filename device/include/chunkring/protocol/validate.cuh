@@ -4,7 +4,7 @@
 //
 // Every check masks by one documented rule and reports the first masked value per rank (field, source,
 // slot, row, column, raw value; plus a count) in the status region's input words, which the host raises
-// as ChunkringInputError (runtime/ring/status.py). A masked input is not a protocol error: the call still
+// as ChunkringInputError (runtime/chunkring/ring/status.py). A masked input is not a protocol error: the call still
 // acknowledges every chunk and completes, so no peer waits and nothing hangs; its output for the masked
 // values follows the rule below.
 //   TOPK_IDX    outside [-1, num_experts) ........ the choice is masked (read as -1)
@@ -24,7 +24,7 @@ namespace chunkring::protocol {
 
 using layout::RingDesc;
 
-// Append-only; mirrored by runtime/ring/status.py InputField.
+// Append-only; mirrored by runtime/chunkring/ring/status.py InputField.
 enum class InputField : unsigned long long {
     kNone = 0, kTopkIdx = 1, kXSf = 2, kNumTokens = 3, kTokenBase = 4, kValidTokens = 5,
 };

@@ -1,7 +1,7 @@
 """Bench: does streaming make the MoE layer faster end to end? Batch-ready against streamed, beside the
 ideal overlap bound and a plain-torch peer, at every token count and chunk size of the config.
 
-The launcher's entry point to :mod:`chunkring.benchmarks.bench_moe`, which says what is measured and
+The launcher's entry point to :mod:`chunkring.testing.bench_moe`, which says what is measured and
 how: here the config (the layer's keys, ``tokens``, ``chunks``, the timing and the traced shape, all
 checked before any rank starts), the layers it measures (one per chunk size, on the config's SM
 partition) and rank 0's progress bar. Figures are keyed ``n<tokens>_c<chunk>_<figure>`` and
@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, replace
 
-from chunkring.benchmarks import bench_moe
 from chunkring.errors import ChunkringUsageError
+from chunkring.testing import bench_moe
 
 from ..progress import progress
 from .moe_workload import LayerFields, open_layer, transport_figures
@@ -76,7 +76,7 @@ class CONFIG(LayerFields):
 
 
 def run(runtime, config: CONFIG) -> dict:
-    """Every shape's figures on this rank (:func:`chunkring.benchmarks.bench_moe.run`)."""
+    """Every shape's figures on this rank (:func:`chunkring.testing.bench_moe.run`)."""
     total = len(config.chunk_sizes) * len(config.token_counts)
     bar = progress("bench", runtime.rank, total=total)
 

@@ -211,7 +211,7 @@ def check_world_size(config, ranks: int) -> None:
 
 def worker_command(args, *, progress: bool = False) -> list[str]:
     """One rank's command: the worker module with the job, its config and overrides."""
-    cmd = [sys.executable, "-m", "chunkring.launcher.worker", args.job, args.config or args.job, *args.overrides]
+    cmd = [sys.executable, "-m", "chunkring_launch.worker", args.job, args.config or args.job, *args.overrides]
     if progress:
         cmd.append("--progress")
     if args.json:

@@ -3,7 +3,7 @@
 ``torch_moe`` is what a user without chunkring (and without any dispatch library) writes for the same
 layer on a single rank: route, sort the (token, k) choices by expert, two grouped GEMMs with SwiGLU
 between them, weight and scatter-add back. Activations stay bf16 (no FP8 payload: with every expert
-local there is nothing to send, so nothing to shrink). The bench (:mod:`chunkring.benchmarks.bench_moe`,
+local there is nothing to send, so nothing to shrink). The bench (:mod:`chunkring.testing.bench_moe`,
 ``chunkring-launch bench``) times it beside the layer (``peer_ms``) on one rank.
 
 The multi-GPU peer (the same with an all-to-all over NCCL before and after the experts) needs one GPU

@@ -13,11 +13,6 @@ rank of the ring failed first (its rank and error code), which is why this rank'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the ring layer sits above this module: annotations only
-    from chunkring.ring.status import AbortRecord, ErrorCode, InputRecord, StatusRecord
-
 __all__ = ["ChunkringError", "ChunkringUsageError", "ChunkringRuntimeError", "ChunkringDeviceError",
            "ChunkringInputError", "ChunkringPeerAbortedError", "ChunkringTimeoutError", "NoGpuError"]
 
@@ -39,9 +34,10 @@ class ChunkringRuntimeError(ChunkringError, RuntimeError):
 
 
 class ChunkringDeviceError(ChunkringRuntimeError):
-    """A kernel recorded an error; ``record`` is the :class:`chunkring.ring.status.StatusRecord`."""
+    """A kernel recorded an error; ``record`` is the decoded record (:mod:`chunkring.ring.status`: a
+    ``StatusRecord``, ``InputRecord`` or ``AbortRecord``; this module, below the ring, names no ring type)."""
 
-    def __init__(self, message: str, record: StatusRecord | InputRecord | AbortRecord) -> None:
+    def __init__(self, message: str, record: object) -> None:
         super().__init__(message)
         self.record = record
 
@@ -58,15 +54,16 @@ class ChunkringInputError(ChunkringDeviceError):
 
 class ChunkringPeerAbortedError(ChunkringDeviceError):
     """Another rank of the ring recorded an error, and its abort word stopped this rank's waits (or would
-    stop the next): ``origin_rank`` names that rank, ``code`` its error, ``epoch`` the ring's epoch then;
-    ``record`` is the :class:`chunkring.ring.status.AbortRecord`. This rank did not fail on its own: look at
-    the origin's report. The ring needs a :meth:`chunkring.Ring.reset` (a collective) like any failure."""
+    stop the next): ``origin_rank`` names that rank, ``code`` its error (a ``chunkring.ring.status.ErrorCode``
+    where the value is one), ``epoch`` the ring's epoch then; ``record`` is the
+    :class:`chunkring.ring.status.AbortRecord`. This rank did not fail on its own: look at the origin's report.
+    The ring needs a :meth:`chunkring.Ring.reset` (a collective) like any failure."""
 
-    def __init__(self, message: str, record: AbortRecord) -> None:
+    def __init__(self, message: str, record: object, *, origin_rank: int, code: int, epoch: int) -> None:
         super().__init__(message, record)
-        self.origin_rank: int = record.origin
-        self.code: ErrorCode | int = record.code
-        self.epoch: int = record.epoch
+        self.origin_rank = origin_rank
+        self.code = code
+        self.epoch = epoch
 
 
 class NoGpuError(ChunkringRuntimeError):

@@ -22,7 +22,7 @@ Python launch cost in the figure), with CUDA events, the median of ``iterations`
   lost time) - reported only where overlap could save at least 5 % of the batch-ready time; below that
   the ratio divides noise by noise;
 * ``peer``: the peer baseline, the same math written the plain-torch way
-  (:func:`~chunkring.benchmarks.peer_moe.torch_moe`: bf16 rows sorted by expert, two grouped GEMMs,
+  (:func:`~chunkring.testing.peer_moe.torch_moe`: bf16 rows sorted by expert, two grouped GEMMs,
   no chunkring), with ``batch_over_peer`` and ``streamed_over_peer`` - on one rank only (several ranks
   share one GPU under MPS, where NCCL's all-to-all, the multi-GPU peer's, cannot run);
 * ``streamed_over_bound`` and ``streaming_cost_us_per_chunk`` ((streamed - batch) / chunks);
@@ -36,7 +36,10 @@ Weights are drawn on the GPU (only this rank's experts): the bench checks nothin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration
 
@@ -57,8 +60,9 @@ class Timing:
     seed: int = 0
 
 
-def run(runtime, open_layer, *, chunk_sizes, token_counts, timing: Timing, trace: tuple[int, int] | None = None,
-        trace_out: str = "timeline", on_shape=None) -> dict:
+def run(runtime: Any, open_layer: Callable[[int], AbstractContextManager[Any]], *, chunk_sizes: tuple[int, ...],
+        token_counts: tuple[int, ...], timing: Timing, trace: tuple[int, int] | None = None,
+        trace_out: str = "timeline", on_shape: Callable[[int, str], object] | None = None) -> dict:
     """Every shape's figures on this rank, keyed ``n<tokens>_c<chunk>_<figure>``, and per chunk size
     ``c<chunk>_auto_streams``. A collective: every rank calls it alike.
 
@@ -86,8 +90,8 @@ def run(runtime, open_layer, *, chunk_sizes, token_counts, timing: Timing, trace
                     on_shape(done, f"n={n} chunk={chunk}: streamed/batch {shape['streamed_over_batch']:.2f}")
             layer.check()
         # What MoELayer.calibrate would decide for this chunk size over these counts (this rank's figures).
-        measured = {n: (figures[f"n{n}_c{chunk}_batch_ms"], figures[f"n{n}_c{chunk}_streamed_ms"])
-                    for n in token_counts}
+        measured: dict[int, tuple[float, ...]] = {
+            n: (figures[f"n{n}_c{chunk}_batch_ms"], figures[f"n{n}_c{chunk}_streamed_ms"]) for n in token_counts}
         figures[f"c{chunk}_auto_streams"] = int(StreamingCalibration(measured, DEFAULT_TOLERANCE).streams)
     return figures
 
@@ -95,14 +99,15 @@ def run(runtime, open_layer, *, chunk_sizes, token_counts, timing: Timing, trace
 class _Model:
     """This rank's router and experts (drawn on the GPU) and the graphs of one layer."""
 
-    def __init__(self, layer, timing: Timing):
+    def __init__(self, layer: Any, timing: Timing) -> None:
         import torch
 
         cfg, device = layer.config, layer.runtime.torch_device
         gen = torch.Generator(device).manual_seed(timing.seed * 7919 + layer.runtime.rank)
         E, H, inter = layer.experts_per_rank, cfg.hidden, cfg.intermediate
 
-        def draw(*shape, fan_in):  # one expert at a time: no fp32 copy of every expert's weights
+        # One expert at a time: no fp32 copy of every expert's weights.
+        def draw(*shape: int, fan_in: int) -> torch.Tensor:
             out = torch.empty(shape, dtype=torch.bfloat16, device=device)
             for part in out.view(-1, *shape[-2:]):
                 part.copy_(torch.randn(part.shape, generator=gen, device=device) / fan_in**0.5)
@@ -113,15 +118,16 @@ class _Model:
         self.w13_bf16, self.w2_bf16 = draw(E, 2 * inter, H, fan_in=H), draw(E, H, inter, fan_in=inter)
         self.w13, self.w2 = layer.expert_weights(self.w13_bf16, self.w2_bf16)
         self.layer, self.timing, self.gen = layer, timing, gen
+        self._cached: _Inputs | None = None
 
     def _inputs(self, n: int) -> _Inputs:
-        if getattr(self, "_cached", None) is None or self._cached.n != n:
+        if self._cached is None or self._cached.n != n:
             self._cached = _Inputs(self, n)
         return self._cached
 
     def measure_unchunked(self, n: int) -> dict:
         """batch_ms, P_ms, Q_ms and (one rank) peer_ms at ``n`` tokens."""
-        from chunkring.benchmarks.peer_moe import torch_moe
+        from chunkring.testing.peer_moe import torch_moe
 
         inputs, layer, cfg = self._inputs(n), self.layer, self.layer.config
         calls = {
@@ -155,7 +161,7 @@ class _Model:
         inputs, layer, runtime = self._inputs(n), self.layer, self.layer.runtime
         timeline = Timeline(runtime.torch_device, capacity=16 * (n + 64) * runtime.world_size + 1024)
         for name, streaming in (("batch", False), ("streamed", True)):
-            def call():
+            def call(streaming: bool = streaming) -> None:
                 layer.forward(inputs.hidden, self.router, self.w13, self.w2, streaming=streaming, timeline=timeline)
 
             graph = capture_graph(call, inputs.load_hidden)
@@ -170,7 +176,7 @@ class _Model:
                                              "chunk": layer.config.front_tokens_per_slot,
                                              "config": str(layer.config), "ranks": runtime.world_size})
 
-    def _median_ms(self, load, call) -> float:
+    def _median_ms(self, load: Callable[[int], object], call: Callable[[], object]) -> float:
         """Median replay time of ``call`` captured in a CUDA graph; ``load(i)`` refreshes its inputs."""
         from chunkring.moe.calibrate import replay_median_ms
 
@@ -204,7 +210,7 @@ class _Inputs:
     """One token count's inputs: ``rotate`` hidden-state buffers, their routed and quantised forms (the
     consumer-alone call's inputs), and the static tensors the graphs read, refreshed by ``load_*(i)``."""
 
-    def __init__(self, model: _Model, n: int):
+    def __init__(self, model: _Model, n: int) -> None:
         import torch
 
         from chunkring.moe.producer import quantize_rows_fp8, route
@@ -226,7 +232,7 @@ class _Inputs:
 
     def load_routed(self, i: int) -> None:
         for dst, src in zip(self.static, self.routed[i % len(self.routed)], strict=True):
-            if dst is not None:
+            if dst is not None and src is not None:
                 dst.copy_(src)
 
     def producers(self) -> None:
@@ -238,7 +244,7 @@ class _Inputs:
             quantize_rows_fp8(self.hidden)
 
 
-def _on_stream(stream, work) -> None:
+def _on_stream(stream: Any, work: Callable[[], object]) -> None:
     """``work()`` on ``stream`` (the layer's producer stream: its SM partition, if it has one), joined back
     into the current stream, so P is timed on the SMs the layer's producers get."""
     import torch

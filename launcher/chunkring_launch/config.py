@@ -1,4 +1,5 @@
-"""Job configurations: a preset name from ``configs/`` or a path to a TOML file, checked field by field."""
+"""Job configurations: a preset name from ``configs/`` (the package's ``configs`` link) or a path to a TOML
+file, checked field by field."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ def load_table(name_or_path: str) -> dict:
             raise ChunkringUsageError(f"no such config file: {path}", field="config")
         text = path.read_text()
     else:
-        preset = resources.files("chunkring.configs") / f"{name_or_path}.toml"
+        presets = resources.files("chunkring_launch") / "configs"
+        preset = presets / f"{name_or_path}.toml"
         if not preset.is_file():
-            known = sorted(p.name[:-5] for p in resources.files("chunkring.configs").iterdir()
+            known = sorted(p.name[:-5] for p in presets.iterdir()
                            if p.name.endswith(".toml"))
             raise ChunkringUsageError(f"unknown preset {name_or_path!r}; presets: {known}", field="config")
         text = preset.read_text()

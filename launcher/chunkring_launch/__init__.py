@@ -1,4 +1,4 @@
-"""chunkring.launcher: the ``chunkring-launch`` command (one process per GPU rank, started by mpirun)."""
+"""chunkring_launch: the ``chunkring-launch`` command (one process per GPU rank, started by mpirun)."""
 
 __all__ = ["main"]
 

@@ -13,7 +13,6 @@ no GPU is visible (CI compiles on CPUs) it is :data:`CPU_FALLBACK_ARCH` unless `
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import tempfile
 import time
@@ -32,20 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["CPU_FALLBACK_ARCH", "KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "arch_of", "build", "default_arch",
            "kernel_sources", "nvshmem_version", "program_options"]
 
-def _device_dir() -> Path:
-    """The ``device/`` tree: CUDA headers and kernels only, installed as the data package
-    ``chunkring.device``; an editable install of the repository reads the checkout's ``device/``
-    (setuptools' editable finder cannot import a data-only subpackage mapped outside ``runtime/``)."""
-    spec = importlib.util.find_spec("chunkring.device")
-    candidates = list(spec.submodule_search_locations or []) if spec is not None else []
-    candidates.append(str(Path(__file__).resolve().parents[2] / "device"))
-    for candidate in candidates:
-        if (Path(candidate) / "kernels").is_dir():
-            return Path(candidate).resolve()
-    raise ChunkringRuntimeError(f"chunkring's CUDA sources (device/kernels) not found in {candidates}")
-
-
-DEVICE_DIR = _device_dir()
+#: The CUDA sources: the repository's top-level ``device/`` (headers and kernels only), which the package
+#: reaches through its ``device`` link and a wheel carries as package data.
+DEVICE_DIR = Path(__file__).resolve().parents[1] / "device"
 KERNEL_DIR = DEVICE_DIR / "kernels"
 INCLUDE_DIR = DEVICE_DIR / "include"
 #: The target where no GPU is visible: the GPU host's H200 (CPU-only builds, e.g. CI, tests/compile/).

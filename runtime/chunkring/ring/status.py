@@ -255,7 +255,8 @@ def status_error(words: Iterable[int], *, rank: int, epoch_bits: int = 16) -> Ch
         seen = AbortRecord.from_word(record.observed) if record.code == ErrorCode.PEER_ABORTED else abort
         stopped = record.describe(epoch_bits) if not record.ok else f"PE {rank}: {seen.describe()}"
         return ChunkringPeerAbortedError(f"{stopped}; this rank did not fail itself (see rank {seen.origin}'s "
-                                         f"report; reset() to continue){also}", seen)
+                                         f"report; reset() to continue){also}", seen, origin_rank=seen.origin,
+                                         code=seen.code, epoch=seen.epoch)
     if not masked.ok:
         return ChunkringInputError(masked.describe(), masked)
     return None

@@ -165,7 +165,7 @@ def _print_table(job: str, runtime, all_figures: list) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m chunkring.launcher.worker")
+    parser = argparse.ArgumentParser(prog="python -m chunkring_launch.worker")
     parser.add_argument("job", choices=sorted(JOBS))
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")

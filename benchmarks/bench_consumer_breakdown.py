@@ -23,7 +23,7 @@ import torch
 import chunkring
 from benchmarks.bench_vs_megamoe import SHAPES, draw_weights, routed_batch
 from chunkring import MoEConfig, MoELayer, Timeline
-from chunkring._jit import library_for
+from chunkring.jit import library_for
 from chunkring.moe.calibrate import replay_median_ms
 from chunkring.moe.experts import ExpertCompute
 from chunkring.moe.timeline import Event

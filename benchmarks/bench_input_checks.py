@@ -21,7 +21,7 @@ import torch
 
 import chunkring
 from chunkring import MoEConfig, MoELayer
-from chunkring._jit import library_for
+from chunkring.jit import library_for
 from chunkring.moe.producer import quantize_rows_fp8, route
 from chunkring.ring.io import publish_chunk
 from chunkring.testing import records

@@ -22,7 +22,7 @@ import torch
 
 import chunkring
 from chunkring import Ring, RingSpec
-from chunkring._jit import library_for
+from chunkring.jit import library_for
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing import records, selftest
 

@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from chunkring._jit import build, default_arch, kernel_sources, nvshmem_version
+from chunkring.jit import build, default_arch, kernel_sources, nvshmem_version
 
 
 def main() -> None:

@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from chunkring._jit import nvshmem_version
+    from chunkring.jit import nvshmem_version
 
     per_rank = [junit_counts(p) for p in sorted(args.junit) if Path(p).is_file()]
     counts = per_rank[0] if per_rank else {"passed": 0, "failed": 0, "skipped": 0}

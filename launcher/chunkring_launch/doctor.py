@@ -59,7 +59,7 @@ def check_packages() -> list[Check]:
 
 def check_compiler() -> Check:
     try:
-        from chunkring._jit import build, nvshmem_version
+        from chunkring.jit import build, nvshmem_version
 
         start = time.perf_counter()
         result = build("selftest")

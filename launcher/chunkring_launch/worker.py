@@ -104,7 +104,7 @@ def report(job: str, config, runtime, all_figures: list) -> dict:
 
     import torch
 
-    from chunkring._jit import nvshmem_version
+    from chunkring.jit import nvshmem_version
     from chunkring.testing.machine import driver_version
 
     figures = {f"rank{r}_{key}": value for r, f in enumerate(all_figures) for key, value in f.items()}

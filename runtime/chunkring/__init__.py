@@ -1,7 +1,7 @@
 """chunkring: stream MoE token chunks into expert-parallel dispatch through an NVSHMEM ring of slots.
 
 Layers, each importing only those below it: the process runtime (this package's top-level modules:
-``init``/``Runtime``, errors, environment, SM partitions) <- :mod:`chunkring._jit` (kernel build and
+``init``/``Runtime``, errors, environment, SM partitions) <- :mod:`chunkring.jit` (kernel build and
 launch) <- :mod:`chunkring.ring` (the protocol core) <- :mod:`chunkring.moe` (the MoE layer).
 :mod:`chunkring.testing` holds what only tests and benchmarks use.
 

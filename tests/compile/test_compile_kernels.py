@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from chunkring._jit import arch_of, build, default_arch, kernel_sources, nvshmem_version
-from chunkring._jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, _cache_key, program_options
 from chunkring.errors import ChunkringUsageError
+from chunkring.jit import arch_of, build, default_arch, kernel_sources, nvshmem_version
+from chunkring.jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, _cache_key, program_options
 from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS, NO_PUSH_RELEASE, SEAL_ON_RESERVE
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove

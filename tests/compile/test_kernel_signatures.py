@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from chunkring._jit import kernel_sources, parse_kernels
-from chunkring._jit.compiler import KERNEL_DIR, program_options
+from chunkring.jit import kernel_sources, parse_kernels
+from chunkring.jit.compiler import KERNEL_DIR, program_options
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = kernel_sources()

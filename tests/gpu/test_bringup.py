@@ -31,7 +31,7 @@ def test_ring_pass_and_acks(runtime):
 
 
 def test_launch_rejects_bad_arguments_before_enqueueing(runtime):
-    from chunkring._jit import library_for
+    from chunkring.jit import library_for
 
     lib = library_for(runtime, "selftest")
     wrong = torch.zeros(4, dtype=torch.float32, device=runtime.torch_device)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from chunkring import ChunkringPeerAbortedError, ChunkringTimeoutError, Ring, RingSpec
-from chunkring._jit import library_for
+from chunkring.jit import library_for
 from chunkring.moe.producer import (
     PRODUCE_MAX_BLOCKS,
     enqueue_produce,

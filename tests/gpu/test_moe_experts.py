@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkring import MoEConfig, PayloadFormat
-from chunkring._jit import library_for
+from chunkring.jit import library_for
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.plan import plan_batch

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from chunkring._jit import Param, parse_kernels
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.jit import Param, parse_kernels
 
 CUDA0 = torch.device("cuda", 0)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chunkring._jit import library_for
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.jit import library_for
 from chunkring.testing.selftest import pingpong
 
 # pingpong() lives in the library (chunkring.testing.selftest); named here for the job's users.

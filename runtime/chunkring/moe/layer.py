@@ -169,7 +169,7 @@ class MoELayer:
         self.experts_per_rank = config.num_experts // world
         self.first_expert = runtime.rank * self.experts_per_rank
         device = runtime.torch_device
-        from chunkring._jit import library_for
+        from chunkring.jit import library_for
 
         self._kernels = library_for(runtime, "moe_stream", defines={"CHUNKRING_MUTANT": variant} if variant else None)
         self.rings = {mode: Ring(runtime, spec, timeout_s=timeout_s, transport=config.transport)

@@ -19,7 +19,7 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
 if TYPE_CHECKING:
-    from chunkring._jit.launch import KernelLibrary
+    from chunkring.jit.launch import KernelLibrary
     from chunkring.ring.ring import Ring
 
 __all__ = ["E4M3_MAX", "enqueue_produce", "produce_grid", "produce_grid_limit", "quantize_rows_fp8", "route",

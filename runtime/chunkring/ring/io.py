@@ -15,8 +15,8 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 
 if TYPE_CHECKING:
-    from chunkring._jit.launch import KernelLibrary
     from chunkring.bringup import Runtime
+    from chunkring.jit.launch import KernelLibrary
     from chunkring.ring.ring import Ring
 
 __all__ = ["publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit", "GatherOutputs"]
@@ -25,7 +25,7 @@ _GATHER_BLOCK = 512
 
 
 def _library(runtime: Runtime) -> KernelLibrary:
-    from chunkring._jit import library_for
+    from chunkring.jit import library_for
 
     return library_for(runtime, "ring_host_api")
 

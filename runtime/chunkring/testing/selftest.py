@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from chunkring._jit.launch import KernelLibrary
     from chunkring.bringup import Runtime
+    from chunkring.jit.launch import KernelLibrary
 
 __all__ = ["pingpong"]
 

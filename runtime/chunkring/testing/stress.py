@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from chunkring._jit.launch import library_for
 from chunkring.errors import ChunkringUsageError
+from chunkring.jit.launch import library_for
 
 if TYPE_CHECKING:
     import torch

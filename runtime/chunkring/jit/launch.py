@@ -1,5 +1,5 @@
 """Typed launches: every call is checked against the kernel's parameters, which its ``extern "C"``
-signature in the .cu declares once (:mod:`chunkring._jit.signatures` reads them at build time).
+signature in the .cu declares once (:mod:`chunkring.jit.signatures` reads them at build time).
 
 A wrong dtype, a CPU tensor, a non-contiguous view or an out-of-range integer is a
 ``ChunkringUsageError`` before anything is enqueued. Scalars are converted to the exact NumPy type the
@@ -11,15 +11,15 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
-from chunkring._jit.signatures import Param
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.jit.signatures import Param
 
 if TYPE_CHECKING:
     import torch
     from cuda.core import Kernel, ObjectCode
 
-    from chunkring._jit.compiler import BuildResult
     from chunkring.bringup import Runtime
+    from chunkring.jit.compiler import BuildResult
 
 __all__ = ["KernelLibrary", "Param", "library_for"]  # Param lives with the signatures that make it
 
@@ -109,7 +109,7 @@ def _load_now(name: str, kernel: Kernel) -> None:
 def library_for(runtime: Runtime, source: str, *, defines: dict[str, int | str] | None = None) -> KernelLibrary:
     """The library built from ``device/kernels/<source>.cu`` with ``defines`` for the Runtime's GPU,
     loaded once per Runtime and set of defines."""
-    from chunkring._jit.compiler import arch_of, build
+    from chunkring.jit.compiler import arch_of, build
 
     key = (source, tuple(sorted((defines or {}).items())))
     loaded = _LOADED.setdefault(runtime, {})

@@ -21,9 +21,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chunkring._jit.signatures import Param, parse_kernels
 from chunkring.env import cache_dir
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.jit.signatures import Param, parse_kernels
 
 if TYPE_CHECKING:
     from cuda.core import Device, ObjectCode, ProgramOptions
@@ -44,7 +44,7 @@ CPU_FALLBACK_ARCH = "sm_90"
 class BuildResult:
     """A compiled kernel library: ``object_code`` is a ``cuda.core.ObjectCode`` holding the cubin for
     ``arch``; ``signatures`` the parameters of its kernels, read from the source it was compiled from
-    (:func:`chunkring._jit.signatures.parse_kernels`)."""
+    (:func:`chunkring.jit.signatures.parse_kernels`)."""
 
     name: str
     object_code: ObjectCode

@@ -135,7 +135,7 @@ def _param(text: str, where: str) -> Param:
     name, ctype = tokens[-1], " ".join(tokens[:-1]).replace(" *", "*")
     if ctype not in C_TYPES:
         raise ChunkringRuntimeError(f"{where}: parameter {name!r} has type {ctype!r}, which no launch maps "
-                                    f"(chunkring._jit.signatures.C_TYPES names {sorted(C_TYPES)})")
+                                    f"(chunkring.jit.signatures.C_TYPES names {sorted(C_TYPES)})")
     kind, dtype = C_TYPES[ctype]
     if nullable and kind != "ptr":
         raise ChunkringRuntimeError(f"{where}: parameter {name!r} is {NULLABLE} but not a pointer")

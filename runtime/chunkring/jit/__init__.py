@@ -1,0 +1,12 @@
+"""Run-time kernel build and typed launches: NVRTC compilation with an on-disk cache
+(:mod:`chunkring.jit.compiler`), each kernel's parameters read from its ``extern "C"`` signature
+(:mod:`chunkring.jit.signatures`), and kernel libraries whose launches are checked against them
+(:mod:`chunkring.jit.launch`). The CUDA sources live in ``device/``.
+"""
+
+from chunkring.jit.compiler import BuildResult, arch_of, build, default_arch, kernel_sources, nvshmem_version
+from chunkring.jit.launch import KernelLibrary, Param, library_for
+from chunkring.jit.signatures import parse_kernels
+
+__all__ = ["BuildResult", "KernelLibrary", "Param", "arch_of", "build", "default_arch", "kernel_sources",
+           "library_for", "nvshmem_version", "parse_kernels"]

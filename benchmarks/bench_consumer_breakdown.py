@@ -3,7 +3,7 @@
 
     python benchmarks/bench_consumer_breakdown.py [--shape flash] [--tokens 8,1024,8192] [--json PATH]
 
-Steps timed alone (median of graph replays, :func:`chunkring.moe.calibrate.replay_median_ms`): the whole
+Steps timed alone (median of graph replays, :func:`chunkring.moe.calibration.replay_median_ms`): the whole
 call (``call_ms``); the expert plan (``plan_ms``: counters, the plan's memsets, moe_plan_count,
 moe_plan_scatter); the experts (``experts_ms``: L1, SwiGLU + FP8 quantisation, L2); the combine push
 (``combine_push_ms``, into a local buffer); the owner's zeroing of its combine rows (``combine_zero_ms``)
@@ -24,9 +24,10 @@ import chunkring
 from benchmarks.bench_vs_megamoe import SHAPES, draw_weights, routed_batch
 from chunkring import MoEConfig, MoELayer, Timeline
 from chunkring.jit import library_for
-from chunkring.moe.calibrate import replay_median_ms
+from chunkring.moe.calibration import replay_median_ms
 from chunkring.moe.experts import ExpertCompute
 from chunkring.moe.timeline import Event
+from chunkring.moe.weights import expert_weights
 
 
 def timeline_offsets_us(layer, args, calls: int = 3) -> dict[str, float]:
@@ -56,7 +57,7 @@ def breakdown(name: str, tokens: list[int], runtime, iterations: int) -> list[di
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
     router, w13_bf16, w2_bf16 = draw_weights(shape, gen, device)
-    w13, w2 = layer.expert_weights(w13_bf16, w2_bf16)
+    w13, w2 = expert_weights(layer.config, w13_bf16, w2_bf16)
     compute = ExpertCompute(cfg, 1, 0, E, library_for(runtime, "moe_experts"), device)
     combine = torch.empty((N * K, H), dtype=torch.bfloat16, device=device)
     local = torch.tensor([combine.data_ptr()], dtype=torch.int64, device=device)

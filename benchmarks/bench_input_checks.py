@@ -22,7 +22,9 @@ import torch
 import chunkring
 from chunkring import MoEConfig, MoELayer
 from chunkring.jit import library_for
+from chunkring.moe.calls import CallMode
 from chunkring.moe.producer import quantize_rows_fp8, route
+from chunkring.moe.resources import PULL_BLOCK
 from chunkring.ring.io import publish_chunk
 from chunkring.testing import records
 from chunkring.testing.stress import NO_INPUT_CHECKS
@@ -30,8 +32,9 @@ from chunkring.testing.stress import NO_INPUT_CHECKS
 
 def pull_us(layer, library, launches: int, repeats: int) -> float:
     """Median µs per pull (every source's chunk) with ``library``'s moe_pull."""
-    ring, stage, cfg = layer.rings[1], layer._stage, layer.config
-    arrivals = layer._arrivals[1] if layer._pull_grid > 1 else None  # untouched: last chunks are held
+    res = layer.resources
+    ring, stage, cfg = res.rings[CallMode.BATCH_READY], res.stage, layer.config
+    arrivals = res.arrivals[CallMode.BATCH_READY] if res.pull_grid > 1 else None  # untouched: last chunks are held
     args = (ring.desc, arrivals, stage.held, stage.x.view(torch.uint8), stage.sf, stage.idx, stage.w,
             cfg.max_tokens_per_rank, layer.first_expert, layer.first_expert + layer.experts_per_rank, None, 0)
     rounds = []
@@ -39,7 +42,7 @@ def pull_us(layer, library, launches: int, repeats: int) -> float:
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(launches):
-            library.launch("moe_pull", *args, grid=layer._pull_grid, block=256)
+            library.launch("moe_pull", *args, grid=res.pull_grid, block=PULL_BLOCK)
         stop.record()
         stop.synchronize()
         rounds.append(start.elapsed_time(stop) * 1e3 / launches)
@@ -67,12 +70,12 @@ def main() -> int:
         router = torch.randn(args.experts, args.hidden, generator=gen, device=device).to(torch.bfloat16)
         idx, w = route(hidden, router, args.topk)
         x, x_sf = quantize_rows_fp8(hidden)
-        publish_chunk(layer.rings[1], x=x, x_sf=x_sf, topk_idx=idx, topk_weights=w, token_base=0,
+        publish_chunk(layer.rings[CallMode.BATCH_READY], x=x, x_sf=x_sf, topk_idx=idx, topk_weights=w, token_base=0,
                       end_of_stream=True)
         torch.cuda.synchronize()
         runtime.barrier()
         unchecked = library_for(runtime, "moe_stream", defines={"CHUNKRING_MUTANT": NO_INPUT_CHECKS})
-        checked_us = pull_us(layer, layer._kernels, args.launches, args.repeats)
+        checked_us = pull_us(layer, layer.resources.kernels.stream, args.launches, args.repeats)
         unchecked_us = pull_us(layer, unchecked, args.launches, args.repeats)
         layer.check()
         runtime.barrier()

@@ -13,7 +13,7 @@ Each layer is built as a serving caller builds it: ``MoELayer(runtime, config)``
 the default SM partition (``partition="auto"``) and batch-ready calls on the whole GPU.
 
 Per shape, token count and chunk size, every rank measures (CUDA-graph replays, median of ``--iterations``
-after warm-up, ranks started together: :func:`chunkring.moe.calibrate.replay_median_ms`):
+after warm-up, ranks started together: :func:`chunkring.moe.calibration.replay_median_ms`):
 
 * ``batch_ms``: :meth:`MoELayer.forward` batch-ready (router GEMM, fused producer, dispatch, experts, combine);
 * ``streamed_ms``: the same call streamed in chunks of ``chunk`` tokens;
@@ -145,19 +145,19 @@ class _Shape:
         self.router = (torch.randn(self.config.num_experts, H, generator=self.gen, device=device) / H**0.5).bfloat16()
         self.w13_bf16 = (torch.randn(E, 2 * inter, H, generator=self.gen, device=device) / H**0.5).bfloat16()
         self.w2_bf16 = (torch.randn(E, H, inter, generator=self.gen, device=device) / inter**0.5).bfloat16()
-        self.weights = None  # the layer's format, from the first layer (MoELayer.expert_weights)
+        self.weights = None  # the layer's format, from the first layer (chunkring.expert_weights)
 
     def layer(self, max_tokens: int, chunk: int | None, waves: int = 1):
         """A layer for batches of up to ``max_tokens``, its ring the default (``chunk`` None) or slots of
         ``chunk`` tokens, its streamed calls in ``waves`` waves; the default partition for streamed calls."""
-        from chunkring import MoELayer
+        from chunkring import MoELayer, expert_weights
 
         cfg = dataclasses.replace(self.config, max_tokens_per_rank=max_tokens, waves=waves).with_default_ring()
         if chunk is not None:
             cfg = dataclasses.replace(cfg, front_tokens_per_slot=chunk)
         layer = MoELayer(self.runtime, cfg)
         if self.weights is None:
-            self.weights = layer.expert_weights(self.w13_bf16, self.w2_bf16)
+            self.weights = expert_weights(layer.config, self.w13_bf16, self.w2_bf16)
         return layer
 
     def inputs(self, n: int) -> tuple:
@@ -214,8 +214,8 @@ class _ProducersAlone:
             for start in range(0, max(n, 1), T):
                 chunk = hidden[start:start + T]
                 logits = router_logits(chunk, router_weight)
-                enqueue_produce(self.ring, layer._produce_kernels, logits, chunk, start, start + T >= n, None, None,
-                                self.arrivals, producer, self.max_blocks)
+                enqueue_produce(self.ring, layer.resources.kernels.produce, logits, chunk, start, start + T >= n, None,
+                                None, self.arrivals, producer, self.max_blocks)
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
 
@@ -228,7 +228,7 @@ def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int, 
     first layer)."""
     import torch
 
-    from chunkring.moe.calibrate import replay_median_ms
+    from chunkring.moe.calibration import replay_median_ms
 
     runtime = shape.runtime
     hidden, routed = shape.inputs(n)
@@ -278,7 +278,7 @@ def record_timeline(shape: _Shape, n: int, waves: int, prefix: str) -> list[str]
     import torch
 
     from chunkring import Timeline
-    from chunkring.moe.calibrate import capture_graph
+    from chunkring.moe.calibration import capture_graph
     from chunkring.moe.timeline import write_chrome_trace
 
     runtime = shape.runtime

@@ -8,7 +8,7 @@ top-6; ``v3``: hidden 7168, top-8, 32 local experts, intermediate 2048) and toke
 
 * ``chunkring_ms`` / ``chunkring_streamed_ms``: :meth:`chunkring.MoELayer.run` on the routed FP8 batch,
   batch-ready and streamed through the default ring (:meth:`MoEConfig.with_default_ring`), as CUDA-graph
-  replays (median, :func:`chunkring.moe.calibrate.replay_median_ms`);
+  replays (median, :func:`chunkring.moe.calibration.replay_median_ms`);
 * ``megamoe_ms``: ``deep_gemm.fp8_mega_moe`` on a one-rank process group, its symmetric buffer staged
   with the same FP8 rows, scales and routing (the staging copies timed with the call, as a caller must),
   the faster of eager and CUDA-graph replay;
@@ -37,9 +37,10 @@ import torch
 import chunkring
 from benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_group, time_eager
 from chunkring import MoEConfig, MoELayer
-from chunkring.moe.calibrate import replay_median_ms
+from chunkring.moe.calibration import replay_median_ms
 from chunkring.moe.experts import load_deep_gemm
 from chunkring.moe.producer import quantize_rows_fp8, route
+from chunkring.moe.weights import expert_weights
 from chunkring.testing.peer_moe import torch_moe
 
 SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
@@ -76,7 +77,7 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
     router, w13_bf16, w2_bf16 = draw_weights(shape, gen, device)
-    w13, w2 = layer.expert_weights(w13_bf16, w2_bf16)
+    w13, w2 = expert_weights(layer.config, w13_bf16, w2_bf16)
     w13_ref, w2_ref = w13.dequantize().double(), w2.dequantize().double()
     l1, l2 = dg.transform_weights_for_mega_moe_sm90((w13.data, w13.scale), (w2.data, w2.scale))
     buffer = dg.get_symm_buffer_for_mega_moe(group, E, max(tokens), K, H, inter)

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import chunkring
     from chunkring.moe import producer
-    from chunkring.moe.calibrate import replay_median_ms
+    from chunkring.moe.calibration import replay_median_ms
 
     runtime = chunkring.init()
     shape = _Shape(args.shape, runtime)

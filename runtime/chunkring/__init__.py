@@ -36,6 +36,8 @@ from chunkring.moe import (
     MoELayer,
     StreamingCalibration,
     Timeline,
+    calibrate,
+    expert_weights,
     load_experts,
 )
 from chunkring.partition import SmPartition
@@ -65,7 +67,9 @@ __all__ = [
     "SmPartition",
     "StreamingCalibration",
     "Timeline",
+    "calibrate",
     "current",
+    "expert_weights",
     "gather",
     "init",
     "load_experts",

@@ -25,6 +25,7 @@ from chunkring.ring.io import GatherOutputs, gather, publish_chunk
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import InputField
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
+from chunkring.testing.variants import mutant_layer
 from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, tolerance, weights
 
 pytestmark = pytest.mark.gpu
@@ -177,7 +178,7 @@ def test_negative_control_without_the_checks_a_bad_expert_goes_unreported(runtim
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
                     front_num_slots=2, front_tokens_per_slot=C)
-    layer = MoELayer(runtime, cfg, timeout_s=30, variant=NO_INPUT_CHECKS)
+    layer = mutant_layer(runtime, cfg, NO_INPUT_CHECKS, timeout_s=30)
     try:
         w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(2))
         gen = torch.Generator().manual_seed(rank)

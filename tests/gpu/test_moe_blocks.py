@@ -17,6 +17,7 @@ import chunkring.env
 from chunkring import ChunkringRuntimeError, MoEConfig, MoELayer, SmPartition
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
+from chunkring.testing.variants import mutant_layer
 from tests.gpu.test_moe_layer import case_inputs, layer_reference, local_weights, rel_error, tolerance, weights
 
 pytestmark = [
@@ -101,7 +102,7 @@ def _seal_on_reserve_caught(runtime, variant):
     n = 325  # 41 chunks of 8 tokens: two full blocks of 128 rows and a partial one per source
     cfg = dict(num_experts=2 * world, hidden=H, intermediate=INTER, topk=1, max_tokens_per_rank=n + 3,
                front_num_slots=2, front_tokens_per_slot=8, waves=4)
-    layer = MoELayer(runtime, MoEConfig(**cfg), timeout_s=20, variant=variant)
+    layer = mutant_layer(runtime, MoEConfig(**cfg), variant, timeout_s=20)
     caught = []
     try:
         w13, w2 = weights(cfg["num_experts"], torch.Generator().manual_seed(7))
@@ -113,7 +114,7 @@ def _seal_on_reserve_caught(runtime, variant):
             w = torch.rand(n, 1, generator=gen) + 0.1
             ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
             args = [t.to(device) for t in (xq, sf, idx, w)]
-            layer._blocks.x.fill_(0xFF)  # NaN in e4m3 and in bf16: a row read before it landed shows
+            layer.resources.pool.x.fill_(0xFF)  # NaN in e4m3 and in bf16: a row read before it landed shows
             try:
                 out = layer.run(*args, w13_local, w2_local, streaming=True)
                 torch.cuda.synchronize()
@@ -154,7 +155,7 @@ def test_waves_on_a_given_partition_and_batch_ready_calls_on_the_batch_plan(runt
         batch = MoELayer(runtime, MoEConfig(**cfg), partition=part, timeout_s=60)
         incremental = MoELayer(runtime, MoEConfig(**cfg, waves=waves), partition=part, timeout_s=60)
         try:
-            assert incremental._pull_stream is part.consumer_side_stream
+            assert incremental.resources.pull_stream is part.consumer_side_stream
             w13, w2 = weights(cfg["num_experts"], torch.Generator().manual_seed(77))
             w13_local, w2_local = local_weights(batch, w13, w2)
             n, x_in, idx, w, args = _inputs(case, 0, rank, world, cfg["num_experts"], device)
@@ -166,7 +167,7 @@ def test_waves_on_a_given_partition_and_batch_ready_calls_on_the_batch_plan(runt
                 layer.check()
                 assert rel_error(outs[name], ref) <= tolerance(layer), name
             assert torch.equal(outs["waves"], outs["batch"])
-            words = incremental._blocks.words
+            words = incremental.resources.pool.words
             words.fill_(0x5A5A5A5A)
             out = incremental.run(*args, w13_local, w2_local, streaming=False)
             torch.cuda.synchronize()

@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from chunkring import ChunkedMoE, MoEConfig, MoELayer
+from chunkring import ChunkedMoE, MoEConfig, MoELayer, calibrate, load_experts
 from chunkring.moe.producer import route
-from chunkring.moe.weights import init_weights, quantize_weight_fp8
+from chunkring.moe.weights import expert_weights, init_weights, quantize_weight_fp8
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import (
     dequantize_fp8_per128,
@@ -26,6 +26,7 @@ from chunkring.testing.reference import (
     quantize_fp8_per128,
     reference_tolerance,
 )
+from chunkring.testing.variants import mutant_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -94,7 +95,7 @@ def local_weights(layer, w13, w2):
     """This rank's experts of every expert's w13 / w2 (CPU bfloat16), in the form the layer takes."""
     mine = slice(layer.first_expert, layer.first_expert + layer.experts_per_rank)
     device = layer.runtime.torch_device
-    return layer.expert_weights(w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
+    return expert_weights(layer.config, w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
 
 
 def layer_reference(layer, x_in, idx, w, w13, w2):
@@ -223,7 +224,7 @@ def test_bad_input_is_refused_before_gpu_work(runtime):
         w = torch.ones(4, 2, device=device)
         w13_bf16 = torch.zeros(2, 2 * INTER, H, dtype=torch.bfloat16, device=device)
         w2_bf16 = torch.zeros(2, H, INTER, dtype=torch.bfloat16, device=device)
-        w13, w2 = layer.expert_weights(w13_bf16, w2_bf16)
+        w13, w2 = expert_weights(layer.config, w13_bf16, w2_bf16)
         bad = {
             "x": dict(x=torch.zeros(17, H, dtype=torch.float8_e4m3fn, device=device)),
             "x_sf": dict(x_sf=None),
@@ -259,15 +260,15 @@ def _rank_outputs_wrong(runtime, variant: int) -> list:
     hidden, inter, per_rank, n = 1024, 1024, 8, 256
     cfg = MoEConfig(num_experts=per_rank * W, hidden=hidden, intermediate=inter, topk=4, max_tokens_per_rank=n,
                     front_num_slots=2, front_tokens_per_slot=64)
-    layer = MoELayer(runtime, cfg, timeout_s=60, variant=variant)
+    layer = mutant_layer(runtime, cfg, variant, timeout_s=60)
     if rank == W - 1:
-        experts = layer._compute.experts
+        experts = layer.resources.compute.experts
 
         def delayed_experts(*args):
             torch.cuda._sleep(EXPERTS_DELAY_CYCLES)
             return experts(*args)
 
-        layer._compute.experts = delayed_experts
+        layer.resources.compute.experts = delayed_experts
     wrong = []
     try:
         gen = torch.Generator().manual_seed(5)
@@ -364,7 +365,8 @@ def test_calibrated_auto_calls_take_the_agreed_mode_and_match_the_reference(runt
     layer = MoELayer(runtime, cfg, timeout_s=60)
     try:
         module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(17))
-        result = layer.calibrate(module.router_weight, module.w13, module.w2, [8, 64], iterations=3, warmup=1)
+        result = calibrate(layer, module.router_weight, module.w13, module.w2, [8, 64], iterations=3, warmup=1)
+        assert layer.streaming_calibration is result
         assert set(result.figures) == {8, 64}
         assert all(b > 0 and s > 0 for b, s in result.figures.values())
         if W > 1:
@@ -383,7 +385,7 @@ def test_calibrated_auto_calls_take_the_agreed_mode_and_match_the_reference(runt
 
 @pytest.mark.parametrize("checkpoint", ["bf16", "fp8"])
 def test_experts_loaded_from_a_checkpoint_run_like_the_weights_they_hold(runtime, checkpoint):
-    """MoELayer.load_experts on a live FP8 layer: a Hugging Face-style state dict of every expert (bf16, or
+    """load_experts for a live FP8 layer's range and device: a Hugging Face-style state dict of every expert (bf16, or
     FP8 with DeepSeek-V3's 128x128 ``weight_scale_inv``) gives this rank's experts on the GPU, and a call
     with them matches the reference of the weights the checkpoint holds."""
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
@@ -401,7 +403,8 @@ def test_experts_loaded_from_a_checkpoint_run_like_the_weights_they_hold(runtime
                 else:
                     state[key] = weight.clone()
         state[f"{prefix}gate.weight"] = torch.zeros(cfg.num_experts, H)  # the router: not the loader's
-        w13_local, w2_local = layer.load_experts(state, prefix=prefix)
+        w13_local, w2_local = load_experts(state, cfg, first_expert=layer.first_expert, count=layer.experts_per_rank,
+                                           prefix=prefix, device=device, rank=rank)
         assert w13_local.data.device == device and w13_local.data.shape[0] == layer.experts_per_rank
         gen = torch.Generator().manual_seed(rank)
         xq, sf = quantize_fp8_per128(torch.randn(32, H, generator=gen))

@@ -38,7 +38,7 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
     calls on whole-GPU streams; both modes give the same output; destroy() closes the partition."""
     from chunkring import MoELayer
     from chunkring.moe.calls import CallMode
-    from chunkring.moe.layer import spinning_grids
+    from chunkring.moe.resources import spinning_grids
     from chunkring.partition import default_producer_sms
     from chunkring.testing.reference import quantize_fp8_per128
     from tests.gpu.test_moe_layer import local_weights, routing, weights
@@ -48,7 +48,7 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
     part = layer.partition
     try:
         sm = runtime.device.resources.sm
-        resident = layer._kernels.resident_blocks_per_sm("moe_pull", 256)
+        resident = layer.resources.kernels.stream.resident_blocks_per_sm("moe_pull", 256)
         expected = default_producer_sms(sm.sm_count, sm.min_partition_size, sm.coscheduled_alignment, 16, resident)
         assert part is not None and part.plan.producer_sms == expected
         stats = layer.stats()

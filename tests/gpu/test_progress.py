@@ -220,13 +220,13 @@ def test_a_first_call_waits_for_every_ranks_gemm_warm_up(runtime, monkeypatch):
     layer = MoELayer(runtime, cfg, timeout_s=2.0)
     try:
         if rank == W - 1:
-            warm_up = layer._compute.warm_up
+            warm_up = layer.resources.compute.warm_up
 
             def slow_warm_up(*a, **kw):
                 time.sleep(4.0)
                 warm_up(*a, **kw)
 
-            monkeypatch.setattr(layer._compute, "warm_up", slow_warm_up)
+            monkeypatch.setattr(layer.resources.compute, "warm_up", slow_warm_up)
         experts = local_weights(layer, w13, w2)
         ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
         runtime.barrier()

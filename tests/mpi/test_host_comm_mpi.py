@@ -93,26 +93,26 @@ def test_a_runtime_without_a_gpu_runs_the_same_collectives():
 
 @pytest.mark.mpi(min_size=2)
 def test_collective_constructors_fail_every_rank_alike_on_disagreement():
-    from chunkring.ring.ring import _check_identical
+    from chunkring.ring.ring import check_identical
 
     info = RankInfo.from_env()
     rt = Runtime(ranks=info, ordinal=0, device=None)
-    _check_identical(rt, ("spec", 2, 1.5))  # the same everywhere: passes
+    check_identical(rt, ("spec", 2, 1.5))  # the same everywhere: passes
     with pytest.raises(ChunkringUsageError, match="ranks disagree") as exc:
-        _check_identical(rt, ("spec", 2, 1.5 if info.rank == 0 else 9.0))
+        check_identical(rt, ("spec", 2, 1.5 if info.rank == 0 else 9.0))
     assert exc.value.field == "spec"
 
 
 @pytest.mark.mpi(min_size=2)
-def test_calibration_agrees_on_the_slowest_ranks_figures():
-    from chunkring.moe.calibrate import _slowest_rank
+def test_calibration_agrees_on_theslowest_ranks_figures():
+    from chunkring.moe.calibration import slowest_rank
 
     info = RankInfo.from_env()
     rt = Runtime(ranks=info, ordinal=0, device=None)
     # Rank r is worst at 16 tokens when r == last; everyone must end up with that rank's pair.
     last = info.world_size - 1
     mine = {16: (1.0, 1.0 + 0.1 * (info.rank + 1)), 2048: (9.0, 9.0 if info.rank else 9.9)}
-    agreed = _slowest_rank(rt, mine)
+    agreed = slowest_rank(rt, mine)
     assert agreed == {16: (1.0, 1.0 + 0.1 * (last + 1)), 2048: (9.0, 9.9)}
     assert rt.allgather_object(agreed) == [agreed] * info.world_size
 

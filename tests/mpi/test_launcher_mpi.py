@@ -1,7 +1,7 @@
 """The launcher's multi-rank host logic across real ranks (mpirun -np 2 / -np 4, no GPU).
 
 * Config identity: every rank builds the same MoE layer config from the same preset and overrides, and
-  the collective constructors' check (``_check_identical``, here over mpi4py's allgather) passes for
+  the collective constructors' check (``check_identical``, here over mpi4py's allgather) passes for
   it and fails every rank alike when one rank's config differs.
 * ``chunkring-launch JOB`` inside an MPI job: a config that does not fit the job's rank count is refused
   on every rank with status 2 before any GPU work, no GPU is status 3 on every rank, and a host-only job
@@ -42,7 +42,7 @@ def _comm():
 
 
 def _mpi_runtime(comm):
-    """What ``_check_identical`` needs of a runtime, straight from mpi4py (no GPU, no chunkring.init)."""
+    """What ``check_identical`` needs of a runtime, straight from mpi4py (no GPU, no chunkring.init)."""
     return SimpleNamespace(rank=comm.Get_rank(), world_size=comm.Get_size(), allgather_object=comm.allgather)
 
 
@@ -61,30 +61,30 @@ def _layer_config(job: str, overrides=()) -> MoEConfig:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("job", ["run", "stress", "bench"])
 def test_every_rank_builds_the_same_layer_config(job):
-    from chunkring.ring.ring import _check_identical
+    from chunkring.ring.ring import check_identical
 
     comm = _comm()
     cfg = _layer_config(job, ["topk=2"])
     assert comm.allgather(cfg) == [cfg] * comm.Get_size()
-    _check_identical(_mpi_runtime(comm), cfg)  # passes on every rank
+    check_identical(_mpi_runtime(comm), cfg)  # passes on every rank
     cfg.check_world_size(comm.Get_size())      # the presets fit 2 and 4 ranks
 
 
 @pytest.mark.mpi(min_size=2)
 def test_equivalent_spellings_agree_and_a_different_config_fails_every_rank():
-    from chunkring.ring.ring import _check_identical
+    from chunkring.ring.ring import check_identical
 
     comm = _comm()
     rank, runtime = comm.Get_rank(), _mpi_runtime(comm)
     base = dict(num_experts=4 * comm.Get_size(), hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64)
     # The payload as a member on one rank and as its int value on another: the same config.
     mine = MoEConfig(**base, payload=PayloadFormat.BF16 if rank % 2 else int(PayloadFormat.BF16)).with_default_ring()
-    _check_identical(runtime, mine)
+    check_identical(runtime, mine)
     # The last rank streams through a different ring: every rank must refuse, none may hang.
     if rank == comm.Get_size() - 1:
         mine = replace(mine, front_num_slots=mine.front_num_slots + 1)
     with pytest.raises(ChunkringUsageError, match="ranks disagree"):
-        _check_identical(runtime, mine)
+        check_identical(runtime, mine)
     comm.Barrier()  # every rank refused alike; the world is still usable
 
 

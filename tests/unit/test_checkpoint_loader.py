@@ -1,6 +1,6 @@
 """The checkpoint loader (chunkring.moe.load_experts) gives each rank exactly its experts in the layer's
 layout - w13 gate rows then up rows, w2 as stored - for both checkpoint formats and both payloads:
-bf16 checkpoints match MoELayer.expert_weights' path bit for bit, DeepSeek-V3 FP8 checkpoints keep their
+bf16 checkpoints match chunkring.expert_weights' path bit for bit, DeepSeek-V3 FP8 checkpoints keep their
 bytes and weight_scale_inv blocks (FP8 payload) or dequantise as DeepSeek's weight_dequant does (bf16
 payload); the ranks' shares concatenate to the whole; only the rank's own keys are read; and every bad
 key is refused by name, before anything is allocated on the requested device."""
@@ -8,14 +8,13 @@ key is refused by name, before anything is allocated on the requested device."""
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkring import ChunkringUsageError, MoEConfig, MoELayer, PayloadFormat
+from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat
 from chunkring.moe import HF_EXPERT_KEYS, ExpertKeys, Fp8Weight, init_weights, load_experts, quantize_weight_fp8
 
 PREFIX = "model.layers.3.mlp."
@@ -124,7 +123,7 @@ def test_bf16_checkpoint_fp8_payload_is_expert_weights_path(world):
     E = FP8.num_experts // world
     for r, (a13, a2) in enumerate(out):
         assert isinstance(a13, Fp8Weight) and isinstance(a2, Fp8Weight)
-        assert same(a13, quantize_weight_fp8(w13[r * E:(r + 1) * E]))  # what MoELayer.expert_weights gives
+        assert same(a13, quantize_weight_fp8(w13[r * E:(r + 1) * E]))  # what chunkring.expert_weights gives
         assert same(a2, quantize_weight_fp8(w2[r * E:(r + 1) * E]))
     assert same(cat([o[0] for o in out]), quantize_weight_fp8(w13))
     assert same(cat([o[1] for o in out]), quantize_weight_fp8(w2))
@@ -228,15 +227,13 @@ def test_other_names_through_expert_keys():
     assert HF_EXPERT_KEYS.scale_key("p.experts.7.down_proj.weight") == "p.experts.7.down_proj.weight_scale_inv"
 
 
-def test_layer_method_passes_its_range_rank_and_device():
+def test_a_rank_takes_its_range_and_errors_name_the_rank():
     sd, w13, w2 = bf16_checkpoint(BF16)
-    layer = SimpleNamespace(config=BF16, first_expert=6, experts_per_rank=2, _check_alive=lambda: None,
-                            runtime=SimpleNamespace(rank=3, torch_device=torch.device("cpu")))
-    a13, a2 = MoELayer.load_experts(layer, sd, prefix=PREFIX)
+    a13, a2 = load_experts(sd, BF16, first_expert=6, count=2, prefix=PREFIX, rank=3)
     assert torch.equal(a13, w13[6:]) and torch.equal(a2, w2[6:])
     del sd[key(7, "up")]
     with pytest.raises(ChunkringUsageError, match=r"expert 7's up weight, wanted by experts \[6, 8\) of rank 3"):
-        MoELayer.load_experts(layer, sd, prefix=PREFIX)
+        load_experts(sd, BF16, first_expert=6, count=2, prefix=PREFIX, rank=3)
 
 
 # ------------------------------------------------------------------ errors, each naming the key

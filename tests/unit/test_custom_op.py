@@ -29,15 +29,17 @@ tracing, and the real implementation never runs on it - meta tensors dispatch to
 from __future__ import annotations
 
 import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import chunkring  # noqa: F401  (registers the operators)
-from chunkring import ChunkedMoE, ChunkringUsageError, MoEConfig, MoELayer, PayloadFormat
-from chunkring.moe.calibrate import StreamingCalibration
-from chunkring.moe.op import MOE_FORWARD_SCHEMA, MOE_RUN_SCHEMA, layer_for_handle, moe_forward, register_layer
+from chunkring import ChunkedMoE, ChunkringUsageError, MoEConfig, PayloadFormat
+from chunkring.moe import handles
+from chunkring.moe.auto import StreamingCalibration
+from chunkring.moe.op import MOE_FORWARD_SCHEMA, MOE_RUN_SCHEMA, layer_for_handle, moe_forward
 from chunkring.moe.weights import Fp8Weight
 from tests.gpu.test_custom_op_gpu import TwoLayers  # the GPU test's model, traced here on meta tensors
 
@@ -149,9 +151,9 @@ def test_the_registry_holds_layers_weakly_and_never_reuses_a_handle():
         pass
 
     layer = Stand()
-    handle = register_layer(layer)
+    handle = handles.register(layer)
     assert layer_for_handle(handle) is layer
-    other = register_layer(Stand())  # collected at once
+    other = handles.register(Stand())  # collected at once
     assert other > handle
     del layer
     gc.collect()
@@ -164,10 +166,9 @@ def test_the_registry_holds_layers_weakly_and_never_reuses_a_handle():
 
 
 def unconstructed_layer(cfg, calibration=None):
-    """A MoELayer object with only what tracing reads (see the module docstring); in no registry."""
-    layer = object.__new__(MoELayer)
-    layer.config, layer.streaming_calibration, layer._handle = cfg, calibration, UNKNOWN
-    return layer
+    """What tracing reads of a MoELayer (see the module docstring): its config, calibration and handle - a
+    handle in no registry."""
+    return SimpleNamespace(config=cfg, streaming_calibration=calibration, handle=UNKNOWN)
 
 
 def meta_module(cfg, calibration=None):

@@ -1,6 +1,6 @@
 """Host collectives (chunkring.bringup.HostComm, and the Runtime methods that use it) in a single
 process: trivial, no MPI initialised, roots checked; the Runtime refuses them once closed; the callers
-(_check_identical, the worker's host-only runtime) go through them. tests/mpi/test_host_comm_mpi.py
+(check_identical, the worker's host-only runtime) go through them. tests/mpi/test_host_comm_mpi.py
 runs the same collectives across ranks."""
 
 import os
@@ -12,7 +12,7 @@ import pytest
 
 from chunkring import ChunkringUsageError, RankInfo, Runtime
 from chunkring.bringup import HostComm
-from chunkring.ring.ring import _check_identical
+from chunkring.ring.ring import check_identical
 
 ONE = RankInfo(0, 1, 0, 1)
 
@@ -85,12 +85,12 @@ def test_a_comm_for_other_ranks_is_refused():
 
 
 def test_collective_constructors_check_arguments_through_the_runtime():
-    _check_identical(Runtime(ranks=ONE, ordinal=0, device=None), ("spec", 1.0))  # one rank agrees with itself
+    check_identical(Runtime(ranks=ONE, ordinal=0, device=None), ("spec", 1.0))  # one rank agrees with itself
     agreeing = SimpleNamespace(world_size=2, allgather_object=lambda v: [v, v])
-    _check_identical(agreeing, ("spec", 1.0))
+    check_identical(agreeing, ("spec", 1.0))
     disagreeing = SimpleNamespace(world_size=3, allgather_object=lambda v: [v, v, ("spec", 2.0)])
     with pytest.raises(ChunkringUsageError, match=r"ranks disagree .*\{2: \('spec', 2.0\)\}") as info:
-        _check_identical(disagreeing, ("spec", 1.0))
+        check_identical(disagreeing, ("spec", 1.0))
     assert info.value.field == "spec"
 
 

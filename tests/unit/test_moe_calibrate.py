@@ -1,4 +1,4 @@
-"""The streaming="auto" decision (chunkring.moe.calibrate): stream only where streamed stayed within the
+"""The streaming="auto" decision (chunkring.moe.calibration): stream only where streamed stayed within the
 tolerance of batch-ready at every measured count; one decision for every rank, from the rank where
 streaming fared worst; bad calibration settings refused before any GPU work; an uncalibrated or
 calibrated layer's "auto" calls take the mode the calibration says."""
@@ -9,7 +9,7 @@ import pytest
 
 from chunkring import ChunkringUsageError, MoEConfig, RankInfo, StreamingCalibration
 from chunkring.bringup import HostComm
-from chunkring.moe.calibrate import _slowest_rank, calibrate
+from chunkring.moe.calibration import calibrate, slowest_rank
 from chunkring.moe.calls import CallMode, check_run_args
 from chunkring.moe.weights import quantize_weight_fp8
 from tests.unit.test_host_validation_properties import layer_on_cpu
@@ -24,7 +24,7 @@ def test_streams_only_within_tolerance_everywhere():
 
 def test_one_rank_keeps_its_own_figures():
     mine = {16: (1.0, 1.2)}
-    assert _slowest_rank(HostComm(RankInfo(0, 1, 0, 1)), mine) == mine  # no MPI in a single process
+    assert slowest_rank(HostComm(RankInfo(0, 1, 0, 1)), mine) == mine  # no MPI in a single process
 
 
 def test_every_rank_takes_the_figures_of_the_rank_where_streaming_fared_worst():
@@ -32,7 +32,7 @@ def test_every_rank_takes_the_figures_of_the_rank_where_streaming_fared_worst():
                 {16: (2.0, 2.1), 2048: (8.0, 8.8)}]   # rank 1: worst at 2048
     for rank in (0, 1):
         runtime = SimpleNamespace(world_size=2, rank=rank, allgather_object=lambda mine: everyone)
-        assert _slowest_rank(runtime, everyone[rank]) == {16: (1.0, 1.2), 2048: (8.0, 8.8)}
+        assert slowest_rank(runtime, everyone[rank]) == {16: (1.0, 1.2), 2048: (8.0, 8.8)}
 
 
 def layer(streaming=True):

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from chunkring.bringup import Runtime, _ranks_on_my_gpu
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe.layer import PULL_GRID, spinning_grids
 from chunkring.moe.producer import PRODUCE_ELEMENTS_PER_BLOCK, PRODUCE_MAX_BLOCKS, produce_grid, produce_grid_limit
+from chunkring.moe.resources import PULL_GRID, spinning_grids
 from chunkring.ranks import RankInfo
 
 H200_SMS = 132

@@ -91,7 +91,7 @@ def transport_figures(layer) -> dict:
 @dataclass
 class Weights:
     """Every expert's weights as the layer's GEMMs see them (the reference needs all of them) and this
-    rank's slice in the form the layer takes (:meth:`chunkring.MoELayer.expert_weights`)."""
+    rank's slice in the form the layer takes (:func:`chunkring.expert_weights`)."""
 
     router: object      # bfloat16 [E, H]
     w13_all: object     # float32 [E, 2I, H]: dequantised FP8 for the FP8 payload
@@ -106,13 +106,14 @@ def seeded_weights(layer, seed: int) -> Weights:
     on every rank."""
     import torch
 
-    from chunkring.moe.weights import init_weights
+    from chunkring.moe.weights import expert_weights, init_weights
     from chunkring.testing.reference import layer_weights_reference
 
     cfg, device = layer.config, layer.runtime.torch_device
     router, w13, w2 = init_weights(cfg, torch.Generator().manual_seed(seed))
     mine = slice(layer.first_expert, layer.first_expert + layer.experts_per_rank)
-    w13_local, w2_local = layer.expert_weights(w13[mine].contiguous().to(device), w2[mine].contiguous().to(device))
+    w13_local, w2_local = expert_weights(layer.config, w13[mine].contiguous().to(device),
+                                         w2[mine].contiguous().to(device))
     w13_all, w2_all = layer_weights_reference(w13, w2, cfg.payload)
     return Weights(router=router.to(device), w13_all=w13_all.to(device), w2_all=w2_all.to(device),
                    w13=w13_local, w2=w2_local, fp8_recipe=cfg.payload.has_scales)

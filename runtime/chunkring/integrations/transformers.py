@@ -12,7 +12,7 @@ MoE block it knows, over one :class:`~chunkring.moe.layer.MoELayer` per distinct
 * the hidden states go as bfloat16 rows (bf16 payload), or quantised per 1x128 to FP8 e4m3 with float32
   scales (:func:`~chunkring.moe.producer.quantize_rows_fp8`, FP8 payload);
 * this rank's experts (``[rank * E / W, (rank + 1) * E / W)``) are read from the block's own weights
-  through :meth:`MoELayer.load_experts`, Hugging Face's per-expert names (:func:`expert_state_dict`): in
+  through :func:`chunkring.load_experts`, Hugging Face's per-expert names (:func:`expert_state_dict`): in
   this transformers (5.x) the experts are fused 3-D parameters, ``experts.gate_up_proj`` [E, 2I, H]
   (gate rows, then up rows: the block's ``chunk(2)`` takes the first half as gate) and
   ``experts.down_proj`` [E, H, I], which is already chunkring's w13 / w2 layout (transformers 4.x's
@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from chunkring.errors import ChunkringUsageError
+from chunkring.moe.checkpoint import load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.layer import MoELayer
 from chunkring.moe.producer import quantize_rows_fp8
@@ -146,7 +147,7 @@ def _describe(name: str, block: nn.Module, arch: str) -> HfMoEBlock:
 
 def _check_weights(block: HfMoEBlock) -> None:
     """Every routed expert's weights bfloat16 of the block's shapes - so that no rank's
-    :meth:`MoELayer.load_experts` can refuse its share after other ranks built their layers."""
+    :func:`chunkring.load_experts` can refuse its share after other ranks built their layers."""
     inter, hidden = block.intermediate, block.hidden
     for key, weight in expert_state_dict(block.module).items():
         want = (inter, hidden) if key.endswith(("gate_proj.weight", "up_proj.weight")) else (hidden, inter)
@@ -247,7 +248,9 @@ class ChunkringMoEBlock(nn.Module):
         self.shared_experts = block.module.get_submodule("shared_experts") if block.shared_experts else None
         self.layer = layer
         self.streaming = streaming
-        self.w13, self.w2 = layer.load_experts(expert_state_dict(block.module))
+        self.w13, self.w2 = load_experts(expert_state_dict(block.module), layer.config, first_expert=layer.first_expert,
+                                         count=layer.experts_per_rank, device=layer.runtime.torch_device,
+                                         rank=layer.runtime.rank)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape, dtype = hidden_states.shape, hidden_states.dtype

@@ -19,7 +19,7 @@ from chunkring.ring.io import check_tensor
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
 if TYPE_CHECKING:
-    from chunkring.moe.calibrate import StreamingCalibration
+    from chunkring.moe.auto import StreamingCalibration
     from chunkring.moe.config import MoEConfig
     from chunkring.moe.weights import Fp8Weight
 

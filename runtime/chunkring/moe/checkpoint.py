@@ -6,14 +6,14 @@ Face's, which DeepSeek-V3 and Qwen3-MoE use: ``{prefix}experts.{e}.gate_proj.wei
 ``prefix`` the layer's MLP (``model.layers.3.mlp.``); :class:`ExpertKeys` names others (Mixtral's
 ``w1``/``w3``/``w2``, say). The layer takes the experts of one rank stacked: w13 [E_local, 2I, H] (gate rows
 first, then up rows) and w2 [E_local, H, I], in the format its payload's GEMMs run on
-(:meth:`MoELayer.expert_weights`): :class:`~chunkring.moe.weights.Fp8Weight` for the FP8 payload, bfloat16
+(:func:`chunkring.expert_weights`): :class:`~chunkring.moe.weights.Fp8Weight` for the FP8 payload, bfloat16
 tensors for the bf16 payload.
 
 Two checkpoint formats, told apart by the weights' dtype (every weight of the rank's experts must have
 the same one):
 
 * bfloat16 weights: stacked; for the FP8 payload then quantised once, by the path
-  :meth:`MoELayer.expert_weights` takes (:func:`~chunkring.moe.weights.payload_weights`).
+  :func:`chunkring.expert_weights` takes (:func:`~chunkring.moe.weights.payload_weights`).
 * FP8 weights as DeepSeek-V3 stores them: ``weight`` float8_e4m3fn [N, K] next to ``weight_scale_inv``
   float32 [ceil(N/128), ceil(K/128)], the factor each 128x128 block is MULTIPLIED by when dequantising -
   despite the name, it is what :class:`Fp8Weight` calls ``scale``. The convention, from the public code:
@@ -117,7 +117,7 @@ def load_experts(state_dict: Mapping[str, torch.Tensor], config: MoEConfig, *, f
     result, ``safetensors.torch.load_file``, or any mapping that loads a tensor when indexed) as the layer
     of ``config`` takes them on ``device``: w13 [count, 2I, H] (gate rows, then up rows) and w2
     [count, H, I], a pair of :class:`~chunkring.moe.weights.Fp8Weight` for the FP8 payload, of bfloat16
-    tensors for the bf16 payload - what :meth:`MoELayer.expert_weights` returns, ready for
+    tensors for the bf16 payload - what :func:`chunkring.expert_weights` returns, ready for
     :meth:`MoELayer.run` / :meth:`MoELayer.forward`.
 
     Weights in the checkpoint: bfloat16 (quantised here for the FP8 payload), or float8_e4m3fn each with
@@ -125,9 +125,9 @@ def load_experts(state_dict: Mapping[str, torch.Tensor], config: MoEConfig, *, f
     dequantised for the bf16 one). Keys: ``keys`` formatted with ``prefix`` (the layer's, e.g.
     ``"model.layers.3.mlp."``) and the global expert index. ``rank`` only labels error messages.
 
-    Host-only until the copies: no live layer needed (:meth:`MoELayer.load_experts` passes its own range,
-    rank and device). Keys of other experts, and any other key, are ignored; a missing, mis-shaped or
-    mistyped key of these experts, an FP8 weight without its scale, a bfloat16 weight with one, experts
+    Host-only until the copies: no live layer needed (for a layer's share pass ``layer.first_expert``,
+    ``layer.experts_per_rank``, its device and rank). Keys of other experts, and any other key, are ignored;
+    a missing, mis-shaped or mistyped key of these experts, an FP8 weight without its scale, a bfloat16 weight with one, experts
     of mixed formats, or an expert past ``config.num_experts`` under ``prefix`` raise
     :class:`ChunkringUsageError` (``field``: the key) before anything is allocated.
     """

@@ -99,7 +99,7 @@ def check_expert_weights(config, experts_per_rank: int, device, w13, w2) -> None
             if not isinstance(w, Fp8Weight):
                 raise ChunkringUsageError(
                     "the FP8 payload runs FP8 expert GEMMs: pass a chunkring.moe.Fp8Weight (quantise bf16 weights "
-                    f"once with MoELayer.expert_weights or quantize_weight_fp8), got {type(w).__name__}", field=name)
+                    f"once with chunkring.expert_weights or quantize_weight_fp8), got {type(w).__name__}", field=name)
             check_tensor(name, w.data, shape, torch.float8_e4m3fn, device)
             check_tensor(f"{name}.scale", w.scale, tuple(w.scale.shape), torch.float32, device)
         else:

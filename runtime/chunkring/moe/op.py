@@ -9,7 +9,7 @@ Two operators, one per call of :class:`~chunkring.moe.layer.MoELayer`::
                        Tensor? w13_scale, Tensor w2, Tensor? w2_scale, bool streaming, Tensor? num_tokens) -> Tensor
 
 An operator's arguments are tensors and scalars only, so the layer travels as ``handle``, the integer
-:attr:`MoELayer.handle` (a weak registry here maps it back; a handle of no live layer is a
+:attr:`MoELayer.handle` (:mod:`chunkring.moe.handles` maps it back; a handle of no live layer is a
 ``ChunkringUsageError``), and an :class:`~chunkring.moe.weights.Fp8Weight` as its ``data`` and ``scale``
 (``*_scale`` None: bfloat16 weights). ``streaming`` is a plain bool, a constant of the traced graph
 (:func:`moe_forward` resolves ``"auto"`` while tracing). Call them through :func:`moe_forward` and
@@ -37,50 +37,37 @@ tensor) reaches the layer's own argument check and gets its ``ChunkringUsageErro
 
 from __future__ import annotations
 
-import itertools
-import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from chunkring.errors import ChunkringUsageError
+from chunkring.moe import handles
 from chunkring.moe.calls import resolve_streaming
 from chunkring.moe.weights import Fp8Weight
 
 if TYPE_CHECKING:
     from chunkring.moe.layer import MoELayer
 
-__all__ = ["MOE_FORWARD_SCHEMA", "MOE_RUN_SCHEMA", "layer_for_handle", "moe_forward", "moe_run", "register_layer"]
+__all__ = ["MOE_FORWARD_SCHEMA", "MOE_RUN_SCHEMA", "layer_for_handle", "moe_forward", "moe_run"]
 
 MOE_FORWARD_SCHEMA = ("(int handle, Tensor hidden, Tensor router_weight, Tensor w13, Tensor? w13_scale, Tensor w2, "
                       "Tensor? w2_scale, bool streaming, Tensor? num_tokens) -> Tensor")
 MOE_RUN_SCHEMA = ("(int handle, Tensor x, Tensor? x_sf, Tensor topk_idx, Tensor topk_weights, Tensor w13, "
                   "Tensor? w13_scale, Tensor w2, Tensor? w2_scale, bool streaming, Tensor? num_tokens) -> Tensor")
 
-# ------------------------------------------------------------------ the layer registry
-
-#: handle -> layer, weakly: the registry keeps no layer alive. Handles count up from 1 and are never reused,
-#: so a stale handle never names a newer layer.
-_layers: weakref.WeakValueDictionary[int, MoELayer] = weakref.WeakValueDictionary()
-_next_handle = itertools.count(1)
-
-
-def register_layer(layer: MoELayer) -> int:
-    """A new handle naming ``layer`` to the operators (:class:`MoELayer` calls this once, at construction)."""
-    handle = next(_next_handle)
-    _layers[handle] = layer
-    return handle
+# ------------------------------------------------------------------ the layer a handle names
 
 
 def layer_for_handle(handle: int) -> MoELayer:
     """The live layer ``handle`` names, or a ``ChunkringUsageError``. A destroyed layer is still found
     here; its own calls refuse it."""
-    layer = _layers.get(handle)
+    layer = handles.lookup(handle)
     if layer is None:
         raise ChunkringUsageError(f"no MoELayer has handle {handle} in this process (never created here, or "
                                   "garbage-collected: keep the layer alive while a compiled model calls it)",
                                   field="handle")
-    return layer
+    return cast("MoELayer", layer)
 
 
 # ------------------------------------------------------------------ the operators

@@ -14,7 +14,8 @@ import torch
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.config import MoEConfig
 
-__all__ = ["WEIGHT_BLOCK", "ExpertWeights", "Fp8Weight", "init_weights", "payload_weights", "quantize_weight_fp8"]
+__all__ = ["WEIGHT_BLOCK", "ExpertWeights", "Fp8Weight", "expert_weights", "init_weights", "payload_weights",
+           "quantize_weight_fp8"]
 
 #: Rows and columns of weight that share one fp32 scale.
 WEIGHT_BLOCK = 128
@@ -73,10 +74,39 @@ def quantize_weight_fp8(w: torch.Tensor) -> Fp8Weight:
 ExpertWeights = tuple[Fp8Weight, Fp8Weight] | tuple[torch.Tensor, torch.Tensor]
 
 
+def expert_weights(config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+    """One rank's experts in the format the layer of ``config`` runs its GEMMs on, made once, at load.
+
+    Args:
+        config: the layer's config.
+        w13: bfloat16 [E_local, 2I, H]: each expert's gate rows, then its up rows.
+        w2: bfloat16 [E_local, H, I], on ``w13``'s device.
+
+    Returns:
+        (w13, w2): for the FP8 payload two :class:`Fp8Weight` (128x128 block scales, :func:`quantize_weight_fp8`);
+        for the bf16 payload the tensors as given (contiguous).
+
+    Raises:
+        ChunkringUsageError: a tensor of another dtype, shape or device (named).
+    """
+    if not isinstance(config, MoEConfig):
+        raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")
+    if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
+        raise ChunkringUsageError("expected a bfloat16 tensor [E_local, 2I, H]", field="w13")
+    H, inter, E = config.hidden, config.intermediate, w13.shape[0]
+    for name, w, shape in (("w13", w13, (E, 2 * inter, H)), ("w2", w2, (E, H, inter))):
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or tuple(w.shape) != shape or E < 1:
+            got = f"{w.dtype} {list(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ChunkringUsageError(f"expected bfloat16 {list(shape)} with E_local >= 1, got {got}", field=name)
+    if w2.device != w13.device:
+        raise ChunkringUsageError(f"is on {w2.device}, w13 on {w13.device}", field="w2")
+    return payload_weights(config, w13, w2)
+
+
 def payload_weights(config: MoEConfig, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
     """w13 [E_local, 2I, H] and w2 [E_local, H, I] (bfloat16, already checked) in the format ``config``'s
     payload runs its GEMMs on: FP8 -> :func:`quantize_weight_fp8` of each (once, at load), bf16 -> as
-    given (contiguous). The one place both :meth:`MoELayer.expert_weights` and the checkpoint loader
+    given (contiguous). The one place both :func:`expert_weights` and the checkpoint loader
     (:mod:`chunkring.moe.checkpoint`) turn bf16 experts into the payload's format."""
     if config.payload.has_scales:
         return quantize_weight_fp8(w13), quantize_weight_fp8(w2)

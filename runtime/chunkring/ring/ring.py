@@ -22,7 +22,7 @@ from chunkring.ring.transport import Transport, check_transport_mode, choose_tra
 if TYPE_CHECKING:
     from chunkring.bringup import Runtime
 
-__all__ = ["Ring"]
+__all__ = ["Ring", "check_epochs_agree", "check_identical"]
 
 log = logging.getLogger("chunkring")
 
@@ -51,7 +51,7 @@ class Ring:
         check_work_queues()
         timeout_s = watchdog_timeout_s() if timeout_s is None else check_timeout_s(timeout_s, field="timeout_s")
         self.transport_mode = check_transport_mode(transport)
-        _check_identical(runtime, (spec, timeout_s, self.transport_mode))
+        check_identical(runtime, (spec, timeout_s, self.transport_mode))
         self.runtime = runtime
         self.spec = spec
         self.layout = RingLayout(spec)
@@ -179,7 +179,7 @@ def check_epochs_agree(epochs: list[int]) -> None:
                                     f"reset() together; allocate a new Ring to recover")
 
 
-def _check_identical(runtime: Runtime, value: object) -> None:
+def check_identical(runtime: Runtime, value: object) -> None:
     """Fail every rank alike if the ranks passed different arguments to a collective constructor."""
     everyone = runtime.allgather_object(value)  # [value] in a single process
     if any(v != everyone[0] for v in everyone):

@@ -27,7 +27,7 @@ Python launch cost in the figure), with CUDA events, the median of ``iterations`
   share one GPU under MPS, where NCCL's all-to-all, the multi-GPU peer's, cannot run);
 * ``streamed_over_bound`` and ``streaming_cost_us_per_chunk`` ((streamed - batch) / chunks);
 * per chunk size, ``c<chunk>_auto_streams``: whether ``streaming="auto"`` would stream after
-  :meth:`chunkring.MoELayer.calibrate` over these token counts (streamed within 3 % of batch-ready at
+  :func:`chunkring.calibrate` over these token counts (streamed within 3 % of batch-ready at
   every one); and with ``trace``, that shape's timelines as Chrome traces.
 
 Weights are drawn on the GPU (only this rank's experts): the bench checks nothing; the ``run`` and
@@ -41,7 +41,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from chunkring.moe.calibrate import DEFAULT_TOLERANCE, StreamingCalibration
+from chunkring.moe.auto import DEFAULT_TOLERANCE, StreamingCalibration
+from chunkring.moe.weights import expert_weights
 
 __all__ = ["EFFICIENCY_FLOOR", "Timing", "derived_figures", "run"]
 
@@ -89,7 +90,7 @@ def run(runtime: Any, open_layer: Callable[[int], AbstractContextManager[Any]], 
                 if on_shape is not None:
                     on_shape(done, f"n={n} chunk={chunk}: streamed/batch {shape['streamed_over_batch']:.2f}")
             layer.check()
-        # What MoELayer.calibrate would decide for this chunk size over these counts (this rank's figures).
+        # What chunkring.calibrate would decide for this chunk size over these counts (this rank's figures).
         measured: dict[int, tuple[float, ...]] = {
             n: (figures[f"n{n}_c{chunk}_batch_ms"], figures[f"n{n}_c{chunk}_streamed_ms"]) for n in token_counts}
         figures[f"c{chunk}_auto_streams"] = int(StreamingCalibration(measured, DEFAULT_TOLERANCE).streams)
@@ -116,7 +117,8 @@ class _Model:
         self.router = draw(cfg.num_experts, H, fan_in=H)
         # bf16 for the peer; the layer's form (FP8 with block scales for the FP8 payload) for the layer.
         self.w13_bf16, self.w2_bf16 = draw(E, 2 * inter, H, fan_in=H), draw(E, H, inter, fan_in=inter)
-        self.w13, self.w2 = layer.expert_weights(self.w13_bf16, self.w2_bf16)
+        weights = expert_weights(layer.config, self.w13_bf16, self.w2_bf16)
+        self.w13, self.w2 = weights[0], weights[1]
         self.layer, self.timing, self.gen = layer, timing, gen
         self._cached: _Inputs | None = None
 
@@ -155,7 +157,7 @@ class _Model:
         import torch
 
         from chunkring import Timeline
-        from chunkring.moe.calibrate import capture_graph
+        from chunkring.moe.calibration import capture_graph
         from chunkring.moe.timeline import write_chrome_trace
 
         inputs, layer, runtime = self._inputs(n), self.layer, self.layer.runtime
@@ -178,7 +180,7 @@ class _Model:
 
     def _median_ms(self, load: Callable[[int], object], call: Callable[[], object]) -> float:
         """Median replay time of ``call`` captured in a CUDA graph; ``load(i)`` refreshes its inputs."""
-        from chunkring.moe.calibrate import replay_median_ms
+        from chunkring.moe.calibration import replay_median_ms
 
         return replay_median_ms(call, load, iterations=self.timing.iterations, warmup=self.timing.warmup,
                                 barrier=self.layer.runtime.barrier)

@@ -147,7 +147,7 @@ def reference_tolerance(payload: PayloadFormat) -> float:
 def layer_weights_reference(w13: torch.Tensor, w2: torch.Tensor,
                             payload: PayloadFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 w13, w2 as the layer's GEMMs see them for ``payload``: FP8 -> quantised per 128x128 block
-    (:func:`chunkring.moe.quantize_weight_fp8`, what :meth:`MoELayer.expert_weights` does) and dequantised;
+    (:func:`chunkring.moe.quantize_weight_fp8`, what :func:`chunkring.expert_weights` does) and dequantised;
     bf16 -> as given."""
     if payload.has_scales:
         return quantize_weight_fp8(w13).dequantize(), quantize_weight_fp8(w2).dequantize()

@@ -12,45 +12,25 @@ collectively - never per call, whose token count differs between ranks.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from chunkring.errors import ChunkringUsageError
+from chunkring.moe.auto import DEFAULT_TOLERANCE, StreamingCalibration
 
 if TYPE_CHECKING:
     from chunkring.bringup import Runtime
     from chunkring.moe.layer import MoELayer
     from chunkring.moe.weights import Fp8Weight
 
-__all__ = ["DEFAULT_TOLERANCE", "StreamingCalibration", "calibrate", "capture_graph", "replay_median_ms"]
+__all__ = ["calibrate", "capture_graph", "replay_median_ms", "slowest_rank"]
 
-#: How much slower than batch-ready streamed may be, at every calibrated count, for "auto" to stream.
-DEFAULT_TOLERANCE = 0.03
-
-
-@dataclass(frozen=True)
-class StreamingCalibration:
-    """What :func:`calibrate` measured: per token count, the slowest rank's (batch-ready ms, streamed
-    ms), and the tolerance streamed had to meet everywhere for ``"auto"`` to stream."""
-
-    figures: dict[int, tuple[float, ...]]  # token count -> (batch-ready ms, streamed ms)
-    tolerance: float
-
-    @property
-    def streams(self) -> bool:
-        """Whether ``streaming="auto"`` calls stream."""
-        return all(streamed <= (1 + self.tolerance) * batch for batch, streamed in self.figures.values())
-
-    def describe(self) -> str:
-        ratios = ", ".join(f"{n} tokens {s / b:.3f}" for n, (b, s) in sorted(self.figures.items()))
-        verdict = "stream" if self.streams else "run batch-ready"
-        return f'streaming="auto" calls {verdict}: streamed / batch-ready {ratios} (tolerance {self.tolerance:.0%})'
-
+log = logging.getLogger("chunkring")
 
 def capture_graph(call: Callable[[], object], load: Callable[[int], object] | None = None) -> torch.cuda.CUDAGraph:
     """``call`` captured in a CUDA graph, after one eager call (every kernel loaded and every lazy torch
@@ -92,9 +72,25 @@ def replay_median_ms(call: Callable[[], object], load: Callable[[int], object] |
 def calibrate(layer: MoELayer, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight,
               w2: torch.Tensor | Fp8Weight, token_counts: Iterable[int], *, iterations: int = 10, warmup: int = 2,
               tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> StreamingCalibration:
-    """Time ``layer.forward`` batch-ready and streamed at each of ``token_counts`` (random hidden states,
-    this rank's weights) and agree across ranks on the slowest rank's figures. A collective: every rank
-    passes the same counts and settings."""
+    """Decide what ``layer``'s ``streaming="auto"`` calls do on this machine: time ``layer.forward``
+    batch-ready and streamed at each of ``token_counts`` (CUDA-graph replays of random hidden states, these
+    weights), agree across ranks on the slowest rank's figures, and set ``layer.streaming_calibration``,
+    which ``"auto"`` calls follow from then on. A collective: every rank passes the same counts and settings.
+
+    Args:
+        layer: a layer with a streaming ring.
+        router_weight, w13, w2: as :meth:`MoELayer.forward` takes them.
+        token_counts: tokens per rank to measure, each in [1, ``max_tokens_per_rank``].
+        iterations, warmup: graph replays timed, and replays before them.
+        tolerance: how much slower than batch-ready streamed may be, at every count, for "auto" to stream.
+        seed: the hidden states' seed (with the rank).
+
+    Returns:
+        The :class:`StreamingCalibration` (also logged by rank 0).
+
+    Raises:
+        ChunkringUsageError: a layer without a streaming ring, or a bad count or setting.
+    """
     cfg = layer.config
     if not cfg.streaming:
         raise ChunkringUsageError("needs a streaming ring (front_num_slots, front_tokens_per_slot)", field="config")
@@ -118,10 +114,13 @@ def calibrate(layer: MoELayer, router_weight: torch.Tensor, w13: torch.Tensor | 
             replay_median_ms(partial(layer.forward, hidden, router_weight, w13, w2, streaming=streaming),
                              iterations=iterations, warmup=warmup, barrier=runtime.barrier)
             for streaming in (False, True))
-    return StreamingCalibration(_slowest_rank(runtime, mine), float(tolerance))
+    layer.streaming_calibration = StreamingCalibration(slowest_rank(runtime, mine), float(tolerance))
+    if runtime.rank == 0:
+        log.info("chunkring MoELayer: %s", layer.streaming_calibration.describe())
+    return layer.streaming_calibration
 
 
-def _slowest_rank(runtime: Runtime, mine: dict[int, tuple[float, ...]]) -> dict[int, tuple[float, ...]]:
+def slowest_rank(runtime: Runtime, mine: dict[int, tuple[float, ...]]) -> dict[int, tuple[float, ...]]:
     """Per token count, the (batch, streamed) pair of the rank where streaming fared worst: identical on
     every rank, so every rank takes the same mode. A collective (``runtime.allgather_object``)."""
     everyone = runtime.allgather_object(mine)

@@ -1,0 +1,258 @@
+"""What one MoE layer holds at one rank, made and freed in one place.
+
+:class:`LayerResources` allocates, in a fixed order that every rank follows, the layer's kernel libraries,
+its rings (a one-slot batch-ready ring, and the streaming ring when the config has one), the stage the pull
+writes into, the combine buffer consumers push into, the expert work's buffers, the incremental block pool
+and the SM partition with its streams - and frees them in reverse order. Construction is all or nothing, on
+every rank alike: the steps that can fail on one rank only (a kernel build, DeepGEMM's import, a green
+context, a grid that does not fit) run first and the ranks agree on their outcome before any collective
+allocation, so a rank never waits in an allocation its peers left; whatever was made is freed again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from chunkring.errors import ChunkringError, ChunkringRuntimeError, ChunkringUsageError
+from chunkring.jit import library_for
+from chunkring.moe.blocks import BlockPool, pool_shape
+from chunkring.moe.calls import CallMode
+from chunkring.moe.config import MoEConfig
+from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
+from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
+from chunkring.partition import DEFAULT_PARTITION, SmPartition
+from chunkring.ring.ring import Ring
+from chunkring.ring.spec import FP8_SCALE_BLOCK
+from chunkring.ring.transport import Transport
+
+if TYPE_CHECKING:
+    from chunkring.bringup import Runtime
+    from chunkring.jit import KernelLibrary
+
+__all__ = ["PULL_BLOCK", "PULL_GRID", "TEARDOWN_BARRIER_S", "LayerKernels", "LayerResources", "Stage",
+           "agree", "spinning_grids"]
+
+#: Blocks of the pull kernel at most: each copies a share of every chunk. A few suffice to keep up with
+#: the producers; more would only spin, waiting for chunks, on SMs the producers could use.
+PULL_GRID = 16
+PULL_BLOCK = 256
+
+#: How long :meth:`LayerResources.free` waits at the host barrier for every rank's kernels to end before it
+#: frees symmetric memory a peer may still write into; a rank that never comes makes it raise instead.
+TEARDOWN_BARRIER_S = 300.0
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """The layer's kernel libraries: ``stream`` (device/kernels/moe_stream.cu: pull, held acks, drain,
+    timeline marks), ``produce`` (moe_produce.cu: the fused producer) and ``experts`` (moe_experts.cu:
+    plan, SwiGLU, combine push, waves)."""
+
+    stream: KernelLibrary
+    produce: KernelLibrary
+    experts: KernelLibrary
+
+    @classmethod
+    def build(cls, runtime: Runtime, *, defines: dict[str, int | str] | None = None) -> LayerKernels:
+        """The libraries for ``runtime``'s GPU, compiled with ``defines`` (None: the real protocol; the
+        testing package passes a ``CHUNKRING_MUTANT`` to build a deliberately broken variant)."""
+        return cls(*(library_for(runtime, source, defines=defines)
+                     for source in ("moe_stream", "moe_produce", "moe_experts")))
+
+
+class Stage:
+    """What one rank's consumer pulls in a call, from either ring: every source's rows at their token
+    index (``N = max_tokens_per_rank`` rows per source), and the pull's bookkeeping.
+
+    ``x`` [W, N, H] (FP8 or bf16), ``sf`` fp32 [W, N, H/128] (empty for bf16), ``idx`` int32 [W, N, K] (-1:
+    planned nowhere), ``w`` fp32 [W, N, K]; ``held`` int64 [W]: per source, the seq of its last chunk, whose
+    acknowledgement waits for the combine (-1: none). ``alloc(shape, dtype)``, if given, makes the rows
+    (NVSHMEM's symmetric heap, where a source is read by RMA: a get's local buffer must be registered
+    off-node)."""
+
+    def __init__(self, config: MoEConfig, world_size: int, device: torch.device,
+                 alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
+        W, N, H, K = world_size, config.max_tokens_per_rank, config.hidden, config.topk
+        fp8 = config.payload.has_scales
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return alloc(shape, dtype) if alloc is not None else torch.zeros(shape, dtype=dtype, device=device)
+
+        self.x = zeros((W, N, H), torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        # bf16 rows carry no scales: an empty tensor, which no get reaches (and the symmetric heap holds none).
+        self.sf = (zeros((W, N, H // FP8_SCALE_BLOCK), torch.float32) if fp8
+                   else torch.zeros((W, N, 0), dtype=torch.float32, device=device))
+        # -1 (planned nowhere) is refilled before every pull: a row no chunk brought is never computed.
+        self.idx = zeros((W, N, K), torch.int32).fill_(-1)
+        self.w = zeros((W, N, K), torch.float32)
+        self.held = torch.full((W,), -1, dtype=torch.int64, device=device)
+
+
+def spinning_grids(consumer_sms: int, pull_blocks_per_sm: int, producer_sms: int | None,
+                   gpu_ranks: int) -> tuple[int, int]:
+    """(pull grid, fused producer's most blocks) of a streamed call on the consumer's ``consumer_sms`` SMs and
+    the producers' ``producer_sms`` (None: no partition, both on the consumer's), ``gpu_ranks`` ranks sharing
+    them (docs/PROTOCOL.md, "Progress" 8). One rank per GPU: the measured grids, every pull block resident.
+    Several: one SM per spinning block within the rank's share of each side, one SM of each share left to
+    the other kernels (GEMMs, drain); without a partition the pull takes at most half of it."""
+    if gpu_ranks == 1:
+        return min(PULL_GRID, consumer_sms * pull_blocks_per_sm), PRODUCE_MAX_BLOCKS
+    free = consumer_sms // gpu_ranks - 1
+    if producer_sms is not None:
+        return min(PULL_GRID, max(1, free)), produce_grid_limit(producer_sms, gpu_ranks)
+    pull = min(PULL_GRID, max(1, free // 2))
+    return pull, produce_grid_limit(consumer_sms, gpu_ranks, pull)
+
+
+def agree(runtime: Runtime, step: Callable[[], None]) -> None:
+    """Run ``step`` here, then raise on every rank if it raised on any: the ranks' next collective happens on
+    all of them or on none. The error names every rank that failed and why (a ``ChunkringUsageError`` if
+    each failure was one, else a ``ChunkringRuntimeError``); a rank whose step succeeded raises it too."""
+    failure: tuple[str, str] | None = None
+    error: BaseException | None = None
+    try:
+        step()
+    except Exception as exc:
+        error, failure = exc, (type(exc).__name__, str(exc))
+    failures = {rank: f for rank, f in enumerate(runtime.allgather_object(failure)) if f is not None}
+    if not failures:
+        return
+    if error is not None and len(failures) == 1:
+        raise error  # this rank alone failed: its own error, unchanged
+    kind = ChunkringUsageError if all(name == "ChunkringUsageError" for name, _ in failures.values()) \
+        else ChunkringRuntimeError
+    reasons = "; ".join(f"rank {rank}: {name}: {message}" for rank, (name, message) in failures.items())
+    raise kind(f"the layer could not be built on every rank ({reasons})") from error
+
+
+class LayerResources:
+    """Everything a :class:`~chunkring.moe.layer.MoELayer` holds at this rank (see the module's docstring).
+    A collective to construct and to :meth:`free`: every rank passes the same arguments (the layer checks).
+
+    Attributes: ``kernels``; ``rings`` {mode: :class:`Ring`}; ``transports`` (per PE, the same for every ring);
+    ``stage``; ``arrivals`` {mode: int32 [W, S]} (the pull's blocks done with each (source, slot)'s chunk);
+    ``produce_arrivals`` {mode: int32 [1]} (the fused producer's blocks done with the chunk); ``combine`` bf16
+    [N·K, H] (symmetric: consumers push into it); ``peer_combine`` int64 [W] (each DIRECT source's combine
+    buffer as this GPU addresses it, 0 for RMA ones); ``compute`` (:class:`ExpertCompute`); ``pool``
+    (:class:`BlockPool` or None: ``waves > 1`` only) and ``pull_stream`` (where its pull runs);
+    ``partition`` (where streamed calls run, or None); ``pull_grid``; ``produce_max_blocks`` {mode};
+    ``streams`` {mode: (producer, consumer)}; ``consumer_sms`` {mode: SMs the consumer's GEMMs may fill, None
+    for all}.
+    """
+
+    def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
+                 timeout_s: float | None = None, kernels: LayerKernels | None = None) -> None:
+        self.runtime, self.config = runtime, config
+        self._owned = contextlib.ExitStack()  # frees what was made, in reverse order
+        try:
+            agree(runtime, lambda: self._prepare(kernels, partition))
+            self._allocate(timeout_s)
+            self._streams_for_modes()
+        except BaseException:
+            self._owned.close()
+            raise
+
+    # ------------------------------------------------------------------ construction
+
+    def _prepare(self, kernels: LayerKernels | None, partition: SmPartition | str) -> None:
+        """The steps that can fail on one rank alone: kernel builds, the GEMM engine, the partition, the grids."""
+        runtime, config = self.runtime, self.config
+        world, device = runtime.world_size, runtime.torch_device
+        self.experts_per_rank = config.num_experts // world
+        self.first_expert = runtime.rank * self.experts_per_rank
+        self.kernels = kernels if kernels is not None else LayerKernels.build(runtime)
+        self.compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank, self.kernels.experts,
+                                     device)
+        # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start would
+        # stall the others (docs/PROTOCOL.md, "Progress").
+        pulls = ("moe_pull", "moe_pull_blocks") if config.incremental else ("moe_pull",)
+        resident = min(self.kernels.stream.resident_blocks_per_sm(name, PULL_BLOCK) for name in pulls)
+        if partition == DEFAULT_PARTITION and config.streaming:
+            partition = self._owned.enter_context(SmPartition.sized_for(runtime, PULL_GRID, resident))
+        self.partition = partition if isinstance(partition, SmPartition) else None
+        consumer_sms = (self.partition.consumer_sms if self.partition is not None
+                        else torch.cuda.get_device_properties(device).multi_processor_count)
+        # Ranks sharing this GPU spin on the same SMs: each sizes its spinning grids to its share of them.
+        self.pull_grid, streamed_producer = spinning_grids(
+            consumer_sms, resident, None if self.partition is None else self.partition.plan.producer_sms,
+            runtime.gpu_ranks)
+        # A batch-ready call's producer never waits (one chunk per source, the ring drained): its whole grid.
+        self.produce_max_blocks = {CallMode.BATCH_READY: PRODUCE_MAX_BLOCKS, CallMode.STREAMED: streamed_producer}
+
+    def _allocate(self, timeout_s: float | None) -> None:
+        """The collective allocations, in the same order on every rank."""
+        runtime, config = self.runtime, self.config
+        world, device = runtime.world_size, runtime.torch_device
+        specs = {CallMode.BATCH_READY: config.ring_spec(world, streamed=False)}
+        if config.streaming:
+            specs[CallMode.STREAMED] = config.ring_spec(world, streamed=True)
+        self.rings: dict[CallMode, Ring] = {}
+        for mode, spec in specs.items():
+            self.rings[mode] = self._owned.enter_context(
+                Ring(runtime, spec, timeout_s=timeout_s, transport=config.transport))
+        # Every ring's buffer lives in the same symmetric heap, so NVSHMEM maps a peer for all or none.
+        self.transports = self.rings[CallMode.BATCH_READY].transports
+        # Where any rank reads or writes a peer by RMA, the local ends of its gets and puts (the stage, the
+        # experts' output) must be NVSHMEM-registered: symmetric allocations, a collective, so decided alike.
+        rma_anywhere = any(runtime.allgather_object(Transport.RMA in self.transports))
+        if rma_anywhere and config.incremental:
+            # An RMA get's local buffer must be NVSHMEM-registered off-node; the pool is not (yet). Every rank
+            # has the same verdict (rma_anywhere is agreed), so every rank raises here.
+            raise ChunkringUsageError("waves > 1 (incremental expert blocks) needs every peer DIRECT for now",
+                                      field="waves")
+        self.stage = Stage(config, world, device, self._symmetric if rma_anywhere else None)
+        self.arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
+                         for mode, spec in specs.items()}
+        self.produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
+        # One bf16 row per (token, k) of this rank's batch; consumers write into it from their GPUs, and the
+        # reduction over k accumulates in fp32 (bf16 is the output's precision: a wider row buys nothing).
+        self.combine = self._symmetric((config.max_tokens_per_rank * config.topk, config.hidden), torch.bfloat16)
+        direct = [runtime.peer_address(self.combine, pe) if t is Transport.DIRECT else 0
+                  for pe, t in enumerate(self.transports)]
+        self.peer_combine = torch.tensor(direct, dtype=torch.int64, device=device)
+        if rma_anywhere:
+            self.compute.rma_out = self._symmetric((self.compute.capacity, config.hidden), torch.bfloat16)
+        self.pool: BlockPool | None = None
+        if config.incremental:
+            self.pool = BlockPool(pool_shape(config.max_tokens_per_rank, config.topk, world, self.experts_per_rank,
+                                             GROUP_ALIGN), config.hidden, config.payload.has_scales, device)
+
+    def _symmetric(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled symmetric tensor (a collective), freed with the layer."""
+        tensor = self.runtime.alloc(shape, dtype)
+        self._owned.callback(self.runtime.free, tensor)
+        return tensor
+
+    def _streams_for_modes(self) -> None:
+        device = self.runtime.torch_device
+        whole = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        self.streams = {CallMode.BATCH_READY: whole, CallMode.STREAMED: whole}
+        self.consumer_sms: dict[CallMode, int | None] = {CallMode.BATCH_READY: None, CallMode.STREAMED: None}
+        self.pull_stream: torch.cuda.Stream | None = None
+        if self.partition is not None:
+            self.streams[CallMode.STREAMED] = (self.partition.producer_stream, self.partition.consumer_stream)
+            self.consumer_sms[CallMode.STREAMED] = self.partition.consumer_sms
+        if self.pool is not None:  # the incremental pull runs beside the waves, on the consumer's SMs
+            self.pull_stream = (self.partition.consumer_side_stream if self.partition is not None
+                                else torch.cuda.Stream(device))
+
+    # ------------------------------------------------------------------ teardown
+
+    def free(self) -> None:
+        """Free everything (a collective): wait for this rank's kernels, then at a bounded host barrier for
+        every rank's (a peer's combine push may still be writing into this rank's buffer), then free in
+        reverse order of allocation and close the partition the layer made. A rank that does not come
+        within :data:`TEARDOWN_BARRIER_S` makes the others raise ``ChunkringRuntimeError`` with nothing
+        freed: the symmetric frees are collectives too, which that rank would never join."""
+        torch.cuda.synchronize(self.runtime.torch_device)
+        try:
+            self.runtime.host_barrier(timeout_s=TEARDOWN_BARRIER_S)
+        except ChunkringError as exc:
+            exc.add_note("nothing was freed: every rank must call destroy() (end the job to reclaim the memory)")
+            raise
+        self._owned.close()

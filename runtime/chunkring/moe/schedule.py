@@ -1,0 +1,207 @@
+"""One call of the MoE layer at one rank: what runs on which stream, and in which order.
+
+Two streams per call (:attr:`LayerResources.streams`: a streamed call's are its SM partition's):
+
+* producer stream: zero this rank's combine rows; publish the batch into the call's ring (batch-ready: the
+  whole batch as one chunk into the one-slot ring; streamed: chunk by chunk, each as soon as its producers
+  finished); wait until every rank acknowledged every chunk (``moe_drain``); reduce the combine rows over k
+  into the output.
+* consumer stream: pull every source's chunks as they arrive into the stage at their token index (each
+  slot freed as soon as it is copied); plan the rows into expert groups, L1 -> SwiGLU -> L2 once per expert,
+  push the weighted rows to their sources' combine buffers, then acknowledge each source's last chunk,
+  held until then (``moe_ack_held``). With ``waves > 1`` (streamed calls) the pull instead lands each row in
+  a block of its expert, on a stream of its own, and the waves of expert work run beside it.
+
+A source's last chunk is acknowledged only after its combine rows landed, so a drained producer knows its
+combine buffer is complete: no barrier, no global token count, no host synchronisation, and every launch
+is fixed, so a call captures into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from chunkring.moe.calls import CallMode
+from chunkring.moe.resources import PULL_BLOCK, LayerResources
+from chunkring.moe.timeline import Event, Timeline
+from chunkring.moe.weights import Fp8Weight
+from chunkring.ring.ring import Ring
+
+__all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule", "Publish"]
+
+if TYPE_CHECKING:
+    Weight = torch.Tensor | Fp8Weight
+
+#: Enqueues rows [start, end) of a call's batch as the ring's next chunk on the producer stream:
+#: (ring, start, end, end_of_stream, valid_tokens, batch_rows, stream).
+Publish = Callable[[Ring, int, int, bool, torch.Tensor | None, int | None, torch.cuda.Stream], None]
+
+#: How long a layer's first call of a mode waits at the host barrier for every rank's GEMM warm-up: several
+#: ranks compiling DeepGEMM's kernels at once take minutes at most; a rank that raised before the barrier
+#: never comes, and the others then raise instead of waiting for ever.
+FIRST_CALL_BARRIER_S = 900.0
+
+
+class _Marks:
+    """A call's timeline marks (``moe_trace_mark`` on the current stream), or nothing without a timeline."""
+
+    def __init__(self, resources: LayerResources, timeline: Timeline | None) -> None:
+        self.kernels, self.rank = resources.kernels.stream, resources.runtime.rank
+        self.trace = (None, 0) if timeline is None else (timeline.buffer, timeline.capacity)
+        self.on = timeline is not None
+
+    def __call__(self, event: Event, chunk: int = -1) -> None:
+        if self.on:
+            self.kernels.launch("moe_trace_mark", *self.trace, int(event), self.rank, chunk, block=32,
+                                stream=torch.cuda.current_stream())
+
+
+class CallSchedule:
+    """Enqueues calls of one layer on its :class:`LayerResources` (:meth:`enqueue`)."""
+
+    def __init__(self, resources: LayerResources) -> None:
+        self.res = resources
+        self._warm_modes: set[CallMode] = set()  # modes whose first call ran (warm-up, then the ranks' barrier)
+
+    def enqueue(self, mode: CallMode, n: int, publish: Publish, w13: Weight, w2: Weight, out: torch.Tensor | None,
+                num_tokens: torch.Tensor | None, timeline: Timeline | None) -> torch.Tensor:
+        """Enqueue one call of ``mode`` on ``n`` rows (its arguments checked), stream-ordered after torch's
+        current stream, which waits for it; returns the output, bfloat16 [n, H]."""
+        res = self.res
+        ring = res.rings[mode]
+        if out is None:
+            out = torch.empty((n, res.config.hidden), dtype=torch.bfloat16, device=res.runtime.torch_device)
+        caller = torch.cuda.current_stream(res.runtime.torch_device)
+        producer, consumer = res.streams[mode]
+        producer.wait_stream(caller)
+        consumer.wait_stream(caller)
+        self._warm_up(mode, consumer, w13, w2)
+        # No record_stream on the caller's tensors: the caller's stream waits for both side streams at the end
+        # of the call, so its frees (stream-ordered on it) already come after our last use. That also keeps
+        # the allocator from ever recording events on a partition's streams, which may be closed before those
+        # tensors are freed.
+        mark = _Marks(res, timeline)
+        T = ring.spec.tokens_per_slot
+        starts = list(range(0, n, T)) if n else [0]
+
+        def produce_chunks(chunks: Iterable[int]) -> None:
+            with torch.cuda.stream(producer):
+                for chunk in chunks:
+                    start = starts[chunk]
+                    end = min(start + T, n)
+                    mark(Event.PRODUCE_BEGIN, chunk)
+                    publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, producer)
+                    mark(Event.PUBLISHED, chunk)
+
+        # Enqueue order (docs/PROTOCOL.md, "Progress"): the chunks that fit the ring first - their publishes
+        # never wait - then the consumer, then the rest. Producer work goes ahead of the consumer's spinning
+        # pull where it can (partition.py: the work-queue policy), but the host must not stay blocked behind a
+        # full launch queue of producer work that waits for acks of a consumer not yet enqueued: an eager call
+        # of many chunks would deadlock.
+        first = min(ring.spec.num_slots, len(starts))
+        with torch.cuda.stream(producer):
+            mark(Event.CALL_BEGIN)
+            # Before our first publish: no consumer writes a row of ours before seeing a chunk of ours.
+            res.combine[:n * res.config.topk].zero_()
+            res.produce_arrivals[mode].zero_()  # a failed earlier call may have left a count behind
+        produce_chunks(range(first))
+        with torch.cuda.stream(consumer):
+            self._consume(mode, w13, w2, mark)
+        produce_chunks(range(first, len(starts)))
+        with torch.cuda.stream(producer):
+            self._drain_and_reduce(mode, n, out, mark, consumer)
+        caller.wait_stream(producer)
+        caller.wait_stream(consumer)
+        return out
+
+    def _warm_up(self, mode: CallMode, consumer: torch.cuda.Stream, w13: Weight, w2: Weight) -> None:
+        """The first call of ``mode``: load the GEMM engine's kernels before anything of this call spins
+        (:meth:`ExpertCompute.warm_up`), then wait at a host barrier for every rank's."""
+        if mode in self._warm_modes:
+            return
+        with torch.cuda.stream(consumer):
+            self.res.compute.warm_up(w13, w2, sms=self.res.consumer_sms[mode])
+        # No rank enqueues anything that spins before every rank has compiled and loaded its GEMM kernels: a
+        # peer's first compile takes seconds to minutes (longer than the watchdog under CPU contention), and a
+        # module load can wait for kernels already running on the GPU. Every rank makes its first call of a
+        # mode at the same call (calls are collective), so this host barrier runs once per mode.
+        self.res.runtime.host_barrier(timeout_s=FIRST_CALL_BARRIER_S)
+        self._warm_modes.add(mode)
+
+    def _consume(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks) -> None:
+        """The consumer's part of a call, on the consumer stream (current): pull, experts, combine push, held acks."""
+        res = self.res
+        ring, stage, compute = res.rings[mode], res.stage, res.compute
+        sms = res.consumer_sms[mode]
+        stage.idx.fill_(-1)
+        stage.held.fill_(-1)
+        res.arrivals[mode].zero_()  # a failed earlier call may have left counts behind
+        compute.pushed.zero_()  # the combine pushes' arrivals, which moe_ack_held counts below
+        waves = res.config.waves if res.pool is not None and mode is CallMode.STREAMED else 1
+        if waves > 1:
+            self._pull_into_blocks_and_waves(mode, w13, w2, mark, sms)
+        else:
+            self.launch_pull(mode, mark.trace)
+            mark(Event.EXPERTS_BEGIN)
+            compute(stage, w13, w2, res.peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
+                    combine=res.combine, sms=sms)
+        mark(Event.COMBINE_DONE)
+        push_arrivals = compute.push_blocks * waves  # every wave pushes (one: the batch plan)
+        res.kernels.stream.launch("moe_ack_held", ring.desc, stage.held, compute.pushed, push_arrivals, *mark.trace,
+                                  grid=ring.spec.world_size, block=32, stream=torch.cuda.current_stream())
+
+    def launch_pull(self, mode: CallMode, trace: tuple[torch.Tensor | None, int] = (None, 0)) -> None:
+        """Enqueue ``moe_pull`` of ``mode``'s ring into the stage, on the current stream."""
+        res = self.res
+        stage, ring, cfg = res.stage, res.rings[mode], res.config
+        arrivals = res.arrivals[mode] if res.pull_grid > 1 else None  # one block acknowledges chunks itself
+        res.kernels.stream.launch("moe_pull", ring.desc, arrivals, stage.held, stage.x.view(torch.uint8), stage.sf,
+                                  stage.idx, stage.w, cfg.max_tokens_per_rank, res.first_expert,
+                                  res.first_expert + res.experts_per_rank, *trace, grid=res.pull_grid,
+                                  block=PULL_BLOCK, stream=torch.cuda.current_stream(res.runtime.torch_device))
+
+    def _pull_into_blocks_and_waves(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks,
+                                    sms: int | None) -> None:
+        """The consumer's incremental expert blocks, from the consumer stream (current): zero the pool's words;
+        ``moe_pull_blocks`` on the pull stream; ``waves`` waves on the consumer stream, concurrent with the pull
+        (each claim waits for sealed blocks; the last for every stream's end); then the consumer joins the pull
+        stream, so ``moe_ack_held`` (after this) reads the held seqs the pull wrote and runs after the last
+        wave's combine push."""
+        res = self.res
+        pool, pull_stream, ring, stage = res.pool, res.pull_stream, res.rings[mode], res.stage
+        assert pool is not None and pull_stream is not None  # only called with a pool
+        consumer = torch.cuda.current_stream(res.runtime.torch_device)
+        pool.reset()
+        pull_stream.wait_stream(consumer)  # after the resets (here and the call's) and the previous call's last wave
+        shape = pool.shape
+        arrivals = res.arrivals[mode] if res.pull_grid > 1 else None
+        res.kernels.stream.launch(
+            "moe_pull_blocks", ring.desc, arrivals, stage.held, stage.idx, stage.w, pool.pos,
+            res.config.max_tokens_per_rank, res.first_expert, res.first_expert + res.experts_per_rank, pool.words,
+            shape.blocks_per_expert, shape.blocks, shape.block_m, pool.x, pool.sf, pool.src, pool.token, pool.k,
+            pool.weight, *mark.trace, grid=res.pull_grid, block=PULL_BLOCK, stream=pull_stream)
+        mark(Event.EXPERTS_BEGIN)
+        for wave in range(res.config.waves):
+            res.compute.wave(pool, w13, w2, res.peer_combine, last=wave == res.config.waves - 1, desc=ring.desc,
+                             combine=res.combine, sms=sms)
+        mark(Event.EXPERTS_DONE)
+        consumer.wait_stream(pull_stream)
+
+    def _drain_and_reduce(self, mode: CallMode, n: int, out: torch.Tensor, mark: _Marks,
+                          consumer: torch.cuda.Stream) -> None:
+        """The producer's end of a call, on the producer stream (current): drain, then the reduction over k."""
+        res = self.res
+        K, H = res.config.topk, res.config.hidden
+        producer = torch.cuda.current_stream(res.runtime.torch_device)
+        # The drain spins until every destination acknowledged; started only after this rank's own consumer is
+        # done (its held acks sent, so no wait on it is lost), it does not hold an SM through the expert
+        # GEMMs, whose persistent grids want every SM (docs/PERFORMANCE.md).
+        producer.wait_stream(consumer)
+        res.kernels.stream.launch("moe_drain", res.rings[mode].desc, block=32, stream=producer)
+        mark(Event.DRAINED)
+        # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank wrote a row.
+        torch.sum(res.combine[:n * K].view(n, K, H), dim=1, out=out)
+        mark(Event.OUTPUT_DONE)

@@ -127,8 +127,8 @@ def load_experts(state_dict: Mapping[str, torch.Tensor], config: MoEConfig, *, f
 
     Host-only until the copies: no live layer needed (for a layer's share pass ``layer.first_expert``,
     ``layer.experts_per_rank``, its device and rank). Keys of other experts, and any other key, are ignored;
-    a missing, mis-shaped or mistyped key of these experts, an FP8 weight without its scale, a bfloat16 weight with one, experts
-    of mixed formats, or an expert past ``config.num_experts`` under ``prefix`` raise
+    a missing, mis-shaped or mistyped key of these experts, an FP8 weight without its scale, a bfloat16
+    weight with one, experts of mixed formats, or an expert past ``config.num_experts`` under ``prefix`` raise
     :class:`ChunkringUsageError` (``field``: the key) before anything is allocated.
     """
     if not isinstance(config, MoEConfig):

@@ -30,13 +30,11 @@ DEFAULT_PARTITION = "auto"
 #: ``MoELayer(partition=...)``: no partition; every call on ordinary streams over the whole GPU.
 NO_PARTITION = "none"
 
-#: The producers' default share of the SMs. Measured on the H200 (benchmarks/results/README.md, "Payload, SM
-#: partition, slots", f25e268, 2,048 tokens, flash shape): producers on 8 / 16 / 32 SMs made the call 13.03 /
-#: 10.84 / 9.65 ms against 9.20 ms unpartitioned - the router GEMM, quantisation and the owner's reduction
-#: on few SMs cost more than the overlap buys, and 32 of 132 (about a quarter) was the best measured.
-#: REFERENCE.md section 4: an 8-SM producer beside a 124-SM consumer is the smallest split that made
-#: progress. benchmarks/bench_overlap.py records the split each run used (producer_sms, consumer_sms); no
-#: sweep of it with the fused producers has run yet.
+#: The producers' share of the SMs where the consumer partition also runs expert GEMMs (the waves of
+#: ``MoEConfig.waves > 1``): fewer producer SMs slow the router GEMM, the quantisation and the reduction more
+#: than the overlap saves, more slow the waves' GEMMs (docs/PERFORMANCE.md, "SM partition"). Where the
+#: consumer partition runs only the pull (``waves == 1``: the GEMMs run over the whole GPU once every chunk is
+#: in), the producers take every SM the pull does not need (``share=None``).
 PRODUCER_SM_SHARE = 0.25
 
 
@@ -71,22 +69,23 @@ def plan_partition(total_sms: int, min_partition: int, alignment: int, producer_
 
 
 def default_producer_sms(total_sms: int, min_partition: int, alignment: int, consumer_grid: int,
-                         consumer_blocks_per_sm: int, share: float = PRODUCER_SM_SHARE) -> int:
+                         consumer_blocks_per_sm: int, share: float | None = PRODUCER_SM_SHARE) -> int:
     """The producer partition's size when the caller names none: ``share`` of ``total_sms`` rounded to the
-    device's ``alignment`` (at least ``min_partition``), shrunk where needed so that the consumer partition
-    keeps its whole grid resident at once - ``consumer_grid`` blocks at ``consumer_blocks_per_sm`` per SM
-    (a consumer block that cannot start stalls the others, docs/PROTOCOL.md "Progress") - and at least
-    ``min_partition`` SMs. ``ChunkringUsageError`` (field ``partition``) where no split satisfies both
-    sides: a GPU or MPS share too small to split; run such a layer with ``partition="none"``."""
+    device's ``alignment`` (at least ``min_partition``), or with ``share=None`` every SM the consumer does not
+    need; shrunk where needed so that the consumer partition keeps its whole grid resident at once -
+    ``consumer_grid`` blocks at ``consumer_blocks_per_sm`` per SM (a consumer block that cannot start stalls
+    the others, docs/PROTOCOL.md "Progress") - and at least ``min_partition`` SMs. ``ChunkringUsageError``
+    (field ``partition``) where no split satisfies both sides: a GPU or MPS share too small to split; run
+    such a layer with ``partition="none"``."""
     for name, value in (("total_sms", total_sms), ("min_partition", min_partition), ("alignment", alignment),
                         ("consumer_grid", consumer_grid), ("consumer_blocks_per_sm", consumer_blocks_per_sm)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ChunkringUsageError(f"must be a positive int, got {value!r}", field=name)
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
-        raise ChunkringUsageError(f"must be in (0, 1), got {share!r}", field="share")
+    if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1):
+        raise ChunkringUsageError(f"must be in (0, 1) or None, got {share!r}", field="share")
     consumer_needs = max(min_partition, -(-consumer_grid // consumer_blocks_per_sm))
     lowest = -(-min_partition // alignment) * alignment  # the smallest aligned producer partition
-    wanted = max(lowest, alignment * round(total_sms * share / alignment))
+    wanted = total_sms if share is None else max(lowest, alignment * round(total_sms * share / alignment))
     most = (total_sms - consumer_needs) // alignment * alignment
     producer = min(wanted, most)
     if producer < lowest:
@@ -154,14 +153,16 @@ class SmPartition:
         self.consumer_sms = remainder.sm_count
 
     @classmethod
-    def sized_for(cls, runtime: Runtime, consumer_grid: int, consumer_blocks_per_sm: int) -> SmPartition:
+    def sized_for(cls, runtime: Runtime, consumer_grid: int, consumer_blocks_per_sm: int, *,
+                  share: float | None = PRODUCER_SM_SHARE) -> SmPartition:
         """The default partition for a consumer of ``consumer_grid`` blocks (``consumer_blocks_per_sm``
         resident per SM) on this rank's GPU, or this GPU's share under MPS: :func:`default_producer_sms`
-        of the SMs the driver reports, with the device's minimum partition and alignment."""
+        of the SMs the driver reports (``share`` as there), with the device's minimum partition and
+        alignment."""
         check_work_queues()
         sm = _sm_resource(runtime)
         return cls(runtime, default_producer_sms(sm.sm_count, sm.min_partition_size, sm.coscheduled_alignment,
-                                                 consumer_grid, consumer_blocks_per_sm))
+                                                 consumer_grid, consumer_blocks_per_sm, share))
 
     def __repr__(self) -> str:
         return f"SmPartition(producer={self.plan.producer_sms} SMs, consumer={self.consumer_sms} SMs)"

@@ -59,6 +59,28 @@ def test_default_on_the_h200_is_a_quarter_of_the_sms():
     assert plan_partition(132, 8, 8, 32).consumer_sms == 100
 
 
+def test_a_pull_only_consumer_keeps_the_fewest_sms_that_hold_its_grid():
+    # share=None (one wave: only the pull spins on the consumer's SMs): the producers take the rest, aligned.
+    assert default_producer_sms(132, 8, 8, consumer_grid=16, consumer_blocks_per_sm=8, share=None) == 120
+    assert default_producer_sms(132, 8, 8, consumer_grid=16, consumer_blocks_per_sm=1, share=None) == 112
+    assert plan_partition(132, 8, 8, 112).consumer_sms == 20
+    with pytest.raises(ChunkringUsageError, match='partition="none"'):
+        default_producer_sms(15, 8, 8, consumer_grid=16, consumer_blocks_per_sm=8, share=None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(8, 264), st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([2, 4, 8]), st.integers(1, 64),
+       st.sampled_from([1, 2, 8]))
+def test_a_pull_only_split_is_a_valid_plan_that_keeps_the_grid_resident(total, min_partition, alignment, grid,
+                                                                          per_sm):
+    try:
+        producer = default_producer_sms(total, min_partition, alignment, grid, per_sm, share=None)
+    except ChunkringUsageError:
+        return
+    plan = plan_partition(total, min_partition, alignment, producer)
+    assert plan.consumer_sms * per_sm >= grid and plan.consumer_sms < max(min_partition, -(-grid // per_sm)) + alignment
+
+
 def test_default_shrinks_to_keep_the_consumer_grid_resident():
     # A consumer of 120 blocks at 1 per SM needs 120 SMs: the producers get the 8 left after alignment.
     assert default_producer_sms(132, 8, 8, consumer_grid=120, consumer_blocks_per_sm=1) == 8

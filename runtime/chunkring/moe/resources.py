@@ -25,7 +25,7 @@ from chunkring.moe.calls import CallMode
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
-from chunkring.partition import DEFAULT_PARTITION, SmPartition
+from chunkring.partition import DEFAULT_PARTITION, PRODUCER_SM_SHARE, SmPartition
 from chunkring.ring.ring import Ring
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 from chunkring.ring.transport import Transport
@@ -141,8 +141,9 @@ class LayerResources:
     buffer as this GPU addresses it, 0 for RMA ones); ``compute`` (:class:`ExpertCompute`); ``pool``
     (:class:`BlockPool` or None: ``waves > 1`` only) and ``pull_stream`` (where its pull runs);
     ``partition`` (where streamed calls run, or None); ``pull_grid``; ``produce_max_blocks`` {mode};
-    ``streams`` {mode: (producer, consumer)}; ``consumer_sms`` {mode: SMs the consumer's GEMMs may fill, None
-    for all}.
+    ``streams`` {mode: (producer, consumer)}; ``compute_streams`` {mode: where the expert work after the
+    pull runs - an ordinary stream over the whole GPU}; ``consumer_sms`` {mode: SMs the GEMMs on the consumer
+    stream may fill (the waves of ``waves > 1``), None for all}.
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
@@ -173,7 +174,10 @@ class LayerResources:
         pulls = ("moe_pull", "moe_pull_blocks") if config.incremental else ("moe_pull",)
         resident = min(self.kernels.stream.resident_blocks_per_sm(name, PULL_BLOCK) for name in pulls)
         if partition == DEFAULT_PARTITION and config.streaming:
-            partition = self._owned.enter_context(SmPartition.sized_for(runtime, PULL_GRID, resident))
+            # Reserved for what spins: with one wave only the pull runs there (the GEMMs follow it on the whole
+            # GPU), so the producers get the rest; the waves of waves > 1 run their GEMMs there too.
+            share = PRODUCER_SM_SHARE if config.incremental else None
+            partition = self._owned.enter_context(SmPartition.sized_for(runtime, PULL_GRID, resident, share=share))
         self.partition = partition if isinstance(partition, SmPartition) else None
         consumer_sms = (self.partition.consumer_sms if self.partition is not None
                         else torch.cuda.get_device_properties(device).multi_processor_count)
@@ -232,11 +236,15 @@ class LayerResources:
         device = self.runtime.torch_device
         whole = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self.streams = {CallMode.BATCH_READY: whole, CallMode.STREAMED: whole}
+        # Where the expert work after the pull runs: nothing there spins, so it takes the whole GPU - the
+        # consumer stream itself, unless that is a partition's.
+        self.compute_streams = {CallMode.BATCH_READY: whole[1], CallMode.STREAMED: whole[1]}
         self.consumer_sms: dict[CallMode, int | None] = {CallMode.BATCH_READY: None, CallMode.STREAMED: None}
         self.pull_stream: torch.cuda.Stream | None = None
         if self.partition is not None:
             self.streams[CallMode.STREAMED] = (self.partition.producer_stream, self.partition.consumer_stream)
             self.consumer_sms[CallMode.STREAMED] = self.partition.consumer_sms
+            self.compute_streams[CallMode.STREAMED] = torch.cuda.Stream(device)
         if self.pool is not None:  # the incremental pull runs beside the waves, on the consumer's SMs
             self.pull_stream = (self.partition.consumer_side_stream if self.partition is not None
                                 else torch.cuda.Stream(device))

@@ -109,21 +109,25 @@ class CallSchedule:
             res.produce_arrivals[mode].zero_()  # a failed earlier call may have left a count behind
         produce_chunks(range(first))
         with torch.cuda.stream(consumer):
-            self._consume(mode, w13, w2, mark)
+            last = self._consume(mode, w13, w2, mark)
         produce_chunks(range(first, len(starts)))
         with torch.cuda.stream(producer):
-            self._drain_and_reduce(mode, n, out, mark, consumer)
+            self._drain_and_reduce(mode, n, out, mark, last)
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
+        caller.wait_stream(last)
         return out
 
     def _warm_up(self, mode: CallMode, consumer: torch.cuda.Stream, w13: Weight, w2: Weight) -> None:
         """The first call of ``mode``: load the GEMM engine's kernels before anything of this call spins
-        (:meth:`ExpertCompute.warm_up`), then wait at a host barrier for every rank's."""
+        (:meth:`ExpertCompute.warm_up`: for the whole GPU, and for the consumer's SMs where waves run there),
+        then wait at a host barrier for every rank's."""
         if mode in self._warm_modes:
             return
         with torch.cuda.stream(consumer):
-            self.res.compute.warm_up(w13, w2, sms=self.res.consumer_sms[mode])
+            self.res.compute.warm_up(w13, w2, sms=None)
+            if self.res.pool is not None and mode is CallMode.STREAMED:
+                self.res.compute.warm_up(w13, w2, sms=self.res.consumer_sms[mode])
         # No rank enqueues anything that spins before every rank has compiled and loaded its GEMM kernels: a
         # peer's first compile takes seconds to minutes (longer than the watchdog under CPU contention), and a
         # module load can wait for kernels already running on the GPU. Every rank makes its first call of a
@@ -131,27 +135,40 @@ class CallSchedule:
         self.res.runtime.host_barrier(timeout_s=FIRST_CALL_BARRIER_S)
         self._warm_modes.add(mode)
 
-    def _consume(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks) -> None:
-        """The consumer's part of a call, on the consumer stream (current): pull, experts, combine push, held acks."""
+    def _consume(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks) -> torch.cuda.Stream:
+        """The consumer's part of a call, from the consumer stream (current): pull, experts, combine push, held
+        acks. Returns the stream its last step (the held acks) runs on.
+
+        Only the pull waits for other kernels (for chunks producers have not published yet), so only the pull
+        runs on the consumer stream - on a partition, the SMs reserved for what spins (docs/PROTOCOL.md,
+        "Progress"). Once it returns every source's chunks are in, and the rest - plan, GEMMs, combine push,
+        held acks - runs on the compute stream over the whole GPU. With ``waves > 1`` the waves' claims spin
+        beside the pull, so every wave stays on the consumer stream."""
         res = self.res
         ring, stage, compute = res.rings[mode], res.stage, res.compute
-        sms = res.consumer_sms[mode]
+        consumer = torch.cuda.current_stream(res.runtime.torch_device)
         stage.idx.fill_(-1)
         stage.held.fill_(-1)
         res.arrivals[mode].zero_()  # a failed earlier call may have left counts behind
         compute.pushed.zero_()  # the combine pushes' arrivals, which moe_ack_held counts below
         waves = res.config.waves if res.pool is not None and mode is CallMode.STREAMED else 1
         if waves > 1:
-            self._pull_into_blocks_and_waves(mode, w13, w2, mark, sms)
+            self._pull_into_blocks_and_waves(mode, w13, w2, mark, res.consumer_sms[mode])
+            last = consumer
         else:
             self.launch_pull(mode, mark.trace)
-            mark(Event.EXPERTS_BEGIN)
-            compute(stage, w13, w2, res.peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
-                    combine=res.combine, sms=sms)
-        mark(Event.COMBINE_DONE)
-        push_arrivals = compute.push_blocks * waves  # every wave pushes (one: the batch plan)
-        res.kernels.stream.launch("moe_ack_held", ring.desc, stage.held, compute.pushed, push_arrivals, *mark.trace,
-                                  grid=ring.spec.world_size, block=32, stream=torch.cuda.current_stream())
+            last = res.compute_streams[mode]
+            last.wait_stream(consumer)  # after the pull: every chunk of every source is in the stage
+            with torch.cuda.stream(last):
+                mark(Event.EXPERTS_BEGIN)
+                compute(stage, w13, w2, res.peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
+                        combine=res.combine, sms=None)
+        with torch.cuda.stream(last):
+            mark(Event.COMBINE_DONE)
+            push_arrivals = compute.push_blocks * waves  # every wave pushes (one: the batch plan)
+            res.kernels.stream.launch("moe_ack_held", ring.desc, stage.held, compute.pushed, push_arrivals,
+                                      *mark.trace, grid=ring.spec.world_size, block=32, stream=last)
+        return last
 
     def launch_pull(self, mode: CallMode, trace: tuple[torch.Tensor | None, int] = (None, 0)) -> None:
         """Enqueue ``moe_pull`` of ``mode``'s ring into the stage, on the current stream."""
@@ -191,15 +208,16 @@ class CallSchedule:
         consumer.wait_stream(pull_stream)
 
     def _drain_and_reduce(self, mode: CallMode, n: int, out: torch.Tensor, mark: _Marks,
-                          consumer: torch.cuda.Stream) -> None:
-        """The producer's end of a call, on the producer stream (current): drain, then the reduction over k."""
+                          consumed: torch.cuda.Stream) -> None:
+        """The producer's end of a call, on the producer stream (current): drain, then the reduction over k.
+        ``consumed``: the stream of this rank's held acks (:meth:`_consume`)."""
         res = self.res
         K, H = res.config.topk, res.config.hidden
         producer = torch.cuda.current_stream(res.runtime.torch_device)
         # The drain spins until every destination acknowledged; started only after this rank's own consumer is
         # done (its held acks sent, so no wait on it is lost), it does not hold an SM through the expert
         # GEMMs, whose persistent grids want every SM (docs/PERFORMANCE.md).
-        producer.wait_stream(consumer)
+        producer.wait_stream(consumed)
         res.kernels.stream.launch("moe_drain", res.rings[mode].desc, block=32, stream=producer)
         mark(Event.DRAINED)
         # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank wrote a row.

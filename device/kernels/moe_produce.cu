@@ -1,8 +1,10 @@
-// The MoE layer's fused producer: one kernel per chunk takes the router's logits and the chunk's hidden
-// rows and publishes the chunk - top-k of the logits with renormalised softmax weights, the rows quantised
-// to FP8 with one fp32 scale per 128 columns (bf16 payload: the rows as they are), written straight into
-// the ring slot, then the slot's metadata and both ready words. The router GEMM stays a GEMM (torch).
+// The MoE layer's producers: the router GEMM, then one fused kernel per chunk that takes the router's logits
+// and the chunk's hidden rows and publishes the chunk - top-k of the logits with renormalised softmax weights,
+// the rows quantised to FP8 with one fp32 scale per 128 columns (bf16 payload: the rows as they are), written
+// straight into the ring slot, then the slot's metadata and both ready words.
 //
+//   moe_router_logits  the router GEMM on the tensor cores, batch-invariant: a token's logits are the same
+//                      bits whether its chunk or its whole batch shares the launch
 //   moe_produce_chunk  a grid; every block waits until the slot is free (begin_chunk), computes its share
 //                      of the rows into the slot and arrives on `arrivals`; the last block to arrive
 //                      publishes the chunk (close_chunk). One block needs no arrival count.
@@ -23,6 +25,7 @@
 #include <cuda_fp8.h>
 
 #include "chunkring/protocol/publish.cuh"
+#include "chunkring/ptx/mma.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
 using namespace chunkring;
@@ -33,6 +36,49 @@ namespace {
 constexpr u32 kWarp = 32;
 constexpr u64 kScaleBlock = 128;     // columns per FP8 scale (runtime/chunkring/ring/spec.py FP8_SCALE_BLOCK)
 constexpr float kE4M3Max = 448.0f;   // largest finite float8_e4m3fn
+
+// The router GEMM's tiling (runtime/chunkring/moe/producer.py router_slices mirrors kRouterSlice and
+// kRouterMaxSlices): a block computes 16 tokens x 32 experts; its warps split the hidden columns into
+// slices of a fixed length, each summed by the tensor cores in one fixed order, and the slices' sums are
+// added in slice order. Every choice depends on the hidden size alone, never on the token count.
+constexpr int kRouterRows = 16;       // the MMA's M
+constexpr int kRouterCols = 32;       // four MMA N tiles of 8 experts
+constexpr int kRouterSlice = 512;     // hidden columns per warp, at least (a multiple of the MMA's K, 16)
+constexpr int kRouterMaxSlices = 16;  // warps per block at most
+
+// Two adjacent bf16 as one MMA fragment register (the lower column in the low half); 0 for a padding row.
+__device__ __forceinline__ u32 bf16_pair(const __nv_bfloat16* p, bool real) {
+    return real ? *reinterpret_cast<const u32*>(p) : 0u;
+}
+
+// One warp's slice [k_lo, k_hi) of a 16 x 32 tile's sums: acc[j] is the MMA C fragment of experts
+// c0 + 8j .. c0 + 8j + 7. Rows past n and experts past num_experts read as 0.
+__device__ void router_slice(const __nv_bfloat16* hidden, const __nv_bfloat16* router, int n, int num_experts,
+                             int hidden_size, int r0, int c0, int k_lo, int k_hi, float (&acc)[4][4]) {
+    const int lane = static_cast<int>(threadIdx.x % kWarp), g = lane / 4, t = lane % 4;
+    const bool real_a = r0 + g < n, real_b = r0 + g + 8 < n;
+    const __nv_bfloat16* row_a = hidden + static_cast<long long>(real_a ? r0 + g : 0) * hidden_size + 2 * t;
+    const __nv_bfloat16* row_b = hidden + static_cast<long long>(real_b ? r0 + g + 8 : 0) * hidden_size + 2 * t;
+    bool real_e[4];
+    const __nv_bfloat16* expert[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int e = c0 + 8 * j + g;
+        real_e[j] = e < num_experts;
+        expert[j] = router + static_cast<long long>(real_e[j] ? e : 0) * hidden_size + 2 * t;
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    }
+#pragma unroll 4
+    for (int k = k_lo; k < k_hi; k += 16) {
+        const u32 a[4] = {bf16_pair(row_a + k, real_a), bf16_pair(row_b + k, real_b), bf16_pair(row_a + k + 8, real_a),
+                          bf16_pair(row_b + k + 8, real_b)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 b[2] = {bf16_pair(expert[j] + k, real_e[j]), bf16_pair(expert[j] + k + 8, real_e[j])};
+            ptx::mma_m16n8k16_bf16_f32(acc[j], a, b);
+        }
+    }
+}
 
 // A candidate expert: its logit's rank key (NaN above +inf) and its index; idx < 0 = none.
 struct Pick {
@@ -135,6 +181,44 @@ __device__ void produce_rows(const RingDesc& d, u64 slot, const float* logits, c
 }
 
 }  // namespace
+
+// logits fp32 [n, num_experts] = hidden bf16 [n, hidden_size] . router bf16 [num_experts, hidden_size]^T (both
+// contiguous; hidden_size a multiple of 16). Launch: blockDim = 32 x router_slices(hidden_size) warps, any grid
+// (blocks loop over the 16 x 32 tiles). Batch-invariant: a logit is its tile's slices, each summed in one
+// fixed order, added in slice order - so it depends on its token's row and the router alone.
+extern "C" __global__ void moe_router_logits(const __nv_bfloat16* hidden, const __nv_bfloat16* router, float* logits,
+                                             int n, int num_experts, int hidden_size) {
+    __shared__ float partial[kRouterMaxSlices][kRouterRows * kRouterCols];
+    const int slices = static_cast<int>(blockDim.x / kWarp), warp = static_cast<int>(threadIdx.x / kWarp);
+    if (slices > kRouterMaxSlices || blockDim.x % kWarp || hidden_size % 16) return;  // not a launch of ours
+    const int lane = static_cast<int>(threadIdx.x % kWarp), g = lane / 4, t = lane % 4;
+    const int slice_len = (hidden_size / 16 + slices - 1) / slices * 16;
+    const int k_lo = min(warp * slice_len, hidden_size), k_hi = min(k_lo + slice_len, hidden_size);
+    const int col_tiles = (num_experts + kRouterCols - 1) / kRouterCols;
+    const long long tiles = static_cast<long long>((n + kRouterRows - 1) / kRouterRows) * col_tiles;
+    for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int r0 = static_cast<int>(tile / col_tiles) * kRouterRows, c0 = static_cast<int>(tile % col_tiles) * kRouterCols;
+        float acc[4][4];
+        router_slice(hidden, router, n, num_experts, hidden_size, r0, c0, k_lo, k_hi, acc);
+        float* mine = partial[warp];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = 8 * j + 2 * t;
+            mine[g * kRouterCols + col] = acc[j][0];
+            mine[g * kRouterCols + col + 1] = acc[j][1];
+            mine[(g + 8) * kRouterCols + col] = acc[j][2];
+            mine[(g + 8) * kRouterCols + col + 1] = acc[j][3];
+        }
+        __syncthreads();
+        for (int o = static_cast<int>(threadIdx.x); o < kRouterRows * kRouterCols; o += static_cast<int>(blockDim.x)) {
+            float sum = partial[0][o];
+            for (int s = 1; s < slices; ++s) sum += partial[s][o];  // the slices in order
+            const int row = r0 + o / kRouterCols, col = c0 + o % kRouterCols;
+            if (row < n && col < num_experts) logits[static_cast<long long>(row) * num_experts + col] = sum;
+        }
+        __syncthreads();  // partial is rewritten by the next tile
+    }
+}
 
 // Publish rows [0, n_tokens) as this rank's next chunk, rows [token_base, token_base + n_tokens) of its
 // batch: logits fp32 [n, num_experts] (the router GEMM's output), hidden bf16 [n, hidden] (both

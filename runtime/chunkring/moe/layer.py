@@ -256,7 +256,7 @@ class MoELayer:
         def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
                     stream: torch.cuda.Stream) -> None:
             chunk = hidden[start:end]
-            logits = router_logits(chunk, router_weight)  # the GEMM chunkring.moe.producer.route runs
+            logits = router_logits(chunk, router_weight, kernels=res.kernels.produce)  # what route() computes
             enqueue_produce(ring, res.kernels.produce, logits, chunk, start, eos, valid, rows, arrivals, stream,
                             max_blocks)
 

@@ -22,29 +22,59 @@ if TYPE_CHECKING:
     from chunkring.jit.launch import KernelLibrary
     from chunkring.ring.ring import Ring
 
-__all__ = ["E4M3_MAX", "enqueue_produce", "produce_grid", "produce_grid_limit", "quantize_rows_fp8", "route",
-           "router_logits"]
+__all__ = ["E4M3_MAX", "ROUTER_MAX_SLICES", "ROUTER_SLICE", "enqueue_produce", "produce_grid", "produce_grid_limit",
+           "quantize_rows_fp8", "route", "router_logits", "router_slices"]
 
 #: Largest finite float8_e4m3fn value (e4m3fn has no infinity; the all-ones code is NaN).
 E4M3_MAX = 448.0
 
 
-def router_logits(hidden: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+#: moe_produce.cu's router tiling: each warp of a block sums a slice of at least this many hidden columns, and a
+#: block has at most ROUTER_MAX_SLICES warps.
+ROUTER_SLICE = 512
+ROUTER_MAX_SLICES = 16
+_ROUTER_TILE = (16, 32)  # tokens x experts per block
+
+
+def router_slices(hidden: int) -> int:
+    """Warps of ``moe_router_logits``' block for hidden size ``hidden``: the fixed split of each logit's sum.
+    It depends on the hidden size alone, so a token's logits never depend on how many tokens share the GEMM."""
+    return min(ROUTER_MAX_SLICES, -(-hidden // ROUTER_SLICE))
+
+
+def router_logits(hidden: torch.Tensor, router_weight: torch.Tensor, *,
+                  kernels: KernelLibrary | None = None) -> torch.Tensor:
     """The router GEMM: ``hidden`` bf16 [n, H] x ``router_weight`` bf16 [E, H] -> fp32 logits [n, E].
-    A product of two bf16 values is exact in fp32, so the tensor cores' bf16 GEMM with fp32 accumulation
-    and output (CUDA) computes what an fp32 GEMM of the same values does, up to the order of the fp32 sums,
-    in one kernel and without an fp32 copy of the rows; the CPU, which lacks that kernel, runs the fp32 GEMM."""
-    if hidden.is_cuda:
-        return torch.mm(hidden, router_weight.T, out_dtype=torch.float32)
-    return hidden.float() @ router_weight.float().T
+
+    On the GPU, ``moe_router_logits`` (device/kernels/moe_produce.cu) on the tensor cores: bf16 products
+    (exact in fp32) summed in fp32 in one order fixed by H alone, so a token's logits are the same bits
+    whether it is routed alone, in a chunk or in the whole batch - a streamed call routes exactly as a
+    batch-ready one (a cuBLAS GEMM picks its kernel, and so its order of sums, by the token count).
+    ``kernels``: the library holding the kernel (None: this process's, :func:`chunkring.current`). On the
+    CPU, an fp32 GEMM (tests of the host logic)."""
+    if not hidden.is_cuda:
+        return hidden.float() @ router_weight.float().T
+    if kernels is None:
+        from chunkring.bringup import current
+        from chunkring.jit import library_for
+
+        kernels = library_for(current(), "moe_produce")
+    n, H = hidden.shape
+    E = router_weight.shape[0]
+    logits = torch.empty((n, E), dtype=torch.float32, device=hidden.device)
+    if n:
+        tiles = -(-n // _ROUTER_TILE[0]) * -(-E // _ROUTER_TILE[1])
+        kernels.launch("moe_router_logits", hidden, router_weight, logits, n, E, H, grid=tiles,
+                       block=32 * router_slices(H), stream=torch.cuda.current_stream(hidden.device))
+    return logits
 
 
 def route(hidden: torch.Tensor, router_weight: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing of ``hidden`` bf16 [n, H] with ``router_weight`` bf16 [E, H].
 
     Returns topk_idx int32 [n, K] and topk_weights float32 [n, K]: the K largest softmax scores,
-    renormalised to sum to 1 per token. The logits are :func:`router_logits` (fp32 sums), so a token's
-    choice does not depend on which other tokens share its chunk beyond fp32 rounding.
+    renormalised to sum to 1 per token. The logits are :func:`router_logits` (fp32 sums, batch-invariant on
+    the GPU), so a token's choice does not depend on which other tokens share its chunk.
     """
     logits = router_logits(hidden, router_weight)
     scores, idx = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)

@@ -14,6 +14,7 @@
 # --profile-once); partition_mps runs the main job with the default partition and with none (interleaved).
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
+# Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.whl}

@@ -2,8 +2,10 @@
 # Issue 8's benchmark matrix on the local GPU(s): `chunkring-launch bench` at both realistic shapes, FP8
 # and bf16 payloads, with and without an SM partition, one rank and several under MPS; the input-check
 # cost; one timeline (Chrome trace JSON, plotted to PNG where matplotlib is installed).
-#   CHUNKRING_COMMIT=<sha> scripts/bench.sh [RANKS]        (results: $BENCH_RESULTS, default benchmarks/results)
-# Every figure is a CUDA-graph replay median (benchmarks/bench_moe.py); benchmarks/results/README.md reads them.
+#   CHUNKRING_COMMIT=<sha> CHUNKRING_TREE_MODIFIED=<0|1> scripts/bench.sh [RANKS]
+# Results: $BENCH_RESULTS (default benchmarks/results); in a checkout the commit and whether the tree differs from
+# it come from git. Every figure is a CUDA-graph replay median (chunkring.testing.bench_moe);
+# scripts/results_index.py lists the result files in benchmarks/results/README.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ranks=${1:-4}
@@ -12,6 +14,10 @@ mkdir -p "$results"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 commit=${CHUNKRING_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export CHUNKRING_COMMIT=${commit//[^A-Za-z0-9._-]/-}
+if [ -z "${CHUNKRING_TREE_MODIFIED:-}" ] && git rev-parse --git-dir >/dev/null 2>&1; then
+    if [ -n "$(git status --porcelain)" ]; then CHUNKRING_TREE_MODIFIED=1; else CHUNKRING_TREE_MODIFIED=0; fi
+fi
+export CHUNKRING_TREE_MODIFIED=${CHUNKRING_TREE_MODIFIED:-}
 prefix="$results/$CHUNKRING_COMMIT"
 if ! python3 -c "import chunkring.testing.bench_moe" 2>/dev/null; then  # an install older than this layout
     echo "bench.sh: chunkring.testing.bench_moe is not importable; reinstall chunkring (pip install -e .)" >&2

@@ -3,7 +3,7 @@
 # run the GPU test suite with 1 rank and with N ranks on one GPU under MPS, run the main job, and
 # write one JSON summary per suite run into $RESULTS (default tests/gpu_results); with $OUT set (the
 # device tool), also pack them and the log into $OUT/gpu_results.tgz.
-#   CHUNKRING_COMMIT=<sha> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS] [PART...]
+#   CHUNKRING_COMMIT=<sha> CHUNKRING_TREE_MODIFIED=<0|1> scripts/gpu_suite.sh [BUNDLE_DIR] [RANKS] [PART...]
 # PART: gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher (default:
 # all, in that order) - to split the suite over device calls; serving_1rank / serving_mps run only the serving-stack
 # tests (custom op, transformers drop-in, integration guide), which the full parts include; gpu_1rank_rma / gpu_mps_rma
@@ -12,7 +12,9 @@
 # overlap_1rank runs benchmarks/bench_overlap.py (streamed vs batch-ready vs the overlap bound, 1 and 4 waves,
 # at most 240 s); producer_ncu runs Nsight Compute on the fused producer kernel (benchmarks/probe_producer.py
 # --profile-once); partition_mps runs the main job with the default partition and with none (interleaved).
-# Summaries are named <commit>-<suite>.json (the device copy has no .git, so pass the commit in).
+# Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
+# whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
+# Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
@@ -33,8 +35,13 @@ export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 export CHUNKRING_CACHE_DIR=${CHUNKRING_CACHE_DIR:-/tmp/chunkring-cache}
 # Forwarded to ranks by name, so it must be set; it names the result files, so keep it to [A-Za-z0-9._-]
 # (the device tool returns no file whose name holds anything else).
-commit=${CHUNKRING_COMMIT:-unknown}
+commit=${CHUNKRING_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export CHUNKRING_COMMIT=${commit//[^A-Za-z0-9._-]/-}
+# Every record says whether the tree that ran was its commit (chunkring.testing.records.tree_modified).
+if [ -z "${CHUNKRING_TREE_MODIFIED:-}" ] && git rev-parse --git-dir >/dev/null 2>&1; then
+    if [ -n "$(git status --porcelain)" ]; then CHUNKRING_TREE_MODIFIED=1; else CHUNKRING_TREE_MODIFIED=0; fi
+fi
+export CHUNKRING_TREE_MODIFIED=${CHUNKRING_TREE_MODIFIED:-}
 
 # Keep the host's torch: install only what the image lacks, without dependency resolution.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$bundle"/*.whl || exit 1
@@ -76,7 +83,7 @@ jobs_1rank() {
 }
 # mpirun forwarding what every rank needs: the carried packages, the MPS pipe, the kernel cache.
 mpi=(mpirun --oversubscribe -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY
-     -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT)
+     -x CHUNKRING_CACHE_DIR -x CHUNKRING_COMMIT -x CHUNKRING_TREE_MODIFIED)
 mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
     local suite=$1 n=$2 limit=$3; shift 3
     # Without the daemon the ranks' contexts time-slice the GPU: spinning kernels then wait out whole slices, and

@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from chunkring.testing.machine import driver_version
+from chunkring.testing.records import tree_modified
 
 
 def junit_counts(path: str) -> dict:
@@ -65,13 +66,20 @@ def main() -> None:
     for path in sorted(args.junit):
         if Path(path).is_file():
             figures.update(junit_figures(path))
+    # Each build report (scripts/build_kernels.py --json) as it was, cache_hit included: a "cold" build that
+    # found its cubins in the cache timed a cache lookup, not a compile.
+    builds = {}
     for path in args.build:
         if Path(path).is_file():
             tag = Path(path).stem
+            builds[tag] = {}
             for kernel, info in json.loads(Path(path).read_text()).items():
                 figures[f"{tag}_{kernel}_s"] = info["seconds"]
+                builds[tag][kernel] = {"seconds": info["seconds"], "cache_hit": info.get("cache_hit")}
     summary = {
         "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"),
+        # Whether the tree that ran differed from that commit (CHUNKRING_TREE_MODIFIED; null: nobody said).
+        "tree_modified": tree_modified(),
         **gpu_facts(),
         "ranks": args.ranks,
         "suite": args.suite,
@@ -84,6 +92,7 @@ def main() -> None:
         # --transport rma, also in figures["transport_rma"]), "auto" otherwise.
         "transport": "rma" if figures.get("transport_rma") == 1.0 else os.environ.get("CHUNKRING_TRANSPORT", "auto"),
         "figures": figures,
+        "builds": builds,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")

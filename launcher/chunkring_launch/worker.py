@@ -106,10 +106,12 @@ def report(job: str, config, runtime, all_figures: list) -> dict:
 
     from chunkring.jit import nvshmem_version
     from chunkring.testing.machine import driver_version
+    from chunkring.testing.records import tree_modified
 
     figures = {f"rank{r}_{key}": value for r, f in enumerate(all_figures) for key, value in f.items()}
     return {
         "commit": os.environ.get("CHUNKRING_COMMIT") or _git_commit(),
+        "tree_modified": tree_modified(),
         "gpu": _device_name(runtime),
         "driver": driver_version() or "unknown",
         "gpus": torch.cuda.device_count(),

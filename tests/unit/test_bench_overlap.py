@@ -99,6 +99,7 @@ def test_result_file_holds_the_summary_fields_records_and_files(tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "test GPU")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CHUNKRING_COMMIT", "abc1234")
+    monkeypatch.setenv("CHUNKRING_TREE_MODIFIED", "1")
     record = {**pick_records(_by_chunk({128: 9.6}), 128)[0]}
     path = tmp_path / "abc1234-overlap.json"
     record_file.write(str(path), suite="overlap", world_size=1, figures={"x": 1.0}, records=[record],
@@ -107,10 +108,13 @@ def test_result_file_holds_the_summary_fields_records_and_files(tmp_path, monkey
     for key in ("commit", "gpu", "gpus", "ranks", "suite", "command", "passed", "failed", "skipped", "figures"):
         assert key in summary, key
     assert summary["commit"] == "abc1234" and summary["suite"] == "overlap"
+    assert summary["tree_modified"] is True  # the tree that ran was not exactly that commit
     assert summary["records"] == [record] and summary["files"] == ["t.png"]
     # Without records the file is what every other bench writes.
+    monkeypatch.delenv("CHUNKRING_TREE_MODIFIED")
     record_file.write(str(path), suite="s", world_size=2, figures={})
-    assert "records" not in json.loads(path.read_text())
+    plain = json.loads(path.read_text())
+    assert "records" not in plain and plain["tree_modified"] is None  # nobody said
 
 
 def test_bench_is_not_started_without_a_gpu_by_a_bad_argument(monkeypatch):

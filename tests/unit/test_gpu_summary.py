@@ -1,7 +1,9 @@
-"""The GPU suite summary counts what JUnit recorded (rank 0's counts, any rank's failures) and keeps
-the keys every committed result must have."""
+"""The GPU suite summary counts what JUnit recorded (rank 0's counts, any rank's failures), keeps the keys
+every committed result must have, and says no more than was measured: whether each build was a cache hit,
+and whether the tree that ran differed from its commit."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,14 +19,18 @@ def write(path, **counts):
     return str(path)
 
 
-def summarise(tmp_path, rc, *junit):
+def summarise(tmp_path, rc, *junit, env=None):
     out = tmp_path / "summary.json"
-    build = tmp_path / "build_cold.json"
-    build.write_text(json.dumps({"selftest": {"seconds": 4.1, "cache_hit": False, "key": "k"}}))
+    cold, warm = tmp_path / "build_cold.json", tmp_path / "build_warm.json"
+    cold.write_text(json.dumps({"selftest": {"seconds": 4.1, "cache_hit": False, "key": "k"}}))
+    warm.write_text(json.dumps({"selftest": {"seconds": 0.0004, "cache_hit": True, "key": "k"}}))
+    # This checkout's package, not whatever an editable install elsewhere points at.
+    path = os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])
     subprocess.run([sys.executable, str(REPO / "scripts/gpu_summary.py"), "--suite", "s", "--ranks", str(len(junit)),
-                    "--rc", str(rc), "--seconds", "12", "--junit", *junit, "--build", str(build), "--command", "c",
-                    "--out", str(out)],
-                   check=True, capture_output=True, env={"CHUNKRING_COMMIT": "abc1234", "PATH": ""})
+                    "--rc", str(rc), "--seconds", "12", "--junit", *junit, "--build", str(cold), str(warm),
+                    "--command", "c", "--out", str(out)],
+                   check=True, capture_output=True,
+                   env={"CHUNKRING_COMMIT": "abc1234", "PATH": "", "PYTHONPATH": path, **(env or {})})
     return json.loads(out.read_text())
 
 
@@ -66,3 +72,17 @@ def test_the_summary_says_which_transport_ran(tmp_path):
                     '</testsuites>')
     forced = summarise(tmp_path, 0, str(path))
     assert forced["transport"] == "rma" and forced["figures"]["transport_rma"] == 1
+
+
+def test_each_build_keeps_its_cache_hit(tmp_path):
+    s = summarise(tmp_path, 0, write(tmp_path / "r0.xml", errors=0, failures=0, skipped=0, tests=1))
+    assert s["builds"]["build_cold"]["selftest"] == {"seconds": 4.1, "cache_hit": False}
+    assert s["builds"]["build_warm"]["selftest"] == {"seconds": 0.0004, "cache_hit": True}
+    assert s["figures"]["build_warm_selftest_s"] == 0.0004
+
+
+def test_the_summary_says_whether_the_tree_differed_from_its_commit(tmp_path):
+    junit = write(tmp_path / "r0.xml", errors=0, failures=0, skipped=0, tests=1)
+    assert summarise(tmp_path, 0, junit)["tree_modified"] is None  # nobody said
+    assert summarise(tmp_path, 0, junit, env={"CHUNKRING_TREE_MODIFIED": "1"})["tree_modified"] is True
+    assert summarise(tmp_path, 0, junit, env={"CHUNKRING_TREE_MODIFIED": "0"})["tree_modified"] is False

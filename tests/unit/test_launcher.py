@@ -156,10 +156,12 @@ def test_json_report_has_the_result_file_keys(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda ordinal: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CHUNKRING_COMMIT", "abc1234")
+    monkeypatch.setenv("CHUNKRING_TREE_MODIFIED", "0")
     out = report("run", CONFIG(topk=2), SimpleNamespace(ordinal=0, world_size=2), [{"ms": 1.5}, {"ms": 2.5}])
     for key in ("commit", "gpu", "gpus", "ranks", "suite", "command", "passed", "failed", "skipped", "figures"):
         assert key in out, key
     assert (out["commit"], out["ranks"], out["suite"], out["config"]["topk"]) == ("abc1234", 2, "run", 2)
+    assert out["tree_modified"] is False
     assert out["figures"] == {"rank0_ms": 1.5, "rank1_ms": 2.5}
     assert "topk=2" in out["command"]
 

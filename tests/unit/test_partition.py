@@ -54,7 +54,7 @@ def test_one_hardware_queue_is_refused_before_any_gpu_work(monkeypatch):
 # H200 measurements PRODUCER_SM_SHARE cites, within what the device's rules and the consumer's grid allow.
 
 def test_default_on_the_h200_is_a_quarter_of_the_sms():
-    # 132 SMs, partitions of 8 aligned to 8 (REFERENCE.md section 1), the layer's 16-block pull.
+    # The H200: 132 SMs, green-context partitions of at least 8 SMs aligned to 8; the layer's 16-block pull.
     assert default_producer_sms(132, 8, 8, consumer_grid=16, consumer_blocks_per_sm=8) == 32
     assert plan_partition(132, 8, 8, 32).consumer_sms == 100
 

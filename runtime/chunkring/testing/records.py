@@ -7,6 +7,21 @@ import json
 import os
 import sys
 
+#: "1" when the tree that ran differed from the commit it names (``CHUNKRING_COMMIT``), "0" when it did not.
+#: scripts/gpu_suite.sh and scripts/bench.sh set it from ``git status --porcelain``; a copy without .git (the
+#: GPU host's) cannot tell, so its caller passes it. Unset: nobody said, and the record says ``null``.
+TREE_MODIFIED_VAR = "CHUNKRING_TREE_MODIFIED"
+
+
+def tree_modified() -> bool | None:
+    """Whether the tree that ran differed from its commit: True, False, or None where nobody said."""
+    value = os.environ.get(TREE_MODIFIED_VAR, "").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    return None
+
 
 def write(path: str, *, suite: str, world_size: int, figures: dict, records: list[dict] | None = None,
           files: list[str] | None = None) -> None:
@@ -14,9 +29,10 @@ def write(path: str, *, suite: str, world_size: int, figures: dict, records: lis
     case, for benchmarks whose results are a table) and ``files`` (names of figures written beside it)."""
     import torch
 
-    summary = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(0),
-               "gpus": torch.cuda.device_count(), "ranks": world_size, "suite": suite, "command": " ".join(sys.argv),
-               "passed": 1, "failed": 0, "skipped": 0, "figures": figures}
+    summary = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "tree_modified": tree_modified(),
+               "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "ranks": world_size,
+               "suite": suite, "command": " ".join(sys.argv), "passed": 1, "failed": 0, "skipped": 0,
+               "figures": figures}
     if records is not None:
         summary["records"] = records
     if files is not None:

@@ -29,10 +29,10 @@ def write(path: str, *, suite: str, world_size: int, figures: dict, records: lis
     case, for benchmarks whose results are a table) and ``files`` (names of figures written beside it)."""
     import torch
 
-    summary: dict[str, object] = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "tree_modified": tree_modified(),
-                                  "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
-                                  "ranks": world_size, "suite": suite, "command": " ".join(sys.argv), "passed": 1,
-                                  "failed": 0, "skipped": 0, "figures": figures}
+    summary: dict[str, object] = {
+        "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "tree_modified": tree_modified(),
+        "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "ranks": world_size,
+        "suite": suite, "command": " ".join(sys.argv), "passed": 1, "failed": 0, "skipped": 0, "figures": figures}
     if records is not None:
         summary["records"] = records
     if files is not None:

@@ -104,9 +104,8 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 #: a 256-thread block: each task is a chain of dependent memory latencies, so a chunk's kernel time follows
 #: the tasks per warp, not the bytes), at most one block per row and PRODUCE_MAX_BLOCKS in all: every block
 #: also waits for the slot and arrives, so a grid larger than the SMs hold at once costs more than it
-#: spreads. Measured on the H200's 32-SM producer partition, flash shape (benchmarks/results/
-#: af62508-producer-probe.json): 128-token chunks 43 -> 35 us per chunk going from 16 to 128 blocks;
-#: 1,024-token chunks 96 us at 128 blocks, 155 us at 1,024.
+#: spreads. On a 32-SM producer partition of the H200, flash shape, a 128-token chunk took 43 us at 16 blocks
+#: and 35 us at 128, a 1,024-token chunk 96 us at 128 blocks and 155 us at 1,024 (docs/PERFORMANCE.md).
 PRODUCE_ELEMENTS_PER_BLOCK = 4096
 PRODUCE_MAX_BLOCKS = 128
 _PRODUCE_BLOCK = 256

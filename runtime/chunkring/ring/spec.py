@@ -13,7 +13,7 @@ from chunkring.errors import ChunkringUsageError
 __all__ = ["PayloadFormat", "RingSpec", "MAX_WORLD_SIZE", "FP8_SCALE_BLOCK"]
 
 #: A consumer tracks the sources still active in one 64-bit mask (protocol/ring.cuh consume_invocation,
-#: kMaxWorldSize); each slot has one ack word per destination rank (docs/PROTOCOL.md, "Acks").
+#: kMaxWorldSize); each slot has one ack word per destination rank (docs/PROTOCOL.md, "Why no ABA").
 MAX_WORLD_SIZE = 64
 #: Channels sharing one fp32 scale in the FP8 payload.
 FP8_SCALE_BLOCK = 128

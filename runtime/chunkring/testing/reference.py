@@ -138,7 +138,7 @@ def reference_tolerance(payload: PayloadFormat) -> float:
     step, 2^-3 of its binade. The flips are few, so their sum varies most on small outputs: on the
     fuzz test's shape (28 tokens, H=256, I=128) L1 noise of 1e-3 (2e-3) gives a mean of 1.4 % (1.8 %),
     p99 1.9 % (2.4 %), max 2.0 % (2.7 %) over 400 draws (a CPU simulation of the recipe); the H200
-    measured 0.5-1.4 % on the layer tests and up to 2.5 % in the fuzz test (79c8f61). A lost or
+    measured 0.5-1.4 % on the layer tests and up to 2.5 % in the fuzz test. A lost or
     misplaced row of those outputs moves it by more than 6 %, a dropped scale block by more.
     """
     return 4e-2 if payload.has_scales else 1e-2

@@ -38,8 +38,8 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
     calls on whole-GPU streams; both modes give the same output; destroy() closes the partition."""
     from chunkring import MoELayer
     from chunkring.moe.calls import CallMode
-    from chunkring.moe.resources import spinning_grids
-    from chunkring.partition import default_producer_sms
+    from chunkring.moe.producer import PRODUCE_MAX_BLOCKS
+    from chunkring.moe.resources import PULL_GRID
     from chunkring.testing.reference import quantize_fp8_per128
     from tests.gpu.test_moe_layer import local_weights, routing, weights
 
@@ -49,13 +49,21 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
     try:
         sm = runtime.device.resources.sm
         resident = layer.resources.kernels.stream.resident_blocks_per_sm("moe_pull", 256)
-        expected = default_producer_sms(sm.sm_count, sm.min_partition_size, sm.coscheduled_alignment, 16, resident)
-        assert part is not None and part.plan.producer_sms == expected
+        # One wave: the consumer partition is reserved for the pull alone - the fewest aligned SMs that hold its
+        # whole grid - and the producers get every other SM (the GEMMs run on the whole GPU after the pull).
+        needs = max(sm.min_partition_size, -(-PULL_GRID // resident))
+        assert part is not None and part.plan.producer_sms + part.consumer_sms == sm.sm_count
+        assert needs <= part.consumer_sms < needs + sm.coscheduled_alignment, part
         stats = layer.stats()
-        assert (stats["producer_sms"], stats["consumer_sms"]) == (expected, part.consumer_sms)
-        # Every rank on this GPU spins its pull and producer grids in its share of each side (Progress 8).
-        assert (stats["pull_grid"], stats["producer_grid_max"]) == spinning_grids(part.consumer_sms, resident, expected,
-                                                                                  runtime.gpu_ranks)
+        assert (stats["producer_sms"], stats["consumer_sms"]) == (part.plan.producer_sms, part.consumer_sms)
+        # Every rank on this GPU spins its pull and producer grids in its share of each side (Progress 8): all
+        # ranks' pull blocks resident at once, and where ranks share the GPU one SM per spinning producer block.
+        assert stats["pull_grid"] * runtime.gpu_ranks <= part.consumer_sms * resident
+        if runtime.gpu_ranks == 1:
+            assert (stats["pull_grid"], stats["producer_grid_max"]) == (PULL_GRID, PRODUCE_MAX_BLOCKS)
+        else:
+            assert stats["pull_grid"] <= part.consumer_sms // runtime.gpu_ranks
+            assert stats["producer_grid_max"] * runtime.gpu_ranks < part.plan.producer_sms
         assert layer.streams(CallMode.STREAMED) == (part.producer_stream, part.consumer_stream)
         batch_streams = {s.cuda_stream for s in layer.streams(CallMode.BATCH_READY)}
         assert batch_streams.isdisjoint({part.producer_stream.cuda_stream, part.consumer_stream.cuda_stream})

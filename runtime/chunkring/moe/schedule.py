@@ -5,7 +5,8 @@ Two streams per call (:attr:`LayerResources.streams`: a streamed call's are its 
 * producer stream: zero this rank's combine rows; publish the batch into the call's ring (batch-ready: the
   whole batch as one chunk into the one-slot ring; streamed: chunk by chunk, each as soon as its producers
   finished); wait until every rank acknowledged every chunk (``moe_drain``); reduce the combine rows over k
-  into the output.
+  into the output. The set-up and the chunks that fit the ring run on the whole GPU's producer stream
+  (their publishes never wait); a streamed call's later chunks and its drain on its partition's.
 * consumer stream: pull every source's chunks as they arrive into the stage at their token index (each
   slot freed as soon as it is copied); plan the rows into expert groups, L1 -> SwiGLU -> L2 once per expert,
   push the weighted rows to their sources' combine buffers, then acknowledge each source's last chunk,
@@ -67,34 +68,39 @@ class CallSchedule:
         self._warm_modes: set[CallMode] = set()  # modes whose first call ran (warm-up, then the ranks' barrier)
 
     def enqueue(self, mode: CallMode, n: int, publish: Publish, w13: Weight, w2: Weight, out: torch.Tensor | None,
-                num_tokens: torch.Tensor | None, timeline: Timeline | None) -> torch.Tensor:
-        """Enqueue one call of ``mode`` on ``n`` rows (its arguments checked), stream-ordered after torch's
-        current stream, which waits for it; returns the output, bfloat16 [n, H]."""
+                num_tokens: torch.Tensor | None, timeline: Timeline | None, chunk: int | None = None) -> torch.Tensor:
+        """Enqueue one call of ``mode`` on ``n`` rows (its arguments checked) in chunks of ``chunk`` rows (at most
+        the ring's slot size; None: the slot size), stream-ordered after torch's current stream, which waits for
+        it; returns the output, bfloat16 [n, H]."""
         res = self.res
         ring = res.rings[mode]
         if out is None:
             out = torch.empty((n, res.config.hidden), dtype=torch.bfloat16, device=res.runtime.torch_device)
         caller = torch.cuda.current_stream(res.runtime.torch_device)
         producer, consumer = res.streams[mode]
-        producer.wait_stream(caller)
-        consumer.wait_stream(caller)
+        # The chunks that fit the ring never wait for a slot, so nothing of theirs spins: they and the call's
+        # set-up run on the whole GPU's producer stream. Only the chunks after them, whose publishes wait for
+        # acknowledgements, and the drain need the producers' reserved SMs (a streamed call's partition).
+        early = res.streams[CallMode.BATCH_READY][0]
+        for stream in {early, producer, consumer}:
+            stream.wait_stream(caller)
         self._warm_up(mode, consumer, w13, w2)
         # No record_stream on the caller's tensors: the caller's stream waits for both side streams at the end
         # of the call, so its frees (stream-ordered on it) already come after our last use. That also keeps
         # the allocator from ever recording events on a partition's streams, which may be closed before those
         # tensors are freed.
         mark = _Marks(res, timeline)
-        T = ring.spec.tokens_per_slot
+        T = chunk if chunk is not None else ring.spec.tokens_per_slot
         starts = list(range(0, n, T)) if n else [0]
 
-        def produce_chunks(chunks: Iterable[int]) -> None:
-            with torch.cuda.stream(producer):
-                for chunk in chunks:
-                    start = starts[chunk]
+        def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream) -> None:
+            with torch.cuda.stream(stream):
+                for index in chunks:
+                    start = starts[index]
                     end = min(start + T, n)
-                    mark(Event.PRODUCE_BEGIN, chunk)
-                    publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, producer)
-                    mark(Event.PUBLISHED, chunk)
+                    mark(Event.PRODUCE_BEGIN, index)
+                    publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, stream)
+                    mark(Event.PUBLISHED, index)
 
         # Enqueue order (docs/PROTOCOL.md, "Progress"): the chunks that fit the ring first - their publishes
         # never wait - then the consumer, then the rest. Producer work goes ahead of the consumer's spinning
@@ -102,15 +108,17 @@ class CallSchedule:
         # full launch queue of producer work that waits for acks of a consumer not yet enqueued: an eager call
         # of many chunks would deadlock.
         first = min(ring.spec.num_slots, len(starts))
-        with torch.cuda.stream(producer):
+        with torch.cuda.stream(early):
             mark(Event.CALL_BEGIN)
             # Before our first publish: no consumer writes a row of ours before seeing a chunk of ours.
             res.combine[:n * res.config.topk].zero_()
             res.produce_arrivals[mode].zero_()  # a failed earlier call may have left a count behind
-        produce_chunks(range(first))
+        produce_chunks(range(first), early)
+        if producer is not early:
+            producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish
         with torch.cuda.stream(consumer):
             last = self._consume(mode, w13, w2, mark)
-        produce_chunks(range(first, len(starts)))
+        produce_chunks(range(first, len(starts)), producer)
         with torch.cuda.stream(producer):
             self._drain_and_reduce(mode, n, out, mark, last)
         caller.wait_stream(producer)

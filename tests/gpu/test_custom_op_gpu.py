@@ -22,9 +22,10 @@ import torch
 
 from chunkring import ChunkedMoE, MoEConfig, MoELayer, PayloadFormat
 from chunkring.moe.op import moe_run
-from tests.gpu.test_moe_graph import Batch, check_replay, strict_capture
-from tests.gpu.test_moe_graph import make_layer as make_graph_layer
-from tests.gpu.test_moe_layer import INTER, H
+from tests.gpu.graph_helpers import Batch, check_replay, strict_capture
+from tests.gpu.graph_helpers import make_layer as make_graph_layer
+from tests.gpu.moe_helpers import INTER, H
+from tests.helpers.compiled_model import TwoLayers
 
 pytestmark = pytest.mark.gpu
 
@@ -33,23 +34,6 @@ REPLAYS = 40
 #: The watchdog limit: ranks compile before their first call, each at its own pace; a rank spinning in a
 #: call waits for its peers' compilations too.
 TIMEOUT_S = 120
-
-
-class TwoLayers(torch.nn.Module):
-    """What a serving model does around the layer: elementwise work, two MoE calls (the second on the
-    first's output), a residual. Each elementwise op reads realised tensors only (the input, an
-    operator's output), so however Inductor fuses them each output rounds once, as eager does: x2 is
-    exact, and the residual add is one bf16 rounding of an fp32 sum. (``hidden + first(...)`` fed to a
-    second add would not be: Inductor may recompute it inside the second add's kernel in fp32, without
-    the bf16 rounding between the adds that eager does.)"""
-
-    def __init__(self, first, second):
-        super().__init__()
-        self.first, self.second = first, second
-
-    def forward(self, hidden, streaming=False, num_tokens=None):
-        h = self.first(hidden * 2, streaming=streaming, num_tokens=num_tokens)
-        return hidden + self.second(h, streaming=streaming, num_tokens=num_tokens)
 
 
 def by_methods(model, hidden, streaming, num_tokens):

@@ -41,7 +41,7 @@ from chunkring.moe import handles
 from chunkring.moe.auto import StreamingCalibration
 from chunkring.moe.op import MOE_FORWARD_SCHEMA, MOE_RUN_SCHEMA, layer_for_handle, moe_forward
 from chunkring.moe.weights import Fp8Weight
-from tests.gpu.test_custom_op_gpu import TwoLayers  # the GPU test's model, traced here on meta tensors
+from tests.helpers.compiled_model import TwoLayers  # the GPU test's model, traced here on meta tensors
 
 H, INTER, E, K = 256, 128, 4, 2
 UNKNOWN = 2**62  # no layer ever gets this handle: they count up from 1

@@ -65,9 +65,9 @@ def check(layers):
 
 def backend_or_skip(backend):
     if backend == "inductor":
-        from torch.utils._triton import has_triton
+        import importlib.util
 
-        if not has_triton():
+        if importlib.util.find_spec("triton") is None:
             pytest.skip("the inductor backend needs Triton, which this torch install lacks")
     return backend
 
@@ -76,7 +76,7 @@ def compiled_capture(compiled, *args, **kwargs):
     """A compiled call captured into a CUDA graph: no host synchronisation and no recompilation inside it;
     (graph, the captured output)."""
     def call():
-        with torch._dynamo.config.patch(error_on_recompile=True):
+        with torch.compiler.set_stance("fail_on_recompile"):
             return compiled(*args, **kwargs)
 
     return strict_capture(call)
@@ -103,7 +103,7 @@ class Hidden:
 @pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
 def test_compiled_model_captures_and_replays_bitwise_like_eager(runtime, streaming, backend):
     backend = backend_or_skip(backend)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model, layers = make_model(runtime)
     try:
         compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -125,12 +125,12 @@ def test_compiled_model_captures_and_replays_bitwise_like_eager(runtime, streami
             check(layers)
             assert torch.equal(replayed, eager), f"replay {step} (n={n}) differs from the eager calls"
             if step % 10 == 0:  # and the compiled model outside the graph, interleaved on the same rings
-                with torch._dynamo.config.patch(error_on_recompile=True):
+                with torch.compiler.set_stance("fail_on_recompile"):
                     again = compiled(inputs.x, streaming=streaming, num_tokens=inputs.count)
                 check(layers)
                 assert torch.equal(again, eager), f"compiled call at step {step} differs from the eager calls"
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         for layer in layers:
             layer.destroy()
 
@@ -140,7 +140,7 @@ def test_a_rank_with_zero_tokens_still_runs_both_calls(runtime, backend, monkeyp
     """torch.compile specialises a zero-row batch, and Inductor drops an op with an empty output unless it
     carries an effect: the rank would skip the collective and its peers' calls would time out."""
     backend = backend_or_skip(backend)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model, layers = make_model(runtime)
     try:
         calls = []
@@ -165,14 +165,14 @@ def test_a_rank_with_zero_tokens_still_runs_both_calls(runtime, backend, monkeyp
             assert out.shape == (n, H)
             assert torch.equal(out, by_methods(model, hidden, streaming, None))
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         for layer in layers:
             layer.destroy()
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
 def test_compiled_moe_run_captures_and_replays_like_run(runtime, streaming):
-    torch._dynamo.reset()
+    torch.compiler.reset()
     layer, experts, _ = make_graph_layer(runtime)
     try:
         batch = Batch(runtime, layer.config)
@@ -188,7 +188,7 @@ def test_compiled_moe_run_captures_and_replays_like_run(runtime, streaming):
         for step in range(1, 21):
             check_replay(layer, batch, experts, graph, out, step, streaming=streaming)
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         layer.destroy()
 
 

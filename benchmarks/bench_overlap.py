@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class _Shape:
+class Shape:
     """One shape's weights (this rank's experts, drawn on the GPU once) and inputs per token count."""
 
     def __init__(self, name: str, runtime, seed: int = 0):
@@ -172,7 +172,7 @@ class _Shape:
         return hidden, (x, x_sf, idx, w)
 
 
-class _ProducersAlone:
+class ProducersAlone:
     """The streamed call's producer work without its consumer (``P_ms``): a scratch ring of the layer's
     streaming spec (or with ``num_slots`` slots: as many as a call's chunks, no publish waits for an ack),
     drained by ``ring_gather`` with the layer's pull grid on the consumer partition; with ``drain=False`` not
@@ -223,7 +223,7 @@ class _ProducersAlone:
         self.ring.destroy()
 
 
-def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int, waves: int) -> dict[int, dict]:
+def measure(shape: Shape, n: int, chunks: list[int], args, default_chunk: int, waves: int) -> dict[int, dict]:
     """Every chunk size's measured figures at ``n`` tokens with ``waves`` (batch_ms and Q_ms once, with the
     first layer)."""
     import torch
@@ -250,7 +250,7 @@ def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int, 
                 unchunked["batch_ms"] = replay_median_ms(
                     lambda: layer.forward(hidden, shape.router, w13, w2), **timed)
                 unchunked["Q_ms"] = replay_median_ms(lambda: layer.run(*routed, w13, w2), **timed)
-            producers = _ProducersAlone(layer)
+            producers = ProducersAlone(layer)
             measured = dict(unchunked, waves=waves)
             measured["P_ms"] = replay_median_ms(lambda: producers(hidden, shape.router), **timed)
             measured["streamed_ms"] = replay_median_ms(
@@ -271,7 +271,7 @@ def measure(shape: _Shape, n: int, chunks: list[int], args, default_chunk: int, 
     return by_chunk
 
 
-def record_timeline(shape: _Shape, n: int, waves: int, prefix: str) -> list[str]:
+def record_timeline(shape: Shape, n: int, waves: int, prefix: str) -> list[str]:
     """One graph replay of the default ring's streamed call at ``n`` tokens in ``waves`` waves with a
     Timeline; rank 0 writes
     ``<prefix>.json`` (Chrome trace) and ``<prefix>.png`` if it can plot. Returns the files written."""
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     files: list[str] = []
     try:
         for name in args.shapes:
-            shape = _Shape(name, runtime)
+            shape = Shape(name, runtime)
             default_chunk = dataclasses.replace(shape.config, max_tokens_per_rank=max(args.tokens)
                                                 ).with_default_ring().front_tokens_per_slot
             for n in args.tokens:

@@ -32,7 +32,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.bench_overlap import SHAPES, _ProducersAlone, _Shape
+from benchmarks.bench_overlap import SHAPES, ProducersAlone, Shape
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,13 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     from chunkring.moe.calibration import replay_median_ms
 
     runtime = chunkring.init()
-    shape = _Shape(args.shape, runtime)
+    shape = Shape(args.shape, runtime)
     hidden, _ = shape.inputs(args.tokens)
     router = shape.router
     if args.profile_once:
         for chunk in chunks:
             layer = shape.layer(args.tokens, chunk)
-            once = _ProducersAlone(layer, num_slots=-(-args.tokens // chunk), drain=False)
+            once = ProducersAlone(layer, num_slots=-(-args.tokens // chunk), drain=False)
             once(hidden, router)
             torch.cuda.synchronize()
             layer.check()
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for chunk in chunks:
             layer = shape.layer(args.tokens, chunk)
-            producers = _ProducersAlone(layer)
+            producers = ProducersAlone(layer)
             try:
                 pieces = -(-args.tokens // chunk)
                 stream, _ = layer.streams(producers.mode)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                   layer.stats()["producer_grid_max"])
                 finally:
                     producer.PRODUCE_ELEMENTS_PER_BLOCK = saved
-                unbounded = _ProducersAlone(layer, num_slots=pieces)
+                unbounded = ProducersAlone(layer, num_slots=pieces)
                 try:
                     rec["produce_us_all_slots"] = 1e3 * replay_median_ms(
                         lambda: unbounded(hidden, router), **timed) / pieces

@@ -1,4 +1,5 @@
-"""Shared test plumbing: GPU skipping, the per-process runtime, and the MPI abort-on-failure hook."""
+"""Shared test plumbing: GPU skipping, the per-process runtime, the transport property, and the MPI
+abort-on-failure hook. Fixtures and hooks only: what test modules import lives in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -7,22 +8,17 @@ import sys
 
 import pytest
 
-# Imported before torch initialises CUDA below: importing chunkring defaults CUDA_MODULE_LOADING to
-# EAGER (chunkring.env.EAGER_LOADING), which the MoE layer requires.
+# Imported before torch initialises CUDA (tests.helpers.devices, below): importing chunkring defaults
+# CUDA_MODULE_LOADING to EAGER (chunkring.env.EAGER_LOADING), which the MoE layer requires.
 import chunkring
 
+# The helper modules' asserts report like the tests' own (imported below or by test modules: after this).
+pytest.register_assert_rewrite("tests.helpers", "tests.gpu.moe_helpers", "tests.gpu.ring_helpers",
+                               "tests.gpu.graph_helpers")
+
+from tests.helpers.devices import HAVE_GPU  # noqa: E402
+
 UNDER_MPI = "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
-
-
-def _gpu_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available() and torch.cuda.device_count() > 0
-
-
-HAVE_GPU = _gpu_available()
 
 
 def pytest_addoption(parser):
@@ -31,17 +27,16 @@ def pytest_addoption(parser):
                           "rma: NVSHMEM gets/puts for every peer, self included)")
 
 
-@pytest.hookimpl(trylast=True)  # after the junitxml plugin has set up its report
 def pytest_configure(config):
     transport = config.getoption("--transport")
     if transport is not None:
         os.environ["CHUNKRING_TRANSPORT"] = transport  # read by every Ring built afterwards
-    # Which transport the session ran, as a JUnit property scripts/gpu_summary.py reports (1: forced RMA).
-    from _pytest.junitxml import xml_key
 
-    xml = config.stash.get(xml_key, None)
-    if xml is not None:
-        xml.add_global_property("transport_rma", int(chunkring.env.transport_mode() == "rma"))
+
+@pytest.fixture(scope="session", autouse=True)
+def transport_property(record_testsuite_property):
+    """Which transport the session ran, as a JUnit property scripts/gpu_summary.py reports (1: forced RMA)."""
+    record_testsuite_property("transport_rma", int(chunkring.env.transport_mode() == "rma"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -167,6 +167,12 @@ class SmPartition:
     def __repr__(self) -> str:
         return f"SmPartition(producer={self.plan.producer_sms} SMs, consumer={self.consumer_sms} SMs)"
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (itself, through ``with``, or through the layer that made this partition):
+        no stream or green context of it is left."""
+        return not self._streams and not self._contexts
+
     def close(self) -> None:
         """Destroy the streams and green contexts (after synchronising them)."""
         for stream in self._streams:

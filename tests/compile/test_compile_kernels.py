@@ -9,7 +9,7 @@ import pytest
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit import arch_of, build, default_arch, kernel_sources, nvshmem_version
-from chunkring.jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, _cache_key, program_options
+from chunkring.jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, cache_key, program_options
 from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS, NO_PUSH_RELEASE, SEAL_ON_RESERVE
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove
@@ -115,10 +115,10 @@ def test_each_mutant_builds_a_different_kernel(mutant, kernel):
 def test_the_key_covers_the_architecture_and_every_option():
     source = (KERNEL_DIR / "selftest.cu").read_text()
     options = program_options("selftest", arch="sm_90")
-    key = _cache_key("selftest", source, options)
-    assert _cache_key("selftest", source, program_options("selftest", arch="sm_90")) == key
-    assert _cache_key("selftest", source, program_options("selftest", arch="sm_100")) != key
-    assert _cache_key("selftest", source, dataclasses.replace(options, lineinfo=True)) != key  # not a macro
+    key = cache_key("selftest", source, options)
+    assert cache_key("selftest", source, program_options("selftest", arch="sm_90")) == key
+    assert cache_key("selftest", source, program_options("selftest", arch="sm_100")) != key
+    assert cache_key("selftest", source, dataclasses.replace(options, lineinfo=True)) != key  # not a macro
 
 
 def test_the_target_is_the_gpus_own_or_the_cpu_fallback(monkeypatch):

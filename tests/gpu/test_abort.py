@@ -17,8 +17,7 @@ import torch
 from chunkring import ChunkringDeviceError, ChunkringPeerAbortedError
 from chunkring.ring.io import GatherOutputs, gather
 from chunkring.ring.status import ErrorCode, Site
-from tests.gpu.test_progress import check_gathered, make_ring, publish_all
-from tests.gpu.test_ring_host_api import T
+from tests.gpu.ring_helpers import T, check_gathered, make_ring, publish_all
 
 pytestmark = pytest.mark.gpu
 

@@ -22,9 +22,10 @@ import torch
 
 from chunkring import ChunkedMoE, MoEConfig, MoELayer, PayloadFormat
 from chunkring.moe.op import moe_run
-from tests.gpu.test_moe_graph import Batch, check_replay, strict_capture
-from tests.gpu.test_moe_graph import make_layer as make_graph_layer
-from tests.gpu.test_moe_layer import INTER, H
+from tests.gpu.graph_helpers import Batch, check_replay, strict_capture
+from tests.gpu.graph_helpers import make_layer as make_graph_layer
+from tests.gpu.moe_helpers import INTER, H
+from tests.helpers.compiled_model import TwoLayers
 
 pytestmark = pytest.mark.gpu
 
@@ -33,23 +34,6 @@ REPLAYS = 40
 #: The watchdog limit: ranks compile before their first call, each at its own pace; a rank spinning in a
 #: call waits for its peers' compilations too.
 TIMEOUT_S = 120
-
-
-class TwoLayers(torch.nn.Module):
-    """What a serving model does around the layer: elementwise work, two MoE calls (the second on the
-    first's output), a residual. Each elementwise op reads realised tensors only (the input, an
-    operator's output), so however Inductor fuses them each output rounds once, as eager does: x2 is
-    exact, and the residual add is one bf16 rounding of an fp32 sum. (``hidden + first(...)`` fed to a
-    second add would not be: Inductor may recompute it inside the second add's kernel in fp32, without
-    the bf16 rounding between the adds that eager does.)"""
-
-    def __init__(self, first, second):
-        super().__init__()
-        self.first, self.second = first, second
-
-    def forward(self, hidden, streaming=False, num_tokens=None):
-        h = self.first(hidden * 2, streaming=streaming, num_tokens=num_tokens)
-        return hidden + self.second(h, streaming=streaming, num_tokens=num_tokens)
 
 
 def by_methods(model, hidden, streaming, num_tokens):
@@ -81,9 +65,9 @@ def check(layers):
 
 def backend_or_skip(backend):
     if backend == "inductor":
-        from torch.utils._triton import has_triton
+        import importlib.util
 
-        if not has_triton():
+        if importlib.util.find_spec("triton") is None:
             pytest.skip("the inductor backend needs Triton, which this torch install lacks")
     return backend
 
@@ -92,7 +76,7 @@ def compiled_capture(compiled, *args, **kwargs):
     """A compiled call captured into a CUDA graph: no host synchronisation and no recompilation inside it;
     (graph, the captured output)."""
     def call():
-        with torch._dynamo.config.patch(error_on_recompile=True):
+        with torch.compiler.set_stance("fail_on_recompile"):
             return compiled(*args, **kwargs)
 
     return strict_capture(call)
@@ -119,7 +103,7 @@ class Hidden:
 @pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
 def test_compiled_model_captures_and_replays_bitwise_like_eager(runtime, streaming, backend):
     backend = backend_or_skip(backend)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model, layers = make_model(runtime)
     try:
         compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -141,12 +125,12 @@ def test_compiled_model_captures_and_replays_bitwise_like_eager(runtime, streami
             check(layers)
             assert torch.equal(replayed, eager), f"replay {step} (n={n}) differs from the eager calls"
             if step % 10 == 0:  # and the compiled model outside the graph, interleaved on the same rings
-                with torch._dynamo.config.patch(error_on_recompile=True):
+                with torch.compiler.set_stance("fail_on_recompile"):
                     again = compiled(inputs.x, streaming=streaming, num_tokens=inputs.count)
                 check(layers)
                 assert torch.equal(again, eager), f"compiled call at step {step} differs from the eager calls"
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         for layer in layers:
             layer.destroy()
 
@@ -156,7 +140,7 @@ def test_a_rank_with_zero_tokens_still_runs_both_calls(runtime, backend, monkeyp
     """torch.compile specialises a zero-row batch, and Inductor drops an op with an empty output unless it
     carries an effect: the rank would skip the collective and its peers' calls would time out."""
     backend = backend_or_skip(backend)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model, layers = make_model(runtime)
     try:
         calls = []
@@ -181,14 +165,14 @@ def test_a_rank_with_zero_tokens_still_runs_both_calls(runtime, backend, monkeyp
             assert out.shape == (n, H)
             assert torch.equal(out, by_methods(model, hidden, streaming, None))
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         for layer in layers:
             layer.destroy()
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
 def test_compiled_moe_run_captures_and_replays_like_run(runtime, streaming):
-    torch._dynamo.reset()
+    torch.compiler.reset()
     layer, experts, _ = make_graph_layer(runtime)
     try:
         batch = Batch(runtime, layer.config)
@@ -204,7 +188,7 @@ def test_compiled_moe_run_captures_and_replays_like_run(runtime, streaming):
         for step in range(1, 21):
             check_replay(layer, batch, experts, graph, out, step, streaming=streaming)
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         layer.destroy()
 
 

@@ -26,7 +26,7 @@ from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import InputField
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from chunkring.testing.variants import mutant_layer
-from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, tolerance, weights
+from tests.gpu.moe_helpers import H, layer_reference, local_weights, rel_error, routing, tolerance, weights
 
 pytestmark = pytest.mark.gpu
 

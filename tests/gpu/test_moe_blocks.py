@@ -18,7 +18,7 @@ from chunkring import ChunkringRuntimeError, MoEConfig, MoELayer, SmPartition
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from chunkring.testing.variants import mutant_layer
-from tests.gpu.test_moe_layer import case_inputs, layer_reference, local_weights, rel_error, tolerance, weights
+from tests.gpu.moe_helpers import case_inputs, layer_reference, local_weights, rel_error, tolerance, weights
 
 pytestmark = [
     pytest.mark.gpu,

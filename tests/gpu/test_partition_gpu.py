@@ -41,7 +41,7 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
     from chunkring.moe.producer import PRODUCE_MAX_BLOCKS
     from chunkring.moe.resources import PULL_GRID
     from chunkring.testing.reference import quantize_fp8_per128
-    from tests.gpu.test_moe_layer import local_weights, routing, weights
+    from tests.gpu.moe_helpers import local_weights, routing, weights
 
     cfg = _layer_config(runtime)
     layer = MoELayer(runtime, cfg)
@@ -79,7 +79,7 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
         assert torch.equal(outs[0], outs[1])
     finally:
         layer.destroy()
-    assert part._streams == [] and part._contexts == []  # closed with the layer
+    assert part.closed  # closed with the layer
 
 
 def test_no_partition_on_request_or_without_a_streaming_ring(runtime):

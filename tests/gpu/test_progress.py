@@ -15,48 +15,21 @@ import time
 import pytest
 import torch
 
-from chunkring import ChunkringPeerAbortedError, ChunkringTimeoutError, MoEConfig, MoELayer, Ring, RingSpec, SmPartition
-from chunkring.ring.io import GatherOutputs, gather, gather_grid_limit, publish_chunk
-from chunkring.ring.spec import PayloadFormat
+from chunkring import ChunkringPeerAbortedError, ChunkringTimeoutError, MoEConfig, MoELayer, SmPartition
+from chunkring.ring.io import GatherOutputs, gather, gather_grid_limit
 from chunkring.ring.status import ErrorCode, Site
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
-from tests.gpu.test_moe_layer import H, layer_reference, local_weights, rel_error, routing, tolerance, weights
-from tests.gpu.test_ring_host_api import K, T, source_tensors
+from tests.gpu.moe_helpers import H, layer_reference, local_weights, rel_error, routing, tolerance, weights
+from tests.gpu.ring_helpers import T, check_gathered, make_ring, publish_all
 
 pytestmark = pytest.mark.gpu
 
 SPIN_FIRST_S = 0.3  # how long the consumer spins alone before any producer is enqueued
 
 
-def make_ring(runtime, num_slots, timeout_s=30.0):
-    W = runtime.world_size
-    spec = RingSpec(world_size=W, num_slots=num_slots, tokens_per_slot=T, hidden=H, payload=PayloadFormat.FP8_E4M3,
-                    topk=K, num_experts=4 * W)
-    return Ring(runtime, spec, timeout_s=timeout_s)
-
-
 def counts_for(world: int, chunks: int) -> list[int]:
     """Tokens per rank: the last rank empty, the others ``chunks`` chunks with a partial last one."""
     return [0 if world > 1 and r == world - 1 else chunks * T - 3 for r in range(world)]
-
-
-def publish_all(runtime, ring, n, invocation, stream):
-    x, x_sf, idx, w = source_tensors(ring.spec, runtime.rank, invocation, n, runtime.torch_device)
-    with torch.cuda.stream(stream):
-        for base in range(0, max(n, 1), T):
-            rows = slice(base, min(n, base + T))
-            publish_chunk(ring, x=x[rows], x_sf=x_sf[rows], topk_idx=idx[rows], topk_weights=w[rows], token_base=base,
-                          end_of_stream=base + T >= n)
-
-
-def check_gathered(runtime, ring, out, counts, invocation):
-    torch.cuda.synchronize()
-    ring.check()
-    assert out.counts.tolist() == counts
-    for src, m in enumerate(counts):
-        rx, rsf, ridx, rw = source_tensors(ring.spec, src, invocation, m, runtime.torch_device)
-        assert torch.equal(out.x[src, :m].view(torch.uint8), rx.view(torch.uint8)), src
-        assert torch.equal(out.x_sf[src, :m], rsf) and torch.equal(out.topk_idx[src, :m], ridx), src
 
 
 def test_producers_complete_before_the_consumer_starts(runtime):

@@ -10,23 +10,9 @@ import torch
 from chunkring import Ring, RingSpec
 from chunkring.ring.io import GatherOutputs, gather, publish_chunk, publish_grid
 from chunkring.ring.spec import PayloadFormat
+from tests.gpu.ring_helpers import H, K, T, source_tensors
 
 pytestmark = pytest.mark.gpu
-
-T, H, K = 8, 256, 4
-
-
-def source_tensors(spec, src, invocation, n, device):
-    """What rank `src` sends in `invocation`: a function of (src, invocation) alone, so every rank can
-    build every source's reference without communication."""
-    g = torch.Generator(device="cpu").manual_seed(1000 * invocation + src)
-    fp8 = spec.payload == PayloadFormat.FP8_E4M3
-    x = torch.randn(n, H, generator=g).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
-    x_sf = torch.rand(n, H // 128, generator=g) if spec.payload == PayloadFormat.FP8_E4M3 else None
-    idx = torch.randint(-1, spec.num_experts, (n, K), generator=g, dtype=torch.int32)
-    w = torch.rand(n, K, generator=g)
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return to(x), to(x_sf), to(idx), to(w)
 
 
 @pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])

@@ -10,7 +10,7 @@ from chunkring.ring.io import GatherOutputs, gather, publish_chunk
 from chunkring.ring.layout import DESC_FIELDS
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.transport import Transport
-from tests.gpu.test_ring_host_api import H, K, T, source_tensors
+from tests.gpu.ring_helpers import H, K, T, source_tensors
 
 pytestmark = pytest.mark.gpu
 

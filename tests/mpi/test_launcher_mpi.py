@@ -32,7 +32,7 @@ from chunkring_launch import cli, exitcodes
 from chunkring_launch.config import from_table, load_table, parse_overrides
 from chunkring_launch.jobdir import failed_ranks, first_failure, record_failure
 from chunkring_launch.jobs import JOBS, fault
-from tests.conftest import HAVE_GPU
+from tests.helpers.devices import HAVE_GPU
 
 
 def _comm():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import HAVE_GPU
+from tests.helpers.devices import HAVE_GPU
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU path")

@@ -41,7 +41,7 @@ from chunkring.moe import handles
 from chunkring.moe.auto import StreamingCalibration
 from chunkring.moe.op import MOE_FORWARD_SCHEMA, MOE_RUN_SCHEMA, layer_for_handle, moe_forward
 from chunkring.moe.weights import Fp8Weight
-from tests.gpu.test_custom_op_gpu import TwoLayers  # the GPU test's model, traced here on meta tensors
+from tests.helpers.compiled_model import TwoLayers  # the GPU test's model, traced here on meta tensors
 
 H, INTER, E, K = 256, 128, 4, 2
 UNKNOWN = 2**62  # no layer ever gets this handle: they count up from 1
@@ -51,10 +51,10 @@ UNKNOWN = 2**62  # no layer ever gets this handle: they count up from 1
 def fresh_dynamo():
     """Each test compiles afresh: no Dynamo cache, and no compiled artifact from an earlier run (a cached
     AOTAutograd graph does not see an effect registered since)."""
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
+    torch.compiler.reset()
+    with torch.compiler.config.patch(force_disable_caches=True):
         yield
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 def config(payload=PayloadFormat.FP8_E4M3, streaming=True):
@@ -237,7 +237,7 @@ def test_two_layer_model_compiles_to_one_graph_in_program_order():
     model = TwoLayers(meta_module(config()), meta_module(config(PayloadFormat.BF16)))
     explanation = torch._dynamo.explain(model)(torch.empty(8, H, dtype=torch.bfloat16, device="meta"), True)
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
-    torch._dynamo.reset()
+    torch.compiler.reset()
     backend = Recorder()
     torch.compile(model, fullgraph=True, backend=backend)(torch.empty(8, H, dtype=torch.bfloat16, device="meta"))
     (aot,) = backend.aot

@@ -70,9 +70,15 @@ def test_the_runtime_owns_one_and_delegates():
     assert seen == [("all", 1), ("gather", 2, 1), ("bcast", 3, 1)]
 
 
-def test_a_closed_runtime_refuses_collectives():
+def test_a_closed_runtime_refuses_collectives(monkeypatch):
+    import nvshmem.core
+    import torch
+
     rt = Runtime(ranks=ONE, ordinal=0, device=None)
-    rt._closed = True
+    # Its close() with nothing allocated: no GPU here to synchronise, and NVSHMEM was never initialised.
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(nvshmem.core, "finalize", lambda: None)
+    rt.close()
     for call in (lambda: rt.allgather_object(1), lambda: rt.gather_object(1), lambda: rt.broadcast_object(1)):
         with pytest.raises(ChunkringUsageError, match="closed"):
             call()
@@ -109,12 +115,12 @@ def test_library_and_launcher_reach_mpi_only_through_host_comm():
     of the mpi4py package; nowhere else in the package, the benchmarks or the scripts."""
     import ast
 
-    from tests.unit.test_import_graph import _imports, module_files
+    from tests.helpers.source_tree import import_statements, module_files
 
     allowed = {"chunkring.bringup", "chunkring_launch.doctor"}
     users = set()
     for name, path in module_files().items():
-        for node in _imports(ast.parse(path.read_text())):
+        for node in import_statements(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             if any(n == "mpi4py" or n.startswith("mpi4py.") for n in names):
                 users.add(name)

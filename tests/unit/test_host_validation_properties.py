@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 H, K, T, E = 256, 4, 8, 8
 SPEC = RingSpec(world_size=2, num_slots=2, tokens_per_slot=T, hidden=H, payload=PayloadFormat.FP8_E4M3, topk=K,
                 num_experts=E)
-RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=CPU), desc=None, _check_alive=lambda: None)
+RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=CPU), desc=None, check_alive=lambda: None)
 
 DTYPES = [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int32, torch.int64]
 odd_values = st.one_of(st.integers(-3, 70_000), st.booleans(), st.floats(allow_nan=False, width=32), st.none(),
@@ -100,10 +100,9 @@ def monkeypatch_module():
         def launch(self, name, *args, **kwargs):
             launches.append((name, args))
 
-    saved = ring_io._library
-    ring_io._library = lambda runtime: Recorder()
-    yield launches
-    ring_io._library = saved
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ring_io, "kernel_library", lambda runtime: Recorder())
+        yield launches
 
 
 FIELDS = ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "payload", "front_num_slots",
@@ -131,12 +130,6 @@ def test_moe_config_is_valid_or_names_a_field(values, use):
     assert (cfg.front_num_slots is None) == (cfg.front_tokens_per_slot is None)
     if cfg.streaming:
         assert 1 <= cfg.front_tokens_per_slot <= cfg.max_tokens_per_rank and cfg.front_num_slots >= 1
-
-
-def layer_on_cpu(config: MoEConfig, world: int = 2) -> SimpleNamespace:
-    """What a MoELayer's host-side checks read of it, on a CPU stand-in runtime."""
-    return SimpleNamespace(runtime=SimpleNamespace(torch_device=CPU, world_size=world, rank=0), config=config,
-                           experts_per_rank=config.num_experts // world, first_expert=0, streaming_calibration=None)
 
 
 def fp8_weight(t):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.source_tree import ROOTS, import_statements, module_files
 
 #: Layers, lowest first: a module may import (directly or through others) only its own layer and those below.
 LAYERS = [
@@ -34,29 +34,6 @@ LAYERS = [
 ]
 #: Outside the layers: the package facade (``import chunkring`` gives the whole library).
 UNLAYERED = ("chunkring",)
-
-#: Where each importable tree lives: the folder that holds it, as ``sys.path`` would name it (the packages'
-#: folders are named as imported; benchmarks/ and scripts/ run from the repository's root, ``python -m``).
-ROOTS = {"chunkring": REPO / "runtime", "chunkring_launch": REPO / "launcher", "benchmarks": REPO,
-         "scripts": REPO}
-
-
-def module_files() -> dict[str, Path]:
-    """Every module (``a.b`` for a/b.py, ``a`` for a/__init__.py) of each tree of :data:`ROOTS`, with its file."""
-    modules: dict[str, Path] = {}
-    for top, root in ROOTS.items():
-        for path in sorted((root / top).rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
-            if "__pycache__" not in parts:
-                modules[".".join(parts).removesuffix(".__init__")] = path
-    return modules
-
-
-def _imports(tree: ast.AST):
-    """Every import statement, wherever it stands: inside functions, and under ``if TYPE_CHECKING:`` (an
-    import for annotations is still an edge a reader and every import-graph tool follow)."""
-    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
-
 
 def _known(name: str, modules) -> str | None:
     """``name`` or its longest prefix that is a module of ours; None for anything else (torch, os...)."""
@@ -73,7 +50,7 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
         edges = set()
-        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
+        for node in import_statements(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:

@@ -121,7 +121,7 @@ def test_a_failing_rank_ends_a_real_mpirun_job(tmp_path):
 
 
 def test_doctor_reports_every_check_and_says_no_gpu(tmp_path):
-    from tests.conftest import HAVE_GPU
+    from tests.helpers.devices import HAVE_GPU
 
     proc = run_cli("doctor", env=dict(os.environ, CHUNKRING_CACHE_DIR=str(tmp_path)))
     lines = proc.stdout.strip().splitlines()

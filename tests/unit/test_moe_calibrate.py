@@ -6,13 +6,13 @@ calibrated layer's "auto" calls take the mode the calibration says."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from chunkring import ChunkringUsageError, MoEConfig, RankInfo, StreamingCalibration
 from chunkring.bringup import HostComm
 from chunkring.moe.calibration import calibrate, slowest_rank
 from chunkring.moe.calls import CallMode, check_run_args
 from chunkring.moe.weights import quantize_weight_fp8
-from tests.unit.test_host_validation_properties import layer_on_cpu
 
 
 def test_streams_only_within_tolerance_everywhere():
@@ -33,6 +33,13 @@ def test_every_rank_takes_the_figures_of_the_rank_where_streaming_fared_worst():
     for rank in (0, 1):
         runtime = SimpleNamespace(world_size=2, rank=rank, allgather_object=lambda mine: everyone)
         assert slowest_rank(runtime, everyone[rank]) == {16: (1.0, 1.2), 2048: (8.0, 8.8)}
+
+
+def layer_on_cpu(config: MoEConfig, world: int = 2) -> SimpleNamespace:
+    """What a MoELayer's host-side checks read of it, on a CPU stand-in runtime."""
+    return SimpleNamespace(runtime=SimpleNamespace(torch_device=torch.device("cpu"), world_size=world, rank=0),
+                           config=config, experts_per_rank=config.num_experts // world, first_expert=0,
+                           streaming_calibration=None)
 
 
 def layer(streaming=True):

@@ -12,7 +12,7 @@ from chunkring.ring.spec import PayloadFormat, RingSpec
 SPEC = RingSpec(world_size=2, num_slots=2, tokens_per_slot=8, hidden=256, payload=PayloadFormat.FP8_E4M3, topk=4,
                 num_experts=8)
 # A stand-in ring whose device is the CPU, so the checks run without a GPU.
-RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=torch.device("cpu")), _check_alive=lambda: None)
+RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=torch.device("cpu")), check_alive=lambda: None)
 
 
 def good(n=3):

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from cuda.core import Device, ObjectCode, ProgramOptions
 
 __all__ = ["CPU_FALLBACK_ARCH", "KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "arch_of", "build", "default_arch",
-           "kernel_sources", "nvshmem_version", "program_options"]
+           "cache_key", "kernel_sources", "nvshmem_version", "program_options"]
 
 #: The CUDA sources: the repository's top-level ``device/`` (headers and kernels only), which the package
 #: reaches through its ``device`` link and a wheel carries as package data.
@@ -178,7 +178,7 @@ def build(name: str, *, defines: dict[str, int | str] | None = None, arch: str |
     source = (KERNEL_DIR / f"{name}.cu").read_text()
     # Read before compiling: a signature the launches cannot map fails the build, cache hit or not.
     signatures = parse_kernels(source, f"{name}.cu")
-    key = _cache_key(name, source, options)
+    key = cache_key(name, source, options)
     path = cache_dir() / f"{name}-{options.arch}-{key}.cubin"
 
     from cuda.core import ObjectCode
@@ -194,8 +194,10 @@ def build(name: str, *, defines: dict[str, int | str] | None = None, arch: str |
                        signatures)
 
 
-def _cache_key(name: str, source: str, options: ProgramOptions) -> str:
-    # Every option as NVRTC receives it, so no option can change the cubin without changing the key.
+def cache_key(name: str, source: str, options: ProgramOptions) -> str:
+    """The cache key of kernel ``name`` compiled from ``source`` with ``options`` (what :func:`build` names
+    its cubin by): a hash of the name, the source, every header's contents, the NVSHMEM and NVRTC versions
+    and every option as NVRTC receives it, so nothing that can change the cubin leaves the key unchanged."""
     material = [name, source, _headers_digest(), nvshmem_version(), _nvrtc_version(),
                 *(flag.decode() for flag in options.as_bytes("nvrtc"))]
     return hashlib.sha256("\n".join(material).encode()).hexdigest()[:32]

@@ -19,12 +19,16 @@ if TYPE_CHECKING:
     from chunkring.jit.launch import KernelLibrary
     from chunkring.ring.ring import Ring
 
-__all__ = ["publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit", "GatherOutputs"]
+__all__ = ["publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit", "GatherOutputs",
+           "kernel_library"]
 
 _GATHER_BLOCK = 512
 
 
-def _library(runtime: Runtime) -> KernelLibrary:
+def kernel_library(runtime: Runtime) -> KernelLibrary:
+    """The ``ring_host_api`` kernels for ``runtime``, through which every launch of this module goes: the one
+    seam where a host-only test records the launches instead (``monkeypatch.setattr(chunkring.ring.io,
+    "kernel_library", ...)``)."""
     from chunkring.jit import library_for
 
     return library_for(runtime, "ring_host_api")
@@ -66,7 +70,7 @@ def publish_chunk(ring: Ring, *, x: torch.Tensor, x_sf: torch.Tensor | None, top
     ``token_base == 0``, which publishes the empty end-of-stream chunk of an empty rank. A count outside
     ``[0, batch_rows]`` is clamped and reported (``ChunkringInputError`` from ``ring.check()``).
     """
-    ring._check_alive()
+    ring.check_alive()
     spec, device = ring.spec, ring.runtime.torch_device
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ChunkringUsageError("expected a 2-D tensor [n, hidden]", field="x")
@@ -117,7 +121,7 @@ def enqueue_publish(ring: Ring, x: torch.Tensor, x_sf: torch.Tensor | None, topk
     """:func:`publish_chunk` without its argument checks, for a caller that checked the whole batch once
     (the MoE layer publishes slices of a batch it validated at its public boundary)."""
     scales = x_sf if x_sf is not None else topk_weights  # never read for bf16: zero scale floats per row
-    library = _library(ring.runtime)
+    library = kernel_library(ring.runtime)
     rows, eos, rows_bound = x.shape[0], int(end_of_stream), 0 if batch_rows is None else batch_rows
     extent = (rows, token_base, eos, valid_tokens, rows_bound)
     tensors = (x.view(torch.uint8), scales, topk_idx, topk_weights)
@@ -160,7 +164,7 @@ def gather(ring: Ring, out: GatherOutputs, *, grid: int = 1, stream: torch.cuda.
     :class:`chunkring.SmPartition` confines it (docs/PROTOCOL.md, "Progress"); keep it within what
     can be resident at once, or the blocks that never start stall the rest until the watchdog fires.
     """
-    ring._check_alive()
+    ring.check_alive()
     if not isinstance(out, GatherOutputs):
         raise ChunkringUsageError(f"expected GatherOutputs, got {type(out).__name__}", field="out")
     if out.arrivals.shape[0] != ring.spec.world_size or out.arrivals.shape[1] != ring.spec.num_slots:
@@ -173,7 +177,7 @@ def gather(ring: Ring, out: GatherOutputs, *, grid: int = 1, stream: torch.cuda.
         stream = stream if stream is not None else torch.cuda.current_stream(ring.runtime.torch_device)
         with torch.cuda.stream(stream):
             arrivals.zero_()  # a failed earlier gather may have left counts behind
-    _library(ring.runtime).launch(
+    kernel_library(ring.runtime).launch(
         "ring_gather", ring.desc, out.x.view(torch.uint8), out.x_sf, out.topk_idx, out.topk_weights, out.counts,
         out.capacity, arrivals, grid=grid, block=_GATHER_BLOCK, stream=stream)
 
@@ -183,4 +187,4 @@ def gather_grid_limit(ring: Ring, sms: int) -> int:
     persistent-consumer shape that occupies those SMs completely."""
     if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
         raise ChunkringUsageError(f"must be a positive int, got {sms!r}", field="sms")
-    return sms * _library(ring.runtime).resident_blocks_per_sm("ring_gather", _GATHER_BLOCK)
+    return sms * kernel_library(ring.runtime).resident_blocks_per_sm("ring_gather", _GATHER_BLOCK)

@@ -75,13 +75,15 @@ class Ring:
         """One line: which PEs this rank reaches with loads and stores, which by RMA."""
         return describe_transports(self.runtime.rank, self.transports, self.transport_mode)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise ``ChunkringUsageError`` if this ring was destroyed (every method,
+        :func:`chunkring.ring.io.publish_chunk` and :func:`chunkring.ring.io.gather` check this first)."""
         if self._destroyed:
             raise ChunkringUsageError("this Ring was destroyed")
 
     @property
     def epoch(self) -> int:
-        self._check_alive()
+        self.check_alive()
         return int(self.views["control"][CONTROL["epoch"]].item())
 
     def reset(self) -> None:
@@ -93,7 +95,7 @@ class Ring:
         in the same epoch (a rank that missed a reset is not): otherwise every rank raises
         ``ChunkringRuntimeError`` naming each rank's epoch, before anything is zeroed.
         """
-        self._check_alive()
+        self.check_alive()
         torch.cuda.synchronize(self.runtime.torch_device)
         self.runtime.barrier()  # every rank's kernels of the old epoch have ended (their aborts landed)
         epoch = int(self.views["control"][CONTROL["epoch"]].item()) + 1
@@ -110,24 +112,24 @@ class Ring:
         """Change this rank's watchdog limit for every wait of the kernels enqueued after this call on
         the current stream (and on streams that wait for it, as a layer call's do). Stream-ordered and
         graph-capturable: no host synchronisation."""
-        self._check_alive()
+        self.check_alive()
         seconds = check_timeout_s(seconds, field="seconds")
         self.desc[DESC_FIELDS.index("timeout_ns")].fill_(int(seconds * 1e9))
 
     def status(self) -> StatusRecord:
         """This rank's status record (synchronises the device)."""
-        self._check_alive()
+        self.check_alive()
         return StatusRecord.from_words(self.views["status"].tolist())
 
     def input_status(self) -> InputRecord:
         """The first malformed slot value this rank's consumers masked, if any (synchronises the device)."""
-        self._check_alive()
+        self.check_alive()
         return InputRecord.from_words(self.views["status"].tolist(), self.runtime.rank)
 
     def abort_status(self) -> AbortRecord:
         """This rank's abort word: which rank of the ring failed first in this epoch, with which error, if
         any did (synchronises the device)."""
-        self._check_alive()
+        self.check_alive()
         return AbortRecord.from_word(int(self.views["status"][STATUS["abort"]].item()))
 
     def check(self) -> None:
@@ -137,7 +139,7 @@ class Ring:
         saw it) - all three leave the ring to :meth:`reset` - or ``ChunkringInputError`` if a consumer
         masked malformed slot contents (the ring stays usable; the report is cleared once raised). Each
         carries the decoded record as ``.record``."""
-        self._check_alive()
+        self.check_alive()
         error = status_error(self.views["status"].tolist(), rank=self.runtime.rank, epoch_bits=self.spec.epoch_bits)
         if isinstance(error, ChunkringInputError):
             self.views["status"][STATUS["input_field"]:STATUS["input_count"] + 1].zero_()
@@ -150,7 +152,7 @@ class Ring:
     def protocol_words(self) -> str:
         """This rank's protocol words as text (:func:`chunkring.ring.status.describe_words`): what a failed wait
         waited for, from this side - the producer's and the consumer's positions, the ready and ack words."""
-        self._check_alive()
+        self.check_alive()
         words = {name: self.views[name].tolist()
                  for name in ("control", "cursor", "route_ready", "layout_ready", "ack")}
         return describe_words(words, num_slots=self.spec.num_slots, world_size=self.spec.world_size,

@@ -1,0 +1,34 @@
+"""Our source trees as files and statements, read with ``ast`` and never imported: every module of chunkring,
+chunkring_launch, benchmarks/ and scripts/ with its file, and every import statement of a parsed file. What the
+source-reading tests share (tests/unit/test_import_graph.py, test_host_comm.py, test_test_hygiene.py)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Where each importable tree lives: the folder that holds it, as ``sys.path`` would name it (the packages'
+#: folders are named as imported; benchmarks/ and scripts/ run from the repository's root, ``python -m``).
+ROOTS = {"chunkring": REPO / "runtime", "chunkring_launch": REPO / "launcher", "benchmarks": REPO,
+         "scripts": REPO}
+
+
+def module_files() -> dict[str, Path]:
+    """Every module (``a.b`` for a/b.py, ``a`` for a/__init__.py) of each tree of :data:`ROOTS`, with its file."""
+    modules: dict[str, Path] = {}
+    for top, root in ROOTS.items():
+        for path in sorted((root / top).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if "__pycache__" not in parts:
+                modules[".".join(parts).removesuffix(".__init__")] = path
+    return modules
+
+
+def import_statements(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, wherever it stands: inside functions, and under ``if TYPE_CHECKING:`` (an
+    import for annotations is still an edge a reader and every import-graph tool follow)."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
+

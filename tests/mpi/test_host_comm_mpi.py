@@ -104,16 +104,17 @@ def test_collective_constructors_fail_every_rank_alike_on_disagreement():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_calibration_agrees_on_theslowest_ranks_figures():
+def test_calibration_agrees_on_the_slowest_ranks_figures():
     from chunkring.moe.calibration import slowest_rank
 
     info = RankInfo.from_env()
     rt = Runtime(ranks=info, ordinal=0, device=None)
-    # Rank r is worst at 16 tokens when r == last; everyone must end up with that rank's pair.
+    # Rank r is slowest streaming at 16 tokens when r == last, and rank 0 slowest batch-ready at 2048:
+    # every rank must end up with each option's slowest figure.
     last = info.world_size - 1
-    mine = {16: (1.0, 1.0 + 0.1 * (info.rank + 1)), 2048: (9.0, 9.0 if info.rank else 9.9)}
-    agreed = slowest_rank(rt, mine)
-    assert agreed == {16: (1.0, 1.0 + 0.1 * (last + 1)), 2048: (9.0, 9.9)}
+    mine = ({16: 1.0, 2048: 9.0 + (info.rank == 0)}, {16: {16: 1.0 + 0.1 * (info.rank + 1)}, 2048: {512: 9.0}})
+    agreed = slowest_rank(rt.allgather_object(mine))
+    assert agreed == ({16: 1.0, 2048: 10.0}, {16: {16: 1.0 + 0.1 * (last + 1)}, 2048: {512: 9.0}})
     assert rt.allgather_object(agreed) == [agreed] * info.world_size
 
 

@@ -213,7 +213,7 @@ def op_calls(gm, op):
 @pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
 @pytest.mark.parametrize("streaming", [False, True, "auto"])
 def test_chunked_moe_compiles_to_one_op_without_a_graph_break(payload, streaming):
-    calibration = StreamingCalibration({8: (1.0, 0.5)}, tolerance=0.03)  # "auto" streams
+    calibration = StreamingCalibration({8: 1.0}, {8: {8: 0.5}}, tolerance=0.03)  # "auto" streams
     module = meta_module(config(payload), calibration)
     backend = Recorder()
     compiled = torch.compile(module, fullgraph=True, backend=backend)

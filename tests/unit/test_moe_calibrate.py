@@ -1,38 +1,54 @@
-"""The streaming="auto" decision (chunkring.moe.calibration): stream only where streamed stayed within the
-tolerance of batch-ready at every measured count; one decision for every rank, from the rank where
-streaming fared worst; bad calibration settings refused before any GPU work; an uncalibrated or
-calibrated layer's "auto" calls take the mode the calibration says."""
+"""The streaming="auto" decision (chunkring.moe.auto, measured by chunkring.moe.calibration): stream only where
+some chunking streamed within the tolerance of batch-ready at every measured count; each call chunked as the
+count governing its size measured fastest; one decision for every rank, from each option's slowest rank; bad
+calibration settings refused before any GPU work; an uncalibrated or calibrated layer's "auto" calls take
+the mode, and streamed calls the chunk size, the calibration says."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from chunkring import ChunkringUsageError, MoEConfig, RankInfo, StreamingCalibration
-from chunkring.bringup import HostComm
-from chunkring.moe.calibration import calibrate, slowest_rank
-from chunkring.moe.calls import CallMode, check_run_args
+from chunkring import ChunkringUsageError, MoEConfig, StreamingCalibration
+from chunkring.moe.calibration import calibrate, chunk_candidates, slowest_rank
+from chunkring.moe.calls import CallMode, call_chunk, check_run_args
 from chunkring.moe.weights import quantize_weight_fp8
 
 
-def test_streams_only_within_tolerance_everywhere():
-    assert StreamingCalibration({16: (4.0, 4.1), 2048: (9.0, 9.2)}, 0.03).streams
-    slow = StreamingCalibration({16: (4.0, 4.1), 2048: (9.0, 9.5)}, 0.03)
-    assert not slow.streams
-    assert "run batch-ready" in slow.describe() and "2048 tokens 1.056" in slow.describe()
+def test_streams_only_where_some_chunking_kept_up_everywhere():
+    fast = StreamingCalibration({16: 4.0, 2048: 9.0}, {16: {16: 4.02}, 2048: {256: 9.5, 1024: 8.5}})
+    assert fast.streams and fast.chunk_for(2048) == 1024 and fast.chunk_for(3000) == 1024
+    slow = StreamingCalibration({16: 4.0, 2048: 9.0}, {16: {16: 4.1}, 2048: {256: 9.5, 1024: 8.5}})
+    assert not slow.streams  # 2.5 % slower at 16 tokens, beyond the 1 % tolerance
+    assert "run batch-ready" in slow.describe() and "16 tokens 1.025 (chunks of 16)" in slow.describe()
 
 
-def test_one_rank_keeps_its_own_figures():
-    mine = {16: (1.0, 1.2)}
-    assert slowest_rank(HostComm(RankInfo(0, 1, 0, 1)), mine) == mine  # no MPI in a single process
+def test_a_call_is_governed_by_the_smallest_calibrated_count_at_or_above_it():
+    cal = StreamingCalibration({128: 1.0, 1024: 2.0, 8192: 9.0},
+                               {128: {128: 1.0}, 1024: {512: 1.9, 1024: 2.0}, 8192: {2048: 8.0, 4096: 8.5}})
+    assert [cal.governing_count(n) for n in (1, 128, 129, 1024, 5000, 9000)] == [128, 128, 1024, 1024, 8192, 8192]
+    assert [cal.chunk_for(n) for n in (100, 1000, 6000)] == [128, 512, 2048]
 
 
-def test_every_rank_takes_the_figures_of_the_rank_where_streaming_fared_worst():
-    everyone = [{16: (1.0, 1.2), 2048: (9.0, 9.0)},   # rank 0: worst at 16 tokens
-                {16: (2.0, 2.1), 2048: (8.0, 8.8)}]   # rank 1: worst at 2048
-    for rank in (0, 1):
-        runtime = SimpleNamespace(world_size=2, rank=rank, allgather_object=lambda mine: everyone)
-        assert slowest_rank(runtime, everyone[rank]) == {16: (1.0, 1.2), 2048: (8.0, 8.8)}
+def test_figures_must_cover_the_same_counts():
+    with pytest.raises(ChunkringUsageError):
+        StreamingCalibration({16: 1.0}, {32: {16: 1.0}})
+    with pytest.raises(ChunkringUsageError):
+        StreamingCalibration({16: 1.0}, {16: {}})
+
+
+def test_each_option_takes_its_slowest_ranks_figure():
+    everyone = [({16: 1.0, 2048: 9.0}, {16: {16: 1.2}, 2048: {512: 9.0}}),   # rank 0: slow streaming at 16
+                ({16: 2.0, 2048: 8.0}, {16: {16: 2.1}, 2048: {512: 9.9}})]   # rank 1: slow at 2048
+    assert slowest_rank(everyone) == ({16: 2.0, 2048: 9.0}, {16: {16: 2.1}, 2048: {512: 9.9}})
+    assert slowest_rank(everyone[:1]) == everyone[0]
+
+
+def test_chunk_candidates_end_with_the_largest_chunk_that_fits():
+    assert chunk_candidates(4096, 1024) == (64, 128, 256, 512, 1024)
+    assert chunk_candidates(100, 1024) == (64, 100)
+    assert chunk_candidates(8, 512) == (8,)
+    assert chunk_candidates(3000, 2048, [512, 4096, 1024]) == (512, 1024, 2048)
 
 
 def layer_on_cpu(config: MoEConfig, world: int = 2) -> SimpleNamespace:
@@ -78,18 +94,31 @@ def test_auto_calls_follow_the_calibration():
     args = (torch.zeros(3, 256, dtype=torch.float8_e4m3fn), torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32),
             torch.ones(3, 2), w13, w2)
     modes = []
-    for calibration in (None, StreamingCalibration({16: (1.0, 1.01)}, 0.03),
-                        StreamingCalibration({16: (1.0, 1.2)}, 0.03)):
+    for calibration in (None, StreamingCalibration({16: 1.0}, {16: {16: 1.01}}, 0.03),
+                        StreamingCalibration({16: 1.0}, {16: {16: 1.2}}, 0.03)):
         mode, _ = check_run_args(lay.config, 2, lay.runtime.torch_device, calibration, *args, streaming="auto",
                                  out=None, num_tokens=None, timeline=None)
         modes.append(mode)
     assert modes == [CallMode.BATCH_READY, CallMode.STREAMED, CallMode.BATCH_READY]
 
 
-@pytest.mark.parametrize("max_tokens,chunk", [(8192, 512), (2048, 128), (4096, 256), (10, 1), (1, 1)])
-def test_default_ring_is_two_slots_of_one_sixteenth(max_tokens, chunk):
+def test_a_streamed_calls_chunk_is_given_calibrated_or_the_slot():
+    cfg = layer().config  # slots of 16 tokens
+    cal = StreamingCalibration({8: 1.0, 64: 2.0}, {8: {8: 1.0}, 64: {8: 1.5, 16: 1.8}})
+    assert call_chunk(cfg, None, CallMode.STREAMED, 40, None) == 16
+    assert call_chunk(cfg, cal, CallMode.STREAMED, 40, None) == 8
+    assert call_chunk(cfg, cal, CallMode.STREAMED, 40, 12) == 12
+    assert call_chunk(cfg, cal, CallMode.BATCH_READY, 40, None) is None
+    for bad in (0, 17, True, 2.0):
+        with pytest.raises(ChunkringUsageError) as info:
+            call_chunk(cfg, None, CallMode.STREAMED, 40, bad)
+        assert info.value.field == "chunk"
+
+
+@pytest.mark.parametrize("max_tokens,chunk", [(8192, 2048), (2048, 512), (4096, 1024), (10, 2), (1, 1)])
+def test_default_ring_is_two_slots_of_a_quarter(max_tokens, chunk):
     cfg = MoEConfig(num_experts=4, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=max_tokens)
     ringed = cfg.with_default_ring()
     assert (ringed.front_num_slots, ringed.front_tokens_per_slot) == (2, chunk)
     assert ringed.streaming and ringed.max_tokens_per_rank == max_tokens
-    assert 2 * chunk * 8 <= max(max_tokens, 16)  # payload at most 1/8 of the full region (where it can be)
+    assert 2 * chunk * 2 <= max(max_tokens, 4)  # payload at most half the full region (where it can be)

@@ -70,7 +70,7 @@ def test_ring_specs_and_the_world_size():
     cfg = MoEConfig(**GOOD)
     assert [s.num_slots for s in cfg.ring_specs(2)] == [1]
     streamed = cfg.with_default_ring()
-    assert [(s.num_slots, s.tokens_per_slot) for s in streamed.ring_specs(4)] == [(1, 64), (2, 4)]
+    assert [(s.num_slots, s.tokens_per_slot) for s in streamed.ring_specs(4)] == [(1, 64), (2, 16)]
     for world in (1, 2, 4, 8, 16):
         streamed.check_world_size(world)
     with pytest.raises(ChunkringUsageError) as info:

@@ -1,13 +1,11 @@
-"""Which mode a layer's ``streaming="auto"`` calls take, from measurements on this machine.
+"""Measuring what a layer's ``streaming="auto"`` calls do on this machine (:mod:`chunkring.moe.auto` holds
+the decision and its rules), and the graph-replay timer the benchmarks share.
 
-Streaming costs each chunk a few kernel launches on the producer side (its router, top-k, quantisation
-and publish run per chunk) and saves what the consumer's pulls of earlier chunks overlap; the experts run
-once per call either way (chunkring.moe.layer). Whether that nets out depends on the GPU, the shapes and
-the chunk size, so the layer measures instead of guessing: :func:`calibrate` times batch-ready and
-streamed calls as CUDA-graph replays at the given token counts and streams ``"auto"`` calls only if
-streamed was within ``tolerance`` of batch-ready at every count, on every rank. All ranks must take the
-same mode in a call (they publish into and pull from one ring), so the choice is one per layer, agreed
-collectively - never per call, whose token count differs between ranks.
+Streaming costs each chunk a few kernel launches on the producer side (its router, top-k, quantisation and
+publish run per chunk) and saves what the consumer's pulls of earlier chunks overlap; the experts run once
+per call either way. Whether that nets out depends on the GPU, the shapes and the chunk size, so the layer
+measures instead of guessing: :func:`calibrate` times batch-ready and streamed calls in several chunk
+sizes, as CUDA-graph replays at the token counts the caller serves, on every rank.
 """
 
 from __future__ import annotations
@@ -24,13 +22,13 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.moe.auto import DEFAULT_TOLERANCE, StreamingCalibration
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
     from chunkring.moe.layer import MoELayer
     from chunkring.moe.weights import Fp8Weight
 
-__all__ = ["calibrate", "capture_graph", "replay_median_ms", "slowest_rank"]
+__all__ = ["calibrate", "capture_graph", "chunk_candidates", "replay_median_ms", "slowest_rank"]
 
 log = logging.getLogger("chunkring")
+
 
 def capture_graph(call: Callable[[], object], load: Callable[[int], object] | None = None) -> torch.cuda.CUDAGraph:
     """``call`` captured in a CUDA graph, after one eager call (every kernel loaded and every lazy torch
@@ -69,59 +67,84 @@ def replay_median_ms(call: Callable[[], object], load: Callable[[int], object] |
     return statistics.median(times)
 
 
+def chunk_candidates(n: int, slot: int, chunks: Iterable[int] | None = None) -> tuple[int, ...]:
+    """The chunk sizes worth timing for a streamed call of ``n`` tokens on a ring of ``slot``-token slots: those of
+    ``chunks`` (default: the powers of two from 64) below ``n`` and the slot, and the largest possible, ``min(n,
+    slot)`` (one chunk where the batch fits a slot)."""
+    sizes = chunks if chunks is not None else (1 << k for k in range(6, slot.bit_length() + 1))
+    return tuple(sorted({c for c in sizes if c < min(n, slot)} | {min(n, slot)}))
+
+
 def calibrate(layer: MoELayer, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight,
-              w2: torch.Tensor | Fp8Weight, token_counts: Iterable[int], *, iterations: int = 10, warmup: int = 2,
-              tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> StreamingCalibration:
-    """Decide what ``layer``'s ``streaming="auto"`` calls do on this machine: time ``layer.forward``
-    batch-ready and streamed at each of ``token_counts`` (CUDA-graph replays of random hidden states, these
-    weights), agree across ranks on the slowest rank's figures, and set ``layer.streaming_calibration``,
-    which ``"auto"`` calls follow from then on. A collective: every rank passes the same counts and settings.
+              w2: torch.Tensor | Fp8Weight, token_counts: Iterable[int], *, chunks: Iterable[int] | None = None,
+              iterations: int = 10, warmup: int = 2, tolerance: float = DEFAULT_TOLERANCE,
+              seed: int = 0) -> StreamingCalibration:
+    """Decide what ``layer``'s ``streaming="auto"`` calls do on this machine (:mod:`chunkring.moe.auto`): time
+    ``layer.forward`` batch-ready, and streamed in each chunk size of :func:`chunk_candidates`, at each of
+    ``token_counts`` (CUDA-graph replays of random hidden states, these weights), agree across ranks on the
+    slowest rank's figure of each option, and set ``layer.streaming_calibration``, which ``"auto"`` calls (and
+    the chunking of every streamed call) follow from then on. A collective: every rank passes the same counts
+    and settings.
 
     Args:
         layer: a layer with a streaming ring.
         router_weight, w13, w2: as :meth:`MoELayer.forward` takes them.
-        token_counts: tokens per rank to measure, each in [1, ``max_tokens_per_rank``].
+        token_counts: tokens per rank to measure, each in [1, ``max_tokens_per_rank``]: the sizes the caller
+            serves (each call is governed by the smallest of them at or above its own count).
+        chunks: chunk sizes to try besides the largest (default: powers of two from 64 up to the slot).
         iterations, warmup: graph replays timed, and replays before them.
-        tolerance: how much slower than batch-ready streamed may be, at every count, for "auto" to stream.
+        tolerance: how much slower than batch-ready streaming may measure, at every count, for "auto" to stream.
         seed: the hidden states' seed (with the rank).
 
     Returns:
         The :class:`StreamingCalibration` (also logged by rank 0).
 
     Raises:
-        ChunkringUsageError: a layer without a streaming ring, or a bad count or setting.
+        ChunkringUsageError: a layer without a streaming ring, or a bad count, chunk size or setting.
     """
     cfg = layer.config
-    if not cfg.streaming:
+    slot = cfg.front_tokens_per_slot
+    if slot is None:
         raise ChunkringUsageError("needs a streaming ring (front_num_slots, front_tokens_per_slot)", field="config")
     counts = tuple(token_counts)
     if not counts or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cfg.max_tokens_per_rank
                          for n in counts):
         raise ChunkringUsageError(f"need token counts in [1, {cfg.max_tokens_per_rank}], got {token_counts!r}",
                                   field="token_counts")
+    sizes = tuple(chunks) if chunks is not None else None
+    if sizes is not None and (not sizes or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= slot
+                                               for c in sizes)):
+        raise ChunkringUsageError(f"need chunk sizes in [1, {slot}], got {chunks!r}", field="chunks")
     for name, value, low in (("iterations", iterations, 1), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ChunkringUsageError(f"must be an int >= {low}, got {value!r}", field=name)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
         raise ChunkringUsageError(f"must be in [0, 1), got {tolerance!r}", field="tolerance")
     runtime = layer.runtime
-    device = runtime.torch_device
-    gen = torch.Generator(device).manual_seed(seed * 7919 + runtime.rank)
-    mine = {}
+    gen = torch.Generator(runtime.torch_device).manual_seed(seed * 7919 + runtime.rank)
+
+    def timed(call: Callable[[], object]) -> float:
+        return replay_median_ms(call, iterations=iterations, warmup=warmup, barrier=runtime.barrier)
+
+    batch: dict[int, float] = {}
+    streamed: dict[int, dict[int, float]] = {}
     for n in counts:
-        hidden = torch.randn(n, cfg.hidden, generator=gen, device=device).to(torch.bfloat16)
-        mine[n] = tuple(
-            replay_median_ms(partial(layer.forward, hidden, router_weight, w13, w2, streaming=streaming),
-                             iterations=iterations, warmup=warmup, barrier=runtime.barrier)
-            for streaming in (False, True))
-    layer.streaming_calibration = StreamingCalibration(slowest_rank(runtime, mine), float(tolerance))
+        hidden = torch.randn(n, cfg.hidden, generator=gen, device=runtime.torch_device).to(torch.bfloat16)
+        call = partial(layer.forward, hidden, router_weight, w13, w2)
+        batch[n] = timed(partial(call, streaming=False))
+        streamed[n] = {c: timed(partial(call, streaming=True, chunk=c)) for c in chunk_candidates(n, slot, sizes)}
+    everyone = runtime.allgather_object((batch, streamed))
+    layer.streaming_calibration = StreamingCalibration(*slowest_rank(everyone), float(tolerance))
     if runtime.rank == 0:
         log.info("chunkring MoELayer: %s", layer.streaming_calibration.describe())
     return layer.streaming_calibration
 
 
-def slowest_rank(runtime: Runtime, mine: dict[int, tuple[float, ...]]) -> dict[int, tuple[float, ...]]:
-    """Per token count, the (batch, streamed) pair of the rank where streaming fared worst: identical on
-    every rank, so every rank takes the same mode. A collective (``runtime.allgather_object``)."""
-    everyone = runtime.allgather_object(mine)
-    return {n: max((figures[n] for figures in everyone), key=lambda pair: pair[1] / pair[0]) for n in mine}
+def slowest_rank(everyone: list[tuple[dict[int, float], dict[int, dict[int, float]]]]
+                 ) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+    """Every rank's (batch_ms, streamed_ms), in rank order, as one: each option's figure on the rank where it was
+    slowest. Identical on every rank (all pass the same list), so every rank makes the same decision."""
+    batch = {n: max(ranks[0][n] for ranks in everyone) for n in everyone[0][0]}
+    streamed = {n: {c: max(ranks[1][n][c] for ranks in everyone) for c in chunks}
+                for n, chunks in everyone[0][1].items()}
+    return batch, streamed

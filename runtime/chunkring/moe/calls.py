@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from chunkring.moe.config import MoEConfig
     from chunkring.moe.weights import Fp8Weight
 
-__all__ = ["CallMode", "check_forward_args", "check_run_args", "resolve_streaming"]
+__all__ = ["CallMode", "call_chunk", "check_forward_args", "check_run_args", "resolve_streaming"]
 
 
 class CallMode(enum.Enum):
@@ -81,6 +81,24 @@ def resolve_streaming(config: MoEConfig, calibration: StreamingCalibration | Non
         raise ChunkringUsageError("streaming=True needs front_num_slots and front_tokens_per_slot in the MoEConfig",
                                   field="streaming")
     return streaming
+
+
+def call_chunk(config: MoEConfig, calibration: StreamingCalibration | None, mode: CallMode, n: int,
+               chunk: object) -> int | None:
+    """The chunk size a call of ``mode`` on ``n`` tokens publishes in: None for batch-ready (its one chunk);
+    for a streamed call ``chunk`` if given (an int in [1, ``front_tokens_per_slot``]), else the size
+    ``calibration`` measured fastest for ``n`` tokens, else the slot size. A ``ChunkringUsageError`` for a
+    ``chunk`` out of range, whatever the mode."""
+    slot = config.front_tokens_per_slot
+    if chunk is not None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or (slot is not None and chunk > slot):
+            raise ChunkringUsageError(f"must be an int in [1, front_tokens_per_slot={slot}], got {chunk!r}",
+                                      field="chunk")
+    if mode is CallMode.BATCH_READY or slot is None:
+        return None
+    if chunk is None:
+        chunk = slot if calibration is None else min(slot, calibration.chunk_for(n))
+    return chunk
 
 
 def _check_batch(config: MoEConfig, device: torch.device, name: str, x: object, dtype: torch.dtype) -> int:

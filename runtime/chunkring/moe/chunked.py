@@ -12,6 +12,8 @@ from chunkring.moe.weights import Fp8Weight, expert_weights, init_weights
 
 __all__ = ["ChunkedMoE"]
 
+Weight = torch.Tensor | Fp8Weight
+
 
 class ChunkedMoE(torch.nn.Module):
     """The router (bfloat16 [E, H], a registered buffer) and this rank's expert weights, in the format the
@@ -22,9 +24,11 @@ class ChunkedMoE(torch.nn.Module):
         layer: the :class:`MoELayer` this module calls.
         generator: a CPU ``torch.Generator`` the weights are drawn from (:func:`init_weights`); ranks seeded
             alike draw alike, each keeping its own experts.
+        weights: (router bf16 [E, H], w13, w2) to hold instead, on the layer's device: w13 and w2 this rank's
+            experts as :func:`chunkring.moe.weights.expert_weights` gives them (checked at each call).
 
     Raises:
-        ChunkringUsageError: ``layer`` is not a :class:`MoELayer`.
+        ChunkringUsageError: ``layer`` is not a :class:`MoELayer`, or ``weights`` is given with ``generator``.
 
     Its streamed calls run on ``layer``'s partition (by default one the layer sized and made); batch-ready
     calls keep the whole GPU.
@@ -34,11 +38,18 @@ class ChunkedMoE(torch.nn.Module):
     w13: torch.Tensor | Fp8Weight
     w2: torch.Tensor | Fp8Weight
 
-    def __init__(self, layer: MoELayer, *, generator: torch.Generator | None = None) -> None:
+    def __init__(self, layer: MoELayer, *, generator: torch.Generator | None = None,
+                 weights: tuple[torch.Tensor, Weight, Weight] | None = None) -> None:
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise ChunkringUsageError(f"expected a MoELayer, got {type(layer).__name__}", field="layer")
         self.layer = layer
+        if weights is not None:
+            if generator is not None:
+                raise ChunkringUsageError("pass weights or a generator to draw them from, not both", field="weights")
+            router, self.w13, self.w2 = weights
+            self.register_buffer("router_weight", router)
+            return
         router, w13, w2 = init_weights(layer.config, generator)
         device = layer.runtime.torch_device
         mine = slice(layer.first_expert, layer.first_expert + layer.experts_per_rank)

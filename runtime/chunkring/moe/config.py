@@ -98,11 +98,12 @@ class MoEConfig:
         return self.front_num_slots is not None
 
     def with_default_ring(self) -> MoEConfig:
-        """This config with the default streaming ring: 2 slots of ``max_tokens_per_rank / 16`` tokens
-        (at least 1), so the ring's payload is 1/8 of the full per-rank input region. docs/PERFORMANCE.md
-        gives the measurements behind both numbers."""
+        """This config with the default streaming ring: 2 slots of ``max_tokens_per_rank / 4`` tokens (at least
+        1), so the ring's payload is half the full per-rank input region. A streamed call chunks its batch in
+        any size up to the slot (``chunk=``, or what calibration measured fastest), and large batches stream
+        fastest in large chunks: docs/PERFORMANCE.md gives the measurements behind both numbers."""
         return replace(self, front_num_slots=DEFAULT_FRONT_NUM_SLOTS,
-                       front_tokens_per_slot=max(1, self.max_tokens_per_rank // (8 * DEFAULT_FRONT_NUM_SLOTS)))
+                       front_tokens_per_slot=max(1, self.max_tokens_per_rank // (2 * DEFAULT_FRONT_NUM_SLOTS)))
 
     def ring_spec(self, world_size: int, *, streamed: bool) -> RingSpec:
         """The spec of the streaming ring, or of the one-slot batch-ready ring. Checks the shared fields;

@@ -23,7 +23,7 @@ import torch
 from chunkring.env import module_loading_is_eager
 from chunkring.errors import ChunkringError, ChunkringUsageError
 from chunkring.moe import handles
-from chunkring.moe.calls import CallMode, check_forward_args, check_run_args
+from chunkring.moe.calls import CallMode, call_chunk, check_forward_args, check_run_args
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.producer import enqueue_produce, router_logits
 from chunkring.moe.resources import LayerKernels, LayerResources
@@ -188,7 +188,7 @@ class MoELayer:
     def run(self, x: torch.Tensor, x_sf: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight, *, streaming: bool | str = False,
             out: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None,
-            timeline: Timeline | None = None) -> torch.Tensor:
+            timeline: Timeline | None = None, chunk: int | None = None) -> torch.Tensor:
         """The layer on a routed batch. A collective: every rank calls it, each with its own batch.
 
         Args:
@@ -207,6 +207,9 @@ class MoELayer:
                 there first. Output rows past it are zero; a count outside [0, n] is reported by
                 :meth:`check` and clamped.
             timeline: a :class:`chunkring.Timeline` the call appends device timestamps of its chunk events to.
+            chunk: tokens per chunk of a streamed call, in [1, ``front_tokens_per_slot``] (None: what
+                :attr:`streaming_calibration` measured fastest for ``n`` tokens, else the slot size). Ranks may
+                chunk differently. Batch-ready calls publish one chunk whatever it says.
 
         Returns:
             bfloat16 [n, H] (``out`` if given), stream-ordered after torch's current stream.
@@ -218,17 +221,19 @@ class MoELayer:
         mode, n = check_run_args(self.config, self.experts_per_rank, self.runtime.torch_device,
                                  self.streaming_calibration, x, x_sf, topk_idx, topk_weights, w13, w2,
                                  streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
+        chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
 
         def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
                     stream: torch.cuda.Stream) -> None:
             enqueue_publish(ring, x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end],
                             topk_weights[start:end], start, eos, valid, rows, stream)
 
-        return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline)
+        return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
 
     def forward(self, hidden: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight,
                 w2: torch.Tensor | Fp8Weight, *, streaming: bool | str = False, out: torch.Tensor | None = None,
-                num_tokens: torch.Tensor | None = None, timeline: Timeline | None = None) -> torch.Tensor:
+                num_tokens: torch.Tensor | None = None, timeline: Timeline | None = None,
+                chunk: int | None = None) -> torch.Tensor:
         """The layer with its own producers: per chunk (streamed) or for the whole batch, the router GEMM
         (:func:`chunkring.moe.producer.router_logits`) then one fused kernel: top-k softmax weights, FP8
         quantisation (FP8 payload), publish (:func:`chunkring.moe.producer.enqueue_produce`). A collective.
@@ -236,7 +241,7 @@ class MoELayer:
         Args:
             hidden: bfloat16 [n, H].
             router_weight: bfloat16 [E, H], every expert's row.
-            w13, w2, streaming, out, num_tokens, timeline: as in :meth:`run`.
+            w13, w2, streaming, out, num_tokens, timeline, chunk: as in :meth:`run`.
 
         Returns:
             bfloat16 [n, H], stream-ordered after torch's current stream.
@@ -248,6 +253,7 @@ class MoELayer:
         mode, n = check_forward_args(self.config, self.experts_per_rank, self.runtime.torch_device,
                                      self.streaming_calibration, hidden, router_weight, w13, w2, streaming=streaming,
                                      out=out, num_tokens=num_tokens, timeline=timeline)
+        chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
         if hidden.data_ptr() % 16:
             hidden = hidden.clone()  # the fused producer loads rows in 8-byte pieces
         res = self.resources
@@ -260,7 +266,7 @@ class MoELayer:
             enqueue_produce(ring, res.kernels.produce, logits, chunk, start, eos, valid, rows, arrivals, stream,
                             max_blocks)
 
-        return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline)
+        return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
 
     # ------------------------------------------------------------------ errors and lifetime
 

@@ -91,9 +91,10 @@ def run(runtime: Any, open_layer: Callable[[int], AbstractContextManager[Any]], 
                     on_shape(done, f"n={n} chunk={chunk}: streamed/batch {shape['streamed_over_batch']:.2f}")
             layer.check()
         # What chunkring.calibrate would decide for this chunk size over these counts (this rank's figures).
-        measured: dict[int, tuple[float, ...]] = {
-            n: (figures[f"n{n}_c{chunk}_batch_ms"], figures[f"n{n}_c{chunk}_streamed_ms"]) for n in token_counts}
-        figures[f"c{chunk}_auto_streams"] = int(StreamingCalibration(measured, DEFAULT_TOLERANCE).streams)
+        calibration = StreamingCalibration({n: figures[f"n{n}_c{chunk}_batch_ms"] for n in token_counts},
+                                           {n: {chunk: figures[f"n{n}_c{chunk}_streamed_ms"]} for n in token_counts},
+                                           DEFAULT_TOLERANCE)
+        figures[f"c{chunk}_auto_streams"] = int(calibration.streams)
     return figures
 
 

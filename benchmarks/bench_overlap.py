@@ -1,43 +1,36 @@
-"""Evidence for streaming: does a streamed call overlap its producers with its consumer, and what does each
-chunk cost beyond that overlap? Issue 19 item 5.
+"""Does streaming pay? ``ChunkedMoE`` batch-ready, streamed and ``streaming="auto"`` on the default config,
+beside the overlap bound, at decode to prefill sizes.
 
-    python benchmarks/bench_overlap.py [--shapes flash,v3] [--tokens 2048] [--chunks 256,512,1024]
-        [--waves 1,4] [--iterations 10] [--json benchmarks/results/<commit>-overlap.json] [--no-timeline]
-    mpirun -np N python benchmarks/bench_overlap.py ...      (N ranks, e.g. sharing one GPU under MPS)
+    python -m benchmarks.bench_overlap [--shapes flash,v3] [--tokens 1,8,128,1024,2048,4096,8192]
+        [--chunks 256,512,1024,2048] [--iterations 10] [--json benchmarks/results/<commit>-overlap.json]
+    mpirun -np N python -m benchmarks.bench_overlap ...      (N ranks, e.g. sharing one GPU under MPS)
 
 Shapes are one rank's share (``experts`` local experts per rank, so ``num_experts = experts * ranks``):
-``flash`` is bench_vs_megamoe.py's (DeepGEMM's per-rank shape: 32 experts, hidden 4096, intermediate 2048,
-top-6); ``v3`` the producer-heavy one (hidden 7168, top-8, 32 experts per rank: at 8 ranks the router spans
-256 experts, DeepSeek-V3's routing; wider rows to route, quantise and publish per token than flash).
-Each layer is built as a serving caller builds it: ``MoELayer(runtime, config)``, so streamed calls run on
-the default SM partition (``partition="auto"``) and batch-ready calls on the whole GPU.
+``flash`` is DeepGEMM's per-rank shape (32 experts, hidden 4096, intermediate 2048, top-6); ``v3`` DeepSeek-V3's
+width and top-k (hidden 7168, intermediate 2048, top-8; 32 experts per rank: over 8 ranks, V3's 256).
 
-Per shape, token count and chunk size, every rank measures (CUDA-graph replays, median of ``--iterations``
-after warm-up, ranks started together: :func:`chunkring.moe.calibration.replay_median_ms`):
+Per shape, one layer is built as a serving caller builds it: ``MoEConfig(...).with_default_ring()`` for the
+largest token count, ``MoELayer(runtime, config)`` (streamed calls on the default partition), and a
+``ChunkedMoE`` over it holding this rank's weights. :func:`chunkring.calibrate` then times the layer at every
+token count - batch-ready, and streamed in every chunk size up to the slot (``--chunks``, and the largest that
+fits) - and sets what ``streaming="auto"`` does. Per token count two records, ``chunk_kind`` "default" (the
+slot size: a streamed call with no calibration) and "best" (the chunk size calibration measured fastest),
+each with (CUDA-graph replays, median of ``--iterations``, ranks started together; the slowest rank's figure
+where several ranks run):
 
-* ``batch_ms``: :meth:`MoELayer.forward` batch-ready (router GEMM, fused producer, dispatch, experts, combine);
-* ``streamed_ms``: the same call streamed in chunks of ``chunk`` tokens;
-* ``P_ms``, the producers alone: exactly the streamed call's producer work - per chunk the router GEMM and
-  the fused producer kernel (route, quantise, publish) - on the layer's producer partition, publishing into
-  a scratch ring of the same shape that a trivial consumer (``ring_gather`` with the pull's grid, on the
-  consumer partition) drains, so no publish waits for a slot and no expert work runs;
-* ``Q_ms``, the consumer alone: batch-ready :meth:`MoELayer.run` on the already routed and quantised batch
-  (whole GPU; bench_moe.py's Q);
-* ``bound_ms`` = ``max(P, Q) + min(P, Q) / chunks`` (:func:`overlap_bound`): a perfect pipeline of the two;
-* ``per_chunk_cost_us`` = ``(streamed - bound) / chunks`` in µs (:func:`per_chunk_cost_us`): what streaming
-  costs per chunk beyond perfect overlap - each chunk's launches and ring handshake, the consumer's waits
-  for chunks, and the consumer's confinement to its partition, spread over the chunks. Ideal streaming
-  scores 0; negative would mean the call beat the bound (P or Q measured high).
+* ``batch_ms``: ``ChunkedMoE.forward(streaming=False)``;
+* ``streamed_ms``: the same call streamed in chunks of ``chunk`` tokens (``MoELayer.forward(chunk=)``, the call
+  ChunkedMoE's operator makes);
+* ``auto_ms``: ``ChunkedMoE.forward(streaming="auto")`` after calibration, ``auto_over_faster`` its ratio to the
+  faster of the two modes;
+* ``P_ms``, the producers alone (each chunk's router GEMM and fused producer, into a scratch ring a trivial
+  consumer drains), and ``Q_ms``, the consumer alone (batch-ready ``MoELayer.run`` on the routed batch);
+  ``bound_ms = max(P, Q) + min(P, Q) / chunks``, a perfect pipeline of the two;
+* ``bitwise``: the streamed output equals the batch-ready one bit for bit.
 
-Every measurement is repeated per ``--waves`` value (``MoEConfig.waves``: 1, the default, computes the
-experts after the last chunk; 2-8 compute incremental expert blocks in waves while chunks arrive), each
-record carrying its ``waves``. Records come for the default ring (``chunk_kind`` "default":
-:meth:`MoEConfig.with_default_ring`, 2 slots of ``max_tokens_per_rank / 16``) and for the best chunk size
-(``chunk_kind`` "best": the lowest streamed time over the default and ``--chunks``). With the timeline on,
-the default ring's streamed call at the largest token count and the largest ``--waves`` value is recorded
-once per shape (:class:`chunkring.Timeline`) and rank 0 writes it as a Chrome trace and, if matplotlib is
-installed, a PNG (scripts/plot_timeline.py) next to the JSON: produce spans per chunk on the producer lane,
-the pulls and the expert work on the consumer lane.
+Rank 0 writes the JSON (``records``, and every number as ``figures``) after each shape, so a run cut short
+keeps what it measured, and a timeline of the best streamed case (the lowest streamed / batch-ready) as a
+Chrome trace and, with matplotlib, a PNG.
 """
 
 from __future__ import annotations
@@ -47,15 +40,14 @@ import dataclasses
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
           "v3": dict(experts=32, hidden=7168, intermediate=2048, topk=8)}
 
 #: Record keys every record carries, in the order the table prints them.
-RECORD_KEYS = ("shape", "tokens", "chunk", "chunk_kind", "waves", "chunks", "batch_ms", "streamed_ms", "P_ms", "Q_ms",
-               "bound_ms", "per_chunk_cost_us", "streamed_over_batch", "streamed_over_bound")
+RECORD_KEYS = ("shape", "tokens", "ranks", "chunk", "chunk_kind", "chunks", "batch_ms", "streamed_ms", "auto_ms",
+               "P_ms", "Q_ms", "bound_ms", "streamed_over_batch", "auto_over_faster", "bitwise")
 
 
 def overlap_bound(P: float, Q: float, chunks: int) -> float:
@@ -75,36 +67,24 @@ def per_chunk_cost_us(streamed_ms: float, bound_ms: float, chunks: int) -> float
 
 
 def shape_record(shape: str, tokens: int, chunk: int, measured: dict) -> dict:
-    """One record from the measured ``batch_ms``, ``streamed_ms``, ``P_ms`` and ``Q_ms`` (other keys of
-    ``measured`` are kept) and what follows from them."""
+    """One record from the measured ``batch_ms``, ``streamed_ms``, ``auto_ms``, ``P_ms`` and ``Q_ms`` (other keys
+    of ``measured`` are kept) and what follows from them."""
     chunks = -(-tokens // chunk)
     bound = overlap_bound(measured["P_ms"], measured["Q_ms"], chunks)
+    faster = min(measured["batch_ms"], measured["streamed_ms"])
     return {**measured, "shape": shape, "tokens": tokens, "chunk": chunk, "chunks": chunks, "bound_ms": bound,
             "per_chunk_cost_us": per_chunk_cost_us(measured["streamed_ms"], bound, chunks),
             "streamed_over_batch": measured["streamed_ms"] / measured["batch_ms"],
-            "streamed_over_bound": measured["streamed_ms"] / bound}
-
-
-def pick_records(by_chunk: dict[int, dict], default_chunk: int) -> list[dict]:
-    """The default ring's record and the best chunk size's (lowest ``streamed_ms``; the smaller chunk on a
-    tie), each marked by ``chunk_kind``; the default one is also the best when no other chunk beat it."""
-    best = min(sorted(by_chunk), key=lambda c: by_chunk[c]["streamed_ms"])
-    return [{**by_chunk[default_chunk], "chunk_kind": "default"}, {**by_chunk[best], "chunk_kind": "best"}]
-
-
-def chunk_sizes(default_chunk: int, extra: list[int], tokens: int) -> list[int]:
-    """The chunk sizes to measure at ``tokens`` tokens: the default ring's and those of ``extra`` up to the
-    batch (a larger chunk would measure the same single chunk again)."""
-    return sorted({default_chunk, *(c for c in extra if c <= tokens)})
+            "streamed_over_bound": measured["streamed_ms"] / bound,
+            "auto_over_faster": measured["auto_ms"] / faster}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="flash,v3", help=f"comma-separated, of {sorted(SHAPES)}")
-    parser.add_argument("--tokens", default="2048", help="tokens per rank (comma-separated)")
-    parser.add_argument("--chunks", default="256,512,1024", help="chunk sizes besides the default ring's")
-    parser.add_argument("--waves", default="1", help="MoEConfig.waves values, comma-separated (1: the batch plan; "
-                        "2-8: incremental expert blocks computed in waves while chunks arrive)")
+    parser.add_argument("--tokens", default="1,8,128,1024,2048,4096,8192", help="tokens per rank (comma-separated)")
+    parser.add_argument("--chunks", default="256,512,1024,2048",
+                        help="chunk sizes calibration tries besides the largest that fits (at most the slot)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default=None, help="the result file (rank 0 writes it)")
@@ -112,53 +92,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         args.shapes = [s for s in args.shapes.split(",") if s]
-        args.tokens = [int(t) for t in args.tokens.split(",") if t]
-        args.chunks = [int(c) for c in args.chunks.split(",") if c]
-        args.waves = [int(w) for w in args.waves.split(",") if w]
+        args.tokens = sorted({int(t) for t in args.tokens.split(",") if t})
+        args.chunks = sorted({int(c) for c in args.chunks.split(",") if c})
     except ValueError:
-        parser.error("--tokens, --chunks and --waves take comma-separated integers")
+        parser.error("--tokens and --chunks take comma-separated integers")
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.shapes:
         parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     if not args.tokens or min(args.tokens + args.chunks, default=1) < 1:
         parser.error("token counts and chunk sizes must be positive")
-    if not args.waves or not all(1 <= w <= 8 for w in args.waves):
-        parser.error("--waves takes values in [1, 8]")
     if args.iterations < 1 or args.warmup < 0:
         parser.error("--iterations must be >= 1 and --warmup >= 0")
     return args
 
 
 class Shape:
-    """One shape's weights (this rank's experts, drawn on the GPU once) and inputs per token count."""
+    """One shape's layer (the default config for ``max_tokens`` tokens per rank), this rank's weights drawn on
+    the GPU, and the ``ChunkedMoE`` over them."""
 
-    def __init__(self, name: str, runtime, seed: int = 0):
+    def __init__(self, name: str, runtime, max_tokens: int, seed: int = 0, slot: int | None = None):
         import torch
 
-        from chunkring import MoEConfig
+        from chunkring import ChunkedMoE, MoEConfig, MoELayer, expert_weights
 
         self.name, self.runtime, spec = name, runtime, SHAPES[name]
         self.config = MoEConfig(num_experts=spec["experts"] * runtime.world_size, hidden=spec["hidden"],
-                                intermediate=spec["intermediate"], topk=spec["topk"], max_tokens_per_rank=1)
+                                intermediate=spec["intermediate"], topk=spec["topk"],
+                                max_tokens_per_rank=max_tokens).with_default_ring()
+        if slot is not None:  # a ring of other slots than the default's (the producer probe's chunks)
+            self.config = dataclasses.replace(self.config, front_tokens_per_slot=slot)
         self.gen = torch.Generator(runtime.torch_device).manual_seed(seed * 7919 + runtime.rank)
         E, H, inter, device = spec["experts"], spec["hidden"], spec["intermediate"], runtime.torch_device
         self.router = (torch.randn(self.config.num_experts, H, generator=self.gen, device=device) / H**0.5).bfloat16()
-        self.w13_bf16 = (torch.randn(E, 2 * inter, H, generator=self.gen, device=device) / H**0.5).bfloat16()
-        self.w2_bf16 = (torch.randn(E, H, inter, generator=self.gen, device=device) / inter**0.5).bfloat16()
-        self.weights = None  # the layer's format, from the first layer (chunkring.expert_weights)
+        w13 = (torch.randn(E, 2 * inter, H, generator=self.gen, device=device) / H**0.5).bfloat16()
+        w2 = (torch.randn(E, H, inter, generator=self.gen, device=device) / inter**0.5).bfloat16()
+        self.w13, self.w2 = expert_weights(self.config, w13, w2)
+        self.layer = MoELayer(runtime, self.config)
+        self.module = ChunkedMoE(self.layer, weights=(self.router, self.w13, self.w2))
 
-    def layer(self, max_tokens: int, chunk: int | None, waves: int = 1):
-        """A layer for batches of up to ``max_tokens``, its ring the default (``chunk`` None) or slots of
-        ``chunk`` tokens, its streamed calls in ``waves`` waves; the default partition for streamed calls."""
-        from chunkring import MoELayer, expert_weights
-
-        cfg = dataclasses.replace(self.config, max_tokens_per_rank=max_tokens, waves=waves).with_default_ring()
-        if chunk is not None:
-            cfg = dataclasses.replace(cfg, front_tokens_per_slot=chunk)
-        layer = MoELayer(self.runtime, cfg)
-        if self.weights is None:
-            self.weights = expert_weights(layer.config, self.w13_bf16, self.w2_bf16)
-        return layer
+    @property
+    def slot(self) -> int:
+        return self.config.front_tokens_per_slot
 
     def inputs(self, n: int) -> tuple:
         """(hidden bf16 [n, H], the routed FP8 batch MoELayer.run takes) for ``n`` tokens."""
@@ -171,19 +145,27 @@ class Shape:
         x, x_sf = quantize_rows_fp8(hidden)
         return hidden, (x, x_sf, idx, w)
 
+    def forward(self, hidden, chunk: int):
+        """The layer streamed in chunks of ``chunk`` tokens (what ChunkedMoE's operator calls)."""
+        return self.layer.forward(hidden, self.router, self.w13, self.w2, streaming=True, chunk=chunk)
+
+    def destroy(self) -> None:
+        self.layer.destroy()
+
 
 class ProducersAlone:
-    """The streamed call's producer work without its consumer (``P_ms``): a scratch ring of the layer's
-    streaming spec (or with ``num_slots`` slots: as many as a call's chunks, no publish waits for an ack),
-    drained by ``ring_gather`` with the layer's pull grid on the consumer partition; with ``drain=False`` not
-    drained (a profiler's single call into a ring of a slot per chunk: no publish waits, nothing spins)."""
+    """A streamed call's producer work without its consumer (``P_ms``): per chunk of ``chunk`` tokens the router
+    GEMM and the fused producer, on the layer's producer partition, publishing into a scratch ring of the layer's
+    streaming spec (or with ``num_slots`` slots) that ``ring_gather`` drains on the consumer partition with the
+    largest grid all resident there; with ``drain=False`` not drained (a profiler's single call into a ring of a
+    slot per chunk: no publish waits, nothing spins)."""
 
     def __init__(self, layer, num_slots: int | None = None, drain: bool = True):
         import torch
 
         from chunkring import Ring
         from chunkring.moe.calls import CallMode
-        from chunkring.ring.io import GatherOutputs
+        from chunkring.ring.io import GatherOutputs, gather_grid_limit
 
         self.layer, self.mode, self.drain = layer, CallMode.STREAMED, drain
         spec = layer.rings[self.mode].spec
@@ -192,16 +174,23 @@ class ProducersAlone:
         self.ring = Ring(layer.runtime, spec, timeout_s=60)
         self.out = GatherOutputs(self.ring, layer.config.max_tokens_per_rank)
         self.arrivals = torch.zeros(1, dtype=torch.int32, device=layer.runtime.torch_device)
-        self.max_blocks = layer.stats()["producer_grid_max"]  # the layer's own streamed-call grid
+        stats = layer.stats()
+        self.max_blocks = stats["producer_grid_max"]  # the layer's own streamed-call grid
+        consumer_sms = stats["consumer_sms"] or torch.cuda.get_device_properties(layer.runtime.torch_device
+                                                                                 ).multi_processor_count
+        # Every block of the drain resident at once on the consumer's SMs (a block that cannot start would
+        # stall the others), within this rank's share of them where ranks share the GPU.
+        share = max(1, consumer_sms // layer.runtime.gpu_ranks)
+        self.gather_grid = min(stats["pull_grid"], gather_grid_limit(self.ring, share))
 
-    def __call__(self, hidden, router_weight) -> None:
+    def __call__(self, hidden, router_weight, chunk: int | None = None) -> None:
         import torch
 
         from chunkring.moe.producer import enqueue_produce, router_logits
         from chunkring.ring.io import gather
 
         layer, n = self.layer, hidden.shape[0]
-        T = self.ring.spec.tokens_per_slot
+        T = chunk or self.ring.spec.tokens_per_slot
         producer, consumer = layer.streams(self.mode)
         caller = torch.cuda.current_stream()
         producer.wait_stream(caller)
@@ -209,13 +198,14 @@ class ProducersAlone:
         # The drain first: a small grid spinning for chunks leaves the producers their SMs (PROTOCOL.md,
         # "Progress" 2), and an eager call never queues a publish that waits behind an absent consumer.
         if self.drain:
-            gather(self.ring, self.out, grid=layer.stats()["pull_grid"], stream=consumer)
+            gather(self.ring, self.out, grid=self.gather_grid, stream=consumer)
+        kernels = layer.resources.kernels.produce
         with torch.cuda.stream(producer):
             for start in range(0, max(n, 1), T):
-                chunk = hidden[start:start + T]
-                logits = router_logits(chunk, router_weight)
-                enqueue_produce(self.ring, layer.resources.kernels.produce, logits, chunk, start, start + T >= n, None,
-                                None, self.arrivals, producer, self.max_blocks)
+                part = hidden[start:start + T]
+                logits = router_logits(part, router_weight, kernels=kernels)
+                enqueue_produce(self.ring, kernels, logits, part, start, start + T >= n, None, None, self.arrivals,
+                                producer, self.max_blocks)
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
 
@@ -223,57 +213,52 @@ class ProducersAlone:
         self.ring.destroy()
 
 
-def measure(shape: Shape, n: int, chunks: list[int], args, default_chunk: int, waves: int) -> dict[int, dict]:
-    """Every chunk size's measured figures at ``n`` tokens with ``waves`` (batch_ms and Q_ms once, with the
-    first layer)."""
+def measure_shape(shape: Shape, args) -> list[dict]:
+    """Calibrate the shape's layer over ``args.tokens``, then two records per token count (see the module)."""
     import torch
 
+    from chunkring import calibrate
     from chunkring.moe.calibration import replay_median_ms
 
-    runtime = shape.runtime
-    hidden, routed = shape.inputs(n)
-    unchunked: dict = {}
-    by_chunk = {}
-    for chunk in chunks:
-        layer = shape.layer(max(args.tokens), chunk, waves)
-        producers = None
-        try:
-            w13, w2 = shape.weights
-            timed = dict(iterations=args.iterations, warmup=args.warmup, barrier=runtime.barrier)
-            if not unchunked:
-                started = time.monotonic()
-                for streaming in (False, True):  # DeepGEMM compiles each grid size at its first call
-                    layer.forward(hidden, shape.router, w13, w2, streaming=streaming)
+    runtime, layer, module = shape.runtime, shape.layer, shape.module
+
+    def timed(call) -> float:
+        mine = replay_median_ms(call, iterations=args.iterations, warmup=args.warmup, barrier=runtime.barrier)
+        return max(runtime.allgather_object(mine))  # the slowest rank's
+
+    calibration = calibrate(layer, shape.router, shape.w13, shape.w2, args.tokens,
+                            chunks=[c for c in args.chunks if c <= shape.slot], iterations=args.iterations,
+                            warmup=args.warmup)
+    _say(runtime, f"{shape.name}: {calibration.describe()}")
+    producers = ProducersAlone(layer)
+    records = []
+    try:
+        for n in args.tokens:
+            hidden, routed = shape.inputs(n)
+            common = {"ranks": runtime.world_size, "batch_ms": timed(lambda: module(hidden, streaming=False)),
+                      "auto_ms": timed(lambda: module(hidden, streaming="auto")),
+                      "Q_ms": timed(lambda: layer.run(*routed, shape.w13, shape.w2))}
+            batch_out = module(hidden, streaming=False)
+            for kind, chunk in (("default", min(n, shape.slot)), ("best", calibration.chunk_for(n))):
+                streamed_out = shape.forward(hidden, chunk)
                 torch.cuda.synchronize()
                 layer.check()
-                _say(runtime, f"{shape.name} {n} tokens: warm-up (GEMM JIT) {time.monotonic() - started:.1f} s")
-                unchunked["batch_ms"] = replay_median_ms(
-                    lambda: layer.forward(hidden, shape.router, w13, w2), **timed)
-                unchunked["Q_ms"] = replay_median_ms(lambda: layer.run(*routed, w13, w2), **timed)
-            producers = ProducersAlone(layer)
-            measured = dict(unchunked, waves=waves)
-            measured["P_ms"] = replay_median_ms(lambda: producers(hidden, shape.router), **timed)
-            measured["streamed_ms"] = replay_median_ms(
-                lambda: layer.forward(hidden, shape.router, w13, w2, streaming=True), **timed)
-            stats = layer.stats()
-            measured["producer_sms"], measured["consumer_sms"] = stats["producer_sms"], stats["consumer_sms"]
-            layer.check()
-            by_chunk[chunk] = shape_record(shape.name, n, chunk, measured)
-            _say(runtime, f"{shape.name} {n} tokens, chunk {chunk}{' (default)' if chunk == default_chunk else ''}, "
-                          f"{waves} wave(s): "
-                          + ", ".join(f"{k} {by_chunk[chunk][k]:.3f}" for k in RECORD_KEYS[6:]))
-        finally:
-            torch.cuda.synchronize()
-            runtime.barrier()
-            if producers is not None:
-                producers.destroy()
-            layer.destroy()
-    return by_chunk
+                measured = dict(common, chunk_kind=kind,
+                                bitwise=all(runtime.allgather_object(bool(torch.equal(batch_out, streamed_out)))),
+                                streamed_ms=timed(lambda c=chunk: shape.forward(hidden, c)),
+                                P_ms=timed(lambda c=chunk: producers(hidden, shape.router, c)))
+                record = shape_record(shape.name, n, chunk, measured)
+                records.append(record)
+                _say(runtime, " | ".join(_cell(record[k]) for k in RECORD_KEYS))
+    finally:
+        torch.cuda.synchronize()
+        runtime.barrier()
+        producers.destroy()
+    return records
 
 
-def record_timeline(shape: Shape, n: int, waves: int, prefix: str) -> list[str]:
-    """One graph replay of the default ring's streamed call at ``n`` tokens in ``waves`` waves with a
-    Timeline; rank 0 writes
+def record_timeline(shape: Shape, n: int, chunk: int, prefix: str) -> list[str]:
+    """One graph replay of the streamed call at ``n`` tokens in chunks of ``chunk`` with a Timeline; rank 0 writes
     ``<prefix>.json`` (Chrome trace) and ``<prefix>.png`` if it can plot. Returns the files written."""
     import torch
 
@@ -281,41 +266,37 @@ def record_timeline(shape: Shape, n: int, waves: int, prefix: str) -> list[str]:
     from chunkring.moe.calibration import capture_graph
     from chunkring.moe.timeline import write_chrome_trace
 
-    runtime = shape.runtime
-    layer = shape.layer(n, None, waves)
-    try:
-        hidden, _ = shape.inputs(n)
-        timeline = Timeline(runtime.torch_device, capacity=16 * (n + 64) * runtime.world_size + 1024)
-        w13, w2 = shape.weights
-        graph = capture_graph(lambda: layer.forward(hidden, shape.router, w13, w2, streaming=True,
-                                                    timeline=timeline))
-        timeline.clear()
-        torch.cuda.synchronize()
-        runtime.barrier()
-        graph.replay()
-        gathered = runtime.gather_object(timeline.records(), root=0)
-        stats = layer.stats()
-    finally:
-        torch.cuda.synchronize()
-        runtime.barrier()
-        layer.destroy()
+    runtime, layer = shape.runtime, shape.layer
+    hidden, _ = shape.inputs(n)
+    timeline = Timeline(runtime.torch_device, capacity=16 * (n + 64) * runtime.world_size + 1024)
+    graph = capture_graph(lambda: layer.forward(hidden, shape.router, shape.w13, shape.w2, streaming=True,
+                                                chunk=chunk, timeline=timeline))
+    timeline.clear()
+    torch.cuda.synchronize()
+    runtime.barrier()
+    graph.replay()
+    gathered = runtime.gather_object(timeline.records(), root=0)
+    stats = layer.stats()
     if runtime.rank != 0:
         return []
     trace = f"{prefix}.json"
     write_chrome_trace(trace, dict(enumerate(gathered)), metadata={
-        "call": "streamed", "shape": shape.name, "tokens_per_rank": n, "chunk": stats["chunk_tokens"], "waves": waves,
+        "call": "streamed", "shape": shape.name, "tokens_per_rank": n, "chunk": chunk,
         "producer_sms": stats["producer_sms"], "consumer_sms": stats["consumer_sms"], "ranks": runtime.world_size})
     plotter = Path(__file__).resolve().parents[1] / "scripts" / "plot_timeline.py"
-    title = (f"{shape.name}, {n} tokens/rank, chunks of {stats['chunk_tokens']}, streamed in {waves} wave(s); "
-             f"producers on "
-             f"{stats['producer_sms']} SMs, consumer on {stats['consumer_sms']}")
+    title = (f"{shape.name}, {n} tokens/rank in chunks of {chunk}, {runtime.world_size} rank(s); producers on "
+             f"{stats['producer_sms']} SMs, pull on {stats['consumer_sms']}, experts on the whole GPU")
     done = subprocess.run([sys.executable, str(plotter), trace, "-o", f"{prefix}.png", "--title", title],
                           capture_output=True, text=True)
-    if done.returncode:  # e.g. no matplotlib on the GPU host: the trace plots anywhere later
+    if done.returncode:  # e.g. no matplotlib: the trace plots anywhere later
         print(f"no PNG ({done.stderr.strip().splitlines()[-1:]}); plot it with: python {plotter} {trace} -o "
               f"{prefix}.png", flush=True)
         return [trace]
     return [trace, f"{prefix}.png"]
+
+
+def _cell(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _say(runtime, text: str) -> None:
@@ -326,12 +307,11 @@ def _say(runtime, text: str) -> None:
 def write_results(path: str, runtime, records: list[dict], files: list[str]) -> None:
     """The result file (rank 0): the summary fields, ``records``, their numbers as ``figures`` keyed
     ``<shape>_n<tokens>_<chunk_kind>_<key>``, and the names of the timeline files beside it."""
-    from chunkring.testing import records
+    from chunkring.testing import records as record_file
 
-    figures = {f"{r['shape']}_n{r['tokens']}_w{r['waves']}_{r['chunk_kind']}_{k}": v for r in records
-               for k, v in r.items()
+    figures = {f"{r['shape']}_n{r['tokens']}_{r['chunk_kind']}_{k}": v for r in records for k, v in r.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    records.write(path, suite="overlap", world_size=runtime.world_size, figures=figures, records=records,
+    record_file.write(path, suite="overlap", world_size=runtime.world_size, figures=figures, records=records,
                       files=[Path(f).name for f in files])
 
 
@@ -343,27 +323,21 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     files: list[str] = []
     try:
+        _say(runtime, " | ".join(RECORD_KEYS))
         for name in args.shapes:
-            shape = Shape(name, runtime)
-            default_chunk = dataclasses.replace(shape.config, max_tokens_per_rank=max(args.tokens)
-                                                ).with_default_ring().front_tokens_per_slot
-            for n in args.tokens:
-                for waves in args.waves:
-                    by_chunk = measure(shape, n, chunk_sizes(default_chunk, args.chunks, n), args, default_chunk,
-                                       waves)
-                    records += pick_records(by_chunk, default_chunk)
-            if not args.no_timeline:
-                stem = Path(args.json).with_suffix("") if args.json else Path("overlap")
-                waves = max(args.waves)  # the most overlap asked for: expert blocks under production
-                files += record_timeline(shape, max(args.tokens), waves,
-                                         f"{stem}-timeline-{name}-{max(args.tokens)}-w{waves}")
-            del shape
+            shape = Shape(name, runtime, max(args.tokens))
+            try:
+                mine = measure_shape(shape, args)
+                records += mine
+                if not args.no_timeline:
+                    best = min(mine, key=lambda r: r["streamed_over_batch"])
+                    stem = Path(args.json).with_suffix("") if args.json else Path("overlap")
+                    files += record_timeline(shape, best["tokens"], best["chunk"],
+                                             f"{stem}-timeline-{name}-{best['tokens']}-c{best['chunk']}")
+            finally:
+                shape.destroy()
             if args.json and runtime.rank == 0:  # after every shape: a run cut short keeps what it measured
                 write_results(args.json, runtime, records, files)
-        if runtime.rank == 0:
-            print("\n" + " | ".join(RECORD_KEYS))
-            for r in records:
-                print(" | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in RECORD_KEYS))
     finally:
         runtime.close()
     return 0

@@ -1,7 +1,7 @@
 """Where a streamed chunk's production time goes: the router GEMM and the fused producer kernel, timed per
 chunk on the layer's producer partition, for the GEMM's two forms and several block sizes of the kernel.
 
-    python benchmarks/probe_producer.py [--shape flash] [--tokens 2048] [--chunks 128,1024]
+    python -m benchmarks.probe_producer [--shape flash] [--tokens 2048] [--chunks 128,1024]
         [--elements 32768,4096,2048] [--json benchmarks/results/<commit>-producer-probe.json]
 
 For each chunk size (tokens per chunk) it times, as CUDA-graph replays of a whole call's chunks (median of
@@ -55,25 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     from chunkring.moe.calibration import replay_median_ms
 
     runtime = chunkring.init()
-    shape = Shape(args.shape, runtime)
+    shape = Shape(args.shape, runtime, args.tokens, slot=max(chunks))
+    layer = shape.layer
     hidden, _ = shape.inputs(args.tokens)
     router = shape.router
     if args.profile_once:
         for chunk in chunks:
-            layer = shape.layer(args.tokens, chunk)
             once = ProducersAlone(layer, num_slots=-(-args.tokens // chunk), drain=False)
-            once(hidden, router)
+            once(hidden, router, chunk)
             torch.cuda.synchronize()
             layer.check()
             once.destroy()
-            layer.destroy()
             print(f"profiled: {args.tokens} tokens in chunks of {chunk}", flush=True)
+        shape.destroy()
         runtime.close()
         return 0
     records = []
     try:
         for chunk in chunks:
-            layer = shape.layer(args.tokens, chunk)
             producers = ProducersAlone(layer)
             try:
                 pieces = -(-args.tokens // chunk)
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                     for e in elements:
                         producer.PRODUCE_ELEMENTS_PER_BLOCK = e
                         rec[f"produce_us_e{e}"] = 1e3 * replay_median_ms(
-                            lambda: producers(hidden, router), **timed) / pieces
+                            lambda: producers(hidden, router, chunk), **timed) / pieces
                         rec[f"grid_e{e}"] = producer.produce_grid(chunk, shape.config.hidden,
                                                                   layer.stats()["producer_grid_max"])
                 finally:
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 unbounded = ProducersAlone(layer, num_slots=pieces)
                 try:
                     rec["produce_us_all_slots"] = 1e3 * replay_median_ms(
-                        lambda: unbounded(hidden, router), **timed) / pieces
+                        lambda: unbounded(hidden, router, chunk), **timed) / pieces
                 finally:
                     torch.cuda.synchronize()
                     unbounded.destroy()
@@ -117,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 torch.cuda.synchronize()
                 producers.destroy()
-                layer.destroy()
     finally:
+        shape.destroy()
         if args.json:
             Path(args.json).write_text(json.dumps({
                 "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),

@@ -9,7 +9,7 @@
 # tests (custom op, transformers drop-in, integration guide), which the full parts include; gpu_1rank_rma / gpu_mps_rma
 # run the GPU tests with every peer on the RMA data path (pytest --transport rma: NVSHMEM gets/puts, self included);
 # transport_1rank / transport_mps run the main job on the direct and on the forced-RMA data path (their cost);
-# overlap_1rank runs benchmarks/bench_overlap.py (streamed vs batch-ready vs the overlap bound, 1 and 4 waves,
+# overlap_1rank / overlap_mps run benchmarks/bench_overlap.py (batch-ready, streamed and auto vs the overlap bound,
 # at most 240 s); producer_ncu runs Nsight Compute on the fused producer kernel (benchmarks/probe_producer.py
 # --profile-once); partition_mps runs the main job with the default partition and with none (interleaved).
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 bundle=${1:-.whl}
 ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
-all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank producer_probe
+all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
@@ -132,9 +132,15 @@ overlap_1rank() {  # OVERLAP_ARGS / OVERLAP_LIMIT_S override the bench's argumen
     # a run the limit cuts keeps the shapes it finished.
     local out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-overlap.json
     # shellcheck disable=SC2086
-    timeout "${OVERLAP_LIMIT_S:-240}" python3 -m benchmarks.bench_overlap \
-        ${OVERLAP_ARGS:---shapes flash,v3 --tokens 2048 --chunks 512,1024 --waves 1,4 --iterations 10} \
+    timeout "${OVERLAP_LIMIT_S:-240}" python3 -m benchmarks.bench_overlap ${OVERLAP_ARGS:-} \
         --json "$out" 2>&1 | tee "$logs/overlap.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+overlap_mps() {  # the same at $ranks ranks sharing the GPU under MPS
+    local out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-overlap-${ranks}rank-mps.json
+    # shellcheck disable=SC2086
+    "${mpi[@]}" -np "$ranks" --timeout "${OVERLAP_LIMIT_S:-240}" python3 -m benchmarks.bench_overlap \
+        ${OVERLAP_ARGS:-} --json "$out" 2>&1 | tee "$logs/overlap-mps.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 producer_probe() {  # where a streamed chunk's production time goes (router GEMM, fused kernel, back-pressure)

@@ -6,15 +6,7 @@ import json
 import pytest
 
 from benchmarks import bench_overlap
-from benchmarks.bench_overlap import (
-    RECORD_KEYS,
-    chunk_sizes,
-    overlap_bound,
-    parse_args,
-    per_chunk_cost_us,
-    pick_records,
-    shape_record,
-)
+from benchmarks.bench_overlap import RECORD_KEYS, overlap_bound, parse_args, per_chunk_cost_us, shape_record
 from chunkring.testing import records as record_file
 
 
@@ -38,47 +30,22 @@ def test_per_chunk_cost_is_the_time_beyond_the_bound_per_chunk():
 
 
 def test_record_carries_the_required_keys_and_derived_figures():
-    record = shape_record("flash", 2048, 512, {"batch_ms": 9.0, "streamed_ms": 8.9, "P_ms": 2.0, "Q_ms": 8.0,
-                                               "producer_sms": 32, "waves": 4})
-    assert set(RECORD_KEYS) - {"chunk_kind"} <= set(record)
-    assert record["chunks"] == 4 and record["bound_ms"] == 8.5 and record["producer_sms"] == 32
-    assert record["waves"] == 4
+    record = shape_record("flash", 2048, 512, {"batch_ms": 9.0, "streamed_ms": 8.9, "auto_ms": 9.1, "P_ms": 2.0,
+                                               "Q_ms": 8.0, "ranks": 4, "chunk_kind": "best", "bitwise": True})
+    assert set(RECORD_KEYS) <= set(record)
+    assert record["chunks"] == 4 and record["bound_ms"] == 8.5 and record["ranks"] == 4
     assert record["per_chunk_cost_us"] == pytest.approx(100.0)
     assert record["streamed_over_batch"] == pytest.approx(8.9 / 9.0)
     assert record["streamed_over_bound"] == pytest.approx(8.9 / 8.5)
+    assert record["auto_over_faster"] == pytest.approx(9.1 / 8.9)  # auto against the faster mode
     assert shape_record("flash", 2047, 512, record)["chunks"] == 4  # a partial last chunk counts
 
 
-def _by_chunk(streamed: dict[int, float]) -> dict[int, dict]:
-    return {c: shape_record("flash", 2048, c, {"batch_ms": 9.0, "streamed_ms": s, "P_ms": 1.0, "Q_ms": 8.0,
-                                               "waves": 1})
-            for c, s in streamed.items()}
-
-
-def test_reports_the_default_ring_and_the_fastest_chunk():
-    default, best = pick_records(_by_chunk({128: 9.6, 256: 9.2, 1024: 9.1}), default_chunk=128)
-    assert (default["chunk_kind"], default["chunk"]) == ("default", 128)
-    assert (best["chunk_kind"], best["chunk"]) == ("best", 1024)
-
-
-def test_default_ring_is_also_the_best_when_nothing_beats_it_and_ties_go_to_the_smaller_chunk():
-    records = pick_records(_by_chunk({128: 9.0, 512: 9.3}), default_chunk=128)
-    assert [(r["chunk_kind"], r["chunk"]) for r in records] == [("default", 128), ("best", 128)]
-    assert pick_records(_by_chunk({128: 9.5, 256: 9.1, 512: 9.1}), 128)[1]["chunk"] == 256
-
-
-def test_measures_the_default_chunk_and_the_extra_ones_up_to_the_batch():
-    assert chunk_sizes(128, [256, 512, 1024], tokens=2048) == [128, 256, 512, 1024]
-    assert chunk_sizes(128, [256, 512, 1024], tokens=512) == [128, 256, 512]
-    assert chunk_sizes(512, [512, 4096], tokens=2048) == [512]
-
-
 def test_arguments_are_parsed_and_checked():
-    args = parse_args(["--shapes", "flash", "--tokens", "1024,2048", "--chunks", "256", "--waves", "1,4"])
-    assert (args.shapes, args.tokens, args.chunks, args.waves) == (["flash"], [1024, 2048], [256], [1, 4])
-    assert parse_args([]).shapes == ["flash", "v3"] and parse_args([]).waves == [1]
-    for bad in (["--shapes", "mixtral"], ["--tokens", "2k"], ["--chunks", "0"], ["--iterations", "0"],
-                ["--waves", "9"], ["--waves", "0"], ["--waves", "two"]):
+    args = parse_args(["--shapes", "flash", "--tokens", "2048,1024", "--chunks", "256"])
+    assert (args.shapes, args.tokens, args.chunks) == (["flash"], [1024, 2048], [256])
+    assert parse_args([]).shapes == ["flash", "v3"] and parse_args([]).tokens == [1, 8, 128, 1024, 2048, 4096, 8192]
+    for bad in (["--shapes", "mixtral"], ["--tokens", "2k"], ["--chunks", "0"], ["--iterations", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -100,10 +67,11 @@ def test_result_file_holds_the_summary_fields_records_and_files(tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CHUNKRING_COMMIT", "abc1234")
     monkeypatch.setenv("CHUNKRING_TREE_MODIFIED", "1")
-    record = {**pick_records(_by_chunk({128: 9.6}), 128)[0]}
+    record = shape_record("flash", 2048, 128, {"batch_ms": 9.0, "streamed_ms": 9.6, "auto_ms": 9.0, "P_ms": 1.0,
+                                               "Q_ms": 8.0, "ranks": 1, "chunk_kind": "default", "bitwise": True})
     path = tmp_path / "abc1234-overlap.json"
     record_file.write(str(path), suite="overlap", world_size=1, figures={"x": 1.0}, records=[record],
-                          files=["t.png"])
+                      files=["t.png"])
     summary = json.loads(path.read_text())
     for key in ("commit", "gpu", "gpus", "ranks", "suite", "command", "passed", "failed", "skipped", "figures"):
         assert key in summary, key

@@ -306,12 +306,15 @@ def test_calibrated_auto_calls_take_the_agreed_mode_and_match_the_reference(runt
         module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(17))
         result = calibrate(layer, module.router_weight, module.w13, module.w2, [8, 64], iterations=3, warmup=1)
         assert layer.streaming_calibration is result
-        assert set(result.figures) == {8, 64}
-        assert all(b > 0 and s > 0 for b, s in result.figures.values())
+        # Each count batch-ready and in every chunk size up to the 16-token slot (chunk_candidates).
+        assert set(result.batch_ms) == {8, 64} and result.streamed_ms.keys() == {8, 64}
+        assert (set(result.streamed_ms[8]), set(result.streamed_ms[64])) == ({8}, {16})
+        assert all(ms > 0 for ms in (*result.batch_ms.values(), result.streamed_ms[8][8], result.streamed_ms[64][16]))
         if W > 1:
             from mpi4py import MPI
 
-            assert MPI.COMM_WORLD.allgather(result.figures) == [result.figures] * W  # one decision everywhere
+            mine = (result.batch_ms, result.streamed_ms)
+            assert MPI.COMM_WORLD.allgather(mine) == [mine] * W  # one decision everywhere
         hidden = torch.randn(40, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
         ref = fp8_reference_of(module, 17, hidden)
         out = layer.forward(hidden, module.router_weight, module.w13, module.w2, streaming="auto")

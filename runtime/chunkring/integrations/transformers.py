@@ -282,16 +282,26 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
                        timeout_s: float | None = None) -> dict[str, nn.Module]:
     """Put a :class:`ChunkringMoEBlock` in the place of every sparse MoE block of ``model`` (Qwen3-MoE's
     ``Qwen3MoeSparseMoeBlock``, DeepSeek-V3's ``DeepseekV3MoE``), each over the :class:`MoELayer` of its
-    shape, shared by every block of that shape (``payload`` "fp8" / "bf16" or a :class:`PayloadFormat`;
-    ``max_tokens_per_rank`` tokens per rank and call; a streaming ring as :func:`plan_moe_blocks` says),
-    and holding this rank's share of its own experts, loaded from the block's weights. Returns the replaced
-    blocks by name, in module order: the model no longer refers to them, so dropping the result frees
-    every expert this rank does not own.
+    shape, shared by every block of that shape, and holding this rank's share of its own experts, loaded from
+    the block's weights. A collective: every rank passes the same model (same weights) and arguments.
 
-    A collective: every rank passes the same model (same weights) and arguments. Every check runs first,
-    on the host (:func:`plan_moe_blocks`): a refused model raises ``ChunkringUsageError`` on every rank,
-    before any layer is built. The experts may live anywhere (load the model on the CPU, replace, then move
-    what remains with ``model.to(runtime.torch_device)``); each call runs on ``runtime``'s device.
+    Args:
+        model: a transformers model; the experts may live anywhere (load it on the CPU, replace, then move what
+            remains with ``model.to(runtime.torch_device)``); each call runs on ``runtime``'s device.
+        runtime: this process's :class:`chunkring.Runtime`.
+        max_tokens_per_rank: tokens per rank and call, at most.
+        payload: "fp8" / "bf16" or a :class:`PayloadFormat`.
+        streaming: each block's call mode (False, True, "auto").
+        front_num_slots, front_tokens_per_slot: the streaming ring (as :func:`plan_moe_blocks` says).
+        timeout_s: the layers' watchdog limit.
+
+    Returns:
+        The replaced blocks by name, in module order: the model no longer refers to them, so dropping the
+        result frees every expert this rank does not own.
+
+    Raises:
+        ChunkringUsageError: a refused model or setting (:func:`plan_moe_blocks`: every check runs first, on the
+            host), on every rank, before any layer is built.
     """
     plan = plan_moe_blocks(model, world_size=runtime.world_size, max_tokens_per_rank=max_tokens_per_rank,
                            payload=payload, streaming=streaming, front_num_slots=front_num_slots,

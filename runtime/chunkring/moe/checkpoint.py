@@ -113,23 +113,33 @@ class _Projection:
 def load_experts(state_dict: Mapping[str, torch.Tensor], config: MoEConfig, *, first_expert: int, count: int,
                  prefix: str = "", keys: ExpertKeys = HF_EXPERT_KEYS, device: torch.device | str = "cpu",
                  rank: int | None = None) -> ExpertWeights:
-    """Experts ``[first_expert, first_expert + count)`` of ``state_dict`` (name -> tensor: a ``torch.load``
-    result, ``safetensors.torch.load_file``, or any mapping that loads a tensor when indexed) as the layer
-    of ``config`` takes them on ``device``: w13 [count, 2I, H] (gate rows, then up rows) and w2
-    [count, H, I], a pair of :class:`~chunkring.moe.weights.Fp8Weight` for the FP8 payload, of bfloat16
-    tensors for the bf16 payload - what :func:`chunkring.expert_weights` returns, ready for
-    :meth:`MoELayer.run` / :meth:`MoELayer.forward`.
-
-    Weights in the checkpoint: bfloat16 (quantised here for the FP8 payload), or float8_e4m3fn each with
-    its float32 128x128 block scale (DeepSeek-V3's ``weight_scale_inv``: kept as is for the FP8 payload,
-    dequantised for the bf16 one). Keys: ``keys`` formatted with ``prefix`` (the layer's, e.g.
-    ``"model.layers.3.mlp."``) and the global expert index. ``rank`` only labels error messages.
+    """Experts ``[first_expert, first_expert + count)`` of a checkpoint, as the layer of ``config`` takes them.
 
     Host-only until the copies: no live layer needed (for a layer's share pass ``layer.first_expert``,
-    ``layer.experts_per_rank``, its device and rank). Keys of other experts, and any other key, are ignored;
-    a missing, mis-shaped or mistyped key of these experts, an FP8 weight without its scale, a bfloat16
-    weight with one, experts of mixed formats, or an expert past ``config.num_experts`` under ``prefix`` raise
-    :class:`ChunkringUsageError` (``field``: the key) before anything is allocated.
+    ``layer.experts_per_rank``, its device and rank). Keys of other experts, and any other key, are ignored.
+
+    Args:
+        state_dict: name -> tensor: a ``torch.load`` result, ``safetensors.torch.load_file``, or any mapping
+            that loads a tensor when indexed. Weights bfloat16 (quantised here for the FP8 payload), or
+            float8_e4m3fn each with its float32 128x128 block scale (DeepSeek-V3's ``weight_scale_inv``: kept
+            as is for the FP8 payload, dequantised for the bf16 one).
+        config: the layer's config.
+        first_expert, count: the global index of this rank's first expert, and how many it owns.
+        prefix: the layer's key prefix (``"model.layers.3.mlp."``).
+        keys: the key templates (:data:`HF_EXPERT_KEYS`: Hugging Face's), formatted with ``prefix`` and the
+            global expert index.
+        device: where the stacked experts go.
+        rank: labels error messages only.
+
+    Returns:
+        (w13 [count, 2I, H] - gate rows, then up rows -, w2 [count, H, I]): two
+        :class:`~chunkring.moe.weights.Fp8Weight` for the FP8 payload, two bfloat16 tensors for the bf16 payload
+        - what :func:`chunkring.expert_weights` returns, ready for :meth:`MoELayer.run` / :meth:`MoELayer.forward`.
+
+    Raises:
+        ChunkringUsageError: (``field``: the key) a missing, mis-shaped or mistyped key of these experts, an FP8
+            weight without its scale, a bfloat16 weight with one, experts of mixed formats, or an expert past
+            ``config.num_experts`` under ``prefix`` - before anything is allocated.
     """
     if not isinstance(config, MoEConfig):
         raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")

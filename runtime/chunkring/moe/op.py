@@ -138,9 +138,22 @@ def _split(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor
 def moe_forward(layer: MoELayer, hidden: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight,
                 w2: torch.Tensor | Fp8Weight, *, streaming: bool | str = False,
                 num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """:meth:`MoELayer.forward` through the ``chunkring::moe_forward`` operator: the same arguments and
-    result (bfloat16 [n, H], a new tensor), as one op a ``torch.compile``'d model traces without a graph
-    break. No ``out`` and no ``timeline``: call the method for those. A collective, like the method."""
+    """:meth:`MoELayer.forward` through the ``chunkring::moe_forward`` operator, as one op a ``torch.compile``'d
+    model traces without a graph break. A collective, like the method.
+
+    Args:
+        layer: the layer (it travels to the operator as :attr:`MoELayer.handle`).
+        hidden, router_weight, w13, w2, num_tokens: as :meth:`MoELayer.forward` takes them.
+        streaming: False, True or ``"auto"``; resolved to a bool here (while tracing, a constant of the graph).
+
+    Returns:
+        bfloat16 [n, H], a new tensor. No ``out``, ``timeline`` or ``chunk``: call the method for those
+        (streamed calls chunk as the layer's calibration says, else in the slot size).
+
+    Raises:
+        ChunkringUsageError: what the method raises, checked when the call runs (the fake implementation reads
+            shapes only).
+    """
     w13_data, w13_scale = _split(w13)
     w2_data, w2_scale = _split(w2)
     mode = resolve_streaming(layer.config, layer.streaming_calibration, streaming)
@@ -151,8 +164,20 @@ def moe_forward(layer: MoELayer, hidden: torch.Tensor, router_weight: torch.Tens
 def moe_run(layer: MoELayer, x: torch.Tensor, x_sf: torch.Tensor | None, topk_idx: torch.Tensor,
             topk_weights: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight, *,
             streaming: bool | str = False, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """:meth:`MoELayer.run` (a routed batch) through the ``chunkring::moe_run`` operator, as
-    :func:`moe_forward` is :meth:`MoELayer.forward`."""
+    """:meth:`MoELayer.run` (a routed batch) through the ``chunkring::moe_run`` operator, as :func:`moe_forward`
+    is :meth:`MoELayer.forward`.
+
+    Args:
+        layer: the layer.
+        x, x_sf, topk_idx, topk_weights, w13, w2, num_tokens: as :meth:`MoELayer.run` takes them.
+        streaming: False, True or ``"auto"``, resolved to a bool here.
+
+    Returns:
+        bfloat16 [n, H], a new tensor.
+
+    Raises:
+        ChunkringUsageError: what the method raises, checked when the call runs.
+    """
     w13_data, w13_scale = _split(w13)
     w2_data, w2_scale = _split(w2)
     mode = resolve_streaming(layer.config, layer.streaming_calibration, streaming)

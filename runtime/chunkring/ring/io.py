@@ -56,19 +56,30 @@ def publish_chunk(ring: Ring, *, x: torch.Tensor, x_sf: torch.Tensor | None, top
                   topk_weights: torch.Tensor, token_base: int, end_of_stream: bool,
                   valid_tokens: torch.Tensor | None = None, batch_rows: int | None = None,
                   stream: torch.cuda.Stream | None = None) -> None:
-    """Publish ``x`` [n, H] (fp8 e4m3 or bf16, per the spec), ``x_sf`` [n, H/128] fp32 (FP8 only, else
-    None), ``topk_idx`` [n, K] int32 (-1 = masked) and ``topk_weights`` [n, K] fp32 as this rank's next
-    chunk - rows ``[token_base, token_base + n)`` of its batch - ordered on ``stream`` (default:
-    current). ``n <= tokens_per_slot``; ``n == 0`` is allowed (an empty rank publishes one empty chunk
-    with ``end_of_stream=True``). The call waits on the device, not the host, until the slot is free.
+    """Publish rows ``[token_base, token_base + n)`` of this rank's batch as its next chunk of ``ring``, ordered on
+    ``stream``. The call waits on the device, not the host, until the slot is free.
 
-    ``token_base`` and ``end_of_stream`` are host values, fixed at capture time if this is captured in
-    a CUDA graph. For a count that changes between replays pass ``valid_tokens`` (int32 [1] on the
-    device: the batch's real token count, read when the kernel runs) and ``batch_rows`` (the batch's
-    capacity): the chunk then publishes only its rows below the count, ends the stream at the count
-    (``end_of_stream`` is ignored), and publishes nothing if it lies wholly past the count - except at
-    ``token_base == 0``, which publishes the empty end-of-stream chunk of an empty rank. A count outside
-    ``[0, batch_rows]`` is clamped and reported (``ChunkringInputError`` from ``ring.check()``).
+    Args:
+        ring: the ring to publish into (a collective object; publishing is this rank's alone).
+        x: [n, H], float8_e4m3fn or bfloat16 as the ring's payload says; ``n <= tokens_per_slot``, and ``n == 0``
+            is allowed (an empty rank publishes one empty chunk with ``end_of_stream=True``).
+        x_sf: float32 [n, H/128] (FP8 payload), else None.
+        topk_idx: int32 [n, K], global expert ids; -1 masks a choice.
+        topk_weights: float32 [n, K].
+        token_base: the chunk's first token index in the batch (a host value: fixed at graph capture).
+        end_of_stream: whether this is the batch's last chunk (a host value: fixed at graph capture).
+        valid_tokens: int32 [1] on the device, the batch's real token count read when the kernel runs, for a
+            count that changes between graph replays; with it the chunk publishes only its rows below the
+            count, ends the stream at the count (``end_of_stream`` is ignored) and publishes nothing if it lies
+            wholly past it - except at ``token_base == 0``, which publishes the empty end-of-stream chunk of an
+            empty rank. A count outside ``[0, batch_rows]`` is clamped and reported.
+        batch_rows: the batch's capacity (required with ``valid_tokens``).
+        stream: a torch stream (default: the current one).
+
+    Raises:
+        ChunkringUsageError: a tensor of another shape, dtype or device, ``n`` past the slot, a destroyed ring,
+            before anything is enqueued. Malformed values the consumers mask (an expert id out of range, a
+            NaN scale, a clamped count) are reported later by ``ring.check()`` as ``ChunkringInputError``.
     """
     ring.check_alive()
     spec, device = ring.spec, ring.runtime.torch_device

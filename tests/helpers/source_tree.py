@@ -32,3 +32,15 @@ def import_statements(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     import for annotations is still an edge a reader and every import-graph tool follow)."""
     return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
+
+
+def from_module(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The module a ``from ... import`` statement of ``module`` (a package's ``__init__`` if ``is_package``)
+    imports from, its relative dots resolved."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    anchor = module if is_package else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        anchor = anchor.rpartition(".")[0]
+    return f"{anchor}.{base}" if base else anchor

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.source_tree import ROOTS, import_statements, module_files
+from tests.helpers.source_tree import ROOTS, from_module, import_statements, module_files
 
 #: Layers, lowest first: a module may import (directly or through others) only its own layer and those below.
 LAYERS = [
@@ -54,12 +54,7 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
-                base = node.module or ""
-                if node.level:
-                    anchor = name if is_package else name.rpartition(".")[0]
-                    for _ in range(node.level - 1):
-                        anchor = anchor.rpartition(".")[0]
-                    base = f"{anchor}.{base}" if base else anchor
+                base = from_module(node, name, is_package)
                 # "from pkg import mod" imports the module pkg.mod; "from mod import name" imports mod.
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
                            for alias in node.names]

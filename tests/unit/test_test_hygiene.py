@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.source_tree import REPO, import_statements
+from tests.helpers.source_tree import REPO, from_module, import_statements
 
 #: Where the rules hold.
 CHECKED = ("tests", "benchmarks")
@@ -83,12 +83,7 @@ def imported_modules(node: ast.Import | ast.ImportFrom, module: str, is_package:
     ``from pkg import x`` both ``pkg`` and ``pkg.x`` count as imported (x may be a module)."""
     if isinstance(node, ast.Import):
         return [(alias.name, []) for alias in node.names]
-    base = node.module or ""
-    if node.level:
-        anchor = module if is_package else module.rpartition(".")[0]
-        for _ in range(node.level - 1):
-            anchor = anchor.rpartition(".")[0]
-        base = f"{anchor}.{base}" if base else anchor
+    base = from_module(node, module, is_package)
     names = [alias.name for alias in node.names]
     return [(base, names), *((f"{base}.{name}", []) for name in names)]
 

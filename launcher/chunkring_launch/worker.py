@@ -17,8 +17,8 @@ import sys
 import traceback
 
 from chunkring import RankInfo, init
-from chunkring.bringup import HostComm
 from chunkring.errors import ChunkringError, ChunkringUsageError
+from chunkring.hostcomm import HostComm
 
 from . import exitcodes, progress
 from .config import from_table, load_table, parse_overrides
@@ -28,7 +28,7 @@ from .jobs import JOBS
 
 class HostRuntime(HostComm):
     """What a job that needs no GPU (``NEEDS_GPU = False``) gets instead of :func:`chunkring.init`: the
-    job's host collectives (rank, world size, barrier, gather, broadcast: :class:`chunkring.bringup.HostComm`)
+    job's host collectives (rank, world size, barrier, gather, broadcast: :class:`chunkring.hostcomm.HostComm`)
     and a ``close()`` that has nothing to do."""
 
     @property

@@ -17,7 +17,7 @@ from chunkring.env import EAGER_LOADING as _EAGER_LOADING
 for _name, _value in _EAGER_LOADING.items():
     _os.environ.setdefault(_name, _value)
 
-from chunkring.bringup import Runtime, current, init
+from chunkring.bringup import current, init
 from chunkring.errors import (
     ChunkringDeviceError,
     ChunkringError,
@@ -41,6 +41,7 @@ from chunkring.moe import (
 from chunkring.partition import SmPartition
 from chunkring.ranks import RankInfo
 from chunkring.ring import GatherOutputs, PayloadFormat, Ring, RingSpec, gather, publish_chunk
+from chunkring.runtime import Runtime
 
 __all__ = [
     "ChunkedMoE",

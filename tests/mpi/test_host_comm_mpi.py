@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from chunkring import ChunkringRuntimeError, ChunkringUsageError, RankInfo, Runtime
-from chunkring.bringup import HostComm
+from chunkring.hostcomm import HostComm
 
 
 def _world():

@@ -1,9 +1,9 @@
 """The package's import graph is one-way (read from the sources with ``ast``, nothing imported): no
 circle anywhere, and each layer imports only those below it -
 
-    chunkring's process runtime (bringup, env, errors, partition, ranks) <- chunkring._jit <- chunkring.ring
-    <- chunkring.moe <- chunkring.integrations <- chunkring.testing <- chunkring.benchmarks and scripts/
-    <- chunkring_launch
+    chunkring's process runtime (bringup, env, errors, hostcomm, partition, ranks, runtime) <- chunkring._jit
+    <- chunkring.ring <- chunkring.moe <- chunkring.integrations <- chunkring.testing
+    <- chunkring.benchmarks and scripts/ <- chunkring_launch
 
 so the protocol core never pulls in the MoE layer, the MoE layer never a framework adapter, library code
 never the launcher, the test helpers or the benchmarks, and benchmarks and scripts never the launcher.
@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Layers, lowest first: a module may import (directly or through others) only its own layer and those below.
 LAYERS = [
-    ("runtime", ("chunkring.bringup", "chunkring.env", "chunkring.errors", "chunkring.partition", "chunkring.ranks")),
+    ("runtime", ("chunkring.bringup", "chunkring.env", "chunkring.errors", "chunkring.hostcomm", "chunkring.partition",
+                 "chunkring.ranks", "chunkring.runtime")),
     ("_jit", ("chunkring._jit",)),
     ("ring", ("chunkring.ring",)),
     ("moe", ("chunkring.moe",)),
@@ -208,6 +209,7 @@ def test_the_graph_is_read(graph):
     assert "chunkring.ring.ring" in graph["chunkring.moe.layer"]
     assert "chunkring.moe.layer" in graph["chunkring.integrations.transformers"]
     assert "chunkring.bringup" in graph["chunkring"]
+    assert {"chunkring.hostcomm", "chunkring.runtime"} <= graph["chunkring.bringup"]
 
 
 def test_no_import_circles(graph):
@@ -226,6 +228,8 @@ def test_each_layer_imports_only_those_below(graph):
     ("chunkring.ring", "chunkring.testing"),
     ("chunkring.moe", "chunkring.testing"),
     ("chunkring.bringup", "chunkring_launch"),
+    ("chunkring.runtime", "chunkring.bringup"),
+    ("chunkring.hostcomm", "chunkring.runtime"),
     ("chunkring.moe", "chunkring_launch"),
     ("benchmarks", "chunkring_launch"),
     ("scripts", "chunkring_launch"),

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from chunkring import ChunkringUsageError, MoEConfig, RankInfo, StreamingCalibration
-from chunkring.bringup import HostComm
+from chunkring.hostcomm import HostComm
 from chunkring.moe.calibrate import _slowest_rank, calibrate
 from chunkring.moe.calls import CallMode, check_run_args
 from chunkring.moe.weights import quantize_weight_fp8

@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chunkring.bringup import Runtime, _ranks_on_my_gpu
+from chunkring.bringup import _ranks_on_my_gpu
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.layer import PULL_GRID, spinning_grids
 from chunkring.moe.producer import PRODUCE_ELEMENTS_PER_BLOCK, PRODUCE_MAX_BLOCKS, produce_grid, produce_grid_limit
 from chunkring.ranks import RankInfo
+from chunkring.runtime import Runtime
 
 H200_SMS = 132
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from cuda.core import Kernel, ObjectCode
 
     from chunkring._jit.compiler import BuildResult
-    from chunkring.bringup import Runtime
+    from chunkring.runtime import Runtime
 
 __all__ = ["KernelLibrary", "Param", "library_for"]  # Param lives with the signatures that make it
 

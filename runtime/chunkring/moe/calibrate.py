@@ -23,9 +23,9 @@ import torch
 from chunkring.errors import ChunkringUsageError
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
     from chunkring.moe.layer import MoELayer
     from chunkring.moe.weights import Fp8Weight
+    from chunkring.runtime import Runtime
 
 __all__ = ["DEFAULT_TOLERANCE", "StreamingCalibration", "calibrate", "capture_graph", "replay_median_ms"]
 

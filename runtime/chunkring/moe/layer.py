@@ -56,7 +56,7 @@ from chunkring.ring.spec import FP8_SCALE_BLOCK
 from chunkring.ring.transport import Transport
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
+    from chunkring.runtime import Runtime
 
 __all__ = ["CallMode", "ChunkedMoE", "MoELayer"]
 

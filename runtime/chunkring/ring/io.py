@@ -16,8 +16,8 @@ from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 
 if TYPE_CHECKING:
     from chunkring._jit.launch import KernelLibrary
-    from chunkring.bringup import Runtime
     from chunkring.ring.ring import Ring
+    from chunkring.runtime import Runtime
 
 __all__ = ["publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit", "GatherOutputs"]
 

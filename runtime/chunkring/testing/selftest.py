@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from chunkring._jit.launch import KernelLibrary
-    from chunkring.bringup import Runtime
+    from chunkring.runtime import Runtime
 
 __all__ = ["pingpong"]
 

@@ -46,7 +46,7 @@ def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None =
     try:
         config = from_table(module.CONFIG, {**load_table(config_name), **parse_overrides(overrides)}, job=job)
     except ChunkringUsageError as exc:
-        print(f"chunkring-launch: bad config: {exc}", file=sys.stderr)
+        print("\n".join(f"chunkring-launch: bad config: {line}" for line in str(exc).splitlines()), file=sys.stderr)
         return exitcodes.USAGE
     progress.enable(show_progress)
     _dump_stack_on_sigterm()

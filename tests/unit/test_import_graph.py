@@ -1,16 +1,16 @@
 """The package's import graph is one-way (read from the sources with ``ast``, nothing imported): no
 circle anywhere, and each layer imports only those below it -
 
-    chunkring's process runtime (bringup, env, errors, hostcomm, partition, ranks, runtime) <- chunkring._jit
+    chunkring's process runtime (_lazy, bringup, env, errors, hostcomm, partition, ranks, runtime) <- chunkring._jit
     <- chunkring.ring <- chunkring.moe <- chunkring.integrations <- chunkring.testing
     <- chunkring.benchmarks and scripts/ <- chunkring_launch
 
 so the protocol core never pulls in the MoE layer, the MoE layer never a framework adapter, library code
 never the launcher, the test helpers or the benchmarks, and benchmarks and scripts never the launcher.
 Every import counts, also one inside a function (a lazy import is still a circle when the two modules
-need each other); a package's
-``__init__`` is a module of its own, and importing ``a.b.c`` is not counted as importing ``a`` or
-``a.b`` (Python runs those first, but they are the facade, not a dependency)."""
+need each other), and so does each module a package facade names in its ``_EXPORTS`` table (imported at
+first use: chunkring._lazy); a package's ``__init__`` is a module of its own, and importing ``a.b.c`` is not
+counted as importing ``a`` or ``a.b`` (Python runs those first, but they are the facade, not a dependency)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Layers, lowest first: a module may import (directly or through others) only its own layer and those below.
 LAYERS = [
-    ("runtime", ("chunkring.bringup", "chunkring.env", "chunkring.errors", "chunkring.hostcomm", "chunkring.partition",
-                 "chunkring.ranks", "chunkring.runtime")),
+    ("runtime", ("chunkring._lazy", "chunkring.bringup", "chunkring.env", "chunkring.errors", "chunkring.hostcomm",
+                 "chunkring.partition", "chunkring.ranks", "chunkring.runtime")),
     ("_jit", ("chunkring._jit",)),
     ("ring", ("chunkring.ring",)),
     ("moe", ("chunkring.moe",)),
@@ -81,13 +81,21 @@ def _known(name: str, modules) -> str | None:
     return None
 
 
+def _lazy_exports(tree: ast.Module) -> list[str]:
+    """The module names (string constants) of a facade's module-level ``_EXPORTS = {name: module, ...}``."""
+    return [const.value for node in tree.body if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)
+            for const in ast.walk(node.value) if isinstance(const, ast.Constant) and isinstance(const.value, str)]
+
+
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the modules of ours it imports (anywhere in its file)."""
+    """module -> the modules of ours it imports (anywhere in its file, or lazily through ``_EXPORTS``)."""
     graph = {}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
-        edges = set()
-        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges = {t for t in (_known(m, modules) for m in _lazy_exports(tree)) if t is not None and t != name}
+        for node in _imports(tree):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -208,7 +216,8 @@ def test_the_graph_is_read(graph):
     assert "chunkring.testing.bench_moe" in graph["chunkring_launch.jobs.bench"]
     assert "chunkring.ring.ring" in graph["chunkring.moe.layer"]
     assert "chunkring.moe.layer" in graph["chunkring.integrations.transformers"]
-    assert "chunkring.bringup" in graph["chunkring"]
+    assert "chunkring.bringup" in graph["chunkring"]                           # a facade's _EXPORTS
+    assert "chunkring.moe.config" in graph["chunkring.moe"]
     assert {"chunkring.hostcomm", "chunkring.runtime"} <= graph["chunkring.bringup"]
 
 
@@ -267,11 +276,12 @@ def test_relative_and_lazy_imports_are_resolved(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("from . import a\n")
     (pkg / "a.py").write_text("def f():\n    from .sub import b\n    from .sub.b import g\n")
-    (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "b.py").write_text("from .. import a\nimport torch\nif TYPE_CHECKING:\n    from p import c\n")
     (pkg / "c.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text('_EXPORTS = {"f": "p.c", **dict.fromkeys(("g", "h"), "p.sub.b")}\n')
     modules = {"p": pkg / "__init__.py", "p.a": pkg / "a.py", "p.sub": pkg / "sub" / "__init__.py",
                "p.sub.b": pkg / "sub" / "b.py", "p.c": pkg / "c.py"}
     graph = import_graph(modules)
-    assert graph == {"p": {"p.a"}, "p.a": {"p.sub.b"}, "p.sub": set(), "p.sub.b": {"p.a"}, "p.c": set()}
+    assert graph == {"p": {"p.a"}, "p.a": {"p.sub.b"}, "p.sub": {"p.c", "p.sub.b"}, "p.sub.b": {"p.a"},
+                     "p.c": set()}
     assert find_cycles(graph) == [["p.a", "p.sub.b", "p.a"]]

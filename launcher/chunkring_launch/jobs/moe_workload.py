@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
-from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.errors import ChunkringRuntimeError, UsageProblems
+
+from ..config import CheckedConfig
+
+if TYPE_CHECKING:  # imported where used: checking a config imports no torch
+    from chunkring import MoEConfig, PayloadFormat
 
 
 @dataclass(frozen=True)
-class LayerFields:
+class LayerFields(CheckedConfig):
     """Config keys of one MoE layer (``chunkring.MoEConfig``), its check tolerance and the seed."""
 
     num_experts: int = 16
@@ -29,26 +35,34 @@ class LayerFields:
     producer_sms: int | str = "auto"
     transport: str = ""  # "auto", "rma" (NVSHMEM gets/puts for every peer) or "": CHUNKRING_TRANSPORT (default auto)
 
-    def __post_init__(self):
+    def check(self, problems: UsageProblems) -> None:
+        super().check(problems)
         if self.payload not in ("fp8", "bf16"):
-            raise ChunkringUsageError(f"must be 'fp8' or 'bf16', got {self.payload!r}", field="payload")
+            problems.add(f"must be 'fp8' or 'bf16', got {self.payload!r}", field="payload")
         if self.transport not in ("", "auto", "rma"):
-            raise ChunkringUsageError(f"must be 'auto', 'rma' or '', got {self.transport!r}", field="transport")
+            problems.add(f"must be 'auto', 'rma' or '', got {self.transport!r}", field="transport")
         if not (self.producer_sms in ("auto", "none") or (isinstance(self.producer_sms, int)
                                                           and not isinstance(self.producer_sms, bool)
                                                           and self.producer_sms > 0)):
-            raise ChunkringUsageError(f'must be "auto", "none" or a positive SM count, got {self.producer_sms!r}',
-                                      field="producer_sms")
+            problems.add(f'must be "auto", "none" or a positive SM count, got {self.producer_sms!r}',
+                         field="producer_sms")
         if not 0 < self.tolerance < 1:
-            raise ChunkringUsageError("must be in (0, 1)", field="tolerance")
-        self.layer_config()  # the layer's own checks, before any rank starts GPU work
+            problems.add(f"must be in (0, 1), got {self.tolerance!r}", field="tolerance")
+        with problems.collect():
+            # The layer's own checks, before any rank starts GPU work. The payload as given: MoEConfig checks it
+            # beside every other field, so a bad payload does not hide the layer's other problems.
+            self._layer_config(cast("PayloadFormat", self.payload))
 
-    def layer_config(self):
-        from chunkring import MoEConfig, PayloadFormat
+    def layer_config(self) -> MoEConfig:
+        from chunkring import PayloadFormat
+
+        return self._layer_config(PayloadFormat.checked(self.payload))
+
+    def _layer_config(self, payload: PayloadFormat) -> MoEConfig:
+        from chunkring import MoEConfig
 
         return MoEConfig(num_experts=self.num_experts, hidden=self.hidden, intermediate=self.intermediate,
-                         topk=self.topk, max_tokens_per_rank=self.max_tokens_per_rank,
-                         payload=PayloadFormat.checked(self.payload),
+                         topk=self.topk, max_tokens_per_rank=self.max_tokens_per_rank, payload=payload,
                          front_num_slots=self.front_num_slots, front_tokens_per_slot=self.front_tokens_per_slot,
                          transport=self.transport or None)
 

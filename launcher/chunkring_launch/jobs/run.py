@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import UsageProblems
 
+from ..config import check_range
 from ..progress import progress
 from .moe_workload import (
     LayerFields,
@@ -32,14 +33,13 @@ class CONFIG(LayerFields):
     iterations: int = 20
     warmup: int = 3
 
-    def __post_init__(self):
-        if not 0 <= self.tokens_per_rank <= self.max_tokens_per_rank:
-            raise ChunkringUsageError(f"must be in [0, max_tokens_per_rank={self.max_tokens_per_rank}]",
-                                      field="tokens_per_rank")
+    def check(self, problems: UsageProblems) -> None:
+        super().check(problems)
+        if not problems.reported("max_tokens_per_rank"):
+            check_range(problems, self, "tokens_per_rank", 0, self.max_tokens_per_rank,
+                        f"at most max_tokens_per_rank={self.max_tokens_per_rank}")
         for name in ("iterations", "warmup"):
-            if not 1 <= getattr(self, name) <= 100_000:
-                raise ChunkringUsageError("must be in [1, 100000]", field=name)
-        super().__post_init__()
+            check_range(problems, self, name, 1, 100_000)
 
 
 def run(runtime, config: CONFIG) -> dict:

@@ -29,8 +29,9 @@ import signal
 import time
 from dataclasses import dataclass
 
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError, UsageProblems
 
+from ..config import check_range
 from ..progress import progress
 from .moe_workload import (
     LayerFields,
@@ -61,42 +62,41 @@ class CONFIG(LayerFields):
     chaos_iteration: int = 10
     chaos_delay_s: float = 5.0
 
-    def __post_init__(self):
+    def check(self, problems: UsageProblems) -> None:
+        super().check(problems)
         if (self.iterations > 0) == (self.duration_s > 0):
-            raise ChunkringUsageError("set iterations > 0 or duration_s > 0 (the other 0)", field="iterations")
-        if not 0 <= self.iterations <= 10_000_000:
-            raise ChunkringUsageError("must be in [0, 10000000]", field="iterations")
-        if not 0 <= self.duration_s <= 7 * 86400:
-            raise ChunkringUsageError("must be in [0, 604800]", field="duration_s")
-        if not 0 <= self.batch_every <= 1_000_000:
-            raise ChunkringUsageError("must be in [0, 1000000]", field="batch_every")
+            problems.add(f"set iterations > 0 or duration_s > 0 (the other 0), got iterations={self.iterations} and "
+                         f"duration_s={self.duration_s:g}", field="iterations")
+        check_range(problems, self, "iterations", 0, 10_000_000)
+        check_range(problems, self, "duration_s", 0, 7 * 86400, "a week")
+        check_range(problems, self, "batch_every", 0, 1_000_000)
         if not (self.graph_every == 0 or 2 <= self.graph_every <= 1_000_000):
-            raise ChunkringUsageError("must be 0 or in [2, 1000000] (the first call is eager)", field="graph_every")
-        if not 0 <= self.delay_probability <= 1:
-            raise ChunkringUsageError("must be in [0, 1]", field="delay_probability")
-        if not 1 <= self.delay_cycles_max <= 2_000_000_000:
-            raise ChunkringUsageError("must be in [1, 2e9] (2e9 cycles ~ 1 s)", field="delay_cycles_max")
-        self._check_chaos()
-        super().__post_init__()
-        if -(-self.max_tokens_per_rank // self.front_tokens_per_slot) <= self.front_num_slots:
-            raise ChunkringUsageError(
-                f"a full call of {self.max_tokens_per_rank} tokens in {self.front_tokens_per_slot}-token chunks "
-                f"never wraps a ring of {self.front_num_slots} slots; stress needs more chunks per call than slots",
-                field="front_num_slots")
+            problems.add(f"must be 0 or in [2, 1000000] (the first call is eager), got {self.graph_every}",
+                         field="graph_every")
+        check_range(problems, self, "delay_probability", 0, 1)
+        check_range(problems, self, "delay_cycles_max", 1, 2_000_000_000, "2e9 cycles ~ 1 s")
+        self._check_chaos(problems)
+        ring = ("max_tokens_per_rank", "front_tokens_per_slot", "front_num_slots")
+        if not problems.reported(*ring) and \
+                -(-self.max_tokens_per_rank // self.front_tokens_per_slot) <= self.front_num_slots:
+            problems.add(f"a full call of {self.max_tokens_per_rank} tokens in {self.front_tokens_per_slot}-token "
+                         f"chunks never wraps a ring of {self.front_num_slots} slots; stress needs more chunks per "
+                         f"call than slots", field="front_num_slots")
 
-    def _check_chaos(self):
+    def _check_chaos(self, problems: UsageProblems) -> None:
         from chunkring.env import watchdog_timeout_s
 
         if self.chaos not in CHAOS:
-            raise ChunkringUsageError(f"must be one of {list(CHAOS)}, got {self.chaos!r}", field="chaos")
+            problems.add(f"must be one of {list(CHAOS)}, got {self.chaos!r}", field="chaos")
         if self.chaos_rank < 0:
-            raise ChunkringUsageError("must be a rank (>= 0)", field="chaos_rank")
+            problems.add(f"must be a rank (>= 0), got {self.chaos_rank}", field="chaos_rank")
         if self.chaos_iteration < 0 or (self.iterations and self.chaos_iteration >= self.iterations):
-            raise ChunkringUsageError(f"must be in [0, iterations={self.iterations})", field="chaos_iteration")
+            problems.add(f"must be in [0, iterations={self.iterations}), got {self.chaos_iteration}",
+                         field="chaos_iteration")
         watchdog = watchdog_timeout_s()
         if self.chaos == "delay" and not 0 < self.chaos_delay_s < watchdog:
-            raise ChunkringUsageError(f"must be in (0, {watchdog:g}): shorter than the device watchdog "
-                                      "(CHUNKRING_TIMEOUT_S), so the job must still pass", field="chaos_delay_s")
+            problems.add(f"must be in (0, {watchdog:g}): shorter than the device watchdog (CHUNKRING_TIMEOUT_S), so "
+                         f"the job must still pass; got {self.chaos_delay_s:g}", field="chaos_delay_s")
 
 
 @dataclass(frozen=True)

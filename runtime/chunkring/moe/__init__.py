@@ -1,14 +1,28 @@
 """The MoE layer on the ring: its config, the layer and its ``nn.Module``, the producers (router,
 top-k, FP8 quantisation), the checkpoint loader, the device dispatch plan, streaming calibration and the timeline.
 It imports the ring core (:mod:`chunkring.ring`); the ring core never imports it.
+
+The names below are imported at first use (:mod:`chunkring._lazy`): ``MoEConfig`` needs no torch.
 """
 
-from chunkring.moe.calibrate import StreamingCalibration
-from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
-from chunkring.moe.config import MoEConfig
-from chunkring.moe.layer import ChunkedMoE, MoELayer
-from chunkring.moe.timeline import Event, Timeline
-from chunkring.moe.weights import Fp8Weight, init_weights, quantize_weight_fp8
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chunkring.moe.calibrate import StreamingCalibration
+    from chunkring.moe.checkpoint import HF_EXPERT_KEYS, ExpertKeys, load_experts
+    from chunkring.moe.config import MoEConfig
+    from chunkring.moe.layer import ChunkedMoE, MoELayer
+    from chunkring.moe.timeline import Event, Timeline
+    from chunkring.moe.weights import Fp8Weight, init_weights, quantize_weight_fp8
+
+_EXPORTS = {
+    "StreamingCalibration": "chunkring.moe.calibrate",
+    **dict.fromkeys(("HF_EXPERT_KEYS", "ExpertKeys", "load_experts"), "chunkring.moe.checkpoint"),
+    "MoEConfig": "chunkring.moe.config",
+    **dict.fromkeys(("ChunkedMoE", "MoELayer"), "chunkring.moe.layer"),
+    **dict.fromkeys(("Event", "Timeline"), "chunkring.moe.timeline"),
+    **dict.fromkeys(("Fp8Weight", "init_weights", "quantize_weight_fp8"), "chunkring.moe.weights"),
+}
 
 __all__ = [
     "HF_EXPERT_KEYS",
@@ -24,3 +38,8 @@ __all__ = [
     "load_experts",
     "quantize_weight_fp8",
 ]
+
+if not TYPE_CHECKING:
+    from chunkring._lazy import attach as _attach
+
+    __getattr__, __dir__ = _attach(__name__, _EXPORTS)

@@ -1,0 +1,66 @@
+"""The package facades (``chunkring``, ``chunkring.ring``, ``chunkring.moe``) import their names at first use
+(chunkring._lazy): ``import chunkring`` and a config check import no torch, CUDA, NVSHMEM or MPI module, and
+every public name still resolves to the object its module defines."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+FACADES = ("chunkring", "chunkring.ring", "chunkring.moe")
+#: What a CPU box without the GPU packages cannot import, and what makes the CLI slow.
+HEAVY = ("torch", "cuda", "nvshmem", "mpi4py")
+
+
+def heavy_modules_after(code: str) -> list[str]:
+    """The heavy modules a fresh interpreter has imported after running ``code``."""
+    probe = (f"{code}\nimport sys\n"
+             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_package_and_checking_a_config_imports_no_torch():
+    code = ("import chunkring, chunkring.ring, chunkring.moe\n"
+            "cfg = chunkring.MoEConfig(num_experts=8, hidden=1024, intermediate=512, topk=2, max_tokens_per_rank=64)\n"
+            "cfg.with_default_ring().check_world_size(2)\n"
+            "chunkring.RingSpec, chunkring.RankInfo, chunkring.ChunkringUsageError, chunkring.ring.RingLayout")
+    assert heavy_modules_after(code) == []
+
+
+@pytest.mark.parametrize("facade", FACADES)
+def test_every_public_name_resolves_to_its_module(facade):
+    package = importlib.import_module(facade)
+    exports = package._EXPORTS
+    assert sorted(package.__all__) == sorted(exports), "__all__ and _EXPORTS list the same names"
+    for name in package.__all__:
+        assert getattr(package, name) is getattr(importlib.import_module(exports[name]), name), name
+    assert set(package.__all__) <= set(dir(package))
+
+
+@pytest.mark.parametrize("facade", FACADES)
+def test_type_checkers_see_the_same_names(facade):
+    """The ``if TYPE_CHECKING:`` imports (what mypy reads) name exactly the exported names, from the same
+    modules (a facade of a facade counts: chunkring's MoEConfig comes from chunkring.moe)."""
+    package = importlib.import_module(facade)
+    tree = ast.parse(open(package.__file__).read())
+    (block,) = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"]
+    seen = {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+    assert seen == dict(package._EXPORTS)
+
+
+def test_a_missing_name_is_an_attribute_error_and_submodules_resolve():
+    import chunkring
+
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        chunkring.NoSuchThing  # noqa: B018
+    assert chunkring.partition is importlib.import_module("chunkring.partition")
+    from chunkring import MoEConfig, moe  # a name and a submodule through `from ... import`
+
+    assert MoEConfig is moe.MoEConfig

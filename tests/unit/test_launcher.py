@@ -136,6 +136,9 @@ def test_doctor_reports_every_check_and_says_no_gpu(tmp_path):
         gpu = lines.index(next(line for line in lines if line.startswith("[FAIL] GPUs")))
         assert lines[gpu + 1].startswith("       -> ")  # a failure says what to do
     assert "[PASS] kernel build (NVRTC)" in proc.stdout
+    if not HAVE_GPU:  # nothing to run a kernel on: NVRTC and the headers checked, nothing compiled
+        assert "no GPU, so nothing compiled" in proc.stdout
+        assert not any(tmp_path.iterdir())
 
 
 def test_doctor_flags_multicast_turned_on(monkeypatch):

@@ -22,6 +22,7 @@ import torch
 import chunkring
 from chunkring import MoEConfig, MoELayer
 from chunkring._jit import library_for
+from chunkring.moe.calls import CallMode
 from chunkring.moe.producer import quantize_rows_fp8, route
 from chunkring.ring.io import publish_chunk
 from chunkring.testing import records
@@ -67,7 +68,7 @@ def main() -> int:
         router = torch.randn(args.experts, args.hidden, generator=gen, device=device).to(torch.bfloat16)
         idx, w = route(hidden, router, args.topk)
         x, x_sf = quantize_rows_fp8(hidden)
-        publish_chunk(layer.rings[1], x=x, x_sf=x_sf, topk_idx=idx, topk_weights=w, token_base=0,
+        publish_chunk(layer.rings[CallMode.STREAMED], x=x, x_sf=x_sf, topk_idx=idx, topk_weights=w, token_base=0,
                       end_of_stream=True)
         torch.cuda.synchronize()
         runtime.barrier()

@@ -49,6 +49,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from chunkring.moe.weights import Fp8Weight
 
 SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
           "v3": dict(experts=32, hidden=7168, intermediate=2048, topk=8)}
@@ -145,7 +151,8 @@ class _Shape:
         self.router = (torch.randn(self.config.num_experts, H, generator=self.gen, device=device) / H**0.5).bfloat16()
         self.w13_bf16 = (torch.randn(E, 2 * inter, H, generator=self.gen, device=device) / H**0.5).bfloat16()
         self.w2_bf16 = (torch.randn(E, H, inter, generator=self.gen, device=device) / inter**0.5).bfloat16()
-        self.weights = None  # the layer's format, from the first layer (MoELayer.expert_weights)
+        # the layer's format, from the first layer (MoELayer.expert_weights)
+        self._weights: tuple[Fp8Weight | torch.Tensor, Fp8Weight | torch.Tensor] | None = None
 
     def layer(self, max_tokens: int, chunk: int | None, waves: int = 1):
         """A layer for batches of up to ``max_tokens``, its ring the default (``chunk`` None) or slots of
@@ -156,9 +163,15 @@ class _Shape:
         if chunk is not None:
             cfg = dataclasses.replace(cfg, front_tokens_per_slot=chunk)
         layer = MoELayer(self.runtime, cfg)
-        if self.weights is None:
-            self.weights = layer.expert_weights(self.w13_bf16, self.w2_bf16)
+        if self._weights is None:
+            self._weights = layer.expert_weights(self.w13_bf16, self.w2_bf16)
         return layer
+
+    @property
+    def weights(self) -> tuple[Fp8Weight | torch.Tensor, Fp8Weight | torch.Tensor]:
+        """(w13, w2) of this rank's experts in the layer's format: made by the first :meth:`layer`."""
+        assert self._weights is not None, "call layer() first"
+        return self._weights
 
     def inputs(self, n: int) -> tuple:
         """(hidden bf16 [n, H], the routed FP8 batch MoELayer.run takes) for ``n`` tokens."""
@@ -326,12 +339,12 @@ def _say(runtime, text: str) -> None:
 def write_results(path: str, runtime, records: list[dict], files: list[str]) -> None:
     """The result file (rank 0): the summary fields, ``records``, their numbers as ``figures`` keyed
     ``<shape>_n<tokens>_<chunk_kind>_<key>``, and the names of the timeline files beside it."""
-    from chunkring.testing import records
+    from chunkring.testing import records as result_file  # not `records`: that is the argument
 
     figures = {f"{r['shape']}_n{r['tokens']}_w{r['waves']}_{r['chunk_kind']}_{k}": v for r in records
                for k, v in r.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    records.write(path, suite="overlap", world_size=runtime.world_size, figures=figures, records=records,
+    result_file.write(path, suite="overlap", world_size=runtime.world_size, figures=figures, records=records,
                       files=[Path(f).name for f in files])
 
 
@@ -347,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             shape = _Shape(name, runtime)
             default_chunk = dataclasses.replace(shape.config, max_tokens_per_rank=max(args.tokens)
                                                 ).with_default_ring().front_tokens_per_slot
+            assert default_chunk is not None  # with_default_ring sets it
             for n in args.tokens:
                 for waves in args.waves:
                     by_chunk = measure(shape, n, chunk_sizes(default_chunk, args.chunks, n), args, default_chunk,

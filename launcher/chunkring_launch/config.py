@@ -82,8 +82,9 @@ def from_table(cls: type[T], table: Mapping[str, Any], *, job: str) -> T:
     for key, value in table.items():
         if key not in fields:
             continue
-        expected = fields[key].type
-        expected = {"int": int, "float": float, "str": str, "bool": bool}.get(expected, expected)
+        declared = fields[key].type  # a string: the job modules use `from __future__ import annotations`
+        expected = {"int": int, "float": float, "str": str, "bool": bool}.get(declared, declared) \
+            if isinstance(declared, str) else declared
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)  # duration_s=600 means 600.0
         if isinstance(expected, type) and not (isinstance(value, expected)

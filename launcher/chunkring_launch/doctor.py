@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkring.env import MULTICAST_OFF
@@ -205,7 +206,7 @@ def check_environment() -> Check:
                  "NVLink multicast stays off (chunkring sets " + ", ".join(MULTICAST_OFF) + ")")
 
 
-def run_doctor(print_fn=print) -> int:
+def run_doctor(print_fn: Callable[[str], object] = print) -> int:
     checks = [*check_packages(), check_compiler(), check_driver(), *check_gpus(), check_expert_gemms(), *check_mpi(),
               check_environment()]
     for check in checks:
@@ -213,7 +214,7 @@ def run_doctor(print_fn=print) -> int:
     return summarize(checks, print_fn)
 
 
-def summarize(checks: list[Check], print_fn=print) -> int:
+def summarize(checks: list[Check], print_fn: Callable[[str], object] = print) -> int:
     """Print the summary line; the exit status: 3 (no GPU) when no GPU is visible, else 1 if any check
     failed, else 0."""
     failed = [c.name for c in checks if c.status == "FAIL"]

@@ -64,3 +64,14 @@ def test_a_missing_name_is_an_attribute_error_and_submodules_resolve():
     from chunkring import MoEConfig, moe  # a name and a submodule through `from ... import`
 
     assert MoEConfig is moe.MoEConfig
+
+
+def test_a_job_without_a_gpu_starts_its_ranks_without_torch(monkeypatch):
+    """A rank of a job that needs no GPU (the launcher's ``fault`` job) imports no torch: its ranks start in a
+    second or two, which tests/unit/test_launcher_failures.py's 8 s --timeout relies on."""
+    monkeypatch.setenv("CHUNKRING_TEST_JOBS", "1")
+    code = ("from chunkring_launch import worker\n"
+            "from chunkring_launch.jobs import JOBS\n"
+            "assert not getattr(JOBS['fault'], 'NEEDS_GPU', True)\n"
+            "worker.HostRuntime(worker.RankInfo.from_env()).barrier()\n")
+    assert heavy_modules_after(code) == []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chunkring.errors import ChunkringUsageError, UsageProblems
 
@@ -21,6 +21,9 @@ from ..progress import progress
 from .moe_workload import LayerFields, open_layer, transport_figures
 
 if TYPE_CHECKING:  # imported where used: checking a config imports no torch
+    from collections.abc import Iterator
+
+    from chunkring import MoELayer, Runtime
     from chunkring.testing.bench_moe import Timing
 
 
@@ -84,17 +87,17 @@ class CONFIG(LayerFields):
                 _ = self.trace_shape  # checked before any rank starts GPU work
 
 
-def run(runtime, config: CONFIG) -> dict:
+def run(runtime: Runtime, config: CONFIG) -> dict[str, Any]:
     """Every shape's figures on this rank (:func:`chunkring.testing.bench_moe.run`)."""
     from chunkring.testing import bench_moe
 
     total = len(config.chunk_sizes) * len(config.token_counts)
     bar = progress("bench", runtime.rank, total=total)
 
-    used: dict = {}
+    used: dict[str, Any] = {}
 
     @contextlib.contextmanager
-    def open_chunked(chunk: int):
+    def open_chunked(chunk: int) -> Iterator[MoELayer]:
         with open_layer(runtime, config, replace(config.layer_config(), front_tokens_per_slot=chunk)) as layer:
             used.update(transport_figures(layer))  # which data path the times are of
             yield layer

@@ -8,11 +8,15 @@ ring protocol is later compared against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError, UsageProblems
 from chunkring.testing.selftest import pingpong
 
 from ..config import CheckedConfig, check_range
+
+if TYPE_CHECKING:
+    from chunkring import Runtime
 
 # pingpong() lives in the library (chunkring.testing.selftest); named here for the job's users.
 __all__ = ["CONFIG", "pingpong", "run"]
@@ -31,7 +35,7 @@ class CONFIG(CheckedConfig):
         check_range(problems, self, "pingpong_iters", 1, 1 << 24)
 
 
-def run(runtime, config: CONFIG) -> dict:
+def run(runtime: Runtime, config: CONFIG) -> dict[str, float | int]:
     """Run the check on every PE; returns this PE's figures. Raises on any data or ack error."""
     import torch
 

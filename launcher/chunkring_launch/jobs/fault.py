@@ -9,11 +9,15 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from chunkring.errors import UsageProblems
 
 from ..config import CheckedConfig, check_range
 from ..progress import progress
+
+if TYPE_CHECKING:
+    from chunkring.hostcomm import HostComm
 
 NEEDS_GPU = False
 BEHAVIOURS = ("pass", "raise", "hang", "kill", "exit")
@@ -36,7 +40,7 @@ class CONFIG(CheckedConfig):
         check_range(problems, self, "step_s", 0, 60)
 
 
-def run(runtime, config: CONFIG) -> dict:
+def run(runtime: HostComm, config: CONFIG) -> dict[str, int]:
     bar = progress("fault", runtime.rank, total=config.iterations)
     for done in range(1, config.iterations + 1):
         time.sleep(config.step_s)

@@ -1,4 +1,5 @@
-"""Shared test plumbing: GPU skipping, the per-process runtime, and the MPI abort-on-failure hook."""
+"""Shared test plumbing: GPU skipping, the per-process runtime, the MPI abort-on-failure hook, the SPIN checks
+started in the background (tests/model/spin_driver.py) and the terminal summary's last words."""
 
 from __future__ import annotations
 
@@ -71,7 +72,21 @@ def pytest_sessionfinish(session):
     BACKGROUND.stop()
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_terminal_summary(terminalreporter):
+    """Summaries without NUL bytes: pytest-mpi's "MPI library version" line prints MPI_Get_library_version's
+    string as MPI returns it, its C terminator included, which shows as a raw NUL in logs and terminals. Then
+    the SPIN searches' times."""
+    write = terminalreporter.write
+    terminalreporter.write = lambda content, **markup: write(content.replace("\x00", ""), **markup)
+    try:
+        yield
+    finally:
+        del terminalreporter.write  # the instance attribute: the class's method again
+    _spin_summary(terminalreporter)
+
+
+def _spin_summary(terminalreporter) -> None:
     """The SPIN searches' own times: --durations shows how long each SPIN test waited, not how long its search
     took beside the other tests."""
     from tests.model.spin_driver import BACKGROUND

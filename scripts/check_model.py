@@ -433,9 +433,11 @@ def parse_pan(out: str) -> dict:
     return info
 
 
-def run_config(cfg: Config | str, keep: bool = False, model: Path | None = None, cache: bool = True) -> Result:
+def run_config(cfg: Config | str, keep: bool = False, model: Path | None = None,
+               cache: bool | Path = True) -> Result:
     """Run one configuration; return its Result (``ok`` = expectation met).  ``model`` overrides
-    the configuration's model file (docs/model/``cfg.model``); ``cache=False`` builds pan afresh."""
+    the configuration's model file (docs/model/``cfg.model``); ``cache``: the compiled pans' folder, True for
+    :func:`cache_root`'s, False to build pan afresh."""
     if isinstance(cfg, str):
         cfg = BY_NAME[cfg]
     if model is None:
@@ -445,7 +447,8 @@ def run_config(cfg: Config | str, keep: bool = False, model: Path | None = None,
     work = tempfile.mkdtemp(prefix=f"chunkring-spin-{cfg.name}-")
     t0 = time.monotonic()
     try:
-        pan = _build_pan(cfg, Path(model), work, cache_root() if cache else None)
+        folder = cache_root() if cache is True else (Path(cache) if cache else None)
+        pan = _build_pan(cfg, Path(model), work, folder)
         if pan is None:
             res.detail = Path(work, "build.err").read_text()
             return res

@@ -40,6 +40,8 @@ class BackgroundChecks:
     def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._futures: dict[str, concurrent.futures.Future] = {}
+        # Read once, before any test's fixture changes CHUNKRING_CACHE_DIR (tests/compile's private kernel cache).
+        self._cache = check_model.cache_root()
         self._lock = threading.Lock()
         self.finished: list = []  # every Result, as its test took it
 
@@ -47,16 +49,17 @@ class BackgroundChecks:
         """Start ``configs`` (longest first) on ``workers`` threads."""
         if MISSING or not configs or workers < 1:
             return
+        self._cache = check_model.cache_root()
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="spin")
         for cfg in check_model.longest_first(configs):
-            self._futures[cfg.name] = self._pool.submit(check_model.run_config, cfg)
+            self._futures[cfg.name] = self._pool.submit(check_model.run_config, cfg, cache=self._cache)
 
     def result(self, cfg):
         """``cfg``'s Result: a worker's, or this thread's own run if no worker has started it."""
         with self._lock:
             future = self._futures.pop(cfg.name, None)
         if future is None or future.cancel():
-            res = check_model.run_config(cfg)
+            res = check_model.run_config(cfg, cache=self._cache)
         else:
             res = future.result()
         self.finished.append(res)

@@ -68,7 +68,7 @@ def test_a_missing_name_is_an_attribute_error_and_submodules_resolve():
 
 def test_a_job_without_a_gpu_starts_its_ranks_without_torch(monkeypatch):
     """A rank of a job that needs no GPU (the launcher's ``fault`` job) imports no torch: its ranks start in a
-    second or two, which tests/unit/test_launcher_failures.py's 8 s --timeout relies on."""
+    second or two, which tests/unit/test_launcher_failures.py's 12 s --timeout relies on."""
     monkeypatch.setenv("CHUNKRING_TEST_JOBS", "1")
     code = ("from chunkring_launch import worker\n"
             "from chunkring_launch.jobs import JOBS\n"

@@ -126,13 +126,16 @@ class Shape:
         self.router = (torch.randn(self.config.num_experts, H, generator=self.gen, device=device) / H**0.5).bfloat16()
         w13 = (torch.randn(E, 2 * inter, H, generator=self.gen, device=device) / H**0.5).bfloat16()
         w2 = (torch.randn(E, H, inter, generator=self.gen, device=device) / inter**0.5).bfloat16()
-        self.w13, self.w2 = expert_weights(self.config, w13, w2)
+        weights = expert_weights(self.config, w13, w2)
+        self.w13, self.w2 = weights[0], weights[1]
         self.layer = MoELayer(runtime, self.config)
         self.module = ChunkedMoE(self.layer, weights=(self.router, self.w13, self.w2))
 
     @property
     def slot(self) -> int:
-        return self.config.front_tokens_per_slot
+        slot = self.config.front_tokens_per_slot
+        assert slot is not None  # with_default_ring set it
+        return slot
 
     def inputs(self, n: int) -> tuple:
         """(hidden bf16 [n, H], the routed FP8 batch MoELayer.run takes) for ``n`` tokens."""
@@ -234,10 +237,10 @@ def measure_shape(shape: Shape, args) -> list[dict]:
     records = []
     try:
         for n in args.tokens:
-            hidden, routed = shape.inputs(n)
+            hidden, (x, x_sf, idx, w) = shape.inputs(n)
             common = {"ranks": runtime.world_size, "batch_ms": timed(lambda: module(hidden, streaming=False)),
                       "auto_ms": timed(lambda: module(hidden, streaming="auto")),
-                      "Q_ms": timed(lambda: layer.run(*routed, shape.w13, shape.w2))}
+                      "Q_ms": timed(lambda: layer.run(x, x_sf, idx, w, shape.w13, shape.w2))}
             batch_out = module(hidden, streaming=False)
             for kind, chunk in (("default", min(n, shape.slot)), ("best", calibration.chunk_for(n))):
                 streamed_out = shape.forward(hidden, chunk)

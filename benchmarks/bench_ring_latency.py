@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 
@@ -74,8 +75,8 @@ def main() -> int:
         print("bench_ring_latency: needs at least two ranks (mpirun -np 2 ...)", file=sys.stderr)
         runtime.close()
         return 2
-    common = dict(world_size=runtime.world_size, tokens_per_slot=1, hidden=128, payload=PayloadFormat.BF16,
-                  topk=1, num_experts=runtime.world_size)
+    common: dict[str, Any] = dict(world_size=runtime.world_size, tokens_per_slot=1, hidden=128,
+                                  payload=PayloadFormat.BF16, topk=1, num_experts=runtime.world_size)
     if args.ack_cost:
         ack_cost(runtime, library_for(runtime, "ring_bench"), common, args.iters, args.json)
         runtime.close()
@@ -88,6 +89,7 @@ def main() -> int:
     with Ring(runtime, RingSpec(num_slots=1, **common), timeout_s=30) as one_slot:
         slot_round_trip = timed(runtime, one_slot, lib, "ring_slot_roundtrip", args.iters, grid=2)
     if runtime.rank == 0:
+        assert raw_rtt is not None  # pingpong's result on PE 0
         floor = raw_rtt / 2
         rows = [("raw signal one-way (floor)", floor), ("ring publish -> observe", publish_rtt / 2),
                 ("ring slot round trip", slot_round_trip)]

@@ -40,7 +40,7 @@ from chunkring import MoEConfig, MoELayer
 from chunkring.moe.calibration import replay_median_ms
 from chunkring.moe.experts import load_deep_gemm
 from chunkring.moe.producer import quantize_rows_fp8, route
-from chunkring.moe.weights import expert_weights
+from chunkring.moe.weights import Fp8Weight, expert_weights
 from chunkring.testing.peer_moe import torch_moe
 
 SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
@@ -78,6 +78,7 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
     gen.manual_seed(0)
     router, w13_bf16, w2_bf16 = draw_weights(shape, gen, device)
     w13, w2 = expert_weights(layer.config, w13_bf16, w2_bf16)
+    assert isinstance(w13, Fp8Weight) and isinstance(w2, Fp8Weight)  # the FP8 payload's weights
     w13_ref, w2_ref = w13.dequantize().double(), w2.dequantize().double()
     l1, l2 = dg.transform_weights_for_mega_moe_sm90((w13.data, w13.scale), (w2.data, w2.scale))
     buffer = dg.get_symm_buffer_for_mega_moe(group, E, max(tokens), K, H, inter)

@@ -20,6 +20,10 @@ Each configuration is one of three checks:
   * liveness, no fairness: the same with ``-a`` alone (every run counts).
 Every pan is compiled with -DCOLLAPSE (lossless state compression) and a
 -DMEMLIM bound.  No -DBITSTATE / hash compaction: every search is exhaustive.
+Compiled pans are kept in a cache ($CHUNKRING_CACHE_DIR/spin, default
+~/.cache/chunkring/spin) keyed by the model's text, the macros, the gcc flags and
+the spin and gcc versions, so a later run with the same inputs skips spin -a and
+gcc (about 1.3 s a configuration) and runs the same search; --no-cache rebuilds.
 
 Expectations:
   * a correct configuration must report ``errors: 0`` from a complete search;
@@ -29,7 +33,7 @@ Expectations:
 A check fails if pan's output lacks the ``errors:`` line, or reports search
 truncation (max search depth too small, memory bound reached).
 
-Usage: check_model.py [--only NAME ...] [--json PATH] [--jobs N] [--keep] [--list]
+Usage: check_model.py [--only NAME ...] [--json PATH] [--jobs N] [--keep] [--no-cache] [--list]
 Exit status: 0 if every check met its expectation, 1 otherwise, 2 on usage
 errors or missing tools.
 """
@@ -38,6 +42,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import re
@@ -45,6 +51,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -272,6 +279,19 @@ BLOCK_CONFIGS: tuple[Config, ...] = (
 CONFIGS = CONFIGS + BLOCK_CONFIGS
 BY_NAME = {c.name: c for c in CONFIGS}
 
+#: Seconds each of the larger checks took (spin + gcc + pan, one core, 2026-12-04): the order to start them in,
+#: longest first, so that a pool of workers ends together. Any other check takes about 1-4 s.
+MEASURED_S = {
+    "blk2_w2s2": 38.7, "heldblk2_w2s2": 31.3, "w2s2_stale": 26.0, "held_w2s1_stale": 22.9, "w2s1_stale": 20.2,
+    "w3s1": 19.7, "held_w3s1": 16.2, "blk2_w2s1": 11.7, "live_w2s2": 9.7, "blk_cons3": 9.0, "blk_route_any": 8.6,
+    "live_held_w2s2": 8.0, "heldblk2_w2s1": 7.9, "blk_two_calls": 6.7, "heldblk2_w2s1_n3": 4.5,
+}
+
+
+def longest_first(configs) -> list[Config]:
+    """``configs`` in the order to start them: the longest measured first, then the others as given."""
+    return sorted(configs, key=lambda c: -MEASURED_S.get(c.name, 0.0))
+
 
 @dataclasses.dataclass
 class Result:
@@ -297,9 +317,80 @@ def tools_missing() -> list[str]:
     return [t for t in ("spin", "gcc") if shutil.which(t) is None]
 
 
+#: The spin, gcc and pan processes running now (any thread's), so that stop_all() can end them.
+_RUNNING: set[subprocess.Popen] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
 def _run(cmd: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False,
-                          timeout=timeout)
+    with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        with _RUNNING_LOCK:
+            _RUNNING.add(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_all() -> None:
+    """Kill every spin, gcc and pan process this module started that is still running (a caller giving up on
+    its checks: an interrupted test session)."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        proc.kill()
+
+
+def cache_root() -> Path:
+    """Where compiled pans are kept: $CHUNKRING_CACHE_DIR/spin (default ~/.cache/chunkring/spin)."""
+    base = os.environ.get("CHUNKRING_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "chunkring")
+    return Path(base) / "spin"
+
+
+@functools.lru_cache(maxsize=1)
+def _tool_versions() -> str:
+    """spin's and gcc's versions: a cached pan is one built by these tools."""
+    spin = subprocess.run(["spin", "-V"], capture_output=True, text=True, check=False).stdout.strip()
+    gcc = subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=False).stdout.strip()
+    return f"{spin}\n{gcc}"
+
+
+def _gcc_flags(cfg: Config) -> list[str]:
+    # -DSAFETY leaves the cycle search out of pan
+    return ["-O2", "-w", *(("-DSAFETY",) if cfg.check == SAFETY else ()), "-DCOLLAPSE", f"-DMEMLIM={MEMLIM_MB}"]
+
+
+def _build_pan(cfg: Config, model: Path, work: str, cache: Path | None) -> str | None:
+    """Make ``cfg``'s pan (spin -a, then gcc) in ``work``, or take it from ``cache``; its path, or None with the
+    failing step's output in ``work/build.err``."""
+    pml = Path(model).name
+    shutil.copy(model, os.path.join(work, pml))  # beside pan's trail, to replay it (spin -t) from --keep's folder
+    text = Path(model).read_text()
+    defs = [f"-D{m}" for m in cfg.defines()]
+    key = hashlib.sha256("\n".join([pml, text, *defs, *_gcc_flags(cfg), _tool_versions()]).encode()).hexdigest()[:32]
+    cached = cache / f"pan-{key}" if cache is not None else None
+    if cached is not None and cached.is_file():
+        return str(cached)
+    for cmd, tmo in ((["spin", *defs, "-a", pml], 120), (["gcc", *_gcc_flags(cfg), "-o", "pan", "pan.c"], 300)):
+        p = _run(cmd, work, tmo)
+        if p.returncode != 0:
+            Path(work, "build.err").write_text(f"{cmd[0]} failed: {(p.stdout + p.stderr).strip()[-800:]}")
+            return None
+    built = os.path.join(work, "pan")
+    if cached is None:
+        return built
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=cached.name, suffix=".tmp")
+    os.close(fd)
+    shutil.copy2(built, tmp)
+    os.replace(tmp, cached)  # whole or absent: several workers may build the same pan at once
+    return str(cached)
 
 
 def parse_pan(out: str) -> dict:
@@ -342,33 +433,26 @@ def parse_pan(out: str) -> dict:
     return info
 
 
-def run_config(cfg: Config | str, keep: bool = False, model: Path | None = None) -> Result:
+def run_config(cfg: Config | str, keep: bool = False, model: Path | None = None,
+               cache: bool | Path = True) -> Result:
     """Run one configuration; return its Result (``ok`` = expectation met).  ``model`` overrides
-    the configuration's model file (docs/model/``cfg.model``)."""
+    the configuration's model file (docs/model/``cfg.model``); ``cache``: the compiled pans' folder, True for
+    :func:`cache_root`'s, False to build pan afresh."""
     if isinstance(cfg, str):
         cfg = BY_NAME[cfg]
     if model is None:
         model = MODEL_DIR / cfg.model
-    pml = Path(model).name
     res = Result(cfg.name, cfg.check, cfg.expect, list(cfg.defines()),
                  expected_property=cfg.prop)
     work = tempfile.mkdtemp(prefix=f"chunkring-spin-{cfg.name}-")
     t0 = time.monotonic()
     try:
-        shutil.copy(model, os.path.join(work, pml))
-        defs = [f"-D{m}" for m in cfg.defines()]
-        steps = [
-            (["spin", *defs, "-a", pml], 120),
-            # -DSAFETY leaves the cycle search out of pan
-            (["gcc", "-O2", "-w", *(("-DSAFETY",) if cfg.check == SAFETY else ()),
-              "-DCOLLAPSE", f"-DMEMLIM={MEMLIM_MB}", "-o", "pan", "pan.c"], 300),
-        ]
-        for cmd, tmo in steps:
-            p = _run(cmd, work, tmo)
-            if p.returncode != 0:
-                res.detail = f"{cmd[0]} failed: {(p.stdout + p.stderr).strip()[-800:]}"
-                return res
-        p = _run(["./pan", *PAN_FLAGS[cfg.check], f"-m{DEPTH}", f"-w{cfg.hashbits}"],
+        folder = cache_root() if cache is True else (Path(cache) if cache else None)
+        pan = _build_pan(cfg, Path(model), work, folder)
+        if pan is None:
+            res.detail = Path(work, "build.err").read_text()
+            return res
+        p = _run([pan, *PAN_FLAGS[cfg.check], f"-m{DEPTH}", f"-w{cfg.hashbits}"],
                  work, TIMEOUT_S)
         out = p.stdout + p.stderr
         with open(os.path.join(work, "pan.out"), "w") as f:
@@ -439,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="parallel pan runs (default: min(2, cpus))")
     ap.add_argument("--keep", action="store_true",
                     help="keep the temp dirs (pan.out, trail) for inspection")
+    ap.add_argument("--no-cache", action="store_true",
+                    help=f"build every pan afresh (default: reuse those in {cache_root()})")
     ap.add_argument("--list", action="store_true", help="list configurations")
     args = ap.parse_args(argv)
 
@@ -463,11 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     t0 = time.monotonic()
-    # start the expensive configurations first
-    order = sorted(selected, key=lambda c: c.name not in (
-        "w2s2_stale", "blk2_w2s2", "w3s1", "live_w2s2", "blk2_w2s1", "held_w3s1", "blk_route_any"))
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as ex:
-        futs = {c.name: ex.submit(run_config, c, args.keep) for c in order}
+        futs = {c.name: ex.submit(run_config, c, args.keep, None, not args.no_cache) for c in longest_first(selected)}
         results = [futs[c.name].result() for c in selected]
     total = time.monotonic() - t0
 

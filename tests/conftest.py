@@ -1,5 +1,6 @@
-"""Shared test plumbing: GPU skipping, the per-process runtime, the transport property, and the MPI
-abort-on-failure hook. Fixtures and hooks only: what test modules import lives in tests/helpers/."""
+"""Shared test plumbing: GPU skipping, the per-process runtime, the transport property, the MPI abort-on-failure
+hook, the SPIN checks started in the background (tests/model/spin_driver.py) and the terminal summary's last
+words. Fixtures and hooks only: what test modules import lives in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -40,12 +41,58 @@ def transport_property(record_testsuite_property):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The SPIN model checks last: their searches start in the background once collection ends
+    # (tests/model/spin_driver.py), so the other tests run meanwhile on the cores the searches leave.
+    items.sort(key=lambda item: item.get_closest_marker("spin") is not None)
     if HAVE_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible: torch.cuda.device_count() == 0)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the selected SPIN checks in the background (the ``spin`` marker; after -k / -m selection)."""
+    spin = [item for item in session.items if item.get_closest_marker("spin") is not None]
+    if spin and not session.config.option.collectonly:
+        from tests.model.spin_driver import BACKGROUND, default_workers
+
+        BACKGROUND.start([item.callspec.params["cfg"] for item in spin], default_workers())
+
+
+def pytest_sessionfinish(session):
+    from tests.model.spin_driver import BACKGROUND
+
+    BACKGROUND.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_terminal_summary(terminalreporter):
+    """Summaries without NUL bytes: pytest-mpi's "MPI library version" line prints MPI_Get_library_version's
+    string as MPI returns it, its C terminator included, which shows as a raw NUL in logs and terminals. Then
+    the SPIN searches' times."""
+    write = terminalreporter.write
+    terminalreporter.write = lambda content, **markup: write(content.replace("\x00", ""), **markup)
+    try:
+        yield
+    finally:
+        del terminalreporter.write  # the instance attribute: the class's method again
+    _spin_summary(terminalreporter)
+
+
+def _spin_summary(terminalreporter) -> None:
+    """The SPIN searches' own times: --durations shows how long each SPIN test waited, not how long its search
+    took beside the other tests."""
+    from tests.model.spin_driver import BACKGROUND
+
+    done = sorted(BACKGROUND.finished, key=lambda r: -r.seconds)
+    if not done:
+        return
+    terminalreporter.section("SPIN model checks (run beside the other tests)")
+    terminalreporter.write_line(f"{len(done)} searches, {sum(r.seconds for r in done):.0f} s in all; the slowest:")
+    for r in done[:8]:
+        terminalreporter.write_line(f"  {r.seconds:6.1f} s  {r.name} ({r.states} states)")
 
 
 @pytest.hookimpl(hookwrapper=True)

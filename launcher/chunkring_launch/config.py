@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
+from typing import Any, TypeVar
 
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError, UsageProblems
 
-__all__ = ["from_table", "load_table", "parse_overrides"]
+__all__ = ["CheckedConfig", "check_range", "from_table", "load_table", "parse_overrides"]
+
+T = TypeVar("T")
 
 
-def load_table(name_or_path: str) -> dict:
+def load_table(name_or_path: str) -> dict[str, Any]:
     """Read a preset (``"bringup"``) or a ``.toml`` path into a dict."""
     path = Path(name_or_path)
     if path.suffix == ".toml":
@@ -34,31 +38,72 @@ def load_table(name_or_path: str) -> dict:
         raise ChunkringUsageError(f"{name_or_path}: {exc}", field="config") from None
 
 
-def from_table(cls, table: dict, *, job: str):
-    """Build the frozen dataclass ``cls`` from ``table``; unknown keys and wrong types are errors."""
+class CheckedConfig:
+    """A job's config (a frozen dataclass deriving from this) that reports every bad value at once: each class
+    adds its problems in :meth:`check`, calling ``super().check(problems)`` first, and building it raises one
+    ``ChunkringUsageError`` listing them all (``field`` the first). Each problem names the key, its value and
+    what it must be."""
+
+    def __post_init__(self) -> None:
+        problems = UsageProblems()
+        self.check(problems)
+        problems.raise_if_any()
+
+    def check(self, problems: UsageProblems) -> None:
+        """Add this config's problems to ``problems``; a key already found at fault keeps its first one."""
+
+
+def check_range(problems: UsageProblems, config: object, name: str, low: float, high: float, why: str = "") -> bool:
+    """Whether ``config.name`` is in [low, high]; if not, a problem naming the key, its value and the range."""
+    value = getattr(config, name)
+    if low <= value <= high:
+        return True
+    problems.add(f"must be in [{_number(low)}, {_number(high)}], got {value!r}" + (f" ({why})" if why else ""),
+                 field=name)
+    return False
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def from_table(cls: type[T], table: Mapping[str, Any], *, job: str) -> T:
+    """Build the frozen dataclass ``cls`` from ``table``; unknown keys, wrong types and bad values are errors,
+    every one of them listed in one ``ChunkringUsageError``."""
     table = dict(table)
+    problems = UsageProblems()
     if table.pop("job", job) != job:
-        raise ChunkringUsageError(f"config is for job {table.get('job')!r}, not {job!r}", field="job")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+        problems.add(f"config is for job {table.get('job')!r}, not {job!r}", field="job")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(table) - set(fields))
     if unknown:
-        raise ChunkringUsageError(f"unknown keys {unknown} for job {job}; known: {sorted(fields)}", field="config")
+        problems.add(f"unknown keys {unknown} for job {job}; known: {sorted(fields)}", field="config")
+    checked = {}
     for key, value in table.items():
-        expected = fields[key].type
-        expected = {"int": int, "float": float, "str": str, "bool": bool}.get(expected, expected)
+        if key not in fields:
+            continue
+        declared = fields[key].type  # a string: the job modules use `from __future__ import annotations`
+        expected = {"int": int, "float": float, "str": str, "bool": bool}.get(declared, declared) \
+            if isinstance(declared, str) else declared
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            table[key] = value = float(value)  # duration_s=600 means 600.0
+            value = float(value)  # duration_s=600 means 600.0
         if isinstance(expected, type) and not (isinstance(value, expected)
                                                and not (expected is int and isinstance(value, bool))):
-            raise ChunkringUsageError(f"expected {expected.__name__}, got {value!r}", field=key)
-    return cls(**table)
+            problems.add(f"expected {expected.__name__}, got {value!r}", field=key)
+        else:
+            checked[key] = value
+    # The keys of the right type are checked too (the others at their defaults), so one run lists every problem.
+    with problems.collect():
+        config = cls(**checked)
+    problems.raise_if_any()
+    return config
 
 
-def parse_overrides(items) -> dict:
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     """``["rounds=32", "name=x"]`` -> ``{"rounds": 32, "name": "x"}``, values read as TOML values
     (ints, floats, booleans, quoted strings) with bare words taken as strings. Types are checked later,
     by :func:`from_table`, against the job's config."""
-    out = {}
+    out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.isidentifier():

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkring.env import MULTICAST_OFF
@@ -57,19 +58,32 @@ def check_packages() -> list[Check]:
     return out
 
 
-def check_compiler() -> Check:
+def check_compiler(*, gpu: bool | None = None) -> Check:
+    """NVRTC and the NVSHMEM headers. With a GPU (``gpu``; default: the driver shows one), the selftest kernel
+    is built for it (from the cache when built before). Without one nothing here would run a kernel, so
+    nothing is compiled: NVRTC must load and report its version and every header directory must be found
+    (a cold compile takes 5-15 s; tests/compile/ compiles every kernel on a CPU machine)."""
+    name, remedy = "kernel build (NVRTC)", "pip install nvidia-cuda-nvrtc nvidia-nvshmem-cu13; docs/BUILD.md"
     try:
         from chunkring.jit import build, nvshmem_version
 
+        if gpu is None:
+            from .gpus import driver_gpu_count
+
+            gpu = driver_gpu_count() > 0
+        if not gpu:
+            from chunkring.jit.compiler import _include_path, _nvrtc_version
+
+            folders = _include_path()
+            return Check(name, "PASS", f"NVRTC {_nvrtc_version()} loads; NVSHMEM {nvshmem_version()} and "
+                                       f"{len(folders) - 1} more header folders found; no GPU, so nothing compiled")
         start = time.perf_counter()
         result = build("selftest")
         took = time.perf_counter() - start
         source = "from the cache" if result.cache_hit else "compiled"
-        return Check("kernel build (NVRTC)", "PASS",
-                     f"selftest {source} in {took:.2f} s against NVSHMEM {nvshmem_version()}")
+        return Check(name, "PASS", f"selftest {source} in {took:.2f} s against NVSHMEM {nvshmem_version()}")
     except Exception as exc:  # report, don't raise: the doctor lists every problem
-        return Check("kernel build (NVRTC)", "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0],
-                     "pip install nvidia-cuda-nvrtc nvidia-nvshmem-cu13; docs/BUILD.md")
+        return Check(name, "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0], remedy)
 
 
 def check_gpus() -> list[Check]:
@@ -192,7 +206,7 @@ def check_environment() -> Check:
                  "NVLink multicast stays off (chunkring sets " + ", ".join(MULTICAST_OFF) + ")")
 
 
-def run_doctor(print_fn=print) -> int:
+def run_doctor(print_fn: Callable[[str], object] = print) -> int:
     checks = [*check_packages(), check_compiler(), check_driver(), *check_gpus(), check_expert_gemms(), *check_mpi(),
               check_environment()]
     for check in checks:
@@ -200,7 +214,7 @@ def run_doctor(print_fn=print) -> int:
     return summarize(checks, print_fn)
 
 
-def summarize(checks: list[Check], print_fn=print) -> int:
+def summarize(checks: list[Check], print_fn: Callable[[str], object] = print) -> int:
     """Print the summary line; the exit status: 3 (no GPU) when no GPU is visible, else 1 if any check
     failed, else 0."""
     failed = [c.name for c in checks if c.status == "FAIL"]

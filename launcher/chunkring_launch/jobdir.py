@@ -14,15 +14,15 @@ JOB_DIR_VAR = "CHUNKRING_JOB_DIR"
 _FIRST = "first_failure"
 
 
-def diagnostic_path(job_dir, rank: int) -> Path:
+def diagnostic_path(job_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(job_dir) / f"rank{rank}.txt"
 
 
-def stack_path(job_dir, rank: int) -> Path:
+def stack_path(job_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(job_dir) / f"rank{rank}.stack"
 
 
-def record_failure(job_dir, rank: int, text: str) -> bool:
+def record_failure(job_dir: str | os.PathLike[str], rank: int, text: str) -> bool:
     """Write ``rank``'s diagnostic; True if this rank is the first of the job to fail (it alone prints)."""
     path = diagnostic_path(job_dir, rank)
     partial = path.with_suffix(".partial")
@@ -37,7 +37,7 @@ def record_failure(job_dir, rank: int, text: str) -> bool:
     return True
 
 
-def first_failure(job_dir) -> int | None:
+def first_failure(job_dir: str | os.PathLike[str]) -> int | None:
     """The rank that recorded the first failure, or None."""
     try:
         return int((Path(job_dir) / _FIRST).read_text())
@@ -45,12 +45,12 @@ def first_failure(job_dir) -> int | None:
         return None
 
 
-def failed_ranks(job_dir) -> list[int]:
+def failed_ranks(job_dir: str | os.PathLike[str]) -> list[int]:
     """Every rank that recorded a diagnostic, ascending."""
     return sorted(int(p.stem[4:]) for p in Path(job_dir).glob("rank*.txt") if p.stem[4:].isdigit())
 
 
-def ranks_with_stacks(job_dir) -> list[int]:
+def ranks_with_stacks(job_dir: str | os.PathLike[str]) -> list[int]:
     """Ranks whose Python stack was dumped when they were ended from outside (non-empty stack files)."""
     return sorted(int(p.stem[4:]) for p in Path(job_dir).glob("rank*.stack")
                   if p.stem[4:].isdigit() and p.stat().st_size > 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any, TextIO
 
 MARKER = "@chunkring-progress "
 
@@ -28,7 +29,7 @@ class Progress:
     """One loop's progress: ``total`` iterations, or ``duration_s`` seconds of wall time."""
 
     def __init__(self, label: str, *, total: int | None = None, duration_s: float | None = None,
-                 enabled: bool = True, stream=None, min_interval_s: float = 0.5):
+                 enabled: bool = True, stream: TextIO | None = None, min_interval_s: float = 0.5) -> None:
         self.label, self.total, self.duration_s = label, total, duration_s
         self.enabled, self.stream, self.min_interval_s = enabled, stream, min_interval_s
         self._start = time.monotonic()
@@ -55,7 +56,7 @@ def progress(label: str, rank: int, *, total: int | None = None, duration_s: flo
     return Progress(label, total=total, duration_s=duration_s, enabled=_enabled and rank == 0)
 
 
-def parse_marker(line: str) -> dict | None:
+def parse_marker(line: str) -> dict[str, Any] | None:
     """The state in a marker line, or None for any other line."""
     if not line.startswith(MARKER):
         return None
@@ -66,7 +67,7 @@ def parse_marker(line: str) -> dict | None:
     return state if isinstance(state, dict) else None
 
 
-def render(state: dict, width: int = 28) -> str:
+def render(state: dict[str, Any], width: int = 28) -> str:
     """One line: label, bar, percentage, count, elapsed time, estimated time left, note."""
     done, total, duration = state.get("done", 0), state.get("total"), state.get("duration_s")
     elapsed = float(state.get("elapsed_s", 0.0))
@@ -87,12 +88,12 @@ def render(state: dict, width: int = 28) -> str:
 class TerminalBar:
     """The launcher's side: draws the latest state on one terminal line; other output goes above it."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: TextIO) -> None:
         self.stream = stream
-        self._state: dict | None = None
+        self._state: dict[str, Any] | None = None
         self._drawn = 0  # characters of the bar now on the line (0: none)
 
-    def draw(self, state: dict) -> None:
+    def draw(self, state: dict[str, Any]) -> None:
         self._state = state
         line = render(state)
         self.stream.write("\r" + line.ljust(self._drawn))

@@ -20,7 +20,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import FrameType
+from typing import IO, Any, TextIO
 
 from . import exitcodes
 from .jobdir import diagnostic_path, failed_ranks, first_failure, ranks_with_stacks
@@ -40,20 +43,20 @@ class SignalCatcher:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: int | None = None
-        self._previous = {}
+        self._previous: dict[int, Any] = {}
 
-    def __enter__(self):
+    def __enter__(self) -> SignalCatcher:
         for signum in self.SIGNALS:
             self._previous[signum] = signal.signal(signum, self._record)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
-    def _record(self, signum, frame):
+    def _record(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signum
 
@@ -74,18 +77,19 @@ class Outcome:
         return self.deadline_hit or OMPI_TIMEOUT_TEXT in self.stderr_tail
 
 
-def supervise(cmd: list[str], env: dict, *, deadline_s: float, grace_s: float, catcher: SignalCatcher,
-              show_progress: bool = False, out=None) -> Outcome:
+def supervise(cmd: list[str], env: Mapping[str, str], *, deadline_s: float, grace_s: float, catcher: SignalCatcher,
+              show_progress: bool = False, out: TextIO | None = None) -> Outcome:
     """Run ``cmd`` to its end (or ours): relay stderr, forward signals, enforce ``deadline_s``."""
     out = out or sys.stderr
     start = time.monotonic()
     if catcher.received is not None:  # interrupted before anything started
         return Outcome(None, 0.0, signal=catcher.received)
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True)
+    assert proc.stderr is not None  # stderr=PIPE
     relay = _Relay(proc.stderr, out, TerminalBar(out) if show_progress else None)
     relay.start()
     outcome = Outcome(None, 0.0)
-    stop_by = None  # when the grace period after a forwarded signal ends
+    stop_by: float | None = None  # when the grace period after a forwarded signal ends
     while outcome.returncode is None:
         try:
             outcome.returncode = proc.wait(timeout=0.1)
@@ -113,7 +117,7 @@ def supervise(cmd: list[str], env: dict, *, deadline_s: float, grace_s: float, c
     return outcome
 
 
-def _send(proc, signum: int) -> None:
+def _send(proc: subprocess.Popen[bytes], signum: int) -> None:
     try:
         proc.send_signal(signum)
     except ProcessLookupError:
@@ -150,12 +154,12 @@ def _session_members(session_id: int) -> list[int]:
 class _Relay(threading.Thread):
     """Copies the child's stderr to ``out`` line by line, drawing progress markers as a bar."""
 
-    def __init__(self, pipe, out, bar: TerminalBar | None, tail_lines: int = 400):
+    def __init__(self, pipe: IO[bytes], out: TextIO, bar: TerminalBar | None, tail_lines: int = 400) -> None:
         super().__init__(daemon=True)
         self.pipe, self.out, self.bar = pipe, out, bar
-        self._tail = collections.deque(maxlen=tail_lines)
+        self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
 
-    def run(self):
+    def run(self) -> None:
         for raw in self.pipe:
             line = raw.decode("utf-8", errors="replace")
             if not line.endswith("\n"):  # a last, unfinished line: what we print next starts afresh
@@ -172,7 +176,7 @@ class _Relay(threading.Thread):
                 self.out.write(line)
                 self.out.flush()
 
-    def finish(self):
+    def finish(self) -> None:
         if self.bar is not None:
             self.bar.finish()
 
@@ -180,7 +184,7 @@ class _Relay(threading.Thread):
         return "".join(self._tail)
 
 
-def conclude(outcome: Outcome, *, job_dir, timeout_s: float) -> tuple[int, list[str], bool]:
+def conclude(outcome: Outcome, *, job_dir: str, timeout_s: float) -> tuple[int, list[str], bool]:
     """Exit status, the lines to print, and whether ``job_dir`` holds something the lines point at."""
     first, failed = first_failure(job_dir), failed_ranks(job_dir)
     if outcome.signal is not None:
@@ -206,7 +210,7 @@ def conclude(outcome: Outcome, *, job_dir, timeout_s: float) -> tuple[int, list[
     return exitcodes.FAILED, [f"{PREFIX}the job exited with status {outcome.returncode} and no rank said why"], False
 
 
-def _failure_lines(outcome: Outcome, job_dir, first: int, failed: list[int]) -> tuple[list[str], bool]:
+def _failure_lines(outcome: Outcome, job_dir: str, first: int, failed: list[int]) -> tuple[list[str], bool]:
     lines = []
     diagnostic = diagnostic_path(job_dir, first).read_text()
     if diagnostic.splitlines()[0] not in outcome.stderr_tail:  # lost in the abort: show it from the file

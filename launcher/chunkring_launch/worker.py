@@ -15,10 +15,12 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Sequence
+from typing import Any
 
-from chunkring import RankInfo, init
-from chunkring.bringup import HostComm
+from chunkring import RankInfo, Runtime, init
 from chunkring.errors import ChunkringError, ChunkringUsageError
+from chunkring.hostcomm import HostComm
 
 from . import exitcodes, progress
 from .config import from_table, load_table, parse_overrides
@@ -28,7 +30,7 @@ from .jobs import JOBS
 
 class HostRuntime(HostComm):
     """What a job that needs no GPU (``NEEDS_GPU = False``) gets instead of :func:`chunkring.init`: the
-    job's host collectives (rank, world size, barrier, gather, broadcast: :class:`chunkring.bringup.HostComm`)
+    job's host collectives (rank, world size, barrier, gather, broadcast: :class:`chunkring.hostcomm.HostComm`)
     and a ``close()`` that has nothing to do."""
 
     @property
@@ -39,23 +41,27 @@ class HostRuntime(HostComm):
         pass
 
 
-def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None = None,
+#: What a job's ``run`` gets: the GPU runtime, or the host-only one of a job with ``NEEDS_GPU = False``.
+JobRuntime = Runtime | HostRuntime
+
+
+def run_job(job: str, config_name: str, overrides: Sequence[str] = (), *, json_path: str | None = None,
             show_progress: bool = False) -> int:
     """Run ``job`` in this process (one rank); rank 0 prints the table. Returns the exit status."""
     module = JOBS[job]
     try:
         config = from_table(module.CONFIG, {**load_table(config_name), **parse_overrides(overrides)}, job=job)
     except ChunkringUsageError as exc:
-        print(f"chunkring-launch: bad config: {exc}", file=sys.stderr)
+        print("\n".join(f"chunkring-launch: bad config: {line}" for line in str(exc).splitlines()), file=sys.stderr)
         return exitcodes.USAGE
     progress.enable(show_progress)
     _dump_stack_on_sigterm()
-    runtime = None
+    runtime: JobRuntime | None = None
     try:
         runtime = init() if getattr(module, "NEEDS_GPU", True) else HostRuntime(RankInfo.from_env())
         figures = module.run(runtime, config)
         all_figures = runtime.gather_object(figures, root=0)
-        if runtime.rank == 0:
+        if all_figures is not None:  # rank 0
             _print_table(job, runtime, all_figures)
             if json_path:
                 with open(json_path, "w") as out:
@@ -73,11 +79,11 @@ def run_job(job: str, config_name: str, overrides=(), *, json_path: str | None =
     return exitcodes.FAILED
 
 
-def _rank(runtime) -> int:
+def _rank(runtime: JobRuntime | None) -> int:
     return runtime.rank if runtime is not None else RankInfo.from_env().rank
 
 
-def _report_failure(runtime, what: str) -> None:
+def _report_failure(runtime: JobRuntime | None, what: str) -> None:
     rank = _rank(runtime)
     text = f"chunkring-launch: rank {rank}: {what}\n"
     job_dir = os.environ.get(JOB_DIR_VAR)
@@ -97,7 +103,7 @@ def _dump_stack_on_sigterm() -> None:
     faulthandler.register(signal.SIGTERM, file=stack_file, all_threads=True, chain=True)
 
 
-def report(job: str, config, runtime, all_figures: list) -> dict:
+def report(job: str, config: Any, runtime: JobRuntime, all_figures: list[dict[str, Any]]) -> dict[str, Any]:
     """The machine-readable result of a passed job: what ran where, and every rank's figures (keys
     ``rank<r>_<figure>``), in the shape of the committed result files (tests/gpu_results/README.md)."""
     import dataclasses
@@ -138,13 +144,14 @@ def _git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def _abort_others(runtime) -> None:
+def _abort_others(runtime: JobRuntime | None) -> None:
     # A rank that fails alone would leave the others waiting in a collective forever - also when it
     # failed before its runtime existed (the others then wait in NVSHMEM's bootstrap).
-    (runtime.comm if runtime is not None else HostComm.from_env()).abort(1)
+    comm = runtime.comm if runtime is not None else None
+    (comm or HostComm.from_env()).abort(1)
 
 
-def _device_name(runtime) -> str:
+def _device_name(runtime: JobRuntime) -> str:
     if isinstance(runtime, HostRuntime):
         return "host only (no GPU)"
     import torch
@@ -152,7 +159,7 @@ def _device_name(runtime) -> str:
     return torch.cuda.get_device_name(runtime.ordinal)
 
 
-def _print_table(job: str, runtime, all_figures: list) -> None:
+def _print_table(job: str, runtime: JobRuntime, all_figures: list[dict[str, Any]]) -> None:
     keys = sorted({k for f in all_figures for k in f})
     print(f"chunkring {job}: PASS on {runtime.world_size} rank(s), {_device_name(runtime)}")
     width = max(len(k) for k in keys) if keys else 0
@@ -166,7 +173,7 @@ def _print_table(job: str, runtime, all_figures: list) -> None:
         print(f"{key:<{width}}  " + "  ".join(cells))
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chunkring_launch.worker")
     parser.add_argument("job", choices=sorted(JOBS))
     parser.add_argument("config")

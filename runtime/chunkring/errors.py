@@ -13,8 +13,14 @@ rank of the ring failed first (its rank and error code), which is why this rank'
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+
 __all__ = ["ChunkringError", "ChunkringUsageError", "ChunkringRuntimeError", "ChunkringDeviceError",
-           "ChunkringInputError", "ChunkringPeerAbortedError", "ChunkringTimeoutError", "NoGpuError"]
+           "ChunkringInputError", "ChunkringPeerAbortedError", "ChunkringTimeoutError", "NoGpuError", "UsageProblems"]
+
+#: One problem of a usage error: the field (argument, config key) at fault, or None, and what is wrong with it.
+Problem = tuple[str | None, str]
 
 
 class ChunkringError(Exception):
@@ -22,11 +28,66 @@ class ChunkringError(Exception):
 
 
 class ChunkringUsageError(ChunkringError, ValueError):
-    """Invalid arguments or misuse; ``field`` names the offending argument when there is one."""
+    """Invalid arguments or misuse; ``field`` names the offending argument when there is one.
+
+    An error about several bad values (a config checked whole: :class:`UsageProblems`) lists each in
+    ``problems`` - ``(field, message)`` pairs, one ``field: message`` line each in the error's text - and
+    ``field`` is the first one's."""
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(f"{field}: {message}" if field else message)
         self.field = field
+        self.problems: tuple[Problem, ...] = ((field, message),)
+
+    @classmethod
+    def listing(cls, problems: Iterable[Problem]) -> ChunkringUsageError:
+        """One error for every problem of ``problems`` (at least one), in order."""
+        found = tuple(problems)
+        if not found:
+            raise ValueError("no problem to report")
+        (field, message), *_ = found
+        error = cls(message, field=field)
+        if len(found) > 1:
+            error.args = ("\n".join(f"{f}: {m}" if f else m for f, m in found),)
+            error.problems = found
+        return error
+
+
+class UsageProblems:
+    """Collects what is wrong with several values, to report them all at once: ``add`` a problem, run a check
+    that raises ``ChunkringUsageError`` inside ``collect()``, then ``raise_if_any()``. A field already found
+    at fault keeps its first problem (``reported`` lets a check of a value derived from it stand aside)."""
+
+    def __init__(self) -> None:
+        self._found: list[Problem] = []
+
+    def add(self, message: str, *, field: str | None = None) -> None:
+        if field is None or not self.reported(field):
+            self._found.append((field, message))
+
+    def extend(self, problems: Iterable[Problem]) -> None:
+        for field, message in problems:
+            self.add(message, field=field)
+
+    @contextlib.contextmanager
+    def collect(self) -> Iterator[None]:
+        """Run a check, keeping the problems of the ``ChunkringUsageError`` it raises instead of raising it."""
+        try:
+            yield
+        except ChunkringUsageError as exc:
+            self.extend(exc.problems)
+
+    def reported(self, *fields: str) -> bool:
+        """Whether any of ``fields`` has a problem already."""
+        return any(field in fields for field, _ in self._found)
+
+    def __bool__(self) -> bool:
+        return bool(self._found)
+
+    def raise_if_any(self) -> None:
+        """Raise one ``ChunkringUsageError`` listing every problem found, if there is one."""
+        if self._found:
+            raise ChunkringUsageError.listing(self._found)
 
 
 class ChunkringRuntimeError(ChunkringError, RuntimeError):

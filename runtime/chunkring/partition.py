@@ -20,7 +20,7 @@ from chunkring.env import check_work_queues
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
+    from chunkring.runtime import Runtime
 
 __all__ = ["DEFAULT_PARTITION", "PRODUCER_SM_SHARE", "NO_PARTITION", "PartitionPlan", "SmPartition",
            "check_partition_arg", "default_producer_sms", "plan_partition"]

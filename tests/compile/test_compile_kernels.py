@@ -139,3 +139,12 @@ def test_the_target_is_the_gpus_own_or_the_cpu_fallback(monkeypatch):
     monkeypatch.setattr(cuda.core, "Device", no_gpu)
     assert default_arch() == CPU_FALLBACK_ARCH == "sm_90"
     assert build("selftest").arch == CPU_FALLBACK_ARCH
+
+
+def test_the_doctors_build_check_compiles_where_a_gpu_would_run_it():
+    """`chunkring-launch doctor` builds the selftest kernel when the driver shows a GPU (here: told so); on a CPU
+    machine it checks NVRTC and the headers only (tests/unit/test_launcher.py)."""
+    from chunkring_launch.doctor import check_compiler
+
+    check = check_compiler(gpu=True)
+    assert check.status == "PASS" and check.detail.startswith("selftest "), check

@@ -61,6 +61,7 @@ def test_blocks_bug_macros_only_in_blocks_model():
 
 
 @needs_tools
+@pytest.mark.spin
 @pytest.mark.parametrize("cfg", BLOCK_CONFIGS, ids=lambda c: c.name)
 def test_spin_blocks_config(cfg):
     check_config(cfg)

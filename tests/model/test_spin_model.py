@@ -198,6 +198,7 @@ def test_shipped_layer_configs_pinned():
 
 
 @needs_tools
+@pytest.mark.spin
 @pytest.mark.parametrize("cfg", [c for c in check_model.CONFIGS if c.model == check_model.RING_MODEL],
                          ids=lambda c: c.name)
 def test_spin_config(cfg):

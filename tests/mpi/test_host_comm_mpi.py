@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from chunkring import ChunkringRuntimeError, ChunkringUsageError, RankInfo, Runtime
-from chunkring.bringup import HostComm
+from chunkring.hostcomm import HostComm
 
 
 def _world():
@@ -131,9 +131,9 @@ def test_the_environment_matches_mpi():
 def test_init_counts_the_ranks_that_share_each_gpu():
     """What ``init()`` sets as ``Runtime.gpu_ranks``: the ranks on the same host reporting the same GPU UUID,
     here even ranks on one pretend GPU and odd ranks on another (all ranks on this one host)."""
-    from chunkring.bringup import _ranks_on_my_gpu
+    from chunkring.bringup import ranks_on_my_gpu
 
     comm, rank, size = _world()
-    assert _ranks_on_my_gpu(comm, "GPU-shared") == size
-    assert _ranks_on_my_gpu(comm, f"GPU-{rank % 2}") == (size + 1 - rank % 2) // 2
-    assert _ranks_on_my_gpu(comm, f"GPU-{rank}") == 1
+    assert ranks_on_my_gpu(comm, "GPU-shared") == size
+    assert ranks_on_my_gpu(comm, f"GPU-{rank % 2}") == (size + 1 - rank % 2) // 2
+    assert ranks_on_my_gpu(comm, f"GPU-{rank}") == 1

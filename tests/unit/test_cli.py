@@ -35,15 +35,17 @@ def run_cli(*argv, env=None):
 def test_topk_past_the_experts_is_a_config_error_without_a_gpu():
     proc = run_cli("run", "topk=100")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == "chunkring-launch: topk: must be in [1, 16], got 100\n"
+    assert proc.stderr == "chunkring-launch: topk: must be in [1, 16], got 100 (at most num_experts=16)\n"
     assert proc.stdout == ""
 
 
 @pytest.mark.parametrize("argv, needle", [
     (["stress", "topk=100"], "topk: must be in [1, 16], got 100"),
     (["bench", "topk=100"], "topk: must be in [1, 32], got 100"),  # 256 experts; the ring takes 32 choices
-    (["run", "hidden=100"], "hidden: a token row (100 B) must be a multiple of 16 B"),
-    (["run", "hidden=144"], "hidden: FP8 scales cover 128 channels"),
+    (["run", "hidden=100"], "hidden: must be a multiple of 128 (the FP8 scale block"),
+    (["run", "hidden=144"], "hidden: must be a multiple of 128 (the FP8 scale block: one fp32 scale per 128 "
+                            "channels), got 144"),
+    (["run", "max_tokens_per_rank=0"], "max_tokens_per_rank: must be a positive int, got 0"),
     (["run", "max_tokens_per_rank=70000"], "max_tokens_per_rank: must be in [1, 65536], got 70000"),
     (["run", "front_num_slots=70000"], "front_num_slots: must be in [1, 65536], got 70000"),
     (["--np", "3", "run"], "num_experts: 16 experts do not split evenly over 3 ranks"),
@@ -140,3 +142,37 @@ def test_help_follows_the_config_and_options_may_come_first(capsys):
 def test_help_without_a_job_and_the_doctors_help(capsys):
     assert "Keys of the" not in _help(["--help"], capsys)
     assert "The doctor job takes no keys." in _help(["doctor", "--help"], capsys)
+
+
+def test_help_dry_run_and_config_errors_import_no_torch():
+    """`chunkring-launch --help`, `JOB --help`, `--dry-run` and a config error answer without importing torch,
+    CUDA, NVSHMEM or MPI (each costs seconds): what makes them answer in well under a second."""
+    from tests.helpers.imports import heavy_modules_after
+
+    code = ("import contextlib, io\n"
+            "from chunkring_launch import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    for argv in (['--help'], ['run', '--help'], ['stress', '--help']):\n"
+            "        try:\n"
+            "            cli.main(argv)\n"
+            "        except SystemExit as exit:\n"
+            "            assert exit.code == 0, argv\n"
+            "    assert cli.main(['--np', '4', '--dry-run', 'run']) == 0\n"
+            "    assert cli.main(['--np', '2', '--dry-run', '--mps', 'bringup']) == 0\n"
+            "    assert cli.main(['run', 'hidden=1040', 'topk=100']) == 2\n"
+            "    assert cli.main(['stress', 'nosuchkey=1']) == 2\n")
+    assert heavy_modules_after(code) == []
+
+
+def test_every_bad_value_of_a_config_is_reported_at_once(capsys):
+    """One run names every bad key with its value, one line each, the config's own checks and the layer's."""
+    from chunkring_launch import cli
+
+    assert cli.main(["run", "hidden=1040", "topk=100", "num_experts=15", "tolerance=2", "iterations=0", "seed=x",
+                     "colour=3"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert all(line.startswith("chunkring-launch: ") for line in lines), lines
+    fields = [line.removeprefix("chunkring-launch: ").split(":")[0] for line in lines]
+    assert fields == ["config", "seed", "tolerance", "hidden", "topk", "iterations"], lines
+    assert "tolerance: must be in (0, 1), got 2.0" in lines[2]
+    assert "topk: must be in [1, 15], got 100" in lines[4]

@@ -137,3 +137,21 @@ def test_producer_sms_refuses_anything_else(value):
     with pytest.raises(ChunkringUsageError) as info:
         from_table(JOBS["run"].CONFIG, {**load_table("run"), "producer_sms": value}, job="run")
     assert info.value.field == "producer_sms"
+
+
+def test_a_config_reports_every_bad_value_with_its_value():
+    with pytest.raises(ChunkringUsageError) as info:
+        from_table(JOBS["run"].CONFIG, {**load_table("run"), "max_tokens_per_rank": 0, "tokens_per_rank": 600,
+                                        "warmup": 0, "payload": "fp4"}, job="run")
+    # tokens_per_rank is measured against max_tokens_per_rank, which is at fault itself: not reported twice
+    assert info.value.problems == (("payload", "must be 'fp8' or 'bf16', got 'fp4'"),
+                                   ("max_tokens_per_rank", "must be a positive int, got 0"),
+                                   ("warmup", "must be in [1, 100000], got 0"))
+    assert info.value.field == "payload"
+
+
+def test_wrong_types_and_bad_values_together():
+    with pytest.raises(ChunkringUsageError) as info:
+        from_table(JOBS["bringup"].CONFIG, {"rounds": "8", "words_per_pe": 0, "colour": 1}, job="bringup")
+    assert [field for field, _ in info.value.problems] == ["config", "rounds", "words_per_pe"]
+    assert "got 0" in str(info.value).splitlines()[2]

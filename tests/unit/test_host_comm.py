@@ -1,4 +1,4 @@
-"""Host collectives (chunkring.bringup.HostComm, and the Runtime methods that use it) in a single
+"""Host collectives (chunkring.hostcomm.HostComm, and the Runtime methods that use it) in a single
 process: trivial, no MPI initialised, roots checked; the Runtime refuses them once closed; the callers
 (check_identical, the worker's host-only runtime) go through them. tests/mpi/test_host_comm_mpi.py
 runs the same collectives across ranks."""
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from chunkring import ChunkringUsageError, RankInfo, Runtime
-from chunkring.bringup import HostComm
+from chunkring.hostcomm import HostComm
 from chunkring.ring.ring import check_identical
 
 ONE = RankInfo(0, 1, 0, 1)
@@ -30,7 +30,7 @@ def test_single_process_collectives_are_trivial():
 
 
 def test_a_single_process_never_initialises_mpi():
-    code = ("import sys; from chunkring.bringup import HostComm; c = HostComm.from_env(); "
+    code = ("import sys; from chunkring.hostcomm import HostComm; c = HostComm.from_env(); "
             "c.allgather_object(1); c.gather_object(1); c.broadcast_object(1); c.barrier(); c.abort(); "
             "print(c.world_size, 'mpi4py.MPI' in sys.modules)")
     env_without_mpi = {k: v for k, v in os.environ.items()
@@ -111,18 +111,18 @@ def test_the_workers_host_only_runtime_is_a_host_comm():
 
 
 def test_library_and_launcher_reach_mpi_only_through_host_comm():
-    """mpi4py is imported by chunkring.bringup (HostComm, NVSHMEM's bootstrap) and by the doctor's check
-    of the mpi4py package; nowhere else in the package, the benchmarks or the scripts."""
+    """mpi4py is imported by chunkring.hostcomm (HostComm, whose communicator also bootstraps NVSHMEM) and by
+    the doctor's check of the mpi4py package; nowhere else in the package, the benchmarks or the scripts."""
     import ast
 
     from tests.helpers.source_tree import import_statements, module_files
 
-    allowed = {"chunkring.bringup", "chunkring_launch.doctor"}
+    allowed = {"chunkring.hostcomm", "chunkring_launch.doctor"}
     users = set()
     for name, path in module_files().items():
         for node in import_statements(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             if any(n == "mpi4py" or n.startswith("mpi4py.") for n in names):
                 users.add(name)
-    assert "chunkring.bringup" in users
+    assert "chunkring.hostcomm" in users
     assert users <= allowed, sorted(users - allowed)

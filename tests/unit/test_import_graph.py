@@ -1,16 +1,17 @@
 """The package's import graph is one-way (read from the sources with ``ast``, nothing imported): no
 circle anywhere, and each layer imports only those below it -
 
-    chunkring's process runtime (bringup, env, errors, partition, ranks) <- chunkring.jit <- chunkring.ring
-    <- chunkring.moe <- chunkring.integrations <- chunkring.testing <- chunkring.benchmarks and scripts/
-    <- chunkring_launch
+    chunkring's process runtime (_lazy, bringup, env, errors, hostcomm, partition, ranks, runtime) <- chunkring.jit
+    <- chunkring.ring <- chunkring.moe <- chunkring.integrations <- chunkring.testing
+    <- benchmarks/ and scripts/ <- chunkring_launch
 
 so the protocol core never pulls in the MoE layer, the MoE layer never a framework adapter, library code
 never the launcher, the test helpers or the benchmarks, and benchmarks and scripts never the launcher.
 Every import counts, also one inside a function (a lazy import is still a circle when the two modules
-need each other) and one under ``if TYPE_CHECKING:``; a package's
-``__init__`` is a module of its own, and importing ``a.b.c`` is not counted as importing ``a`` or
-``a.b`` (Python runs those first, but they are the facade, not a dependency)."""
+need each other) and one under ``if TYPE_CHECKING:`` (where a package facade that imports its names at first
+use - chunkring._lazy - names them for type checkers); a package's ``__init__`` is a module of its own, and
+importing ``a.b.c`` is not counted as importing ``a`` or ``a.b`` (Python runs those first, but they are the
+facade, not a dependency)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from tests.helpers.source_tree import ROOTS, from_module, import_statements, mod
 
 #: Layers, lowest first: a module may import (directly or through others) only its own layer and those below.
 LAYERS = [
-    ("runtime", ("chunkring.bringup", "chunkring.env", "chunkring.errors", "chunkring.partition", "chunkring.ranks")),
+    ("runtime", ("chunkring._lazy", "chunkring.bringup", "chunkring.env", "chunkring.errors", "chunkring.hostcomm",
+                 "chunkring.partition", "chunkring.ranks", "chunkring.runtime")),
     ("jit", ("chunkring.jit",)),
     ("ring", ("chunkring.ring",)),
     ("moe", ("chunkring.moe",)),
@@ -166,7 +168,9 @@ def test_the_graph_is_read(graph):
     assert "chunkring.testing.bench_moe" in graph["chunkring_launch.jobs.bench"]
     assert "chunkring.ring.ring" in graph["chunkring.moe.layer"]
     assert "chunkring.moe.layer" in graph["chunkring.integrations.transformers"]
-    assert "chunkring.bringup" in graph["chunkring"]
+    assert "chunkring.bringup" in graph["chunkring"]                           # a facade's TYPE_CHECKING names
+    assert "chunkring.moe.config" in graph["chunkring.moe"]
+    assert {"chunkring.hostcomm", "chunkring.runtime"} <= graph["chunkring.bringup"]
 
 
 def test_an_import_graph_tool_sees_the_same_edges(graph, monkeypatch):
@@ -197,6 +201,8 @@ def test_each_layer_imports_only_those_below(graph):
     ("chunkring.ring", "chunkring.testing"),
     ("chunkring.moe", "chunkring.testing"),
     ("chunkring.bringup", "chunkring_launch"),
+    ("chunkring.runtime", "chunkring.bringup"),
+    ("chunkring.hostcomm", "chunkring.runtime"),
     ("chunkring.moe", "chunkring_launch"),
     ("benchmarks", "chunkring_launch"),
     ("scripts", "chunkring_launch"),
@@ -234,9 +240,9 @@ def test_relative_and_lazy_imports_are_resolved(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("from . import a\n")
     (pkg / "a.py").write_text("def f():\n    from .sub import b\n    from .sub.b import g\n")
-    (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "b.py").write_text("from .. import a\nimport torch\nif TYPE_CHECKING:\n    from p import c\n")
     (pkg / "c.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
     modules = {"p": pkg / "__init__.py", "p.a": pkg / "a.py", "p.sub": pkg / "sub" / "__init__.py",
                "p.sub.b": pkg / "sub" / "b.py", "p.c": pkg / "c.py"}
     graph = import_graph(modules)

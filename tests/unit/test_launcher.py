@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from chunkring.errors import ChunkringUsageError
-from chunkring_launch import cli
+from chunkring_launch import mpirun
 from chunkring_launch.config import parse_overrides
 
 
@@ -58,8 +58,8 @@ def test_overrides_may_follow_options():
 
 def test_progress_is_asked_of_the_worker_only_when_drawn():
     args = SimpleNamespace(job="stress", config=None, overrides=["seed=3"], json=None)
-    assert cli.worker_command(args)[-3:] == ["stress", "stress", "seed=3"]
-    assert cli.worker_command(args, progress=True)[-1] == "--progress"
+    assert mpirun.worker_command(args)[-3:] == ["stress", "stress", "seed=3"]
+    assert mpirun.worker_command(args, progress=True)[-1] == "--progress"
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -76,7 +76,7 @@ def test_bad_stress_config_is_reported_once_with_exit_2(argv, needle):
 
 def test_forwarding_is_by_prefix():
     args = SimpleNamespace(timeout=5, hostfile=None, host=None, job="bringup", config=None, overrides=[], json="r.json")
-    cmd = cli.mpirun_command(args, 2, {"CHUNKRING_TIMEOUT_S": "9", "HOME": "/root", "NVSHMEM_DEBUG": "INFO"})
+    cmd = mpirun.mpirun_command(args, 2, {"CHUNKRING_TIMEOUT_S": "9", "HOME": "/root", "NVSHMEM_DEBUG": "INFO"})
     assert "-x" in cmd and "CHUNKRING_TIMEOUT_S" in cmd and "NVSHMEM_DEBUG" in cmd and "HOME" not in cmd
     assert cmd[-2:] == ["--json", "r.json"]
 
@@ -136,6 +136,9 @@ def test_doctor_reports_every_check_and_says_no_gpu(tmp_path):
         gpu = lines.index(next(line for line in lines if line.startswith("[FAIL] GPUs")))
         assert lines[gpu + 1].startswith("       -> ")  # a failure says what to do
     assert "[PASS] kernel build (NVRTC)" in proc.stdout
+    if not HAVE_GPU:  # nothing to run a kernel on: NVRTC and the headers checked, nothing compiled
+        assert "no GPU, so nothing compiled" in proc.stdout
+        assert not any(tmp_path.iterdir())
 
 
 def test_doctor_flags_multicast_turned_on(monkeypatch):
@@ -173,29 +176,29 @@ def multi_node_args(**kw):
 
 
 def test_a_hostfile_job_maps_ranks_per_node_and_never_oversubscribes():
-    cmd = cli.mpirun_command(multi_node_args(), 16, {"NVSHMEM_DISABLE_NVLS": "1", "CHUNKRING_TRANSPORT": "auto"})
+    cmd = mpirun.mpirun_command(multi_node_args(), 16, {"NVSHMEM_DISABLE_NVLS": "1", "CHUNKRING_TRANSPORT": "auto"})
     assert "--oversubscribe" not in cmd
     at = cmd.index("--hostfile")
     assert cmd[at:at + 4] == ["--hostfile", "hosts", "--map-by", "ppr:8:node"]
     assert cmd[:3] == ["mpirun", "-np", "16"]
     assert "CHUNKRING_TRANSPORT" in cmd and "NVSHMEM_DISABLE_NVLS" in cmd
-    host = cli.mpirun_command(multi_node_args(hostfile=None, host="a:8,b:8", npernode=None), 16, {})
+    host = mpirun.mpirun_command(multi_node_args(hostfile=None, host="a:8,b:8", npernode=None), 16, {})
     assert "--oversubscribe" not in host and "--map-by" not in host and "--host" in host
-    single = cli.mpirun_command(multi_node_args(hostfile=None, npernode=None), 4, {})
+    single = mpirun.mpirun_command(multi_node_args(hostfile=None, npernode=None), 4, {})
     assert "--oversubscribe" in single and "--map-by" not in single
 
 
 def test_multi_node_environment_sets_the_bootstrap_interface_and_refuses_single_node_settings():
     env = {"NVSHMEM_DISABLE_NVLS": "1"}
-    cli.multi_node_environment(multi_node_args(ifname="eth0"), env)
+    mpirun.multi_node_environment(multi_node_args(ifname="eth0"), env)
     assert env["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "eth0" and "NVSHMEM_REMOTE_TRANSPORT" not in env
     for name, value in (("NVSHMEM_REMOTE_TRANSPORT", "none"), ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
                         ("NVSHMEM_IB_ENABLE_IBGDA", "1")):
         with pytest.raises(ChunkringUsageError) as info:
-            cli.multi_node_environment(multi_node_args(), {name: value})
+            mpirun.multi_node_environment(multi_node_args(), {name: value})
         assert info.value.field == name
     env = {"NVSHMEM_REMOTE_TRANSPORT": "libfabric", "NVSHMEM_LIBFABRIC_PROVIDER": "efa"}
-    cli.multi_node_environment(multi_node_args(), env)  # EFA: the caller's choice, kept and forwarded
+    mpirun.multi_node_environment(multi_node_args(), env)  # EFA: the caller's choice, kept and forwarded
     assert env["NVSHMEM_REMOTE_TRANSPORT"] == "libfabric"
 
 

@@ -49,16 +49,23 @@ def test_every_rank_raises_and_one_diagnostic_is_printed(tmp_path):
 
 
 def test_a_hanging_rank_ends_the_job_at_its_timeout(tmp_path):
-    # 20 s: both ranks must have imported torch and reached the hang first, which takes over 6 s on two
-    # loaded cores (the stack dumps below were then missing).
-    proc, elapsed = launch(tmp_path, "behaviour=hang", timeout=20)
+    # 12 s: both ranks must have reached the hang first (else the stack dumps below are missing). The fault job
+    # needs no GPU, so its workers import no torch (chunkring's facades are lazy) and reach it in 1-2 s on idle
+    # cores; with the SPIN searches and a second test session on the same two cores, 8 s once left rank 0 short
+    # of its barrier (in MPI's start-up), so 12. When the workers imported torch the limit was 20 s.
+    proc, elapsed = launch(tmp_path, "behaviour=hang", timeout=12)
     assert proc.returncode == exitcodes.TIMED_OUT, proc.stderr
-    assert proc.stderr.count("ran past --timeout 20 s") == 1, proc.stderr
-    assert 20 <= elapsed < 20 + 15
-    # Where each rank was when it was ended: rank 1 in the hang, rank 0 waiting for it.
+    assert proc.stderr.count("ran past --timeout 12 s") == 1, proc.stderr
+    assert 12 <= elapsed < 12 + 15
+    # Where each rank was when it was ended: rank 1 in the hang, rank 0 waiting for it in a barrier. Rank 0's
+    # stack may be missing: when Open MPI's SIGTERM ends rank 1 first, rank 0's MPI can see its peer gone and end
+    # rank 0 before that rank's own SIGTERM comes (seen in about 1 run of 3 with the SPIN searches on the same
+    # cores). The launcher names the ranks whose stacks it has.
     job_dir = next(tmp_path.glob("chunkring-job-*"))
     assert "_misbehave" in (job_dir / "rank1.stack").read_text()
-    assert "barrier" in (job_dir / "rank0.stack").read_text()
+    rank0 = (job_dir / "rank0.stack").read_text()
+    assert "barrier" in rank0 or rank0 == ""
+    assert f"(ranks {'0, 1' if rank0 else '1'})" in proc.stderr, proc.stderr
 
 
 def test_a_sigkilled_rank_is_named_and_ends_the_job(tmp_path):

@@ -48,9 +48,11 @@ def test_ring_specs():
 @pytest.mark.parametrize("change, field, needle", [
     (dict(topk=17), "topk", "[1, 16]"),                          # more choices than experts
     (dict(topk=33, num_experts=64), "topk", "[1, 32]"),         # past the ring's top-k limit
-    (dict(hidden=100), "hidden", "16 B"),                        # rows move in 16-byte vectors
-    (dict(hidden=144), "hidden", "FP8 scales cover 128"),        # FP8: whole scale blocks
-    (dict(hidden=100, payload=PayloadFormat.BF16), "hidden", "200 B"),
+    (dict(hidden=100), "hidden", "must be a multiple of 128 (the FP8 scale block"),  # in channels, not bytes
+    (dict(hidden=144), "hidden", "must be a multiple of 128 (the FP8 scale block: one fp32 scale per 128 channels), "
+                                 "got 144"),
+    (dict(hidden=100, payload=PayloadFormat.BF16), "hidden", "must be a multiple of 8 (rows move in 16-byte vectors "
+                                                             "of 2-byte channels), got 100"),
     (dict(hidden=1 << 17), "hidden", "65536"),
     (dict(num_experts=1 << 16), "num_experts", "32768"),
     (dict(max_tokens_per_rank=70_000), "max_tokens_per_rank", "batch-ready ring's tokens_per_slot"),
@@ -105,3 +107,41 @@ def test_a_config_is_valid_exactly_when_its_rings_are(num_experts, hidden, topk,
     except ChunkringUsageError:
         config_ok = False
     assert config_ok == rings_ok
+
+
+# What a newcomer met (issue "One house a newcomer can read", item 7): each error names the field the user set,
+# its value and what it must be - in the user's units - and a config with several bad values lists them all.
+@pytest.mark.parametrize("change, first, lines", [
+    (dict(hidden=1040), "hidden",
+     ["hidden: must be a multiple of 128 (the FP8 scale block: one fp32 scale per 128 channels), got 1040"]),
+    (dict(hidden=1000), "hidden",
+     ["hidden: must be a multiple of 128 (the FP8 scale block: one fp32 scale per 128 channels), got 1000"]),
+    (dict(max_tokens_per_rank=0), "max_tokens_per_rank", ["max_tokens_per_rank: must be a positive int, got 0"]),
+    (dict(front_tokens_per_slot=0), "front_tokens_per_slot",
+     ["front_tokens_per_slot: must be a positive int or None, got 0",
+      "front_num_slots: unset while front_tokens_per_slot=0 is set: set both for a streaming ring, or neither"]),
+    (dict(front_num_slots=2, front_tokens_per_slot=65), "front_tokens_per_slot",
+     ["front_tokens_per_slot: must be at most max_tokens_per_rank=64 (a chunk is part of a batch), got 65"]),
+    (dict(hidden=1040, topk=100, num_experts=15, intermediate=100), "intermediate",
+     ["intermediate: must be a multiple of 128 for the FP8_E4M3 payload (one activation scale per 1x128 block), "
+      "got 100",
+      "hidden: must be a multiple of 128 (the FP8 scale block: one fp32 scale per 128 channels), got 1040",
+      "topk: must be in [1, 15], got 100 (at most num_experts=15)"]),
+    (dict(max_tokens_per_rank=70_000, front_num_slots=70_000, front_tokens_per_slot=8), "max_tokens_per_rank",
+     ["max_tokens_per_rank: must be in [1, 65536], got 70000 (the batch-ready ring's tokens_per_slot)",
+      "front_num_slots: must be in [1, 65536], got 70000 (the streaming ring's num_slots)"]),
+])
+def test_every_bad_value_is_named_with_its_value(change, first, lines):
+    with pytest.raises(ChunkringUsageError) as info:
+        MoEConfig(**{**GOOD, **change})
+    assert info.value.field == first
+    assert str(info.value).splitlines() == lines
+    assert [f"{field}: {message}" for field, message in info.value.problems] == lines
+
+
+def test_a_world_size_check_lists_both_rings():
+    cfg = MoEConfig(**{**GOOD, "num_experts": 64, "topk": 2, "front_num_slots": 2, "front_tokens_per_slot": 8})
+    with pytest.raises(ChunkringUsageError) as info:
+        cfg.check_world_size(65)
+    assert info.value.problems == (
+        ("world_size", "must be in [1, 64], got 65 (a consumer's source mask holds 64 ranks)"),)

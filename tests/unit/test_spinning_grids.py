@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chunkring.bringup import Runtime, _ranks_on_my_gpu
+from chunkring.bringup import ranks_on_my_gpu
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.producer import PRODUCE_ELEMENTS_PER_BLOCK, PRODUCE_MAX_BLOCKS, produce_grid, produce_grid_limit
 from chunkring.moe.resources import PULL_GRID, spinning_grids
 from chunkring.ranks import RankInfo
+from chunkring.runtime import Runtime
 
 H200_SMS = 132
 
@@ -24,8 +25,8 @@ def test_init_counts_the_ranks_on_this_ranks_gpu_by_host_and_uuid():
     # Rank 0 and 2 on GPU-a of this host; the same UUID string reported by another host is not this GPU.
     everyone = [(here, "GPU-a"), (here, "GPU-b"), (here, "GPU-a"), ("elsewhere", "GPU-a")]
     comm = SimpleNamespace(allgather_object=lambda mine: everyone)
-    assert _ranks_on_my_gpu(comm, "GPU-a") == 2
-    assert _ranks_on_my_gpu(comm, "GPU-b") == 1
+    assert ranks_on_my_gpu(comm, "GPU-a") == 2
+    assert ranks_on_my_gpu(comm, "GPU-b") == 1
 
 
 def test_a_runtime_refuses_a_gpu_rank_count_outside_its_world():
@@ -82,10 +83,10 @@ def test_one_rank_per_gpu_keeps_the_measured_grids():
 
 
 def test_ranks_sharing_a_gpu_without_mps_are_warned(caplog):
-    from chunkring.bringup import _warn_if_time_sliced
+    from chunkring.bringup import warn_if_time_sliced
 
     with caplog.at_level("WARNING", logger="chunkring"):
-        _warn_if_time_sliced(4, mps=True)
+        warn_if_time_sliced(4, mps=True)
         assert not caplog.records
-        _warn_if_time_sliced(4, mps=False)
+        warn_if_time_sliced(4, mps=False)
     assert len(caplog.records) == 1 and "4 ranks share this GPU without MPS" in caplog.records[0].getMessage()

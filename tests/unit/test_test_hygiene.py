@@ -45,15 +45,6 @@ TORCH_PRIVATE = {
                                            "(benchmarks/probe_deepgemm.py); torch exports it nowhere else",
 }
 
-#: Private names of ours still reached, each waiting on a change outside this tree's reach. Remove an entry with
-#: the change; a stale entry fails test_every_allowance_is_still_needed.
-PENDING = {
-    "chunkring.bringup._ranks_on_my_gpu": "bringup.py is being split (chunkring.hostcomm / chunkring.runtime) and is "
-                                          "not edited meanwhile; the split makes it public for tests/unit/"
-                                          "test_spinning_grids.py and tests/mpi/test_host_comm_mpi.py",
-    "chunkring.bringup._warn_if_time_sliced": "as _ranks_on_my_gpu (tests/unit/test_spinning_grids.py)",
-}
-
 #: Calls whose string arguments name an attribute or a dotted path: getattr(x, "_y"), monkeypatch.setattr("m._y", v),
 #: mock.patch("m._y"), mock.patch.object(x, "_y").
 NAMING_CALLS = ("getattr", "setattr", "hasattr", "delattr", "patch", "object")
@@ -102,7 +93,7 @@ def _dotted(node: ast.AST) -> str | None:
 def allowed(dotted: str, *, parent: bool = False) -> bool:
     """``dotted`` is listed (or lies below an entry); with ``parent``, also a module above an entry (the module
     part of ``from torch._x import Listed``)."""
-    keys = (*TORCH_PRIVATE, *PENDING)
+    keys = tuple(TORCH_PRIVATE)
     return any(dotted == k or dotted.startswith(k + ".") or parent and k.startswith(dotted + ".") for k in keys)
 
 
@@ -219,9 +210,9 @@ def test_every_allowance_is_still_needed():
         for node in import_statements(tree):
             for target, names in imported_modules(node, module, is_package):
                 dotted |= {target, *(f"{target}.{n}" for n in names)}
-        used |= {key for key in (*TORCH_PRIVATE, *PENDING) if any(d == key or (d or "").startswith(key + ".")
+        used |= {key for key in TORCH_PRIVATE if any(d == key or (d or "").startswith(key + ".")
                                                                  for d in dotted)}
-    assert not (stale := set(TORCH_PRIVATE) | set(PENDING)) - used, f"no longer used: {sorted(stale - used)}"
+    assert not (stale := set(TORCH_PRIVATE)) - used, f"no longer used: {sorted(stale - used)}"
 
 
 def test_every_test_file_has_a_docstring():

@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
-from chunkring.errors import ChunkringUsageError
-from chunkring.testing import bench_moe
+from chunkring.errors import ChunkringUsageError, UsageProblems
 
+from ..config import check_range
 from ..progress import progress
 from .moe_workload import LayerFields, open_layer, transport_figures
+
+if TYPE_CHECKING:  # imported where used: checking a config imports no torch
+    from collections.abc import Iterator
+
+    from chunkring import MoELayer, Runtime
+    from chunkring.testing.bench_moe import Timing
 
 
 def _ints(text: str, field: str) -> tuple[int, ...]:
@@ -60,30 +67,37 @@ class CONFIG(LayerFields):
         return shape
 
     @property
-    def timing(self) -> bench_moe.Timing:
-        return bench_moe.Timing(iterations=self.iterations, warmup=self.warmup, rotate=self.rotate, seed=self.seed)
+    def timing(self) -> Timing:
+        from chunkring.testing.bench_moe import Timing
 
-    def __post_init__(self):
-        for field, values in (("tokens", self.token_counts), ("chunks", self.chunk_sizes)):
-            if max(values) > self.max_tokens_per_rank:
-                raise ChunkringUsageError(f"{max(values)} exceeds max_tokens_per_rank={self.max_tokens_per_rank}",
-                                          field=field)
+        return Timing(iterations=self.iterations, warmup=self.warmup, rotate=self.rotate, seed=self.seed)
+
+    def check(self, problems: UsageProblems) -> None:
+        super().check(problems)
+        for field in ("tokens", "chunks"):
+            with problems.collect():
+                most = max(_ints(getattr(self, field), field))
+                if most > self.max_tokens_per_rank and not problems.reported("max_tokens_per_rank"):
+                    problems.add(f"must be at most max_tokens_per_rank={self.max_tokens_per_rank}, got {most}",
+                                 field=field)
         for name, top in (("iterations", 100_000), ("warmup", 1000), ("rotate", 64)):
-            if not 1 <= getattr(self, name) <= top:
-                raise ChunkringUsageError(f"must be in [1, {top}]", field=name)
-        _ = self.trace_shape  # checked before any rank starts GPU work
-        super().__post_init__()
+            check_range(problems, self, name, 1, top)
+        if not problems.reported("tokens", "chunks"):
+            with problems.collect():
+                _ = self.trace_shape  # checked before any rank starts GPU work
 
 
-def run(runtime, config: CONFIG) -> dict:
+def run(runtime: Runtime, config: CONFIG) -> dict[str, Any]:
     """Every shape's figures on this rank (:func:`chunkring.testing.bench_moe.run`)."""
+    from chunkring.testing import bench_moe
+
     total = len(config.chunk_sizes) * len(config.token_counts)
     bar = progress("bench", runtime.rank, total=total)
 
-    used: dict = {}
+    used: dict[str, Any] = {}
 
     @contextlib.contextmanager
-    def open_chunked(chunk: int):
+    def open_chunked(chunk: int) -> Iterator[MoELayer]:
         with open_layer(runtime, config, replace(config.layer_config(), front_tokens_per_slot=chunk)) as layer:
             used.update(transport_figures(layer))  # which data path the times are of
             yield layer

@@ -8,33 +8,38 @@ ring protocol is later compared against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
-from chunkring.jit import library_for
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError, UsageProblems
 from chunkring.testing.selftest import pingpong
+
+from ..config import CheckedConfig, check_range
+
+if TYPE_CHECKING:
+    from chunkring import Runtime
 
 # pingpong() lives in the library (chunkring.testing.selftest); named here for the job's users.
 __all__ = ["CONFIG", "pingpong", "run"]
 
 
 @dataclass(frozen=True)
-class CONFIG:
+class CONFIG(CheckedConfig):
     rounds: int = 8
     words_per_pe: int = 65536
     pingpong_iters: int = 2000
 
-    def __post_init__(self):
-        if not 1 <= self.rounds <= 1024:
-            raise ChunkringUsageError("must be in [1, 1024]", field="rounds")
-        if not 1 <= self.words_per_pe <= 1 << 26:
-            raise ChunkringUsageError("must be in [1, 2**26]", field="words_per_pe")
-        if not 1 <= self.pingpong_iters <= 1 << 24:
-            raise ChunkringUsageError("must be in [1, 2**24]", field="pingpong_iters")
+    def check(self, problems: UsageProblems) -> None:
+        super().check(problems)
+        check_range(problems, self, "rounds", 1, 1024)
+        check_range(problems, self, "words_per_pe", 1, 1 << 26)
+        check_range(problems, self, "pingpong_iters", 1, 1 << 24)
 
 
-def run(runtime, config: CONFIG) -> dict:
+def run(runtime: Runtime, config: CONFIG) -> dict[str, float | int]:
     """Run the check on every PE; returns this PE's figures. Raises on any data or ack error."""
     import torch
+
+    from chunkring.jit import library_for
 
     if runtime.world_size > 64:
         raise ChunkringUsageError("the bring-up ack mask holds 64 PEs", field="world_size")

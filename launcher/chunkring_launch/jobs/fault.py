@@ -9,34 +9,38 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import UsageProblems
 
+from ..config import CheckedConfig, check_range
 from ..progress import progress
+
+if TYPE_CHECKING:
+    from chunkring.hostcomm import HostComm
 
 NEEDS_GPU = False
 BEHAVIOURS = ("pass", "raise", "hang", "kill", "exit")
 
 
 @dataclass(frozen=True)
-class CONFIG:
+class CONFIG(CheckedConfig):
     behaviour: str = "pass"
     rank: int = 1            # the rank that misbehaves; -1: every rank does
     iterations: int = 3      # barrier-separated steps before it misbehaves (progress reports)
     step_s: float = 0.05
 
-    def __post_init__(self):
+    def check(self, problems: UsageProblems) -> None:
+        super().check(problems)
         if self.behaviour not in BEHAVIOURS:
-            raise ChunkringUsageError(f"must be one of {list(BEHAVIOURS)}, got {self.behaviour!r}", field="behaviour")
+            problems.add(f"must be one of {list(BEHAVIOURS)}, got {self.behaviour!r}", field="behaviour")
         if self.rank < -1:
-            raise ChunkringUsageError("must be a rank or -1 (every rank)", field="rank")
-        if not 0 <= self.iterations <= 10_000:
-            raise ChunkringUsageError("must be in [0, 10000]", field="iterations")
-        if not 0 <= self.step_s <= 60:
-            raise ChunkringUsageError("must be in [0, 60]", field="step_s")
+            problems.add(f"must be a rank or -1 (every rank), got {self.rank}", field="rank")
+        check_range(problems, self, "iterations", 0, 10_000)
+        check_range(problems, self, "step_s", 0, 60)
 
 
-def run(runtime, config: CONFIG) -> dict:
+def run(runtime: HostComm, config: CONFIG) -> dict[str, int]:
     bar = progress("fault", runtime.rank, total=config.iterations)
     for done in range(1, config.iterations + 1):
         time.sleep(config.step_s)

@@ -6,12 +6,23 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
-from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.errors import ChunkringRuntimeError, UsageProblems
+
+from ..config import CheckedConfig
+
+if TYPE_CHECKING:  # imported where used: checking a config imports no torch
+    from collections.abc import Iterator
+
+    import torch
+
+    from chunkring import MoEConfig, MoELayer, PayloadFormat, Runtime
+    from chunkring.moe.weights import Fp8Weight
 
 
 @dataclass(frozen=True)
-class LayerFields:
+class LayerFields(CheckedConfig):
     """Config keys of one MoE layer (``chunkring.MoEConfig``), its check tolerance and the seed."""
 
     num_experts: int = 16
@@ -29,32 +40,40 @@ class LayerFields:
     producer_sms: int | str = "auto"
     transport: str = ""  # "auto", "rma" (NVSHMEM gets/puts for every peer) or "": CHUNKRING_TRANSPORT (default auto)
 
-    def __post_init__(self):
+    def check(self, problems: UsageProblems) -> None:
+        super().check(problems)
         if self.payload not in ("fp8", "bf16"):
-            raise ChunkringUsageError(f"must be 'fp8' or 'bf16', got {self.payload!r}", field="payload")
+            problems.add(f"must be 'fp8' or 'bf16', got {self.payload!r}", field="payload")
         if self.transport not in ("", "auto", "rma"):
-            raise ChunkringUsageError(f"must be 'auto', 'rma' or '', got {self.transport!r}", field="transport")
+            problems.add(f"must be 'auto', 'rma' or '', got {self.transport!r}", field="transport")
         if not (self.producer_sms in ("auto", "none") or (isinstance(self.producer_sms, int)
                                                           and not isinstance(self.producer_sms, bool)
                                                           and self.producer_sms > 0)):
-            raise ChunkringUsageError(f'must be "auto", "none" or a positive SM count, got {self.producer_sms!r}',
-                                      field="producer_sms")
+            problems.add(f'must be "auto", "none" or a positive SM count, got {self.producer_sms!r}',
+                         field="producer_sms")
         if not 0 < self.tolerance < 1:
-            raise ChunkringUsageError("must be in (0, 1)", field="tolerance")
-        self.layer_config()  # the layer's own checks, before any rank starts GPU work
+            problems.add(f"must be in (0, 1), got {self.tolerance!r}", field="tolerance")
+        with problems.collect():
+            # The layer's own checks, before any rank starts GPU work. The payload as given: MoEConfig checks it
+            # beside every other field, so a bad payload does not hide the layer's other problems.
+            self._layer_config(cast("PayloadFormat", self.payload))
 
-    def layer_config(self):
-        from chunkring import MoEConfig, PayloadFormat
+    def layer_config(self) -> MoEConfig:
+        from chunkring import PayloadFormat
+
+        return self._layer_config(PayloadFormat.checked(self.payload))
+
+    def _layer_config(self, payload: PayloadFormat) -> MoEConfig:
+        from chunkring import MoEConfig
 
         return MoEConfig(num_experts=self.num_experts, hidden=self.hidden, intermediate=self.intermediate,
-                         topk=self.topk, max_tokens_per_rank=self.max_tokens_per_rank,
-                         payload=PayloadFormat.checked(self.payload),
+                         topk=self.topk, max_tokens_per_rank=self.max_tokens_per_rank, payload=payload,
                          front_num_slots=self.front_num_slots, front_tokens_per_slot=self.front_tokens_per_slot,
                          transport=self.transport or None)
 
 
 @contextlib.contextmanager
-def open_layer(runtime, fields: LayerFields, config=None):
+def open_layer(runtime: Runtime, fields: LayerFields, config: MoEConfig | None = None) -> Iterator[MoELayer]:
     """The job's ``MoELayer`` (``config``: a MoEConfig, default ``fields.layer_config()``), its streamed
     calls on the partition ``fields.producer_sms`` names (an ``SmPartition`` of N producer SMs, the layer's
     own with "auto", none with "none"); destroyed (a collective, after every rank's work ended) and the
@@ -66,7 +85,7 @@ def open_layer(runtime, fields: LayerFields, config=None):
     sms = fields.producer_sms
     partition = SmPartition(runtime, sms) if isinstance(sms, int) else None
     try:
-        layer = MoELayer(runtime, config or fields.layer_config(), partition=partition or sms)
+        layer = MoELayer(runtime, config or fields.layer_config(), partition=partition or str(sms))
         try:
             yield layer
         finally:
@@ -78,7 +97,7 @@ def open_layer(runtime, fields: LayerFields, config=None):
             partition.close()
 
 
-def transport_figures(layer) -> dict:
+def transport_figures(layer: MoELayer) -> dict[str, int]:
     """The transport a layer's rings use at this rank, as figures: ``transport_rma`` (1 when forced) and
     ``rma_peers`` (how many PEs this rank reaches by RMA)."""
     from chunkring.ring.transport import Transport
@@ -93,15 +112,15 @@ class Weights:
     """Every expert's weights as the layer's GEMMs see them (the reference needs all of them) and this
     rank's slice in the form the layer takes (:func:`chunkring.expert_weights`)."""
 
-    router: object      # bfloat16 [E, H]
-    w13_all: object     # float32 [E, 2I, H]: dequantised FP8 for the FP8 payload
-    w2_all: object      # float32 [E, H, I]
-    w13: object         # this rank's [E_local, 2I, H]: Fp8Weight (FP8 payload) or bfloat16
-    w2: object          # this rank's [E_local, H, I]
+    router: torch.Tensor       # bfloat16 [E, H]
+    w13_all: torch.Tensor      # float32 [E, 2I, H]: dequantised FP8 for the FP8 payload
+    w2_all: torch.Tensor       # float32 [E, H, I]
+    w13: Fp8Weight | torch.Tensor  # this rank's [E_local, 2I, H]: Fp8Weight (FP8 payload) or bfloat16
+    w2: Fp8Weight | torch.Tensor   # this rank's [E_local, H, I]
     fp8_recipe: bool    # the FP8 layer's roundings between its GEMMs (testing.reference.moe_reference)
 
 
-def seeded_weights(layer, seed: int) -> Weights:
+def seeded_weights(layer: MoELayer, seed: int) -> Weights:
     """The weights ``chunkring.ChunkedMoE`` draws from ``torch.Generator().manual_seed(seed)``, identical
     on every rank."""
     import torch
@@ -119,7 +138,7 @@ def seeded_weights(layer, seed: int) -> Weights:
                    w13=w13_local, w2=w2_local, fp8_recipe=cfg.payload.has_scales)
 
 
-def seeded_hidden(n: int, hidden: int, seed: int, device):
+def seeded_hidden(n: int, hidden: int, seed: int, device: torch.device) -> torch.Tensor:
     """bfloat16 [n, hidden] hidden states drawn from a CPU generator seeded with ``seed``."""
     import torch
 
@@ -131,14 +150,14 @@ def seeded_hidden(n: int, hidden: int, seed: int, device):
 class RoutedBatch:
     """One rank's routed batch as ``MoELayer.run`` takes it, and the fp32 input the payload carries."""
 
-    x: object            # float8_e4m3fn or bfloat16 [n, H]
-    x_sf: object         # float32 [n, H/128], or None for a bf16 payload
-    topk_idx: object     # int32 [n, K]
-    topk_weights: object  # float32 [n, K]
-    x_ref: object        # float32 [n, H]: what the reference computes on
+    x: torch.Tensor             # float8_e4m3fn or bfloat16 [n, H]
+    x_sf: torch.Tensor | None   # float32 [n, H/128], or None for a bf16 payload
+    topk_idx: torch.Tensor      # int32 [n, K]
+    topk_weights: torch.Tensor  # float32 [n, K]
+    x_ref: torch.Tensor         # float32 [n, H]: what the reference computes on
 
 
-def route_batch(hidden, router, topk: int, payload: str) -> RoutedBatch:
+def route_batch(hidden: torch.Tensor, router: torch.Tensor, topk: int, payload: str) -> RoutedBatch:
     """Route ``hidden`` bfloat16 [n, H] as the layer's producers do, and quantise it for the payload."""
     from chunkring.moe.producer import route
     from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
@@ -150,7 +169,7 @@ def route_batch(hidden, router, topk: int, payload: str) -> RoutedBatch:
     return RoutedBatch(hidden, None, idx, weights, hidden.float())
 
 
-def reference_output(batch: RoutedBatch, weights: Weights):
+def reference_output(batch: RoutedBatch, weights: Weights) -> torch.Tensor:
     """float32 [n, H]: the layer's math in fp32 over every expert (the FP8 recipe's quantisations included)."""
     from chunkring.testing.reference import moe_reference
 
@@ -158,7 +177,7 @@ def reference_output(batch: RoutedBatch, weights: Weights):
                          fp8_recipe=weights.fp8_recipe)
 
 
-def check_output(out, ref, *, tolerance: float, what: str) -> tuple[float, float]:
+def check_output(out: torch.Tensor, ref: torch.Tensor, *, tolerance: float, what: str) -> tuple[float, float]:
     """(relative error, max abs error) of ``out`` against ``ref``; raises ``ChunkringRuntimeError`` naming
     ``what`` on NaN or when the relative (Frobenius) error exceeds ``tolerance``."""
     import torch

@@ -9,10 +9,14 @@ the symmetric memory of the full input region against the streaming ring.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import UsageProblems
 
+from ..config import check_range
 from ..progress import progress
 from .moe_workload import (
     LayerFields,
@@ -25,6 +29,9 @@ from .moe_workload import (
     transport_figures,
 )
 
+if TYPE_CHECKING:
+    from chunkring import Runtime
+
 
 @dataclass(frozen=True)
 class CONFIG(LayerFields):
@@ -32,17 +39,16 @@ class CONFIG(LayerFields):
     iterations: int = 20
     warmup: int = 3
 
-    def __post_init__(self):
-        if not 0 <= self.tokens_per_rank <= self.max_tokens_per_rank:
-            raise ChunkringUsageError(f"must be in [0, max_tokens_per_rank={self.max_tokens_per_rank}]",
-                                      field="tokens_per_rank")
+    def check(self, problems: UsageProblems) -> None:
+        super().check(problems)
+        if not problems.reported("max_tokens_per_rank"):
+            check_range(problems, self, "tokens_per_rank", 0, self.max_tokens_per_rank,
+                        f"at most max_tokens_per_rank={self.max_tokens_per_rank}")
         for name in ("iterations", "warmup"):
-            if not 1 <= getattr(self, name) <= 100_000:
-                raise ChunkringUsageError("must be in [1, 100000]", field=name)
-        super().__post_init__()
+            check_range(problems, self, name, 1, 100_000)
 
 
-def run(runtime, config: CONFIG) -> dict:
+def run(runtime: Runtime, config: CONFIG) -> dict[str, float]:
     """Check and time the layer on this rank; returns this rank's figures."""
     import torch
 
@@ -55,14 +61,14 @@ def run(runtime, config: CONFIG) -> dict:
         weights = seeded_weights(layer, config.seed)
         hidden = seeded_hidden(config.tokens_per_rank, cfg.hidden, config.seed * 1000 + 1 + runtime.rank, device)
         ref = reference_output(route_batch(hidden, module.router_weight, cfg.topk, config.payload), weights)
-        figures = transport_figures(layer)  # which data path these times are of
+        figures: dict[str, float] = {**transport_figures(layer)}  # which data path these times are of
         for mode, streaming in (("batch", False), ("streamed", True)):
             out = module(hidden, streaming=streaming)
             torch.cuda.synchronize()
             layer.check()
             figures[f"{mode}_rel_error"], _ = check_output(out, ref, tolerance=config.tolerance,
                                                            what=f"rank {runtime.rank}: {mode}")
-            figures[f"{mode}_ms"] = _median_ms(lambda s=streaming: module(hidden, streaming=s), runtime, config,
+            figures[f"{mode}_ms"] = _median_ms(partial(module, hidden, streaming=streaming), runtime, config,
                                                label=f"timing {mode}")
         layer.check()
         figures["streamed_over_batch"] = figures["streamed_ms"] / figures["batch_ms"]
@@ -72,7 +78,7 @@ def run(runtime, config: CONFIG) -> dict:
         return figures
 
 
-def _median_ms(call, runtime, config: CONFIG, *, label: str) -> float:
+def _median_ms(call: Callable[[], object], runtime: Runtime, config: CONFIG, *, label: str) -> float:
     """Median over ``iterations`` calls of one call's time, ranks started together for each."""
     import statistics
 

@@ -28,12 +28,16 @@ import random
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError, UsageProblems
 
+from ..config import check_range
 from ..progress import progress
 from .moe_workload import (
     LayerFields,
+    RoutedBatch,
+    Weights,
     check_output,
     open_layer,
     reference_output,
@@ -41,6 +45,11 @@ from .moe_workload import (
     seeded_hidden,
     seeded_weights,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from chunkring import MoELayer, Runtime
 
 CHAOS = ("none", "delay", "kill")
 SIDES = ("producer", "consumer")
@@ -61,42 +70,41 @@ class CONFIG(LayerFields):
     chaos_iteration: int = 10
     chaos_delay_s: float = 5.0
 
-    def __post_init__(self):
+    def check(self, problems: UsageProblems) -> None:
+        super().check(problems)
         if (self.iterations > 0) == (self.duration_s > 0):
-            raise ChunkringUsageError("set iterations > 0 or duration_s > 0 (the other 0)", field="iterations")
-        if not 0 <= self.iterations <= 10_000_000:
-            raise ChunkringUsageError("must be in [0, 10000000]", field="iterations")
-        if not 0 <= self.duration_s <= 7 * 86400:
-            raise ChunkringUsageError("must be in [0, 604800]", field="duration_s")
-        if not 0 <= self.batch_every <= 1_000_000:
-            raise ChunkringUsageError("must be in [0, 1000000]", field="batch_every")
+            problems.add(f"set iterations > 0 or duration_s > 0 (the other 0), got iterations={self.iterations} and "
+                         f"duration_s={self.duration_s:g}", field="iterations")
+        check_range(problems, self, "iterations", 0, 10_000_000)
+        check_range(problems, self, "duration_s", 0, 7 * 86400, "a week")
+        check_range(problems, self, "batch_every", 0, 1_000_000)
         if not (self.graph_every == 0 or 2 <= self.graph_every <= 1_000_000):
-            raise ChunkringUsageError("must be 0 or in [2, 1000000] (the first call is eager)", field="graph_every")
-        if not 0 <= self.delay_probability <= 1:
-            raise ChunkringUsageError("must be in [0, 1]", field="delay_probability")
-        if not 1 <= self.delay_cycles_max <= 2_000_000_000:
-            raise ChunkringUsageError("must be in [1, 2e9] (2e9 cycles ~ 1 s)", field="delay_cycles_max")
-        self._check_chaos()
-        super().__post_init__()
-        if -(-self.max_tokens_per_rank // self.front_tokens_per_slot) <= self.front_num_slots:
-            raise ChunkringUsageError(
-                f"a full call of {self.max_tokens_per_rank} tokens in {self.front_tokens_per_slot}-token chunks "
-                f"never wraps a ring of {self.front_num_slots} slots; stress needs more chunks per call than slots",
-                field="front_num_slots")
+            problems.add(f"must be 0 or in [2, 1000000] (the first call is eager), got {self.graph_every}",
+                         field="graph_every")
+        check_range(problems, self, "delay_probability", 0, 1)
+        check_range(problems, self, "delay_cycles_max", 1, 2_000_000_000, "2e9 cycles ~ 1 s")
+        self._check_chaos(problems)
+        ring = ("max_tokens_per_rank", "front_tokens_per_slot", "front_num_slots")
+        if not problems.reported(*ring) and \
+                -(-self.max_tokens_per_rank // self.front_tokens_per_slot) <= self.front_num_slots:
+            problems.add(f"a full call of {self.max_tokens_per_rank} tokens in {self.front_tokens_per_slot}-token "
+                         f"chunks never wraps a ring of {self.front_num_slots} slots; stress needs more chunks per "
+                         f"call than slots", field="front_num_slots")
 
-    def _check_chaos(self):
+    def _check_chaos(self, problems: UsageProblems) -> None:
         from chunkring.env import watchdog_timeout_s
 
         if self.chaos not in CHAOS:
-            raise ChunkringUsageError(f"must be one of {list(CHAOS)}, got {self.chaos!r}", field="chaos")
+            problems.add(f"must be one of {list(CHAOS)}, got {self.chaos!r}", field="chaos")
         if self.chaos_rank < 0:
-            raise ChunkringUsageError("must be a rank (>= 0)", field="chaos_rank")
+            problems.add(f"must be a rank (>= 0), got {self.chaos_rank}", field="chaos_rank")
         if self.chaos_iteration < 0 or (self.iterations and self.chaos_iteration >= self.iterations):
-            raise ChunkringUsageError(f"must be in [0, iterations={self.iterations})", field="chaos_iteration")
+            problems.add(f"must be in [0, iterations={self.iterations}), got {self.chaos_iteration}",
+                         field="chaos_iteration")
         watchdog = watchdog_timeout_s()
         if self.chaos == "delay" and not 0 < self.chaos_delay_s < watchdog:
-            raise ChunkringUsageError(f"must be in (0, {watchdog:g}): shorter than the device watchdog "
-                                      "(CHUNKRING_TIMEOUT_S), so the job must still pass", field="chaos_delay_s")
+            problems.add(f"must be in (0, {watchdog:g}): shorter than the device watchdog (CHUNKRING_TIMEOUT_S), so "
+                         f"the job must still pass; got {self.chaos_delay_s:g}", field="chaos_delay_s")
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,7 @@ def _draw_tokens(rng: random.Random, most: int, per_slot: int) -> int:
     return rng.randint(1, most)
 
 
-def run(runtime, config: CONFIG) -> dict:
+def run(runtime: Runtime, config: CONFIG) -> dict[str, float]:
     """Run the iterations on this rank; returns this rank's figures. Raises on any wrong output."""
     if config.chaos != "none" and config.chaos_rank >= runtime.world_size:
         raise ChunkringUsageError(f"rank {config.chaos_rank} does not exist in a world of {runtime.world_size}",
@@ -153,9 +161,10 @@ def run(runtime, config: CONFIG) -> dict:
         return _iterate(runtime, config, layer, weights)
 
 
-def _iterate(runtime, config: CONFIG, layer, weights) -> dict:
-    tally = {"iterations": 0, "streamed_calls": 0, "batch_calls": 0, "graph_calls": 0, "empty_calls": 0, "tokens": 0,
-             "delays_injected": 0, "max_abs_error": 0.0, "max_rel_error": 0.0}
+def _iterate(runtime: Runtime, config: CONFIG, layer: MoELayer, weights: Weights) -> dict[str, float]:
+    tally: dict[str, float] = {"iterations": 0, "streamed_calls": 0, "batch_calls": 0, "graph_calls": 0,
+                               "empty_calls": 0, "tokens": 0, "delays_injected": 0, "max_abs_error": 0.0,
+                               "max_rel_error": 0.0}
     bar = progress("stress", runtime.rank, total=config.iterations or None, duration_s=config.duration_s or None)
     start = time.monotonic()
     iteration = 0
@@ -173,14 +182,15 @@ def _iterate(runtime, config: CONFIG, layer, weights) -> dict:
     return tally
 
 
-def _keep_going(runtime, config: CONFIG, iteration: int, start: float) -> bool:
+def _keep_going(runtime: Runtime, config: CONFIG, iteration: int, start: float) -> bool:
     """Whether to run ``iteration``; by count on every rank, or by rank 0's clock, which it shares."""
     if config.iterations:
         return iteration < config.iterations
     return runtime.broadcast_object(time.monotonic() - start < config.duration_s, root=0)
 
 
-def _one_call(runtime, config: CONFIG, layer, weights, replay, iteration: int, plan: IterationPlan, tally: dict):
+def _one_call(runtime: Runtime, config: CONFIG, layer: MoELayer, weights: Weights, replay: GraphCall, iteration: int,
+              plan: IterationPlan, tally: dict[str, float]) -> tuple[float, float]:
     """Build this rank's batch and reference, inject what the plan says, call, check."""
     import torch
 
@@ -220,35 +230,41 @@ class GraphCall:
     the batch into the captured inputs and its length into the device token count, then replays. The
     capture runs nothing, so ranks need not capture together; each replay is one collective call."""
 
-    def __init__(self, layer, weights, payload: str):
+    def __init__(self, layer: MoELayer, weights: Weights, payload: str) -> None:
         self.layer, self.weights, self.payload = layer, weights, payload
-        self.graph = None
+        self.graph: torch.cuda.CUDAGraph | None = None
 
-    def _capture(self, batch):
+    def _capture(self, batch: RoutedBatch) -> torch.cuda.CUDAGraph:
         import torch
 
         cfg, device = self.layer.config, self.layer.runtime.torch_device
         rows = cfg.max_tokens_per_rank
-        self.inputs = [None if t is None else torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=device)
-                       for t in (batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights)]
+
+        def captured(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=device)
+
+        self.x, self.topk_idx, self.topk_weights = captured(batch.x), captured(batch.topk_idx), \
+            captured(batch.topk_weights)
+        self.x_sf = None if batch.x_sf is None else captured(batch.x_sf)
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
         self.out = torch.empty((rows, cfg.hidden), dtype=torch.bfloat16, device=device)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.layer.run(*self.inputs, self.weights.w13, self.weights.w2, streaming=True, out=self.out,
-                           num_tokens=self.count)
+            self.layer.run(self.x, self.x_sf, self.topk_idx, self.topk_weights, self.weights.w13, self.weights.w2,
+                           streaming=True, out=self.out, num_tokens=self.count)
+        return self.graph
 
-    def __call__(self, batch):
-        if self.graph is None:
-            self._capture(batch)
+    def __call__(self, batch: RoutedBatch) -> torch.Tensor:
+        graph = self.graph if self.graph is not None else self._capture(batch)
         n = batch.x.shape[0]
-        fresh_inputs = (batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights)
-        for captured, fresh in zip(self.inputs, fresh_inputs, strict=True):
-            if captured is not None:
-                captured[:n].copy_(fresh)
+        self.x[:n].copy_(batch.x)
+        if self.x_sf is not None and batch.x_sf is not None:
+            self.x_sf[:n].copy_(batch.x_sf)
+        self.topk_idx[:n].copy_(batch.topk_idx)
+        self.topk_weights[:n].copy_(batch.topk_weights)
         self.count.fill_(n)
-        self.graph.replay()
+        graph.replay()
         return self.out[:n].clone()
 
 

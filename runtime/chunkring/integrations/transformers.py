@@ -51,7 +51,7 @@ from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
+    from chunkring.runtime import Runtime
 
 __all__ = ["SUPPORTED_BLOCKS", "ChunkringMoEBlock", "HfMoEBlock", "chunkring_blocks", "expert_state_dict",
            "find_moe_blocks", "plan_moe_blocks", "replace_moe_blocks", "route"]

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     import torch
     from cuda.core import Kernel, ObjectCode
 
-    from chunkring.bringup import Runtime
     from chunkring.jit.compiler import BuildResult
+    from chunkring.runtime import Runtime
 
 __all__ = ["KernelLibrary", "Param", "library_for"]  # Param lives with the signatures that make it
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError, Problem, UsageProblems
 from chunkring.ring.layout import RingLayout
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 from chunkring.ring.transport import TRANSPORT_MODES
@@ -59,33 +59,48 @@ class MoEConfig:
     waves: int = 1
 
     def __post_init__(self) -> None:
+        # Every bad field at once (UsageProblems), each with its value and what it must be; .field is the first.
+        problems = UsageProblems()
         for name in ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ChunkringUsageError(f"must be a positive int, got {value!r}", field=name)
-        object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
-        multiple = FP8_SCALE_BLOCK if self.payload.has_scales else 8
-        if self.intermediate % multiple:
-            raise ChunkringUsageError(f"must be a multiple of {multiple} for the {self.payload.name} payload, got "
-                                      f"{self.intermediate}", field="intermediate")
-        if (self.front_num_slots is None) != (self.front_tokens_per_slot is None):
-            missing = "front_num_slots" if self.front_num_slots is None else "front_tokens_per_slot"
-            raise ChunkringUsageError("set both front_num_slots and front_tokens_per_slot, or neither", field=missing)
-        for name in ("front_num_slots", "front_tokens_per_slot"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ChunkringUsageError(f"must be a positive int or None, got {value!r}", field=name)
-        if self.front_tokens_per_slot is not None and self.front_tokens_per_slot > self.max_tokens_per_rank:
-            raise ChunkringUsageError(f"{self.front_tokens_per_slot} exceeds max_tokens_per_rank="
-                                      f"{self.max_tokens_per_rank}", field="front_tokens_per_slot")
+                problems.add(f"must be a positive int, got {value!r}", field=name)
+        with problems.collect():
+            object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
+        if not problems.reported("intermediate", "payload"):
+            multiple = FP8_SCALE_BLOCK if self.payload.has_scales else 8
+            why = ("one activation scale per 1x128 block" if self.payload.has_scales
+                   else "16-byte rows for the grouped GEMMs")
+            if self.intermediate % multiple:
+                problems.add(f"must be a multiple of {multiple} for the {self.payload.name} payload ({why}), got "
+                             f"{self.intermediate}", field="intermediate")
+        self._check_front_ring(problems)
         if self.transport is not None and self.transport not in TRANSPORT_MODES:
-            raise ChunkringUsageError(f"must be one of {TRANSPORT_MODES} or None, got {self.transport!r}",
-                                      field="transport")
+            problems.add(f"must be one of {TRANSPORT_MODES} or None, got {self.transport!r}", field="transport")
         if isinstance(self.waves, bool) or not isinstance(self.waves, int) or not 1 <= self.waves <= MAX_WAVES:
-            raise ChunkringUsageError(f"must be an int in [1, {MAX_WAVES}] (1: the batch plan), got {self.waves!r}",
-                                      field="waves")
+            problems.add(f"must be an int in [1, {MAX_WAVES}] (1: the batch plan), got {self.waves!r}", field="waves")
         # The rings' own rules (RingSpec, RingLayout) at one rank: what fails there fails at every rank count.
-        self.check_world_size(1)
+        # A field found at fault above keeps its own problem.
+        with problems.collect():
+            self.check_world_size(1)
+        problems.raise_if_any()
+
+    def _check_front_ring(self, problems: UsageProblems) -> None:
+        """The streaming ring's two fields: each a positive int or None, both or neither, a slot within the batch."""
+        front = {"front_num_slots": self.front_num_slots, "front_tokens_per_slot": self.front_tokens_per_slot}
+        for name, value in front.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                problems.add(f"must be a positive int or None, got {value!r}", field=name)
+        unset = [name for name, value in front.items() if value is None]
+        if len(unset) == 1:
+            (given,) = set(front) - set(unset)
+            problems.add(f"unset while {given}={front[given]!r} is set: set both for a streaming ring, or neither",
+                         field=unset[0])
+        tokens = self.front_tokens_per_slot
+        if (not problems.reported("front_tokens_per_slot", "max_tokens_per_rank") and tokens is not None
+                and tokens > self.max_tokens_per_rank):
+            problems.add(f"must be at most max_tokens_per_rank={self.max_tokens_per_rank} (a chunk is part of a "
+                         f"batch), got {tokens}", field="front_tokens_per_slot")
 
     @property
     def incremental(self) -> bool:
@@ -120,7 +135,7 @@ class MoEConfig:
             return RingSpec(world_size=world_size, num_slots=slots, tokens_per_slot=tokens, hidden=self.hidden,
                             payload=self.payload, topk=self.topk, num_experts=self.num_experts)
         except ChunkringUsageError as exc:
-            raise _as_config_error(exc, streamed=streamed) from None
+            raise ChunkringUsageError.listing(_as_config_problems(exc, streamed=streamed)) from None
 
     def ring_specs(self, world_size: int) -> tuple[RingSpec, ...]:
         """The specs of every ring a layer of this config allocates on ``world_size`` ranks: the
@@ -131,9 +146,14 @@ class MoEConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ChunkringUsageError`` unless a layer of this config can be built on ``world_size``
         ranks: every rule of its rings' specs and layouts (the experts must split evenly over the ranks,
-        at most ``chunkring.ring.MAX_WORLD_SIZE`` ranks). What a launcher checks before any rank starts."""
-        for spec in self.ring_specs(world_size):
-            RingLayout(spec)
+        at most ``chunkring.ring.MAX_WORLD_SIZE`` ranks), every broken rule of both rings listed at once.
+        What a launcher checks before any rank starts."""
+        problems = UsageProblems()
+        both = self.front_num_slots is not None and self.front_tokens_per_slot is not None
+        for streamed in (False, True) if both else (False,):
+            with problems.collect():
+                RingLayout(self.ring_spec(world_size, streamed=streamed))
+        problems.raise_if_any()
 
 
 #: The config field behind each RingSpec field that is not one of the config's own, per ring.
@@ -141,13 +161,12 @@ _BATCH_FIELDS = {"tokens_per_slot": "max_tokens_per_rank"}
 _STREAMED_FIELDS = {"tokens_per_slot": "front_tokens_per_slot", "num_slots": "front_num_slots"}
 
 
-def _as_config_error(exc: ChunkringUsageError, *, streamed: bool) -> ChunkringUsageError:
-    """``exc`` (a RingSpec error) naming the MoEConfig field it is about, and which ring said so."""
-    if exc.field is None:
-        return exc
-    field = (_STREAMED_FIELDS if streamed else _BATCH_FIELDS).get(exc.field, exc.field)
-    if field == exc.field:
-        return exc
-    message = str(exc).removeprefix(f"{exc.field}: ")
-    ring = "streaming ring's" if streamed else "batch-ready ring's"
-    return ChunkringUsageError(f"{message} (the {ring} {exc.field})", field=field)
+def _as_config_problems(exc: ChunkringUsageError, *, streamed: bool) -> list[Problem]:
+    """``exc``'s problems (a RingSpec's) each naming the MoEConfig field it is about, and which ring said so."""
+    out = []
+    for field, message in exc.problems:
+        mapped = (_STREAMED_FIELDS if streamed else _BATCH_FIELDS).get(field or "", field)
+        if mapped != field:
+            message = f"{message} (the {'streaming' if streamed else 'batch-ready'} ring's {field})"
+        out.append((mapped, message))
+    return out

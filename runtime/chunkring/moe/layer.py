@@ -36,8 +36,8 @@ from chunkring.ring.ring import Ring, check_identical
 from chunkring.ring.transport import Transport
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
     from chunkring.moe.auto import StreamingCalibration
+    from chunkring.runtime import Runtime
 
 __all__ = ["MoELayer"]
 

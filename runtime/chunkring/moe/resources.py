@@ -31,8 +31,8 @@ from chunkring.ring.spec import FP8_SCALE_BLOCK
 from chunkring.ring.transport import Transport
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
     from chunkring.jit import KernelLibrary
+    from chunkring.runtime import Runtime
 
 __all__ = ["PULL_BLOCK", "PULL_GRID", "TEARDOWN_BARRIER_S", "LayerKernels", "LayerResources", "Stage",
            "agree", "spinning_grids"]

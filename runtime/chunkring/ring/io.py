@@ -15,9 +15,9 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
     from chunkring.jit.launch import KernelLibrary
     from chunkring.ring.ring import Ring
+    from chunkring.runtime import Runtime
 
 __all__ = ["publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit", "GatherOutputs",
            "kernel_library"]

@@ -20,7 +20,7 @@ from chunkring.ring.status import AbortRecord, InputRecord, StatusRecord, descri
 from chunkring.ring.transport import Transport, check_transport_mode, choose_transports, describe_transports, rma_mask
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
+    from chunkring.runtime import Runtime
 
 __all__ = ["Ring", "check_epochs_agree", "check_identical"]
 

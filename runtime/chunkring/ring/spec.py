@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import ChunkringUsageError, UsageProblems
 
 __all__ = ["PayloadFormat", "RingSpec", "MAX_WORLD_SIZE", "FP8_SCALE_BLOCK"]
 
@@ -19,6 +19,11 @@ MAX_WORLD_SIZE = 64
 FP8_SCALE_BLOCK = 128
 #: Rows are moved in 16-byte vectors.
 ROW_ALIGN_BYTES = 16
+#: Routed experts per token a slot carries (the consumer's per-token choice loop).
+MAX_TOPK = 32
+#: RingSpec's fields that must be ints.
+_INT_FIELDS = ("world_size", "num_slots", "tokens_per_slot", "hidden", "topk", "num_experts", "epoch_bits",
+               "laps_per_epoch")
 
 
 #: The short names :meth:`PayloadFormat.checked` accepts, and the members they name.
@@ -53,6 +58,15 @@ class PayloadFormat(enum.IntEnum):
     def has_scales(self) -> bool:
         return self is PayloadFormat.FP8_E4M3
 
+    @property
+    def hidden_multiple(self) -> tuple[int, str]:
+        """What ``hidden`` (channels per token row) must be a multiple of for this payload, and why, in
+        channels: whole 16-byte row vectors, and for FP8 whole scale blocks."""
+        if self.has_scales:
+            return FP8_SCALE_BLOCK, f"the FP8 scale block: one fp32 scale per {FP8_SCALE_BLOCK} channels"
+        width = self.element_bytes
+        return ROW_ALIGN_BYTES // width, f"rows move in {ROW_ALIGN_BYTES}-byte vectors of {width}-byte channels"
+
 
 @dataclass(frozen=True)
 class RingSpec:
@@ -77,33 +91,44 @@ class RingSpec:
     laps_per_epoch: int = 1 << 40
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "num_slots", "tokens_per_slot", "hidden", "topk", "num_experts",
-                     "epoch_bits", "laps_per_epoch"):
+        problems = UsageProblems()  # every bad field at once, each with its value and what it must be
+        for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ChunkringUsageError(f"must be an int, got {type(value).__name__}", field=name)
-        object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
-        _check_range("world_size", self.world_size, 1, MAX_WORLD_SIZE,
-                     f"a consumer's source mask holds {MAX_WORLD_SIZE} ranks")
-        _check_range("num_slots", self.num_slots, 1, 1 << 16)
-        _check_range("tokens_per_slot", self.tokens_per_slot, 1, 1 << 16)
-        _check_range("hidden", self.hidden, 1, 1 << 16)
-        row_bytes = self.hidden * self.payload.element_bytes
-        if row_bytes % ROW_ALIGN_BYTES:
-            raise ChunkringUsageError(f"a token row ({row_bytes} B) must be a multiple of {ROW_ALIGN_BYTES} B",
-                                      field="hidden")
-        if self.payload.has_scales and self.hidden % FP8_SCALE_BLOCK:
-            raise ChunkringUsageError(f"FP8 scales cover {FP8_SCALE_BLOCK} channels; hidden must be a multiple",
-                                      field="hidden")
-        _check_range("num_experts", self.num_experts, 1, 1 << 15)
-        if self.num_experts % self.world_size:
-            raise ChunkringUsageError(f"{self.num_experts} experts do not split evenly over {self.world_size} ranks",
-                                      field="num_experts")
-        _check_range("topk", self.topk, 1, min(self.num_experts, 32))
+                problems.add(f"must be an int, got {value!r}", field=name)
+        with problems.collect():
+            object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
+
+        def check_range(name: str, low: int, high: int, why: str = "") -> bool:
+            """Whether ``name`` (an int, if not reported already) is in [low, high]; a problem if not."""
+            if problems.reported(name):
+                return False
+            value = getattr(self, name)
+            if low <= value <= high:
+                return True
+            problems.add(f"must be in [{low}, {high}], got {value}" + (f" ({why})" if why else ""), field=name)
+            return False
+
+        world_ok = check_range("world_size", 1, MAX_WORLD_SIZE, f"a consumer's source mask holds {MAX_WORLD_SIZE} "
+                                                                "ranks")
+        check_range("num_slots", 1, 1 << 16)
+        check_range("tokens_per_slot", 1, 1 << 16)
+        if check_range("hidden", 1, 1 << 16) and not problems.reported("payload"):
+            multiple, why = self.payload.hidden_multiple
+            if self.hidden % multiple:
+                problems.add(f"must be a multiple of {multiple} ({why}), got {self.hidden}", field="hidden")
+        experts_ok = check_range("num_experts", 1, 1 << 15)
+        if experts_ok and world_ok and self.num_experts % self.world_size:
+            problems.add(f"{self.num_experts} experts do not split evenly over {self.world_size} ranks",
+                         field="num_experts")
+        if experts_ok:
+            top = min(self.num_experts, MAX_TOPK)
+            check_range("topk", 1, top, f"at most num_experts={self.num_experts}" if top == self.num_experts
+                        else f"the ring carries at most {MAX_TOPK} choices per token")
         # The seq field must hold every lap of an epoch; epoch_bits >= 16 leaves room for 65,535 resets.
-        _check_range("epoch_bits", self.epoch_bits, 16, 32)
-        _check_range("laps_per_epoch", self.laps_per_epoch, 1, self.max_laps,
-                     f"{self.seq_bits}-bit lap field (64 - epoch_bits)")
+        if check_range("epoch_bits", 16, 32):
+            check_range("laps_per_epoch", 1, self.max_laps, f"{self.seq_bits}-bit lap field (64 - epoch_bits)")
+        problems.raise_if_any()
 
     @property
     def seq_bits(self) -> int:
@@ -117,9 +142,3 @@ class RingSpec:
     @property
     def experts_per_rank(self) -> int:
         return self.num_experts // self.world_size
-
-
-def _check_range(field: str, value: int, low: int, high: int, why: str = "") -> None:
-    if not low <= value <= high:
-        suffix = f" ({why})" if why else ""
-        raise ChunkringUsageError(f"must be in [{low}, {high}], got {value}{suffix}", field=field)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from chunkring.bringup import Runtime
     from chunkring.jit.launch import KernelLibrary
+    from chunkring.runtime import Runtime
 
 __all__ = ["pingpong"]
 

@@ -14,9 +14,9 @@ from chunkring.jit.launch import library_for
 if TYPE_CHECKING:
     import torch
 
-    from chunkring.bringup import Runtime
     from chunkring.ring.ring import Ring
     from chunkring.ring.status import StatusRecord
+    from chunkring.runtime import Runtime
 
 __all__ = ["LITMUS_DIRECTIONS", "MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "NO_PUSH_RELEASE", "SEAL_ON_RESERVE",
            "StressLibrary", "StressPlan"]

@@ -14,8 +14,8 @@ from chunkring.moe.layer import MoELayer
 from chunkring.moe.resources import LayerKernels
 
 if TYPE_CHECKING:
-    from chunkring.bringup import Runtime
     from chunkring.moe.config import MoEConfig
+    from chunkring.runtime import Runtime
 
 __all__ = ["layer_kernels", "mutant_layer"]
 

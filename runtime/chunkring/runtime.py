@@ -1,0 +1,205 @@
+"""One process's CUDA device and NVSHMEM membership: :class:`Runtime` (symmetric tensors, kernel libraries,
+host collectives through its :class:`~chunkring.hostcomm.HostComm`, explicit close).
+
+``chunkring.init()`` (:mod:`chunkring.bringup`) makes the one a process uses; this module imports neither
+torch nor NVSHMEM until a method needs them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.hostcomm import HostComm
+from chunkring.ranks import RankInfo
+
+if TYPE_CHECKING:  # imported where used: importing chunkring initialises neither torch nor NVSHMEM
+    import torch
+    from cuda.core import Device, ObjectCode
+    from nvshmem.core import NvshmemKernelObject
+
+__all__ = ["Runtime"]
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Runtime:
+    """One process's CUDA device and NVSHMEM membership. Close it explicitly (or use ``with``).
+
+    Symmetric tensors made by :meth:`alloc` have the same offset in every PE's heap; all of them are
+    freed by :meth:`close` before NVSHMEM finalises, as NVSHMEM requires.
+
+    Host-side collectives over the same ranks: :meth:`allgather_object`, :meth:`gather_object`,
+    :meth:`broadcast_object` (through ``comm``, a :class:`HostComm`, made from ``ranks`` if not given)
+    and :meth:`barrier` (NVSHMEM's, ordered with the GPU work of torch's current stream).
+    """
+
+    ranks: RankInfo
+    ordinal: int
+    device: Device  # cuda.core
+    comm: HostComm | None = field(default=None, repr=False)
+    #: Ranks of the job on this rank's GPU, this one included (``init()`` counts them). Under MPS their kernels
+    #: run side by side on its SMs, so the grids that spin are sized to this rank's share of them.
+    gpu_ranks: int = 1
+    _tensors: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _libraries: list[NvshmemKernelObject] = field(default_factory=list, repr=False)
+    _closed: bool = False
+    #: Called with this runtime once it is closed (``init()`` forgets it as the process's current one).
+    _on_close: Callable[[Runtime], None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.comm is None:
+            self.comm = HostComm(self.ranks)
+        elif self.comm.ranks != self.ranks:
+            raise ChunkringUsageError(f"comm is for {self.comm.ranks}, the runtime for {self.ranks}", field="comm")
+        if not 1 <= self.gpu_ranks <= self.world_size:
+            raise ChunkringUsageError(f"must be in [1, world_size={self.world_size}], got {self.gpu_ranks}",
+                                      field="gpu_ranks")
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    @property
+    def torch_device(self) -> torch.device:
+        import torch
+
+        return torch.device("cuda", self.ordinal)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChunkringUsageError("this chunkring Runtime was closed")
+
+    @property
+    def _host(self) -> HostComm:
+        """``comm``, never None once constructed (``__post_init__`` makes one)."""
+        assert self.comm is not None
+        return self.comm
+
+    def alloc(self, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled symmetric torch tensor. This is a collective: every PE must call it alike."""
+        import nvshmem.core as nvshmem
+        import torch
+
+        self._check_open()
+        shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        if any(n < 0 for n in shape):
+            raise ChunkringUsageError(f"negative dimension in {shape}", field="shape")
+        if math.prod(shape) == 0:  # NVSHMEM allocates no zero-byte block
+            raise ChunkringUsageError(f"a symmetric tensor needs at least one element, got shape {shape}",
+                                      field="shape")
+        try:
+            tensor = nvshmem.tensor(shape, dtype=dtype)
+        except (nvshmem.NvshmemError, nvshmem.NvshmemInvalid) as exc:
+            raise ChunkringRuntimeError(f"symmetric allocation of {shape} {dtype} failed: {exc}") from exc
+        tensor.zero_()
+        torch.cuda.current_stream().synchronize()
+        self._tensors[tensor.data_ptr()] = tensor
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Return a tensor made by :meth:`alloc`. A collective, like the allocation."""
+        import nvshmem.core as nvshmem
+
+        self._check_open()
+        if self._tensors.pop(tensor.data_ptr(), None) is None:
+            raise ChunkringUsageError("tensor was not allocated by this Runtime (or was freed already)")
+        nvshmem.free_tensor(tensor)
+
+    def peer(self, tensor: torch.Tensor, pe: int) -> torch.Tensor:
+        """A view of ``tensor``'s counterpart on ``pe``, for PEs reachable by load/store (same node)."""
+        import nvshmem.core as nvshmem
+
+        self._check_open()
+        if not 0 <= pe < self.world_size:
+            raise ChunkringUsageError(f"PE {pe} outside world of {self.world_size}", field="pe")
+        return nvshmem.get_peer_tensor(tensor, pe)
+
+    def peer_address(self, tensor: torch.Tensor, pe: int) -> int:
+        """The host's ``nvshmem_ptr``: the address at which this GPU reaches ``tensor``'s counterpart on
+        ``pe`` with loads and stores, or 0 when NVSHMEM maps no such window (a peer over the network)."""
+        from nvshmem.bindings import ptr
+
+        self._check_open()
+        if not 0 <= pe < self.world_size:
+            raise ChunkringUsageError(f"PE {pe} outside world of {self.world_size}", field="pe")
+        return int(ptr(tensor.data_ptr(), pe) or 0)
+
+    def allgather_object(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (small, picklable), in rank order, on every rank. A collective on the host
+        (:meth:`HostComm.allgather_object`); trivial in a single process."""
+        self._check_open()
+        return self._host.allgather_object(obj)
+
+    def gather_object(self, obj: T, root: int = 0) -> list[T] | None:
+        """Every rank's ``obj`` in rank order on ``root``, ``None`` elsewhere. A collective on the host
+        (:meth:`HostComm.gather_object`)."""
+        self._check_open()
+        return self._host.gather_object(obj, root)
+
+    def broadcast_object(self, obj: T, root: int = 0) -> T:
+        """``root``'s ``obj`` on every rank. A collective on the host (:meth:`HostComm.broadcast_object`)."""
+        self._check_open()
+        return self._host.broadcast_object(obj, root)
+
+    def host_barrier(self, timeout_s: float | None = None) -> None:
+        """Return once every rank has called it (:meth:`HostComm.barrier`, ``timeout_s`` as there). Host only:
+        it orders no GPU work and enqueues nothing, so it may run while a stream is being captured."""
+        self._host.barrier(timeout_s)
+
+    def barrier(self) -> None:
+        """Host-side barrier over all PEs on torch's current stream (NVSHMEM's), then wait for it. A
+        collective; unlike :meth:`HostComm.barrier` it is ordered with the stream's GPU work."""
+        import nvshmem.core as nvshmem
+        import torch
+
+        self._check_open()
+        stream = torch.cuda.current_stream()
+        nvshmem.barrier_all(stream=stream)
+        stream.synchronize()
+
+    def load(self, object_code: ObjectCode) -> NvshmemKernelObject:
+        """Register a compiled kernel library with NVSHMEM (once per process per library)."""
+        import nvshmem.core as nvshmem
+
+        self._check_open()
+        library = nvshmem.NvshmemKernelObject.from_obj(object_code)
+        try:
+            nvshmem.library_init(library)
+        except (nvshmem.NvshmemError, nvshmem.NvshmemInvalid) as exc:
+            raise ChunkringRuntimeError(f"NVSHMEM could not initialise the kernel library: {exc}") from exc
+        self._libraries.append(library)
+        return library
+
+    def close(self) -> None:
+        """Free every symmetric tensor and kernel library, then finalise NVSHMEM. A collective."""
+        if self._closed:
+            return
+        import nvshmem.core as nvshmem
+        import torch
+
+        torch.cuda.synchronize(self.ordinal)
+        for tensor in self._tensors.values():
+            nvshmem.free_tensor(tensor)
+        self._tensors.clear()
+        for library in self._libraries:
+            nvshmem.library_finalize(library)
+        self._libraries.clear()
+        nvshmem.finalize()
+        self._closed = True
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

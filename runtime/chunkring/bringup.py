@@ -28,11 +28,22 @@ _current: Runtime | None = None
 
 
 def init(rank_info: RankInfo | None = None) -> Runtime:
-    """Initialise CUDA and NVSHMEM for this process and return its :class:`Runtime`.
+    """Initialise CUDA and NVSHMEM for this process and return its :class:`Runtime`. A collective over all
+    ranks of the job (under ``mpirun``; a plain single process needs no launcher).
 
-    This is a collective over all ranks of the job. The GPU is chosen as ``local_rank % device_count``,
-    so several ranks may share one GPU (run them under MPS so their kernels run concurrently).
-    Raises ``NoGpuError`` when no CUDA device is visible, before touching NVSHMEM.
+    Args:
+        rank_info: this process's place in the job (None: :meth:`RankInfo.from_env`, what ``mpirun`` sets). The
+            GPU is ``local_rank % device_count``, so several ranks may share one GPU (run them under MPS so
+            their kernels run concurrently: ``chunkring-launch --mps``).
+
+    Returns:
+        The :class:`Runtime`; ``close()`` it (or use ``with``) at the end.
+
+    Raises:
+        NoGpuError: no CUDA device is visible, before NVSHMEM is touched.
+        ChunkringUsageError: chunkring is already initialised in this process, or an NVLink multicast variable
+            is set to turn multicast on.
+        ChunkringRuntimeError: NVSHMEM's initialisation failed, or its PE numbering disagrees with the ranks.
     """
     global _current
     if _current is not None:

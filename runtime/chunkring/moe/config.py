@@ -29,22 +29,28 @@ MAX_WAVES = 8
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Shapes of one MoE layer, identical on every rank.
+    """Shapes of one MoE layer, identical on every rank; checked when built, against every rule of the rings
+    its layer allocates.
 
-    num_experts, topk: routed experts and choices per token.  hidden, intermediate: H and I (the
-    experts' w13 is [2I, H], w2 is [H, I]).  max_tokens_per_rank: capacity of one call's batch per rank.
-    payload: what travels between ranks (FP8 e4m3 with per-128 fp32 scales, or bf16).
-    front_num_slots, front_tokens_per_slot: the streaming ring (both or neither; neither = batch-ready only).
-    transport: how each rank reaches its peers' slots and combine rows (:mod:`chunkring.ring.transport`):
-    ``"auto"`` (loads/stores where NVSHMEM maps a peer, RMA elsewhere), ``"rma"`` (RMA for every peer), or
-    None: ``CHUNKRING_TRANSPORT`` (default auto).
-    waves: 1 (default) - the batch plan: the expert work starts after every source's stream ended; 2 to
-    :data:`MAX_WAVES` - incremental expert blocks (docs/PROTOCOL.md, "Incremental expert blocks"): the
-    pull writes rows straight into sealed blocks per expert, and that many fixed launches of expert work
-    each compute the blocks sealed by then, the first while producers still publish. Streamed calls only:
-    batch-ready calls always compute the batch plan.
-    The FP8 payload runs FP8 expert GEMMs whose activations carry one scale per 1x128: its ``intermediate``
-    must be a multiple of 128 (the bf16 payload's, of 8: 16-byte rows for the grouped GEMMs).
+    Args:
+        num_experts, topk: routed experts (over all ranks) and choices per token.
+        hidden, intermediate: H and I: the experts' w13 is [2I, H], w2 is [H, I]. The FP8 payload's activations
+            carry one scale per 1x128, so its ``intermediate`` is a multiple of 128 (the bf16 payload's, of 8:
+            16-byte rows for the grouped GEMMs).
+        max_tokens_per_rank: the capacity of one call's batch per rank.
+        payload: what travels between ranks: FP8 e4m3 with per-128 fp32 scales (the default), or bf16.
+        front_num_slots, front_tokens_per_slot: the streaming ring (both or neither; neither = batch-ready only;
+            :meth:`with_default_ring` picks them).
+        transport: how each rank reaches its peers' slots and combine rows (:mod:`chunkring.ring.transport`):
+            ``"auto"`` (loads and stores where NVSHMEM maps a peer, RMA elsewhere), ``"rma"`` (RMA for every
+            peer), or None: ``CHUNKRING_TRANSPORT`` (default auto).
+        waves: 1 (the default): the batch plan, expert work after every source's stream ended; 2 to
+            :data:`MAX_WAVES`: incremental expert blocks (docs/PROTOCOL.md, "Incremental expert blocks"), that
+            many fixed launches of expert work each computing the blocks sealed by then. Streamed calls only.
+
+    Raises:
+        ChunkringUsageError: every bad value at once, each naming its field, the value and what it must be
+            (``.field``: the first).
     """
 
     num_experts: int

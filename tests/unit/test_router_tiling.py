@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chunkring.moe.producer import ROUTER_MAX_SLICES, ROUTER_SLICE, router_slices
+from chunkring.moe.producer import ROUTER_MAX_SLICES, ROUTER_SLICE, ROUTER_TILE, router_slices
 
 SOURCE = (Path(__file__).resolve().parents[2] / "device" / "kernels" / "moe_produce.cu").read_text()
 
@@ -19,6 +19,7 @@ def constant(name: str) -> int:
 
 def test_the_host_mirrors_the_kernels_constants():
     assert (constant("kRouterSlice"), constant("kRouterMaxSlices")) == (ROUTER_SLICE, ROUTER_MAX_SLICES)
+    assert (constant("kRouterRows"), constant("kRouterCols")) == ROUTER_TILE  # the launch's grid: one block a tile
     assert ROUTER_SLICE % 16 == 0  # whole MMA k-steps
 
 

@@ -8,11 +8,9 @@ import torch
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.layer import MoELayer
 from chunkring.moe.op import moe_forward
-from chunkring.moe.weights import Fp8Weight, expert_weights, init_weights
+from chunkring.moe.weights import Weight, expert_weights, init_weights
 
 __all__ = ["ChunkedMoE"]
-
-Weight = torch.Tensor | Fp8Weight
 
 
 class ChunkedMoE(torch.nn.Module):
@@ -35,8 +33,8 @@ class ChunkedMoE(torch.nn.Module):
     """
 
     router_weight: torch.Tensor  # a registered buffer
-    w13: torch.Tensor | Fp8Weight
-    w2: torch.Tensor | Fp8Weight
+    w13: Weight
+    w2: Weight
 
     def __init__(self, layer: MoELayer, *, generator: torch.Generator | None = None,
                  weights: tuple[torch.Tensor, Weight, Weight] | None = None) -> None:

@@ -94,11 +94,11 @@ class MoELayer:
                 "chunkring before torch touches the GPU, or use chunkring-launch)", field="CUDA_MODULE_LOADING")
         check_identical(runtime, config)
         self.runtime, self.config = runtime, config
-        self.experts_per_rank = config.num_experts // world
-        self.first_expert = runtime.rank * self.experts_per_rank
         #: Everything the layer holds at this rank (:class:`LayerResources`): rings, stage, buffers, kernels,
         #: partition and streams.
         self.resources = LayerResources(runtime, config, partition=partition, timeout_s=timeout_s, kernels=kernels)
+        #: This rank's experts: ``experts_per_rank`` of them from global index ``first_expert``.
+        self.experts_per_rank, self.first_expert = self.resources.experts_per_rank, self.resources.first_expert
         #: Enqueues the layer's calls on :attr:`resources`.
         self.schedule = CallSchedule(self.resources)
         #: What ``streaming="auto"`` calls follow (:func:`chunkring.moe.calibration.calibrate` sets it); None:

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from chunkring.jit.launch import KernelLibrary
     from chunkring.ring.ring import Ring
 
-__all__ = ["E4M3_MAX", "ROUTER_MAX_SLICES", "ROUTER_SLICE", "enqueue_produce", "produce_grid", "produce_grid_limit",
-           "quantize_rows_fp8", "route", "router_logits", "router_slices"]
+__all__ = ["E4M3_MAX", "ROUTER_MAX_SLICES", "ROUTER_SLICE", "ROUTER_TILE", "enqueue_produce", "produce_grid",
+           "produce_grid_limit", "quantize_rows_fp8", "route", "router_logits", "router_slices"]
 
 #: Largest finite float8_e4m3fn value (e4m3fn has no infinity; the all-ones code is NaN).
 E4M3_MAX = 448.0
@@ -33,7 +33,8 @@ E4M3_MAX = 448.0
 #: block has at most ROUTER_MAX_SLICES warps.
 ROUTER_SLICE = 512
 ROUTER_MAX_SLICES = 16
-_ROUTER_TILE = (16, 32)  # tokens x experts per block
+#: Tokens x experts a block of moe_router_logits computes: its launch has one block per tile.
+ROUTER_TILE = (16, 32)
 
 
 def router_slices(hidden: int) -> int:
@@ -63,7 +64,7 @@ def router_logits(hidden: torch.Tensor, router_weight: torch.Tensor, *,
     E = router_weight.shape[0]
     logits = torch.empty((n, E), dtype=torch.float32, device=hidden.device)
     if n:
-        tiles = -(-n // _ROUTER_TILE[0]) * -(-E // _ROUTER_TILE[1])
+        tiles = -(-n // ROUTER_TILE[0]) * -(-E // ROUTER_TILE[1])
         kernels.launch("moe_router_logits", hidden, router_weight, logits, n, E, H, grid=tiles,
                        block=32 * router_slices(H), stream=torch.cuda.current_stream(hidden.device))
     return logits

@@ -21,20 +21,16 @@ is fixed, so a call captures into a CUDA graph.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
 from chunkring.moe.calls import CallMode
 from chunkring.moe.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
-from chunkring.moe.weights import Fp8Weight
+from chunkring.moe.weights import Weight
 from chunkring.ring.ring import Ring
 
 __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule", "Publish"]
-
-if TYPE_CHECKING:
-    Weight = torch.Tensor | Fp8Weight
 
 #: Enqueues rows [start, end) of a call's batch as the ring's next chunk on the producer stream:
 #: (ring, start, end, end_of_stream, valid_tokens, batch_rows, stream).

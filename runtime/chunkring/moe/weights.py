@@ -14,7 +14,7 @@ import torch
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.config import MoEConfig
 
-__all__ = ["WEIGHT_BLOCK", "ExpertWeights", "Fp8Weight", "expert_weights", "init_weights", "payload_weights",
+__all__ = ["WEIGHT_BLOCK", "ExpertWeights", "Fp8Weight", "Weight", "expert_weights", "init_weights", "payload_weights",
            "quantize_weight_fp8"]
 
 #: Rows and columns of weight that share one fp32 scale.
@@ -70,6 +70,8 @@ def quantize_weight_fp8(w: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(data, scale)
 
 
+#: One projection of this rank's experts as a layer's GEMMs take it: an Fp8Weight (FP8 payload) or a bfloat16 tensor.
+Weight = torch.Tensor | Fp8Weight
 #: This rank's w13 and w2 as a layer's GEMMs take them: two Fp8Weight (FP8 payload) or two bfloat16 tensors.
 ExpertWeights = tuple[Fp8Weight, Fp8Weight] | tuple[torch.Tensor, torch.Tensor]
 

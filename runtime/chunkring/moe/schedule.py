@@ -81,8 +81,8 @@ class CallSchedule:
         for stream in {early, producer, consumer}:
             stream.wait_stream(caller)
         self._warm_up(mode, consumer, w13, w2)
-        # No record_stream on the caller's tensors: the caller's stream waits for both side streams at the end
-        # of the call, so its frees (stream-ordered on it) already come after our last use. That also keeps
+        # No record_stream on the caller's tensors: the caller's stream waits for every stream of the call at its
+        # end, so its frees (stream-ordered on it) already come after our last use. That also keeps
         # the allocator from ever recording events on a partition's streams, which may be closed before those
         # tensors are freed.
         mark = _Marks(res, timeline)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -26,6 +25,7 @@ from chunkring import MoEConfig, MoELayer, Timeline
 from chunkring.jit import library_for
 from chunkring.moe.calibration import replay_median_ms
 from chunkring.moe.experts import ExpertCompute
+from chunkring.moe.stage import Stage
 from chunkring.moe.timeline import Event
 from chunkring.moe.weights import expert_weights
 
@@ -68,11 +68,11 @@ def breakdown(name: str, tokens: list[int], runtime, iterations: int) -> list[di
             args = (xq, xsf, idx, w, w13, w2)
             row = {"shape": name, "tokens": t}
             row["call_ms"] = replay_median_ms(lambda: layer.run(*args), iterations=iterations, warmup=3)
-            stage = SimpleNamespace(  # what moe_pull leaves: this call's rows at their token index, -1 past them
-                x=torch.zeros((1, N, H), dtype=torch.float8_e4m3fn, device=device),
-                sf=torch.ones((1, N, H // 128), dtype=torch.float32, device=device),
-                idx=torch.full((1, N, K), -1, dtype=torch.int32, device=device),
-                w=torch.zeros((1, N, K), dtype=torch.float32, device=device))
+            stage = Stage(  # what moe_pull leaves: this call's rows at their token index, -1 past them
+                torch.zeros((1, N, H), dtype=torch.float8_e4m3fn, device=device),
+                torch.ones((1, N, H // 128), dtype=torch.float32, device=device),
+                torch.full((1, N, K), -1, dtype=torch.int32, device=device),
+                torch.zeros((1, N, K), dtype=torch.float32, device=device), expert_lo=0, expert_hi=E)
             stage.x[0, :t], stage.sf[0, :t], stage.idx[0, :t], stage.w[0, :t] = xq, xsf, idx, w
             row["plan_ms"] = replay_median_ms(lambda: compute.plan(stage), iterations=iterations, warmup=3)
             plan = compute.plan(stage)

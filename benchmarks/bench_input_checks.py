@@ -33,16 +33,15 @@ from chunkring.testing.stress import NO_INPUT_CHECKS
 def pull_us(layer, library, launches: int, repeats: int) -> float:
     """Median µs per pull (every source's chunk) with ``library``'s moe_pull."""
     res = layer.resources
-    ring, stage, cfg = res.rings[CallMode.BATCH_READY], res.stage, layer.config
     arrivals = res.arrivals[CallMode.BATCH_READY] if res.pull_grid > 1 else None  # untouched: last chunks are held
-    args = (ring.desc, arrivals, stage.held, stage.x.view(torch.uint8), stage.sf, stage.idx, stage.w,
-            cfg.max_tokens_per_rank, layer.first_expert, layer.first_expert + layer.experts_per_rank, None, 0)
+    args = {"desc": res.rings[CallMode.BATCH_READY].desc, "arrivals": arrivals, "stage": res.stage.desc,
+            "trace": None, "trace_capacity": 0}
     rounds = []
     for _ in range(repeats + 1):  # the first round warms up
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(launches):
-            library.launch("moe_pull", *args, grid=res.pull_grid, block=PULL_BLOCK)
+            library.launch("moe_pull", grid=res.pull_grid, block=PULL_BLOCK, **args)
         stop.record()
         stop.synchronize()
         rounds.append(start.elapsed_time(stop) * 1e3 / launches)

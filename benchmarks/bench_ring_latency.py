@@ -32,7 +32,7 @@ def launched(runtime, ring, lib, kernel, iters, grid, words=1):
     """Run ``kernel`` once on a freshly reset ``ring``; returns its elapsed_ns words on this rank."""
     elapsed = torch.zeros(words, dtype=torch.int64, device=runtime.torch_device)
     ring.reset()
-    lib.launch(kernel, ring.desc, iters, elapsed, grid=grid, block=32)
+    lib.launch(kernel, desc=ring.desc, iters=iters, elapsed_ns=elapsed, grid=grid, block=32)
     torch.cuda.synchronize()
     ring.check()
     runtime.barrier()

@@ -22,6 +22,7 @@
 #include <cuda/std/cstdint>
 
 #include "chunkring/moe/blocks.cuh"
+#include "chunkring/moe/descriptors.cuh"
 #include "chunkring/protocol/mutants.cuh"
 #include "chunkring/ptx/ordering.cuh"
 #include "chunkring/protocol/transport.cuh"
@@ -35,6 +36,9 @@ namespace ptx = chunkring::ptx;
 using chunkring::protocol::kMutant;
 using chunkring::protocol::Mutant;
 using chunkring::layout::RingDesc;
+using chunkring::layout::address;
+using chunkring::moe::PoolDesc;
+using chunkring::moe::StageDesc;
 using chunkring::protocol::Site;
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
@@ -77,43 +81,52 @@ __device__ void group_offsets(const unsigned* counts, int num_local, int block_m
 
 }  // namespace
 
-// counts [E_local] (zeroed by the host) += the choices in stage_idx [choices] of experts
-// [expert_lo, expert_lo + num_local). Out-of-range values were already masked to -1 by moe_pull.
-extern "C" __global__ void moe_plan_count(const int* stage_idx, long long choices, int expert_lo, int num_local,
-                                          unsigned* counts) {
-    for (u64 i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<u64>(choices); i += gridDim.x * blockDim.x) {
+// counts [E_local] (zeroed by the host) += the choices in the stage's idx [W, N, K] of experts
+// [expert_lo, expert_hi). Out-of-range values were already masked to -1 by moe_pull.
+extern "C" __global__ void moe_plan_count(const StageDesc* stage, unsigned* counts) {
+    const StageDesc& s = *stage;
+    chunkring::moe::require_descriptor(s);
+    const int* stage_idx = address<const int>(s.idx);
+    const u64 choices = s.sources * s.token_capacity * s.topk;
+    const int expert_lo = static_cast<int>(s.expert_lo), num_local = static_cast<int>(s.expert_hi - s.expert_lo);
+    for (u64 i = blockIdx.x * blockDim.x + threadIdx.x; i < choices; i += gridDim.x * blockDim.x) {
         const int e = stage_idx[i] - expert_lo;
         if (e >= 0 && e < num_local) atomicAdd(counts + e, 1u);
     }
 }
 
-// One warp per 32 consecutive choices of stage_idx [W, N, K]: each choice of a local expert takes the
+// One warp per 32 consecutive choices of the stage's idx [W, N, K]: each choice of a local expert takes the
 // next row of its group (cursors [E_local], zeroed by the host) and the warp copies its payload there.
-//   stage_x [W, N, row_bytes]   stage_sf [W, N, sf_per_row] fp32 (FP8 payload; sf_per_row 0 for bf16)
+//   stage: x [W, N, row_bytes], sf [W, N, sf_per_row] fp32 (FP8 payload; sf_per_row 0 for bf16), idx, w
 //   rows [P, row_bytes]         rows_sf: the GEMM's scale layout, scale j of row p at j * sf_stride + p
 //   row_src [P] int32: source rank, -1 on padding rows (prefilled by the host)
 //   row_token / row_k [P] int32, row_weight [P] fp32 (padding rows: unwritten)
 //   group_end [E_local] int32: offset(e) + counts[e], the real rows' end of each group - DeepGEMM's
 //   "psum" grouped layout, with which its GEMMs visit only each expert's own row blocks
-extern "C" __global__ void moe_plan_scatter(const unsigned char* stage_x, const float* stage_sf, const int* stage_idx,
-                                            const float* stage_w, long long rows_per_source, int topk,
-                                            long long row_bytes, int sf_per_row, int expert_lo, int num_local,
-                                            int block_m, const unsigned* counts, unsigned* cursors,
-                                            unsigned char* rows, float* rows_sf, long long sf_stride, int* row_src,
-                                            int* row_token, int* row_k, float* row_weight, int* group_end,
-                                            long long choices) {
+extern "C" __global__ void moe_plan_scatter(const StageDesc* stage, int block_m, const unsigned* counts,
+                                            unsigned* cursors, unsigned char* rows, float* rows_sf, long long sf_stride,
+                                            int* row_src, int* row_token, int* row_k, float* row_weight,
+                                            int* group_end) {
+    const StageDesc& s = *stage;
+    chunkring::moe::require_descriptor(s);
+    const auto* stage_x = address<const unsigned char>(s.x);
+    const auto* stage_sf = address<const float>(s.sf);
+    const auto* stage_idx = address<const int>(s.idx);
+    const auto* stage_w = address<const float>(s.w);
+    const u64 row_bytes = s.row_bytes, sf_per_row = s.sf_per_row, choices = s.sources * s.token_capacity * s.topk;
+    const int expert_lo = static_cast<int>(s.expert_lo), num_local = static_cast<int>(s.expert_hi - s.expert_lo);
     extern __shared__ unsigned offsets[];  // E_local + 1
     group_offsets(counts, num_local, block_m, offsets);
     if (blockIdx.x == 0)
         for (int e = threadIdx.x; e < num_local; e += blockDim.x) group_end[e] = offsets[e] + counts[e];
     const u32 lane = threadIdx.x % kWarp;
     const u64 warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp, warps = gridDim.x * blockDim.x / kWarp;
-    const u64 N = static_cast<u64>(rows_per_source), K = static_cast<u64>(topk);
-    for (u64 base = warp * kWarp; base < static_cast<u64>(choices); base += warps * kWarp) {
+    const u64 N = s.token_capacity, K = s.topk;
+    for (u64 base = warp * kWarp; base < choices; base += warps * kWarp) {
         const u64 mine_choice = base + lane;
         int e = -1;
         unsigned row = 0;
-        if (mine_choice < static_cast<u64>(choices)) {
+        if (mine_choice < choices) {
             e = stage_idx[mine_choice] - expert_lo;
             if (e >= 0 && e < num_local) {
                 row = offsets[e] + atomicAdd(cursors + e, 1u);
@@ -135,9 +148,8 @@ extern "C" __global__ void moe_plan_scatter(const unsigned char* stage_x, const 
                 row_k[p] = static_cast<int>(choice % K);
                 row_weight[p] = stage_w[choice];
             }
-            util::warp_copy16(rows + p * row_bytes, stage_x + stage_row * row_bytes, static_cast<u64>(row_bytes), lane);
-            for (u64 j = lane; j < static_cast<u64>(sf_per_row); j += kWarp)
-                rows_sf[j * sf_stride + p] = stage_sf[stage_row * sf_per_row + j];
+            util::warp_copy16(rows + p * row_bytes, stage_x + stage_row * row_bytes, row_bytes, lane);
+            for (u64 j = lane; j < sf_per_row; j += kWarp) rows_sf[j * sf_stride + p] = stage_sf[stage_row * sf_per_row + j];
         }
     }
 }
@@ -263,14 +275,13 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
 // a compare-and-swap kSealed | n -> kClaimed | n, whose winner alone adds the block to wave_ids and its n
 // rows to counts[expert] (zeroed by the host). The last wave checks that every allocated block was
 // claimed (PROTOCOL.md step 9's exit test).
-extern "C" __global__ void moe_wave_claim(const RingDesc* desc, unsigned* words, int num_local, int blocks_per_expert,
-                                          int pool_blocks, int block_m, int min_blocks, int last, unsigned* counts) {
+extern "C" __global__ void moe_wave_claim(const RingDesc* desc, const PoolDesc* pool_desc, int min_blocks, int last,
+                                          unsigned* counts) {
     namespace blk = chunkring::moe::blocks;
     namespace protocol = chunkring::protocol;
     const RingDesc& d = *desc;
-    if (!protocol::check_descriptor(d)) return;
-    const blk::Pool pool{words, static_cast<u32>(num_local), static_cast<u32>(blocks_per_expert),
-                         static_cast<u32>(pool_blocks), static_cast<u32>(block_m)};
+    if (!protocol::check_descriptor(d) || !chunkring::moe::check_pool(d, *pool_desc)) return;
+    const blk::Pool pool = chunkring::moe::pool_of(*pool_desc);
     __shared__ bool ready;
     __shared__ u32 allocated, claimed_here;
     if (threadIdx.x == 0) {
@@ -325,22 +336,26 @@ extern "C" __global__ void moe_wave_claim(const RingDesc* desc, unsigned* words,
 // moe_wave_claim, cursors [E_local] zeroed by the host): a warp per claimed pool row. Stream-ordered
 // after moe_wave_claim, whose claimants acquired every row (kernel boundary: their acquires order these
 // reads, in this later kernel of the same stream).
-//   pool_x [P * bm, row_bytes]   pool_sf [P * bm, sf_per_row] (row-major, as the pull stored them)
-extern "C" __global__ void moe_wave_gather(const unsigned* words, int num_local, int blocks_per_expert,
-                                           int pool_blocks, int block_m, const unsigned char* pool_x,
-                                           const float* pool_sf, const int* pool_src, const int* pool_token,
-                                           const int* pool_k, const float* pool_w, long long row_bytes,
-                                           int sf_per_row, const unsigned* counts, unsigned* cursors,
+//   pool: x [P * bm, row_bytes], sf [P * bm, sf_per_row] (row-major, as the pull stored them), src, token, k, weight
+extern "C" __global__ void moe_wave_gather(const PoolDesc* pool_desc, const unsigned* counts, unsigned* cursors,
                                            unsigned char* rows, float* rows_sf, long long sf_stride, int* row_src,
                                            int* row_token, int* row_k, float* row_weight, int* group_end) {
     namespace blk = chunkring::moe::blocks;
+    const PoolDesc& pd = *pool_desc;
+    chunkring::moe::require_descriptor(pd);
+    const blk::Pool pool = chunkring::moe::pool_of(pd);
+    const int num_local = static_cast<int>(pool.experts), block_m = static_cast<int>(pool.block_m);
+    const auto* pool_x = address<const unsigned char>(pd.x);
+    const auto* pool_sf = address<const float>(pd.sf);
+    const auto* pool_src = address<const int>(pd.src);
+    const auto* pool_token = address<const int>(pd.token);
+    const auto* pool_k = address<const int>(pd.k);
+    const auto* pool_w = address<const float>(pd.weight);
+    const u64 row_bytes = pd.row_bytes, sf_per_row = pd.sf_per_row;
     extern __shared__ unsigned offsets[];  // E_local + 1
     group_offsets(counts, num_local, block_m, offsets);
     if (blockIdx.x == 0)
         for (int e = threadIdx.x; e < num_local; e += blockDim.x) group_end[e] = offsets[e] + counts[e];
-    const blk::Pool pool{const_cast<unsigned*>(words), static_cast<u32>(num_local),
-                         static_cast<u32>(blocks_per_expert), static_cast<u32>(pool_blocks),
-                         static_cast<u32>(block_m)};
     const u64 claimed = *pool.counter(blk::kWaveCount), bm = static_cast<u64>(block_m);
     const u32 lane = threadIdx.x % kWarp;
     const u64 warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp, warps = gridDim.x * blockDim.x / kWarp;
@@ -358,8 +373,7 @@ extern "C" __global__ void moe_wave_gather(const unsigned* words, int num_local,
             row_k[p] = pool_k[from];
             row_weight[p] = pool_w[from];
         }
-        util::warp_copy16(rows + p * row_bytes, pool_x + from * row_bytes, static_cast<u64>(row_bytes), lane);
-        for (u64 j = lane; j < static_cast<u64>(sf_per_row); j += kWarp)
-            rows_sf[j * sf_stride + p] = pool_sf[from * sf_per_row + j];
+        util::warp_copy16(rows + p * row_bytes, pool_x + from * row_bytes, row_bytes, lane);
+        for (u64 j = lane; j < sf_per_row; j += kWarp) rows_sf[j * sf_stride + p] = pool_sf[from * sf_per_row + j];
     }
 }

@@ -18,11 +18,15 @@
 #include "chunkring/util/copy.cuh"
 #include "chunkring/util/kernel_params.cuh"
 #include "chunkring/moe/blocks.cuh"
+#include "chunkring/moe/descriptors.cuh"
 #include "chunkring/moe/timeline.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;
 namespace timeline = chunkring::moe::timeline;
+using chunkring::layout::address;
+using chunkring::moe::PoolDesc;
+using chunkring::moe::StageDesc;
 
 namespace {
 
@@ -68,16 +72,20 @@ struct TraceAcked {
 // Every chunk but a source's last is acknowledged as soon as every block copied it: nothing the call
 // reads later is slot-resident (the RFC's early input_consumed). The last is held (held[src] = its
 // seq) for moe_ack_held.
-//   arrivals [W * S] (null for one block; zeroed by the host before the launch)   held [W] (kNoHeldChunk)
-//   stage_x [W, N, x_row_bytes]   stage_sf [W, N, x_sf_row_floats]   stage_idx / stage_w [W, N, K]
+//   arrivals [W * S] (null for one block; zeroed by the host before the launch)
+//   stage: layout/moe_desc.cuh (its held [W] filled with kNoHeldChunk by the host)
 //   trace (nullable): timeline.cuh's buffer of trace_capacity records (observed, pulled, acked)
-extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE unsigned* arrivals,
-                                    unsigned long long* held, unsigned char* stage_x, float* stage_sf,
-                                    int* stage_idx, float* stage_w, long long token_capacity, int expert_lo,
-                                    int expert_hi, CHUNKRING_NULLABLE long long* trace, long long trace_capacity) {
+extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE unsigned* arrivals, const StageDesc* stage,
+                                    CHUNKRING_NULLABLE long long* trace, long long trace_capacity) {
     const RingDesc& d = *desc;
-    if (!check_descriptor(d)) return;
-    const u64 N = static_cast<u64>(token_capacity), T = d.tokens_per_slot, K = d.topk;
+    const StageDesc& s = *stage;
+    if (!check_descriptor(d) || !moe::check_stage(d, s)) return;
+    const u64 N = s.token_capacity, T = d.tokens_per_slot, K = d.topk;
+    const long long expert_lo = static_cast<long long>(s.expert_lo), expert_hi = static_cast<long long>(s.expert_hi);
+    auto* stage_x = address<unsigned char>(s.x);
+    auto* stage_sf = address<float>(s.sf);
+    auto* stage_idx = address<int>(s.idx);
+    auto* stage_w = address<float>(s.w);
     const u64 row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats;
     const bool first_thread = threadIdx.x == 0 && blockIdx.x == 0;  // reports and traces for the grid
     __shared__ long long chunk_of[kMaxWorldSize];  // per source: the chunk being pulled, for the trace
@@ -128,8 +136,8 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
         if (first_thread) timeline::record(trace, trace_capacity, timeline::kPulled, src, chunk_of[src]);
         return true;
     };
-    consume_invocation(d, current_epoch(d), whole_grid(arrivals), held_acks(held), visit,
-                       TraceAcked{trace, trace_capacity, chunk_of, first_thread});
+    consume_invocation(d, current_epoch(d), whole_grid(arrivals), held_acks(address<unsigned long long>(s.held)),
+                       visit, TraceAcked{trace, trace_capacity, chunk_of, first_thread});
 }
 
 // moe_pull with incremental expert blocks (docs/PROTOCOL.md, "Incremental expert blocks"): the same walk
@@ -140,23 +148,31 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
 // per row again: the scales checked in place, source, token, k and weight stored, then lane 0 lands each
 // choice (LAND, SEAL A FULL BLOCK). After its last source each block arrives on `ended`; the last one
 // seals the partial blocks. The waves (moe_experts.cu) run concurrently, on another stream.
-//   stage_idx / stage_w [W, N, K]: the routing, fetched and checked as moe_pull does (scratch here)
-//   pos [W, N, K] u32: each choice's pool row between the two passes (kNoRow: none)
-//   words: moe/blocks.cuh's words (zeroed by the host before the launch); E = expert_hi - expert_lo
-//   pool_x [P * bm, x_row_bytes]   pool_sf [P * bm, x_sf_row_floats]   pool_src / token / k, pool_w [P * bm]
+//   stage: its idx / w [W, N, K] take the routing, fetched and checked as moe_pull does (scratch here), its
+//          held the held acks; its rows are not written
+//   pool (layout/moe_desc.cuh): words, moe/blocks.cuh's (zeroed by the host before the launch), E of them
+//          expert_hi - expert_lo; pos [W, N, K], each choice's pool row between the two passes (kNoRow: none);
+//          x [P * bm, x_row_bytes], sf [P * bm, x_sf_row_floats], src / token / k, weight [P * bm]
 extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLABLE unsigned* arrivals,
-                                           unsigned long long* held, int* stage_idx, float* stage_w,
-                                           unsigned* pos, long long token_capacity, int expert_lo, int expert_hi,
-                                           unsigned* words, int blocks_per_expert, int pool_blocks, int block_m,
-                                           unsigned char* pool_x, float* pool_sf, int* pool_src, int* pool_token,
-                                           int* pool_k, float* pool_w, CHUNKRING_NULLABLE long long* trace,
-                                           long long trace_capacity) {
+                                           const StageDesc* stage, const PoolDesc* pool_desc,
+                                           CHUNKRING_NULLABLE long long* trace, long long trace_capacity) {
     namespace blk = chunkring::moe::blocks;
     const RingDesc& d = *desc;
-    if (!check_descriptor(d)) return;
-    const blk::Pool pool{words, static_cast<u32>(expert_hi - expert_lo), static_cast<u32>(blocks_per_expert),
-                         static_cast<u32>(pool_blocks), static_cast<u32>(block_m)};
-    const u64 N = static_cast<u64>(token_capacity), T = d.tokens_per_slot, K = d.topk;
+    const StageDesc& s = *stage;
+    const PoolDesc& p = *pool_desc;
+    if (!check_descriptor(d) || !moe::check_stage(d, s) || !moe::check_pool(d, p)) return;
+    const blk::Pool pool = moe::pool_of(p);
+    const long long expert_lo = static_cast<long long>(s.expert_lo), expert_hi = static_cast<long long>(s.expert_hi);
+    auto* stage_idx = address<int>(s.idx);
+    auto* stage_w = address<float>(s.w);
+    auto* pos = address<unsigned>(p.pos);
+    auto* pool_x = address<unsigned char>(p.x);
+    auto* pool_sf = address<float>(p.sf);
+    auto* pool_src = address<int>(p.src);
+    auto* pool_token = address<int>(p.token);
+    auto* pool_k = address<int>(p.k);
+    auto* pool_w = address<float>(p.weight);
+    const u64 N = s.token_capacity, T = d.tokens_per_slot, K = d.topk;
     const u64 row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats;
     const bool first_thread = threadIdx.x == 0 && blockIdx.x == 0;
     const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
@@ -231,8 +247,8 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
 
     // A block whose walk failed (recorded) never arrives on `ended`: the waves' last claim then waits,
     // and stops at this rank's error (spin_until), so no partial block is sealed with rows missing.
-    if (!consume_invocation(d, current_epoch(d), whole_grid(arrivals), held_acks(held), visit,
-                            TraceAcked{trace, trace_capacity, chunk_of, first_thread}))
+    if (!consume_invocation(d, current_epoch(d), whole_grid(arrivals), held_acks(address<unsigned long long>(s.held)),
+                            visit, TraceAcked{trace, trace_capacity, chunk_of, first_thread}))
         return;
     __syncthreads();  // every LAND of this block before thread 0's release
     if (threadIdx.x == 0) blk::end_of_streams(d, pool);
@@ -245,12 +261,12 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
 // once its owner sees this ack, every combine row this rank computed for it has landed. Stream order
 // has the push complete already; the count makes the edge explicit instead of resting on kernel
 // completion for another GPU's memory (docs/PROTOCOL.md, "The MoE layer on the ring").
-extern "C" __global__ void moe_ack_held(const RingDesc* desc, const unsigned long long* held,
+extern "C" __global__ void moe_ack_held(const RingDesc* desc, const StageDesc* stage,
                                         const unsigned long long* pushed, long long push_blocks,
                                         CHUNKRING_NULLABLE long long* trace, long long trace_capacity) {
     const RingDesc& d = *desc;
-    if (!check_descriptor(d)) return;
-    const u64 src = blockIdx.x, seq = held[src];
+    if (!check_descriptor(d) || !moe::check_stage(d, *stage)) return;
+    const u64 src = blockIdx.x, seq = address<const u64>(stage->held)[src];
     if (seq == kNoHeldChunk) return;  // nothing pulled from src (its wait failed and was recorded)
     bool all_pushed = true;
     if (threadIdx.x == 0) {

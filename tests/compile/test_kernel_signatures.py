@@ -3,6 +3,7 @@ of every source parses (an unknown type or a malformed signature fails here, not
 host), the parse agrees with what NVRTC compiles (parameter count and widths of each PTX entry point),
 and every kernel name launched from Python exists in the source it is launched from. No GPU needed."""
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -82,3 +83,42 @@ def test_every_kernel_launched_from_python_exists_in_its_source():
     assert not missing, "\n".join(missing)
     # The search itself works: the library's own launches are found.
     assert {"ring_publish_tensors", "ring_gather", "moe_pull", "ring_stress"} <= launched
+
+
+#: What a launch takes besides the kernel's parameters: KernelLibrary.launch's own keywords, and the
+#: ``shared`` flag of chunkring.moe.experts.ExpertCompute._launch (which forwards the rest).
+LAUNCH_OPTIONS = {"grid", "block", "stream", "shared_bytes", "shared"}
+
+
+def launch_calls(tree: ast.AST):
+    """Every call of a ``launch`` or ``_launch`` attribute whose first argument is a literal kernel name."""
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("launch", "_launch") and node.args
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            yield node.args[0].value, node
+
+
+def test_every_launch_names_its_arguments_after_the_kernel_parameters():
+    """Statically, at every launch site with a literal kernel name: no argument but the name is positional,
+    every keyword names a parameter of that kernel, and a launch without ``**`` expansions names them all
+    (the expanded ones are checked at run time by KernelLibrary.launch, before anything is enqueued)."""
+    params = {kernel: {p.name for p in ps} for name in SOURCES for kernel, ps in kernels_of(name).items()}
+    problems, checked = [], 0
+    for folder in ("runtime", "launcher", "benchmarks", "scripts"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for kernel, call in launch_calls(ast.parse(path.read_text())):
+                if kernel not in params:
+                    continue  # test_every_kernel_launched_from_python_exists_in_its_source reports it
+                checked += 1
+                where = f"{path.relative_to(REPO)}:{call.lineno}: {kernel}"
+                if len(call.args) > 1 or any(isinstance(a, ast.Starred) for a in call.args):
+                    problems.append(f"{where}: positional arguments (name them)")
+                named = {k.arg for k in call.keywords if k.arg is not None} - LAUNCH_OPTIONS
+                if named - params[kernel]:
+                    problems.append(f"{where}: no parameter {sorted(named - params[kernel])}")
+                expanded = any(k.arg is None for k in call.keywords)
+                if not expanded and named != params[kernel]:
+                    problems.append(f"{where}: missing {sorted(params[kernel] - named)}")
+    assert not problems, "\n".join(problems)
+    assert checked >= 15  # the search itself works: the library's launches are found

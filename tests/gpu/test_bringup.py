@@ -36,9 +36,13 @@ def test_launch_rejects_bad_arguments_before_enqueueing(runtime):
     lib = library_for(runtime, "selftest")
     wrong = torch.zeros(4, dtype=torch.float32, device=runtime.torch_device)
     with pytest.raises(ChunkringUsageError, match="expected dtype"):
-        lib.launch("selftest_pingpong", wrong, 0, 1, 1, wrong)
-    with pytest.raises(ChunkringUsageError, match="takes 5 arguments"):
-        lib.launch("selftest_pingpong", wrong)
+        lib.launch("selftest_pingpong", signal=wrong, peer=0, iters=1, initiator=1, elapsed_ns=wrong)
+    with pytest.raises(ChunkringUsageError, match=r"missing \['peer', 'iters', 'initiator', 'elapsed_ns'\]"):
+        lib.launch("selftest_pingpong", signal=wrong)
+    with pytest.raises(ChunkringUsageError, match=r"unknown \['iterations'\]"):
+        lib.launch("selftest_pingpong", signal=wrong, peer=0, iterations=1, iters=1, initiator=1, elapsed_ns=wrong)
+    with pytest.raises(TypeError):
+        lib.launch("selftest_pingpong", wrong, 0, 1, 1, wrong)  # positional arguments are not accepted
 
 
 def test_free_twice_is_refused(runtime):

@@ -4,8 +4,6 @@ group as sets (a group's rows take places by an atomic cursor), with every row's
 copied bit for bit into the GEMM layout; and the expert outputs of every planned row against the fp32
 reference of the recipe, FP8 (DeepGEMM) and bf16 (torch grouped GEMM) payloads."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +11,7 @@ import torch.nn.functional as F
 from chunkring import MoEConfig, PayloadFormat
 from chunkring.jit import library_for
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
+from chunkring.moe.stage import Stage
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.plan import plan_batch
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
@@ -36,7 +35,7 @@ def staged_call(payload: PayloadFormat, device):
     else:
         x, sf = x32.to(torch.bfloat16), torch.zeros(W, N, 0)
         x_in = x.float()
-    stage = SimpleNamespace(x=x.to(device), sf=sf.to(device), idx=idx.to(device), w=w.to(device))
+    stage = Stage(x.to(device), sf.to(device), idx.to(device), w.to(device), expert_lo=E_LOCAL, expert_hi=2 * E_LOCAL)
     return stage, x_in
 
 

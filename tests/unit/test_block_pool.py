@@ -12,6 +12,7 @@ import torch
 from chunkring import ChunkringUsageError, MoEConfig
 from chunkring.moe.blocks import HEADER_WORDS, BlockPool, pool_shape
 from chunkring.moe.config import MAX_WAVES
+from chunkring.moe.descriptors import MOE_LAYOUT_VERSION, POOL_FIELDS
 from chunkring.moe.dispatch import padded_rows_bound
 
 GOOD = dict(num_experts=16, hidden=256, intermediate=128, topk=4, max_tokens_per_rank=64)
@@ -83,4 +84,10 @@ def test_pool_buffers(fp8):
     pool.words.fill_(7)
     pool.reset()
     assert int(pool.words.abs().sum()) == 0
-    assert pool.kernel_args()[1:] == (shape.experts, shape.blocks_per_expert, shape.blocks, shape.block_m)
+    desc = dict(zip(POOL_FIELDS, pool.desc.tolist(), strict=True))
+    assert desc["layout_version"] == MOE_LAYOUT_VERSION and desc["desc_bytes"] == 8 * len(POOL_FIELDS)
+    assert (desc["experts"], desc["blocks_per_expert"], desc["blocks"], desc["block_m"]) == \
+        (shape.experts, shape.blocks_per_expert, shape.blocks, shape.block_m)
+    assert (desc["row_bytes"], desc["sf_per_row"]) == (pool.x.shape[1], pool.sf.shape[1])
+    for name in ("words", "pos", "x", "sf", "src", "token", "k", "weight"):
+        assert desc[name] == getattr(pool, name).data_ptr(), name

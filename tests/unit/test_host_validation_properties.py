@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 
 import chunkring.ring.io as ring_io
 from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat, RingSpec
+from chunkring.jit import parse_kernels
+from chunkring.jit.compiler import KERNEL_DIR
+from chunkring.jit.launch import check_argument_names
 from chunkring.moe.calls import CallMode, check_run_args
 from chunkring.moe.weights import Fp8Weight
 
@@ -88,16 +91,20 @@ def test_publish_chunk_accepts_exactly_the_valid_arguments(n, data, monkeypatch_
         ring_io.publish_chunk(RING, **args)
         (name, launched), = launches
         assert name == "ring_publish_tensors"
-        assert launched[5:8] == (rows, base, int(args["end_of_stream"]))
+        assert (launched["n_tokens"], launched["token_base"], launched["end_of_stream"]) == \
+            (rows, base, int(args["end_of_stream"]))
 
 
 @pytest.fixture(scope="module")
 def monkeypatch_module():
-    """publish_chunk's launches, recorded instead of enqueued (there is no GPU here)."""
+    """publish_chunk's launches, recorded instead of enqueued (there is no GPU here), each with its arguments
+    checked by name against the kernel's signature as KernelLibrary.launch checks them."""
     launches = []
+    signatures = parse_kernels((KERNEL_DIR / "ring_host_api.cu").read_text(), "ring_host_api.cu")
 
     class Recorder:
-        def launch(self, name, *args, **kwargs):
+        def launch(self, name, /, *, grid=1, block=128, stream=None, shared_bytes=0, **args):
+            check_argument_names(name, signatures[name], args)
             launches.append((name, args))
 
     with pytest.MonkeyPatch.context() as patch:

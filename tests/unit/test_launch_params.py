@@ -7,6 +7,7 @@ import torch
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 from chunkring.jit import Param, parse_kernels
+from chunkring.jit.launch import LAUNCH_KEYWORDS, check_argument_names
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -81,3 +82,15 @@ def test_signatures_come_from_the_extern_c_declaration():
 def test_a_signature_the_launches_cannot_map_is_refused(source, message):
     with pytest.raises(ChunkringRuntimeError, match=message):
         parse_kernels(source, "bad.cu")
+
+
+def test_argument_names_must_be_the_kernel_parameters():
+    params = (Param("desc", "ptr", torch.int64), Param("n", "i32"))
+    check_argument_names("k", params, {"desc": None, "n": 1})
+    with pytest.raises(ChunkringUsageError, match=r"k\(desc, n\): missing \['n'\], unknown \['count'\]") as info:
+        check_argument_names("k", params, {"desc": None, "count": 1})
+    assert info.value.field == "args"
+
+
+def test_launch_keywords_are_not_parameter_names():
+    assert {"grid", "block", "stream", "shared_bytes"} == LAUNCH_KEYWORDS

@@ -55,7 +55,8 @@ def run(runtime: Runtime, config: CONFIG) -> dict[str, float | int]:
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for rnd in range(1, config.rounds + 1):
-        lib.launch("selftest_ring_pass", send, recv, signal, mask, errors, config.words_per_pe, rnd, block=512)
+        lib.launch("selftest_ring_pass", send=send, recv=recv, signal=signal, mask=mask, errors=errors,
+                   n_words=config.words_per_pe, round=rnd, block=512)
         runtime.barrier()  # the next round's put must not land before this round's check
     stop.record()
     torch.cuda.synchronize()

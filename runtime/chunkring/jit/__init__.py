@@ -5,8 +5,8 @@
 """
 
 from chunkring.jit.compiler import BuildResult, arch_of, build, default_arch, kernel_sources, nvshmem_version
-from chunkring.jit.launch import KernelLibrary, Param, library_for
+from chunkring.jit.launch import KernelArgs, KernelLibrary, Param, library_for
 from chunkring.jit.signatures import parse_kernels
 
-__all__ = ["BuildResult", "KernelLibrary", "Param", "arch_of", "build", "default_arch", "kernel_sources",
+__all__ = ["BuildResult", "KernelArgs", "KernelLibrary", "Param", "arch_of", "build", "default_arch", "kernel_sources",
            "library_for", "nvshmem_version", "parse_kernels"]

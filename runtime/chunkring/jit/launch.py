@@ -1,7 +1,8 @@
-"""Typed launches: every call is checked against the kernel's parameters, which its ``extern "C"``
-signature in the .cu declares once (:mod:`chunkring.jit.signatures` reads them at build time).
+"""Typed launches: every argument is passed by the name of its kernel parameter and checked against it;
+the kernel's ``extern "C"`` signature in the .cu declares the parameters once
+(:mod:`chunkring.jit.signatures` reads them at build time).
 
-A wrong dtype, a CPU tensor, a non-contiguous view or an out-of-range integer is a
+A missing or unknown name, a wrong dtype, a CPU tensor, a non-contiguous view or an out-of-range integer is a
 ``ChunkringUsageError`` before anything is enqueued. Scalars are converted to the exact NumPy type the
 kernel expects (cuda.core would pass a bare Python int as a pointer).
 """
@@ -9,7 +10,7 @@ kernel expects (cuda.core would pass a bare Python int as a pointer).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 from chunkring.jit.signatures import Param
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
     from chunkring.jit.compiler import BuildResult
     from chunkring.runtime import Runtime
 
-__all__ = ["KernelLibrary", "Param", "library_for"]  # Param lives with the signatures that make it
+# Param lives with the signatures that make it.
+__all__ = ["LAUNCH_KEYWORDS", "KernelArgs", "KernelLibrary", "Param", "check_argument_names", "library_for"]
 
 #: Loaded libraries per Runtime, by (source name, defines) (freed with the Runtime).
 _LOADED: weakref.WeakKeyDictionary[Runtime, dict[tuple, KernelLibrary]] = weakref.WeakKeyDictionary()
@@ -35,6 +37,11 @@ class KernelLibrary:
         self.runtime = runtime
         self.build = build_result
         self._signatures = dict(build_result.signatures)
+        for name, params in self._signatures.items():
+            taken = LAUNCH_KEYWORDS & {param.name for param in params}
+            if taken:
+                raise ChunkringRuntimeError(f"{build_result.name}: kernel {name} names a parameter "
+                                            f"{sorted(taken)}, which launch() keeps for itself")
         if uses_nvshmem(build_result.object_code):
             runtime.load(build_result.object_code)
         try:
@@ -53,19 +60,19 @@ class KernelLibrary:
             raise ChunkringUsageError(f"no kernel {name!r} in {self.build.name}", field="name")
         return int(self._kernels[name].occupancy.max_active_blocks_per_multiprocessor(block, shared_bytes))
 
-    def launch(self, name: str, *args: object, grid: int | tuple[int, ...] = 1, block: int | tuple[int, ...] = 128,
-               stream: torch.cuda.Stream | None = None, shared_bytes: int = 0) -> None:
-        """Enqueue kernel ``name`` on ``stream`` (a torch stream; the current one by default)."""
+    def launch(self, name: str, /, *, grid: int | tuple[int, ...] = 1, block: int | tuple[int, ...] = 128,
+               stream: torch.cuda.Stream | None = None, shared_bytes: int = 0, **args: object) -> None:
+        """Enqueue kernel ``name`` on ``stream`` (a torch stream; the current one by default), every parameter
+        given by its name in the kernel's signature: ``launch("moe_drain", desc=ring.desc, block=32)``."""
         import torch
         from cuda.core import LaunchConfig, launch
 
         if name not in self._signatures:
             raise ChunkringUsageError(f"no kernel {name!r} in {self.build.name}", field="name")
         params = self._signatures[name]
-        if len(args) != len(params):
-            raise ChunkringUsageError(f"{name} takes {len(params)} arguments, got {len(args)}", field="args")
+        check_argument_names(name, params, args)
         device = self.runtime.torch_device
-        values = [param.convert(arg, device) for param, arg in zip(params, args, strict=True)]
+        values = [param.convert(args[param.name], device) for param in params]
         torch_stream = stream if stream is not None else torch.cuda.current_stream(device)
         if torch_stream.device != device:
             raise ChunkringUsageError(f"stream is on {torch_stream.device}, kernel runs on {device}", field="stream")
@@ -75,6 +82,25 @@ class KernelLibrary:
             launch(stream_obj, config, self._kernels[name], *values)
         except Exception as exc:
             raise ChunkringRuntimeError(f"launch of {name} failed: {exc}") from exc
+
+
+#: Some of a kernel's arguments by parameter name, for a launch to expand (``**args``); each value is checked
+#: against its parameter there.
+KernelArgs = dict[str, Any]
+
+#: The launch's own keywords: no kernel parameter may take one of these names.
+LAUNCH_KEYWORDS = frozenset({"grid", "block", "stream", "shared_bytes"})
+
+
+def check_argument_names(name: str, params: tuple[Param, ...], args: dict[str, object]) -> None:
+    """Raise ``ChunkringUsageError`` naming every parameter of kernel ``name`` that ``args`` lacks and every
+    argument that names no parameter."""
+    expected = [param.name for param in params]
+    missing = [p for p in expected if p not in args]
+    unknown = sorted(set(args) - set(expected))
+    if missing or unknown:
+        raise ChunkringUsageError(f"{name}({', '.join(expected)}): missing {missing}, unknown {unknown}",
+                                  field="args")
 
 
 #: The device-state symbol NVSHMEM binds in every library that calls its device API.

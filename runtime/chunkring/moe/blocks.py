@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chunkring.moe.descriptors import POOL_FIELDS, descriptor_tensor
 from chunkring.moe.dispatch import padded_rows_bound
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
@@ -64,7 +65,8 @@ class BlockPool:
     [W·N·K]: the pull's pool row of each choice between its two passes; per pool row: ``x`` (uint8
     [rows, row bytes]: FP8 or bf16 bytes), ``sf`` fp32 [rows, H/128] (row-major, as published; FP8 only),
     ``src``, ``token``, ``k`` int32 and ``weight`` fp32 [rows]. The rows are never zeroed: a stale row is
-    never read, because no block is sealed before its rows of this call landed.
+    never read, because no block is sealed before its rows of this call landed. ``desc``: the ``PoolDesc``
+    the kernels take (:mod:`chunkring.moe.descriptors`), built once: the buffers are never reallocated.
     """
 
     def __init__(self, shape: PoolShape, hidden: int, fp8: bool, device: torch.device | str) -> None:
@@ -79,6 +81,11 @@ class BlockPool:
         self.token = torch.empty(rows, dtype=torch.int32, device=device)
         self.k = torch.empty(rows, dtype=torch.int32, device=device)
         self.weight = torch.empty(rows, dtype=torch.float32, device=device)
+        self.desc = descriptor_tensor(POOL_FIELDS, {
+            "experts": shape.experts, "blocks_per_expert": shape.blocks_per_expert, "blocks": shape.blocks,
+            "block_m": shape.block_m, "row_bytes": row_bytes, "sf_per_row": sf_per_row, "words": self.words,
+            "pos": self.pos, "x": self.x, "sf": self.sf, "src": self.src, "token": self.token, "k": self.k,
+            "weight": self.weight}, device)
 
     @property
     def nbytes(self) -> int:
@@ -90,8 +97,3 @@ class BlockPool:
         """Zero every word (reservations, allocations, landings, states, counters) on the current stream:
         a memset, graph-capturable; stream-ordered after the previous call's last wave on that stream."""
         self.words.zero_()
-
-    def kernel_args(self) -> tuple:
-        """(words, E, J, P, bm): the pool's description as every block kernel takes it."""
-        s = self.shape
-        return self.words, s.experts, s.blocks_per_expert, s.blocks, s.block_m

@@ -27,7 +27,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,10 @@ from chunkring.moe.dispatch import padded_rows_bound
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.io import check_tensor
 from chunkring.ring.spec import FP8_SCALE_BLOCK
+
+if TYPE_CHECKING:
+    from chunkring.jit import KernelArgs
+    from chunkring.moe.stage import Stage
 
 __all__ = ["GROUP_ALIGN", "DevicePlan", "ExpertCompute", "check_expert_weights", "load_deep_gemm"]
 
@@ -88,6 +92,18 @@ class DevicePlan:
     weight: torch.Tensor
     rows: torch.Tensor
     rows_sf: torch.Tensor
+
+    def scatter_args(self) -> KernelArgs:
+        """What the kernels that fill a plan (``moe_plan_scatter``, ``moe_wave_gather``) write into, by their
+        parameter names; ``sf_stride``: the GEMM's scale layout, scale j of row p at j * P + p."""
+        return {"counts": self.counts, "rows": self.rows, "rows_sf": self.rows_sf, "sf_stride": self.rows_sf.shape[1],
+                "row_src": self.src, "row_token": self.token, "row_k": self.k, "row_weight": self.weight,
+                "group_end": self.group_end}
+
+    def group_args(self) -> KernelArgs:
+        """The plan's rows and groups as the kernels that walk them (SwiGLU, combine push) take them."""
+        return {"row_src": self.src, "counts": self.counts, "num_local": self.counts.shape[0],
+                "block_m": GROUP_ALIGN}
 
 
 def check_expert_weights(config, experts_per_rank: int, device, w13, w2) -> None:
@@ -178,18 +194,12 @@ class ExpertCompute:
         finally:
             dg.set_num_sms(before)
 
-    def plan(self, stage) -> DevicePlan:
+    def plan(self, stage: Stage) -> DevicePlan:
         """Every staged choice of a local expert in its expert's group, with its payload copied there."""
-        cfg = self.config
-        E, K = self.experts_per_rank, cfg.topk
-        W, N = stage.idx.shape[0], stage.idx.shape[1]
         plan, cursors = self._allocate_plan()
-        row_bytes, sf_per_row = plan.rows.shape[1], plan.rows_sf.shape[0]
-        choices = W * N * K
-        self._launch("moe_plan_count", stage.idx, choices, self.first_expert, E, plan.counts)
-        self._launch("moe_plan_scatter", stage.x.view(torch.uint8), stage.sf, stage.idx, stage.w, N, K, row_bytes,
-                     sf_per_row, self.first_expert, E, GROUP_ALIGN, plan.counts, cursors, plan.rows, plan.rows_sf,
-                     self.capacity, plan.src, plan.token, plan.k, plan.weight, plan.group_end, choices, shared=True)
+        self._launch("moe_plan_count", stage=stage.desc, counts=plan.counts)
+        self._launch("moe_plan_scatter", stage=stage.desc, block_m=GROUP_ALIGN, cursors=cursors, shared=True,
+                     **plan.scatter_args())
         return plan
 
     def _allocate_plan(self) -> tuple[DevicePlan, torch.Tensor]:
@@ -210,7 +220,7 @@ class ExpertCompute:
     def experts(self, plan: DevicePlan, w13, w2) -> torch.Tensor:
         """bf16 [P, H]: w2[e] @ swiglu(w13[e] @ row) for every planned row (padding rows: unspecified)."""
         cfg, dev, P = self.config, self.device, self.capacity
-        E, H, inter = self.experts_per_rank, cfg.hidden, cfg.intermediate
+        H, inter = cfg.hidden, cfg.intermediate
         if self.fp8:
             dg = self._deep_gemm
             gate_up = torch.empty((P, 2 * inter), dtype=torch.bfloat16, device=dev)
@@ -218,8 +228,8 @@ class ExpertCompute:
                                                 (w13.data, w13.scale), gate_up, plan.group_end, use_psum_layout=True)
             act = torch.empty((P, inter), dtype=torch.float8_e4m3fn, device=dev)
             act_sf = torch.empty((inter // FP8_SCALE_BLOCK, P), dtype=torch.float32, device=dev)
-            self._launch("moe_swiglu_fp8", gate_up, plan.src, plan.counts, E, GROUP_ALIGN, inter, act, act_sf, P,
-                         shared=True)
+            self._launch("moe_swiglu_fp8", gate_up=gate_up, inter=inter, act=act, act_sf=act_sf, sf_stride=P,
+                         shared=True, **plan.group_args())
             out = self.rma_out if self.rma_out is not None else torch.empty((P, H), dtype=torch.bfloat16, device=dev)
             dg.m_grouped_fp8_gemm_nt_contiguous((act, act_sf.t()), (w2.data, w2.scale), out, plan.group_end,
                                                 use_psum_layout=True)
@@ -228,7 +238,7 @@ class ExpertCompute:
         # Rows past the last group's end are neither read nor written.
         gate_up = torch._grouped_mm(plan.rows.view(torch.bfloat16), w13.transpose(1, 2), offs=ends)
         act = torch.empty((P, inter), dtype=torch.bfloat16, device=dev)
-        self._launch("moe_swiglu_bf16", gate_up, plan.src, plan.counts, E, GROUP_ALIGN, inter, act, shared=True)
+        self._launch("moe_swiglu_bf16", gate_up=gate_up, inter=inter, act=act, shared=True, **plan.group_args())
         out = torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)
         if self.rma_out is None:
             return out
@@ -243,13 +253,10 @@ class ExpertCompute:
         combine push on that plan (``moe_ack_held`` then waits for ``waves * push_blocks`` arrivals on
         :attr:`pushed`, every wave's). ``sms``: as for :meth:`__call__`."""
         plan, cursors = self._allocate_plan()
-        words, E, J, P, bm = pool.kernel_args()
-        self.kernels.launch("moe_wave_claim", desc, words, E, J, P, bm, self.wave_min_blocks, int(last), plan.counts,
-                            grid=1, block=_BLOCK, stream=torch.cuda.current_stream(self.device))
-        row_bytes, sf_per_row = plan.rows.shape[1], plan.rows_sf.shape[0]
-        self._launch("moe_wave_gather", words, E, J, P, bm, pool.x, pool.sf, pool.src, pool.token, pool.k,
-                     pool.weight, row_bytes, sf_per_row, plan.counts, cursors, plan.rows, plan.rows_sf, self.capacity,
-                     plan.src, plan.token, plan.k, plan.weight, plan.group_end, shared=True)
+        self.kernels.launch("moe_wave_claim", desc=desc, pool_desc=pool.desc, min_blocks=self.wave_min_blocks,
+                            last=int(last), counts=plan.counts, grid=1, block=_BLOCK,
+                            stream=torch.cuda.current_stream(self.device))
+        self._launch("moe_wave_gather", pool_desc=pool.desc, cursors=cursors, shared=True, **plan.scatter_args())
         with self.gemm_sms(sms):
             out = self.experts(plan, w13, w2)
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
@@ -263,11 +270,12 @@ class ExpertCompute:
         source is DIRECT. An RMA row is weighted in place in ``out`` first. Then :attr:`pushed` holds
         :attr:`push_blocks` more (the layer zeroes it once per call, before the call's first push)."""
         cfg = self.config
-        self._launch("moe_combine_push", out, plan.src, plan.token, plan.k, plan.weight, plan.counts,
-                     self.experts_per_rank, GROUP_ALIGN, cfg.hidden, cfg.topk, peer_combine, desc, combine,
-                     self.pushed, shared=True)
+        self._launch("moe_combine_push", out=out, row_token=plan.token, row_k=plan.k, row_weight=plan.weight,
+                     hidden=cfg.hidden, topk=cfg.topk, peer_combine=peer_combine, desc=desc, combine=combine,
+                     pushed=self.pushed, shared=True, **plan.group_args())
 
-    def _launch(self, name: str, *args, shared: bool = False) -> None:
-        self.kernels.launch(name, *args, grid=self._grid, block=_BLOCK,
-                            shared_bytes=self._offsets_bytes if shared else 0,
-                            stream=torch.cuda.current_stream(self.device))
+    def _launch(self, name: str, *, shared: bool = False, **args: Any) -> None:
+        """Kernel ``name`` on the current stream, one block per SM slot of :attr:`_grid`; ``shared``: with
+        ``group_offsets``' shared memory (E_local + 1 words)."""
+        self.kernels.launch(name, grid=self._grid, block=_BLOCK, shared_bytes=self._offsets_bytes if shared else 0,
+                            stream=torch.cuda.current_stream(self.device), **args)

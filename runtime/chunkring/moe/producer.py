@@ -65,8 +65,9 @@ def router_logits(hidden: torch.Tensor, router_weight: torch.Tensor, *,
     logits = torch.empty((n, E), dtype=torch.float32, device=hidden.device)
     if n:
         tiles = -(-n // ROUTER_TILE[0]) * -(-E // ROUTER_TILE[1])
-        kernels.launch("moe_router_logits", hidden, router_weight, logits, n, E, H, grid=tiles,
-                       block=32 * router_slices(H), stream=torch.cuda.current_stream(hidden.device))
+        kernels.launch("moe_router_logits", hidden=hidden, router=router_weight, logits=logits, n=n, num_experts=E,
+                       hidden_size=H, grid=tiles, block=32 * router_slices(H),
+                       stream=torch.cuda.current_stream(hidden.device))
     return logits
 
 
@@ -148,6 +149,7 @@ def enqueue_produce(ring: Ring, kernels: KernelLibrary, logits: torch.Tensor, hi
     :func:`produce_grid_limit` gives it."""
     rows = hidden.shape[0]
     grid = produce_grid(rows, hidden.shape[1], max_blocks)
-    kernels.launch("moe_produce_chunk", ring.desc, logits, hidden, logits.shape[1], rows, token_base,
-                   int(end_of_stream), valid_tokens, 0 if batch_rows is None else batch_rows,
-                   arrivals if grid > 1 else None, grid=grid, block=_PRODUCE_BLOCK, stream=stream)
+    kernels.launch("moe_produce_chunk", desc=ring.desc, logits=logits, hidden=hidden, num_experts=logits.shape[1],
+                   n_tokens=rows, token_base=token_base, end_of_stream=int(end_of_stream), valid_tokens=valid_tokens,
+                   batch_rows=0 if batch_rows is None else batch_rows, arrivals=arrivals if grid > 1 else None,
+                   grid=grid, block=_PRODUCE_BLOCK, stream=stream)

@@ -25,16 +25,16 @@ from chunkring.moe.calls import CallMode
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
+from chunkring.moe.stage import Stage
 from chunkring.partition import DEFAULT_PARTITION, PRODUCER_SM_SHARE, SmPartition
 from chunkring.ring.ring import Ring
-from chunkring.ring.spec import FP8_SCALE_BLOCK
 from chunkring.ring.transport import Transport
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelLibrary
     from chunkring.runtime import Runtime
 
-__all__ = ["PULL_BLOCK", "PULL_GRID", "TEARDOWN_BARRIER_S", "LayerKernels", "LayerResources", "Stage",
+__all__ = ["PULL_BLOCK", "PULL_GRID", "TEARDOWN_BARRIER_S", "LayerKernels", "LayerResources",
            "agree", "spinning_grids"]
 
 #: Blocks of the pull kernel at most: each copies a share of every chunk. A few suffice to keep up with
@@ -63,34 +63,6 @@ class LayerKernels:
         testing package passes a ``CHUNKRING_MUTANT`` to build a deliberately broken variant)."""
         return cls(*(library_for(runtime, source, defines=defines)
                      for source in ("moe_stream", "moe_produce", "moe_experts")))
-
-
-class Stage:
-    """What one rank's consumer pulls in a call, from either ring: every source's rows at their token
-    index (``N = max_tokens_per_rank`` rows per source), and the pull's bookkeeping.
-
-    ``x`` [W, N, H] (FP8 or bf16), ``sf`` fp32 [W, N, H/128] (empty for bf16), ``idx`` int32 [W, N, K] (-1:
-    planned nowhere), ``w`` fp32 [W, N, K]; ``held`` int64 [W]: per source, the seq of its last chunk, whose
-    acknowledgement waits for the combine (-1: none). ``alloc(shape, dtype)``, if given, makes the rows
-    (NVSHMEM's symmetric heap, where a source is read by RMA: a get's local buffer must be registered
-    off-node)."""
-
-    def __init__(self, config: MoEConfig, world_size: int, device: torch.device,
-                 alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
-        W, N, H, K = world_size, config.max_tokens_per_rank, config.hidden, config.topk
-        fp8 = config.payload.has_scales
-
-        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return alloc(shape, dtype) if alloc is not None else torch.zeros(shape, dtype=dtype, device=device)
-
-        self.x = zeros((W, N, H), torch.float8_e4m3fn if fp8 else torch.bfloat16)
-        # bf16 rows carry no scales: an empty tensor, which no get reaches (and the symmetric heap holds none).
-        self.sf = (zeros((W, N, H // FP8_SCALE_BLOCK), torch.float32) if fp8
-                   else torch.zeros((W, N, 0), dtype=torch.float32, device=device))
-        # -1 (planned nowhere) is refilled before every pull: a row no chunk brought is never computed.
-        self.idx = zeros((W, N, K), torch.int32).fill_(-1)
-        self.w = zeros((W, N, K), torch.float32)
-        self.held = torch.full((W,), -1, dtype=torch.int64, device=device)
 
 
 def spinning_grids(consumer_sms: int, pull_blocks_per_sm: int, producer_sms: int | None,
@@ -209,7 +181,9 @@ class LayerResources:
             # has the same verdict (rma_anywhere is agreed), so every rank raises here.
             raise ChunkringUsageError("waves > 1 (incremental expert blocks) needs every peer DIRECT for now",
                                       field="waves")
-        self.stage = Stage(config, world, device, self._symmetric if rma_anywhere else None)
+        self.stage = Stage.allocate(config, world, device, expert_lo=self.first_expert,
+                                    expert_hi=self.first_expert + self.experts_per_rank,
+                                    alloc=self._symmetric if rma_anywhere else None)
         self.arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
                          for mode, spec in specs.items()}
         self.produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}

@@ -21,6 +21,7 @@ is fixed, so a call captures into a CUDA graph.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from chunkring.moe.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
 from chunkring.ring.ring import Ring
+
+if TYPE_CHECKING:
+    from chunkring.jit import KernelArgs
 
 __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule", "Publish"]
 
@@ -47,13 +51,15 @@ class _Marks:
 
     def __init__(self, resources: LayerResources, timeline: Timeline | None) -> None:
         self.kernels, self.rank = resources.kernels.stream, resources.runtime.rank
-        self.trace = (None, 0) if timeline is None else (timeline.buffer, timeline.capacity)
+        #: The kernels' trace parameters: the timeline's buffer and capacity (null and 0: no records).
+        self.trace: KernelArgs = {"trace": None if timeline is None else timeline.buffer,
+                                         "trace_capacity": 0 if timeline is None else timeline.capacity}
         self.on = timeline is not None
 
     def __call__(self, event: Event, chunk: int = -1) -> None:
         if self.on:
-            self.kernels.launch("moe_trace_mark", *self.trace, int(event), self.rank, chunk, block=32,
-                                stream=torch.cuda.current_stream())
+            self.kernels.launch("moe_trace_mark", event=int(event), src=self.rank, chunk=chunk, block=32,
+                                stream=torch.cuda.current_stream(), **self.trace)
 
 
 class CallSchedule:
@@ -170,19 +176,20 @@ class CallSchedule:
         with torch.cuda.stream(last):
             mark(Event.COMBINE_DONE)
             push_arrivals = compute.push_blocks * waves  # every wave pushes (one: the batch plan)
-            res.kernels.stream.launch("moe_ack_held", ring.desc, stage.held, compute.pushed, push_arrivals,
-                                      *mark.trace, grid=ring.spec.world_size, block=32, stream=last)
+            res.kernels.stream.launch("moe_ack_held", desc=ring.desc, stage=stage.desc, pushed=compute.pushed,
+                                      push_blocks=push_arrivals, grid=ring.spec.world_size, block=32, stream=last,
+                                      **mark.trace)
         return last
 
-    def launch_pull(self, mode: CallMode, trace: tuple[torch.Tensor | None, int] = (None, 0)) -> None:
-        """Enqueue ``moe_pull`` of ``mode``'s ring into the stage, on the current stream."""
+    def launch_pull(self, mode: CallMode, trace: KernelArgs | None = None) -> None:
+        """Enqueue ``moe_pull`` of ``mode``'s ring into the stage, on the current stream. ``trace``: the
+        timeline's kernel parameters (:class:`_Marks`), None for none."""
         res = self.res
-        stage, ring, cfg = res.stage, res.rings[mode], res.config
         arrivals = res.arrivals[mode] if res.pull_grid > 1 else None  # one block acknowledges chunks itself
-        res.kernels.stream.launch("moe_pull", ring.desc, arrivals, stage.held, stage.x.view(torch.uint8), stage.sf,
-                                  stage.idx, stage.w, cfg.max_tokens_per_rank, res.first_expert,
-                                  res.first_expert + res.experts_per_rank, *trace, grid=res.pull_grid,
-                                  block=PULL_BLOCK, stream=torch.cuda.current_stream(res.runtime.torch_device))
+        trace = trace if trace is not None else {"trace": None, "trace_capacity": 0}
+        res.kernels.stream.launch("moe_pull", desc=res.rings[mode].desc, arrivals=arrivals, stage=res.stage.desc,
+                                  grid=res.pull_grid, block=PULL_BLOCK,
+                                  stream=torch.cuda.current_stream(res.runtime.torch_device), **trace)
 
     def _pull_into_blocks_and_waves(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks,
                                     sms: int | None) -> None:
@@ -197,13 +204,10 @@ class CallSchedule:
         consumer = torch.cuda.current_stream(res.runtime.torch_device)
         pool.reset()
         pull_stream.wait_stream(consumer)  # after the resets (here and the call's) and the previous call's last wave
-        shape = pool.shape
         arrivals = res.arrivals[mode] if res.pull_grid > 1 else None
-        res.kernels.stream.launch(
-            "moe_pull_blocks", ring.desc, arrivals, stage.held, stage.idx, stage.w, pool.pos,
-            res.config.max_tokens_per_rank, res.first_expert, res.first_expert + res.experts_per_rank, pool.words,
-            shape.blocks_per_expert, shape.blocks, shape.block_m, pool.x, pool.sf, pool.src, pool.token, pool.k,
-            pool.weight, *mark.trace, grid=res.pull_grid, block=PULL_BLOCK, stream=pull_stream)
+        res.kernels.stream.launch("moe_pull_blocks", desc=ring.desc, arrivals=arrivals, stage=stage.desc,
+                                  pool_desc=pool.desc, grid=res.pull_grid, block=PULL_BLOCK, stream=pull_stream,
+                                  **mark.trace)
         mark(Event.EXPERTS_BEGIN)
         for wave in range(res.config.waves):
             res.compute.wave(pool, w13, w2, res.peer_combine, last=wave == res.config.waves - 1, desc=ring.desc,
@@ -222,7 +226,7 @@ class CallSchedule:
         # done (its held acks sent, so no wait on it is lost), it does not hold an SM through the expert
         # GEMMs, whose persistent grids want every SM (docs/PERFORMANCE.md).
         producer.wait_stream(consumed)
-        res.kernels.stream.launch("moe_drain", res.rings[mode].desc, block=32, stream=producer)
+        res.kernels.stream.launch("moe_drain", desc=res.rings[mode].desc, block=32, stream=producer)
         mark(Event.DRAINED)
         # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank wrote a row.
         torch.sum(res.combine[:n * K].view(n, K, H), dim=1, out=out)

@@ -15,7 +15,7 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 
 if TYPE_CHECKING:
-    from chunkring.jit.launch import KernelLibrary
+    from chunkring.jit.launch import KernelArgs, KernelLibrary
     from chunkring.ring.ring import Ring
     from chunkring.runtime import Runtime
 
@@ -134,15 +134,16 @@ def enqueue_publish(ring: Ring, x: torch.Tensor, x_sf: torch.Tensor | None, topk
     scales = x_sf if x_sf is not None else topk_weights  # never read for bf16: zero scale floats per row
     library = kernel_library(ring.runtime)
     rows, eos, rows_bound = x.shape[0], int(end_of_stream), 0 if batch_rows is None else batch_rows
-    extent = (rows, token_base, eos, valid_tokens, rows_bound)
-    tensors = (x.view(torch.uint8), scales, topk_idx, topk_weights)
+    extent: KernelArgs = {"desc": ring.desc, "n_tokens": rows, "token_base": token_base, "end_of_stream": eos,
+              "valid_tokens": valid_tokens, "batch_rows": rows_bound}
+    tensors: KernelArgs = {"x": x.view(torch.uint8), "x_sf": scales, "topk_idx": topk_idx, "topk_weights": topk_weights}
     grid = publish_grid(x.numel() * x.element_size())
     if grid == 1:
-        library.launch("ring_publish_tensors", ring.desc, *tensors, *extent, block=_PUBLISH_BLOCK, stream=stream)
+        library.launch("ring_publish_tensors", block=_PUBLISH_BLOCK, stream=stream, **tensors, **extent)
         return
-    library.launch("ring_publish_open", ring.desc, *extent, block=32, stream=stream)
-    library.launch("ring_publish_copy", ring.desc, *tensors, *extent, grid=grid, block=_PUBLISH_BLOCK, stream=stream)
-    library.launch("ring_publish_close", ring.desc, *extent, block=32, stream=stream)
+    library.launch("ring_publish_open", block=32, stream=stream, **extent)
+    library.launch("ring_publish_copy", grid=grid, block=_PUBLISH_BLOCK, stream=stream, **tensors, **extent)
+    library.launch("ring_publish_close", block=32, stream=stream, **extent)
 
 
 class GatherOutputs:
@@ -189,8 +190,9 @@ def gather(ring: Ring, out: GatherOutputs, *, grid: int = 1, stream: torch.cuda.
         with torch.cuda.stream(stream):
             arrivals.zero_()  # a failed earlier gather may have left counts behind
     kernel_library(ring.runtime).launch(
-        "ring_gather", ring.desc, out.x.view(torch.uint8), out.x_sf, out.topk_idx, out.topk_weights, out.counts,
-        out.capacity, arrivals, grid=grid, block=_GATHER_BLOCK, stream=stream)
+        "ring_gather", desc=ring.desc, out_x=out.x.view(torch.uint8), out_x_sf=out.x_sf, out_topk_idx=out.topk_idx,
+        out_topk_weights=out.topk_weights, out_counts=out.counts, capacity=out.capacity, arrivals=arrivals,
+        grid=grid, block=_GATHER_BLOCK, stream=stream)
 
 
 def gather_grid_limit(ring: Ring, sms: int) -> int:

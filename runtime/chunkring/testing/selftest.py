@@ -25,7 +25,8 @@ def pingpong(runtime: Runtime, lib: KernelLibrary, signal: torch.Tensor, iters: 
     runtime.barrier()
     elapsed = torch.zeros(1, dtype=torch.int64, device=runtime.torch_device)
     if runtime.rank in (0, 1):
-        lib.launch("selftest_pingpong", signal, 1 - runtime.rank, iters, int(runtime.rank == 0), elapsed, block=32)
+        lib.launch("selftest_pingpong", signal=signal, peer=1 - runtime.rank, iters=iters,
+                   initiator=int(runtime.rank == 0), elapsed_ns=elapsed, block=32)
     torch.cuda.synchronize()
     runtime.barrier()
     return elapsed.item() / iters / 1e3 if runtime.rank == 0 else None

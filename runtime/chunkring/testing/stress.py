@@ -98,8 +98,9 @@ class StressLibrary:
         stress = torch.zeros(1 << 20, dtype=torch.int64, device=device)
         arrivals = (torch.zeros(ring.spec.world_size * ring.spec.num_slots, dtype=torch.int32, device=device)
                     if consumer_blocks > 1 else None)
-        self.library.launch("ring_stress", ring.desc, plan_dev, plan.tokens.shape[0], seed, max_delay_ns, received,
-                            stress, stress.numel(), arrivals, consumer_blocks,
+        self.library.launch("ring_stress", desc=ring.desc, plan=plan_dev, invocations=plan.tokens.shape[0], seed=seed,
+                            max_delay_ns=max_delay_ns, received=received, stress=stress, stress_words=stress.numel(),
+                            arrivals=arrivals, consumer_blocks=consumer_blocks,
                             grid=1 + consumer_blocks + stress_blocks, block=256, stream=stream)
         return received
 
@@ -163,8 +164,9 @@ class StressLibrary:
         violations = torch.zeros(1, dtype=torch.int64, device=self.runtime.torch_device)
         stress = torch.zeros(1 << 20, dtype=torch.int64, device=self.runtime.torch_device)
         self.runtime.barrier()
-        self.library.launch(LITMUS_DIRECTIONS[direction], lines, writer, reader, iters, violations, lanes // 32, stress,
-                            stress.numel(), grid=lanes // 32 + stress_blocks, block=32)
+        self.library.launch(LITMUS_DIRECTIONS[direction], lines=lines, writer=writer, reader=reader, iters=iters,
+                            violations=violations, mp_blocks=lanes // 32, stress=stress, stress_words=stress.numel(),
+                            grid=lanes // 32 + stress_blocks, block=32)
         torch.cuda.synchronize()
         self.runtime.barrier()
         self.runtime.free(lines)

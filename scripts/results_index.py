@@ -112,6 +112,8 @@ def flags(record: dict, commit_known: bool) -> list[str]:
     out = []
     if record.get("tree_modified") is True:
         out.append("tree: modified")
+    elif "tree_modified" not in record:
+        out.append("tree: not recorded")  # written before records kept it: the commit alone may not be the tree
     if not commit_known:
         out.append("commit: not in repository")
     cold = [info.get("cache_hit") for tag, kernels in record.get("builds", {}).items() if "cold" in tag

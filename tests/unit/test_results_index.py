@@ -75,14 +75,17 @@ def test_a_row_holds_counts_wall_time_headline_figures_and_flags(folder):
 def test_a_commit_the_repository_lacks_and_an_old_build_record_are_flagged(folder):
     by_name = {row.split("`")[1]: row for row in rows(index.render(folder, "# T\n\nP\n", HISTORY.get))}
     flags = by_name["ccccccc-gpu-4rank-mps.json"].strip("|").split("|")[-1].strip()
-    assert flags == "commit: not in repository, build cache_hit: not recorded, see note"
+    assert flags == "tree: not recorded, commit: not in repository, build cache_hit: not recorded, see note"
 
 
 def test_flags_of_partly_cached_builds_and_incomplete_runs():
     builds = {"build_cold": {"a": {"seconds": 4.0, "cache_hit": False}, "b": {"seconds": 0.0, "cache_hit": True}},
               "build_warm": {"a": {"seconds": 0.0, "cache_hit": True}}}
-    assert index.flags({"builds": builds, "incomplete": True}, True) == ["cold build: 1 of 2 cached", "incomplete"]
-    assert index.flags({"builds": {"build_cold": {"a": {"seconds": 4.0, "cache_hit": False}}}}, True) == []
+    clean = {"tree_modified": False}
+    assert index.flags({**clean, "builds": builds, "incomplete": True}, True) == \
+        ["cold build: 1 of 2 cached", "incomplete"]
+    assert index.flags({**clean, "builds": {"build_cold": {"a": {"seconds": 4.0, "cache_hit": False}}}}, True) == []
+    assert index.flags({}, True) == ["tree: not recorded"]  # a record older than the field
 
 
 def test_git_says_which_commits_the_repository_holds():

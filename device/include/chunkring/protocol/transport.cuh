@@ -68,14 +68,17 @@ __device__ __forceinline__ bool chunk_meta(const RingDesc& d, u64 src, u64 slot,
 
 // Block-level: `bytes` (a multiple of 4; copy16_ok for speed) of source `src`'s
 // slot part `part` (this rank's address of it: symmetric) into local `dst`, there and visible to the block
-// on return. RMA: a blocking block get, so `dst` must be NVSHMEM-registered for an off-node peer.
+// on return. RMA: a blocking block get, so `dst` must be NVSHMEM-registered for an off-node peer - except
+// for zero bytes, which fetch nothing (a bf16 row's scales, a block's empty share: `dst` may be any memory).
 __device__ __forceinline__ void fetch_block(const RingDesc& d, void* dst, const void* part, u64 bytes, u64 src) {
-    if (peer_is_rma(d, src)) {
-        comm::get_block(dst, part, bytes, static_cast<int>(src));
-    } else {
-        const void* view = direct_view(part, src);
-        if (copy16_ok(dst, view, bytes)) util::block_copy16(dst, view, bytes);
-        else util::block_copy4(dst, view, bytes / 4);
+    if (bytes != 0) {  // block-uniform: every thread passes the same arguments
+        if (peer_is_rma(d, src)) {
+            comm::get_block(dst, part, bytes, static_cast<int>(src));
+        } else {
+            const void* view = direct_view(part, src);
+            if (copy16_ok(dst, view, bytes)) util::block_copy16(dst, view, bytes);
+            else util::block_copy4(dst, view, bytes / 4);
+        }
     }
     __syncthreads();
 }

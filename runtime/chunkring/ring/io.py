@@ -161,7 +161,8 @@ class GatherOutputs:
     (``symmetric`` True) come from the NVSHMEM symmetric heap: the gather's gets land in them, and a get's
     local buffer must be NVSHMEM-registered memory for an off-node peer (docs/PROTOCOL.md, "Transports").
     Release them with :meth:`free` (or ``with``), a collective then; :meth:`chunkring.Runtime.close` frees
-    what is left.
+    what is left. Make them between calls, as a :class:`~chunkring.Ring`: a symmetric allocation waits for
+    this rank's current stream and for every rank, so it must not wait behind a kernel spinning for peers.
     """
 
     def __init__(self, ring: Ring, capacity: int) -> None:

@@ -213,6 +213,7 @@ class ProducersAlone:
         caller.wait_stream(consumer)
 
     def destroy(self) -> None:
+        self.out.free()  # a collective where the outputs are symmetric (a peer read by RMA)
         self.ring.destroy()
 
 

@@ -292,7 +292,7 @@ extern "C" __global__ void moe_wave_claim(const RingDesc* desc, const PoolDesc* 
             if (ptx::ld_acquire_gpu(pool.counter(blk::kSealedAll)) != 0) return 1;  // acquire: every seal
             if (last) return 0;
             // NOTES: relaxed - a count only decides when to look; each claim's own CAS + fence acquires.
-            observed = ptx::ld_relaxed_gpu(pool.counter(blk::kSealed)) - claimed;
+            observed = blk::sealed_unclaimed(ptx::ld_relaxed_gpu(pool.counter(blk::kSealed)), claimed);
             return observed >= want ? 1 : 0;
         });
         // NOTES: relaxed - an upper bound for the scan; a block allocated after this is claimed by a later wave

@@ -236,6 +236,9 @@ extern "C" __global__ void moe_produce_chunk(const RingDesc* desc, const float* 
     if (!e.publish) return;  // grid-uniform
     const u64 epoch = current_epoch(d), seq = next_seq(d), slot = slot_of(seq, d.num_slots);
     if (!begin_chunk(d, epoch, seq)) return;  // recorded; this block never arrives, so nothing is published
-    produce_rows(d, slot, logits, hidden, e.n, num_experts);
+    // The rows before the arrival: the last block's publish is ordered after every block's stores.
+    constexpr bool kRowsFirst = kMutant != Mutant::kArriveBeforeRows;  // the mutant: arrive, then store
+    if constexpr (kRowsFirst) produce_rows(d, slot, logits, hidden, e.n, num_experts);
     if (arrivals == nullptr || last_block_to_arrive(arrivals, gridDim.x)) close_chunk(d, epoch, seq, e, token_base);
+    if constexpr (!kRowsFirst) produce_rows(d, slot, logits, hidden, e.n, num_experts);
 }

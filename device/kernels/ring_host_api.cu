@@ -99,6 +99,9 @@ extern "C" __global__ void ring_publish_close(const RingDesc* desc, int n_tokens
 // the last block done with a chunk acknowledges it (arrivals [W * S], zeroed by the host before the
 // launch; null for a one-block grid, which acknowledges directly). One block is the smallest consumer; a grid that fills its SMs is the persistent-consumer
 // shape whose progress the SM partition protects.
+// The rows out_x, out_x_sf, out_topk_idx and out_topk_weights are where an RMA source's gets land, so they
+// must be NVSHMEM-registered for an off-node source: GatherOutputs (io.py) takes them from the symmetric heap
+// wherever any rank reads a peer by RMA. out_counts and arrivals are written by this kernel's own stores.
 extern "C" __global__ void ring_gather(const RingDesc* desc, unsigned char* out_x, float* out_x_sf, int* out_topk_idx,
                                        float* out_topk_weights, long long* out_counts, long long capacity,
                                        CHUNKRING_NULLABLE unsigned* arrivals) {

@@ -10,7 +10,14 @@ import pytest
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit import arch_of, build, default_arch, kernel_sources, nvshmem_version
 from chunkring.jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, cache_key, program_options
-from chunkring.testing.stress import MUTANTS, NO_HELD_ACK, NO_INPUT_CHECKS, NO_PUSH_RELEASE, SEAL_ON_RESERVE
+from chunkring.testing.stress import (
+    ARRIVE_BEFORE_ROWS,
+    MUTANTS,
+    NO_HELD_ACK,
+    NO_INPUT_CHECKS,
+    NO_PUSH_RELEASE,
+    SEAL_ON_RESERVE,
+)
 
 #: The GPU host's torch 2.11 pins NVSHMEM 3.4.5; compiling against anything else would not prove
 #: that the host accepts our kernels.
@@ -71,9 +78,10 @@ MUTANT_KERNELS = [
     ("no_input_checks", "moe_stream"), ("no_held_ack", "moe_stream"), ("no_push_release", "moe_experts"),
     ("no_ack_release", "moe_stream"), ("no_ack_acquire", "moe_stream"), ("no_arrival_fences", "moe_stream"),
     ("no_arrival_fences", "ring_host_api"), ("no_arrival_fences", "moe_produce"), ("seal_on_reserve", "moe_stream"),
+    ("arrive_before_rows", "moe_produce"),
 ]
 _VALUE = {**MUTANTS, "no_input_checks": NO_INPUT_CHECKS, "no_held_ack": NO_HELD_ACK, "no_push_release": NO_PUSH_RELEASE,
-          "seal_on_reserve": SEAL_ON_RESERVE}
+          "seal_on_reserve": SEAL_ON_RESERVE, "arrive_before_rows": ARRIVE_BEFORE_ROWS}
 
 
 def kernel_code(cubin: bytes) -> dict[str, bytes]:

@@ -166,6 +166,7 @@ def test_gather_masks_and_reports_corrupted_metadata(runtime, record_testsuite_p
             # Every rank reads every source's metadata, so every rank masks and reports the bad chunk.
             expect_report(ring.check, {"field": field, "source": culprit, "slot": slot, "value": value})
             runtime.barrier()
+            out.free()
     for field, number in counts.items():
         record_testsuite_property(f"fuzz_cases_{field.name.lower()}_rank{rank}", number)
 

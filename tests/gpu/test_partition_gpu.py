@@ -54,6 +54,11 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
         needs = max(sm.min_partition_size, -(-PULL_GRID // resident))
         assert part is not None and part.plan.producer_sms + part.consumer_sms == sm.sm_count
         assert needs <= part.consumer_sms < needs + sm.coscheduled_alignment, part
+        # The driver's rules for a green context, and the device's own SM count (the green-context resource
+        # may be an MPS share of it, never more).
+        assert part.plan.producer_sms % sm.coscheduled_alignment == 0, part
+        assert min(part.plan.producer_sms, part.consumer_sms) >= sm.min_partition_size, part
+        assert sm.sm_count <= torch.cuda.get_device_properties(runtime.torch_device).multi_processor_count
         stats = layer.stats()
         assert (stats["producer_sms"], stats["consumer_sms"]) == (part.plan.producer_sms, part.consumer_sms)
         # Every rank on this GPU spins its pull and producer grids in its share of each side (Progress 8): all

@@ -45,6 +45,7 @@ def test_producers_complete_before_the_consumer_starts(runtime):
             gather(ring, out, grid=1)
             check_gathered(runtime, ring, out, counts, invocation)
             runtime.barrier()
+            out.free()
 
 
 def test_consumer_first_with_the_smallest_grid(runtime):
@@ -58,6 +59,7 @@ def test_consumer_first_with_the_smallest_grid(runtime):
         time.sleep(SPIN_FIRST_S)
         publish_all(runtime, ring, counts[runtime.rank], 0, producer)
         check_gathered(runtime, ring, out, counts, 0)
+        out.free()
 
 
 def test_consumer_first_filling_its_partition(runtime):
@@ -75,6 +77,7 @@ def test_consumer_first_filling_its_partition(runtime):
             time.sleep(SPIN_FIRST_S)
             publish_all(runtime, ring, counts[runtime.rank], invocation, part.producer_stream)
             check_gathered(runtime, ring, out, counts, invocation)
+            out.free()
 
 
 def test_consumer_filling_the_gpu_without_a_partition_starves_the_producer(runtime):
@@ -96,11 +99,13 @@ def test_consumer_filling_the_gpu_without_a_partition_starves_the_producer(runti
         assert (record.site, record.peer, record.slot, record.observed) == (Site.WAIT_ROUTE, 0, 0, 0), record
         assert "TIMEOUT while waiting" in str(info.value)
         # The context survived (no trap): a reset and a normal call work.
+        out.free()
         ring.reset()
         out = GatherOutputs(ring, T)
         publish_all(runtime, ring, T, 1, producer)
         gather(ring, out, stream=consumer)
         check_gathered(runtime, ring, out, [T], 1)
+        out.free()
 
 
 def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
@@ -128,12 +133,14 @@ def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
             assert record.observed == 0, record
         assert any(timed_out)
         runtime.barrier()
+        out.free()
         ring.reset()
         ring.set_timeout(60.0)
         out = GatherOutputs(ring, T)
         publish_all(runtime, ring, T, 1, torch.cuda.current_stream())
         gather(ring, out)
         check_gathered(runtime, ring, out, [T] * W, 1)
+        out.free()
 
 
 @pytest.mark.parametrize("which", ["given", "default"])

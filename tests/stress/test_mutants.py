@@ -15,7 +15,8 @@ removed, or both at GPU scope) - the ring stress under memory stress plus the cr
 litmus in both directions (two ranks or more): "push", the writer storing into the reader's memory, and
 "pull", the ring's own, the writer storing into its own memory and the reader loading through nvshmem_ptr;
 each prints its violation count. The combine push's release (`NO_PUSH_RELEASE`) is the MoE layer's and
-is tested there (tests/gpu/test_moe_layer.py). The mutation score is the share of
+is tested there (tests/gpu/test_moe_layer.py); the fused producer's publish (`ARRIVE_BEFORE_ROWS`, and
+`no_arrival_fences` in that kernel) in tests/stress/test_fused_producer_mutants.py. The mutation score is the share of
 test_mutant_is_caught cases that pass. These run after the GPU suite (scripts/gpu_suite.sh): a mutant
 that escapes fails its test, and under mpirun the abort hook then ends the job."""
 

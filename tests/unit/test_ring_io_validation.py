@@ -6,13 +6,16 @@ import pytest
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.ring.io import GatherOutputs, gather, publish_chunk
+from chunkring.ring.io import FREE_BARRIER_S, GatherOutputs, gather, publish_chunk
 from chunkring.ring.spec import PayloadFormat, RingSpec
+from chunkring.ring.transport import Transport
 
 SPEC = RingSpec(world_size=2, num_slots=2, tokens_per_slot=8, hidden=256, payload=PayloadFormat.FP8_E4M3, topk=4,
                 num_experts=8)
-# A stand-in ring whose device is the CPU, so the checks run without a GPU.
-RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=torch.device("cpu")), check_alive=lambda: None)
+# A stand-in ring whose device is the CPU, so the checks run without a GPU: one process, every peer DIRECT.
+RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=torch.device("cpu"),
+                                                          allgather_object=lambda obj: [obj]),
+                       transports=(Transport.DIRECT,) * 2, check_alive=lambda: None)
 
 
 def good(n=3):
@@ -75,3 +78,88 @@ def test_publish_grid_keeps_small_chunks_on_one_block_and_caps_large_ones():
     assert [publish_grid(n) for n in (B + 1, 2 * B, 2 * B + 1)] == [2, 2, 3]
     assert publish_grid(8192 * 4096) == PUBLISH_MAX_BLOCKS  # the 34 MB FP8 batch of DeepGEMM's shape
     assert publish_grid(256 * 7168) == 4  # one 256-token chunk of hidden 7,168: the GPU test's split shape
+
+
+class FakeRuntime:
+    """Rank 0 of two on the CPU: the peer's part of each all-gather is ``peer``'s answer to it; symmetric
+    allocations, frees and host barriers are recorded in ``calls``."""
+
+    def __init__(self, peer):
+        self.torch_device = torch.device("cpu")
+        self.peer = peer
+        self.calls = []
+
+    def allgather_object(self, obj):
+        return [obj, self.peer(obj)]
+
+    def alloc(self, shape, dtype):
+        tensor = torch.zeros(shape, dtype=dtype)
+        self.calls.append(("alloc", tensor.data_ptr(), tuple(shape), dtype))
+        return tensor
+
+    def free(self, tensor):
+        self.calls.append(("free", tensor.data_ptr()))
+
+    def host_barrier(self, timeout_s=None):
+        self.calls.append(("barrier", timeout_s))
+
+
+def ring_on(runtime, transports, spec=SPEC):
+    return SimpleNamespace(spec=spec, runtime=runtime, transports=transports, check_alive=lambda: None)
+
+
+ROWS = ("x", "x_sf", "topk_idx", "topk_weights")
+DIRECT, RMA = (Transport.DIRECT,) * 2, (Transport.DIRECT, Transport.RMA)
+
+
+@pytest.mark.parametrize("mine,peers", [(RMA, False), (DIRECT, True), (RMA, True)])
+def test_gather_rows_come_from_the_symmetric_heap_where_any_rank_reads_by_rma(monkeypatch, mine, peers):
+    """docs/PROTOCOL.md, "Transports": the gather's gets land in these rows, and a get's local buffer must be
+    NVSHMEM-registered for an off-node peer - which one GPU cannot show (its gets are the threads' own copies
+    through a mapping that takes any buffer). A peer's RMA counts too: the allocation is a collective."""
+    runtime = FakeRuntime(lambda obj: (obj[0], peers))
+    out = GatherOutputs(ring_on(runtime, mine), 4)
+    assert out.symmetric
+    allocated = {call[1]: call[2:] for call in runtime.calls if call[0] == "alloc"}
+    for name in ROWS:
+        tensor = getattr(out, name)
+        assert allocated.pop(tensor.data_ptr()) == (tuple(tensor.shape), tensor.dtype), name
+    assert allocated == {}, "only the rows a get writes are symmetric (counts and arrivals are local stores)"
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: runtime.calls.append(("sync", device)))
+    runtime.calls.clear()
+    out.free()
+    assert runtime.calls[:2] == [("sync", runtime.torch_device), ("barrier", FREE_BARRIER_S)]
+    assert sorted(runtime.calls[2:]) == sorted(("free", getattr(out, name).data_ptr()) for name in ROWS)
+    with pytest.raises(ChunkringUsageError) as info:
+        gather(ring_on(runtime, mine), out)
+    assert info.value.field == "out"
+    out.free()  # once only
+    assert len(runtime.calls) == 6
+
+
+def test_gather_rows_stay_device_memory_where_every_peer_is_direct():
+    runtime = FakeRuntime(lambda obj: obj)
+    out = GatherOutputs(ring_on(runtime, DIRECT), 4)
+    assert not out.symmetric and runtime.calls == []
+    out.free()  # nothing to free collectively: no barrier either
+    assert runtime.calls == []
+
+
+def test_empty_rows_are_never_symmetric():
+    """The heap holds no zero-byte block, and no get reaches one (fetch_block skips zero bytes): bf16
+    scales and a zero capacity stay ordinary tensors."""
+    bf16 = RingSpec(world_size=2, num_slots=2, tokens_per_slot=8, hidden=256, payload=PayloadFormat.BF16, topk=4,
+                    num_experts=8)
+    runtime = FakeRuntime(lambda obj: obj)
+    out = GatherOutputs(ring_on(runtime, RMA, bf16), 4)
+    assert [call[2] for call in runtime.calls] == [(2, 4, 256), (2, 4, 4), (2, 4, 4)] and out.x_sf.numel() == 0
+    runtime.calls.clear()
+    GatherOutputs(ring_on(runtime, RMA), 0)
+    assert runtime.calls == []
+
+
+def test_every_rank_must_ask_for_the_same_capacity():
+    runtime = FakeRuntime(lambda obj: (obj[0] + 1, obj[1]))
+    with pytest.raises(ChunkringUsageError) as info:
+        GatherOutputs(ring_on(runtime, RMA), 4)
+    assert info.value.field == "capacity" and runtime.calls == []

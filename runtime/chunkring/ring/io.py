@@ -6,6 +6,7 @@ before anything is enqueued.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -13,14 +14,15 @@ import torch
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+from chunkring.ring.transport import Transport
 
 if TYPE_CHECKING:
     from chunkring.jit.launch import KernelArgs, KernelLibrary
     from chunkring.ring.ring import Ring
     from chunkring.runtime import Runtime
 
-__all__ = ["publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit", "GatherOutputs",
-           "kernel_library"]
+__all__ = ["FREE_BARRIER_S", "publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit",
+           "GatherOutputs", "kernel_library"]
 
 _GATHER_BLOCK = 512
 
@@ -146,24 +148,91 @@ def enqueue_publish(ring: Ring, x: torch.Tensor, x_sf: torch.Tensor | None, topk
     library.launch("ring_publish_close", block=32, stream=stream, **extent)
 
 
+#: How long :meth:`GatherOutputs.free` waits at the host barrier for every rank before the collective frees of
+#: symmetric outputs; a rank that never comes makes it raise instead of hanging in them.
+FREE_BARRIER_S = 300.0
+
+
 class GatherOutputs:
     """Dense per-source outputs of :func:`gather`: ``x`` [W, capacity, H], ``x_sf`` [W, capacity, H/128],
-    ``topk_idx`` / ``topk_weights`` [W, capacity, K], ``counts`` [W] int64 (rows received per source)."""
+    ``topk_idx`` / ``topk_weights`` [W, capacity, K], ``counts`` [W] int64 (rows received per source).
+
+    This is a collective: every rank constructs its outputs for the same ring with the same ``capacity``
+    (checked; every rank raises alike otherwise). Where any rank reaches a peer by RMA, the rows
+    (``symmetric`` True) come from the NVSHMEM symmetric heap: the gather's gets land in them, and a get's
+    local buffer must be NVSHMEM-registered memory for an off-node peer (docs/PROTOCOL.md, "Transports").
+    Release them with :meth:`free` (or ``with``), a collective then; :meth:`chunkring.Runtime.close` frees
+    what is left. Make them between calls, as a :class:`~chunkring.Ring`: a symmetric allocation waits for
+    this rank's current stream and for every rank, so it must not wait behind a kernel spinning for peers.
+    """
 
     def __init__(self, ring: Ring, capacity: int) -> None:
-        spec, device = ring.spec, ring.runtime.torch_device
+        spec, device, runtime = ring.spec, ring.runtime.torch_device, ring.runtime
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ChunkringUsageError(f"must be a non-negative int, got {capacity!r}", field="capacity")
+        # Why symmetric memory, of the three ways to give the gets a registered destination: registering the
+        # caller's torch memory (nvshmemx_buffer_register) is not in nvshmem4py 0.4.1, and it would have to be
+        # undone before torch's allocator reuses the block; a symmetric bounce buffer would copy every row
+        # twice. Symmetric allocations are the layer's answer for its stage too (moe/resources.py). They are
+        # collectives, so the choice is agreed: symmetric where any rank has an RMA peer.
+        everyone = runtime.allgather_object((capacity, Transport.RMA in ring.transports))
+        if any(c != capacity for c, _ in everyone):
+            raise ChunkringUsageError(f"ranks disagree (capacities {[c for c, _ in everyone]})", field="capacity")
+        self.symmetric = any(rma for _, rma in everyone)
+        self._runtime = runtime
+        self._owned: list[torch.Tensor] = []
+
+        def rows(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            # A tensor of no elements stays ordinary memory: the heap holds none, and no get reaches it
+            # (fetch_block skips a zero-byte fetch).
+            if not self.symmetric or math.prod(shape) == 0:
+                return torch.empty(shape, dtype=dtype, device=device)
+            tensor = runtime.alloc(shape, dtype)
+            self._owned.append(tensor)
+            return tensor
+
         W = spec.world_size
         self.capacity = capacity
-        self.x = torch.empty((W, capacity, spec.hidden), dtype=_x_dtype(spec), device=device)
+        self.x = rows((W, capacity, spec.hidden), _x_dtype(spec))
         sf_cols = spec.hidden // FP8_SCALE_BLOCK if spec.payload.has_scales else 0
-        self.x_sf = torch.empty((W, capacity, sf_cols), dtype=torch.float32, device=device)
-        self.topk_idx = torch.empty((W, capacity, spec.topk), dtype=torch.int32, device=device)
-        self.topk_weights = torch.empty((W, capacity, spec.topk), dtype=torch.float32, device=device)
+        self.x_sf = rows((W, capacity, sf_cols), torch.float32)
+        self.topk_idx = rows((W, capacity, spec.topk), torch.int32)
+        self.topk_weights = rows((W, capacity, spec.topk), torch.float32)
+        # Written by the gather's own stores, never by a get: ordinary memory.
         self.counts = torch.zeros(W, dtype=torch.int64, device=device)
         # Per (source, slot): blocks of a multi-block gather done with the current chunk.
         self.arrivals = torch.zeros((W, spec.num_slots), dtype=torch.int32, device=device)
+        self._freed = False
+
+    def __repr__(self) -> str:
+        state = "freed" if self._freed else ("symmetric" if self.symmetric else "device memory")
+        return f"GatherOutputs(capacity={self.capacity}, {state})"
+
+    def free(self) -> None:
+        """Release the rows. A collective where they are ``symmetric``: this rank's kernels are waited for
+        (its own gathers' gets are the only writers of these rows), then every rank at a host barrier bounded by
+        :data:`FREE_BARRIER_S` (a missing rank raises ``ChunkringRuntimeError`` with nothing freed, instead of
+        hanging in the collective frees), then the symmetric frees. The outputs are unusable afterwards."""
+        if self._freed:
+            return
+        if self._owned:
+            torch.cuda.synchronize(self._runtime.torch_device)
+            self._runtime.host_barrier(timeout_s=FREE_BARRIER_S)
+            for tensor in self._owned:
+                self._runtime.free(tensor)
+            self._owned.clear()
+        self._freed = True
+
+    def check_alive(self) -> None:
+        """Raise ``ChunkringUsageError`` if :meth:`free` ran (:func:`gather` checks this first)."""
+        if self._freed:
+            raise ChunkringUsageError("these GatherOutputs were freed", field="out")
+
+    def __enter__(self) -> GatherOutputs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
 
 
 def gather(ring: Ring, out: GatherOutputs, *, grid: int = 1, stream: torch.cuda.Stream | None = None) -> None:
@@ -179,6 +248,7 @@ def gather(ring: Ring, out: GatherOutputs, *, grid: int = 1, stream: torch.cuda.
     ring.check_alive()
     if not isinstance(out, GatherOutputs):
         raise ChunkringUsageError(f"expected GatherOutputs, got {type(out).__name__}", field="out")
+    out.check_alive()
     if out.arrivals.shape[0] != ring.spec.world_size or out.arrivals.shape[1] != ring.spec.num_slots:
         raise ChunkringUsageError("these outputs were made for another ring", field="out")
     if isinstance(grid, bool) or not isinstance(grid, int) or not 1 <= grid <= 65535:

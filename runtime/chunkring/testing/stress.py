@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from chunkring.ring.status import StatusRecord
     from chunkring.runtime import Runtime
 
-__all__ = ["LITMUS_DIRECTIONS", "MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "NO_PUSH_RELEASE", "SEAL_ON_RESERVE",
-           "StressLibrary", "StressPlan"]
+__all__ = ["ARRIVE_BEFORE_ROWS", "LITMUS_DIRECTIONS", "MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "NO_PUSH_RELEASE",
+           "SEAL_ON_RESERVE", "StressLibrary", "StressPlan"]
 
 #: protocol/mutants.cuh Mutant values (append-only): the protocol's, which the stress suite must catch.
 MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4,
@@ -38,6 +38,10 @@ NO_PUSH_RELEASE = 8
 #: protocol/mutants.cuh kSealOnReserve: an incremental expert block sealed when its last row is reserved,
 #: before its rows landed (docs/PROTOCOL.md, "The GPU mutant"; caught by tests/gpu/test_moe_blocks.py).
 SEAL_ON_RESERVE = 13
+#: protocol/mutants.cuh kArriveBeforeRows: each block of the fused producer (moe_produce.cu) arrives before it
+#: stores its rows, so the last arrival publishes a chunk still being written (caught by
+#: tests/stress/test_fused_producer_mutants.py).
+ARRIVE_BEFORE_ROWS = 14
 #: The message-passing litmus kernels of ring_stress.cu: "push", the writer stores into the reader's memory
 #: (litmus_mp); "pull", the ring's own direction: the writer stores into its own memory and SETs the
 #: reader's flag, the reader loads through nvshmem_ptr (litmus_mp_pull).

@@ -44,6 +44,17 @@ enum Counter : u32 {
 constexpr u32 kEmpty = 0, kSealedBit = 1u << 30, kClaimedBit = 1u << 31, kCountMask = kSealedBit - 1;
 constexpr u32 kNoRow = ~0u;  // a choice with no pool row (not a local expert, or an overflow)
 
+// The waves' hint: sealed blocks no wave has claimed yet, from the two counters. A sealer bumps kSealed
+// after its seal's store, so a wave can claim a block before its seal is counted: `claimed` may run ahead
+// of `sealed` for a while. Their u32 difference would then wrap to ~4 billion and start a wave early; a
+// count behind the claims means "none unclaimed yet".
+constexpr __host__ __device__ u32 sealed_unclaimed(u32 sealed, u32 claimed) {
+    return sealed > claimed ? sealed - claimed : 0u;
+}
+static_assert(sealed_unclaimed(5, 3) == 2 && sealed_unclaimed(3, 3) == 0);
+static_assert(sealed_unclaimed(0, 1) == 0 && sealed_unclaimed(3, 5) == 0, "claims ahead of the count: none");
+static_assert(sealed_unclaimed(~0u, 0) == ~0u && sealed_unclaimed(0, ~0u) == 0);
+
 struct Pool {
     u32* words;
     u32 experts, blocks_per_expert, blocks, block_m;  // E, J, P, bm

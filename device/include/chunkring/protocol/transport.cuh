@@ -4,7 +4,7 @@
 // Ordering (docs/PROTOCOL.md, "Transports"): a fetch runs after wait_chunk's acquire and is complete -
 // its bytes in local memory - before fetch_done returns, hence before the ack that frees the slot;
 // a put of combine rows is complete (quiet) before the kernel that issued it ends, hence before the
-// held ack the next kernel of the stream sends.
+// held ack the next kernel of the stream sends. One quiet per block completes them (quiet_block).
 #pragma once
 
 #include "chunkring/comm/rma.cuh"
@@ -68,14 +68,17 @@ __device__ __forceinline__ bool chunk_meta(const RingDesc& d, u64 src, u64 slot,
 
 // Block-level: `bytes` (a multiple of 4; copy16_ok for speed) of source `src`'s
 // slot part `part` (this rank's address of it: symmetric) into local `dst`, there and visible to the block
-// on return. RMA: a blocking block get, so `dst` must be NVSHMEM-registered for an off-node peer.
+// on return. RMA: a blocking block get, so `dst` must be NVSHMEM-registered for an off-node peer - except
+// for zero bytes, which fetch nothing (a bf16 row's scales, a block's empty share: `dst` may be any memory).
 __device__ __forceinline__ void fetch_block(const RingDesc& d, void* dst, const void* part, u64 bytes, u64 src) {
-    if (peer_is_rma(d, src)) {
-        comm::get_block(dst, part, bytes, static_cast<int>(src));
-    } else {
-        const void* view = direct_view(part, src);
-        if (copy16_ok(dst, view, bytes)) util::block_copy16(dst, view, bytes);
-        else util::block_copy4(dst, view, bytes / 4);
+    if (bytes != 0) {  // block-uniform: every thread passes the same arguments
+        if (peer_is_rma(d, src)) {
+            comm::get_block(dst, part, bytes, static_cast<int>(src));
+        } else {
+            const void* view = direct_view(part, src);
+            if (copy16_ok(dst, view, bytes)) util::block_copy16(dst, view, bytes);
+            else util::block_copy4(dst, view, bytes / 4);
+        }
     }
     __syncthreads();
 }
@@ -99,12 +102,27 @@ __device__ __forceinline__ void fetch_warp(const RingDesc& d, void* dst, const v
     }
 }
 
+// Block-level, every thread of the block (no divergence: it holds barriers): complete every get and put
+// the block's threads issued. One thread quiets for the block. nvshmem_quiet completes the operations
+// "issued by the calling PE" (OpenSHMEM; NVSHMEM 3.4.5 does exactly that: a proxy quiet reads the PE's one
+// issue counter, which every issuing thread bumps, and waits until the proxy acknowledged that far; a
+// P2P-only job gets a __threadfence_system) - not the calling thread's alone, but only what was issued
+// before the call, and OpenSHMEM leaves ordering other threads' issues before it to the caller. Hence:
+// a barrier, so every thread's gets and puts are issued (their issue-counter updates visible to the
+// quieting thread); thread 0 quiets; a barrier, so no thread goes on before the completion. Every thread
+// quieting instead costs a proxy round trip per thread off-node. (IBGDA, compiled out here, comm/nvshmem.cuh,
+// quiets per queue pair; enabling it would need this rule reviewed.)
+__device__ __forceinline__ void quiet_block() {
+    __syncthreads();  // every thread's operations issued before thread 0's quiet
+    if (threadIdx.x == 0) comm::quiet();
+    __syncthreads();  // nobody proceeds before they are complete
+}
+
 // Block-level: every fetch_warp of this block from `src` is complete and visible to the whole block.
-// RMA: every thread quiets (completion of its own non-blocking gets, whatever the transport counts as
-// the issuer), then the barrier; DIRECT: the barrier orders the warps' stores for the block.
+// RMA: quiet_block; DIRECT: the barrier orders the warps' stores for the block.
 __device__ __forceinline__ void fetch_done(const RingDesc& d, u64 src) {
-    if (peer_is_rma(d, src)) comm::quiet();
-    __syncthreads();
+    if (peer_is_rma(d, src)) quiet_block();  // `src` and the descriptor are block-uniform
+    else __syncthreads();
 }
 
 // Block-level, after the block wrote `bytes` of local `row`: start writing them to `dst` (this rank's
@@ -115,8 +133,8 @@ __device__ __forceinline__ void put_block(void* dst, const void* row, u64 bytes,
     comm::put_block_nbi(dst, row, bytes, static_cast<int>(pe));
 }
 
-// Every thread of a kernel that called put_block, after its last one: every put this PE issued is in
-// its peer's memory when this returns (so before the kernel ends).
-__device__ __forceinline__ void put_done() { comm::quiet(); }
+// Block-level (every thread of the block), after the block's last put_block: every put the block issued
+// is in its peer's memory when this returns (so before the kernel ends). quiet_block: one quiet per block.
+__device__ __forceinline__ void put_done() { quiet_block(); }
 
 }  // namespace chunkring::protocol

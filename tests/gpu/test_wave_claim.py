@@ -41,8 +41,8 @@ def set_words(pool, counters, blocks):
 
 
 def claim(library, ring, pool, counts, min_blocks):
-    words, E, J, P, bm = pool.kernel_args()
-    library.launch("moe_wave_claim", ring.desc, words, E, J, P, bm, min_blocks, 0, counts, grid=1, block=CLAIM_BLOCK)
+    library.launch("moe_wave_claim", desc=ring.desc, pool_desc=pool.desc, min_blocks=min_blocks, last=0, counts=counts,
+                   grid=1, block=CLAIM_BLOCK)
     torch.cuda.synchronize()
 
 

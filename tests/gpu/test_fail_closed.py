@@ -3,7 +3,9 @@ the next call of every entry point - ``MoELayer.run`` and ``forward``, the ``chu
 ``moe_forward`` operators, ``ChunkedMoE``, the transformers drop-in - raises the typed error naming this rank,
 without anyone calling ``check()``; a CUDA graph replay runs no Python, and ``raise_if_failed()`` between
 replays raises it instead (it reads a host word, so it may sit inside a capture, where any synchronisation
-raises); a reset clears it and calls compute again.
+raises); a reset clears it and calls compute again. And a collective call that fails its argument checks on one
+rank alone aborts the ring: its peers, already waiting in the call, stop within a second (not at the watchdog)
+with ``ChunkringPeerAbortedError`` naming that rank and ``HOST_USAGE``.
 
 The error is a real one: a gather on the layer's batch-ready ring with a 10 ms watchdog and no producer anywhere,
 so every rank's consumer times out (or stops on a peer's abort first). The host learns of it from the failure word
@@ -16,10 +18,11 @@ import time
 import pytest
 import torch
 
-from chunkring import ChunkedMoE, ChunkringDeviceError
+from chunkring import ChunkedMoE, ChunkringDeviceError, ChunkringPeerAbortedError, ChunkringUsageError
 from chunkring.moe.calls import CallMode
 from chunkring.moe.op import moe_forward, moe_run
 from chunkring.ring.io import GatherOutputs, gather
+from chunkring.ring.status import ErrorCode
 from tests.gpu.graph_helpers import Batch, make_layer, strict_capture
 from tests.gpu.moe_helpers import H
 
@@ -30,6 +33,8 @@ INJECTED_TIMEOUT_S = 0.01
 #: How long the failure word may take to be set after the injected gather is enqueued: its 10 ms watchdog, the
 #: store to host memory, and the GEMM warm-ups of other calls still queued ahead of it.
 WORD_SET_WITHIN_S = 10.0
+#: Far below WATCHDOG_S: only the abort can stop the peers' wait this soon.
+REPORT_WITHIN_S = 1.0
 
 
 def inject_device_error(layer) -> None:
@@ -131,3 +136,47 @@ def test_the_drop_in_raises_on_the_forward_after_a_device_error(runtime):
     finally:
         for layer in layers.values():
             layer.destroy()
+
+
+def test_one_ranks_bad_argument_stops_its_peers_within_a_second(runtime, record_testsuite_property):
+    W, rank = runtime.world_size, runtime.rank
+    if W < 2:
+        pytest.skip("a peer's abort needs two ranks")
+    bad = W - 1
+    layer, experts, _ = make_layer(runtime)
+    batch = Batch(runtime, layer.config)
+    batch.fill(3)
+    try:
+        # A good call first: every rank past the first call's warm-up and host barrier, which a rank raising
+        # before it would hold its peers at for FIRST_CALL_BARRIER_S instead.
+        layer.run(*batch.args(), *experts)
+        torch.cuda.synchronize()
+        layer.check()
+        runtime.barrier()
+        start = time.time()
+        if rank == bad:
+            with pytest.raises(ChunkringUsageError):
+                layer.run(batch.x, batch.sf, batch.idx.long(), batch.w, *experts)  # int64 topk_idx: refused
+        else:
+            layer.run(*batch.args(), *experts)  # waits for the bad rank's chunk, which never comes
+        torch.cuda.synchronize()
+        reported = time.time()
+        with pytest.raises(ChunkringDeviceError) as info:
+            layer.check()
+        error = info.value
+        if rank == bad:
+            assert type(error) is ChunkringDeviceError and error.record.code == ErrorCode.HOST_USAGE, error
+        else:
+            assert isinstance(error, ChunkringPeerAbortedError), error
+            assert (error.origin_rank, error.code) == (bad, ErrorCode.HOST_USAGE), error
+        took = reported - runtime.allgather_object(start)[bad]
+        took_by_rank = [t for r, t in enumerate(runtime.allgather_object(took)) if r != bad]
+        if rank == 0:
+            record_testsuite_property("host_usage_abort_ms_max", round(max(took_by_rank) * 1e3, 3))
+        assert all(t < REPORT_WITHIN_S for t in took_by_rank), f"peers stopped {took_by_rank} s after the bad call"
+        layer.reset()
+        layer.run(*batch.args(), *experts)
+        torch.cuda.synchronize()
+        layer.check()
+    finally:
+        layer.destroy()

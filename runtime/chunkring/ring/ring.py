@@ -132,9 +132,11 @@ class Ring:
 
     def abort_status(self) -> AbortRecord:
         """This rank's abort word: which rank of the ring failed first in this epoch, with which error, if
-        any did (synchronises the device)."""
+        any did - or where no abort word landed, the abort notice a failed rank sent before it (synchronises the
+        device)."""
         self.check_alive()
-        return AbortRecord.from_word(int(self.views["status"][STATUS["abort"]].item()))
+        words = self.views["status"]
+        return AbortRecord.from_word(int(words[STATUS["abort"]].item()) or int(words[STATUS["abort_notice"]].item()))
 
     def check(self) -> None:
         """Raise if any kernel of this rank recorded an error: ``ChunkringTimeoutError`` for a watchdog,

@@ -26,7 +26,11 @@ where several ranks run):
 * ``P_ms``, the producers alone (each chunk's router GEMM and fused producer, into a scratch ring a trivial
   consumer drains), and ``Q_ms``, the consumer alone (batch-ready ``MoELayer.run`` on the routed batch);
   ``bound_ms = max(P, Q) + min(P, Q) / chunks``, a perfect pipeline of the two;
-* ``bitwise``: the streamed output equals the batch-ready one bit for bit.
+* ``bitwise``: the streamed output equals the batch-ready one bit for bit;
+* ``entry_check_us``: the host time of the check every call makes at its entry to fail closed
+  (``MoELayer.raise_if_failed``: one load of a pinned host word per ring, no device work), mean of
+  :data:`ENTRY_CHECK_CALLS` calls, and ``entry_check_over_batch`` its share of ``batch_ms``. A graph replay makes
+  no such check (the caller calls ``raise_if_failed`` between replays), so the device times above do not include it.
 
 Rank 0 writes the JSON (``records``, and every number as ``figures``) after each shape, so a run cut short
 keeps what it measured, and a timeline of the best streamed case (the lowest streamed / batch-ready of several
@@ -40,6 +44,8 @@ import dataclasses
 import math
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
@@ -59,6 +65,20 @@ def overlap_bound(P: float, Q: float, chunks: int) -> float:
     return max(P, Q) + min(P, Q) / chunks
 
 
+#: Calls of the entry check timed for ``entry_check_us`` (about 10 ms of host time).
+ENTRY_CHECK_CALLS = 10_000
+
+
+def entry_check_us(check: Callable[[], None], calls: int = ENTRY_CHECK_CALLS) -> float:
+    """Mean host µs per call of ``check`` (the layer's ``raise_if_failed``) over ``calls`` calls."""
+    if calls < 1:
+        raise ValueError(f"need calls >= 1, got {calls}")
+    start = time.perf_counter()
+    for _ in range(calls):
+        check()
+    return (time.perf_counter() - start) * 1e6 / calls
+
+
 def per_chunk_cost_us(streamed_ms: float, bound_ms: float, chunks: int) -> float:
     """Streaming's overhead per chunk in µs: the streamed call's time beyond the overlap bound, per chunk."""
     if chunks < 1:
@@ -76,7 +96,9 @@ def shape_record(shape: str, tokens: int, chunk: int, measured: dict) -> dict:
             "per_chunk_cost_us": per_chunk_cost_us(measured["streamed_ms"], bound, chunks),
             "streamed_over_batch": measured["streamed_ms"] / measured["batch_ms"],
             "streamed_over_bound": measured["streamed_ms"] / bound,
-            "auto_over_faster": measured["auto_ms"] / faster}
+            "auto_over_faster": measured["auto_ms"] / faster,
+            **({"entry_check_over_batch": measured["entry_check_us"] * 1e-3 / measured["batch_ms"]}
+               if "entry_check_us" in measured else {})}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -241,7 +263,8 @@ def measure_shape(shape: Shape, args) -> list[dict]:
             hidden, (x, x_sf, idx, w) = shape.inputs(n)
             common = {"ranks": runtime.world_size, "batch_ms": timed(lambda: module(hidden, streaming=False)),
                       "auto_ms": timed(lambda: module(hidden, streaming="auto")),
-                      "Q_ms": timed(lambda: layer.run(x, x_sf, idx, w, shape.w13, shape.w2))}
+                      "Q_ms": timed(lambda: layer.run(x, x_sf, idx, w, shape.w13, shape.w2)),
+                      "entry_check_us": max(runtime.allgather_object(entry_check_us(layer.raise_if_failed)))}
             batch_out = module(hidden, streaming=False)
             for kind, chunk in (("default", min(n, shape.slot)), ("best", calibration.chunk_for(n))):
                 streamed_out = shape.forward(hidden, chunk)
@@ -253,7 +276,8 @@ def measure_shape(shape: Shape, args) -> list[dict]:
                                 P_ms=timed(lambda c=chunk: producers(hidden, shape.router, c)))
                 record = shape_record(shape.name, n, chunk, measured)
                 records.append(record)
-                _say(runtime, " | ".join(_cell(record[k]) for k in RECORD_KEYS))
+                _say(runtime, " | ".join(_cell(record[k]) for k in RECORD_KEYS) +
+                     f" | entry check {record['entry_check_us']:.2f} us")
     finally:
         torch.cuda.synchronize()
         runtime.barrier()

@@ -125,3 +125,12 @@ extern "C" __global__ void ring_gather(const RingDesc* desc, unsigned char* out_
         return true;
     });
 }
+
+// Record `code` as this rank's error and abort the ring (record_error, protocol/status.cuh): the host's way to
+// stop the peers that wait in a collective call this rank will not make - one whose argument checks failed
+// here (runtime/chunkring/ring/io.py raise_abort). Its record names no peer, slot or value. Thread 0 of one block.
+extern "C" __global__ void ring_raise_abort(const RingDesc* desc, unsigned long long code) {
+    const RingDesc& d = *desc;
+    if (!check_descriptor(d)) return;
+    if (threadIdx.x == 0) record_error(d, static_cast<ErrorCode>(code), Site::kHostCheck, 0, 0, 0, 0);
+}

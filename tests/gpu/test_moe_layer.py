@@ -150,8 +150,9 @@ def test_module_with_its_own_producers(runtime, payload):
 
 
 def test_bad_input_is_refused_before_gpu_work(runtime):
-    from chunkring import ChunkringUsageError
+    from chunkring import ChunkringDeviceError, ChunkringUsageError
     from chunkring.moe.weights import Fp8Weight
+    from chunkring.ring.status import ErrorCode
 
     W, device = runtime.world_size, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=16)
@@ -179,6 +180,14 @@ def test_bad_input_is_refused_before_gpu_work(runtime):
             with pytest.raises(ChunkringUsageError) as info:
                 layer.run(**kwargs, streaming=streaming)
             assert info.value.field == field
+        # A bad tensor of a rank's own aborts the ring its peers may wait in (HOST_USAGE); a bad mode aborts
+        # nothing (every rank fails it alike). Every rank made the same bad calls, so each recorded its own.
+        torch.cuda.synchronize()
+        with pytest.raises(ChunkringDeviceError) as aborted:
+            layer.check()
+        assert aborted.value.record.code == ErrorCode.HOST_USAGE
+        layer.reset()
+        layer.check()
     finally:
         layer.destroy()
 

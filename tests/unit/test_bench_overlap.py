@@ -90,3 +90,13 @@ def test_bench_is_not_started_without_a_gpu_by_a_bad_argument(monkeypatch):
     monkeypatch.setattr("chunkring.init", lambda: pytest.fail("init before the arguments were checked"))
     with pytest.raises(SystemExit):
         bench_overlap.main(["--shapes", "nope"])
+
+
+def test_the_entry_check_is_timed_per_call_and_set_against_the_batch_call():
+    calls = []
+    assert bench_overlap.entry_check_us(lambda: calls.append(1), calls=50) > 0 and len(calls) == 50
+    with pytest.raises(ValueError):
+        bench_overlap.entry_check_us(lambda: None, calls=0)
+    record = shape_record("flash", 2048, 512, {"batch_ms": 2.0, "streamed_ms": 2.0, "auto_ms": 2.0, "P_ms": 1.0,
+                                               "Q_ms": 1.5, "entry_check_us": 0.5})
+    assert record["entry_check_us"] == 0.5 and record["entry_check_over_batch"] == pytest.approx(0.5e-3 / 2.0)

@@ -89,3 +89,19 @@ def test_memory_against_the_full_input_region():
     assert layout.full_input_bytes(1024) < layout.total_bytes < layout.full_input_bytes(1024) + 64 * 1024
     with pytest.raises(ChunkringUsageError):
         layout.full_input_bytes(-1)
+
+
+def test_the_descriptor_carries_the_failure_words_address():
+    layout = RingLayout(RingSpec(2, 2, 4, 256, PayloadFormat.BF16, 2, 8))
+    field = DESC_FIELDS.index("failure_word")
+    assert int(layout.descriptor(my_pe=0, base=0, timeout_ns=1)[field]) == 0  # default: no host word
+    address = 0x7F00_1234_5000
+    assert int(layout.descriptor(my_pe=0, base=0, timeout_ns=1, failure_word=address)[field]) == address
+    for bad in (-1, 1 << 64, 1.5, True):
+        with pytest.raises(ChunkringUsageError):
+            layout.descriptor(my_pe=0, base=0, timeout_ns=1, failure_word=bad)
+
+
+def test_the_status_region_holds_the_abort_notice():
+    layout = RingLayout(RingSpec(2, 2, 4, 256, PayloadFormat.BF16, 2, 8))
+    assert layout.regions["status"].shape[0] > max(STATUS.values())

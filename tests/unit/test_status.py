@@ -31,10 +31,12 @@ from chunkring.ring.status import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+#: Words of the status region (two lines of int64).
+STATUS_WORDS = 32
 
 
 def record(**fields):
-    words = [0] * 16
+    words = [0] * STATUS_WORDS
     for name, value in fields.items():
         words[STATUS[name]] = int(value)
     return StatusRecord.from_words(words)
@@ -77,7 +79,7 @@ def test_unknown_codes_survive():
 
 
 def input_record(**fields):
-    words = [0] * 16
+    words = [0] * STATUS_WORDS
     for name, value in fields.items():
         words[STATUS[f"input_{name}"]] = int(value)
     return InputRecord.from_words(words, pe=3)
@@ -108,7 +110,7 @@ def test_enums_mirror_the_cuda_headers():
 # ---------------------------------------------------------------- the abort word and check()'s verdict
 
 def words(**fields):
-    out = [0] * 16
+    out = [0] * STATUS_WORDS
     for name, value in fields.items():
         out[STATUS[name]] = int(value)
     return out

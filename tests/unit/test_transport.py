@@ -50,14 +50,15 @@ def test_describe_names_ranges():
     assert describe_transports(2, (D, R, D, D), "auto") == "PE 2 (transport auto): direct to PEs 0, 2-3, RMA to PE 1"
 
 
-def test_the_descriptor_carries_the_mask_last():
+def test_the_descriptor_carries_the_mask():
     spec = RingSpec(8, 2, 4, 256, PayloadFormat.FP8_E4M3, 2, 16)
     layout = RingLayout(spec)
+    mask = DESC_FIELDS.index("rma_peers")
     words = layout.descriptor(my_pe=1, base=0, timeout_ns=1, rma_peers=0xF0)
-    assert DESC_FIELDS[-1] == "rma_peers" and int(words[-1]) == 0xF0
-    assert int(layout.descriptor(my_pe=1, base=0, timeout_ns=1)[-1]) == 0  # default: every peer direct
+    assert int(words[mask]) == 0xF0
+    assert int(layout.descriptor(my_pe=1, base=0, timeout_ns=1)[mask]) == 0  # default: every peer direct
     wide = RingLayout(RingSpec(64, 1, 1, 128, PayloadFormat.BF16, 1, 64))
-    assert wide.descriptor(my_pe=0, base=0, timeout_ns=1, rma_peers=(1 << 64) - 1)[-1] == np.uint64((1 << 64) - 1)
+    assert wide.descriptor(my_pe=0, base=0, timeout_ns=1, rma_peers=(1 << 64) - 1)[mask] == np.uint64((1 << 64) - 1)
 
 
 @pytest.mark.parametrize("mask", [-1, 1 << 8, True, 1.0])

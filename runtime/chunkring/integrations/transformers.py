@@ -8,7 +8,8 @@ MoE block it knows, over one :class:`~chunkring.moe.layer.MoELayer` per distinct
   if ``norm_topk_prob``, rounded to the model's dtype; DeepSeek-V3's fp32 sigmoid scores, the
   ``e_score_correction_bias`` for the choice only, group-limited top-k (``n_group``, ``topk_group``),
   renormalised if ``norm_topk_prob``, times ``routed_scaling_factor``. Its indices and weights go to
-  :meth:`MoELayer.run` as int32 / float32 - the float32 weights are the router's values, widened exactly;
+  :meth:`MoELayer.run`, through the ``chunkring::moe_run`` operator (:func:`chunkring.moe.op.moe_run`) like any
+  torch caller's, as int32 / float32 - the float32 weights are the router's values, widened exactly;
 * the hidden states go as bfloat16 rows (bf16 payload), or quantised per 1x128 to FP8 e4m3 with float32
   scales (:func:`~chunkring.moe.producer.quantize_rows_fp8`, FP8 payload);
 * this rank's experts (``[rank * E / W, (rank + 1) * E / W)``) are read from the block's own weights
@@ -46,6 +47,7 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.moe.checkpoint import load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.layer import MoELayer
+from chunkring.moe.op import moe_run
 from chunkring.moe.producer import quantize_rows_fp8
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat
@@ -230,7 +232,9 @@ class ChunkringMoEBlock(nn.Module):
     model's router-logit recording and ``.to()`` reach them; this rank's experts (``w13``, ``w2``, in the
     layer's format, on its device) are plain attributes, not parameters or buffers, so ``model.to(dtype)``
     cannot re-cast them. ``streaming`` (True, False or "auto") is what each call passes to
-    :meth:`MoELayer.run`; set it between calls to switch.
+    :meth:`MoELayer.run`; set it between calls to switch. Each forward calls the layer through the
+    ``chunkring::moe_run`` operator, so ``torch.compile`` traces it as one op and, like every entry point, it
+    raises an error an earlier call recorded on the device (:meth:`MoELayer.raise_if_failed`).
 
     Every forward is a collective: every rank calls every block's forward the same number of times, each
     with at most ``max_tokens_per_rank`` tokens (0 is fine). Inference only: no gradients.
@@ -260,7 +264,7 @@ class ChunkringMoEBlock(nn.Module):
         x_sf = None
         if self.layer.config.payload.has_scales:
             x, x_sf = quantize_rows_fp8(x)
-        out = self.layer.run(x, x_sf, topk_idx, topk_weights, self.w13, self.w2, streaming=self.streaming)
+        out = moe_run(self.layer, x, x_sf, topk_idx, topk_weights, self.w13, self.w2, streaming=self.streaming)
         routed = out.to(dtype).reshape(shape)
         shared = self.shared_experts
         if shared is not None:

@@ -67,6 +67,10 @@ class ChunkedMoE(torch.nn.Module):
 
         Returns:
             bfloat16 [n, H].
+
+        Raises:
+            ChunkringUsageError, ChunkringDeviceError: as :meth:`MoELayer.forward` (a device error of an earlier
+                call included: the layer fails closed).
         """
         return moe_forward(self.layer, hidden, self.router_weight, self.w13, self.w2, streaming=streaming,
                            num_tokens=num_tokens)

@@ -15,7 +15,9 @@ each of ``waves`` fixed launches of expert work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +25,7 @@ import torch
 from chunkring.env import module_loading_is_eager
 from chunkring.errors import ChunkringError, ChunkringUsageError
 from chunkring.moe import handles
-from chunkring.moe.calls import CallMode, call_chunk, check_forward_args, check_run_args
+from chunkring.moe.calls import CallMode, call_chunk, check_forward_args, check_run_args, resolve_streaming
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.producer import enqueue_produce, router_logits
 from chunkring.moe.resources import LayerKernels, LayerResources
@@ -31,8 +33,10 @@ from chunkring.moe.schedule import CallSchedule
 from chunkring.moe.timeline import Timeline
 from chunkring.moe.weights import Fp8Weight
 from chunkring.partition import DEFAULT_PARTITION, SmPartition, check_partition_arg
-from chunkring.ring.io import enqueue_publish
+from chunkring.ring.failure import capturing
+from chunkring.ring.io import enqueue_publish, raise_abort
 from chunkring.ring.ring import Ring, check_identical
+from chunkring.ring.status import ErrorCode
 from chunkring.ring.transport import Transport
 
 if TYPE_CHECKING:
@@ -70,8 +74,10 @@ class MoELayer:
 
     Call with the batch already routed (today's MegaMoE contract) - :meth:`run` - or with hidden states and a
     router, so the layer's own producers route, quantise and publish - :meth:`forward`. Either call returns
-    bfloat16 [n, H] and is stream-ordered after torch's current stream; neither waits on the host. Errors
-    found on the device (timeouts, bad metadata) are raised by :meth:`check`. For a model that
+    bfloat16 [n, H] and is stream-ordered after torch's current stream; neither waits on the host. An error
+    found on the device (a timeout, a peer's abort) fails the layer closed: every later call raises it
+    (:meth:`raise_if_failed`, at each call's entry) until :meth:`reset`; :meth:`check` raises it at once,
+    masked input too. For a model that
     ``torch.compile`` traces, :func:`chunkring.moe.op.moe_forward` / ``moe_run`` make the same calls as one
     PyTorch operator each.
     """
@@ -215,13 +221,19 @@ class MoELayer:
             bfloat16 [n, H] (``out`` if given), stream-ordered after torch's current stream.
 
         Raises:
-            ChunkringUsageError: a bad argument (named), before anything is enqueued; a destroyed layer.
+            ChunkringUsageError: a bad argument (named), before any of the call is enqueued; a destroyed layer.
+                A bad argument of this rank's own (a tensor, ``chunk``) also aborts the ring its peers may wait
+                in (docs/INTEGRATION.md, "Failing closed"): every rank then needs :meth:`reset`.
+            ChunkringDeviceError: an earlier call failed on the device (:meth:`raise_if_failed`); its
+                subclasses ``ChunkringTimeoutError`` and ``ChunkringPeerAbortedError`` as :meth:`check` says.
         """
         self._check_alive()
-        mode, n = check_run_args(self.config, self.experts_per_rank, self.runtime.torch_device,
-                                 self.streaming_calibration, x, x_sf, topk_idx, topk_weights, w13, w2,
-                                 streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
-        chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
+        with self._aborting_peers_on_bad_arguments(streaming):
+            mode, n = check_run_args(self.config, self.experts_per_rank, self.runtime.torch_device,
+                                     self.streaming_calibration, x, x_sf, topk_idx, topk_weights, w13, w2,
+                                     streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
+            chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
+        self.raise_if_failed()
 
         def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
                     stream: torch.cuda.Stream) -> None:
@@ -247,13 +259,15 @@ class MoELayer:
             bfloat16 [n, H], stream-ordered after torch's current stream.
 
         Raises:
-            ChunkringUsageError: a bad argument (named), before anything is enqueued; a destroyed layer.
+            ChunkringUsageError, ChunkringDeviceError: as :meth:`run` raises them.
         """
         self._check_alive()
-        mode, n = check_forward_args(self.config, self.experts_per_rank, self.runtime.torch_device,
-                                     self.streaming_calibration, hidden, router_weight, w13, w2, streaming=streaming,
-                                     out=out, num_tokens=num_tokens, timeline=timeline)
-        chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
+        with self._aborting_peers_on_bad_arguments(streaming):
+            mode, n = check_forward_args(self.config, self.experts_per_rank, self.runtime.torch_device,
+                                         self.streaming_calibration, hidden, router_weight, w13, w2,
+                                         streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
+            chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
+        self.raise_if_failed()
         if hidden.data_ptr() % 16:
             hidden = hidden.clone()  # the fused producer loads rows in 8-byte pieces
         res = self.resources
@@ -269,6 +283,49 @@ class MoELayer:
         return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
 
     # ------------------------------------------------------------------ errors and lifetime
+
+    def raise_if_failed(self) -> None:
+        """Raise the error an earlier call recorded on the device, if one did: what :meth:`check` raises, at the
+        cost of one read of a pinned host word per ring when none did (it synchronises only when one did).
+
+        :meth:`run` and :meth:`forward` - so the operators, :class:`chunkring.ChunkedMoE` and the transformers
+        drop-in - call it at every entry: an error surfaces at the first call after the failing kernel recorded
+        it (:mod:`chunkring.ring.failure`). A CUDA graph replay runs no Python: call this between replays.
+
+        Raises:
+            ChunkringTimeoutError, ChunkringPeerAbortedError, ChunkringDeviceError: as :meth:`check`. Inside a
+                graph capture, the one the host word names (origin rank, code), without the record's details.
+        """
+        self._check_alive()
+        for mode, ring in self.rings.items():
+            try:
+                ring.raise_if_failed()
+            except ChunkringError as error:
+                error.add_note(f"(the layer's {mode.name.lower().replace('_', '-')} ring; reset() to continue)")
+                raise
+
+    @contextlib.contextmanager
+    def _aborting_peers_on_bad_arguments(self, streaming: bool | str) -> Iterator[None]:
+        """Run a call's argument checks; when one raises ``ChunkringUsageError``, abort the ring the call would
+        use (``HOST_USAGE``, :func:`chunkring.ring.io.raise_abort`) before it propagates: the peers, whose checks
+        passed, may already wait in the call for this rank, and would otherwise spin until the watchdog.
+
+        Only checks of what ranks hold apart abort - this rank's tensors, its ``chunk``. ``streaming`` is resolved
+        first, outside: ranks agree on a call's mode (each mode has its own ring), so a bad one fails every rank
+        alike before any waits, as a destroyed layer does. Nor does a check inside a graph capture abort: its
+        peers capture too, and wait in nothing yet."""
+        mode = CallMode.STREAMED if resolve_streaming(self.config, self.streaming_calibration, streaming) \
+            else CallMode.BATCH_READY
+        try:
+            yield
+        except ChunkringUsageError as error:
+            if not capturing():
+                try:
+                    raise_abort(self.rings[mode], ErrorCode.HOST_USAGE)
+                except Exception as failed:  # the usage error is the one to report; say why peers may wait
+                    error.add_note(f"the ring's abort could not be raised ({failed!r}): peers may wait until the "
+                                   "watchdog")
+            raise
 
     def check(self) -> None:
         """Raise the first error a call recorded on the device (synchronises the device).

@@ -153,6 +153,8 @@ def moe_forward(layer: MoELayer, hidden: torch.Tensor, router_weight: torch.Tens
     Raises:
         ChunkringUsageError: what the method raises, checked when the call runs (the fake implementation reads
             shapes only).
+        ChunkringDeviceError: an earlier call failed on the device (:meth:`MoELayer.raise_if_failed`, which the
+            method calls at its entry; a graph replay of a captured call does not).
     """
     w13_data, w13_scale = _split(w13)
     w2_data, w2_scale = _split(w2)
@@ -176,7 +178,7 @@ def moe_run(layer: MoELayer, x: torch.Tensor, x_sf: torch.Tensor | None, topk_id
         bfloat16 [n, H], a new tensor.
 
     Raises:
-        ChunkringUsageError: what the method raises, checked when the call runs.
+        ChunkringUsageError, ChunkringDeviceError: as :func:`moe_forward`.
     """
     w13_data, w13_scale = _split(w13)
     w2_data, w2_scale = _split(w2)

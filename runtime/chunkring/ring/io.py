@@ -14,6 +14,7 @@ import torch
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+from chunkring.ring.status import ErrorCode
 from chunkring.ring.transport import Transport
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from chunkring.runtime import Runtime
 
 __all__ = ["FREE_BARRIER_S", "publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit",
-           "GatherOutputs", "kernel_library"]
+           "GatherOutputs", "kernel_library", "raise_abort"]
 
 _GATHER_BLOCK = 512
 
@@ -271,3 +272,15 @@ def gather_grid_limit(ring: Ring, sms: int) -> int:
     if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
         raise ChunkringUsageError(f"must be a positive int, got {sms!r}", field="sms")
     return sms * kernel_library(ring.runtime).resident_blocks_per_sm("ring_gather", _GATHER_BLOCK)
+
+
+def raise_abort(ring: Ring, code: ErrorCode, *, stream: torch.cuda.Stream | None = None) -> None:
+    """Record ``code`` as this rank's error in ``ring`` and abort the ring at every rank, from the host: one
+    one-thread kernel (``ring_raise_abort``) on ``stream`` (default: the current one), so after the work enqueued
+    there before it. Peers waiting in the ring stop within microseconds with ``ChunkringPeerAbortedError`` naming
+    this rank; this rank's next call raises ``ChunkringDeviceError``. Every rank then needs ``ring.reset()``.
+
+    For a collective call this rank will not make while its peers may already wait in it: one whose argument
+    checks failed here (``ErrorCode.HOST_USAGE``, :meth:`chunkring.MoELayer.run`)."""
+    ring.check_alive()
+    kernel_library(ring.runtime).launch("ring_raise_abort", desc=ring.desc, code=int(code), block=32, stream=stream)

@@ -22,8 +22,9 @@ region                    shape, dtype                    written by → read by
 ``consumed``              [S] int64                       owner's producer → owner (host, diagnostics)
 ``cursor``                [W'] int64                      this rank's consumer (next seq per source)
 ``control``               [16] int64                      epoch (host reset), producer's next seq
-``status``                [16] int64                      first error seen by this rank's kernels, first masked input;
-                                                          the abort word (any rank's first error, remote CAS)
+``status``                [32] int64                      first error seen by this rank's kernels, first masked input;
+                                                          the abort word (any rank's first error, remote CAS) and
+                                                          the abort notice (any rank's error, non-fetching set)
 ========================  ==============================  =============================================
 
 ``meta`` per slot: ``[token_base, num_tokens, flags, reserved]``; flags bit 0 = end of stream.
@@ -45,7 +46,7 @@ if TYPE_CHECKING:  # the layout itself is host arithmetic; only views() touches 
 __all__ = ["RingLayout", "Region", "DESC_FIELDS", "LAYOUT_VERSION", "CONTROL", "STATUS", "META"]
 
 #: Bumped whenever a region or a descriptor field changes; the device refuses other versions.
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 LINE = 128
 WORD = 8
 
@@ -54,7 +55,7 @@ CONTROL = {"epoch": 0, "next_seq": 1}
 #: Index of each word of the ``status`` region (see device/include/chunkring/protocol/status.cuh).
 STATUS = {"code": 0, "pe": 1, "peer": 2, "slot": 3, "expected": 4, "observed": 5, "site": 6, "count": 7,
           "input_field": 8, "input_source": 9, "input_slot": 10, "input_row": 11, "input_column": 12,
-          "input_value": 13, "input_count": 14, "abort": 15}
+          "input_value": 13, "input_count": 14, "abort": 15, "abort_notice": 16}
 #: Index of each word of a slot's ``meta`` row.
 META = {"token_base": 0, "num_tokens": 1, "flags": 2}
 META_EOS = 1
@@ -66,6 +67,7 @@ DESC_FIELDS = (
     "off_x", "off_x_sf", "off_topk_idx", "off_topk_weights", "off_meta", "off_route_ready",
     "off_layout_ready", "off_ack", "off_consumed", "off_cursor", "off_control", "off_status",
     "x_row_bytes", "x_sf_row_floats", "ready_row_words", "ack_slot_words", "total_bytes", "rma_peers",
+    "failure_word",
 )
 
 
@@ -115,7 +117,7 @@ class RingLayout:
             ("consumed", (S,), "int64"),
             ("cursor", (_round_up(W, LINE // WORD),), "int64"),
             ("control", (LINE // WORD,), "int64"),
-            ("status", (LINE // WORD,), "int64"),
+            ("status", (2 * LINE // WORD,), "int64"),
         ]
         self.regions: dict[str, Region] = {}
         offset = 0
@@ -154,14 +156,19 @@ class RingLayout:
             out[name] = raw.view(getattr(torch, region.dtype)).view(region.shape)
         return out
 
-    def descriptor(self, *, my_pe: int, base: int, timeout_ns: int, rma_peers: int = 0) -> np.ndarray:
+    def descriptor(self, *, my_pe: int, base: int, timeout_ns: int, rma_peers: int = 0,
+                   failure_word: int = 0) -> np.ndarray:
         """The device descriptor as a uint64 array in ``DESC_FIELDS`` order. ``rma_peers``: bit ``pe`` set
-        when this rank reaches ``pe``'s buffers by NVSHMEM RMA (:mod:`chunkring.ring.transport`)."""
+        when this rank reaches ``pe``'s buffers by NVSHMEM RMA (:mod:`chunkring.ring.transport`).
+        ``failure_word``: the device address of the pinned host word the first recorded error is copied into
+        (:mod:`chunkring.ring.failure`), 0 for none."""
         spec = self.spec
         if not 0 <= my_pe < spec.world_size:
             raise ChunkringUsageError(f"PE {my_pe} outside world of {spec.world_size}", field="my_pe")
         if isinstance(rma_peers, bool) or not isinstance(rma_peers, int) or not 0 <= rma_peers < 1 << spec.world_size:
             raise ChunkringUsageError(f"not a mask of {spec.world_size} PEs: {rma_peers!r}", field="rma_peers")
+        if isinstance(failure_word, bool) or not isinstance(failure_word, int) or not 0 <= failure_word < 1 << 64:
+            raise ChunkringUsageError(f"not a device address: {failure_word!r}", field="failure_word")
         values = {
             "layout_version": LAYOUT_VERSION,
             "desc_bytes": WORD * len(DESC_FIELDS),
@@ -183,6 +190,7 @@ class RingLayout:
             "ack_slot_words": self.ack_slot_words,
             "total_bytes": self.total_bytes,
             "rma_peers": rma_peers,
+            "failure_word": failure_word,
         }
         assert set(values) == set(DESC_FIELDS), set(values) ^ set(DESC_FIELDS)
         return np.array([values[name] for name in DESC_FIELDS], dtype=np.uint64)

@@ -14,6 +14,7 @@ import torch
 
 from chunkring.env import check_timeout_s, check_work_queues, watchdog_timeout_s
 from chunkring.errors import ChunkringInputError, ChunkringRuntimeError, ChunkringUsageError
+from chunkring.ring.failure import FailureWord, raise_recorded_failure
 from chunkring.ring.layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
 from chunkring.ring.spec import RingSpec
 from chunkring.ring.status import AbortRecord, InputRecord, StatusRecord, describe_words, status_error
@@ -35,7 +36,8 @@ class Ring:
     [S, T, H], ``x_sf`` [S, T, H/128] fp32, ``topk_idx`` [S, T, K] int32, ``topk_weights`` [S, T, K] fp32,
     ``meta`` [S, 4] int64, ...), ``desc`` (the device descriptor, a uint64 tensor viewed as int64),
     ``transports`` (per PE: :class:`~chunkring.ring.transport.Transport`, how this rank's kernels reach
-    that PE's slots), ``transport_mode``.
+    that PE's slots), ``transport_mode``, ``failure`` (the pinned host word this rank's kernels copy their first
+    recorded error into: :class:`~chunkring.ring.failure.FailureWord`, read by :meth:`raise_if_failed`).
 
     ``transport``: ``"auto"`` (loads and stores where NVSHMEM maps a peer, RMA elsewhere) or ``"rma"``
     (RMA for every peer, this rank included); ``None`` reads ``CHUNKRING_TRANSPORT`` (default auto).
@@ -61,8 +63,9 @@ class Ring:
         self.transports: tuple[Transport, ...] = choose_transports(
             lambda pe: runtime.peer_address(self.buffer, pe), spec.world_size, self.transport_mode)
         log.info("chunkring Ring: %s", self.describe_transport())
+        self.failure = FailureWord.pinned()
         desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(), timeout_ns=int(timeout_s * 1e9),
-                                      rma_peers=rma_mask(self.transports))
+                                      rma_peers=rma_mask(self.transports), failure_word=self.failure.device_address)
         self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
         self._destroyed = False
         self.reset()
@@ -87,8 +90,8 @@ class Ring:
         return int(self.views["control"][CONTROL["epoch"]].item())
 
     def reset(self) -> None:
-        """Start a new epoch: zero every generation, ack, cursor and status word (the abort word too), and
-        bump the epoch.
+        """Start a new epoch: zero every generation, ack, cursor and status word (the abort word and notice too)
+        and the failure word, and bump the epoch.
 
         A collective, between kernels. Any signal or ack still in flight from the previous epoch (an
         aborted run) carries the old epoch and can never satisfy a wait of the new one. Every rank must be
@@ -104,6 +107,7 @@ class Ring:
             raise ChunkringRuntimeError(f"epoch field exhausted after {epoch - 1} resets; allocate a new Ring")
         for name in ("route_ready", "layout_ready", "ack", "consumed", "cursor", "control", "status", "meta"):
             self.views[name].zero_()
+        self.failure.clear()  # no kernel of the old epoch runs (synchronised above) to write it again
         self.views["control"][CONTROL["epoch"]] = epoch
         torch.cuda.synchronize(self.runtime.torch_device)
         self.runtime.barrier()  # nobody publishes into the new epoch before everyone has zeroed
@@ -128,9 +132,11 @@ class Ring:
 
     def abort_status(self) -> AbortRecord:
         """This rank's abort word: which rank of the ring failed first in this epoch, with which error, if
-        any did (synchronises the device)."""
+        any did - or where no abort word landed, the abort notice a failed rank sent before it (synchronises the
+        device)."""
         self.check_alive()
-        return AbortRecord.from_word(int(self.views["status"][STATUS["abort"]].item()))
+        words = self.views["status"]
+        return AbortRecord.from_word(int(words[STATUS["abort"]].item()) or int(words[STATUS["abort_notice"]].item()))
 
     def check(self) -> None:
         """Raise if any kernel of this rank recorded an error: ``ChunkringTimeoutError`` for a watchdog,
@@ -148,6 +154,18 @@ class Ring:
             if not isinstance(error, ChunkringInputError):
                 error.add_note(f"PE {self.runtime.rank}'s protocol words:\n{self.protocol_words()}")
             raise error
+
+    def raise_if_failed(self) -> None:
+        """Raise what :meth:`check` raises if a kernel of this rank recorded an error (a watchdog, a protocol
+        error, a peer's abort), at the cost of reading one pinned host word: it synchronises the device only
+        when that word is set. Inside a graph capture, where nothing may synchronise, it raises the error the
+        word alone names (origin rank, code, epoch). Masked input (``ChunkringInputError``) sets no word: it
+        stays :meth:`check`'s. An error surfaces here once the failing kernel has recorded it
+        (:mod:`chunkring.ring.failure`)."""
+        self.check_alive()
+        device = self.runtime.torch_device
+        raise_recorded_failure(self.failure.read(), rank=self.runtime.rank, check=self.check,
+                               synchronize=lambda: torch.cuda.synchronize(device))
 
     def protocol_words(self) -> str:
         """This rank's protocol words as text (:func:`chunkring.ring.status.describe_words`): what a failed wait

@@ -18,7 +18,7 @@ from chunkring.errors import (
 from chunkring.ring.layout import CONTROL, STATUS
 
 __all__ = ["AbortRecord", "ErrorCode", "InputField", "InputRecord", "Site", "StatusRecord", "describe_words",
-           "status_error"]
+           "failure_error", "status_error"]
 
 
 class ErrorCode(enum.IntEnum):
@@ -37,6 +37,7 @@ class ErrorCode(enum.IntEnum):
     BAD_METADATA = 10  # retired: malformed metadata is masked and reported as an InputRecord
     PEER_ABORTED = 11  # a wait stopped because a rank of the ring recorded an error (the abort word names it)
     INTERNAL = 12  # an invariant of this rank's own kernels failed (incremental expert blocks)
+    HOST_USAGE = 13  # a collective call failed its host-side argument checks on this rank (io.raise_abort)
 
 
 class InputField(enum.IntEnum):
@@ -74,6 +75,7 @@ class Site(enum.IntEnum):
     WAIT_BLOCKS = 9
     WAIT_ALLOCATION = 10
     BLOCKS = 11
+    HOST_CHECK = 12
 
 
 _WHAT: dict[int, str] = {
@@ -88,6 +90,7 @@ _WHAT: dict[int, str] = {
     Site.WAIT_BLOCKS: "a wave's claim waiting for sealed expert blocks",
     Site.WAIT_ALLOCATION: "a pull lane waiting for the allocation of expert {slot}'s block",
     Site.BLOCKS: "checking incremental expert block {slot}",
+    Site.HOST_CHECK: "checking a collective call's arguments on the host (ChunkringUsageError raised there)",
 }
 
 
@@ -141,6 +144,8 @@ class StatusRecord:
         values = f"expected {_gen(self.expected, epoch_bits)}, observed {_gen(self.observed, epoch_bits)}"
         if self.site == Site.WAIT_PUSHED:  # the one wait on a count: of combine-push blocks arrived
             values = f"expected {self.expected} blocks, observed {self.observed}"
+        if self.site == Site.HOST_CHECK:  # recorded for the host: no wait, no value
+            values = "the peers waiting in that call were aborted; reset() to continue"
         return f"PE {self.pe}: {code} while {where}: {values} ({self.count} error(s) recorded)"
 
 
@@ -244,7 +249,8 @@ def status_error(words: Iterable[int], *, rank: int, epoch_bits: int = 16) -> Ch
     saw it; then the first masked input - ``ChunkringInputError``."""
     w = _unsigned(words)
     record, masked = StatusRecord.from_words(w), InputRecord.from_words(w, rank)
-    abort = AbortRecord.from_word(w[STATUS["abort"]])
+    # The abort word holds the epoch's first error; the notice stands in where no swap landed (status.cuh).
+    abort = AbortRecord.from_word(w[STATUS["abort"]] or w[STATUS["abort_notice"]])
     also = f"; also {masked.describe()}" if not masked.ok else ""
     if not record.ok and record.code != ErrorCode.PEER_ABORTED:  # this rank failed
         if abort.raised and abort.origin != rank:
@@ -260,6 +266,24 @@ def status_error(words: Iterable[int], *, rank: int, epoch_bits: int = 16) -> Ch
     if not masked.ok:
         return ChunkringInputError(masked.describe(), masked)
     return None
+
+
+def failure_error(word: int, *, rank: int) -> ChunkringDeviceError:
+    """The error a rank's failure word stands for (the pinned host word its kernels copy their first recorded
+    error into, :mod:`chunkring.ring.failure`: an abort word naming the origin rank, code and epoch), without the
+    status record: for where the record cannot be read (a stream being captured cannot synchronise). Its
+    origin is this rank: ``ChunkringTimeoutError`` for a watchdog, else ``ChunkringDeviceError``; another
+    rank: ``ChunkringPeerAbortedError`` naming it."""
+    seen = AbortRecord.from_word(word)
+    if not seen.raised:
+        raise ChunkringUsageError("the failure word is 0: no error was recorded", field="word")
+    details = "check() outside a graph capture reads the whole record; reset() to continue"
+    if seen.origin != rank:
+        return ChunkringPeerAbortedError(f"PE {rank}: {seen.describe()}; this rank did not fail itself ({details})",
+                                         seen, origin_rank=seen.origin, code=seen.code, epoch=seen.epoch)
+    code = seen.code.name if isinstance(seen.code, ErrorCode) else seen.code
+    kind = ChunkringTimeoutError if seen.code == ErrorCode.TIMEOUT else ChunkringDeviceError
+    return kind(f"PE {rank}: {code} recorded by this rank's kernels (epoch {seen.epoch}; {details})", seen)
 
 
 def describe_words(words: dict[str, list], *, num_slots: int, world_size: int, epoch_bits: int = 16,

@@ -35,6 +35,12 @@ __device__ __forceinline__ u64 atomic_swap_relaxed(u64* word, u64 value, int pe)
     return nvshmem_uint64_atomic_swap(word, value, pe);
 }
 
+// Relaxed remote atomic store of `value` into `word` on `pe`, non-fetching: issued, not awaited (complete
+// at `pe` after a quiet()). NOTES: orders nothing; a release needs a fence first.
+__device__ __forceinline__ void atomic_set_relaxed(u64* word, u64 value, int pe) {
+    nvshmem_uint64_atomic_set(word, value, pe);
+}
+
 // Relaxed remote compare-and-swap: stores `value` into `word` on `pe` if it holds `compare`; returns what
 // it held (fetching: complete at `pe` when it returns). NOTES: orders nothing; a release needs a fence first.
 __device__ __forceinline__ u64 atomic_cas_relaxed(u64* word, u64 compare, u64 value, int pe) {

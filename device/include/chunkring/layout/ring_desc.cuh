@@ -9,7 +9,7 @@ namespace chunkring::layout {
 
 using u64 = ::cuda::std::uint64_t;
 
-constexpr u64 kRingLayoutVersion = 3;  // == runtime/chunkring/ring/layout.py LAYOUT_VERSION
+constexpr u64 kRingLayoutVersion = 4;  // == runtime/chunkring/ring/layout.py LAYOUT_VERSION
 
 struct RingDesc {
     u64 layout_version;   // kRingLayoutVersion
@@ -43,8 +43,10 @@ struct RingDesc {
     u64 ack_slot_words;
     u64 total_bytes;
     u64 rma_peers;        // bit pe set: read pe's slots and write its combine rows by NVSHMEM RMA, not loads/stores
+    u64 failure_word;     // a mapped pinned host word the first recorded error is copied into (0: none), so the host
+                          // learns of it without synchronising (protocol/status.cuh record_error)
 };
-static_assert(sizeof(RingDesc) == 31 * sizeof(u64), "RingDesc must match runtime/chunkring/ring/layout.py DESC_FIELDS");
+static_assert(sizeof(RingDesc) == 32 * sizeof(u64), "RingDesc must match runtime/chunkring/ring/layout.py DESC_FIELDS");
 
 // Word indices inside the control, status and meta regions (runtime/chunkring/ring/layout.py CONTROL, STATUS, META).
 enum ControlWord : u64 { kControlEpoch = 0, kControlNextSeq = 1 };
@@ -58,6 +60,9 @@ enum StatusWord : u64 {
     // The abort word: the first error any rank of this ring recorded in the epoch, written by that rank
     // into every rank's word (protocol/status.cuh raise_abort); 0 while none has.
     kStatusAbort = 15,
+    // The abort notice: any rank's error, sent without waiting for delivery before the abort word's fetching
+    // compare-and-swaps, so a peer stuck behind an unreachable one still stops (raise_abort); 0 while none has.
+    kStatusAbortNotice = 16,
 };
 enum MetaWord : u64 { kMetaTokenBase = 0, kMetaNumTokens = 1, kMetaFlags = 2, kMetaWords = 4 };
 constexpr u64 kMetaEndOfStream = 1;

@@ -3,9 +3,12 @@
 // kernel then returns instead of trapping, so the host can read the record and raise
 // (runtime/chunkring/ring/status.py) and the CUDA context stays usable. Every spin-wait also stops once its rank
 // has an error, so one failure ends the whole kernel quickly - and, through the abort word every rank
-// of the ring holds, every peer's kernels too (raise_abort, spin_until).
+// of the ring holds, every peer's kernels too (raise_abort, spin_until). The error is also copied into a
+// pinned host word (RingDesc::failure_word), which the host reads at each call's entry without
+// synchronising (runtime/chunkring/ring/failure.py), so a later call raises instead of returning zeros.
 #pragma once
 
+#include "chunkring/comm/rma.cuh"
 #include "chunkring/comm/signal.cuh"
 #include "chunkring/layout/ring_desc.cuh"
 #include "chunkring/ptx/ordering.cuh"
@@ -29,6 +32,7 @@ enum class ErrorCode : unsigned long long {
     kBadMetadata = 10,     // retired: malformed slot metadata is now masked and reported (validate.cuh)
     kPeerAborted = 11,     // a wait stopped because a rank of the ring recorded an error (the abort word names it)
     kInternal = 12,        // an invariant of this rank's own kernels failed (incremental blocks: moe/blocks.cuh)
+    kHostUsage = 13,       // a collective call failed its host-side argument checks on this rank (ring_raise_abort)
 };
 
 // Where a wait or check happened; append-only, mirrored by runtime/chunkring/ring/status.py Site.
@@ -38,6 +42,7 @@ enum class Site : unsigned long long {
     kWaitBlocks = 9,      // a wave's claim waiting for sealed expert blocks (values: sealed block counts)
     kWaitAllocation = 10, // a pull lane waiting for another lane's allocation of its expert block (slot: expert)
     kBlocks = 11,         // an incremental-block invariant checked (slot: pool block; values: row counts)
+    kHostCheck = 12,      // the host's argument checks of a collective call (no peer, slot or values)
 };
 
 // The abort word (status word kStatusAbort): [63:16] the epoch, [15:8] the rank that failed, [7:0] its
@@ -71,24 +76,40 @@ __device__ __forceinline__ bool claim_first_record(const RingDesc& d, layout::St
     return atomicCAS(reinterpret_cast<unsigned long long*>(layout::status_word(d, code_word)), 0ull, code) == 0ull;
 }
 
-// This rank's abort word: non-zero once some rank of the ring (this one included) recorded an error.
-// NOTES: relaxed, local - peers write it with a remote atomic; a wait needs only to see it eventually,
-// and reads nothing of the failed rank because of it.
+// This rank's abort word, or where none has landed its abort notice: non-zero once some rank of the ring
+// (this one included) recorded an error. The word is preferred because it holds the epoch's first error
+// (raise_abort). NOTES: relaxed, local - peers write both with remote atomics; a wait needs only to see
+// one eventually, and reads nothing of the failed rank because of it.
 __device__ __forceinline__ u64 abort_word(const RingDesc& d) {
-    return ptx::ld_relaxed_sys(layout::status_word(d, layout::kStatusAbort));
+    const u64 first = ptx::ld_relaxed_sys(layout::status_word(d, layout::kStatusAbort));
+    return first != 0 ? first : ptx::ld_relaxed_sys(layout::status_word(d, layout::kStatusAbortNotice));
 }
 
-// Tell every rank of the ring, this one too, that this rank failed: one compare-and-swap from 0 into each
-// rank's abort word, so at every rank the first error of the epoch wins. NOTES: relaxed, no fence - an
-// abort carries no payload (a peer only stops waiting; it reads nothing of ours because of it), so eventual
-// visibility is all it needs. The swap is fetching, so it has landed at every rank before this returns,
-// hence before the kernel ends and before any reset can zero the words (docs/PROTOCOL.md).
-__device__ __noinline__ void raise_abort(const RingDesc& d, ErrorCode code) {
-    // NOTES: relaxed - the host wrote the epoch in the reset, stream-ordered before this kernel began.
-    const u64 epoch = ptx::ld_relaxed_sys(layout::control_word(d, layout::kControlEpoch));
-    const u64 word = make_abort(epoch, d.my_pe, code);
-    for (u64 pe = 0; pe < d.world_size; ++pe)
-        comm::atomic_cas_relaxed(layout::status_word(d, layout::kStatusAbort), 0, word, static_cast<int>(pe));
+// Tell every rank of the ring, this one too, that this rank failed (`word`: make_abort's), in two passes
+// that each visit every rank:
+//  1. the notice: a non-fetching atomic set into each rank's notice word. Issued, not awaited, so a rank
+//     that never answers (a fetching operation to it would never return) holds back no later rank.
+//  2. the abort word: a fetching compare-and-swap from 0 into each rank's, so at every rank the first error
+//     of the epoch wins. Each waits for its rank's reply: a rank after an unreachable one may never get its
+//     swap, but the notice of pass 1 already stops its waits (abort_word falls back to it).
+// Then a quiet: every notice has landed before the kernel ends, hence before a reset can zero the words
+// (the swaps are fetching, so they landed on return). NOTES: relaxed, no fence - an abort carries no
+// payload (a peer only stops waiting; it reads nothing of ours because of it), so eventual visibility is
+// all it needs (docs/PROTOCOL.md).
+__device__ __noinline__ void raise_abort(const RingDesc& d, u64 word) {
+    u64* notice = layout::status_word(d, layout::kStatusAbortNotice);
+    u64* first = layout::status_word(d, layout::kStatusAbort);
+    for (u64 pe = 0; pe < d.world_size; ++pe) comm::atomic_set_relaxed(notice, word, static_cast<int>(pe));
+    for (u64 pe = 0; pe < d.world_size; ++pe) comm::atomic_cas_relaxed(first, 0, word, static_cast<int>(pe));
+    comm::quiet();
+}
+
+// Copy a recorded error (`word`: an abort word naming its origin, code and epoch) into this rank's pinned host
+// word, which the host reads at every call's entry (runtime/chunkring/ring/failure.py). NOTES: relaxed,
+// system scope - the reader is the CPU, and it reads the word only to decide to synchronise: the record
+// itself it reads after a device synchronisation, which orders everything this kernel wrote.
+__device__ __forceinline__ void report_to_host(const RingDesc& d, u64 word) {
+    if (d.failure_word != 0) ptx::st_relaxed_sys(reinterpret_cast<u64*>(d.failure_word), word);
 }
 
 __device__ __noinline__ void record_error(const RingDesc& d, ErrorCode code, Site site, u64 peer, u64 slot,
@@ -104,9 +125,20 @@ __device__ __noinline__ void record_error(const RingDesc& d, ErrorCode code, Sit
     *status_word(d, kStatusSite) = static_cast<u64>(site);
     printf("chunkring: PE %llu error %llu at site %llu: peer %llu slot %llu expected 0x%llx observed 0x%llx\n",
            d.my_pe, code_value, static_cast<u64>(site), peer, slot, expected, observed);
-    // A peer's abort is not re-raised (its origin told every rank already); a descriptor this device does not
-    // understand names no peer list to trust.
-    if (code != ErrorCode::kPeerAborted && code != ErrorCode::kBadDescriptor) raise_abort(d, code);
+    // A descriptor this device does not understand names no host word or peer list to trust: the host finds
+    // it only by check().
+    if (code == ErrorCode::kBadDescriptor) return;
+    // A peer's abort is reported as the abort word that stopped the wait (it names the origin), and not
+    // re-raised: its origin told every rank already.
+    if (code == ErrorCode::kPeerAborted) {
+        report_to_host(d, observed);
+        return;
+    }
+    // NOTES: relaxed - the host wrote the epoch in the reset, stream-ordered before this kernel began.
+    const u64 epoch = ptx::ld_relaxed_sys(layout::control_word(d, layout::kControlEpoch));
+    const u64 word = make_abort(epoch, d.my_pe, code);
+    report_to_host(d, word);  // first: the host learns even if an abort below waits on an unreachable rank
+    raise_abort(d, word);
 }
 
 __device__ __forceinline__ bool check_descriptor(const RingDesc& d) {
@@ -131,8 +163,9 @@ __device__ __forceinline__ bool spin_until(const RingDesc& d, Site site, u64 pee
         if (verdict != 0) return verdict > 0;
         if ((round & 63u) == 63u) {
             if (has_error(d)) return false;
-            // Every 64th poll, with the error word and the timer: one more local load per 64 keeps the
-            // poll loop's traffic what it was, and still stops within microseconds of a peer's abort.
+            // Every 64th poll, with the error word and the timer: two more local loads per 64 (the abort word
+            // and, while it is 0, the notice) keep the poll loop's traffic what it was, and still stop within
+            // microseconds of a peer's abort.
             if (const u64 abort = abort_word(d)) {
                 record_error(d, ErrorCode::kPeerAborted, site, peer, slot, expected, abort);
                 return false;

@@ -1,0 +1,271 @@
+"""A layer fails closed (issue 30), shown on the CPU with a real :class:`MoELayer` over host-only rings:
+
+* once a ring's kernels recorded an error - here written as ``record_error`` writes it on the device: the status
+  record, and the abort word of the error into the ring's pinned failure word - the next call of every entry
+  point raises the typed error ``check()`` raises (the rank, the cause; the origin rank for a peer's abort),
+  before anything of the call is enqueued: ``MoELayer.run`` and ``forward``, the ``chunkring::moe_run`` and
+  ``chunkring::moe_forward`` operators, ``ChunkedMoE`` and the transformers drop-in; after a reset calls go on;
+* the drop-in reaches the layer through the ``chunkring::moe_run`` operator (the operator's look-up of the
+  layer's handle sees every call);
+* a bad argument of this rank's own in a collective call aborts the ring that call would wait in (one
+  ``ring_raise_abort`` launch with ``HOST_USAGE``), then raises the usage error; a bad ``streaming`` mode, a
+  destroyed layer and a check inside a graph capture abort nothing.
+
+What the host-only rings stand in for: the ring's buffer and kernels. Their ``check()`` and ``raise_if_failed()``
+are :class:`chunkring.Ring`'s, through the same public functions (:func:`status_error`,
+:func:`raise_recorded_failure`), with a counter for the device synchronisation. tests/gpu/test_fail_closed.py
+records the errors on a GPU instead.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import chunkring.moe.layer
+import chunkring.moe.op
+import chunkring.ring.io
+from chunkring import ChunkedMoE, MoEConfig, MoELayer, PayloadFormat
+from chunkring.errors import ChunkringPeerAbortedError, ChunkringTimeoutError, ChunkringUsageError
+from chunkring.moe.calls import CallMode
+from chunkring.moe.op import moe_forward, moe_run
+from chunkring.ring.failure import FailureWord, raise_recorded_failure
+from chunkring.ring.layout import DESC_FIELDS, STATUS
+from chunkring.ring.status import AbortRecord, ErrorCode, Site, status_error
+
+H, INTER, E, K, N = 256, 128, 8, 2, 16
+EPOCH = 3
+
+
+class HostRing:
+    """A ring's host side without its buffer: the status words and failure word its kernels would write."""
+
+    def __init__(self, runtime: SimpleNamespace) -> None:
+        self.runtime = runtime
+        self.status = [0] * 32
+        self.failure = FailureWord(torch.zeros(1, dtype=torch.int64))
+        self.desc = torch.zeros(len(DESC_FIELDS), dtype=torch.int64)
+        self.synchronized = 0
+
+    def record(self, code: ErrorCode, site: Site, *, peer: int = 0, abort: int = 0) -> None:
+        """What record_error leaves: the record, and in the failure word this rank's abort word (or, for a
+        wait a peer's abort stopped, that abort word)."""
+        rank = self.runtime.rank
+        fields = dict(code=int(code), pe=rank, count=1, site=int(site), peer=peer, observed=abort)
+        for name, value in fields.items():
+            self.status[STATUS[name]] = value
+        word = abort if code == ErrorCode.PEER_ABORTED else AbortRecord.make(EPOCH, rank, code).word
+        self.status[STATUS["abort"]] = word
+        self.failure.host[0] = word - (1 << 64) if word >> 63 else word
+
+    def reset(self) -> None:
+        self.status = [0] * 32
+        self.failure.clear()
+
+    def check_alive(self) -> None:
+        pass
+
+    def describe_transport(self) -> str:
+        return "host-only"
+
+    def check(self) -> None:
+        error = status_error(self.status, rank=self.runtime.rank)
+        if error is not None:
+            raise error
+
+    def raise_if_failed(self) -> None:
+        raise_recorded_failure(self.failure.read(), rank=self.runtime.rank, check=self.check,
+                               synchronize=self.synchronize)
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+class Launches:
+    """The kernels launched through chunkring.ring.io's library seam."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def launch(self, name: str, /, *, grid: object = 1, block: object = 128, stream: object = None,
+               shared_bytes: object = 0, **args: object) -> None:
+        self.calls.append((name, args))
+
+
+def config(streaming: bool = True) -> MoEConfig:
+    ring = dict(front_num_slots=2, front_tokens_per_slot=8) if streaming else {}
+    return MoEConfig(num_experts=E, hidden=H, intermediate=INTER, topk=K, max_tokens_per_rank=N,
+                     payload=PayloadFormat.BF16, **ring)
+
+
+@pytest.fixture
+def launches(monkeypatch) -> Launches:
+    recorded = Launches()
+    monkeypatch.setattr(chunkring.ring.io, "kernel_library", lambda runtime: recorded)
+    return recorded
+
+
+def host_layer(monkeypatch, cfg: MoEConfig, *, rank: int = 0) -> MoELayer:
+    """A real MoELayer over host-only rings (one per call mode of ``cfg``), its schedule replaced by one that
+    counts the calls it is handed (``layer.schedule.calls``) and returns zeros."""
+    runtime = SimpleNamespace(rank=rank, world_size=1, torch_device=torch.device("cpu"), gpu_ranks=1,
+                              allgather_object=lambda value: [value])
+    modes = (CallMode.BATCH_READY, CallMode.STREAMED) if cfg.streaming else (CallMode.BATCH_READY,)
+    rings = {mode: HostRing(runtime) for mode in modes}
+    resources = SimpleNamespace(rings=rings, experts_per_rank=E, first_expert=0, transports=(), free=lambda: None,
+                                kernels=None, produce_arrivals=dict.fromkeys(modes),
+                                produce_max_blocks=dict.fromkeys(modes))
+    monkeypatch.setattr(chunkring.moe.layer, "LayerResources", lambda *args, **kwargs: resources)
+    monkeypatch.setattr(chunkring.moe.layer, "module_loading_is_eager", lambda: True)
+    layer = MoELayer(runtime, cfg)
+    schedule = SimpleNamespace(calls=0)
+
+    def enqueue(mode, n, *args, **kwargs):
+        schedule.calls += 1
+        return torch.zeros(n, H, dtype=torch.bfloat16)
+
+    schedule.enqueue = enqueue
+    layer.schedule = schedule
+    return layer
+
+
+def weights(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    router = torch.randn(E, H, generator=gen).to(torch.bfloat16)
+    w13 = torch.randn(E, 2 * INTER, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(E, H, INTER, generator=gen).to(torch.bfloat16)
+    return router, w13, w2
+
+
+def routed(gen: torch.Generator, n: int = 5) -> dict:
+    return dict(x=torch.randn(n, H, generator=gen).to(torch.bfloat16), x_sf=None,
+                topk_idx=torch.randint(0, E, (n, K), generator=gen, dtype=torch.int32),
+                topk_weights=torch.rand(n, K, generator=gen))
+
+
+def entry_points(layer: MoELayer) -> dict:
+    """Each entry point as a call of one batch on ``layer``."""
+    gen = torch.Generator().manual_seed(0)
+    router, w13, w2 = weights(gen)
+    batch, hidden = routed(gen), torch.randn(5, H, generator=gen).to(torch.bfloat16)
+    module = ChunkedMoE(layer, weights=(router, w13, w2))
+    return {
+        "run": lambda: layer.run(**batch, w13=w13, w2=w2),
+        "forward": lambda: layer.forward(hidden, router, w13, w2, streaming=True),
+        "moe_run": lambda: moe_run(layer, **batch, w13=w13, w2=w2, streaming=True),
+        "moe_forward": lambda: moe_forward(layer, hidden, router, w13, w2),
+        "ChunkedMoE": lambda: module(hidden),
+    }
+
+
+ENTRY_POINTS = ("run", "forward", "moe_run", "moe_forward", "ChunkedMoE")
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_entry_point_raises_a_recorded_device_error_on_the_next_call(monkeypatch, entry):
+    layer = host_layer(monkeypatch, config())
+    call = entry_points(layer)[entry]
+    call()
+    assert layer.schedule.calls == 1
+    for ring in layer.rings.values():  # a peer's abort stops a wait of one ring, this rank's own error the other
+        assert ring.synchronized == 0  # nothing recorded: one host read, no synchronisation
+    streamed, batch_ready = layer.rings[CallMode.STREAMED], layer.rings[CallMode.BATCH_READY]
+    streamed.record(ErrorCode.TIMEOUT, Site.WAIT_ROUTE, peer=0)
+    with pytest.raises(ChunkringTimeoutError, match="PE 0: TIMEOUT while waiting for source 0's route") as info:
+        call()
+    assert "streamed ring" in "\n".join(info.value.__notes__) and streamed.synchronized == 1
+    assert layer.schedule.calls == 1  # raised before the call was handed on
+    with pytest.raises(ChunkringTimeoutError):  # and again, until a reset
+        call()
+    streamed.reset()
+    peer_abort = AbortRecord.make(EPOCH, 3, ErrorCode.STALE_EPOCH).word
+    batch_ready.record(ErrorCode.PEER_ABORTED, Site.WAIT_PUSHED, abort=peer_abort)
+    with pytest.raises(ChunkringPeerAbortedError, match="rank 3 recorded STALE_EPOCH") as aborted:
+        call()
+    assert aborted.value.origin_rank == 3 and aborted.value.code == ErrorCode.STALE_EPOCH
+    batch_ready.reset()
+    call()
+    assert layer.schedule.calls == 2
+
+
+def test_the_drop_in_raises_a_recorded_error_through_the_operator(monkeypatch):
+    pytest.importorskip("transformers")
+    from chunkring.integrations.transformers import ChunkringMoEBlock, plan_moe_blocks
+    from chunkring.testing.hf_models import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    (block, cfg), *_ = plan_moe_blocks(model, world_size=1, max_tokens_per_rank=N, payload="bf16")
+    assert (cfg.num_experts, cfg.hidden) == (E, H)
+    layer = host_layer(monkeypatch, cfg)
+    drop_in = ChunkringMoEBlock(block, layer)
+    looked_up = []
+    real_lookup = chunkring.moe.op.layer_for_handle
+    monkeypatch.setattr(chunkring.moe.op, "layer_for_handle",
+                        lambda handle: looked_up.append(handle) or real_lookup(handle))
+    hidden = torch.randn(1, 3, H).to(torch.bfloat16)
+    with torch.no_grad():
+        assert drop_in(hidden).shape == hidden.shape
+        assert looked_up == [layer.handle] and layer.schedule.calls == 1  # the operator called the layer
+        layer.rings[CallMode.BATCH_READY].record(ErrorCode.GENERATION_AHEAD, Site.WAIT_ROUTE)
+        with pytest.raises(chunkring.errors.ChunkringDeviceError, match="PE 0: GENERATION_AHEAD"):
+            drop_in(hidden)
+    assert looked_up == [layer.handle] * 2 and layer.schedule.calls == 1
+
+
+BAD_ARGUMENTS = {
+    "topk_idx": dict(topk_idx=torch.zeros(5, K, dtype=torch.int64)),
+    "x": dict(x=torch.zeros(N + 1, H, dtype=torch.bfloat16)),
+    "out": dict(out=torch.zeros(4, H, dtype=torch.bfloat16)),
+    "chunk": dict(chunk=9),  # past the 8-token slot
+}
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("field", BAD_ARGUMENTS)
+def test_a_bad_argument_of_this_ranks_own_aborts_the_ring_its_peers_wait_in(monkeypatch, launches, field, streaming):
+    layer = host_layer(monkeypatch, config(), rank=2)
+    gen = torch.Generator().manual_seed(1)
+    _, w13, w2 = weights(gen)
+    args = {**routed(gen), "w13": w13, "w2": w2, "streaming": streaming, **BAD_ARGUMENTS[field]}
+    if field == "chunk" and not streaming:
+        args["streaming"] = True  # a batch-ready call ignores chunk's size but not its range: both checked
+    with pytest.raises(ChunkringUsageError) as info:
+        layer.run(**args)
+    assert info.value.field == field
+    ring = layer.rings[CallMode.STREAMED if args["streaming"] else CallMode.BATCH_READY]
+    assert launches.calls == [("ring_raise_abort", {"desc": ring.desc, "code": int(ErrorCode.HOST_USAGE)})]
+    assert layer.schedule.calls == 0
+
+
+def test_forward_aborts_on_a_bad_argument_too(monkeypatch, launches):
+    layer = host_layer(monkeypatch, config())
+    router, w13, w2 = weights(torch.Generator().manual_seed(2))
+    with pytest.raises(ChunkringUsageError, match="router_weight"):
+        layer.forward(torch.zeros(5, H, dtype=torch.bfloat16), router[:, :128], w13, w2)
+    assert [name for name, *_ in launches.calls] == ["ring_raise_abort"]
+
+
+def test_what_every_rank_fails_alike_aborts_nothing(monkeypatch, launches):
+    layer = host_layer(monkeypatch, config(streaming=False))
+    gen = torch.Generator().manual_seed(3)
+    _, w13, w2 = weights(gen)
+    batch = {**routed(gen), "w13": w13, "w2": w2}
+    for streaming in ("sometimes", True):  # not a mode; a mode this layer has no ring for
+        with pytest.raises(ChunkringUsageError) as info:
+            layer.run(**batch, streaming=streaming)
+        assert info.value.field == "streaming"
+    layer.destroy()
+    with pytest.raises(ChunkringUsageError, match="destroyed"):
+        layer.run(**batch)
+    assert launches.calls == []
+
+
+def test_a_check_inside_a_graph_capture_aborts_nothing(monkeypatch, launches):
+    layer = host_layer(monkeypatch, config())
+    monkeypatch.setattr(chunkring.moe.layer, "capturing", lambda: True)
+    _, w13, w2 = weights(torch.Generator().manual_seed(4))
+    with pytest.raises(ChunkringUsageError):
+        layer.run(**BAD_ARGUMENTS["topk_idx"], x=torch.zeros(5, H, dtype=torch.bfloat16), x_sf=None,
+                  topk_weights=torch.zeros(5, K), w13=w13, w2=w2)
+    assert launches.calls == []

@@ -89,8 +89,11 @@ class Runtime:
         assert self.comm is not None
         return self.comm
 
-    def alloc(self, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled symmetric torch tensor. This is a collective: every PE must call it alike."""
+    def alloc(self, shape: int | Sequence[int], dtype: torch.dtype, *,
+              timeout_s: float | None = PEER_WAIT_S) -> torch.Tensor:
+        """A zero-filled symmetric torch tensor. This is a collective: every PE must call it alike. NVSHMEM's
+        allocation waits for every PE with no limit of its own, so a bounded roll call comes first
+        (:meth:`_roll_call`)."""
         import nvshmem.core as nvshmem
         import torch
 
@@ -101,6 +104,7 @@ class Runtime:
         if math.prod(shape) == 0:  # NVSHMEM allocates no zero-byte block
             raise ChunkringUsageError(f"a symmetric tensor needs at least one element, got shape {shape}",
                                       field="shape")
+        self._roll_call(timeout_s, "a symmetric allocation")
         try:
             tensor = nvshmem.tensor(shape, dtype=dtype)
         except (nvshmem.NvshmemError, nvshmem.NvshmemInvalid) as exc:
@@ -110,13 +114,16 @@ class Runtime:
         self._tensors[tensor.data_ptr()] = tensor
         return tensor
 
-    def free(self, tensor: torch.Tensor) -> None:
-        """Return a tensor made by :meth:`alloc`. A collective, like the allocation."""
+    def free(self, tensor: torch.Tensor, *, timeout_s: float | None = PEER_WAIT_S) -> None:
+        """Return a tensor made by :meth:`alloc`. A collective, like the allocation (bounded alike). It does not
+        wait for kernels that may still use the memory: :meth:`quiesce` first (as every chunkring object does)."""
         import nvshmem.core as nvshmem
 
         self._check_open()
-        if self._tensors.pop(tensor.data_ptr(), None) is None:
+        if tensor.data_ptr() not in self._tensors:
             raise ChunkringUsageError("tensor was not allocated by this Runtime (or was freed already)")
+        self._roll_call(timeout_s, "a symmetric free")
+        del self._tensors[tensor.data_ptr()]
         nvshmem.free_tensor(tensor)
 
     def peer(self, tensor: torch.Tensor, pe: int) -> torch.Tensor:

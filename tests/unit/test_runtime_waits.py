@@ -3,7 +3,8 @@
 then completes the NVSHMEM operations they issued (a stream-ordered quiet: a kernel's end completes its stores,
 not its PE's outstanding RMA), then meets the other ranks at a bounded host barrier; ``Runtime.barrier`` does the
 same for torch's current stream, with a finite default limit instead of NVSHMEM's unbounded ``barrier_all``; the
-object collectives hold a bounded roll call first. GPU calls are replaced by recorders (no GPU here)."""
+object collectives and the symmetric allocations and frees hold a bounded roll call first. GPU calls are replaced by
+recorders (no GPU here)."""
 
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import nvshmem.core
 import pytest
 import torch
 
-from chunkring import RankInfo, Runtime
+from chunkring import ChunkringHostTimeoutError, RankInfo, Runtime
 from chunkring.runtime import PEER_WAIT_S
 
 TWO = RankInfo(0, 2, 0, 2)
@@ -71,3 +72,26 @@ def test_symmetric_usage_counts_live_allocations(recorded, monkeypatch):
     assert rt.symmetric_usage() == (1, 10)
     rt.free(b)
     assert rt.symmetric_usage() == (0, 0)
+
+
+def test_symmetric_allocations_and_frees_hold_a_bounded_roll_call_first(recorded, monkeypatch):
+    """NVSHMEM's malloc and free wait for every PE with no limit: a rank that never comes is found first. A free
+    whose peers did not come keeps its tensor (counted, still valid) for a later free."""
+    rt, calls = recorded
+    monkeypatch.setattr(nvshmem.core, "tensor", lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    freed = []
+    monkeypatch.setattr(nvshmem.core, "free_tensor", freed.append)
+    a = rt.alloc(4, torch.int64)
+    assert calls[0] == ("barrier", PEER_WAIT_S, "a symmetric allocation")
+
+    def absent(timeout_s, *, what):
+        raise ChunkringHostTimeoutError("rank 1 did not come", what=what, timeout_s=timeout_s, absent_ranks=(1,))
+
+    rt.comm.barrier = absent
+    with pytest.raises(ChunkringHostTimeoutError):
+        rt.free(a, timeout_s=0.5)
+    assert rt.symmetric_usage() == (1, 32) and freed == []
+    rt.comm.barrier = lambda timeout_s, *, what: calls.append(("barrier", timeout_s, what))
+    rt.free(a)
+    assert freed == [a] and rt.symmetric_usage() == (0, 0)
+    assert calls[-1] == ("barrier", PEER_WAIT_S, "a symmetric free")

@@ -11,7 +11,11 @@
 # transport_1rank / transport_mps run the main job on the direct and on the forced-RMA data path (their cost);
 # overlap_1rank / overlap_mps run benchmarks/bench_overlap.py (batch-ready, streamed and auto vs the overlap bound,
 # at most 240 s); producer_ncu runs Nsight Compute on the fused producer kernel (benchmarks/probe_producer.py
-# --profile-once); partition_mps runs the main job with the default partition and with none (interleaved).
+# --profile-once); partition_mps runs the main job with the default partition and with none (interleaved);
+# faults_mps runs the fault matrix (tests/faults: usage error, device error, hang x first call, streamed call, graph
+# replay, reset, destroy at $ranks ranks under MPS, then the kill cells through chunkring-launch --mps, which starts
+# its own daemon); lifetime_mps runs LIFETIME_CYCLES (default 1000) create/call/destroy cycles of a small layer at 2
+# ranks (tests/lifetime: heap, green contexts and device memory flat, output exact).
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -21,7 +25,7 @@ bundle=${1:-.whl}
 ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
-           transport_1rank transport_mps partition_mps producer_ncu)
+           transport_1rank transport_mps partition_mps producer_ncu faults_mps lifetime_mps)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -182,6 +186,18 @@ jobs_mps() {
     for job in bringup run; do
         chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1
     done
+}
+faults_mps() {  # the fault matrix: two records, faults-<N>rank-mps (under mpirun) and faults-kill-<N>rank-mps
+    mpi_pytest "faults-${ranks}rank-mps" "$ranks" 420 tests/faults/test_fault_matrix.py -q -rsx "${limits[*]}" ||
+        status=1
+    mps_down  # the kill cells' launcher starts its own daemon, and checks that none outlives the job
+    run_suite "faults-kill-${ranks}rank-mps" "$ranks" python3 -m pytest tests/faults/test_fault_kill.py -v -rs \
+        --timeout 400 --junitxml="$logs/faults-kill-${ranks}rank-mps.xml" || status=1
+}
+lifetime_mps() {  # LIFETIME_CYCLES create/call/destroy cycles at 2 ranks; the record holds the heap, the partitions
+    # and the device memory before and after
+    mpi_pytest "lifetime-2rank-mps" 2 560 tests/lifetime -q -rs --timeout 560 -o faulthandler_timeout=540 \
+        --lifetime-cycles "${LIFETIME_CYCLES:-1000}" || status=1
 }
 # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
 mps_daemon=0

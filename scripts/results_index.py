@@ -33,6 +33,7 @@ HEADLINES = [
     # test suites
     r"mutants_caught", r"mutants_xfail", r"(litmus_violations_no_acquire_fence|no_acquire_fence_litmus_violations)",
     r"abort_report_ms_max", r"fuzz_cases_per_run", r"stuck_source", r"stuck_seq", r"watchdog_s",
+    r"lifetime_device_free_drift_mib_rank0", r"lifetime_heap_bytes_after_rank0", r"device_streamed_report_ms_rank0",
     # chunkring-launch bench (2,048 tokens), the overlap bench, the producer probe
     r"rank0_n2048_c\d+_batch_ms", r"rank0_n2048_c(256|512|1024)_streamed_over_batch",
     r"flash_n2048_(w1_)?default_batch_ms", r"flash_n2048_(w1_)?default_streamed_ms",

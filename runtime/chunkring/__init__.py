@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from chunkring.errors import (
         ChunkringDeviceError,
         ChunkringError,
+        ChunkringHostTimeoutError,
         ChunkringInputError,
         ChunkringPeerAbortedError,
         ChunkringRuntimeError,
@@ -51,8 +52,9 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "current": "chunkring.bringup",
     "init": "chunkring.bringup",
-    **dict.fromkeys(("ChunkringDeviceError", "ChunkringError", "ChunkringInputError", "ChunkringPeerAbortedError",
-                     "ChunkringRuntimeError", "ChunkringTimeoutError", "ChunkringUsageError", "NoGpuError"),
+    **dict.fromkeys(("ChunkringDeviceError", "ChunkringError", "ChunkringHostTimeoutError", "ChunkringInputError",
+                     "ChunkringPeerAbortedError", "ChunkringRuntimeError", "ChunkringTimeoutError",
+                     "ChunkringUsageError", "NoGpuError"),
                     "chunkring.errors"),
     **dict.fromkeys(("ChunkedMoE", "Event", "ExpertKeys", "MoEConfig", "MoELayer", "StreamingCalibration", "Timeline",
                      "calibrate", "expert_weights", "load_experts"), "chunkring.moe"),
@@ -67,6 +69,7 @@ __all__ = [
     "ChunkedMoE",
     "ChunkringDeviceError",
     "ChunkringError",
+    "ChunkringHostTimeoutError",
     "ChunkringInputError",
     "ChunkringPeerAbortedError",
     "ChunkringRuntimeError",

@@ -93,6 +93,8 @@ def ranks_on_my_gpu(comm: HostComm, gpu_uuid: str) -> int:
     import socket
 
     mine = (socket.gethostname(), gpu_uuid)
+    # Unbounded, like the NVSHMEM initialisation just before it (a collective of every rank with no timeout
+    # of its own): a rank that never comes is caught by the launcher's --timeout, which ends the job.
     return sum(gpu == mine for gpu in comm.allgather_object(mine))
 
 

@@ -8,7 +8,9 @@ wrong stream, a destroyed object). Raised before any GPU work starts.
 ``ChunkringTimeoutError`` the record of a device watchdog that fired: who waited, where, for whom, on
 which slot, what it expected and what it last saw; ``ChunkringInputError`` the first malformed value a
 consumer masked (docs/PROTOCOL.md, "What a consumer trusts"); ``ChunkringPeerAbortedError`` that another
-rank of the ring failed first (its rank and error code), which is why this rank's kernels stopped.
+rank of the ring failed first (its rank and error code), which is why this rank's kernels stopped;
+``ChunkringHostTimeoutError`` that a host-side wait on other ranks (a bounded barrier) outlasted its limit, naming
+the ranks that did not come.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 __all__ = ["ChunkringError", "ChunkringUsageError", "ChunkringRuntimeError", "ChunkringDeviceError",
-           "ChunkringInputError", "ChunkringPeerAbortedError", "ChunkringTimeoutError", "NoGpuError", "UsageProblems"]
+           "ChunkringHostTimeoutError", "ChunkringInputError", "ChunkringPeerAbortedError", "ChunkringTimeoutError",
+           "NoGpuError", "UsageProblems"]
 
 #: One problem of a usage error: the field (argument, config key) at fault, or None, and what is wrong with it.
 Problem = tuple[str | None, str]
@@ -129,3 +132,19 @@ class ChunkringPeerAbortedError(ChunkringDeviceError):
 
 class NoGpuError(ChunkringRuntimeError):
     """No CUDA device is visible to this process."""
+
+
+class ChunkringHostTimeoutError(ChunkringRuntimeError):
+    """A host-side wait on other ranks (a bounded barrier: a reset, a teardown) outlasted its limit.
+    ``absent_ranks`` names the ranks that had not come when this rank stopped waiting; ``gave_up_ranks``
+    the ranks that had stopped waiting for this one before it came (their limit passed first); ``what`` names
+    the wait and ``timeout_s`` its limit. Nothing of the wait's purpose happened on this rank (no reset, no
+    free): every rank must reach it again, or the job must end."""
+
+    def __init__(self, message: str, *, what: str, timeout_s: float, absent_ranks: tuple[int, ...] = (),
+                 gave_up_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.what = what
+        self.timeout_s = timeout_s
+        self.absent_ranks = absent_ranks
+        self.gave_up_ranks = gave_up_ranks

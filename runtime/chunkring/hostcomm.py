@@ -8,11 +8,12 @@ code never talks to MPI directly.
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.errors import ChunkringUsageError
 from chunkring.ranks import RankInfo
+from chunkring.rollcall import Message, RollCall
 
 if TYPE_CHECKING:  # imported at the first collective: a single process never initialises MPI
     from mpi4py import MPI
@@ -39,7 +40,6 @@ class HostComm:
             raise ChunkringUsageError(f"expected a RankInfo, got {type(ranks).__name__}", field="ranks")
         self.ranks = ranks
         self._comm: Any = None  # mpi4py's COMM_WORLD, once checked
-        self._late: list[Any] = []  # barriers that timed out here (barrier), matched when the absent ranks come
 
     @classmethod
     def from_env(cls) -> HostComm:
@@ -96,24 +96,18 @@ class HostComm:
             return obj
         return self._mpi().bcast(obj, root=root)
 
-    def barrier(self, timeout_s: float | None = None) -> None:
+    def barrier(self, timeout_s: float | None = None, *, what: str = "a barrier") -> None:
         """Return once every rank has called it. Host only: it orders no GPU work. With ``timeout_s``, raise
-        :class:`ChunkringRuntimeError` once that many seconds pass with some rank absent (one that raised
-        before it, say) instead of waiting for ever; a rank that comes later still matches this barrier, so
-        the ranks' later collectives stay in step."""
+        :class:`~chunkring.errors.ChunkringHostTimeoutError` naming the absent ranks once that many seconds
+        pass without them, instead of waiting for ever (:class:`~chunkring.rollcall.RollCall`: a rank that
+        comes after its peers gave up raises too, naming them; ``what`` names the wait in the error). Without
+        it, MPI's own barrier: for callers that a supervisor bounds (the launcher's ``--timeout``)."""
         if self.world_size == 1:
             return
         if timeout_s is None:
             self._mpi().Barrier()
             return
-        request = self._mpi().Ibarrier()
-        deadline = time.monotonic() + timeout_s
-        while not request.Test():
-            if time.monotonic() > deadline:
-                self._late.append(request)  # completed when the absent ranks come; kept, not leaked
-                raise ChunkringRuntimeError(f"rank {self.rank}: not every rank reached the barrier within "
-                                            f"{timeout_s:g} s (a rank that raised before it never comes)")
-            time.sleep(0.001)
+        _world_roll_call(self._mpi()).meet(timeout_s, what)
 
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (``MPI_Abort``), so none waits in a collective for this one.
@@ -122,3 +116,41 @@ class HostComm:
             from mpi4py import MPI
 
             MPI.COMM_WORLD.Abort(code)  # unchecked: an abort must work whatever went wrong
+
+
+#: The point-to-point tag of roll-call messages: nothing else of ours sends point-to-point on the world
+#: communicator (collectives travel in a context of their own, so they never match it).
+ROLL_CALL_TAG = 0x5243
+
+
+_roll_call: RollCall | None = None
+
+
+def _world_roll_call(comm: MPI.Intracomm) -> RollCall:
+    """The process's one roll call over the world communicator, whatever HostComm asks: its barriers are
+    numbered in the process's order of calls, as the communicator's collectives are, and a second instance
+    would take the first one's messages for its own."""
+    global _roll_call
+    if _roll_call is None:
+        _roll_call = RollCall(comm.Get_rank(), comm.Get_size(), _MpiMailbox(comm))
+    return _roll_call
+
+
+class _MpiMailbox:
+    """A roll call's messages over MPI point-to-point (small pickled tuples; a send never blocks)."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm
+        self._sends: list[Any] = []  # requests still in flight, tested and dropped once complete
+
+    def post(self, dest: int, message: Message) -> None:
+        self._sends = [request for request in self._sends if not request.Test()]
+        self._sends.append(self.comm.isend(message, dest=dest, tag=ROLL_CALL_TAG))
+
+    def arrived(self) -> Iterator[tuple[int, Message]]:
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=ROLL_CALL_TAG, status=status):
+            source = status.Get_source()
+            yield source, self.comm.recv(source=source, tag=ROLL_CALL_TAG)

@@ -21,9 +21,13 @@ if TYPE_CHECKING:  # imported where used: importing chunkring initialises neithe
     from cuda.core import Device, ObjectCode
     from nvshmem.core import NvshmemKernelObject
 
-__all__ = ["Runtime"]
+__all__ = ["PEER_WAIT_S", "Runtime"]
 
 T = TypeVar("T")
+
+#: How long :meth:`Runtime.barrier` waits for every rank by default before it raises, naming the absent ones:
+#: far above any legitimate skew between ranks (a peer's first kernel builds take minutes), yet finite.
+PEER_WAIT_S = 900.0
 
 
 @dataclass(eq=False)
@@ -34,8 +38,9 @@ class Runtime:
     freed by :meth:`close` before NVSHMEM finalises, as NVSHMEM requires.
 
     Host-side collectives over the same ranks: :meth:`allgather_object`, :meth:`gather_object`,
-    :meth:`broadcast_object` (through ``comm``, a :class:`HostComm`, made from ``ranks`` if not given)
-    and :meth:`barrier` (NVSHMEM's, ordered with the GPU work of torch's current stream).
+    :meth:`broadcast_object` (through ``comm``, a :class:`HostComm`, made from ``ranks`` if not given),
+    :meth:`host_barrier`, and the bounded waits that also settle the GPU: :meth:`barrier` (torch's current
+    stream) and :meth:`quiesce` (the whole device, before symmetric memory is zeroed or freed).
     """
 
     ranks: RankInfo
@@ -84,8 +89,11 @@ class Runtime:
         assert self.comm is not None
         return self.comm
 
-    def alloc(self, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled symmetric torch tensor. This is a collective: every PE must call it alike."""
+    def alloc(self, shape: int | Sequence[int], dtype: torch.dtype, *,
+              timeout_s: float | None = PEER_WAIT_S) -> torch.Tensor:
+        """A zero-filled symmetric torch tensor. This is a collective: every PE must call it alike. NVSHMEM's
+        allocation waits for every PE with no limit of its own, so a bounded roll call comes first
+        (:meth:`_roll_call`)."""
         import nvshmem.core as nvshmem
         import torch
 
@@ -96,6 +104,7 @@ class Runtime:
         if math.prod(shape) == 0:  # NVSHMEM allocates no zero-byte block
             raise ChunkringUsageError(f"a symmetric tensor needs at least one element, got shape {shape}",
                                       field="shape")
+        self._roll_call(timeout_s, "a symmetric allocation")
         try:
             tensor = nvshmem.tensor(shape, dtype=dtype)
         except (nvshmem.NvshmemError, nvshmem.NvshmemInvalid) as exc:
@@ -105,14 +114,28 @@ class Runtime:
         self._tensors[tensor.data_ptr()] = tensor
         return tensor
 
-    def free(self, tensor: torch.Tensor) -> None:
-        """Return a tensor made by :meth:`alloc`. A collective, like the allocation."""
+    def free(self, tensor: torch.Tensor, *, timeout_s: float | None = PEER_WAIT_S) -> None:
+        """Return a tensor made by :meth:`alloc`. A collective, like the allocation (bounded alike). It does not
+        wait for kernels that may still use the memory: :meth:`quiesce` first (as every chunkring object does)."""
         import nvshmem.core as nvshmem
 
         self._check_open()
-        if self._tensors.pop(tensor.data_ptr(), None) is None:
+        if tensor.data_ptr() not in self._tensors:
             raise ChunkringUsageError("tensor was not allocated by this Runtime (or was freed already)")
+        self._roll_call(timeout_s, "a symmetric free")
+        del self._tensors[tensor.data_ptr()]
         nvshmem.free_tensor(tensor)
+
+    def mapped_host_word(self) -> tuple[torch.Tensor, int]:
+        """One zeroed int64 in pinned host memory, and its address in this GPU's address space: a word the device
+        writes and the host reads with a plain load, without synchronising (a ring's failure word)."""
+        from cuda.bindings import runtime as cudart
+
+        host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        err, address = cudart.cudaHostGetDevicePointer(host.data_ptr(), 0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise ChunkringRuntimeError(f"pinned host memory is not mapped into the GPU's address space: {err}")
+        return host, int(address)
 
     def peer(self, tensor: torch.Tensor, pe: int) -> torch.Tensor:
         """A view of ``tensor``'s counterpart on ``pe``, for PEs reachable by load/store (same node)."""
@@ -133,38 +156,75 @@ class Runtime:
             raise ChunkringUsageError(f"PE {pe} outside world of {self.world_size}", field="pe")
         return int(ptr(tensor.data_ptr(), pe) or 0)
 
-    def allgather_object(self, obj: T) -> list[T]:
+    def allgather_object(self, obj: T, *, timeout_s: float | None = PEER_WAIT_S) -> list[T]:
         """Every rank's ``obj`` (small, picklable), in rank order, on every rank. A collective on the host
-        (:meth:`HostComm.allgather_object`); trivial in a single process."""
-        self._check_open()
+        (:meth:`HostComm.allgather_object`); trivial in a single process. Bounded as :meth:`_roll_call` says."""
+        self._roll_call(timeout_s, "an allgather")
         return self._host.allgather_object(obj)
 
-    def gather_object(self, obj: T, root: int = 0) -> list[T] | None:
+    def gather_object(self, obj: T, root: int = 0, *, timeout_s: float | None = PEER_WAIT_S) -> list[T] | None:
         """Every rank's ``obj`` in rank order on ``root``, ``None`` elsewhere. A collective on the host
-        (:meth:`HostComm.gather_object`)."""
-        self._check_open()
+        (:meth:`HostComm.gather_object`), bounded as :meth:`_roll_call` says."""
+        self._roll_call(timeout_s, "a gather")
         return self._host.gather_object(obj, root)
 
-    def broadcast_object(self, obj: T, root: int = 0) -> T:
-        """``root``'s ``obj`` on every rank. A collective on the host (:meth:`HostComm.broadcast_object`)."""
-        self._check_open()
+    def broadcast_object(self, obj: T, root: int = 0, *, timeout_s: float | None = PEER_WAIT_S) -> T:
+        """``root``'s ``obj`` on every rank. A collective on the host (:meth:`HostComm.broadcast_object`),
+        bounded as :meth:`_roll_call` says."""
+        self._roll_call(timeout_s, "a broadcast")
         return self._host.broadcast_object(obj, root)
 
-    def host_barrier(self, timeout_s: float | None = None) -> None:
-        """Return once every rank has called it (:meth:`HostComm.barrier`, ``timeout_s`` as there). Host only:
-        it orders no GPU work and enqueues nothing, so it may run while a stream is being captured."""
-        self._host.barrier(timeout_s)
+    def _roll_call(self, timeout_s: float | None, what: str) -> None:
+        """Before an MPI collective, which has no timeout of its own: a bounded barrier, so a rank that never
+        comes makes the others raise (naming it) instead of waiting in the collective for ever; once every rank
+        has answered it, every rank is at the collective, which then completes. ``timeout_s=None``: no roll call
+        (a caller that a supervisor bounds)."""
+        self._check_open()
+        if timeout_s is not None and self.world_size > 1:
+            self._host.barrier(timeout_s, what=what)
 
-    def barrier(self) -> None:
-        """Host-side barrier over all PEs on torch's current stream (NVSHMEM's), then wait for it. A
-        collective; unlike :meth:`HostComm.barrier` it is ordered with the stream's GPU work."""
-        import nvshmem.core as nvshmem
+    def host_barrier(self, timeout_s: float | None = None, *, what: str = "a barrier") -> None:
+        """Return once every rank has called it (:meth:`HostComm.barrier`, ``timeout_s`` and ``what`` as there).
+        Host only: it orders no GPU work and enqueues nothing, so it may run while a stream is being captured."""
+        self._host.barrier(timeout_s, what=what)
+
+    def barrier(self, timeout_s: float = PEER_WAIT_S, *, what: str = "a barrier") -> None:
+        """Every rank's work on torch's current stream, its NVSHMEM operations included, is complete when this
+        returns on any rank. A collective: complete this PE's outstanding NVSHMEM operations in the stream's
+        order (``nvshmemx_quiet_on_stream``), wait for the stream, then meet every rank at a host barrier
+        bounded by ``timeout_s`` (:class:`~chunkring.errors.ChunkringHostTimeoutError` naming the absent ranks;
+        NVSHMEM's own ``barrier_all`` would wait for ever for a rank that never comes)."""
         import torch
 
         self._check_open()
-        stream = torch.cuda.current_stream()
-        nvshmem.barrier_all(stream=stream)
+        self._quiet(torch.cuda.current_stream(self.ordinal))
+        self._host.barrier(timeout_s, what=what)
+
+    def quiesce(self, timeout_s: float, *, what: str) -> None:
+        """No kernel of any rank runs, and none of this job's NVSHMEM operations is outstanding, when this
+        returns on any rank: the rule before symmetric memory is zeroed (a ring's reset) or freed. A collective:
+        wait for every kernel of this device, complete the NVSHMEM operations they issued (a quiet after them:
+        a kernel's end completes its stores, not its PE's outstanding RMA), then meet every rank at a host
+        barrier bounded by ``timeout_s``; a rank that does not come makes the others raise
+        :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing after the wait done."""
+        import torch
+
+        self._check_open()
+        torch.cuda.synchronize(self.ordinal)
+        self._quiet(torch.cuda.current_stream(self.ordinal))
+        self._host.barrier(timeout_s, what=what)
+
+    def _quiet(self, stream: torch.cuda.Stream) -> None:
+        """Complete this PE's outstanding NVSHMEM operations after ``stream``'s work, then wait for it."""
+        import nvshmem.core as nvshmem
+
+        nvshmem.quiet(stream=stream)
         stream.synchronize()
+
+    def symmetric_usage(self) -> tuple[int, int]:
+        """(tensors, bytes) of this runtime's live symmetric allocations (:meth:`alloc` minus :meth:`free`):
+        what its objects hold in NVSHMEM's heap at this rank, to check that create/destroy cycles leak none."""
+        return len(self._tensors), sum(t.numel() * t.element_size() for t in self._tensors.values())
 
     def load(self, object_code: ObjectCode) -> NvshmemKernelObject:
         """Register a compiled kernel library with NVSHMEM (once per process per library)."""

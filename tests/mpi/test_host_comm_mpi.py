@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkring import ChunkringRuntimeError, ChunkringUsageError, RankInfo, Runtime
+from chunkring import ChunkringHostTimeoutError, ChunkringUsageError, RankInfo, Runtime
 from chunkring.hostcomm import HostComm
 
 
@@ -57,18 +57,25 @@ def test_barrier_orders_the_ranks():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_barrier_with_a_limit_raises_where_a_rank_is_absent_and_stays_in_step():
-    """The ranks that came raise once the limit passes; the late rank's barrier matches theirs, so the
-    next collective lines up on every rank."""
+def test_a_barrier_with_a_limit_names_the_absent_rank_and_stays_in_step():
+    """The ranks that came raise once the limit passes, naming the rank that did not; the late rank raises too,
+    naming who gave up, instead of passing a barrier they abandoned; the next collectives line up."""
     comm, rank, size = _world()
-    if rank == size - 1:
+    late = size - 1
+    if rank == late:
         time.sleep(1.5)  # past the others' limit
-        comm.barrier(timeout_s=60)
+        with pytest.raises(ChunkringHostTimeoutError) as info:
+            comm.barrier(timeout_s=60, what="the test's barrier")
+        assert info.value.absent_ranks == () and info.value.gave_up_ranks
+        assert set(info.value.gave_up_ranks) <= set(range(late))
     else:
-        with pytest.raises(ChunkringRuntimeError, match="within 0.3 s"):
-            comm.barrier(timeout_s=0.3)
+        with pytest.raises(ChunkringHostTimeoutError, match="within 0.3 s") as info:
+            comm.barrier(timeout_s=0.3, what="the test's barrier")
+        assert info.value.absent_ranks == (late,) and info.value.what == "the test's barrier"
+        assert f"rank(s) {late} did not reach the test's barrier" in str(info.value)
     assert comm.allgather_object(rank) == list(range(size))
     comm.barrier(timeout_s=60)  # and a bounded barrier that every rank reaches returns
+    comm.barrier(timeout_s=60)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -41,17 +41,6 @@ class FailureWord:
         # A numpy view reads the word with one load (a torch index or .item() dispatches an operator).
         self._words = host.numpy().view(np.uint64)
 
-    @classmethod
-    def pinned(cls) -> FailureWord:
-        """A zeroed word in pinned host memory, with its address in the GPUs' (unified) address space."""
-        from cuda.bindings import runtime as cudart
-
-        host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        err, address = cudart.cudaHostGetDevicePointer(host.data_ptr(), 0)
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise ChunkringRuntimeError(f"pinned host memory is not mapped into the GPU's address space: {err}")
-        return cls(host, int(address))
-
     def read(self) -> int:
         """The word: 0, or the abort word of the first error the ring's kernels recorded since the last reset."""
         return int(self._words[0])

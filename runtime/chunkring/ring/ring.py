@@ -3,6 +3,11 @@
 The ring's buffer, descriptor and epoch live on the device; kernels advance every counter themselves,
 so a launch (or a CUDA-graph replay) needs no host-supplied value. The host only resets the ring
 between runs (a collective that bumps the epoch) and reads the status record after kernels end.
+
+Every host-side wait on the other ranks is bounded and names who did not come
+(:class:`~chunkring.errors.ChunkringHostTimeoutError`), and symmetric memory is zeroed (reset) or freed
+(destroy) only once no kernel of any rank runs and none of their NVSHMEM operations is outstanding
+(:meth:`chunkring.Runtime.quiesce`; docs/PROTOCOL.md, "Teardown and reset").
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.env import check_timeout_s, check_work_queues, watchdog_timeout_s
-from chunkring.errors import ChunkringInputError, ChunkringRuntimeError, ChunkringUsageError
+from chunkring.errors import ChunkringError, ChunkringInputError, ChunkringRuntimeError, ChunkringUsageError
 from chunkring.ring.failure import FailureWord, raise_recorded_failure
 from chunkring.ring.layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
 from chunkring.ring.spec import RingSpec
@@ -23,9 +28,15 @@ from chunkring.ring.transport import Transport, check_transport_mode, choose_tra
 if TYPE_CHECKING:
     from chunkring.runtime import Runtime
 
-__all__ = ["Ring", "check_epochs_agree", "check_identical"]
+__all__ = ["RESET_MARGIN_S", "TEARDOWN_WAIT_S", "Ring", "check_epochs_agree", "check_identical"]
 
 log = logging.getLogger("chunkring")
+
+#: How much longer than the ring's watchdog limit :meth:`Ring.reset` waits for every rank by default: a peer
+#: whose kernel waits for a rank that failed comes once its watchdog fires (or at once, by the abort word).
+RESET_MARGIN_S = 60.0
+#: How long :meth:`Ring.destroy` (and a layer's destroy) waits for every rank by default before it raises.
+TEARDOWN_WAIT_S = 300.0
 
 
 class Ring:
@@ -54,6 +65,8 @@ class Ring:
         timeout_s = watchdog_timeout_s() if timeout_s is None else check_timeout_s(timeout_s, field="timeout_s")
         self.transport_mode = check_transport_mode(transport)
         check_identical(runtime, (spec, timeout_s, self.transport_mode))
+        #: This rank's watchdog limit (:meth:`set_timeout` changes it), which bounds :meth:`reset`'s waits.
+        self.timeout_s = timeout_s
         self.runtime = runtime
         self.spec = spec
         self.layout = RingLayout(spec)
@@ -63,7 +76,7 @@ class Ring:
         self.transports: tuple[Transport, ...] = choose_transports(
             lambda pe: runtime.peer_address(self.buffer, pe), spec.world_size, self.transport_mode)
         log.info("chunkring Ring: %s", self.describe_transport())
-        self.failure = FailureWord.pinned()
+        self.failure = FailureWord(*runtime.mapped_host_word())
         desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(), timeout_ns=int(timeout_s * 1e9),
                                       rma_peers=rma_mask(self.transports), failure_word=self.failure.device_address)
         self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
@@ -89,7 +102,7 @@ class Ring:
         self.check_alive()
         return int(self.views["control"][CONTROL["epoch"]].item())
 
-    def reset(self) -> None:
+    def reset(self, *, timeout_s: float | None = None) -> None:
         """Start a new epoch: zero every generation, ack, cursor and status word (the abort word and notice too)
         and the failure word, and bump the epoch.
 
@@ -97,20 +110,30 @@ class Ring:
         aborted run) carries the old epoch and can never satisfy a wait of the new one. Every rank must be
         in the same epoch (a rank that missed a reset is not): otherwise every rank raises
         ``ChunkringRuntimeError`` naming each rank's epoch, before anything is zeroed.
+
+        Each wait for the other ranks is bounded by ``timeout_s`` (None: this ring's watchdog limit plus
+        :data:`RESET_MARGIN_S` - a peer still inside a kernel comes once its watchdog fires): a rank that does
+        not come makes the others raise :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with
+        nothing zeroed. The order (docs/PROTOCOL.md, "Teardown and reset"): every kernel of every rank has
+        ended and every NVSHMEM operation they issued is complete (:meth:`Runtime.quiesce`) before any word
+        is zeroed, and every rank has zeroed before any rank returns.
         """
         self.check_alive()
-        torch.cuda.synchronize(self.runtime.torch_device)
-        self.runtime.barrier()  # every rank's kernels of the old epoch have ended (their aborts landed)
+        limit = self.timeout_s + RESET_MARGIN_S if timeout_s is None else check_timeout_s(timeout_s,
+                                                                                           field="timeout_s")
+        # Every rank's kernels of the old epoch have ended, and their aborts (remote swaps) have landed.
+        self.runtime.quiesce(limit, what="the reset's first barrier")
         epoch = int(self.views["control"][CONTROL["epoch"]].item()) + 1
-        check_epochs_agree(self.runtime.allgather_object(epoch - 1))  # the same list, so the same verdict, everywhere
+        # The same list everywhere, so the same verdict everywhere.
+        check_epochs_agree(self.runtime.allgather_object(epoch - 1, timeout_s=limit))
         if epoch >= 1 << self.spec.epoch_bits:
             raise ChunkringRuntimeError(f"epoch field exhausted after {epoch - 1} resets; allocate a new Ring")
         for name in ("route_ready", "layout_ready", "ack", "consumed", "cursor", "control", "status", "meta"):
             self.views[name].zero_()
         self.failure.clear()  # no kernel of the old epoch runs (synchronised above) to write it again
         self.views["control"][CONTROL["epoch"]] = epoch
-        torch.cuda.synchronize(self.runtime.torch_device)
-        self.runtime.barrier()  # nobody publishes into the new epoch before everyone has zeroed
+        # Nobody publishes into the new epoch before everyone has zeroed.
+        self.runtime.quiesce(limit, what="the reset's second barrier")
 
     def set_timeout(self, seconds: float) -> None:
         """Change this rank's watchdog limit for every wait of the kernels enqueued after this call on
@@ -119,6 +142,7 @@ class Ring:
         self.check_alive()
         seconds = check_timeout_s(seconds, field="seconds")
         self.desc[DESC_FIELDS.index("timeout_ns")].fill_(int(seconds * 1e9))
+        self.timeout_s = seconds  # what bounds reset()'s wait for peers from now on
 
     def status(self) -> StatusRecord:
         """This rank's status record (synchronises the device)."""
@@ -176,10 +200,20 @@ class Ring:
         return describe_words(words, num_slots=self.spec.num_slots, world_size=self.spec.world_size,
                               epoch_bits=self.spec.epoch_bits, abort=self.abort_status())
 
-    def destroy(self) -> None:
-        """Free the ring's symmetric memory. A collective."""
+    def destroy(self, *, timeout_s: float = TEARDOWN_WAIT_S) -> None:
+        """Free the ring's symmetric memory. A collective, safe at any moment: it first waits until no kernel
+        of any rank runs and no NVSHMEM operation is outstanding (:meth:`Runtime.quiesce`: a peer's kernel may
+        still read or write this rank's slots), bounded by ``timeout_s``. A rank that does not come makes the
+        others raise :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing freed: the
+        free is a collective too, which that rank would never join. A second call does nothing."""
         if self._destroyed:
             return
+        timeout_s = check_timeout_s(timeout_s, field="timeout_s")
+        try:
+            self.runtime.quiesce(timeout_s, what="the ring's destroy()")
+        except ChunkringError as exc:
+            exc.add_note("nothing was freed: every rank must call destroy() (end the job to reclaim the memory)")
+            raise
         self.runtime.free(self.buffer)
         self._destroyed = True
 

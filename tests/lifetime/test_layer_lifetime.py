@@ -1,0 +1,93 @@
+"""A MoE layer's lifetime leaves nothing behind (issue: fail closed): 1,000 (``--lifetime-cycles``) create ->
+streamed call -> destroy cycles of a small layer (2 ranks under MPS in scripts/gpu_suite.sh's ``lifetime_mps``
+part), measured, not assumed:
+
+* NVSHMEM heap: the runtime's own account of live symmetric allocations (``Runtime.symmetric_usage``: tensors
+  and bytes) is back to its size before the first layer after every destroy;
+* green contexts: every partition a layer made (``layer.partition``, the default ``partition="auto"``) is closed
+  after its destroy (``SmPartition.closed``) - none live at any cycle's end;
+* device memory: ``torch.cuda.mem_get_info`` (cudaMemGetInfo: what NVSHMEM's heap, green contexts, streams and
+  kernels hold on the GPU, beyond the runtime's own account) after the last cycle against after the first (caches
+  warm), within LEAK_BOUND_BYTES: a leak of even LEAK_BOUND_BYTES / cycles bytes per cycle fails;
+* the output of every cycle is bit for bit the first cycle's.
+
+The figures (before and after) go into the suite's JSON record through JUnit properties."""
+
+import time
+
+import pytest
+import torch
+
+from chunkring import MoELayer
+from tests.helpers.layer_cells import Inputs, layer_config
+
+pytestmark = pytest.mark.gpu
+
+LEAK_BOUND_BYTES = 64 << 20
+PROGRESS_EVERY = 100
+
+
+def settled_free_bytes(runtime) -> int:
+    """Free device memory once every rank sharing the GPU has returned its cached blocks (measured at the same
+    point of every rank's cycle: under MPS the ranks share one GPU's memory)."""
+    runtime.barrier(timeout_s=120, what="the memory measurement")
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    runtime.barrier(timeout_s=120, what="the memory measurement")
+    return torch.cuda.mem_get_info(runtime.torch_device)[0]
+
+
+def one_cycle(runtime, inputs, partitions):
+    """Create, call (streamed), destroy; the output on the CPU."""
+    layer = MoELayer(runtime, layer_config(runtime.world_size), timeout_s=60)
+    try:
+        if layer.partition is not None:
+            partitions.append(layer.partition)
+        out = layer.run(*inputs.args, *inputs.experts(layer), streaming=True)
+        torch.cuda.synchronize()
+        layer.check()
+        return out.cpu()
+    finally:
+        layer.destroy()
+
+
+@pytest.mark.timeout(1800)
+def test_create_call_destroy_cycles_leak_nothing_and_stay_exact(runtime, lifetime_cycles, record_testsuite_property):
+    inputs = Inputs(runtime)
+    heap_before = runtime.symmetric_usage()
+    partitions, not_exact, heap_changed, contexts_live = [], [], [], []
+    started = time.monotonic()
+    first = one_cycle(runtime, inputs, partitions)
+    free_after_first = settled_free_bytes(runtime)
+    for cycle in range(1, lifetime_cycles):
+        out = one_cycle(runtime, inputs, partitions)
+        if not torch.equal(out, first):
+            not_exact.append(cycle)
+        if runtime.symmetric_usage() != heap_before:
+            heap_changed.append((cycle, runtime.symmetric_usage()))
+        live = sum(not p.closed for p in partitions)
+        if live:
+            contexts_live.append((cycle, live))
+        if cycle % PROGRESS_EVERY == 0 and runtime.rank == 0:
+            print(f"lifetime: {cycle} cycles, {time.monotonic() - started:.0f} s", flush=True)
+    seconds = time.monotonic() - started
+    free_after_last = settled_free_bytes(runtime)
+    heap_after = runtime.symmetric_usage()
+    rank = runtime.rank
+    figures = {"cycles": lifetime_cycles, "seconds_per_cycle": round(seconds / lifetime_cycles, 4),
+               "heap_tensors_before": heap_before[0], "heap_tensors_after": heap_after[0],
+               "heap_bytes_before": heap_before[1], "heap_bytes_after": heap_after[1],
+               "partitions_made": len(partitions), "green_context_partitions_live_after": sum(
+                   not p.closed for p in partitions),
+               "device_free_mib_after_first": round(free_after_first / 2**20, 1),
+               "device_free_mib_after_last": round(free_after_last / 2**20, 1),
+               "device_free_drift_mib": round((free_after_first - free_after_last) / 2**20, 1)}
+    for name, value in figures.items():
+        record_testsuite_property(f"lifetime_{name}_rank{rank}", value)
+    assert not not_exact, f"cycles whose output differs from the first: {not_exact[:10]} ({len(not_exact)} in all)"
+    assert not heap_changed, f"symmetric allocations left after destroy (cycle, (tensors, bytes)): {heap_changed[:5]}"
+    assert not contexts_live, f"green-context partitions left open (cycle, how many): {contexts_live[:5]}"
+    assert partitions, "no layer made a partition: the green-context half of this test measured nothing"
+    fell_mib = (free_after_first - free_after_last) / 2**20
+    assert free_after_first - free_after_last < LEAK_BOUND_BYTES, (
+        f"device memory fell by {fell_mib:.1f} MiB over {lifetime_cycles - 1} cycles")

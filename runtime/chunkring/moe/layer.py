@@ -60,6 +60,9 @@ class MoELayer:
         timeout_s: the rings' watchdog limit (None: ``CHUNKRING_TIMEOUT_S``, default 100 s).
         kernels: the kernel libraries (None: built for this GPU; :mod:`chunkring.testing.variants` passes
             deliberately broken ones).
+        decode: run the expert GEMMs on the decode path (:class:`chunkring.moe.decode.DecodeGemm`: for few rows
+            per expert; :func:`chunkring.moe.decode.decode_fits` says whether a config suits it) instead of
+            DeepGEMM's. Off by default: not yet measured on a GPU. FP8 payload only.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly
@@ -77,7 +80,7 @@ class MoELayer:
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
-                 timeout_s: float | None = None, kernels: LayerKernels | None = None) -> None:
+                 timeout_s: float | None = None, kernels: LayerKernels | None = None, decode: bool = False) -> None:
         if not isinstance(config, MoEConfig):
             raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")
         check_partition_arg(partition)
@@ -87,6 +90,8 @@ class MoELayer:
                                       field="num_experts")
         if kernels is not None and not isinstance(kernels, LayerKernels):
             raise ChunkringUsageError(f"expected LayerKernels or None, got {type(kernels).__name__}", field="kernels")
+        if not isinstance(decode, bool):
+            raise ChunkringUsageError(f"expected a bool, got {type(decode).__name__}", field="decode")
         if not module_loading_is_eager():
             raise ChunkringUsageError(
                 "CUDA loads modules lazily in this process, which can deadlock a producer and a consumer "
@@ -96,7 +101,8 @@ class MoELayer:
         self.runtime, self.config = runtime, config
         #: Everything the layer holds at this rank (:class:`LayerResources`): rings, stage, buffers, kernels,
         #: partition and streams.
-        self.resources = LayerResources(runtime, config, partition=partition, timeout_s=timeout_s, kernels=kernels)
+        self.resources = LayerResources(runtime, config, partition=partition, timeout_s=timeout_s, kernels=kernels,
+                                        decode=decode)
         #: This rank's experts: ``experts_per_rank`` of them from global index ``first_expert``.
         self.experts_per_rank, self.first_expert = self.resources.experts_per_rank, self.resources.first_expert
         #: Enqueues the layer's calls on :attr:`resources`.

@@ -24,7 +24,7 @@ fragment comes from 16-byte loads of that layout (:func:`fragment_k`), so there 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -34,10 +34,9 @@ from chunkring.moe.weights import WEIGHT_BLOCK, Fp8Weight
 if TYPE_CHECKING:
     from chunkring.jit import KernelLibrary
     from chunkring.moe.config import MoEConfig
-    from chunkring.moe.experts import DevicePlan
 
 __all__ = ["DECODE_MAX_ROWS", "DECODE_PASS_ROWS", "DECODE_THREADS", "L2_CHUNK_ROWS", "DecodeGemm",
-           "check_decode_config", "decode_fits", "fragment_k", "mean_rows_per_expert"]
+           "PlanTensors", "check_decode_config", "decode_fits", "fragment_k", "mean_rows_per_expert"]
 
 #: An expert's rows per pass over its weights (decode_gemm.cuh kPassRows: 2 token tiles of 8): an expert
 #: with more rows streams its weights once per 16 of them.
@@ -49,6 +48,20 @@ L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
 #: The rule's default bound: the decode path is chosen while an expert's mean rows at a full batch are at
 #: most this (two passes). A guess until a GPU session measures the crossover (benchmarks/bench_decode.py).
 DECODE_MAX_ROWS = 32
+
+
+class PlanTensors(Protocol):
+    """What the decode kernels read of a plan: :class:`chunkring.moe.experts.DevicePlan` is one (a protocol, so
+    that this module, which :mod:`chunkring.moe.experts` imports, need not import it back)."""
+
+    @property
+    def counts(self) -> torch.Tensor: ...
+    @property
+    def group_end(self) -> torch.Tensor: ...
+    @property
+    def rows(self) -> torch.Tensor: ...
+    @property
+    def rows_sf(self) -> torch.Tensor: ...
 
 
 def fragment_k(step: int, t: int, half: int, byte: int) -> int:
@@ -124,7 +137,7 @@ class DecodeGemm:
         E, c = self.experts_per_rank, self.config
         return E * (c.intermediate // WEIGHT_BLOCK), E * (c.hidden // L2_CHUNK_ROWS)
 
-    def check(self, plan: DevicePlan, w13: Fp8Weight, w2: Fp8Weight, out: torch.Tensor) -> None:
+    def check(self, plan: PlanTensors, w13: Fp8Weight, w2: Fp8Weight, out: torch.Tensor) -> None:
         """Raise ``ChunkringUsageError`` unless the weights, the plan and ``out`` have this layer's shapes."""
         E, H, inter = self.experts_per_rank, self.config.hidden, self.config.intermediate
         for name, w, shape in (("w13", w13, (E, 2 * inter, H)), ("w2", w2, (E, H, inter))):
@@ -144,7 +157,7 @@ class DecodeGemm:
             got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
             raise ChunkringUsageError(f"expected bfloat16 [{P}, {H}], got {got}", field="out")
 
-    def __call__(self, plan: DevicePlan, w13: Fp8Weight, w2: Fp8Weight, out: torch.Tensor, *,
+    def __call__(self, plan: PlanTensors, w13: Fp8Weight, w2: Fp8Weight, out: torch.Tensor, *,
                  stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue on ``stream`` (None: the current one) ``out[p] = w2[e] @ act(w13[e] @ row p)`` for every
         real row p of ``plan`` (bf16 [P, H]; other rows untouched), act = e4m3(silu(gate) * up) per 1x128.

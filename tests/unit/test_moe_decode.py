@@ -33,7 +33,7 @@ from chunkring.moe.decode import (
     mean_rows_per_expert,
 )
 from chunkring.moe.experts import DevicePlan, ExpertCompute
-from chunkring.moe.weights import quantize_weight_fp8
+from chunkring.moe.weights import Fp8Weight, quantize_weight_fp8
 
 DEVICE = Path(__file__).resolve().parents[2] / "device"
 HEADER = DEVICE / "include/chunkring/moe/decode_gemm.cuh"
@@ -203,6 +203,15 @@ def test_the_launches_name_every_parameter_on_the_kernels_grids():
     assert "DecodeGemm(" in repr(gemm)
 
 
+def misaligned(data):
+    """A contiguous copy of ``data`` that starts one byte past an aligned address."""
+    flat = torch.zeros(data.numel() + 1, dtype=torch.uint8)
+    copy = flat[1:].view(data.shape)
+    copy.copy_(data.view(torch.uint8))
+    assert copy.is_contiguous() and copy.data_ptr() % 16
+    return copy.view(torch.float8_e4m3fn)
+
+
 def test_bad_arguments_are_refused_before_any_launch():
     E, H, inter, P = 2, 256, 128, 256
     library = RecordingLibrary()
@@ -216,6 +225,7 @@ def test_bad_arguments_are_refused_before_any_launch():
         (dict(out=out[:-1]), "out"),
         (dict(plan=cpu_plan(P, E + 1, H)), "plan"),
         (dict(plan=cpu_plan(P, E, 2 * H)), "plan"),
+        (dict(w2=Fp8Weight(misaligned(w2.data), w2.scale)), "w2"),
     ]
     for change, field in wrong:
         args = {"plan": plan, "w13": w13, "w2": w2, "out": out, **change}

@@ -147,10 +147,14 @@ class DecodeGemm:
                 raise ChunkringUsageError(f"expected data {list(shape)}, got {list(w.data.shape)}", field=name)
             if not w.data.is_contiguous() or not w.scale.is_contiguous():
                 raise ChunkringUsageError("data and scale must be contiguous", field=name)
+            if w.data.data_ptr() % 16:  # the kernels load 16 bytes at a time
+                raise ChunkringUsageError("data must start on a 16-byte boundary", field=name)
         P = plan.rows.shape[0]
         if tuple(plan.rows.shape) != (P, H) or tuple(plan.rows_sf.shape) != (H // WEIGHT_BLOCK, P):
             raise ChunkringUsageError(f"expected FP8 rows [P, {H}] and scales [{H // WEIGHT_BLOCK}, P], got "
                                       f"{list(plan.rows.shape)} and {list(plan.rows_sf.shape)}", field="plan")
+        if plan.rows.data_ptr() % 16:
+            raise ChunkringUsageError("rows must start on a 16-byte boundary", field="plan")
         if tuple(plan.counts.shape) != (E,):
             raise ChunkringUsageError(f"expected counts [{E}], got {list(plan.counts.shape)}", field="plan")
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != (P, H) or out.dtype != torch.bfloat16:

@@ -64,22 +64,32 @@ def words(part: np.ndarray) -> list[np.ndarray]:
     return [part[4 * i:4 * i + 4] for i in range(4)]  # u32 word i: bytes 4i..4i+3, lowest k first
 
 
-def mma_m16n8k32(c, a, b):
-    """PTX mma.m16n8k32 .row.col on per-lane fragments (lists of 32 lanes): a[lane] 4 words of 4 values,
-    b[lane] 2 words, c[lane] 4 floats; the fragment tables of the PTX ISA (g = lane // 4, t = lane % 4)."""
+#: Where byte i of register half h of lane t sits along the MMA's k (0..31): the PTX ISA's table for 8-bit
+#: m16n8k32 ("ptx": 4t + i, then 16 further), and another order seen described for it ("paired": 8t + i, then 4
+#: further). The kernels rely only on what both share - A's half h and B's half h of one lane hold the same k
+#: in the same byte - so the emulation below must compute the same GEMM under either.
+K_ORDERS = {"ptx": lambda t, h: 4 * t + 16 * h, "paired": lambda t, h: 8 * t + 4 * h}
+
+
+def mma_m16n8k32(c, a, b, k_order="ptx"):
+    """mma.m16n8k32 .row.col on per-lane fragments (lists of 32 lanes): a[lane] 4 words of 4 values, b[lane]
+    2 words, c[lane] 4 floats; rows and columns as the PTX ISA's tables (g = lane // 4, t = lane % 4), k as
+    ``k_order`` says."""
+    at = K_ORDERS[k_order]
     A, B = np.zeros((16, 32)), np.zeros((32, 8))
     for lane in range(32):
         g, t = divmod(lane, 4)
-        A[g, 4 * t:4 * t + 4], A[g + 8, 4 * t:4 * t + 4] = a[lane][0], a[lane][1]
-        A[g, 4 * t + 16:4 * t + 20], A[g + 8, 4 * t + 16:4 * t + 20] = a[lane][2], a[lane][3]
-        B[4 * t:4 * t + 4, g], B[4 * t + 16:4 * t + 20, g] = b[lane][0], b[lane][1]
+        for h in range(2):
+            k = at(t, h)
+            A[g, k:k + 4], A[g + 8, k:k + 4] = a[lane][2 * h], a[lane][2 * h + 1]
+            B[k:k + 4, g] = b[lane][h]
     C = A @ B
     for lane in range(32):
         g, t = divmod(lane, 4)
         c[lane] += np.array([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
 
 
-def emulate_warp_tile(w, w_sf, x, x_sf):
+def emulate_warp_tile(w, w_sf, x, x_sf, k_order="ptx"):
     """One m tile (w [16, K] values, w_sf [K / 128] its scale row) and one token tile (x [8, K], x_sf [8, K / 128])
     as decode_gemm.cuh's warp_gemm computes it: per k block, each lane's two 16-byte parts of its rows and its
     token, the four MMA steps' fragments (mma_stage), the block's sum times both scales. Returns C [16, 8]."""
@@ -95,7 +105,7 @@ def emulate_warp_tile(w, w_sf, x, x_sf):
                 at = (s % 2) * 2
                 a.append([row_g[at], row_g8[at], row_g[at + 1], row_g8[at + 1]])
                 b.append([tok[at], tok[at + 1]])
-            mma_m16n8k32(part, a, b)
+            mma_m16n8k32(part, a, b, k_order)
         for lane in range(32):
             t = lane % 4
             for c in range(4):
@@ -107,20 +117,21 @@ def emulate_warp_tile(w, w_sf, x, x_sf):
     return out
 
 
-def test_the_warp_data_flow_computes_the_block_scaled_gemm():
+@pytest.mark.parametrize("k_order", sorted(K_ORDERS))
+def test_the_warp_data_flow_computes_the_block_scaled_gemm(k_order):
     gen = torch.Generator().manual_seed(7)
     K = 384  # three k blocks
     w = torch.randn(16, K, generator=gen).to(torch.float8_e4m3fn).double().numpy()
     x = torch.randn(8, K, generator=gen).to(torch.float8_e4m3fn).double().numpy()
     w_sf = torch.rand(K // 128, generator=gen).double().numpy() + 0.5
     x_sf = torch.rand(8, K // 128, generator=gen).double().numpy() + 0.5
-    got = emulate_warp_tile(w, w_sf, x, x_sf)
+    got = emulate_warp_tile(w, w_sf, x, x_sf, k_order)
     want = (w * np.repeat(w_sf, 128)) @ (x * np.repeat(x_sf, 128, axis=1)).T
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-9)
     # Not vacuous: the same flow with the hi part taken from the lo part's place is wrong.
     shifted = x.copy()
     shifted[:, 64:128] = x[:, 0:64]
-    assert not np.allclose(emulate_warp_tile(w, w_sf, shifted, x_sf), want)
+    assert not np.allclose(emulate_warp_tile(w, w_sf, shifted, x_sf, k_order), want)
 
 
 def config(**changes):

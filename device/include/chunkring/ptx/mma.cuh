@@ -27,7 +27,8 @@ __device__ __forceinline__ void mma_m16n8k16_bf16_f32(float (&c)[4], const ::cud
 //   b[0] = B[4t..4t+3][g]     b[1] = B[4t+16..4t+19][g]
 //   c[0..1] = C[g][2t..2t+1]                            c[2..3] = C[g+8][2t..2t+1]
 // Only the pairing of a k between A and B matters to the sum, so a caller may feed both operands the
-// same permutation of k (the decode GEMM does, to load each fragment with 16-byte loads). Like DeepGEMM,
+// same permutation of k (the decode GEMM does, to load each fragment with 16-byte loads: it relies only on
+// a[0], a[1] holding b[0]'s k and a[2], a[3] holding b[1]'s, lane by lane and byte by byte). Like DeepGEMM,
 // callers accumulate one 128-wide k block per fresh `c` and add it to an fp32 total with its scales: the
 // tensor core's FP8 accumulation is not a full fp32 sum over long k.
 __device__ __forceinline__ void mma_m16n8k32_e4m3_f32(float (&c)[4], const ::cuda::std::uint32_t (&a)[4],

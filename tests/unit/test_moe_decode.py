@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from chunkring import MoEConfig, PayloadFormat
+from chunkring import MoEConfig, MoELayer, PayloadFormat
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit import parse_kernels
 from chunkring.jit.launch import check_argument_names
@@ -257,3 +257,14 @@ def test_expert_compute_takes_only_a_decode_gemm():
     with pytest.raises(ChunkringUsageError) as info:
         ExpertCompute(config(), 1, 0, 32, None, torch.device("cpu"), decode=True)
     assert info.value.field == "decode"
+
+
+@pytest.mark.parametrize("decode,changes,field", [
+    ("yes", {}, "decode"), (1, {}, "decode"), (None, {}, "decode"),
+    (True, dict(payload=PayloadFormat.BF16), "payload"), (True, dict(hidden=1152), "hidden"),
+])
+def test_the_layer_refuses_a_bad_decode_choice_before_building_anything(decode, changes, field):
+    # runtime=None: the refusal comes before the layer touches its runtime
+    with pytest.raises(ChunkringUsageError) as info:
+        MoELayer(None, config(**changes), decode=decode)
+    assert info.value.field == field

@@ -162,10 +162,12 @@ producer_ncu() {  # Nsight Compute on the fused producer kernel (no timing: wher
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
 }
-decode_1rank() {  # the decode path: correctness first (a failure skips the timing), then the benchmark's record
+decode_1rank() {  # the decode path: correctness first (a failure skips the timing), then the benchmark's record;
+    # DECODE_ARGS / DECODE_LIMIT_S override the bench's arguments (e.g. --shapes flash) and its time limit
     run_suite decode-1rank 1 python3 -m pytest tests/gpu/test_moe_decode.py -v -rs "${limits[@]}" \
         --junitxml="$logs/decode-1rank.xml" || { status=1; return; }
-    timeout "${DECODE_LIMIT_S:-420}" python3 -m benchmarks.bench_decode \
+    # shellcheck disable=SC2086
+    timeout "${DECODE_LIMIT_S:-420}" python3 -m benchmarks.bench_decode ${DECODE_ARGS:-} \
         --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode.json" 2>&1 | tee "$logs/decode.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }

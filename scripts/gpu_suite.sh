@@ -16,6 +16,8 @@
 # replay, reset, destroy at $ranks ranks under MPS, then the kill cells through chunkring-launch --mps, which starts
 # its own daemon); lifetime_mps runs LIFETIME_CYCLES (default 1000) create/call/destroy cycles of a small layer at 2
 # ranks (tests/lifetime: heap, green contexts and device memory flat, output exact).
+# decode_1rank runs the decode path's GPU tests, then benchmarks/bench_decode.py (decode vs DeepGEMM vs MegaMoE,
+# 1-512 tokens); decode_ncu records the decode kernels' achieved DRAM bandwidth with Nsight Compute.
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -25,7 +27,8 @@ bundle=${1:-.whl}
 ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
-           transport_1rank transport_mps partition_mps producer_ncu faults_mps lifetime_mps)
+           transport_1rank transport_mps partition_mps producer_ncu faults_mps lifetime_mps
+           decode_1rank decode_ncu)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -163,6 +166,26 @@ producer_ncu() {  # Nsight Compute on the fused producer kernel (no timing: wher
             2>&1 | tee -a "$logs/producer_ncu.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
+}
+decode_1rank() {  # the decode path: correctness first (a failure skips the timing), then the benchmark's record;
+    # DECODE_ARGS / DECODE_LIMIT_S override the bench's arguments (e.g. --shapes flash) and its time limit
+    run_suite decode-1rank 1 python3 -m pytest tests/gpu/test_moe_decode.py -v -rs "${limits[@]}" \
+        --junitxml="$logs/decode-1rank.xml" || { status=1; return; }
+    # shellcheck disable=SC2086
+    timeout "${DECODE_LIMIT_S:-420}" python3 -m benchmarks.bench_decode ${DECODE_ARGS:-} \
+        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode.json" 2>&1 | tee "$logs/decode.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and achieved DRAM bandwidth per launch,
+    # 1/8/32/128 tokens at the flash shape (--profile-once also runs DeepGEMM's path, which the filter leaves out)
+    local ncu out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode-ncu.csv
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "decode_ncu: no ncu on this host"; status=1; return; }
+    timeout 300 "$ncu" --clock-control none -k regex:moe_decode_l --csv --page raw \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_read.sum.per_second,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
+        --log-file "$out" python3 -m benchmarks.bench_decode --profile-once --shapes flash --tokens 1,8,32,128 \
+        2>&1 | tee "$logs/decode_ncu.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 job_rounds() {  # ranks name key value...: the main job with key=value for each value, twice each, interleaved
     # (a fixed order of one run each cannot tell a value's cost from the order's), one JSON per run; a failed

@@ -34,6 +34,7 @@ import torch
 from chunkring.env import cache_dir
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 from chunkring.moe.blocks import BlockPool
+from chunkring.moe.decode import DecodeGemm
 from chunkring.moe.dispatch import padded_rows_bound
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.io import check_tensor
@@ -126,11 +127,16 @@ class ExpertCompute:
     """The expert work of one layer at one rank, enqueued on the current stream by :meth:`__call__`.
 
     ``capacity`` (P): the most planned rows one call can produce here, every source's full batch
-    routed to this rank's experts (:func:`~chunkring.moe.dispatch.padded_rows_bound`).
+    routed to this rank's experts (:func:`~chunkring.moe.dispatch.padded_rows_bound`). ``decode``: a
+    :class:`~chunkring.moe.decode.DecodeGemm` to run the FP8 expert GEMMs (L1, SwiGLU, L2) instead of
+    DeepGEMM's, or None (the default: the decode path is not yet measured on a GPU).
     """
 
-    def __init__(self, config, world_size: int, first_expert: int, experts_per_rank: int, kernels, device):
-        self.config, self.kernels, self.device = config, kernels, device
+    def __init__(self, config, world_size: int, first_expert: int, experts_per_rank: int, kernels, device, *,
+                 decode: DecodeGemm | None = None):
+        if decode is not None and not isinstance(decode, DecodeGemm):
+            raise ChunkringUsageError(f"expected a DecodeGemm or None, got {type(decode).__name__}", field="decode")
+        self.config, self.kernels, self.device, self.decode = config, kernels, device, decode
         self.first_expert, self.experts_per_rank = first_expert, experts_per_rank
         self.fp8 = config.payload.has_scales
         self.capacity = padded_rows_bound(config.max_tokens_per_rank, config.topk, world_size, experts_per_rank,
@@ -221,6 +227,10 @@ class ExpertCompute:
         """bf16 [P, H]: w2[e] @ swiglu(w13[e] @ row) for every planned row (padding rows: unspecified)."""
         cfg, dev, P = self.config, self.device, self.capacity
         H, inter = cfg.hidden, cfg.intermediate
+        if self.fp8 and self.decode is not None:
+            out = self.rma_out if self.rma_out is not None else torch.empty((P, H), dtype=torch.bfloat16, device=dev)
+            self.decode(plan, w13, w2, out, stream=torch.cuda.current_stream(dev))
+            return out
         if self.fp8:
             dg = self._deep_gemm
             gate_up = torch.empty((P, 2 * inter), dtype=torch.bfloat16, device=dev)

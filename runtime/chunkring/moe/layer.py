@@ -27,6 +27,7 @@ from chunkring.errors import ChunkringError, ChunkringUsageError
 from chunkring.moe import handles
 from chunkring.moe.calls import CallMode, call_chunk, check_forward_args, check_run_args, resolve_streaming
 from chunkring.moe.config import MoEConfig
+from chunkring.moe.decode import check_decode_config, decode_fits
 from chunkring.moe.producer import enqueue_produce, router_logits
 from chunkring.moe.resources import LayerKernels, LayerResources
 from chunkring.moe.schedule import CallSchedule
@@ -64,6 +65,10 @@ class MoELayer:
         timeout_s: the rings' watchdog limit (None: ``CHUNKRING_TIMEOUT_S``, default 100 s).
         kernels: the kernel libraries (None: built for this GPU; :mod:`chunkring.testing.variants` passes
             deliberately broken ones).
+        decode: run the FP8 expert GEMMs on the decode path (:class:`chunkring.moe.decode.DecodeGemm`, for few
+            rows per expert) instead of DeepGEMM's: ``True``; ``"auto"``: where
+            :func:`chunkring.moe.decode.decode_fits` says the config suits it; ``False`` (the default - the decode
+            path is not yet measured on a GPU): never. One choice for the layer's every call.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly
@@ -83,10 +88,15 @@ class MoELayer:
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
-                 timeout_s: float | None = None, kernels: LayerKernels | None = None) -> None:
+                 timeout_s: float | None = None, kernels: LayerKernels | None = None,
+                 decode: bool | str = False) -> None:
         if not isinstance(config, MoEConfig):
             raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")
         check_partition_arg(partition)
+        if not (isinstance(decode, bool) or decode == "auto"):
+            raise ChunkringUsageError(f"expected True, False or 'auto', got {decode!r}", field="decode")
+        if decode is True:
+            check_decode_config(config)  # before anything is built, alike on every rank (configs are identical)
         world = runtime.world_size
         if config.num_experts % world:
             raise ChunkringUsageError(f"{config.num_experts} experts do not split evenly over {world} ranks",
@@ -102,7 +112,8 @@ class MoELayer:
         self.runtime, self.config = runtime, config
         #: Everything the layer holds at this rank (:class:`LayerResources`): rings, stage, buffers, kernels,
         #: partition and streams.
-        self.resources = LayerResources(runtime, config, partition=partition, timeout_s=timeout_s, kernels=kernels)
+        self.resources = LayerResources(runtime, config, partition=partition, timeout_s=timeout_s, kernels=kernels,
+                                        decode=decode is True or (decode == "auto" and decode_fits(config, world)))
         #: This rank's experts: ``experts_per_rank`` of them from global index ``first_expert``.
         self.experts_per_rank, self.first_expert = self.resources.experts_per_rank, self.resources.first_expert
         #: Enqueues the layer's calls on :attr:`resources`.

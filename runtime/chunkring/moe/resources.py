@@ -23,6 +23,7 @@ from chunkring.jit import library_for
 from chunkring.moe.blocks import BlockPool, pool_shape
 from chunkring.moe.calls import CallMode
 from chunkring.moe.config import MoEConfig
+from chunkring.moe.decode import DecodeGemm
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
 from chunkring.moe.stage import Stage
@@ -120,11 +121,11 @@ class LayerResources:
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
-                 timeout_s: float | None = None, kernels: LayerKernels | None = None) -> None:
+                 timeout_s: float | None = None, kernels: LayerKernels | None = None, decode: bool = False) -> None:
         self.runtime, self.config = runtime, config
         self._owned = contextlib.ExitStack()  # frees what was made, in reverse order
         try:
-            agree(runtime, lambda: self._prepare(kernels, partition))
+            agree(runtime, lambda: self._prepare(kernels, partition, decode))
             self._allocate(timeout_s)
             self._streams_for_modes()
         except BaseException:
@@ -133,15 +134,18 @@ class LayerResources:
 
     # ------------------------------------------------------------------ construction
 
-    def _prepare(self, kernels: LayerKernels | None, partition: SmPartition | str) -> None:
-        """The steps that can fail on one rank alone: kernel builds, the GEMM engine, the partition, the grids."""
+    def _prepare(self, kernels: LayerKernels | None, partition: SmPartition | str, decode: bool) -> None:
+        """The steps that can fail on one rank alone: kernel builds, the GEMM engine, the partition, the grids.
+        ``decode``: the expert GEMMs on the decode path (:class:`DecodeGemm`, its own kernel library)."""
         runtime, config = self.runtime, self.config
         world, device = runtime.world_size, runtime.torch_device
         self.experts_per_rank = config.num_experts // world
         self.first_expert = runtime.rank * self.experts_per_rank
         self.kernels = kernels if kernels is not None else LayerKernels.build(runtime)
+        decode_gemm = (DecodeGemm(library_for(runtime, "moe_decode"), config, self.experts_per_rank) if decode
+                       else None)
         self.compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank, self.kernels.experts,
-                                     device)
+                                     device, decode=decode_gemm)
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start would
         # stall the others (docs/PROTOCOL.md, "Progress").
         pulls = ("moe_pull", "moe_pull_blocks") if config.incremental else ("moe_pull",)

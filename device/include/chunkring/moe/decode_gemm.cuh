@@ -1,0 +1,197 @@
+// The decode path's warp engine (device/kernels/moe_decode.cu; runtime/chunkring/moe/decode.py drives it):
+// an FP8 block-scaled GEMM for few rows per expert, "swap AB" - the expert's weight rows on the MMA's wide
+// side (A: 16 rows per m16n8k32) and the tokens on its narrow side (B: 8 per MMA) - so that one token
+// costs one MMA per 512 weight bytes instead of a 64- or 128-row tile of padding.
+//
+// Each warp owns kMTiles m tiles (16 weight rows each, all in one 128-row scale block per tile) and streams
+// their rows over the whole k range once per pass of up to kPassRows tokens; kStages k blocks (128 k each)
+// of loads are in flight ahead of the MMAs. Weights are read as the checkpoint stores them ([N, K]
+// row-major, e4m3): no transformed copy.
+//
+// The k order. Only the pairing of each k between A and B enters the sum, so both operands take the same
+// permutation of each 128-wide k block, chosen so that every fragment comes from 16-byte loads: lane
+// t = lane % 4 loads bytes [16t, 16t + 16) ("lo") and [64 + 16t, 64 + 16t + 16) ("hi") of a row's k block
+// - for its two weight rows (g and g + 8, g = lane / 4) and for its token (g) - and MMA step s of the block
+// takes register words (s % 2) * 2 and (s % 2) * 2 + 1 of part s / 2 (fragment_k below). One load
+// instruction of a warp then covers 64 contiguous bytes of 8 rows: whole 32-byte sectors.
+//
+// Scales, per k block: the block's four MMAs accumulate into a fresh fp32 fragment, which is added to the
+// running fp32 total times (weight scale of the 128x128 block) x (the token's 1x128 scale) - DeepGEMM's
+// promotion, which keeps the tensor core's FP8 accumulation within one block.
+#pragma once
+
+#include <cuda/std/cstdint>
+
+#include "chunkring/ptx/load.cuh"
+#include "chunkring/ptx/mma.cuh"
+
+namespace chunkring::moe::decode {
+
+using u32 = ::cuda::std::uint32_t;
+using u64 = ::cuda::std::uint64_t;
+
+constexpr u32 kWarp = 32;
+constexpr u32 kKBlock = 128;                // k per scale: the weights' 128x128 blocks, the rows' 1x128
+constexpr u32 kKSteps = kKBlock / 32;       // MMAs (k = 32 each) per k block
+constexpr u32 kTileRows = 16;               // weight rows per MMA (m)
+constexpr u32 kTileTokens = 8;              // tokens per MMA (n)
+constexpr u32 kMTiles = 2;                  // m tiles per warp
+constexpr u32 kTokenTiles = 2;              // token tiles per pass
+constexpr u32 kPassRows = kTokenTiles * kTileTokens;  // an expert's rows per pass over its weights
+constexpr u32 kWarps = 8;                   // per block
+constexpr u32 kThreads = kWarps * kWarp;
+constexpr u32 kScaleRows = kWarps * kTileRows;  // 128: m tile i of every warp lies in one scale block
+constexpr u32 kStages = 3;                  // k blocks of loads per warp: the one in use and two in flight
+static_assert(kScaleRows == kKBlock, "a block's m tile i spans exactly one 128-row weight scale block");
+
+// The k (0..127) of a block that a fragment byte holds: MMA step `step` (0..3), lane t = lane % 4, register
+// half `half` (0: a[0], a[1], b[0]; 1: a[2], a[3], b[1]), byte `byte` (0..3) of that register word.
+// runtime/chunkring/moe/decode.py mirrors it (fragment_k), tested there.
+constexpr __host__ __device__ u32 fragment_k(u32 step, u32 t, u32 half, u32 byte) {
+    return (step / 2) * 64 + t * 16 + (step % 2) * 8 + half * 4 + byte;
+}
+
+// fragment_k visits every k of the block exactly once: the sum over the block is the whole dot product.
+constexpr bool fragment_k_is_a_bijection() {
+    bool seen[kKBlock] = {};
+    for (u32 step = 0; step < kKSteps; ++step)
+        for (u32 t = 0; t < 4; ++t)
+            for (u32 half = 0; half < 2; ++half)
+                for (u32 byte = 0; byte < 4; ++byte) {
+                    const u32 k = fragment_k(step, t, half, byte);
+                    if (k >= kKBlock || seen[k]) return false;
+                    seen[k] = true;
+                }
+    return true;
+}
+static_assert(fragment_k_is_a_bijection(), "the fragment k order must be a permutation of the k block");
+static_assert(fragment_k(0, 0, 0, 0) == 0 && fragment_k(1, 0, 0, 0) == 8 && fragment_k(2, 0, 0, 0) == 64 &&
+                  fragment_k(0, 3, 1, 3) == 55 && fragment_k(3, 3, 1, 3) == 127,
+              "lo part = bytes [16t, 16t + 16) for steps 0-1, hi part = [64 + 16t, 64 + 16t + 16) for steps 2-3");
+
+// What one warp reads, at k = 0; a null token pointer is a token past the pass's rows (read as zeros).
+struct WarpOperands {
+    const unsigned char* w_row[kMTiles];          // row g of each m tile; row g + 8 lies 8 * k_bytes further
+    const float* w_scale[kMTiles];                // each m tile's scale row: k block j at [j]
+    const unsigned char* x_row[kTokenTiles];      // token g of each token tile: its FP8 row
+    const float* x_scale[kTokenTiles][2];         // tokens 2t, 2t + 1 of each token tile: k block j at j * sf_stride
+    u64 k_bytes;                                  // K: bytes per weight row and per token row
+    u64 sf_stride;
+};
+
+// One k block of a warp's operands, in registers.
+struct Stage {
+    uint4 w[kMTiles][2][2];     // [m tile][row g, row g + 8][lo, hi]
+    uint4 x[kTokenTiles][2];    // [token tile][lo, hi] of token g
+    float w_scale[kMTiles];
+    float x_scale[kTokenTiles][2];
+};
+
+__device__ __forceinline__ u32 word(const uint4& v, u32 i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ void load_stage(Stage& st, const WarpOperands& op, u32 kb, u32 t) {
+    const u64 lo = static_cast<u64>(kb) * kKBlock + 16 * t, hi = lo + 64;
+#pragma unroll
+    for (u32 i = 0; i < kMTiles; ++i) {
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const unsigned char* row = op.w_row[i] + h * 8 * op.k_bytes;
+            st.w[i][h][0] = ptx::ld_nc_no_allocate_v4(row + lo);
+            st.w[i][h][1] = ptx::ld_nc_no_allocate_v4(row + hi);
+        }
+        st.w_scale[i] = __ldg(op.w_scale[i] + kb);
+    }
+#pragma unroll
+    for (u32 j = 0; j < kTokenTiles; ++j) {
+        // The token rows are re-read by every warp of the block (and every block of the expert): cached loads.
+        const unsigned char* x = op.x_row[j];
+        st.x[j][0] = x != nullptr ? __ldg(reinterpret_cast<const uint4*>(x + lo)) : make_uint4(0, 0, 0, 0);
+        st.x[j][1] = x != nullptr ? __ldg(reinterpret_cast<const uint4*>(x + hi)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (u32 c = 0; c < 2; ++c) {
+            const float* sf = op.x_scale[j][c];
+            st.x_scale[j][c] = sf != nullptr ? __ldg(sf + static_cast<u64>(kb) * op.sf_stride) : 0.0f;
+        }
+    }
+}
+
+// acc[i][j] += (the k block's MMAs of m tile i and token tile j) * w_scale[i] * x_scale of the column's
+// token; token tiles from `tiles` on are skipped (uniform across the warp).
+__device__ __forceinline__ void mma_stage(const Stage& st, u32 tiles, float (&acc)[kMTiles][kTokenTiles][4]) {
+    float part[kMTiles][kTokenTiles][4] = {};
+#pragma unroll
+    for (u32 s = 0; s < kKSteps; ++s) {
+        const u32 at = (s % 2) * 2, p = s / 2;
+        u32 a[kMTiles][4];
+#pragma unroll
+        for (u32 i = 0; i < kMTiles; ++i) {
+            a[i][0] = word(st.w[i][0][p], at);      // row g,     k half 0
+            a[i][1] = word(st.w[i][1][p], at);      // row g + 8, k half 0
+            a[i][2] = word(st.w[i][0][p], at + 1);  // row g,     k half 1
+            a[i][3] = word(st.w[i][1][p], at + 1);  // row g + 8, k half 1
+        }
+#pragma unroll
+        for (u32 j = 0; j < kTokenTiles; ++j) {
+            if (j >= tiles) continue;
+            const u32 b[2] = {word(st.x[j][p], at), word(st.x[j][p], at + 1)};
+#pragma unroll
+            for (u32 i = 0; i < kMTiles; ++i) ptx::mma_m16n8k32_e4m3_f32(part[i][j], a[i], b);
+        }
+    }
+#pragma unroll
+    for (u32 i = 0; i < kMTiles; ++i)
+#pragma unroll
+        for (u32 j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+            for (u32 c = 0; c < 4; ++c)  // c even: token 2t, odd: token 2t + 1
+                acc[i][j][c] = fmaf(part[i][j][c], st.w_scale[i] * st.x_scale[j][c % 2], acc[i][j][c]);
+}
+
+// The warp's fp32 tiles over `kblocks` k blocks: acc[i][j][c] for m tile i, token tile j, and fragment
+// element c (c[0..3] of the MMA: rows g, g, g + 8, g + 8; tokens 2t, 2t + 1, 2t, 2t + 1). The loads of the
+// next kStages - 1 k blocks are issued before each block's MMAs. The stage index is a compile-time
+// constant inside the unrolled loop, so the stages stay in registers.
+__device__ __forceinline__ void warp_gemm(const WarpOperands& op, u32 kblocks, u32 tiles,
+                                          float (&acc)[kMTiles][kTokenTiles][4]) {
+    const u32 t = threadIdx.x % 4;
+#pragma unroll
+    for (u32 i = 0; i < kMTiles; ++i)
+#pragma unroll
+        for (u32 j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+            for (u32 c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
+    Stage st[kStages];
+#pragma unroll
+    for (u32 s = 0; s + 1 < kStages; ++s)
+        if (s < kblocks) load_stage(st[s], op, s, t);
+    for (u32 kb0 = 0; kb0 < kblocks; kb0 += kStages) {
+#pragma unroll
+        for (u32 s = 0; s < kStages; ++s) {
+            const u32 kb = kb0 + s;
+            if (kb >= kblocks) break;
+            // st[s - 1] was used by the previous block: refill it with the block kStages - 1 ahead.
+            if (kb + kStages - 1 < kblocks) load_stage(st[(s + kStages - 1) % kStages], op, kb + kStages - 1, t);
+            mma_stage(st[s], tiles, acc);
+        }
+    }
+}
+
+// An expert's pass over rows [first, first + rows) of its group (rows <= kPassRows, the tokens' FP8 rows
+// x [P, K] and scales x_sf at j * sf_stride + p): the token half of the warp's operands, and the token
+// tiles in use. Rows past `rows` are null (read as zeros; their outputs are not written).
+__device__ __forceinline__ u32 set_tokens(WarpOperands& op, const unsigned char* x, const float* x_sf, u64 first,
+                                          u32 rows) {
+    const u32 g = threadIdx.x % kWarp / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (u32 j = 0; j < kTokenTiles; ++j) {
+        const u32 lo = j * kTileTokens;
+        const u32 here = rows > lo ? min(rows - lo, kTileTokens) : 0;  // real tokens in tile j
+        const u64 p = first + lo;
+        op.x_row[j] = g < here ? x + (p + g) * op.k_bytes : nullptr;
+#pragma unroll
+        for (u32 c = 0; c < 2; ++c) op.x_scale[j][c] = 2 * t + c < here ? x_sf + p + 2 * t + c : nullptr;
+    }
+    return (rows + kTileTokens - 1) / kTileTokens;
+}
+
+}  // namespace chunkring::moe::decode

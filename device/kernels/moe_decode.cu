@@ -1,0 +1,202 @@
+// The decode path of the consumer's expert work (runtime/chunkring/moe/decode.py drives it): for few rows per
+// expert, two kernels replace DeepGEMM's L1, moe_swiglu_fp8 and DeepGEMM's L2 (moe_experts.cu) on the same
+// plan (moe_plan_scatter's groups), and moe_combine_push runs after them unchanged:
+//
+//   moe_decode_l1   act = e4m3(silu(gate) * up) per 1x128, [gate, up] = rows @ w13[e]^T
+//   moe_decode_l2   out = bf16(act @ w2[e]^T)
+//
+// Both are "swap AB" FP8 GEMMs (chunkring/moe/decode_gemm.cuh): weight rows on the MMA's 16-wide side,
+// tokens on its 8-wide side, each weight byte of an expert with rows read once per pass of up to kPassRows
+// of its rows (an expert with more takes more passes; one with none reads nothing). Grid: one block of
+// kWarps warps per (local expert, chunk of weight rows), experts outer: a block of an expert without rows
+// returns at once, so the blocks of the experts in use spread over the SMs.
+//
+// Why L2 writes bf16 rows and leaves the combine to moe_combine_push rather than weighting and pushing in
+// its epilogue: the push owns the combine's transport (stores to peers, or NVSHMEM puts) and its release
+// and arrival count, which the held acks wait for; keeping it one kernel keeps those rules in one place,
+// for a cost of one read and write of [rows, H] bf16 - small at decode sizes.
+//
+// Rounding, as the DeepGEMM path rounds, so that both paths answer alike: L1's fp32 sums rounded to bf16
+// (DeepGEMM's output type) before SwiGLU; SwiGLU, the 1x128 absmax and the e4m3 cast as moe_swiglu_fp8;
+// L2's sums rounded to bf16. The sums themselves differ from DeepGEMM's in order.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cuda/std/cstdint>
+
+#include "chunkring/moe/decode_gemm.cuh"
+#include "chunkring/util/kernel_params.cuh"
+
+namespace {
+
+namespace decode = chunkring::moe::decode;
+using decode::kMTiles;
+using decode::kPassRows;
+using decode::kScaleRows;
+using decode::kTileRows;
+using decode::kTokenTiles;
+using decode::kWarp;
+using decode::kWarps;
+using u32 = ::cuda::std::uint32_t;
+using u64 = ::cuda::std::uint64_t;
+
+constexpr float kE4M3Max = 448.0f;  // largest finite float8_e4m3fn
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// The expert's first planned row and its row count: group e is rows [group_end[e] - counts[e], group_end[e]).
+struct Group {
+    u64 first;
+    u32 rows;
+};
+
+__device__ __forceinline__ Group group_of(const unsigned* counts, const int* group_end, u32 e) {
+    const u32 rows = counts[e];
+    return {static_cast<u64>(group_end[e]) - rows, rows};
+}
+
+// L1's epilogue for one pass: the warp's gate tile (acc[0]) and up tile (acc[1]) hold 16 intermediate columns
+// of up to kPassRows tokens; the block's eight warps together hold one 128-column scale block (`chunk`), whose
+// per-token absmax goes through shared memory. Writes act [P, I] and act_sf (block `chunk` of row p at
+// chunk * sf_stride + p) for the pass's real rows [first, first + rows).
+__device__ void swiglu_quantise(const float (&acc)[kMTiles][kTokenTiles][4], u64 first, u32 rows, u32 chunk,
+                                u64 inter, u64 sf_stride, __nv_fp8_e4m3* act, float* act_sf) {
+    __shared__ float amax_of[kWarps][kPassRows];
+    const u32 lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, g = lane / 4, t = lane % 4;
+    float v[kTokenTiles][4], amax[kTokenTiles][2] = {};
+#pragma unroll
+    for (u32 j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+        for (u32 c = 0; c < 4; ++c) {
+            const float gate = round_bf16(acc[0][j][c]), up = round_bf16(acc[1][j][c]);
+            v[j][c] = gate / (1.0f + __expf(-gate)) * up;  // moe_swiglu_fp8's expression
+            amax[j][c % 2] = fmaxf(amax[j][c % 2], fabsf(v[j][c]));
+        }
+    // Over the warp's 16 columns: the lanes of one t (lane bits 2-4 are g) hold the same tokens.
+#pragma unroll
+    for (u32 j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+#pragma unroll
+            for (u32 offset = 4; offset < kWarp; offset *= 2)
+                amax[j][h] = fmaxf(amax[j][h], __shfl_xor_sync(0xffffffffu, amax[j][h], offset));
+            if (g == 0) amax_of[warp][j * 8 + 2 * t + h] = amax[j][h];
+        }
+    __syncthreads();
+    float scale[kTokenTiles][2];
+#pragma unroll
+    for (u32 j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            float m = 0.0f;
+#pragma unroll
+            for (u32 w = 0; w < kWarps; ++w) m = fmaxf(m, amax_of[w][j * 8 + 2 * t + h]);
+            float s = m / kE4M3Max;
+            if (!(s > 0.0f)) s = 1.0f;  // a zero block (or one whose scale underflows), as moe_swiglu_fp8
+            scale[j][h] = s;
+        }
+    const u64 col = static_cast<u64>(chunk) * kScaleRows + warp * kTileRows + g;
+#pragma unroll
+    for (u32 j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+        for (u32 c = 0; c < 4; ++c) {
+            const u32 token = j * 8 + 2 * t + c % 2;
+            if (token >= rows) continue;
+            const float q = fminf(fmaxf(v[j][c] / scale[j][c % 2], -kE4M3Max), kE4M3Max);
+            act[(first + token) * inter + col + (c / 2) * 8] = __nv_fp8_e4m3(q);
+        }
+    if (warp == 0 && g == 0)
+#pragma unroll
+        for (u32 j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+            for (u32 h = 0; h < 2; ++h) {
+                const u32 token = j * 8 + 2 * t + h;
+                if (token < rows) act_sf[chunk * sf_stride + first + token] = scale[j][h];
+            }
+    __syncthreads();  // amax_of is rewritten by the next pass
+}
+
+}  // namespace
+
+// L1 + SwiGLU + FP8 quantisation. Block (e, chunk) = (blockIdx.x / (inter / 128), blockIdx.x % (inter / 128));
+// warp w computes gate rows chunk * 128 + 16w .. + 15 and the same up rows (inter further), for every row of
+// expert e's group, and the block quantises the chunk's 128 columns per row.
+//   w13 [E_local, 2I, H] e4m3, w13_sf [E_local, 2I / 128, H / 128] fp32 (chunkring.moe.Fp8Weight)
+//   rows [P, H] e4m3 (the plan's rows), rows_sf: scale j of row p at j * sf_stride + p
+//   counts [E_local], group_end [E_local]: the plan's groups (moe_plan_scatter)
+//   act [P, I] e4m3, act_sf: scale j of row p at j * sf_stride + p (only the groups' real rows written)
+// Launch: grid E_local * inter / 128, block decode::kThreads; hidden % 128 == 0, inter % 128 == 0.
+extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
+    moe_decode_l1(const __nv_fp8_e4m3* w13, const float* w13_sf, const unsigned char* rows, const float* rows_sf,
+                  long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
+                  long long inter, __nv_fp8_e4m3* act, float* act_sf) {
+    const u64 H = static_cast<u64>(hidden), I = static_cast<u64>(inter);
+    const u32 chunks = static_cast<u32>(I / kScaleRows), e = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+    const Group group = group_of(counts, group_end, e);
+    if (group.rows == 0) return;  // uniform across the block: an idle expert's weights are never read
+    const u32 warp = threadIdx.x / kWarp, g = threadIdx.x % kWarp / 4;
+    const u64 kblocks = H / decode::kKBlock, scale_rows = 2 * I / kScaleRows;
+    const auto* w = reinterpret_cast<const unsigned char*>(w13);
+    decode::WarpOperands op{};
+    op.k_bytes = H;
+    op.sf_stride = static_cast<u64>(sf_stride);
+    const u64 row0 = static_cast<u64>(chunk) * kScaleRows + warp * kTileRows + g;  // gate row g of the warp's tile
+    op.w_row[0] = w + (e * 2 * I + row0) * H;
+    op.w_row[1] = w + (e * 2 * I + I + row0) * H;  // its up row
+    op.w_scale[0] = w13_sf + (e * scale_rows + chunk) * kblocks;
+    op.w_scale[1] = w13_sf + (e * scale_rows + I / kScaleRows + chunk) * kblocks;
+    float acc[kMTiles][kTokenTiles][4];
+    for (u32 done = 0; done < group.rows; done += kPassRows) {
+        const u32 here = min(group.rows - done, kPassRows);
+        const u32 tiles = decode::set_tokens(op, rows, rows_sf, group.first + done, here);
+        decode::warp_gemm(op, static_cast<u32>(kblocks), tiles, acc);
+        swiglu_quantise(acc, group.first + done, here, chunk, I, op.sf_stride, act, act_sf);
+    }
+}
+
+// L2. Block (e, chunk) = (blockIdx.x / (hidden / 256), blockIdx.x % (hidden / 256)); warp w computes output
+// columns chunk * 256 + 16w .. + 15 (m tile 0) and 128 further (m tile 1) for every row of expert e's group.
+//   w2 [E_local, H, I] e4m3, w2_sf [E_local, H / 128, I / 128] fp32 (chunkring.moe.Fp8Weight)
+//   act [P, I] e4m3, act_sf: scale j of row p at j * sf_stride + p (moe_decode_l1's output)
+//   out [P, H] bf16: the groups' real rows written, others untouched
+// Launch: grid E_local * hidden / 256, block decode::kThreads; hidden % 256 == 0, inter % 128 == 0.
+extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
+    moe_decode_l2(const __nv_fp8_e4m3* w2, const float* w2_sf, const __nv_fp8_e4m3* act, const float* act_sf,
+                  long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
+                  long long inter, __nv_bfloat16* out) {
+    const u64 H = static_cast<u64>(hidden), I = static_cast<u64>(inter);
+    const u32 chunks = static_cast<u32>(H / (kMTiles * kScaleRows)), e = blockIdx.x / chunks,
+              chunk = blockIdx.x % chunks;
+    const Group group = group_of(counts, group_end, e);
+    if (group.rows == 0) return;  // uniform across the block
+    const u32 warp = threadIdx.x / kWarp, g = threadIdx.x % kWarp / 4, t = threadIdx.x % 4;
+    const u64 kblocks = I / decode::kKBlock, scale_rows = H / kScaleRows;
+    const auto* w = reinterpret_cast<const unsigned char*>(w2);
+    decode::WarpOperands op{};
+    op.k_bytes = I;
+    op.sf_stride = static_cast<u64>(sf_stride);
+    u64 col[kMTiles];  // row g of each m tile: the output column it gives
+#pragma unroll
+    for (u32 i = 0; i < kMTiles; ++i) {
+        const u64 block = static_cast<u64>(chunk) * kMTiles + i;  // its 128-row scale block
+        col[i] = block * kScaleRows + warp * kTileRows + g;
+        op.w_row[i] = w + (e * H + col[i]) * I;
+        op.w_scale[i] = w2_sf + (e * scale_rows + block) * kblocks;
+    }
+    float acc[kMTiles][kTokenTiles][4];
+    for (u32 done = 0; done < group.rows; done += kPassRows) {
+        const u32 here = min(group.rows - done, kPassRows);
+        const u64 first = group.first + done;
+        const u32 tiles = decode::set_tokens(op, reinterpret_cast<const unsigned char*>(act), act_sf, first, here);
+        decode::warp_gemm(op, static_cast<u32>(kblocks), tiles, acc);
+#pragma unroll
+        for (u32 i = 0; i < kMTiles; ++i)
+#pragma unroll
+            for (u32 j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+                for (u32 c = 0; c < 4; ++c) {  // c: rows g, g, g + 8, g + 8 of the tile; tokens 2t, 2t + 1
+                    const u32 token = j * 8 + 2 * t + c % 2;
+                    if (token < here) out[(first + token) * H + col[i] + (c / 2) * 8] = __float2bfloat16_rn(acc[i][j][c]);
+                }
+    }
+}

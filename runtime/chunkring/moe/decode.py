@@ -1,0 +1,181 @@
+"""The FP8 decode path of the consumer's expert work: for few rows per expert, two "swap AB" GEMM kernels
+(device/kernels/moe_decode.cu) in place of DeepGEMM's L1, ``moe_swiglu_fp8`` and DeepGEMM's L2, on the
+same plan (:class:`~chunkring.moe.experts.DevicePlan`); the combine push after them is unchanged.
+
+Why: at decode sizes (a few rows per expert) DeepGEMM's grouped GEMMs pad every expert to a 128-row
+block, and the layer measured ~2x above the time it takes to read the active experts' weights once
+from HBM (docs/PERFORMANCE.md). The decode kernels put 16 weight rows on the MMA's wide side and 8
+tokens on its narrow side, so an expert's weights are streamed once per pass of up to
+:data:`DECODE_PASS_ROWS` of its rows, and an expert with no rows reads nothing.
+
+**Off by default, and unmeasured**: written and compiled without a GPU; :class:`DecodeGemm` runs only
+where a caller passes one (``ExpertCompute(..., decode=...)``, ``MoELayer(..., decode=True)``). Its
+speed and its agreement with the DeepGEMM path on the H200 are for a GPU session to measure
+(tests/gpu/test_moe_decode.py, benchmarks/bench_decode.py) before anything turns it on.
+
+Which path a layer takes is fixed per layer (:func:`decode_fits`), never per call: the kernels are fixed
+grids over the layer's experts that loop over whatever rows the call brought, so a call is correct at
+any routing and captures into a CUDA graph; only its speed depends on the rows per expert.
+
+Weights are read in the checkpoint's own layout (:class:`~chunkring.moe.weights.Fp8Weight`, [E, N, K]
+e4m3 row-major with 128x128 block scales): the kernels choose their k order so that every MMA
+fragment comes from 16-byte loads of that layout (:func:`fragment_k`), so there is no transformed copy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from chunkring.errors import ChunkringUsageError
+from chunkring.moe.weights import WEIGHT_BLOCK, Fp8Weight
+
+if TYPE_CHECKING:
+    from chunkring.jit import KernelLibrary
+    from chunkring.moe.config import MoEConfig
+
+__all__ = ["DECODE_MAX_ROWS", "DECODE_PASS_ROWS", "DECODE_THREADS", "L2_CHUNK_ROWS", "DecodeGemm",
+           "PlanTensors", "check_decode_config", "decode_fits", "fragment_k", "mean_rows_per_expert"]
+
+#: An expert's rows per pass over its weights (decode_gemm.cuh kPassRows: 2 token tiles of 8): an expert
+#: with more rows streams its weights once per 16 of them.
+DECODE_PASS_ROWS = 16
+#: Threads per block of both kernels (decode_gemm.cuh kThreads: 8 warps).
+DECODE_THREADS = 256
+#: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
+L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
+#: The rule's default bound: the decode path is chosen while an expert's mean rows at a full batch are at
+#: most this (two passes). A guess until a GPU session measures the crossover (benchmarks/bench_decode.py).
+DECODE_MAX_ROWS = 32
+
+
+class PlanTensors(Protocol):
+    """What the decode kernels read of a plan: :class:`chunkring.moe.experts.DevicePlan` is one (a protocol, so
+    that this module, which :mod:`chunkring.moe.experts` imports, need not import it back)."""
+
+    @property
+    def counts(self) -> torch.Tensor: ...
+    @property
+    def group_end(self) -> torch.Tensor: ...
+    @property
+    def rows(self) -> torch.Tensor: ...
+    @property
+    def rows_sf(self) -> torch.Tensor: ...
+
+
+def fragment_k(step: int, t: int, half: int, byte: int) -> int:
+    """The k (0..127) of a 128-wide k block that a fragment byte holds in both operands of the decode
+    kernels' MMAs: MMA step ``step`` (0..3), lane ``t`` = lane % 4, register half ``half`` (0 or 1), byte
+    ``byte`` (0..3). Mirrors decode_gemm.cuh ``fragment_k``: lane t's two 16-byte loads of a row's k
+    block start at 16t and 64 + 16t; steps 0-1 use the first, 2-3 the second."""
+    return (step // 2) * 64 + t * 16 + (step % 2) * 8 + half * 4 + byte
+
+
+def mean_rows_per_expert(config: MoEConfig, world_size: int) -> float:
+    """An expert's rows at a full batch under uniform routing: every rank's ``max_tokens_per_rank`` tokens,
+    ``topk`` choices each, spread over ``num_experts``."""
+    return config.max_tokens_per_rank * world_size * config.topk / config.num_experts
+
+
+def check_decode_config(config: MoEConfig) -> None:
+    """Raise ``ChunkringUsageError`` unless the decode kernels can run ``config``'s layer: the FP8 payload,
+    ``hidden`` a multiple of 256 (L2's blocks: two 128-row scale blocks of w2) and ``intermediate`` a
+    multiple of 128 (L1's blocks: one scale block of gate and of up rows)."""
+    if not config.payload.has_scales:
+        raise ChunkringUsageError("the decode path runs FP8 GEMMs: it needs the FP8 payload", field="payload")
+    if config.hidden % L2_CHUNK_ROWS:
+        raise ChunkringUsageError(f"the decode path needs hidden % {L2_CHUNK_ROWS} == 0, got {config.hidden}",
+                                  field="hidden")
+    if config.intermediate % WEIGHT_BLOCK:
+        raise ChunkringUsageError(f"the decode path needs intermediate % {WEIGHT_BLOCK} == 0, got "
+                                  f"{config.intermediate}", field="intermediate")
+
+
+def decode_fits(config: MoEConfig, world_size: int, *, max_rows: int = DECODE_MAX_ROWS) -> bool:
+    """Whether a layer of ``config`` on ``world_size`` ranks should take the decode path: the FP8 payload, shapes
+    the kernels take (:func:`check_decode_config`), and at most ``max_rows`` rows per expert on average at a
+    full batch (:func:`mean_rows_per_expert`). One answer per layer, so every call of a layer - and every
+    CUDA graph captured from one - runs the same kernels. A call may still bring an expert many more rows
+    (a hot expert): it is computed correctly, in more passes."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ChunkringUsageError(f"expected a positive int, got {max_rows!r}", field="max_rows")
+    try:
+        check_decode_config(config)
+    except ChunkringUsageError:
+        return False
+    return mean_rows_per_expert(config, world_size) <= max_rows
+
+
+class DecodeGemm:
+    """The decode path's expert GEMMs for one layer at one rank: :meth:`__call__` enqueues L1 (+ SwiGLU + FP8
+    quantisation) and L2 on a plan, writing bf16 rows like the DeepGEMM path.
+
+    Args:
+        kernels: the library of device/kernels/moe_decode.cu (``library_for(runtime, "moe_decode")``).
+        config: the layer's config (:func:`check_decode_config`).
+        experts_per_rank: E_local.
+
+    Raises:
+        ChunkringUsageError: a config the kernels cannot run.
+    """
+
+    def __init__(self, kernels: KernelLibrary, config: MoEConfig, experts_per_rank: int) -> None:
+        check_decode_config(config)
+        if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) or experts_per_rank < 1:
+            raise ChunkringUsageError(f"expected a positive int, got {experts_per_rank!r}", field="experts_per_rank")
+        self.kernels, self.config, self.experts_per_rank = kernels, config, experts_per_rank
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"DecodeGemm(experts_per_rank={self.experts_per_rank}, hidden={c.hidden}, "
+                f"intermediate={c.intermediate}, grids={self.grids()})")
+
+    def grids(self) -> tuple[int, int]:
+        """(L1, L2) blocks: one per (local expert, 128 intermediate columns), one per (local expert, 256
+        hidden rows). Fixed per layer: the blocks of experts without rows return at once."""
+        E, c = self.experts_per_rank, self.config
+        return E * (c.intermediate // WEIGHT_BLOCK), E * (c.hidden // L2_CHUNK_ROWS)
+
+    def check(self, plan: PlanTensors, w13: Fp8Weight, w2: Fp8Weight, out: torch.Tensor) -> None:
+        """Raise ``ChunkringUsageError`` unless the weights, the plan and ``out`` have this layer's shapes."""
+        E, H, inter = self.experts_per_rank, self.config.hidden, self.config.intermediate
+        for name, w, shape in (("w13", w13, (E, 2 * inter, H)), ("w2", w2, (E, H, inter))):
+            if not isinstance(w, Fp8Weight):
+                raise ChunkringUsageError(f"expected a chunkring.moe.Fp8Weight, got {type(w).__name__}", field=name)
+            if tuple(w.data.shape) != shape:
+                raise ChunkringUsageError(f"expected data {list(shape)}, got {list(w.data.shape)}", field=name)
+            if not w.data.is_contiguous() or not w.scale.is_contiguous():
+                raise ChunkringUsageError("data and scale must be contiguous", field=name)
+            if w.data.data_ptr() % 16:  # the kernels load 16 bytes at a time
+                raise ChunkringUsageError("data must start on a 16-byte boundary", field=name)
+        P = plan.rows.shape[0]
+        if tuple(plan.rows.shape) != (P, H) or tuple(plan.rows_sf.shape) != (H // WEIGHT_BLOCK, P):
+            raise ChunkringUsageError(f"expected FP8 rows [P, {H}] and scales [{H // WEIGHT_BLOCK}, P], got "
+                                      f"{list(plan.rows.shape)} and {list(plan.rows_sf.shape)}", field="plan")
+        if plan.rows.data_ptr() % 16:
+            raise ChunkringUsageError("rows must start on a 16-byte boundary", field="plan")
+        if tuple(plan.counts.shape) != (E,):
+            raise ChunkringUsageError(f"expected counts [{E}], got {list(plan.counts.shape)}", field="plan")
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (P, H) or out.dtype != torch.bfloat16:
+            got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ChunkringUsageError(f"expected bfloat16 [{P}, {H}], got {got}", field="out")
+
+    def __call__(self, plan: PlanTensors, w13: Fp8Weight, w2: Fp8Weight, out: torch.Tensor, *,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue on ``stream`` (None: the current one) ``out[p] = w2[e] @ act(w13[e] @ row p)`` for every
+        real row p of ``plan`` (bf16 [P, H]; other rows untouched), act = e4m3(silu(gate) * up) per 1x128.
+        No host synchronisation and nothing read back: graph-capturable."""
+        self.check(plan, w13, w2, out)
+        H, inter = self.config.hidden, self.config.intermediate
+        P = plan.rows.shape[0]
+        # The DeepGEMM path's layout for the activation (its moe_swiglu_fp8 writes the same tensors).
+        act = torch.empty((P, inter), dtype=torch.float8_e4m3fn, device=out.device)
+        act_sf = torch.empty((inter // WEIGHT_BLOCK, P), dtype=torch.float32, device=out.device)
+        l1, l2 = self.grids()
+        self.kernels.launch("moe_decode_l1", w13=w13.data, w13_sf=w13.scale, rows=plan.rows, rows_sf=plan.rows_sf,
+                            sf_stride=P, counts=plan.counts, group_end=plan.group_end, hidden=H, inter=inter,
+                            act=act, act_sf=act_sf, grid=l1, block=DECODE_THREADS, stream=stream)
+        self.kernels.launch("moe_decode_l2", w2=w2.data, w2_sf=w2.scale, act=act, act_sf=act_sf, sf_stride=P,
+                            counts=plan.counts, group_end=plan.group_end, hidden=H, inter=inter, out=out,
+                            grid=l2, block=DECODE_THREADS, stream=stream)

@@ -1,0 +1,177 @@
+"""The decode path of the FP8 expert work (chunkring.moe.decode, device/kernels/moe_decode.cu) on the GPU:
+
+* on one plan, its expert outputs match the fp32 reference of the recipe within the tolerance the DeepGEMM
+  path is held to (tests/gpu/test_moe_experts.py: 1e-2 relative), and match the DeepGEMM path's outputs
+  within it, at 1, 8, 32 and 128 tokens, hidden 4096 and 7168 - with experts that have no rows (never
+  routed to) and, from 32 tokens, experts with more rows than one pass (16);
+* a row's output does not depend on its place in the plan (the plan places rows by atomic cursor), and
+  two runs are bitwise equal;
+* through the layer (``MoELayer(..., decode=True)``): streamed equals batch-ready bit for bit and both
+  match the layer's fp32 reference; CUDA-graph replays equal eager calls bit for bit.
+
+Not run yet: written without a GPU, for the GPU session that measures the path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkring import MoEConfig, MoELayer
+from chunkring.jit import library_for
+from chunkring.moe.decode import DECODE_PASS_ROWS, DecodeGemm
+from chunkring.moe.experts import ExpertCompute
+from chunkring.moe.stage import Stage
+from chunkring.moe.weights import quantize_weight_fp8
+from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
+from tests.gpu.graph_helpers import MAX_TOKENS, SLOTS, Batch, check_replay, strict_capture
+from tests.gpu.graph_helpers import TOPK as GRAPH_TOPK
+from tests.gpu.graph_helpers import C as GRAPH_C
+from tests.gpu.moe_helpers import H as LAYER_H
+from tests.gpu.moe_helpers import case_inputs, layer_reference, local_weights, rel_error, tolerance, weights
+
+pytestmark = pytest.mark.gpu
+
+E_LOCAL, TOPK, INTER = 8, 4, 2048
+ACTIVE = 6  # tokens choose among experts 0..5: experts 6 and 7 never have rows
+TOLERANCE = 1e-2  # test_moe_experts.py's bound for the DeepGEMM path against the same reference
+
+
+def staged(n, hidden, device, seed):
+    """What moe_pull leaves for one rank of one: n tokens' FP8 rows and routing; and their dequantised rows."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.rand(n, ACTIVE, generator=gen).argsort(dim=1)[:, :TOPK].to(torch.int32)
+    w = torch.rand(n, TOPK, generator=gen) + 0.1
+    xq, sf = quantize_fp8_per128(torch.randn(n, hidden, generator=gen) * 3)
+    stage = Stage(xq[None].to(device), sf[None].to(device), idx[None].to(device), w[None].to(device), expert_lo=0,
+                  expert_hi=E_LOCAL)
+    return stage, dequantize_fp8_per128(xq, sf).to(device)
+
+
+def expert_weights_fp8(hidden, device, seed):
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    w13 = torch.randn(E_LOCAL, 2 * INTER, hidden, generator=gen, device=device) / hidden**0.5
+    w2 = torch.randn(E_LOCAL, hidden, INTER, generator=gen, device=device) / INTER**0.5
+    return quantize_weight_fp8(w13), quantize_weight_fp8(w2)
+
+
+def dequantized(q, e):
+    """float32 [N, K] of expert e of an Fp8Weight (one expert at a time: all of them would not fit twice)."""
+    scale = q.scale[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return q.data[e].float() * scale[:q.data.shape[1], :q.data.shape[2]]
+
+
+def reference(plan, x_in, q13, q2):
+    """fp32 [rows, H] for the plan's real rows (in plan order) and their indices: the recipe's roundings
+    between the GEMMs (L1's output to bf16, the activation to e4m3 per 1x128), one expert at a time."""
+    ends, counts = plan.group_end.tolist(), plan.counts.tolist()
+    rows, outs = [], []
+    for e in range(E_LOCAL):
+        if counts[e] == 0:
+            continue
+        real = torch.arange(ends[e] - counts[e], ends[e], device=x_in.device)
+        x = x_in[plan.token[real].long()]
+        gate_up = (x @ dequantized(q13, e).t()).to(torch.bfloat16).float()
+        act = F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]
+        act = dequantize_fp8_per128(*quantize_fp8_per128(act))
+        outs.append(act @ dequantized(q2, e).t())
+        rows.append(real)
+    return torch.cat(rows), torch.cat(outs)
+
+
+def paths(runtime, cfg):
+    """(the DeepGEMM path, the decode path) on one kernel library for the plan."""
+    device, experts = runtime.torch_device, library_for(runtime, "moe_experts")
+    decode = DecodeGemm(library_for(runtime, "moe_decode"), cfg, E_LOCAL)
+    return (ExpertCompute(cfg, 1, 0, E_LOCAL, experts, device),
+            ExpertCompute(cfg, 1, 0, E_LOCAL, experts, device, decode=decode))
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168])
+@pytest.mark.parametrize("n", [1, 8, 32, 128])
+def test_decode_outputs_match_the_reference_and_the_deepgemm_path(runtime, hidden, n):
+    device = runtime.torch_device
+    cfg = MoEConfig(num_experts=E_LOCAL, hidden=hidden, intermediate=INTER, topk=TOPK, max_tokens_per_rank=n)
+    deep, decode = paths(runtime, cfg)
+    stage, x_in = staged(n, hidden, device, seed=n + hidden)
+    q13, q2 = expert_weights_fp8(hidden, device, seed=hidden)
+    plan = deep.plan(stage)
+    out_deep = deep.experts(plan, q13, q2)
+    out_decode = decode.experts(plan, q13, q2)
+    torch.cuda.synchronize()
+    counts = plan.counts.tolist()
+    assert counts[ACTIVE:] == [0] * (E_LOCAL - ACTIVE), "the idle experts must have no rows"
+    if n >= 32:
+        assert max(counts) > DECODE_PASS_ROWS, "an expert must take more than one pass"
+    real, ref = reference(plan, x_in, q13, q2)
+    got = out_decode[real].float()
+    err_decode, err_deep = rel_error(got, ref), rel_error(out_deep[real].float(), ref)
+    between = rel_error(got, out_deep[real].float())
+    print(f"hidden {hidden}, {n} tokens: decode {err_decode:.2e}, DeepGEMM {err_deep:.2e}, between {between:.2e}")
+    assert err_decode <= TOLERANCE and err_deep <= TOLERANCE and between <= TOLERANCE
+
+
+def test_a_rows_output_does_not_depend_on_its_place_and_repeats_bitwise(runtime):
+    device, hidden, n = runtime.torch_device, 4096, 40
+    cfg = MoEConfig(num_experts=E_LOCAL, hidden=hidden, intermediate=INTER, topk=TOPK, max_tokens_per_rank=n)
+    _, decode = paths(runtime, cfg)
+    stage, _ = staged(n, hidden, device, seed=11)
+    q13, q2 = expert_weights_fp8(hidden, device, seed=12)
+    by_choice = []
+    for _ in range(3):
+        plan = decode.plan(stage)
+        out = decode.experts(plan, q13, q2).clone()
+        real = torch.nonzero(plan.src >= 0).flatten()
+        assert torch.equal(decode.experts(plan, q13, q2)[real], out[real]), "a rerun on the same plan differs"
+        order = (plan.token[real] * TOPK + plan.k[real]).argsort()
+        by_choice.append(out[real[order]])
+    assert by_choice[0].shape[0] == n * TOPK
+    assert all(torch.equal(other, by_choice[0]) for other in by_choice[1:])
+
+
+def layer_config(world):
+    return MoEConfig(num_experts=2 * world, hidden=LAYER_H, intermediate=128, topk=GRAPH_TOPK,
+                     max_tokens_per_rank=MAX_TOKENS, front_num_slots=SLOTS, front_tokens_per_slot=GRAPH_C)
+
+
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_layer_on_the_decode_path_streamed_equals_batch_ready(runtime, n):
+    cfg = layer_config(runtime.world_size)
+    layer = MoELayer(runtime, cfg, timeout_s=60, decode=True)
+    try:
+        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(21))
+        experts = local_weights(layer, w13, w2)
+        x_in, idx, w, args = case_inputs("fp8", n, cfg.num_experts, cfg.topk, "uniform", 100 + runtime.rank,
+                                         runtime.torch_device)
+        outs = {}
+        for streaming in (False, True):
+            outs[streaming] = layer.run(*args, *experts, streaming=streaming).clone()
+            torch.cuda.synchronize()
+            layer.check()
+        assert torch.equal(outs[True], outs[False])
+        err = rel_error(outs[False], layer_reference(layer, x_in, idx, w, w13, w2))
+        assert err <= tolerance(layer), f"relative error {err:.2e}"
+    finally:
+        layer.destroy()
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
+def test_graph_replays_on_the_decode_path_match_eager_calls(runtime, streaming):
+    cfg = layer_config(runtime.world_size)
+    layer = MoELayer(runtime, cfg, timeout_s=60, decode=True)
+    try:
+        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(5))
+        experts = local_weights(layer, w13, w2)
+        batch = Batch(runtime, cfg)
+        out = torch.zeros(MAX_TOKENS, LAYER_H, dtype=torch.bfloat16, device=runtime.torch_device)
+
+        def call():
+            return layer.run(*batch.args(), *experts, streaming=streaming, out=out, num_tokens=batch.count)
+
+        call()
+        torch.cuda.synchronize()
+        graph, _ = strict_capture(call)
+        for step in range(30):
+            check_replay(layer, batch, experts, graph, out, step, streaming=streaming,
+                         reference=(w13, w2) if step % 10 == 0 else None)
+    finally:
+        layer.destroy()

@@ -307,13 +307,7 @@ class MoELayer:
             ChunkringTimeoutError, ChunkringPeerAbortedError, ChunkringDeviceError: as :meth:`check`. Inside a
                 graph capture, the one the host word names (origin rank, code), without the record's details.
         """
-        self._check_alive()
-        for mode, ring in self.rings.items():
-            try:
-                ring.raise_if_failed()
-            except ChunkringError as error:
-                error.add_note(f"(the layer's {mode.name.lower().replace('_', '-')} ring; reset() to continue)")
-                raise
+        self._on_every_ring("raise_if_failed", "; reset() to continue")
 
     @contextlib.contextmanager
     def _aborting_peers_on_bad_arguments(self, streaming: bool | str) -> Iterator[None]:
@@ -348,12 +342,16 @@ class MoELayer:
             ChunkringInputError: a consumer masked malformed input (the layer stays usable).
             After the first three the layer needs :meth:`reset` (a collective) before its next call.
         """
+        self._on_every_ring("check")
+
+    def _on_every_ring(self, method: str, advice: str = "") -> None:
+        """The rings' ``method`` on each (batch-ready first); an error it raises names the ring, then propagates."""
         self._check_alive()
         for mode, ring in self.rings.items():
             try:
-                ring.check()
+                getattr(ring, method)()
             except ChunkringError as error:
-                error.add_note(f"(the layer's {mode.name.lower().replace('_', '-')} ring)")
+                error.add_note(f"(the layer's {mode.name.lower().replace('_', '-')} ring{advice})")
                 raise
 
     def reset(self) -> None:

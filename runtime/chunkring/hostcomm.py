@@ -109,6 +109,12 @@ class HostComm:
             return
         _world_roll_call(self._mpi()).meet(timeout_s, what)
 
+    def abandon_barrier(self) -> None:
+        """Tell every rank that this one will not come to its next bounded :meth:`barrier` (it failed before it):
+        the others raise at once, naming it (:meth:`~chunkring.rollcall.RollCall.abandon`)."""
+        if self.world_size > 1:
+            _world_roll_call(self._mpi()).abandon()
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (``MPI_Abort``), so none waits in a collective for this one.
         Does nothing in a single process (the caller returns or exits as it would anyway)."""

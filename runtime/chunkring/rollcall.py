@@ -78,7 +78,20 @@ class RollCall:
             polls += 1
             self.sleep(0 if polls < BUSY_POLLS else POLL_SLEEP_S)
 
+    def abandon(self) -> None:
+        """Tell every rank that this one will not come to the next barrier (it failed before it), then skip that
+        barrier here: the ranks already waiting there, or coming later, raise at once naming this rank instead of
+        waiting out their limit; every rank's next barrier after it is again the same."""
+        seq = self._seq
+        self._seq += 1
+        for r in self.others:
+            self.mailbox.post(r, (GAVE_UP, seq))
+
     def _why(self, absent: tuple[int, ...], gave_up: tuple[int, ...], timeout_s: float, what: str) -> str:
+        abandoned = tuple(r for r in gave_up if r in absent)  # told us it will not come (abandon)
+        if abandoned:
+            return (f"rank {self.rank}: rank(s) {_names(abandoned)} failed before {what} and will not come; "
+                    "nothing was done here")
         if not absent:
             return (f"rank {self.rank}: rank(s) {_names(gave_up)} stopped waiting at {what} before this rank came "
                     f"(their limit of {timeout_s:g} s passed first); nothing was done here")

@@ -188,6 +188,11 @@ class Runtime:
         Host only: it orders no GPU work and enqueues nothing, so it may run while a stream is being captured."""
         self._host.barrier(timeout_s, what=what)
 
+    def abandon_barrier(self) -> None:
+        """This rank will not come to the next bounded barrier (:meth:`host_barrier`, or a collective's roll call):
+        the ranks waiting there raise at once, naming it (:meth:`HostComm.abandon_barrier`)."""
+        self._host.abandon_barrier()
+
     def barrier(self, timeout_s: float = PEER_WAIT_S, *, what: str = "a barrier") -> None:
         """Every rank's work on torch's current stream, its NVSHMEM operations included, is complete when this
         returns on any rank. A collective: complete this PE's outstanding NVSHMEM operations in the stream's

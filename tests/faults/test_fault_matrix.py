@@ -9,8 +9,9 @@ What every other rank must see (the kill of a rank ends the job instead: test_fa
   timed out so, or - the first call's warm-up barrier - a ``ChunkringHostTimeoutError`` naming it absent. A
   survivor stopped by the abort of a survivor that timed out waiting for *another survivor* (stalled behind the
   hung rank) learns no name: the abort word carries the failing rank, not the rank it waited for - that cell
-  then xfails, saying so. A usage error raises on the origin before any GPU work; its peers learn of it only
-  once the origin tells them (a host-side abort: those cells are marked xfail until it exists).
+  then xfails, saying so. A usage error raises on the origin before any GPU work, and the origin tells its peers:
+  at a mode's first call it abandons the warm-up barrier they wait at (``ChunkringHostTimeoutError`` naming it,
+  at once), later it raises the ring's abort (``HOST_USAGE``: ``ChunkringPeerAbortedError`` naming it).
 * reset / destroy: a usage error or a hang makes every other rank raise ``ChunkringHostTimeoutError`` naming the
   origin within the configured limit, with nothing zeroed or freed; a device error (a kernel of the origin failing
   while the reset or destroy is called) is waited for: no error, nothing zeroed or freed under it.
@@ -47,13 +48,7 @@ DELAY_CYCLES = 40_000_000
 CALL_PHASES = ("first_call", "streamed", "graph_replay")
 PHASES = (*CALL_PHASES, "reset", "destroy")
 FAULTS = ("usage", "device", "hang")
-NEEDS_HOST_ABORT = pytest.mark.xfail(reason="needs host-side abort: a usage error on one rank does not yet stop "
-                                            "its peers' kernels, which wait for its chunks until their watchdog",
-                                     strict=False)
-#: A usage error at a first call is seen at its warm-up barrier, bounded by LIMIT_S here; at a later call, only
-#: through the origin's kernels' absence.
-CELLS = [pytest.param(fault, phase, marks=NEEDS_HOST_ABORT if fault == "usage" and phase in CALL_PHASES[1:] else ())
-         for fault in FAULTS for phase in PHASES]
+CELLS = [(fault, phase) for fault in FAULTS for phase in PHASES]
 
 
 @pytest.fixture(scope="module")

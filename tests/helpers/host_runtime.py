@@ -40,6 +40,10 @@ class HostOnlyRuntime:
             self.comm.barrier(timeout_s, what="an allgather")
         return self.comm.allgather_object(obj)
 
+    def abandon_barrier(self):
+        self.events.append(("abandon",))
+        self.comm.abandon_barrier()
+
     def quiesce(self, timeout_s, *, what):
         self.events.append(("quiesce", timeout_s, what))
         self.comm.barrier(timeout_s, what=what)

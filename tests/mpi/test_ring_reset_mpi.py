@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from chunkring import ChunkringHostTimeoutError, PayloadFormat, Ring, RingSpec
+from chunkring import ChunkringHostTimeoutError, ChunkringUsageError, PayloadFormat, Ring, RingSpec
 from chunkring.hostcomm import HostComm
 from tests.helpers.host_runtime import HostOnlyRuntime
 
@@ -63,3 +63,23 @@ def test_a_destroy_one_rank_is_late_for_frees_nothing_anywhere():
     runtime.comm.barrier(timeout_s=60)
     ring.destroy(timeout_s=60)  # every rank together: freed
     assert not runtime.live and ("free", ring.buffer.data_ptr()) in runtime.events
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_reset_one_rank_refuses_is_named_at_once_on_every_other_rank():
+    """A bad bound is that rank's own usage error: it abandons the barrier, so the others do not wait out theirs."""
+    ring, runtime = make_ring()
+    rank, refuser = runtime.rank, runtime.world_size - 1
+    if rank == refuser:
+        with pytest.raises(ChunkringUsageError):
+            ring.reset(timeout_s=-1.0)
+    else:
+        started = time.monotonic()
+        with pytest.raises(ChunkringHostTimeoutError) as info:
+            ring.reset(timeout_s=60)
+        assert time.monotonic() - started < 5.0, "waited for a rank that had said it would not come"
+        assert info.value.absent_ranks == (refuser,) and info.value.gave_up_ranks == (refuser,)
+    runtime.comm.barrier(timeout_s=60)
+    ring.reset(timeout_s=60)  # every rank together: the barriers line up again
+    assert ring.epoch == 2
+    ring.destroy(timeout_s=60)

@@ -111,7 +111,8 @@ def host_layer(monkeypatch, cfg: MoEConfig, *, rank: int = 0) -> MoELayer:
     """A real MoELayer over host-only rings (one per call mode of ``cfg``), its schedule replaced by one that
     counts the calls it is handed (``layer.schedule.calls``) and returns zeros."""
     runtime = SimpleNamespace(rank=rank, world_size=1, torch_device=torch.device("cpu"), gpu_ranks=1,
-                              allgather_object=lambda value: [value])
+                              allgather_object=lambda value: [value], abandoned=0)
+    runtime.abandon_barrier = lambda: setattr(runtime, "abandoned", runtime.abandoned + 1)
     modes = (CallMode.BATCH_READY, CallMode.STREAMED) if cfg.streaming else (CallMode.BATCH_READY,)
     rings = {mode: HostRing(runtime) for mode in modes}
     resources = SimpleNamespace(rings=rings, experts_per_rank=E, first_expert=0, transports=(), free=lambda: None,
@@ -120,7 +121,8 @@ def host_layer(monkeypatch, cfg: MoEConfig, *, rank: int = 0) -> MoELayer:
     monkeypatch.setattr(chunkring.moe.layer, "LayerResources", lambda *args, **kwargs: resources)
     monkeypatch.setattr(chunkring.moe.layer, "module_loading_is_eager", lambda: True)
     layer = MoELayer(runtime, cfg)
-    schedule = SimpleNamespace(calls=0)
+    schedule = SimpleNamespace(calls=0, warm=set())
+    schedule.is_warm = lambda mode: mode in schedule.warm
 
     def enqueue(mode, n, *args, **kwargs):
         schedule.calls += 1
@@ -236,6 +238,22 @@ def test_a_bad_argument_of_this_ranks_own_aborts_the_ring_its_peers_wait_in(monk
     ring = layer.rings[CallMode.STREAMED if args["streaming"] else CallMode.BATCH_READY]
     assert launches.calls == [("ring_raise_abort", {"desc": ring.desc, "code": int(ErrorCode.HOST_USAGE)})]
     assert layer.schedule.calls == 0
+    assert layer.runtime.abandoned == 1  # the mode's first call: its peers wait at the warm-up barrier
+
+
+def test_a_bad_argument_abandons_the_warm_up_barrier_only_at_a_modes_first_call(monkeypatch, launches):
+    layer = host_layer(monkeypatch, config())
+    gen = torch.Generator().manual_seed(5)
+    _, w13, w2 = weights(gen)
+    bad = {**routed(gen), "w13": w13, "w2": w2, **BAD_ARGUMENTS["topk_idx"]}
+    layer.schedule.warm.add(CallMode.BATCH_READY)
+    with pytest.raises(ChunkringUsageError):
+        layer.run(**bad)
+    assert layer.runtime.abandoned == 0  # warm: the peers wait on the device, which the abort reaches
+    with pytest.raises(ChunkringUsageError):
+        layer.run(**bad, streaming=True)
+    assert layer.runtime.abandoned == 1
+    assert [name for name, _ in launches.calls] == ["ring_raise_abort"] * 2
 
 
 def test_forward_aborts_on_a_bad_argument_too(monkeypatch, launches):

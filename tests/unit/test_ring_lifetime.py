@@ -73,7 +73,7 @@ def test_reset_takes_an_explicit_bound_and_follows_set_timeout():
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, True, "1", float("inf")])
-def test_a_bad_bound_is_refused_before_any_wait(bad):
+def test_a_bad_bound_is_refused_before_any_wait_and_abandons_the_peers_barrier(bad):
     ring, runtime = make_ring()
     runtime.events.clear()
     with pytest.raises(ChunkringUsageError) as info:
@@ -81,7 +81,8 @@ def test_a_bad_bound_is_refused_before_any_wait(bad):
     assert info.value.field == "timeout_s"
     with pytest.raises(ChunkringUsageError):
         ring.destroy(timeout_s=bad)
-    assert runtime.events == []
+    # No wait and nothing zeroed or freed here; the peers, at the barrier this rank will not come to, are told.
+    assert runtime.events == [("abandon",), ("abandon",)]
 
 
 def test_a_reset_whose_peers_do_not_come_zeroes_nothing(monkeypatch):

@@ -119,6 +119,20 @@ def test_a_peer_already_at_the_next_barrier_keeps_its_message_for_then():
     assert order == ["fast passed 0", "fast passed 1"]
 
 
+def test_a_rank_that_abandons_a_barrier_is_named_at_once_and_the_next_one_lines_up():
+    calls = roll_calls(3)
+    started = time.monotonic()
+    results = run_ranks([lambda c=c: c.meet(30.0, "the first call's warm-up") for c in calls[:2]] +
+                        [calls[2].abandon])
+    assert time.monotonic() - started < 5.0, "the waiting ranks waited out their limit"
+    for rank in range(2):
+        error = results[rank]
+        assert isinstance(error, ChunkringHostTimeoutError), error
+        assert error.absent_ranks == (2,) and error.gave_up_ranks == (2,)
+        assert f"rank {rank}: rank(s) 2 failed before the first call's warm-up and will not come" in str(error)
+    assert run_ranks([lambda c=c: c.meet(5.0) for c in calls]) == [None] * 3
+
+
 def test_a_single_rank_meets_itself():
     (call,) = roll_calls(1)
     call.meet(0.01)

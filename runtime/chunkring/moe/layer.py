@@ -318,7 +318,8 @@ class MoELayer:
         Only checks of what ranks hold apart abort - this rank's tensors, its ``chunk``. ``streaming`` is resolved
         first, outside: ranks agree on a call's mode (each mode has its own ring), so a bad one fails every rank
         alike before any waits, as a destroyed layer does. Nor does a check inside a graph capture abort: its
-        peers capture too, and wait in nothing yet."""
+        peers capture too, and wait in nothing yet. At a mode's first call the peers wait on the host instead, at
+        the warm-up barrier (:meth:`CallSchedule.is_warm`): this rank abandons it, so they raise at once."""
         mode = CallMode.STREAMED if resolve_streaming(self.config, self.streaming_calibration, streaming) \
             else CallMode.BATCH_READY
         try:
@@ -330,6 +331,10 @@ class MoELayer:
                 except Exception as failed:  # the usage error is the one to report; say why peers may wait
                     error.add_note(f"the ring's abort could not be raised ({failed!r}): peers may wait until the "
                                    "watchdog")
+            if not self.schedule.is_warm(mode):
+                # The peers of a mode's first call wait at its warm-up barrier (a host wait, which no device
+                # abort reaches): tell them this rank will not come, so they raise now, naming it.
+                self.runtime.abandon_barrier()
             raise
 
     def check(self) -> None:

@@ -128,6 +128,10 @@ class CallSchedule:
         caller.wait_stream(last)
         return out
 
+    def is_warm(self, mode: CallMode) -> bool:
+        """Whether ``mode``'s first call ran: until then, a call of it meets every rank at its warm-up barrier."""
+        return mode in self._warm_modes
+
     def _warm_up(self, mode: CallMode, consumer: torch.cuda.Stream, w13: Weight, w2: Weight) -> None:
         """The first call of ``mode``: load the GEMM engine's kernels before anything of this call spins
         (:meth:`ExpertCompute.warm_up`: for the whole GPU, and for the consumer's SMs where waves run there),

@@ -119,8 +119,7 @@ class Ring:
         is zeroed, and every rank has zeroed before any rank returns.
         """
         self.check_alive()
-        limit = self.timeout_s + RESET_MARGIN_S if timeout_s is None else check_timeout_s(timeout_s,
-                                                                                           field="timeout_s")
+        limit = self.timeout_s + RESET_MARGIN_S if timeout_s is None else self._peer_wait_limit(timeout_s)
         # Every rank's kernels of the old epoch have ended, and their aborts (remote swaps) have landed.
         self.runtime.quiesce(limit, what="the reset's first barrier")
         epoch = int(self.views["control"][CONTROL["epoch"]].item()) + 1
@@ -208,7 +207,7 @@ class Ring:
         free is a collective too, which that rank would never join. A second call does nothing."""
         if self._destroyed:
             return
-        timeout_s = check_timeout_s(timeout_s, field="timeout_s")
+        timeout_s = self._peer_wait_limit(timeout_s)
         try:
             self.runtime.quiesce(timeout_s, what="the ring's destroy()")
         except ChunkringError as exc:
@@ -216,6 +215,16 @@ class Ring:
             raise
         self.runtime.free(self.buffer)
         self._destroyed = True
+
+    def _peer_wait_limit(self, timeout_s: float) -> float:
+        """``timeout_s`` checked, for a collective whose first step is a bounded barrier (reset, destroy). A bad
+        value is this rank's own: before raising it, this rank abandons that barrier, so its peers, already
+        there or on their way, raise at once naming it instead of waiting out their limit."""
+        try:
+            return check_timeout_s(timeout_s, field="timeout_s")
+        except ChunkringUsageError:
+            self.runtime.abandon_barrier()
+            raise
 
     def __enter__(self) -> Ring:
         return self

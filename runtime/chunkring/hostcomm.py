@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.ranks import RankInfo
+from chunkring.ranks import InJob, RankInfo
 from chunkring.rollcall import Message, RollCall
 
 if TYPE_CHECKING:  # imported at the first collective: a single process never initialises MPI
@@ -23,7 +23,7 @@ __all__ = ["HostComm"]
 T = TypeVar("T")
 
 
-class HostComm:
+class HostComm(InJob):
     """Host-side collectives over every rank of the job, on small picklable Python objects.
 
     Under ``mpirun`` they run over MPI's world communicator (mpi4py, imported and checked against
@@ -45,14 +45,6 @@ class HostComm:
     def from_env(cls) -> HostComm:
         """The collectives of this process's job as its launcher describes it (:meth:`RankInfo.from_env`)."""
         return cls(RankInfo.from_env())
-
-    @property
-    def rank(self) -> int:
-        return self.ranks.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ranks.world_size
 
     def __repr__(self) -> str:
         return f"HostComm(rank {self.rank} of {self.world_size})"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from chunkring.errors import ChunkringUsageError
 
-__all__ = ["RankInfo"]
+__all__ = ["InJob", "RankInfo"]
 
 # (rank, size, local rank, local size) variable names, by launcher. Open MPI first: it is what
 # chunkring-launch starts; MPICH/Hydra so that a user's own `mpiexec` works too.
@@ -59,3 +59,17 @@ def _int(env: Mapping[str, str], name: str) -> int:
         return int(env[name])
     except ValueError:
         raise ChunkringUsageError(f"not an integer: {env[name]!r}", field=name) from None
+
+
+class InJob:
+    """``rank`` and ``world_size`` of an object that holds its job's :class:`RankInfo` as ``ranks``."""
+
+    ranks: RankInfo
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 from chunkring.hostcomm import HostComm
-from chunkring.ranks import RankInfo
+from chunkring.ranks import InJob, RankInfo
 
 if TYPE_CHECKING:  # imported where used: importing chunkring initialises neither torch nor NVSHMEM
     import torch
@@ -31,7 +31,7 @@ PEER_WAIT_S = 900.0
 
 
 @dataclass(eq=False)
-class Runtime:
+class Runtime(InJob):
     """One process's CUDA device and NVSHMEM membership. Close it explicitly (or use ``with``).
 
     Symmetric tensors made by :meth:`alloc` have the same offset in every PE's heap; all of them are
@@ -64,14 +64,6 @@ class Runtime:
         if not 1 <= self.gpu_ranks <= self.world_size:
             raise ChunkringUsageError(f"must be in [1, world_size={self.world_size}], got {self.gpu_ranks}",
                                       field="gpu_ranks")
-
-    @property
-    def rank(self) -> int:
-        return self.ranks.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ranks.world_size
 
     @property
     def torch_device(self) -> torch.device:

@@ -44,6 +44,14 @@ def test_fragment_k_is_a_permutation_of_the_k_block():
     assert sorted(ks) == list(range(128))
 
 
+def test_the_block_size_is_the_headers():
+    """The kernels index per-warp state by threadIdx.x / 32 for kWarps warps: the launch must use exactly that."""
+    text = HEADER.read_text()
+    warps = int(re.search(r"constexpr u32 kWarps = (\d+);", text).group(1))
+    assert re.search(r"constexpr u32 kThreads = kWarps \* kWarp;", text)
+    assert DECODE_THREADS == warps * 32
+
+
 def test_fragment_k_mirrors_the_header():
     pinned = re.findall(r"fragment_k\((\d+), (\d+), (\d+), (\d+)\) == (\d+)", HEADER.read_text())
     assert len(pinned) >= 5

@@ -155,8 +155,10 @@ class DecodeGemm:
                                       f"{list(plan.rows.shape)} and {list(plan.rows_sf.shape)}", field="plan")
         if plan.rows.data_ptr() % 16:
             raise ChunkringUsageError("rows must start on a 16-byte boundary", field="plan")
-        if tuple(plan.counts.shape) != (E,):
-            raise ChunkringUsageError(f"expected counts [{E}], got {list(plan.counts.shape)}", field="plan")
+        for name in ("counts", "group_end"):
+            got = tuple(getattr(plan, name).shape)
+            if got != (E,):
+                raise ChunkringUsageError(f"expected {name} [{E}], got {list(got)}", field="plan")
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != (P, H) or out.dtype != torch.bfloat16:
             got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
             raise ChunkringUsageError(f"expected bfloat16 [{P}, {H}], got {got}", field="out")

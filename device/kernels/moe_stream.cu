@@ -160,7 +160,7 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
     const RingDesc& d = *desc;
     const StageDesc& s = *stage;
     const PoolDesc& p = *pool_desc;
-    if (!check_descriptor(d) || !moe::check_stage(d, s) || !moe::check_pool(d, p)) return;
+    if (!check_descriptor(d) || !moe::check_stage(d, s) || !moe::check_pool(d, p, &s)) return;
     const blk::Pool pool = moe::pool_of(p);
     const long long expert_lo = static_cast<long long>(s.expert_lo), expert_hi = static_cast<long long>(s.expert_hi);
     auto* stage_idx = address<int>(s.idx);

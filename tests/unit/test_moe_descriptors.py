@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from chunkring import MoEConfig, PayloadFormat
+from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat
 from chunkring.moe.descriptors import MOE_LAYOUT_VERSION, POOL_FIELDS, STAGE_FIELDS, descriptor_words
 from chunkring.moe.stage import Stage
 
@@ -52,3 +52,23 @@ def test_stage_descriptor(payload):
     for name in ("x", "sf", "idx", "w", "held"):
         assert desc[name] == getattr(stage, name).data_ptr(), name
     assert bool((stage.idx == -1).all()) and stage.held.tolist() == [-1] * 4
+
+
+def test_a_stage_refuses_tensors_its_kernels_could_not_read():
+    idx = torch.full((2, 4, 2), -1, dtype=torch.int32)
+    good = dict(x=torch.zeros(2, 4, 256, dtype=torch.float8_e4m3fn), sf=torch.zeros(2, 4, 2),
+                idx=idx, w=torch.zeros(2, 4, 2))
+    Stage(**good, expert_lo=0, expert_hi=2)
+    bad = {
+        "x": dict(x=torch.zeros(2, 4, 256)),  # fp32 rows
+        "sf": dict(sf=torch.zeros(2, 3, 2)),  # another row count
+        "w": dict(w=torch.zeros(2, 2, 4).transpose(1, 2)),  # not contiguous
+        "held": dict(held=torch.zeros(3, dtype=torch.int64)),
+    }
+    for field, change in bad.items():
+        with pytest.raises(ChunkringUsageError) as info:
+            Stage(**{**good, **{k: v for k, v in change.items() if k != "held"}}, expert_lo=0, expert_hi=2,
+                  held=change.get("held"))
+        assert info.value.field == field
+    with pytest.raises(ChunkringUsageError, match="expert_lo < expert_hi"):
+        Stage(**good, expert_lo=2, expert_hi=2)

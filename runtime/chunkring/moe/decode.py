@@ -156,9 +156,9 @@ class DecodeGemm:
         if plan.rows.data_ptr() % 16:
             raise ChunkringUsageError("rows must start on a 16-byte boundary", field="plan")
         for name in ("counts", "group_end"):
-            got = tuple(getattr(plan, name).shape)
-            if got != (E,):
-                raise ChunkringUsageError(f"expected {name} [{E}], got {list(got)}", field="plan")
+            shape = tuple(getattr(plan, name).shape)
+            if shape != (E,):
+                raise ChunkringUsageError(f"expected {name} [{E}], got {list(shape)}", field="plan")
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != (P, H) or out.dtype != torch.bfloat16:
             got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
             raise ChunkringUsageError(f"expected bfloat16 [{P}, {H}], got {got}", field="out")

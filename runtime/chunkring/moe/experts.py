@@ -203,10 +203,27 @@ class ExpertCompute:
     def plan(self, stage: Stage) -> DevicePlan:
         """Every staged choice of a local expert in its expert's group, with its payload copied there."""
         plan, cursors = self._allocate_plan()
+        self._check_stage(stage, plan)
         self._launch("moe_plan_count", stage=stage.desc, counts=plan.counts)
         self._launch("moe_plan_scatter", stage=stage.desc, block_m=GROUP_ALIGN, cursors=cursors, shared=True,
                      **plan.scatter_args())
         return plan
+
+    def _check_stage(self, stage: Stage, plan: DevicePlan) -> None:
+        """The plan kernels take the expert range and the row sizes from ``stage``'s descriptor but write into
+        buffers sized here: the two must agree, or the kernels would write past them."""
+        row_bytes = stage.x.shape[2] * stage.x.element_size()
+        got = (stage.expert_lo, stage.expert_hi, row_bytes, stage.sf.shape[2], stage.idx.shape[2])
+        want = (self.first_expert, self.first_expert + self.experts_per_rank, plan.rows.shape[1],
+                plan.rows_sf.shape[0], self.config.topk)
+        if got != want:
+            raise ChunkringUsageError(f"this stage (experts [{got[0]}, {got[1]}), {got[2]} bytes and {got[3]} scales "
+                                      f"a row, top-{got[4]}) is not this layer's (experts [{want[0]}, {want[1]}), "
+                                      f"{want[2]} bytes and {want[3]} scales a row, top-{want[4]})", field="stage")
+        W, N = stage.idx.shape[0], stage.idx.shape[1]
+        if padded_rows_bound(N, self.config.topk, W, self.experts_per_rank, GROUP_ALIGN) > self.capacity:
+            raise ChunkringUsageError(f"a stage of {stage.idx.shape[0]} x {stage.idx.shape[1]} rows can plan past "
+                                      f"the {self.capacity} rows of this layer's plan", field="stage")
 
     def _allocate_plan(self) -> tuple[DevicePlan, torch.Tensor]:
         """A plan's buffers with no rows planned (every count 0, every row padding), and the scatter's

@@ -53,7 +53,7 @@ class _Marks:
         self.kernels, self.rank = resources.kernels.stream, resources.runtime.rank
         #: The kernels' trace parameters: the timeline's buffer and capacity (null and 0: no records).
         self.trace: KernelArgs = {"trace": None if timeline is None else timeline.buffer,
-                                         "trace_capacity": 0 if timeline is None else timeline.capacity}
+                                  "trace_capacity": 0 if timeline is None else timeline.capacity}
         self.on = timeline is not None
 
     def __call__(self, event: Event, chunk: int = -1) -> None:

@@ -7,13 +7,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chunkring.errors import ChunkringUsageError
 from chunkring.moe.descriptors import STAGE_FIELDS, descriptor_tensor
+from chunkring.ring.io import check_tensor
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
 if TYPE_CHECKING:
     from chunkring.moe.config import MoEConfig
 
-__all__ = ["Stage"]
+__all__ = ["STAGE_ROW_DTYPES", "Stage"]
+
+#: A stage row's payload: FP8 e4m3 or bf16.
+STAGE_ROW_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 
 
 class Stage:
@@ -28,9 +33,26 @@ class Stage:
 
     def __init__(self, x: torch.Tensor, sf: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, expert_lo: int,
                  expert_hi: int, held: torch.Tensor | None = None) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 3:
+            raise ChunkringUsageError("expected an int32 tensor [W, N, K]", field="idx")
         W, N, K = idx.shape
-        self.x, self.sf, self.idx, self.w = x, sf, idx, w
-        self.held = held if held is not None else torch.full((W,), -1, dtype=torch.int64, device=idx.device)
+        device = idx.device
+        held = held if held is not None else torch.full((W,), -1, dtype=torch.int64, device=device)
+        # The kernels read these through raw addresses (the descriptor): every shape, type and layout is checked
+        # here, once, since no launch sees the tensors themselves.
+        x_dtype = x.dtype if isinstance(x, torch.Tensor) and x.dtype in STAGE_ROW_DTYPES else torch.float8_e4m3fn
+        check_tensor("x", x, (W, N, x.shape[2] if isinstance(x, torch.Tensor) and x.dim() == 3 else -1), x_dtype,
+                     device)
+        check_tensor("sf", sf, (W, N, sf.shape[2] if isinstance(sf, torch.Tensor) and sf.dim() == 3 else -1),
+                     torch.float32, device)
+        check_tensor("idx", idx, (W, N, K), torch.int32, device)
+        check_tensor("w", w, (W, N, K), torch.float32, device)
+        check_tensor("held", held, (W,), torch.int64, device)
+        if isinstance(expert_lo, bool) or not isinstance(expert_lo, int) or isinstance(expert_hi, bool) \
+                or not isinstance(expert_hi, int) or not 0 <= expert_lo < expert_hi:
+            raise ChunkringUsageError(f"need ints 0 <= expert_lo < expert_hi, got {expert_lo!r}, {expert_hi!r}",
+                                      field="expert_lo")
+        self.x, self.sf, self.idx, self.w, self.held = x, sf, idx, w, held
         self.expert_lo, self.expert_hi = expert_lo, expert_hi
         self.desc = descriptor_tensor(STAGE_FIELDS, {
             "sources": W, "token_capacity": N, "topk": K, "row_bytes": x.shape[2] * x.element_size(),

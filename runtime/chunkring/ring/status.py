@@ -36,7 +36,7 @@ class ErrorCode(enum.IntEnum):
     DOUBLE_ACK = 9
     BAD_METADATA = 10  # retired: malformed metadata is masked and reported as an InputRecord
     PEER_ABORTED = 11  # a wait stopped because a rank of the ring recorded an error (the abort word names it)
-    INTERNAL = 12  # an invariant of this rank's own kernels failed (incremental expert blocks)
+    INTERNAL = 12  # an invariant of this rank's own kernels failed (incremental expert blocks, a MoE descriptor)
     HOST_USAGE = 13  # a collective call failed its host-side argument checks on this rank (io.raise_abort)
 
 
@@ -84,7 +84,8 @@ _WHAT: dict[int, str] = {
     Site.WAIT_REUSABLE: "waiting for rank {peer}'s ack of slot {slot}",
     Site.ACK: "acknowledging source {peer}'s slot {slot}",
     Site.PAYLOAD: "checking source {peer}'s slot {slot}",
-    Site.DESCRIPTOR: "checking the ring descriptor",
+    Site.DESCRIPTOR: "checking a descriptor (the ring's, or a MoE stage or pool one: then slot {slot} names the "
+                     "field, moe/descriptors.cuh DescField)",
     Site.PUBLISH: "publishing slot {slot}",
     Site.WAIT_PUSHED: "waiting for this rank's combine push before its held acks",
     Site.WAIT_BLOCKS: "a wave's claim waiting for sealed expert blocks",

@@ -1,6 +1,6 @@
 // The MoE layer's descriptors: where one rank's stage and block pool live and how they are shaped. Built
 // once per layer by the host (runtime/chunkring/moe/descriptors.py: STAGE_FIELDS, POOL_FIELDS, in this order;
-// tests/unit/test_layout.py compares them); kernels take a pointer to one instead of a dozen loose
+// tests/unit/test_moe_descriptors.py compares them); kernels take a pointer to one instead of a dozen loose
 // arguments, and check its version and size before reading anything else.
 #pragma once
 
@@ -12,7 +12,7 @@ using u64 = ::cuda::std::uint64_t;
 
 constexpr u64 kMoeLayoutVersion = 1;  // == runtime/chunkring/moe/descriptors.py MOE_LAYOUT_VERSION
 
-// What one rank's consumer pulls in a call (runtime/chunkring/moe/resources.py Stage): every source's rows
+// What one rank's consumer pulls in a call (runtime/chunkring/moe/stage.py Stage): every source's rows
 // at their token index, sources * token_capacity of them.
 struct StageDesc {
     u64 layout_version;  // kMoeLayoutVersion

@@ -13,6 +13,7 @@ namespace chunkring::moe {
 using layout::PoolDesc;
 using layout::StageDesc;
 using blocks::u32;
+using layout::u64;
 
 // Which part of a MoE descriptor a kernel found wrong: the slot word of its error record.
 enum DescField : u64 {

@@ -8,6 +8,7 @@ torch nor NVSHMEM until a method needs them.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -121,6 +122,7 @@ class Runtime(InJob):
     def mapped_host_word(self) -> tuple[torch.Tensor, int]:
         """One zeroed int64 in pinned host memory, and its address in this GPU's address space: a word the device
         writes and the host reads with a plain load, without synchronising (a ring's failure word)."""
+        import torch
         from cuda.bindings import runtime as cudart
 
         host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
@@ -194,7 +196,7 @@ class Runtime(InJob):
         import torch
 
         self._check_open()
-        self._quiet(torch.cuda.current_stream(self.ordinal))
+        self._quiet(torch.cuda.current_stream(self.ordinal), timeout_s, what)
         self._host.barrier(timeout_s, what=what)
 
     def quiesce(self, timeout_s: float, *, what: str) -> None:
@@ -207,16 +209,24 @@ class Runtime(InJob):
         import torch
 
         self._check_open()
-        torch.cuda.synchronize(self.ordinal)
-        self._quiet(torch.cuda.current_stream(self.ordinal))
+        self.synchronize(timeout_s, what=what)
+        self._quiet(torch.cuda.current_stream(self.ordinal), timeout_s, what)
         self._host.barrier(timeout_s, what=what)
 
-    def _quiet(self, stream: torch.cuda.Stream) -> None:
-        """Complete this PE's outstanding NVSHMEM operations after ``stream``'s work, then wait for it."""
+    def synchronize(self, timeout_s: float, *, what: str) -> None:
+        """Wait for every kernel of this device, for at most ``timeout_s``: a kernel that never ends (one whose
+        remote operation a dead peer never answers) makes this raise ``ChunkringRuntimeError`` instead of
+        blocking the host for ever, as ``torch.cuda.synchronize`` alone would."""
+        import torch
+
+        _within(timeout_s, f"this rank's kernels to end before {what}", lambda: torch.cuda.synchronize(self.ordinal))
+
+    def _quiet(self, stream: torch.cuda.Stream, timeout_s: float, what: str) -> None:
+        """Complete this PE's outstanding NVSHMEM operations after ``stream``'s work, then wait for it (bounded)."""
         import nvshmem.core as nvshmem
 
         nvshmem.quiet(stream=stream)
-        stream.synchronize()
+        _within(timeout_s, f"this rank's NVSHMEM operations to complete before {what}", stream.synchronize)
 
     def symmetric_usage(self) -> tuple[int, int]:
         """(tensors, bytes) of this runtime's live symmetric allocations (:meth:`alloc` minus :meth:`free`):
@@ -260,3 +270,26 @@ class Runtime(InJob):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _within(timeout_s: float, what: str, wait: Callable[[], None]) -> None:
+    """Run the blocking ``wait`` (a CUDA synchronisation, which takes no limit) on a helper thread and give it
+    ``timeout_s``: past that, raise ``ChunkringRuntimeError`` and leave the thread blocked (a daemon: it does
+    not hold the process). Whatever ``wait`` raises is raised here."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            wait()
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="chunkring-bounded-wait", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise ChunkringRuntimeError(f"waited {timeout_s:g} s for {what}: a kernel that never ends (a peer that never "
+                                    "answers its remote operation?); end the job")
+    if failure:
+        raise failure[0]

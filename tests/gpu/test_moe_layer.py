@@ -173,6 +173,11 @@ def test_bad_input_is_refused_before_gpu_work(runtime):
             "w2": dict(w2=w2_bf16),  # the FP8 payload's GEMMs take FP8 weights
             "streaming": dict(streaming=True),  # no streaming ring in this config
         }
+        # A good call first: past the mode's first call, a bad one aborts the ring (before it, it abandons the
+        # warm-up barrier instead: tests/unit/test_fail_closed_host.py).
+        layer.run(xq, sf, idx, w, w13, w2)
+        torch.cuda.synchronize()
+        layer.check()
         for field, change in bad.items():
             kwargs = dict(x=xq, x_sf=sf, topk_idx=idx, topk_weights=w, w13=w13, w2=w2)
             kwargs.update(change)

@@ -227,6 +227,7 @@ BAD_ARGUMENTS = {
 @pytest.mark.parametrize("field", BAD_ARGUMENTS)
 def test_a_bad_argument_of_this_ranks_own_aborts_the_ring_its_peers_wait_in(monkeypatch, launches, field, streaming):
     layer = host_layer(monkeypatch, config(), rank=2)
+    layer.schedule.warm.update(CallMode)  # the peers wait on the device, for this rank's chunks
     gen = torch.Generator().manual_seed(1)
     _, w13, w2 = weights(gen)
     args = {**routed(gen), "w13": w13, "w2": w2, "streaming": streaming, **BAD_ARGUMENTS[field]}
@@ -238,26 +239,33 @@ def test_a_bad_argument_of_this_ranks_own_aborts_the_ring_its_peers_wait_in(monk
     ring = layer.rings[CallMode.STREAMED if args["streaming"] else CallMode.BATCH_READY]
     assert launches.calls == [("ring_raise_abort", {"desc": ring.desc, "code": int(ErrorCode.HOST_USAGE)})]
     assert layer.schedule.calls == 0
-    assert layer.runtime.abandoned == 1  # the mode's first call: its peers wait at the warm-up barrier
+    assert layer.runtime.abandoned == 0
 
 
-def test_a_bad_argument_abandons_the_warm_up_barrier_only_at_a_modes_first_call(monkeypatch, launches):
+def test_at_a_modes_first_call_a_failed_entry_abandons_the_warm_up_barrier_instead(monkeypatch, launches):
+    """Before a mode's first call no peer has a kernel on its ring: they wait at the warm-up barrier, on the
+    host. This rank tells them it will not come - for a bad argument and for a recorded error alike - and leaves
+    the ring unpoisoned."""
     layer = host_layer(monkeypatch, config())
     gen = torch.Generator().manual_seed(5)
     _, w13, w2 = weights(gen)
-    bad = {**routed(gen), "w13": w13, "w2": w2, **BAD_ARGUMENTS["topk_idx"]}
+    batch = {**routed(gen), "w13": w13, "w2": w2}
     layer.schedule.warm.add(CallMode.BATCH_READY)
     with pytest.raises(ChunkringUsageError):
-        layer.run(**bad)
-    assert layer.runtime.abandoned == 0  # warm: the peers wait on the device, which the abort reaches
-    with pytest.raises(ChunkringUsageError):
-        layer.run(**bad, streaming=True)
-    assert layer.runtime.abandoned == 1
-    assert [name for name, _ in launches.calls] == ["ring_raise_abort"] * 2
+        layer.run(**{**batch, **BAD_ARGUMENTS["topk_idx"]}, streaming=True)  # streamed: cold
+    assert layer.runtime.abandoned == 1 and launches.calls == []
+    layer.rings[CallMode.STREAMED].record(ErrorCode.TIMEOUT, Site.WAIT_ROUTE)
+    with pytest.raises(ChunkringTimeoutError):
+        layer.run(**batch, streaming=True)
+    assert layer.runtime.abandoned == 2 and launches.calls == []
+    with pytest.raises(ChunkringTimeoutError):  # batch-ready, warm: its kernels abort the ring themselves
+        layer.run(**batch)
+    assert layer.runtime.abandoned == 2 and launches.calls == []
 
 
 def test_forward_aborts_on_a_bad_argument_too(monkeypatch, launches):
     layer = host_layer(monkeypatch, config())
+    layer.schedule.warm.update(CallMode)
     router, w13, w2 = weights(torch.Generator().manual_seed(2))
     with pytest.raises(ChunkringUsageError, match="router_weight"):
         layer.forward(torch.zeros(5, H, dtype=torch.bfloat16), router[:, :128], w13, w2)
@@ -281,6 +289,7 @@ def test_what_every_rank_fails_alike_aborts_nothing(monkeypatch, launches):
 
 def test_a_check_inside_a_graph_capture_aborts_nothing(monkeypatch, launches):
     layer = host_layer(monkeypatch, config())
+    layer.schedule.warm.update(CallMode)
     monkeypatch.setattr(chunkring.moe.layer, "capturing", lambda: True)
     _, w13, w2 = weights(torch.Generator().manual_seed(4))
     with pytest.raises(ChunkringUsageError):

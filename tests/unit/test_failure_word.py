@@ -78,6 +78,20 @@ def test_the_word_alone_names_the_error_when_the_record_says_nothing():
     assert info.value.origin_rank == 3 and calls.log == ["synchronize", "check"]
 
 
+def test_a_failing_kernel_that_never_ends_still_raises_the_words_error():
+    """The word is stored before the abort, whose swap to a dead peer may never return: the synchronisation
+    then times out, and the word alone names the error - with the timeout said - instead of hanging."""
+    calls = Calls(ChunkringDeviceError("never read", None))
+
+    def stuck() -> None:
+        raise ChunkringRuntimeError("waited 3 s for this rank's kernels to end before reading its error record")
+
+    with pytest.raises(ChunkringTimeoutError) as info:
+        raise_recorded_failure(AbortRecord.make(2, 1, ErrorCode.TIMEOUT).word, rank=1, check=calls.check,
+                               synchronize=stuck)
+    assert "waited 3 s" in "\n".join(info.value.__notes__) and calls.log == []
+
+
 def test_inside_a_capture_nothing_synchronises(monkeypatch):
     monkeypatch.setattr(chunkring.ring.failure, "capturing", lambda: True)
     calls = Calls(ChunkringDeviceError("needs a synchronisation", None))

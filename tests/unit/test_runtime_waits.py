@@ -6,13 +6,15 @@ same for torch's current stream, with a finite default limit instead of NVSHMEM'
 object collectives and the symmetric allocations and frees hold a bounded roll call first. GPU calls are replaced by
 recorders (no GPU here)."""
 
+import threading
+import time
 from types import SimpleNamespace
 
 import nvshmem.core
 import pytest
 import torch
 
-from chunkring import ChunkringHostTimeoutError, RankInfo, Runtime
+from chunkring import ChunkringHostTimeoutError, ChunkringRuntimeError, RankInfo, Runtime
 from chunkring.runtime import PEER_WAIT_S
 
 TWO = RankInfo(0, 2, 0, 2)
@@ -95,3 +97,28 @@ def test_symmetric_allocations_and_frees_hold_a_bounded_roll_call_first(recorded
     rt.free(a)
     assert freed == [a] and rt.symmetric_usage() == (0, 0)
     assert calls[-1] == ("barrier", PEER_WAIT_S, "a symmetric free")
+
+
+def test_a_device_that_never_idles_makes_quiesce_raise_within_its_limit(recorded, monkeypatch):
+    """torch.cuda.synchronize takes no limit: a kernel stuck on a dead peer's remote operation would hold the host
+    for ever. The runtime waits on a helper thread instead, and raises once the limit passes, meeting nobody."""
+    rt, calls = recorded
+    stuck = threading.Event()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: stuck.wait())
+    started = time.monotonic()
+    with pytest.raises(ChunkringRuntimeError, match=r"waited 0.2 s for this rank's kernels to end before the reset"):
+        rt.quiesce(0.2, what="the reset")
+    assert time.monotonic() - started < 5.0
+    assert calls == []  # no quiet, no barrier after it
+    stuck.set()
+
+
+def test_what_the_wait_raises_is_raised_to_the_caller(recorded, monkeypatch):
+    rt, _ = recorded
+
+    def failing(device=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", failing)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        rt.synchronize(5.0, what="a test")

@@ -239,12 +239,12 @@ class MoELayer:
                 subclasses ``ChunkringTimeoutError`` and ``ChunkringPeerAbortedError`` as :meth:`check` says.
         """
         self._check_alive()
-        with self._aborting_peers_on_bad_arguments(streaming):
+        with self._entering(streaming):
             mode, n = check_run_args(self.config, self.experts_per_rank, self.runtime.torch_device,
                                      self.streaming_calibration, x, x_sf, topk_idx, topk_weights, w13, w2,
                                      streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
             chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
-        self.raise_if_failed()
+            self.raise_if_failed()
 
         def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
                     stream: torch.cuda.Stream) -> None:
@@ -273,12 +273,12 @@ class MoELayer:
             ChunkringUsageError, ChunkringDeviceError: as :meth:`run` raises them.
         """
         self._check_alive()
-        with self._aborting_peers_on_bad_arguments(streaming):
+        with self._entering(streaming):
             mode, n = check_forward_args(self.config, self.experts_per_rank, self.runtime.torch_device,
                                          self.streaming_calibration, hidden, router_weight, w13, w2,
                                          streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
             chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
-        self.raise_if_failed()
+            self.raise_if_failed()
         if hidden.data_ptr() % 16:
             hidden = hidden.clone()  # the fused producer loads rows in 8-byte pieces
         res = self.resources
@@ -310,31 +310,32 @@ class MoELayer:
         self._on_every_ring("raise_if_failed", "; reset() to continue")
 
     @contextlib.contextmanager
-    def _aborting_peers_on_bad_arguments(self, streaming: bool | str) -> Iterator[None]:
-        """Run a call's argument checks; when one raises ``ChunkringUsageError``, abort the ring the call would
-        use (``HOST_USAGE``, :func:`chunkring.ring.io.raise_abort`) before it propagates: the peers, whose checks
-        passed, may already wait in the call for this rank, and would otherwise spin until the watchdog.
+    def _entering(self, streaming: bool | str) -> Iterator[None]:
+        """A call's entry: its argument checks and :meth:`raise_if_failed`, before anything is enqueued. When one
+        of them raises, the peers - whose entries passed, and who go on into the collective - must learn that
+        this rank will not come, or they would wait for it until a limit:
 
-        Only checks of what ranks hold apart abort - this rank's tensors, its ``chunk``. ``streaming`` is resolved
-        first, outside: ranks agree on a call's mode (each mode has its own ring), so a bad one fails every rank
-        alike before any waits, as a destroyed layer does. Nor does a check inside a graph capture abort: its
-        peers capture too, and wait in nothing yet. At a mode's first call the peers wait on the host instead, at
-        the warm-up barrier (:meth:`CallSchedule.is_warm`): this rank abandons it, so they raise at once."""
+        * at a mode's first call (:meth:`CallSchedule.is_warm`) they wait on the host, at its warm-up barrier,
+          before any kernel: this rank abandons that barrier, so they raise at once, naming it;
+        * later they wait on the device, for this rank's chunks: a usage error aborts the ring the call would
+          use (``HOST_USAGE``, :func:`chunkring.ring.io.raise_abort`); an error a kernel recorded has aborted it
+          already. A check inside a graph capture aborts nothing: its peers capture too, and wait in nothing yet.
+
+        ``streaming`` is resolved first, outside: ranks agree on a call's mode (each mode has its own ring), so a
+        bad one fails every rank alike, as a destroyed layer does."""
         mode = CallMode.STREAMED if resolve_streaming(self.config, self.streaming_calibration, streaming) \
             else CallMode.BATCH_READY
         try:
             yield
-        except ChunkringUsageError as error:
-            if not capturing():
+        except ChunkringError as error:
+            if not self.schedule.is_warm(mode):
+                self.runtime.abandon_barrier()
+            elif isinstance(error, ChunkringUsageError) and not capturing():
                 try:
                     raise_abort(self.rings[mode], ErrorCode.HOST_USAGE)
                 except Exception as failed:  # the usage error is the one to report; say why peers may wait
                     error.add_note(f"the ring's abort could not be raised ({failed!r}): peers may wait until the "
                                    "watchdog")
-            if not self.schedule.is_warm(mode):
-                # The peers of a mode's first call wait at its warm-up barrier (a host wait, which no device
-                # abort reaches): tell them this rank will not come, so they raise now, naming it.
-                self.runtime.abandon_barrier()
             raise
 
     def check(self) -> None:

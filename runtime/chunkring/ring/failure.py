@@ -66,6 +66,11 @@ def raise_recorded_failure(word: int, *, rank: int, check: Callable[[], None], s
     if word == 0:
         return
     if not capturing():
-        synchronize()
+        try:
+            synchronize()
+        except ChunkringRuntimeError as stuck:  # the failing kernel has not ended: the word is all there is
+            error = failure_error(word, rank=rank)
+            error.add_note(str(stuck))
+            raise error from stuck
         check()
     raise failure_error(word, rank=rank)

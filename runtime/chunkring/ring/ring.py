@@ -70,13 +70,14 @@ class Ring:
         self.runtime = runtime
         self.spec = spec
         self.layout = RingLayout(spec)
+        # Before the symmetric allocation: a failure here leaves nothing to free.
+        self.failure = FailureWord(*runtime.mapped_host_word())
         self.buffer = runtime.alloc(self.layout.total_bytes, torch.uint8)
         self.views = self.layout.views(self.buffer)
         # Decided once, here: a peer NVSHMEM maps into this GPU is read with loads, any other by RMA.
         self.transports: tuple[Transport, ...] = choose_transports(
             lambda pe: runtime.peer_address(self.buffer, pe), spec.world_size, self.transport_mode)
         log.info("chunkring Ring: %s", self.describe_transport())
-        self.failure = FailureWord(*runtime.mapped_host_word())
         desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(), timeout_ns=int(timeout_s * 1e9),
                                       rma_peers=rma_mask(self.transports), failure_word=self.failure.device_address)
         self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
@@ -186,9 +187,11 @@ class Ring:
         stays :meth:`check`'s. An error surfaces here once the failing kernel has recorded it
         (:mod:`chunkring.ring.failure`)."""
         self.check_alive()
-        device = self.runtime.torch_device
+        # A failing kernel ends by its watchdog at the latest - unless it waits on a peer that never answers a
+        # remote operation: then the word's own report is raised, with that said (raise_recorded_failure).
+        limit = self.timeout_s + RESET_MARGIN_S
         raise_recorded_failure(self.failure.read(), rank=self.runtime.rank, check=self.check,
-                               synchronize=lambda: torch.cuda.synchronize(device))
+                               synchronize=lambda: self.runtime.synchronize(limit, what="reading its error record"))
 
     def protocol_words(self) -> str:
         """This rank's protocol words as text (:func:`chunkring.ring.status.describe_words`): what a failed wait

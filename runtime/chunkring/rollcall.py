@@ -1,11 +1,12 @@
 """A bounded barrier that names who did not come: :class:`RollCall`.
 
 Every rank sends every other rank a small "here" message for the barrier's sequence number and waits until
-it holds one from each. Unlike ``MPI_Ibarrier``, which can only say "not everyone", the messages say who is
-missing when the limit passes. A rank that gives up tells the others ("gave up"), so a rank that comes later
-raises too instead of passing a barrier its peers abandoned and then waiting in a collective they never
-join. Messages of an abandoned barrier that arrive later are dropped (their sequence number is behind), so
-the ranks' later barriers stay in step.
+it holds one from each; then each says "passed", and a rank returns once everyone has. Unlike
+``MPI_Ibarrier``, which can only say "not everyone", the messages say who is missing when the limit passes. A
+rank that gives up tells the others ("gave up") instead of "passed", so every rank - one that comes later too -
+raises rather than passing a barrier a peer abandoned and then waiting in a collective it never joins. Messages
+of an abandoned barrier that arrive later are dropped (their sequence number is behind), so the ranks' later
+barriers stay in step.
 
 The module holds the protocol only; :class:`chunkring.hostcomm.HostComm` gives it MPI's point-to-point
 messages (the only module that imports mpi4py), the unit tests an in-process stand-in.
@@ -19,16 +20,19 @@ from typing import Protocol
 
 from chunkring.errors import ChunkringHostTimeoutError
 
-__all__ = ["GAVE_UP", "HERE", "Mailbox", "RollCall"]
+__all__ = ["GAVE_UP", "HERE", "PASSED", "Mailbox", "RollCall"]
 
 HERE = "here"
+PASSED = "passed"
 GAVE_UP = "gave_up"
 #: Polls without sleeping before the wait starts to sleep between polls: a barrier every rank reaches at
 #: once returns in microseconds, one that waits long costs no core.
 BUSY_POLLS = 200
 POLL_SLEEP_S = 0.0005
 
-Message = tuple[str, int]  # (HERE or GAVE_UP, barrier sequence number)
+#: (HERE, PASSED or GAVE_UP, barrier sequence number, the ranks a GAVE_UP's sender found missing: itself when
+#: it abandons, those it timed out waiting for otherwise; empty for the other two).
+Message = tuple[str, int, tuple[int, ...]]
 
 
 class Mailbox(Protocol):
@@ -49,34 +53,54 @@ class RollCall:
         self.others = tuple(r for r in range(world_size) if r != rank)
         self.clock, self.sleep = clock, sleep
         self._seq = 0  # the next barrier's number
-        self._inbox: dict[int, set[Message]] = {r: set() for r in self.others}
+        self._inbox: dict[int, set[tuple[str, int]]] = {r: set() for r in self.others}  # (kind, seq) per sender
+        self._missing: dict[tuple[int, int], tuple[int, ...]] = {}  # (sender, seq) -> what its GAVE_UP named
 
     def meet(self, timeout_s: float, what: str = "a barrier") -> None:
-        """Return once every rank has reached this barrier. Raise :class:`ChunkringHostTimeoutError` naming
-        the absent ranks once ``timeout_s`` passes without them (telling every rank that this one gave up),
-        or naming the ranks that gave up on this barrier before this rank came."""
+        """Return once every rank has reached this barrier - on every rank or on none. Raise
+        :class:`ChunkringHostTimeoutError` naming the absent ranks once ``timeout_s`` passes without them (telling
+        every rank that this one gave up), or naming the ranks that gave up on this barrier.
+
+        Two rounds make the verdict the same everywhere. Round 1: "here" to everyone, then wait for everyone's
+        "here". A rank that has them all says "passed"; one whose limit passes first says "gave up". Round 2:
+        return only on everyone's "passed"; any "gave up" fails the barrier. Each rank says exactly one of the
+        two, so a rank that comes just as another's limit passes learns of it here, instead of passing a barrier
+        that rank gave up on and then waiting alone in the collective after it."""
         seq = self._seq
         self._seq += 1
-        for r in self.others:
-            self.mailbox.post(r, (HERE, seq))
-        deadline = self.clock() + timeout_s
+        self._post_all(HERE, seq)
+        gave_up, absent = self._wait(seq, HERE, self.clock() + timeout_s)
+        if not gave_up and not absent:
+            self._post_all(PASSED, seq)
+            # Bounded again: every rank that sent "here" says its verdict within its own limit, unless it died.
+            gave_up, absent = self._wait(seq, PASSED, self.clock() + timeout_s)
+        if gave_up:  # not this rank's own count: who was missing is what the ranks that gave up found
+            absent = tuple(sorted({r for g in gave_up for r in self._missing.get((g, seq), ())} - {self.rank}))
+        self._forget(seq)
+        if gave_up or absent:
+            raise ChunkringHostTimeoutError(self._why(absent, gave_up, timeout_s, what), what=what,
+                                            timeout_s=timeout_s, absent_ranks=absent, gave_up_ranks=gave_up)
+
+    def _wait(self, seq: int, kind: str, deadline: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Wait until every other rank sent ``kind`` for barrier ``seq`` (returns ``((), ())``), one gave up
+        (returns who gave up, and who has not sent ``kind``), or ``deadline`` passes - then this rank gives up,
+        telling everyone, and returns ``((), absent)``."""
         polls = 0
         while True:
             self._collect(seq)
             gave_up = tuple(r for r in self.others if (GAVE_UP, seq) in self._inbox[r])
-            absent = tuple(r for r in self.others if (HERE, seq) not in self._inbox[r])
-            if not absent and not gave_up:
-                self._forget(seq)
-                return
-            if gave_up or self.clock() > deadline:
-                if not gave_up:  # the first to give up tells the others, so none waits on for nothing
-                    for r in self.others:
-                        self.mailbox.post(r, (GAVE_UP, seq))
-                self._forget(seq)
-                raise ChunkringHostTimeoutError(self._why(absent, gave_up, timeout_s, what), what=what,
-                                                timeout_s=timeout_s, absent_ranks=absent, gave_up_ranks=gave_up)
+            absent = tuple(r for r in self.others if (kind, seq) not in self._inbox[r])
+            if gave_up or not absent:
+                return gave_up, absent
+            if self.clock() > deadline:  # the first to give up tells the others, so none waits on for nothing
+                self._post_all(GAVE_UP, seq, absent)
+                return (), absent
             polls += 1
             self.sleep(0 if polls < BUSY_POLLS else POLL_SLEEP_S)
+
+    def _post_all(self, kind: str, seq: int, missing: tuple[int, ...] = ()) -> None:
+        for r in self.others:
+            self.mailbox.post(r, (kind, seq, missing))
 
     def abandon(self) -> None:
         """Tell every rank that this one will not come to the next barrier (it failed before it), then skip that
@@ -84,8 +108,7 @@ class RollCall:
         waiting out their limit; every rank's next barrier after it is again the same."""
         seq = self._seq
         self._seq += 1
-        for r in self.others:
-            self.mailbox.post(r, (GAVE_UP, seq))
+        self._post_all(GAVE_UP, seq, (self.rank,))
 
     def _why(self, absent: tuple[int, ...], gave_up: tuple[int, ...], timeout_s: float, what: str) -> str:
         abandoned = tuple(r for r in gave_up if r in absent)  # told us it will not come (abandon)
@@ -102,13 +125,16 @@ class RollCall:
     def _collect(self, seq: int) -> None:
         """File what arrived; drop what belongs to barriers before ``seq`` (abandoned ones: their late
         arrivals). A peer already at a later barrier keeps its message for then."""
-        for source, message in self.mailbox.arrived():
-            if message[1] >= seq:
-                self._inbox[source].add(message)
+        for source, (kind, number, missing) in self.mailbox.arrived():
+            if number >= seq:
+                self._inbox[source].add((kind, number))
+                if kind == GAVE_UP:
+                    self._missing[(source, number)] = tuple(missing)
 
     def _forget(self, seq: int) -> None:
         for box in self._inbox.values():
-            box.difference_update({(HERE, seq), (GAVE_UP, seq)})
+            box.difference_update({(HERE, seq), (PASSED, seq), (GAVE_UP, seq)})
+        self._missing = {key: ranks for key, ranks in self._missing.items() if key[1] > seq}
 
 
 def _names(ranks: tuple[int, ...]) -> str:

@@ -136,3 +136,16 @@ def test_a_rank_that_abandons_a_barrier_is_named_at_once_and_the_next_one_lines_
 def test_a_single_rank_meets_itself():
     (call,) = roll_calls(1)
     call.meet(0.01)
+
+
+def test_a_rank_that_counts_everyone_as_another_gives_up_does_not_pass_alone():
+    """Rank 1 comes with every "here" already waiting - rank 0's sent before rank 0's limit passed - but rank 0
+    gave up meanwhile: the second round tells rank 1 so, and it raises too (one verdict on every rank)."""
+    post = Post(2)
+    calls = [RollCall(rank, 2, post.mailbox(rank)) for rank in range(2)]
+    with pytest.raises(ChunkringHostTimeoutError):
+        calls[0].meet(0.05)  # its "here" went out; its limit passed before rank 1's came
+    with pytest.raises(ChunkringHostTimeoutError) as info:
+        calls[1].meet(5.0)  # finds rank 0's "here" and its "gave up"
+    assert info.value.gave_up_ranks == (0,) and info.value.absent_ranks == ()
+    assert run_ranks([lambda c=c: c.meet(5.0) for c in calls]) == [None, None]

@@ -163,3 +163,16 @@ def test_every_rank_must_ask_for_the_same_capacity():
     with pytest.raises(ChunkringUsageError) as info:
         GatherOutputs(ring_on(runtime, RMA), 4)
     assert info.value.field == "capacity" and runtime.calls == []
+
+
+def test_a_bad_capacity_on_one_rank_raises_on_every_rank_after_the_same_collective():
+    """The bad value travels in the all-gather: the rank that passed it raises after it, as its peers do - none
+    raises before the collective while the others wait in it."""
+    bad_here = FakeRuntime(lambda obj: (4, obj[1]))
+    with pytest.raises(ChunkringUsageError, match="must be a non-negative int") as info:
+        GatherOutputs(ring_on(bad_here, RMA), -1)
+    assert info.value.field == "capacity" and bad_here.calls == []
+    bad_there = FakeRuntime(lambda obj: (None, obj[1]))  # the peer passed a bad one
+    with pytest.raises(ChunkringUsageError, match="ranks disagree") as info:
+        GatherOutputs(ring_on(bad_there, RMA), 4)
+    assert info.value.field == "capacity" and bad_there.calls == []

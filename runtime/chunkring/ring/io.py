@@ -169,14 +169,17 @@ class GatherOutputs:
 
     def __init__(self, ring: Ring, capacity: int) -> None:
         spec, device, runtime = ring.spec, ring.runtime.torch_device, ring.runtime
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ChunkringUsageError(f"must be a non-negative int, got {capacity!r}", field="capacity")
+        valid = not isinstance(capacity, bool) and isinstance(capacity, int) and capacity >= 0
         # Why symmetric memory, of the three ways to give the gets a registered destination: registering the
         # caller's torch memory (nvshmemx_buffer_register) is not in nvshmem4py 0.4.1, and it would have to be
         # undone before torch's allocator reuses the block; a symmetric bounce buffer would copy every row
         # twice. Symmetric allocations are the layer's answer for its stage too (moe/resources.py). They are
         # collectives, so the choice is agreed: symmetric where any rank has an RMA peer.
-        everyone = runtime.allgather_object((capacity, Transport.RMA in ring.transports))
+        # A bad capacity travels too (as None), so every rank raises here rather than one raising before the
+        # collective and its peers waiting in it.
+        everyone = runtime.allgather_object((capacity if valid else None, Transport.RMA in ring.transports))
+        if not valid:
+            raise ChunkringUsageError(f"must be a non-negative int, got {capacity!r}", field="capacity")
         if any(c != capacity for c, _ in everyone):
             raise ChunkringUsageError(f"ranks disagree (capacities {[c for c, _ in everyone]})", field="capacity")
         self.symmetric = any(rma for _, rma in everyone)

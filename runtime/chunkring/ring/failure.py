@@ -11,8 +11,11 @@ inside and outside a graph capture - and only when it is set synchronises and ra
 
 When an error surfaces: at the first entry after the failing kernel recorded it (the device's store reaches host
 memory microseconds after). The call that was running then, and any enqueued behind it before the store landed,
-return what they computed (zeros, where kernels bailed out); the entry after raises. A CUDA graph replay runs no
-Python, so nothing is read at a replay: call ``raise_if_failed()`` (the layer's or the ring's) between replays.
+return what they computed (zeros, where kernels bailed out); the entry after raises. Only this rank's kernels
+write its word: a peer's abort that lands while none of them waits sets nothing here until a kernel of this rank
+next waits and stops on it (``PEER_ABORTED``) - so that call returns zeros and the one after raises. A CUDA graph
+replay runs no Python, so nothing is read at a replay: call ``raise_if_failed()`` (the layer's or the ring's)
+between replays.
 """
 
 from __future__ import annotations

@@ -130,9 +130,9 @@
  * blocks, one per source, all concurrent: the acks go out from a
  * nondeterministic first source in rotation, every order for W = 2; before
  * the swap each reads the held slot's meta, which must still be chunk q:
- * NO_OVERWRITE_BEFORE_EVERY_ACK).  Producer r, at the
- * start of each invocation and before its first publish, zeroes its row of
- * every consumer (combined[CMB(*, r)] = 0); after its last publish it drains
+ * NO_OVERWRITE_BEFORE_EVERY_ACK).  Producer r, before each publish, zeroes
+ * its row of every consumer (combined[CMB(*, r)] = 0: the chunk's rows, as
+ * the layer zeroes them chunk by chunk); after its last publish it drains
  * (drain(): for every seq in [max(0, q - S), q), the last chunk of each
  * slot, the P1 wait for every ack[s][d] == gen(seq) [acquire]) and then reduces:
  * one step that asserts COMBINE_BEFORE_REDUCE for every consumer.  Abstracted
@@ -455,15 +455,17 @@ proctype producer(byte r)
     /* SERIALIZED: start after every consumer of invocation inv-1 finished */
     if :: cons_fin >= CONSUMERS * inv :: error_reported -> goto end_abort fi;
 #endif
-#ifdef HELD_ACK
-    /* zero this rank's combine rows, before the first publish (stream order) */
-    d_step { d = 0;
-             do :: d < W -> combined[CMB(d, r)] = 0; d++ :: else -> break od;
-             d = 0 }
-#endif
     /* one invocation: n_r >= 1 chunks, the last with eos=1; the empty rank
      * publishes exactly one empty eos chunk (BUG_SKIP_EOS_EMPTY: none) */
     for (k : 1 .. NPUB(r)) {
+#ifdef HELD_ACK
+      /* zero the chunk's combine rows, before its publish (stream order). The
+       * marker stands for every chunk's rows, so zeroing it before each publish
+       * is at least as strict as zeroing each chunk's own rows there. */
+      d_step { d = 0;
+               do :: d < W -> combined[CMB(d, r)] = 0; d++ :: else -> break od;
+               d = 0 }
+#endif
       s = q % S; g = GEN(q); j = SIX(r, s);
       /* P1 WAIT REUSABLE (lap >= 1): every ack[s][d] == gen(q-S) [acquire] */
       if

@@ -94,6 +94,7 @@ class CallSchedule:
         mark = _Marks(res, timeline)
         T = chunk if chunk is not None else ring.spec.tokens_per_slot
         starts = list(range(0, n, T)) if n else [0]
+        K = res.config.topk
 
         def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream) -> None:
             with torch.cuda.stream(stream):
@@ -101,6 +102,10 @@ class CallSchedule:
                     start = starts[index]
                     end = min(start + T, n)
                     mark(Event.PRODUCE_BEGIN, index)
+                    # The chunk's combine rows, zeroed before its publish in the same stream: no consumer writes a
+                    # row of a chunk before it acquired that chunk (docs/PROTOCOL.md). Chunk by chunk, the
+                    # zeroing overlaps the stream instead of delaying its first publish.
+                    res.combine[start * K:end * K].zero_()
                     publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, stream)
                     mark(Event.PUBLISHED, index)
 
@@ -112,8 +117,6 @@ class CallSchedule:
         first = min(ring.spec.num_slots, len(starts))
         with torch.cuda.stream(early):
             mark(Event.CALL_BEGIN)
-            # Before our first publish: no consumer writes a row of ours before seeing a chunk of ours.
-            res.combine[:n * res.config.topk].zero_()
             res.produce_arrivals[mode].zero_()  # a failed earlier call may have left a count behind
         produce_chunks(range(first), early)
         if producer is not early:

@@ -185,6 +185,7 @@ def main() -> int:
                 for t in tokens:
                     rows.append(measure(shape, t, args.iterations))
                     print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
+                    write_record(args.json, rows, incomplete=True)  # what a time limit cuts short survives
                     torch.cuda.empty_cache()
             finally:
                 shape.destroy()
@@ -192,14 +193,19 @@ def main() -> int:
         runtime.close()
     if args.profile_once:
         return 0
-    if args.json:
-        from chunkring.testing import records
-
-        records.write(args.json, suite="decode", world_size=1, records=rows,
-                      figures={f"{r['shape']}_{r['tokens']}_{k}": v for r in rows for k, v in r.items()
-                               if isinstance(v, float)})
+    write_record(args.json, rows)
     report(rows)
     return 0
+
+
+def write_record(path: str | None, rows: list[dict], *, incomplete: bool = False) -> None:
+    if path is None:
+        return
+    from chunkring.testing import records
+
+    records.write(path, suite="decode", world_size=1, records=rows, incomplete=incomplete,
+                  figures={f"{r['shape']}_{r['tokens']}_{k}": v for r in rows for k, v in r.items()
+                           if isinstance(v, float)})
 
 
 if __name__ == "__main__":

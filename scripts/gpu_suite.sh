@@ -13,11 +13,13 @@
 # at most 240 s); producer_ncu runs Nsight Compute on the fused producer kernel (benchmarks/probe_producer.py
 # --profile-once); partition_mps runs the main job with the default partition and with none (interleaved);
 # faults_mps runs the fault matrix (tests/faults: usage error, device error, hang x first call, streamed call, graph
-# replay, reset, destroy at $ranks ranks under MPS, then the kill cells through chunkring-launch --mps, which starts
-# its own daemon); lifetime_mps runs LIFETIME_CYCLES (default 1000) create/call/destroy cycles of a small layer at 2
-# ranks (tests/lifetime: heap, green contexts and device memory flat, output exact).
-# decode_1rank runs the decode path's GPU tests, then benchmarks/bench_decode.py (decode vs DeepGEMM vs MegaMoE,
-# 1-512 tokens); decode_ncu records the decode kernels' achieved DRAM bandwidth with Nsight Compute.
+# replay, reset, destroy at $ranks ranks under MPS); faults_kill the kill cells through chunkring-launch --mps,
+# which starts its own daemon; lifetime_mps runs LIFETIME_CYCLES (default 1000) create/call/destroy cycles of a
+# small layer at 2 ranks, stopping after LIFETIME_SECONDS (default 300) with the count it reached (tests/lifetime:
+# heap, green contexts and device memory flat, output exact).
+# decode_1rank runs the decode path's GPU tests, then benchmarks/bench_decode.py (decode vs DeepGEMM vs MegaMoE;
+# DECODE_ARGS, default flash at 1-128 tokens); decode_ncu records the decode kernels' achieved DRAM bandwidth with
+# Nsight Compute, after a one-kernel probe that ncu can profile here (producer_ncu likewise).
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -27,7 +29,7 @@ bundle=${1:-.whl}
 ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
-           transport_1rank transport_mps partition_mps producer_ncu faults_mps lifetime_mps
+           transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps
            decode_1rank decode_ncu)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
@@ -102,11 +104,11 @@ mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
 # The launcher's harness tests (tests/mpi/test_launcher_mpi.py) start an mpirun of their own, which cannot start
 # inside this mpirun job on the GPU host (Open MPI 4.1.6 then looks for ssh/rsh); they need no GPU, and CI runs them.
 gpu_mps() {
-    mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 420 tests/gpu tests/mpi --ignore=tests/mpi/test_launcher_mpi.py \
+    mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 500 tests/gpu tests/mpi --ignore=tests/mpi/test_launcher_mpi.py \
         -q -rs "${limits[*]}" || status=1
 }
 gpu_mps_rma() {
-    mpi_pytest "gpu-${ranks}rank-mps-rma" "$ranks" 420 tests/gpu --transport rma -q -rs "${limits[*]}" || status=1
+    mpi_pytest "gpu-${ranks}rank-mps-rma" "$ranks" 500 tests/gpu --transport rma -q -rs "${limits[*]}" || status=1
 }
 moe_2rank_mps() {  # the MoE layer and the transformers drop-in at a second rank count
     mpi_pytest "moe-2rank-mps" 2 300 tests/gpu/test_moe_layer.py tests/gpu/test_hf_dropin_model.py -q -rs "${limits[*]}" ||
@@ -157,8 +159,7 @@ producer_probe() {  # where a streamed chunk's production time goes (router GEMM
 }
 producer_ncu() {  # Nsight Compute on the fused producer kernel (no timing: where its ~28 us per 128-token chunk go)
     local ncu chunk
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    [ -n "$ncu" ] || { echo "producer_ncu: no ncu on this host"; status=1; return; }
+    ncu=$(ncu_ready) || { echo "producer_ncu: $ncu"; status=1; return; }
     for chunk in 128 1024; do
         timeout 150 "$ncu" --clock-control none -k regex:moe_produce_chunk -c 2 --section SpeedOfLight \
             --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
@@ -168,24 +169,35 @@ producer_ncu() {  # Nsight Compute on the fused producer kernel (no timing: wher
     done
 }
 decode_1rank() {  # the decode path: correctness first (a failure skips the timing), then the benchmark's record;
-    # DECODE_ARGS / DECODE_LIMIT_S override the bench's arguments (e.g. --shapes flash) and its time limit
+    # DECODE_ARGS / DECODE_LIMIT_S override the bench's arguments and its time limit (the default: a short first
+    # look that fits one device call beside the tests; --shapes flash,v3 and every token count take minutes more)
     run_suite decode-1rank 1 python3 -m pytest tests/gpu/test_moe_decode.py -v -rs "${limits[@]}" \
         --junitxml="$logs/decode-1rank.xml" || { status=1; return; }
     # shellcheck disable=SC2086
-    timeout "${DECODE_LIMIT_S:-420}" python3 -m benchmarks.bench_decode ${DECODE_ARGS:-} \
+    timeout "${DECODE_LIMIT_S:-180}" python3 -m benchmarks.bench_decode ${DECODE_ARGS:---shapes flash --tokens 1,8,32,128} \
         --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode.json" 2>&1 | tee "$logs/decode.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and achieved DRAM bandwidth per launch,
     # 1/8/32/128 tokens at the flash shape (--profile-once also runs DeepGEMM's path, which the filter leaves out)
     local ncu out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode-ncu.csv
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    [ -n "$ncu" ] || { echo "decode_ncu: no ncu on this host"; status=1; return; }
+    ncu=$(ncu_ready) || { echo "decode_ncu: $ncu"; status=1; return; }
     timeout 300 "$ncu" --clock-control none -k regex:moe_decode_l --csv --page raw \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_read.sum.per_second,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
         --log-file "$out" python3 -m benchmarks.bench_decode --profile-once --shapes flash --tokens 1,8,32,128 \
         2>&1 | tee "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    grep -q moe_decode_l "$out" 2>/dev/null || { echo "decode_ncu: no moe_decode_l* row in $out"; status=1; }
+}
+ncu_ready() {  # prints the ncu that can profile here (one kernel, 30 s at most), or why none can, and fails
+    local ncu
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "no ncu on this host"; return 1; }
+    timeout 30 "$ncu" --clock-control none -c 1 --metrics gpu__time_duration.sum python3 -c \
+        'import torch; torch.ones(1, device="cuda").add_(1); torch.cuda.synchronize()' >"$logs/ncu_probe.log" 2>&1 &&
+        grep -q gpu__time_duration "$logs/ncu_probe.log" ||
+        { echo "$ncu cannot profile here (counters not permitted?): see $logs/ncu_probe.log"; return 1; }
+    echo "$ncu"
 }
 job_rounds() {  # ranks name key value...: the main job with key=value for each value, twice each, interleaved
     # (a fixed order of one run each cannot tell a value's cost from the order's), one JSON per run; a failed
@@ -210,17 +222,20 @@ jobs_mps() {
         chunkring-launch --np "$ranks" $job --json "$results/${CHUNKRING_COMMIT}-${job}-${ranks}rank-mps.json" 2>&1 | tee -a "$logs/main.log" || status=1
     done
 }
-faults_mps() {  # the fault matrix: two records, faults-<N>rank-mps (under mpirun) and faults-kill-<N>rank-mps
-    mpi_pytest "faults-${ranks}rank-mps" "$ranks" 420 tests/faults/test_fault_matrix.py -q -rsx "${limits[*]}" ||
+faults_mps() {  # the fault matrix under mpirun (record faults-<N>rank-mps); the kill cells are faults_kill
+    mpi_pytest "faults-${ranks}rank-mps" "$ranks" 300 tests/faults/test_fault_matrix.py -q -rsx "${limits[*]}" ||
         status=1
-    mps_down  # the kill cells' launcher starts its own daemon, and checks that none outlives the job
+}
+faults_kill() {  # a rank killed at each phase, through chunkring-launch --mps, which starts its own daemon and
+    # checks that none outlives the job (record faults-kill-<N>rank-mps)
     run_suite "faults-kill-${ranks}rank-mps" "$ranks" python3 -m pytest tests/faults/test_fault_kill.py -v -rs \
         --timeout 400 --junitxml="$logs/faults-kill-${ranks}rank-mps.xml" || status=1
 }
 lifetime_mps() {  # LIFETIME_CYCLES create/call/destroy cycles at 2 ranks; the record holds the heap, the partitions
     # and the device memory before and after
-    mpi_pytest "lifetime-2rank-mps" 2 560 tests/lifetime -q -rs --timeout 560 -o faulthandler_timeout=540 \
-        --lifetime-cycles "${LIFETIME_CYCLES:-1000}" || status=1
+    mpi_pytest "lifetime-2rank-mps" 2 "${LIFETIME_LIMIT_S:-420}" tests/lifetime -q -rs --timeout 420 \
+        -o faulthandler_timeout=400 --lifetime-cycles "${LIFETIME_CYCLES:-1000}" \
+        --lifetime-seconds "${LIFETIME_SECONDS:-300}" || status=1
 }
 # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
 mps_daemon=0
@@ -229,9 +244,11 @@ mps_up() {
     export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
     nvidia-cuda-mps-control -d && mps_daemon=1
 }
-mps_down() {
+mps_down() {  # quit the daemon and wait until it is gone: a later part's CUDA must not meet a dying one
     [ $mps_daemon = 1 ] || return 0
     echo quit | nvidia-cuda-mps-control
+    for _ in $(seq 1 50); do pgrep -f nvidia-cuda-mps-control >/dev/null || break; sleep 0.2; done
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     mps_daemon=0
 }
 launcher() {

@@ -99,9 +99,13 @@ def _spin_summary(terminalreporter) -> None:
 def pytest_runtest_makereport(item, call):
     # Under mpirun, a rank that fails alone would leave its peers blocked in the next collective until
     # the outer timeout. Abort the whole job instead, so a failure ends the run in seconds.
+    # A test marked lockstep asserts on what every rank allgathered, so every rank fails it alike and the ranks
+    # stay in step: the job goes on to the next test (the fault matrix: one failing cell keeps the others).
     outcome = yield
     report = outcome.get_result()
-    if UNDER_MPI and report.failed and int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1"))) > 1:
+    lockstep = report.when == "call" and item.get_closest_marker("lockstep") is not None
+    if UNDER_MPI and report.failed and not lockstep and int(
+            os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1"))) > 1:
         from mpi4py import MPI
 
         sys.stderr.write(f"\n[rank {MPI.COMM_WORLD.Get_rank()}] {item.nodeid} failed; aborting the MPI job\n")

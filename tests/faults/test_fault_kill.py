@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +29,9 @@ PHASES = ("first_call", "streamed", "graph_replay", "reset", "destroy")
 
 
 @pytest.mark.parametrize("phase", PHASES)
-def test_a_rank_killed_ends_the_job_naming_it_and_leaves_nothing_behind(tmp_path, phase, record_testsuite_property):
+def test_a_rank_killed_ends_the_job_naming_it_and_leaves_nothing_behind(phase, record_testsuite_property):
+    # A short TMPDIR: the launcher's MPS daemon puts its sockets below it, and a socket path has 107 bytes at most.
+    tmp_path = Path(tempfile.mkdtemp(prefix="crk-", dir="/tmp"))
     config = tmp_path / "layer_fault.toml"
     config.write_text('job = "layer_fault"\n')
     argv = [sys.executable, "-m", "chunkring_launch.cli", "--np", str(RANKS), "--mps", "--no-progress",

@@ -96,6 +96,7 @@ class Layer:
         return self.graph_out
 
 
+@pytest.mark.lockstep
 @pytest.mark.parametrize(("fault", "phase"), CELLS)
 def test_fault_cell(runtime, clean, monkeypatch, fault, phase, record_testsuite_property):
     if runtime.world_size < 2:

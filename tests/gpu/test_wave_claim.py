@@ -64,6 +64,9 @@ def test_a_wave_waits_while_the_claims_run_ahead_of_the_seal_count(runtime):
         assert counts.tolist() == [0, ROWS]
         words = pool.words.cpu().numpy().view(np.uint32)
         assert words[CLAIMED] == 2, "the wave claimed block 1 alone"
+        # Every rank past the control before any starts the wait that ends in a watchdog: that watchdog's abort
+        # would otherwise reach a rank still checking the control.
+        runtime.barrier(timeout_s=60, what="the control's end")
 
         # Block 0 claimed, its seal not counted yet: claimed 1, sealed 0. Nothing is unclaimed, so the wave
         # must wait - here until its watchdog, since no seal will come.

@@ -24,9 +24,11 @@ def tree_modified() -> bool | None:
 
 
 def write(path: str, *, suite: str, world_size: int, figures: dict, records: list[dict] | None = None,
-          files: list[str] | None = None) -> None:
+          files: list[str] | None = None, incomplete: bool = False) -> None:
     """The summary keys, ``figures`` (name -> number), and where given ``records`` (one dict per measured
-    case, for benchmarks whose results are a table) and ``files`` (names of figures written beside it)."""
+    case, for benchmarks whose results are a table) and ``files`` (names of figures written beside it).
+    ``incomplete``: the run is still going (a benchmark that rewrites its record after each row, so a run cut
+    short by its time limit leaves what it measured, marked so)."""
     import torch
 
     summary: dict[str, object] = {
@@ -37,5 +39,7 @@ def write(path: str, *, suite: str, world_size: int, figures: dict, records: lis
         summary["records"] = records
     if files is not None:
         summary["files"] = files
+    if incomplete:
+        summary["incomplete"] = True
     with open(path, "w") as out:
         json.dump(summary, out, indent=2)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 
 __all__ = ["ChunkringError", "ChunkringUsageError", "ChunkringRuntimeError", "ChunkringDeviceError",
            "ChunkringHostTimeoutError", "ChunkringInputError", "ChunkringPeerAbortedError", "ChunkringTimeoutError",
-           "NoGpuError", "UsageProblems"]
+           "ChunkringWedgedError", "NoGpuError", "UsageProblems"]
 
 #: One problem of a usage error: the field (argument, config key) at fault, or None, and what is wrong with it.
 Problem = tuple[str | None, str]
@@ -128,6 +128,11 @@ class ChunkringPeerAbortedError(ChunkringDeviceError):
         self.origin_rank = origin_rank
         self.code = code
         self.epoch = epoch
+
+
+class ChunkringWedgedError(ChunkringRuntimeError):
+    """A wait for this rank's device outlasted its limit: a kernel still runs - one that waits on a peer's remote
+    operation that never completes. The runtime is left wedged (its close() touches nothing): end the job."""
 
 
 class NoGpuError(ChunkringRuntimeError):

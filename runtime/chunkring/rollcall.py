@@ -63,9 +63,11 @@ class RollCall:
 
         Two rounds make the verdict the same everywhere. Round 1: "here" to everyone, then wait for everyone's
         "here". A rank that has them all says "passed"; one whose limit passes first says "gave up". Round 2:
-        return only on everyone's "passed"; any "gave up" fails the barrier. Each rank says exactly one of the
-        two, so a rank that comes just as another's limit passes learns of it here, instead of passing a barrier
-        that rank gave up on and then waiting alone in the collective after it."""
+        return only on everyone's "passed"; any "gave up" fails the barrier. So a rank that comes just as
+        another's limit passes learns of it here, instead of passing a barrier that rank gave up on and then
+        waiting alone in the collective after it. One case still splits the verdict: a rank silent for a whole
+        limit between its "passed" and the others' (descheduled that long, or dead) makes a waiting rank give up
+        in round 2 while ranks that already hold every "passed" return. Each round waits ``timeout_s`` at most."""
         seq = self._seq
         self._seq += 1
         self._post_all(HERE, seq)

@@ -7,13 +7,15 @@ torch nor NVSHMEM until a method needs them.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError, ChunkringWedgedError
 from chunkring.hostcomm import HostComm
 from chunkring.ranks import InJob, RankInfo
 
@@ -23,6 +25,8 @@ if TYPE_CHECKING:  # imported where used: importing chunkring initialises neithe
     from nvshmem.core import NvshmemKernelObject
 
 __all__ = ["PEER_WAIT_S", "Runtime"]
+
+log = logging.getLogger("chunkring")
 
 T = TypeVar("T")
 
@@ -54,6 +58,8 @@ class Runtime(InJob):
     _tensors: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _libraries: list[NvshmemKernelObject] = field(default_factory=list, repr=False)
     _closed: bool = False
+    #: A wait for the device timed out (a kernel never ended): close() then touches nothing.
+    _wedged: bool = field(default=False, repr=False)
     #: Called with this runtime once it is closed (``init()`` forgets it as the process's current one).
     _on_close: Callable[[Runtime], None] | None = field(default=None, repr=False)
 
@@ -196,7 +202,8 @@ class Runtime(InJob):
         import torch
 
         self._check_open()
-        self._quiet(torch.cuda.current_stream(self.ordinal), timeout_s, what)
+        with self._abandoning_on_failure():
+            self._quiet(torch.cuda.current_stream(self.ordinal), timeout_s, what)
         self._host.barrier(timeout_s, what=what)
 
     def quiesce(self, timeout_s: float, *, what: str) -> None:
@@ -209,9 +216,21 @@ class Runtime(InJob):
         import torch
 
         self._check_open()
-        self.synchronize(timeout_s, what=what)
-        self._quiet(torch.cuda.current_stream(self.ordinal), timeout_s, what)
+        with self._abandoning_on_failure():
+            self.synchronize(timeout_s, what=what)
+            self._quiet(torch.cuda.current_stream(self.ordinal), timeout_s, what)
         self._host.barrier(timeout_s, what=what)
+
+    @contextlib.contextmanager
+    def _abandoning_on_failure(self) -> Iterator[None]:
+        """The steps before a bounded barrier: when one raises, this rank abandons the barrier before the error
+        propagates, so its peers raise at once naming it and every rank's barriers stay numbered alike (a rank
+        that skipped one would meet its peers' next barrier at the wrong number, and fail every one after)."""
+        try:
+            yield
+        except BaseException:
+            self.abandon_barrier()
+            raise
 
     def synchronize(self, timeout_s: float, *, what: str) -> None:
         """Wait for every kernel of this device, for at most ``timeout_s``: a kernel that never ends (one whose
@@ -219,14 +238,23 @@ class Runtime(InJob):
         blocking the host for ever, as ``torch.cuda.synchronize`` alone would."""
         import torch
 
-        _within(timeout_s, f"this rank's kernels to end before {what}", lambda: torch.cuda.synchronize(self.ordinal))
+        try:
+            _within(timeout_s, f"this rank's kernels to end before {what}",
+                    lambda: torch.cuda.synchronize(self.ordinal))
+        except ChunkringWedgedError:
+            self._wedged = True
+            raise
 
     def _quiet(self, stream: torch.cuda.Stream, timeout_s: float, what: str) -> None:
         """Complete this PE's outstanding NVSHMEM operations after ``stream``'s work, then wait for it (bounded)."""
         import nvshmem.core as nvshmem
 
         nvshmem.quiet(stream=stream)
-        _within(timeout_s, f"this rank's NVSHMEM operations to complete before {what}", stream.synchronize)
+        try:
+            _within(timeout_s, f"this rank's NVSHMEM operations to complete before {what}", stream.synchronize)
+        except ChunkringWedgedError:
+            self._wedged = True
+            raise
 
     def symmetric_usage(self) -> tuple[int, int]:
         """(tensors, bytes) of this runtime's live symmetric allocations (:meth:`alloc` minus :meth:`free`):
@@ -247,8 +275,15 @@ class Runtime(InJob):
         return library
 
     def close(self) -> None:
-        """Free every symmetric tensor and kernel library, then finalise NVSHMEM. A collective."""
+        """Free every symmetric tensor and kernel library, then finalise NVSHMEM. A collective. A runtime whose
+        device never went idle (:meth:`synchronize` timed out: a kernel still waits on a dead peer) is only
+        marked closed: each step here would wait on that kernel for ever; the process's end reclaims it all."""
         if self._closed:
+            return
+        if self._wedged:
+            log.error("chunkring: closing a runtime whose kernels never ended: nothing freed, NVSHMEM not "
+                      "finalised (end the job)")
+            self._closed = True
             return
         import nvshmem.core as nvshmem
         import torch
@@ -289,7 +324,7 @@ def _within(timeout_s: float, what: str, wait: Callable[[], None]) -> None:
 
     threading.Thread(target=run, name="chunkring-bounded-wait", daemon=True).start()
     if not done.wait(timeout_s):
-        raise ChunkringRuntimeError(f"waited {timeout_s:g} s for {what}: a kernel that never ends (a peer that never "
-                                    "answers its remote operation?); end the job")
+        raise ChunkringWedgedError(f"waited {timeout_s:g} s for {what}: a kernel that never ends (a peer that never "
+                                   "answers its remote operation?); end the job")
     if failure:
         raise failure[0]

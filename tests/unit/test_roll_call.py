@@ -149,3 +149,25 @@ def test_a_rank_that_counts_everyone_as_another_gives_up_does_not_pass_alone():
         calls[1].meet(5.0)  # finds rank 0's "here" and its "gave up"
     assert info.value.gave_up_ranks == (0,) and info.value.absent_ranks == ()
     assert run_ranks([lambda c=c: c.meet(5.0) for c in calls]) == [None, None]
+
+
+def test_a_rank_that_saw_everyone_still_raises_when_a_peer_gave_up_before_seeing_it():
+    """The two-round race: rank 1 holds rank 0's "here" and says "passed", but its own "here" reaches rank 0 only
+    after rank 0's limit - so rank 0 gives up. With one round rank 1 would pass alone; in the second round it
+    hears rank 0's "gave up" and raises too."""
+    post = Post(2)
+    held = []  # rank 1's messages to rank 0, delivered late
+
+    class Late:
+        def post(self, dest, message):
+            held.append((dest, message))
+
+        def arrived(self):
+            return post.mailbox(1).arrived()
+
+    calls = [RollCall(0, 2, post.mailbox(0)), RollCall(1, 2, Late())]
+    results = run_ranks([lambda: calls[0].meet(0.3), lambda: calls[1].meet(5.0)])
+    assert isinstance(results[0], ChunkringHostTimeoutError) and results[0].absent_ranks == (1,)
+    assert isinstance(results[1], ChunkringHostTimeoutError), "rank 1 passed a barrier rank 0 gave up on"
+    assert results[1].gave_up_ranks == (0,) and results[1].absent_ranks == ()
+    assert [message[0] for _, message in held] == ["here", "passed"]

@@ -14,7 +14,8 @@ import nvshmem.core
 import pytest
 import torch
 
-from chunkring import ChunkringHostTimeoutError, ChunkringRuntimeError, RankInfo, Runtime
+from chunkring import ChunkringHostTimeoutError, RankInfo, Runtime
+from chunkring.errors import ChunkringWedgedError
 from chunkring.runtime import PEER_WAIT_S
 
 TWO = RankInfo(0, 2, 0, 2)
@@ -29,6 +30,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(nvshmem.core, "quiet", lambda stream=None: calls.append("quiet"))
     comm = SimpleNamespace(ranks=TWO, barrier=lambda timeout_s, *, what: calls.append(("barrier", timeout_s, what)),
+                           abandon_barrier=lambda: calls.append("abandon"),
                            allgather_object=lambda obj: calls.append(("allgather", obj)) or [obj, obj],
                            gather_object=lambda obj, root: calls.append(("gather", obj)) or [obj, obj],
                            broadcast_object=lambda obj, root: calls.append(("bcast", obj)) or obj)
@@ -106,10 +108,12 @@ def test_a_device_that_never_idles_makes_quiesce_raise_within_its_limit(recorded
     stuck = threading.Event()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: stuck.wait())
     started = time.monotonic()
-    with pytest.raises(ChunkringRuntimeError, match=r"waited 0.2 s for this rank's kernels to end before the reset"):
+    with pytest.raises(ChunkringWedgedError, match=r"waited 0.2 s for this rank's kernels to end before the reset"):
         rt.quiesce(0.2, what="the reset")
     assert time.monotonic() - started < 5.0
-    assert calls == []  # no quiet, no barrier after it
+    # No quiet and no barrier after it; the barrier abandoned instead, so the peers raise at once, in step.
+    assert calls == ["abandon"]
+    rt.close()  # wedged: frees nothing and finalises nothing (each would wait on the stuck kernel)
     stuck.set()
 
 

@@ -317,9 +317,11 @@ class MoELayer:
 
         * at a mode's first call (:meth:`CallSchedule.is_warm`) they wait on the host, at its warm-up barrier,
           before any kernel: this rank abandons that barrier, so they raise at once, naming it;
-        * later they wait on the device, for this rank's chunks: a usage error aborts the ring the call would
-          use (``HOST_USAGE``, :func:`chunkring.ring.io.raise_abort`); an error a kernel recorded has aborted it
-          already. A check inside a graph capture aborts nothing: its peers capture too, and wait in nothing yet.
+        * later they wait on the device, for this rank's chunks: the failure aborts the ring the call would use
+          (``HOST_USAGE``, :func:`chunkring.ring.io.raise_abort`) - a bad argument, or an error recorded on
+          either ring (a kernel's error aborted only its own ring; where it already aborted this one, the swap
+          finds the word taken and changes nothing). A check inside a graph capture aborts nothing: its peers
+          capture too, and wait in nothing yet.
 
         ``streaming`` is resolved first, outside: ranks agree on a call's mode (each mode has its own ring), so a
         bad one fails every rank alike, as a destroyed layer does."""
@@ -327,13 +329,13 @@ class MoELayer:
             else CallMode.BATCH_READY
         try:
             yield
-        except ChunkringError as error:
+        except Exception as error:
             if not self.schedule.is_warm(mode):
                 self.runtime.abandon_barrier()
-            elif isinstance(error, ChunkringUsageError) and not capturing():
+            elif not capturing():
                 try:
                     raise_abort(self.rings[mode], ErrorCode.HOST_USAGE)
-                except Exception as failed:  # the usage error is the one to report; say why peers may wait
+                except Exception as failed:  # the entry's error is the one to report; say why peers may wait
                     error.add_note(f"the ring's abort could not be raised ({failed!r}): peers may wait until the "
                                    "watchdog")
             raise

@@ -141,10 +141,15 @@ class CallSchedule:
         then wait at a host barrier for every rank's."""
         if mode in self._warm_modes:
             return
-        with torch.cuda.stream(consumer):
-            self.res.compute.warm_up(w13, w2, sms=None)
-            if self.res.pool is not None and mode is CallMode.STREAMED:
-                self.res.compute.warm_up(w13, w2, sms=self.res.consumer_sms[mode])
+        try:
+            with torch.cuda.stream(consumer):
+                self.res.compute.warm_up(w13, w2, sms=None)
+                if self.res.pool is not None and mode is CallMode.STREAMED:
+                    self.res.compute.warm_up(w13, w2, sms=self.res.consumer_sms[mode])
+        except BaseException:
+            # A build that failed here only (a compile error, out of memory): the peers wait at the barrier below.
+            self.res.runtime.abandon_barrier()
+            raise
         # No rank enqueues anything that spins before every rank has compiled and loaded its GEMM kernels: a
         # peer's first compile takes seconds to minutes (longer than the watchdog under CPU contention), and a
         # module load can wait for kernels already running on the GPU. Every rank makes its first call of a

@@ -70,8 +70,13 @@ class Ring:
         self.runtime = runtime
         self.spec = spec
         self.layout = RingLayout(spec)
-        # Before the symmetric allocation: a failure here leaves nothing to free.
-        self.failure = FailureWord(*runtime.mapped_host_word())
+        # Before the symmetric allocation: a failure here leaves nothing to free, and abandons the allocation's
+        # barrier so that the peers raise at once and stay in step.
+        try:
+            self.failure = FailureWord(*runtime.mapped_host_word())
+        except BaseException:
+            runtime.abandon_barrier()
+            raise
         self.buffer = runtime.alloc(self.layout.total_bytes, torch.uint8)
         self.views = self.layout.views(self.buffer)
         # Decided once, here: a peer NVSHMEM maps into this GPU is read with loads, any other by RMA.

@@ -37,7 +37,7 @@ class ErrorCode(enum.IntEnum):
     BAD_METADATA = 10  # retired: malformed metadata is masked and reported as an InputRecord
     PEER_ABORTED = 11  # a wait stopped because a rank of the ring recorded an error (the abort word names it)
     INTERNAL = 12  # an invariant of this rank's own kernels failed (incremental expert blocks, a MoE descriptor)
-    HOST_USAGE = 13  # a collective call failed its host-side argument checks on this rank (io.raise_abort)
+    HOST_USAGE = 13  # this rank refused a collective call at its entry (a bad argument, an earlier error): raise_abort
 
 
 class InputField(enum.IntEnum):

@@ -32,7 +32,7 @@ enum class ErrorCode : unsigned long long {
     kBadMetadata = 10,     // retired: malformed slot metadata is now masked and reported (validate.cuh)
     kPeerAborted = 11,     // a wait stopped because a rank of the ring recorded an error (the abort word names it)
     kInternal = 12,        // an invariant of this rank's own kernels failed (moe/blocks.cuh, moe/descriptors.cuh)
-    kHostUsage = 13,       // a collective call failed its host-side argument checks on this rank (ring_raise_abort)
+    kHostUsage = 13,       // this rank refused a collective call at its entry (ring_raise_abort from the host)
 };
 
 // Where a wait or check happened; append-only, mirrored by runtime/chunkring/ring/status.py Site.

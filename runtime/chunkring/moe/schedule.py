@@ -96,16 +96,14 @@ class CallSchedule:
         starts = list(range(0, n, T)) if n else [0]
         K = res.config.topk
 
-        def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream) -> None:
+        def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream, *, zero_rows: bool) -> None:
             with torch.cuda.stream(stream):
                 for index in chunks:
                     start = starts[index]
                     end = min(start + T, n)
                     mark(Event.PRODUCE_BEGIN, index)
-                    # The chunk's combine rows, zeroed before its publish in the same stream: no consumer writes a
-                    # row of a chunk before it acquired that chunk (docs/PROTOCOL.md). Chunk by chunk, the
-                    # zeroing overlaps the stream instead of delaying its first publish.
-                    res.combine[start * K:end * K].zero_()
+                    if zero_rows:  # the chunk's combine rows, before its publish (see below)
+                        res.combine[start * K:end * K].zero_()
                     publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, stream)
                     mark(Event.PUBLISHED, index)
 
@@ -118,12 +116,19 @@ class CallSchedule:
         with torch.cuda.stream(early):
             mark(Event.CALL_BEGIN)
             res.produce_arrivals[mode].zero_()  # a failed earlier call may have left a count behind
-        produce_chunks(range(first), early)
+        # The combine rows of a chunk are zeroed before its publish, in stream order: no consumer writes a row of a
+        # chunk before it acquired that chunk (docs/PROTOCOL.md). The first chunks' one by one, so the first
+        # publish waits for its own rows only; the rest in one memset on the whole GPU after them, which the
+        # later chunks' stream waits for - not on the producers' reserved SMs, and while the consumer starts.
+        produce_chunks(range(first), early, zero_rows=True)
+        if first < len(starts):
+            with torch.cuda.stream(early):
+                res.combine[starts[first] * K:n * K].zero_()
         if producer is not early:
             producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish
         with torch.cuda.stream(consumer):
             last = self._consume(mode, w13, w2, mark)
-        produce_chunks(range(first, len(starts)), producer)
+        produce_chunks(range(first, len(starts)), producer, zero_rows=False)
         with torch.cuda.stream(producer):
             self._drain_and_reduce(mode, n, out, mark, last)
         caller.wait_stream(producer)

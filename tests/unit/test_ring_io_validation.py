@@ -173,6 +173,6 @@ def test_a_bad_capacity_on_one_rank_raises_on_every_rank_after_the_same_collecti
         GatherOutputs(ring_on(bad_here, RMA), -1)
     assert info.value.field == "capacity" and bad_here.calls == []
     bad_there = FakeRuntime(lambda obj: (None, obj[1]))  # the peer passed a bad one
-    with pytest.raises(ChunkringUsageError, match="ranks disagree") as info:
+    with pytest.raises(ChunkringUsageError, match=r"rank\(s\) \[1\] passed a capacity") as info:
         GatherOutputs(ring_on(bad_there, RMA), 4)
     assert info.value.field == "capacity" and bad_there.calls == []

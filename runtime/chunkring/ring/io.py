@@ -180,6 +180,10 @@ class GatherOutputs:
         everyone = runtime.allgather_object((capacity if valid else None, Transport.RMA in ring.transports))
         if not valid:
             raise ChunkringUsageError(f"must be a non-negative int, got {capacity!r}", field="capacity")
+        bad = [rank for rank, (c, _) in enumerate(everyone) if c is None]
+        if bad:
+            raise ChunkringUsageError(f"rank(s) {bad} passed a capacity that is not a non-negative int",
+                                      field="capacity")
         if any(c != capacity for c, _ in everyone):
             raise ChunkringUsageError(f"ranks disagree (capacities {[c for c, _ in everyone]})", field="capacity")
         self.symmetric = any(rma for _, rma in everyone)

@@ -14,13 +14,14 @@ messages (the only module that imports mpi4py), the unit tests an in-process sta
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from chunkring.errors import ChunkringHostTimeoutError
 
-__all__ = ["GAVE_UP", "HERE", "PASSED", "Mailbox", "RollCall"]
+__all__ = ["GAVE_UP", "HERE", "PASSED", "Mailbox", "RollCall", "abandoning_on_failure"]
 
 HERE = "here"
 PASSED = "passed"
@@ -137,6 +138,24 @@ class RollCall:
         for box in self._inbox.values():
             box.difference_update({(HERE, seq), (PASSED, seq), (GAVE_UP, seq)})
         self._missing = {key: ranks for key, ranks in self._missing.items() if key[1] > seq}
+
+
+class Abandons(Protocol):
+    """What can abandon its next bounded barrier (:meth:`chunkring.Runtime.abandon_barrier`)."""
+
+    def abandon_barrier(self) -> None: ...
+
+
+@contextlib.contextmanager
+def abandoning_on_failure(party: Abandons) -> Iterator[None]:
+    """The steps before a bounded barrier: when one raises, ``party`` abandons the barrier before the error
+    propagates, so its peers raise at once naming it and every rank's barriers stay numbered alike (a rank that
+    skipped one would meet its peers' next barrier at the wrong number, and fail every one after)."""
+    try:
+        yield
+    except BaseException:
+        party.abandon_barrier()
+        raise
 
 
 def _names(ranks: tuple[int, ...]) -> str:

@@ -7,17 +7,17 @@ torch nor NVSHMEM until a method needs them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError, ChunkringWedgedError
 from chunkring.hostcomm import HostComm
 from chunkring.ranks import InJob, RankInfo
+from chunkring.rollcall import abandoning_on_failure
 
 if TYPE_CHECKING:  # imported where used: importing chunkring initialises neither torch nor NVSHMEM
     import torch
@@ -202,7 +202,7 @@ class Runtime(InJob):
         import torch
 
         self._check_open()
-        with self._abandoning_on_failure():
+        with abandoning_on_failure(self):
             self._quiet(torch.cuda.current_stream(self.ordinal), timeout_s, what)
         self._host.barrier(timeout_s, what=what)
 
@@ -216,21 +216,10 @@ class Runtime(InJob):
         import torch
 
         self._check_open()
-        with self._abandoning_on_failure():
+        with abandoning_on_failure(self):
             self.synchronize(timeout_s, what=what)
             self._quiet(torch.cuda.current_stream(self.ordinal), timeout_s, what)
         self._host.barrier(timeout_s, what=what)
-
-    @contextlib.contextmanager
-    def _abandoning_on_failure(self) -> Iterator[None]:
-        """The steps before a bounded barrier: when one raises, this rank abandons the barrier before the error
-        propagates, so its peers raise at once naming it and every rank's barriers stay numbered alike (a rank
-        that skipped one would meet its peers' next barrier at the wrong number, and fail every one after)."""
-        try:
-            yield
-        except BaseException:
-            self.abandon_barrier()
-            raise
 
     def synchronize(self, timeout_s: float, *, what: str) -> None:
         """Wait for every kernel of this device, for at most ``timeout_s``: a kernel that never ends (one whose
@@ -238,20 +227,20 @@ class Runtime(InJob):
         blocking the host for ever, as ``torch.cuda.synchronize`` alone would."""
         import torch
 
-        try:
-            _within(timeout_s, f"this rank's kernels to end before {what}",
-                    lambda: torch.cuda.synchronize(self.ordinal))
-        except ChunkringWedgedError:
-            self._wedged = True
-            raise
+        self._device_wait(timeout_s, f"this rank's kernels to end before {what}",
+                          lambda: torch.cuda.synchronize(self.ordinal))
 
     def _quiet(self, stream: torch.cuda.Stream, timeout_s: float, what: str) -> None:
         """Complete this PE's outstanding NVSHMEM operations after ``stream``'s work, then wait for it (bounded)."""
         import nvshmem.core as nvshmem
 
         nvshmem.quiet(stream=stream)
+        self._device_wait(timeout_s, f"this rank's NVSHMEM operations to complete before {what}", stream.synchronize)
+
+    def _device_wait(self, timeout_s: float, what: str, wait: Callable[[], None]) -> None:
+        """:func:`_within`; a wait that times out leaves this runtime wedged (:meth:`close` touches nothing)."""
         try:
-            _within(timeout_s, f"this rank's NVSHMEM operations to complete before {what}", stream.synchronize)
+            _within(timeout_s, what, wait)
         except ChunkringWedgedError:
             self._wedged = True
             raise

@@ -30,6 +30,7 @@ from chunkring.moe.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
 from chunkring.ring.ring import Ring
+from chunkring.rollcall import abandoning_on_failure
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelArgs
@@ -146,15 +147,11 @@ class CallSchedule:
         then wait at a host barrier for every rank's."""
         if mode in self._warm_modes:
             return
-        try:
-            with torch.cuda.stream(consumer):
-                self.res.compute.warm_up(w13, w2, sms=None)
-                if self.res.pool is not None and mode is CallMode.STREAMED:
-                    self.res.compute.warm_up(w13, w2, sms=self.res.consumer_sms[mode])
-        except BaseException:
-            # A build that failed here only (a compile error, out of memory): the peers wait at the barrier below.
-            self.res.runtime.abandon_barrier()
-            raise
+        # A build that fails here only (a compile error, out of memory) abandons the barrier the peers wait at below.
+        with abandoning_on_failure(self.res.runtime), torch.cuda.stream(consumer):
+            self.res.compute.warm_up(w13, w2, sms=None)
+            if self.res.pool is not None and mode is CallMode.STREAMED:
+                self.res.compute.warm_up(w13, w2, sms=self.res.consumer_sms[mode])
         # No rank enqueues anything that spins before every rank has compiled and loaded its GEMM kernels: a
         # peer's first compile takes seconds to minutes (longer than the watchdog under CPU contention), and a
         # module load can wait for kernels already running on the GPU. Every rank makes its first call of a

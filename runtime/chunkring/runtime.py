@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # imported where used: importing chunkring initialises neithe
     from cuda.core import Device, ObjectCode
     from nvshmem.core import NvshmemKernelObject
 
-__all__ = ["PEER_WAIT_S", "Runtime"]
+__all__ = ["PEER_WAIT_S", "TEARDOWN_WAIT_S", "Runtime"]
 
 log = logging.getLogger("chunkring")
 
@@ -33,6 +33,9 @@ T = TypeVar("T")
 #: How long :meth:`Runtime.barrier` waits for every rank by default before it raises, naming the absent ones:
 #: far above any legitimate skew between ranks (a peer's first kernel builds take minutes), yet finite.
 PEER_WAIT_S = 900.0
+#: How long a teardown (a ring's or a layer's destroy, GatherOutputs.free) waits for every rank by default before
+#: it raises with nothing freed, instead of hanging in the collective frees.
+TEARDOWN_WAIT_S = 300.0
 
 
 @dataclass(eq=False)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.ring.io import FREE_BARRIER_S, GatherOutputs, gather, publish_chunk
+from chunkring.ring.io import GatherOutputs, gather, publish_chunk
 from chunkring.ring.spec import PayloadFormat, RingSpec
 from chunkring.ring.transport import Transport
+from chunkring.runtime import TEARDOWN_WAIT_S
 
 SPEC = RingSpec(world_size=2, num_slots=2, tokens_per_slot=8, hidden=256, payload=PayloadFormat.FP8_E4M3, topk=4,
                 num_experts=8)
@@ -100,8 +101,8 @@ class FakeRuntime:
     def free(self, tensor):
         self.calls.append(("free", tensor.data_ptr()))
 
-    def host_barrier(self, timeout_s=None):
-        self.calls.append(("barrier", timeout_s))
+    def quiesce(self, timeout_s, *, what):
+        self.calls.append(("quiesce", timeout_s, what))
 
 
 def ring_on(runtime, transports, spec=SPEC):
@@ -113,7 +114,7 @@ DIRECT, RMA = (Transport.DIRECT,) * 2, (Transport.DIRECT, Transport.RMA)
 
 
 @pytest.mark.parametrize("mine,peers", [(RMA, False), (DIRECT, True), (RMA, True)])
-def test_gather_rows_come_from_the_symmetric_heap_where_any_rank_reads_by_rma(monkeypatch, mine, peers):
+def test_gather_rows_come_from_the_symmetric_heap_where_any_rank_reads_by_rma(mine, peers):
     """docs/PROTOCOL.md, "Transports": the gather's gets land in these rows, and a get's local buffer must be
     NVSHMEM-registered for an off-node peer - which one GPU cannot show (its gets are the threads' own copies
     through a mapping that takes any buffer). A peer's RMA counts too: the allocation is a collective."""
@@ -125,16 +126,15 @@ def test_gather_rows_come_from_the_symmetric_heap_where_any_rank_reads_by_rma(mo
         tensor = getattr(out, name)
         assert allocated.pop(tensor.data_ptr()) == (tuple(tensor.shape), tensor.dtype), name
     assert allocated == {}, "only the rows a get writes are symmetric (counts and arrivals are local stores)"
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: runtime.calls.append(("sync", device)))
     runtime.calls.clear()
     out.free()
-    assert runtime.calls[:2] == [("sync", runtime.torch_device), ("barrier", FREE_BARRIER_S)]
-    assert sorted(runtime.calls[2:]) == sorted(("free", getattr(out, name).data_ptr()) for name in ROWS)
+    assert runtime.calls[0] == ("quiesce", TEARDOWN_WAIT_S, "GatherOutputs.free()")  # bounded, as a ring's destroy
+    assert sorted(runtime.calls[1:]) == sorted(("free", getattr(out, name).data_ptr()) for name in ROWS)
     with pytest.raises(ChunkringUsageError) as info:
         gather(ring_on(runtime, mine), out)
     assert info.value.field == "out"
     out.free()  # once only
-    assert len(runtime.calls) == 6
+    assert len(runtime.calls) == 5
 
 
 def test_gather_rows_stay_device_memory_where_every_peer_is_direct():

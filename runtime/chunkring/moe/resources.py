@@ -28,25 +28,21 @@ from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
 from chunkring.moe.stage import Stage
 from chunkring.partition import DEFAULT_PARTITION, PRODUCER_SM_SHARE, SmPartition
-from chunkring.ring.ring import TEARDOWN_WAIT_S, Ring
+from chunkring.ring.ring import Ring
 from chunkring.ring.transport import Transport
+from chunkring.runtime import TEARDOWN_WAIT_S
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelLibrary
     from chunkring.runtime import Runtime
 
-__all__ = ["PULL_BLOCK", "PULL_GRID", "TEARDOWN_BARRIER_S", "LayerKernels", "LayerResources",
+__all__ = ["PULL_BLOCK", "PULL_GRID", "LayerKernels", "LayerResources",
            "agree", "spinning_grids"]
 
 #: Blocks of the pull kernel at most: each copies a share of every chunk. A few suffice to keep up with
 #: the producers; more would only spin, waiting for chunks, on SMs the producers could use.
 PULL_GRID = 16
 PULL_BLOCK = 256
-
-#: How long :meth:`LayerResources.free` waits at the host barrier for every rank's kernels to end before it
-#: frees symmetric memory a peer may still write into; a rank that never comes makes it raise instead (the
-#: rings' own destroy() waits as long).
-TEARDOWN_BARRIER_S = TEARDOWN_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -234,11 +230,11 @@ class LayerResources:
         """Free everything (a collective), by the rule of :meth:`Runtime.quiesce`: wait until no kernel of any
         rank runs and none of their NVSHMEM operations is outstanding (a peer's combine push may still be
         writing into this rank's buffer), then free in reverse order of allocation and close the partition
-        the layer made. A rank that does not come within :data:`TEARDOWN_BARRIER_S` makes the others raise
+        the layer made. A rank that does not come within :data:`chunkring.runtime.TEARDOWN_WAIT_S` makes the others raise
         :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing freed: the symmetric frees
         are collectives too, which that rank would never join."""
         try:
-            self.runtime.quiesce(TEARDOWN_BARRIER_S, what="the layer's destroy()")
+            self.runtime.quiesce(TEARDOWN_WAIT_S, what="the layer's destroy()")
         except ChunkringError as exc:
             exc.add_note("nothing was freed: every rank must call destroy() (end the job to reclaim the memory)")
             raise

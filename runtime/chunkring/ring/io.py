@@ -16,13 +16,14 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 from chunkring.ring.status import ErrorCode
 from chunkring.ring.transport import Transport
+from chunkring.runtime import TEARDOWN_WAIT_S
 
 if TYPE_CHECKING:
     from chunkring.jit.launch import KernelArgs, KernelLibrary
     from chunkring.ring.ring import Ring
     from chunkring.runtime import Runtime
 
-__all__ = ["FREE_BARRIER_S", "publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit",
+__all__ = ["publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit",
            "GatherOutputs", "kernel_library", "raise_abort"]
 
 _GATHER_BLOCK = 512
@@ -149,9 +150,6 @@ def enqueue_publish(ring: Ring, x: torch.Tensor, x_sf: torch.Tensor | None, topk
     library.launch("ring_publish_close", block=32, stream=stream, **extent)
 
 
-#: How long :meth:`GatherOutputs.free` waits at the host barrier for every rank before the collective frees of
-#: symmetric outputs; a rank that never comes makes it raise instead of hanging in them.
-FREE_BARRIER_S = 300.0
 
 
 class GatherOutputs:
@@ -217,15 +215,14 @@ class GatherOutputs:
         return f"GatherOutputs(capacity={self.capacity}, {state})"
 
     def free(self) -> None:
-        """Release the rows. A collective where they are ``symmetric``: this rank's kernels are waited for
-        (its own gathers' gets are the only writers of these rows), then every rank at a host barrier bounded by
-        :data:`FREE_BARRIER_S` (a missing rank raises ``ChunkringRuntimeError`` with nothing freed, instead of
-        hanging in the collective frees), then the symmetric frees. The outputs are unusable afterwards."""
+        """Release the rows. A collective where they are ``symmetric``: :meth:`chunkring.Runtime.quiesce` first
+        (this rank's gathers' gets are the only writers of these rows), bounded by
+        :data:`chunkring.runtime.TEARDOWN_WAIT_S` (a missing rank raises with nothing freed, instead of hanging in
+        the collective frees), then the symmetric frees. The outputs are unusable afterwards."""
         if self._freed:
             return
         if self._owned:
-            torch.cuda.synchronize(self._runtime.torch_device)
-            self._runtime.host_barrier(timeout_s=FREE_BARRIER_S)
+            self._runtime.quiesce(TEARDOWN_WAIT_S, what="GatherOutputs.free()")
             for tensor in self._owned:
                 self._runtime.free(tensor)
             self._owned.clear()

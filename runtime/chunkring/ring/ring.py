@@ -25,6 +25,7 @@ from chunkring.ring.spec import RingSpec
 from chunkring.ring.status import AbortRecord, InputRecord, StatusRecord, describe_words, status_error
 from chunkring.ring.transport import Transport, check_transport_mode, choose_transports, describe_transports, rma_mask
 from chunkring.rollcall import abandoning_on_failure
+from chunkring.runtime import TEARDOWN_WAIT_S
 
 if TYPE_CHECKING:
     from chunkring.runtime import Runtime
@@ -36,8 +37,6 @@ log = logging.getLogger("chunkring")
 #: How much longer than the ring's watchdog limit :meth:`Ring.reset` waits for every rank by default: a peer
 #: whose kernel waits for a rank that failed comes once its watchdog fires (or at once, by the abort word).
 RESET_MARGIN_S = 60.0
-#: How long :meth:`Ring.destroy` (and a layer's destroy) waits for every rank by default before it raises.
-TEARDOWN_WAIT_S = 300.0
 
 
 class Ring:

@@ -230,9 +230,9 @@ class LayerResources:
         """Free everything (a collective), by the rule of :meth:`Runtime.quiesce`: wait until no kernel of any
         rank runs and none of their NVSHMEM operations is outstanding (a peer's combine push may still be
         writing into this rank's buffer), then free in reverse order of allocation and close the partition
-        the layer made. A rank that does not come within :data:`chunkring.runtime.TEARDOWN_WAIT_S` makes the others raise
-        :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing freed: the symmetric frees
-        are collectives too, which that rank would never join."""
+        the layer made. A rank that does not come within :data:`chunkring.runtime.TEARDOWN_WAIT_S` makes the others
+        raise :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing freed: the symmetric
+        frees are collectives too, which that rank would never join."""
         try:
             self.runtime.quiesce(TEARDOWN_WAIT_S, what="the layer's destroy()")
         except ChunkringError as exc:

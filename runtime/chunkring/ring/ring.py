@@ -190,8 +190,11 @@ class Ring:
         self.check_alive()
         # A failing kernel ends by its watchdog at the latest - unless it waits on a peer that never answers a
         # remote operation: then the word's own report is raised, with that said (raise_recorded_failure).
+        word = self.failure.read()
+        if word == 0:  # the common case, every call: one host load and nothing else
+            return
         limit = self.timeout_s + RESET_MARGIN_S
-        raise_recorded_failure(self.failure.read(), rank=self.runtime.rank, check=self.check,
+        raise_recorded_failure(word, rank=self.runtime.rank, check=self.check,
                                synchronize=lambda: self.runtime.synchronize(limit, what="reading its error record"))
 
     def protocol_words(self) -> str:

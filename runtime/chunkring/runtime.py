@@ -216,13 +216,11 @@ class Runtime(InJob):
         a kernel's end completes its stores, not its PE's outstanding RMA), then meet every rank at a host
         barrier bounded by ``timeout_s``; a rank that does not come makes the others raise
         :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing after the wait done."""
-        import torch
 
         self._check_open()
         with abandoning_on_failure(self):
             self.synchronize(timeout_s, what=what)
-            self._quiet(torch.cuda.current_stream(self.ordinal), timeout_s, what)
-        self._host.barrier(timeout_s, what=what)
+        self.barrier(timeout_s, what=what)
 
     def synchronize(self, timeout_s: float, *, what: str) -> None:
         """Wait for every kernel of this device, for at most ``timeout_s``: a kernel that never ends (one whose

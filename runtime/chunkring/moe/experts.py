@@ -149,6 +149,7 @@ class ExpertCompute:
         self.push_blocks = self._grid
         self._offsets_bytes = 4 * (experts_per_rank + 1)  # group_offsets' shared memory
         self._warm: set[int | None] = set()  # the SM counts (warm_up's sms) whose GEMM kernels are loaded
+        self._checked_stage: Stage | None = None  # the stage _check_stage accepted (a layer plans from one stage)
         # bf16 [P, H] in NVSHMEM-registered memory, set by a layer with RMA peers: the experts' output, whose
         # rows the combine push puts from (an RMA put's local buffer must be registered off-node).
         self.rma_out: torch.Tensor | None = None
@@ -203,7 +204,9 @@ class ExpertCompute:
     def plan(self, stage: Stage) -> DevicePlan:
         """Every staged choice of a local expert in its expert's group, with its payload copied there."""
         plan, cursors = self._allocate_plan()
-        self._check_stage(stage, plan)
+        if stage is not self._checked_stage:  # a Stage never changes its tensors or shapes: checked once
+            self._check_stage(stage, plan)
+            self._checked_stage = stage
         self._launch("moe_plan_count", stage=stage.desc, counts=plan.counts)
         self._launch("moe_plan_scatter", stage=stage.desc, block_m=GROUP_ALIGN, cursors=cursors, shared=True,
                      **plan.scatter_args())

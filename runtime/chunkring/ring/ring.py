@@ -56,33 +56,37 @@ class Ring:
 
     def __init__(self, runtime: Runtime, spec: RingSpec, *, timeout_s: float | None = None,
                  transport: str | None = None) -> None:
-        if not isinstance(spec, RingSpec):
-            raise ChunkringUsageError(f"expected a RingSpec, got {type(spec).__name__}", field="spec")
-        if spec.world_size != runtime.world_size:
-            raise ChunkringUsageError(f"spec is for {spec.world_size} ranks, the job has {runtime.world_size}",
-                                      field="world_size")
-        check_work_queues()
-        timeout_s = watchdog_timeout_s() if timeout_s is None else check_timeout_s(timeout_s, field="timeout_s")
-        self.transport_mode = check_transport_mode(transport)
+        # Each stretch of this rank's own work before a collective abandons that collective's barrier if it fails,
+        # so the peers raise at once, naming this rank, and the ranks' barriers stay numbered alike.
+        with abandoning_on_failure(runtime):  # before check_identical's
+            if not isinstance(spec, RingSpec):
+                raise ChunkringUsageError(f"expected a RingSpec, got {type(spec).__name__}", field="spec")
+            if spec.world_size != runtime.world_size:
+                raise ChunkringUsageError(f"spec is for {spec.world_size} ranks, the job has {runtime.world_size}",
+                                          field="world_size")
+            check_work_queues()
+            timeout_s = watchdog_timeout_s() if timeout_s is None else check_timeout_s(timeout_s, field="timeout_s")
+            self.transport_mode = check_transport_mode(transport)
         check_identical(runtime, (spec, timeout_s, self.transport_mode))
         #: This rank's watchdog limit (:meth:`set_timeout` changes it), which bounds :meth:`reset`'s waits.
         self.timeout_s = timeout_s
         self.runtime = runtime
         self.spec = spec
-        self.layout = RingLayout(spec)
-        # Before the symmetric allocation, whose barrier a failure here abandons: nothing to free.
-        with abandoning_on_failure(runtime):
+        with abandoning_on_failure(runtime):  # before the allocation's; nothing to free yet
+            self.layout = RingLayout(spec)
             self.failure = FailureWord(*runtime.mapped_host_word())
         self.buffer = runtime.alloc(self.layout.total_bytes, torch.uint8)
-        self.views = self.layout.views(self.buffer)
-        # Decided once, here: a peer NVSHMEM maps into this GPU is read with loads, any other by RMA.
-        self.transports: tuple[Transport, ...] = choose_transports(
-            lambda pe: runtime.peer_address(self.buffer, pe), spec.world_size, self.transport_mode)
-        log.info("chunkring Ring: %s", self.describe_transport())
-        desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(), timeout_ns=int(timeout_s * 1e9),
-                                      rma_peers=rma_mask(self.transports), failure_word=self.failure.device_address)
-        self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
-        self._destroyed = False
+        with abandoning_on_failure(runtime):  # before the reset's first
+            self.views = self.layout.views(self.buffer)
+            # Decided once, here: a peer NVSHMEM maps into this GPU is read with loads, any other by RMA.
+            self.transports: tuple[Transport, ...] = choose_transports(
+                lambda pe: runtime.peer_address(self.buffer, pe), spec.world_size, self.transport_mode)
+            log.info("chunkring Ring: %s", self.describe_transport())
+            desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(),
+                                          timeout_ns=int(timeout_s * 1e9), rma_peers=rma_mask(self.transports),
+                                          failure_word=self.failure.device_address)
+            self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
+            self._destroyed = False
         self.reset()
 
     def __repr__(self) -> str:

@@ -98,9 +98,7 @@ class MoELayer:
         if decode is True:
             check_decode_config(config)  # before anything is built, alike on every rank (configs are identical)
         world = runtime.world_size
-        if config.num_experts % world:
-            raise ChunkringUsageError(f"{config.num_experts} experts do not split evenly over {world} ranks",
-                                      field="num_experts")
+        config.check_world_size(world)  # every ring rule at this world size, the experts' split among them
         if kernels is not None and not isinstance(kernels, LayerKernels):
             raise ChunkringUsageError(f"expected LayerKernels or None, got {type(kernels).__name__}", field="kernels")
         if not module_loading_is_eager():

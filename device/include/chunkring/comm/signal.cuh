@@ -14,7 +14,8 @@ namespace chunkring::comm {
 
 using u64 = ::cuda::std::uint64_t;
 
-// Relaxed remote store of `value` into `signal` on `pe`. NOTES: not a release by itself.
+// Relaxed remote store of `value` into `signal` on `pe`, non-fetching: issued, not awaited (complete at `pe`
+// after a quiet()). NOTES: not a release by itself.
 __device__ __forceinline__ void signal_set_relaxed(u64* signal, u64 value, int pe) {
     nvshmemx_signal_op(signal, value, NVSHMEM_SIGNAL_SET, pe);
 }
@@ -33,12 +34,6 @@ __device__ __forceinline__ void atomic_or_relaxed(u64* word, u64 bits, int pe) {
 // `pe` when it returns). NOTES: a release fence must precede it.
 __device__ __forceinline__ u64 atomic_swap_relaxed(u64* word, u64 value, int pe) {
     return nvshmem_uint64_atomic_swap(word, value, pe);
-}
-
-// Relaxed remote atomic store of `value` into `word` on `pe`, non-fetching: issued, not awaited (complete
-// at `pe` after a quiet()). NOTES: orders nothing; a release needs a fence first.
-__device__ __forceinline__ void atomic_set_relaxed(u64* word, u64 value, int pe) {
-    nvshmem_uint64_atomic_set(word, value, pe);
 }
 
 // Relaxed remote compare-and-swap: stores `value` into `word` on `pe` if it holds `compare`; returns what

@@ -99,7 +99,7 @@ __device__ __forceinline__ u64 abort_word(const RingDesc& d) {
 __device__ __noinline__ void raise_abort(const RingDesc& d, u64 word) {
     u64* notice = layout::status_word(d, layout::kStatusAbortNotice);
     u64* first = layout::status_word(d, layout::kStatusAbort);
-    for (u64 pe = 0; pe < d.world_size; ++pe) comm::atomic_set_relaxed(notice, word, static_cast<int>(pe));
+    for (u64 pe = 0; pe < d.world_size; ++pe) comm::signal_set_relaxed(notice, word, static_cast<int>(pe));
     for (u64 pe = 0; pe < d.world_size; ++pe) comm::atomic_cas_relaxed(first, 0, word, static_cast<int>(pe));
     comm::quiet();
 }

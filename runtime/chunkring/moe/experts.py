@@ -141,7 +141,8 @@ class ExpertCompute:
         self.fp8 = config.payload.has_scales
         self.capacity = padded_rows_bound(config.max_tokens_per_rank, config.topk, world_size, experts_per_rank,
                                           GROUP_ALIGN)
-        self._deep_gemm: Any = load_deep_gemm() if self.fp8 else None  # deep_gemm is untyped
+        # DeepGEMM runs the FP8 GEMMs unless the decode path does (deep_gemm is untyped).
+        self._deep_gemm: Any = load_deep_gemm() if self.fp8 and decode is None else None
         self._grid = _BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         # moe_combine_push's arrivals: each block adds 1 after releasing its stores; moe_ack_held waits for
         # push_blocks of them before the held acks (docs/PROTOCOL.md, "The MoE layer on the ring").
@@ -166,7 +167,7 @@ class ExpertCompute:
         returned (a first call that streamed deadlocked on the H200). The layer calls this before it
         enqueues anything that spins; the kernels depend only on the layer's shapes and on ``sms``
         (:meth:`gemm_sms`), so once per SM count suffices."""
-        if sms in self._warm or not self.fp8:
+        if sms in self._warm or self._deep_gemm is None:  # the decode kernels load with their library
             return
         plan, _ = self._allocate_plan()  # every count 0
         with self.gemm_sms(sms):

@@ -180,7 +180,7 @@ class CallSchedule:
             self._pull_into_blocks_and_waves(mode, w13, w2, mark, res.consumer_sms[mode])
             last = consumer
         else:
-            self.launch_pull(mode, mark.trace)
+            self._launch_pull(mode, mark.trace)
             last = res.compute_streams[mode]
             last.wait_stream(consumer)  # after the pull: every chunk of every source is in the stage
             with torch.cuda.stream(last):
@@ -195,12 +195,11 @@ class CallSchedule:
                                       **mark.trace)
         return last
 
-    def launch_pull(self, mode: CallMode, trace: KernelArgs | None = None) -> None:
+    def _launch_pull(self, mode: CallMode, trace: KernelArgs) -> None:
         """Enqueue ``moe_pull`` of ``mode``'s ring into the stage, on the current stream. ``trace``: the
-        timeline's kernel parameters (:class:`_Marks`), None for none."""
+        timeline's kernel parameters (:attr:`_Marks.trace`)."""
         res = self.res
         arrivals = res.arrivals[mode] if res.pull_grid > 1 else None  # one block acknowledges chunks itself
-        trace = trace if trace is not None else {"trace": None, "trace_capacity": 0}
         res.kernels.stream.launch("moe_pull", desc=res.rings[mode].desc, arrivals=arrivals, stage=res.stage.desc,
                                   grid=res.pull_grid, block=PULL_BLOCK,
                                   stream=torch.cuda.current_stream(res.runtime.torch_device), **trace)

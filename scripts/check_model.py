@@ -348,9 +348,10 @@ def stop_all() -> None:
 
 
 def cache_root() -> Path:
-    """Where compiled pans are kept: $CHUNKRING_CACHE_DIR/spin (default ~/.cache/chunkring/spin)."""
-    base = os.environ.get("CHUNKRING_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "chunkring")
-    return Path(base) / "spin"
+    """Where compiled pans are kept: chunkring's cache folder's ``spin`` (default ~/.cache/chunkring/spin)."""
+    from chunkring.env import cache_root as chunkring_cache_root
+
+    return chunkring_cache_root() / "spin"
 
 
 @functools.lru_cache(maxsize=1)

@@ -72,10 +72,10 @@ def check_compiler(*, gpu: bool | None = None) -> Check:
 
             gpu = driver_gpu_count() > 0
         if not gpu:
-            from chunkring.jit.compiler import _include_path, _nvrtc_version
+            from chunkring.jit.compiler import include_path, nvrtc_version
 
-            folders = _include_path()
-            return Check(name, "PASS", f"NVRTC {_nvrtc_version()} loads; NVSHMEM {nvshmem_version()} and "
+            folders = include_path()
+            return Check(name, "PASS", f"NVRTC {nvrtc_version()} loads; NVSHMEM {nvshmem_version()} and "
                                        f"{len(folders) - 1} more header folders found; no GPU, so nothing compiled")
         start = time.perf_counter()
         result = build("selftest")

@@ -20,6 +20,7 @@ __all__ = [
     "module_loading_is_eager",
     "transport_mode",
     "cache_dir",
+    "cache_root",
     "check_timeout_s",
     "check_work_queues",
     "watchdog_timeout_s",
@@ -67,10 +68,14 @@ def apply_process_defaults(environ: MutableMapping[str, str] | None = None, *,
     return env
 
 
+def cache_root() -> Path:
+    """The folder of chunkring's caches (``CHUNKRING_CACHE_DIR``, default ``~/.cache/chunkring``)."""
+    return Path(os.environ.get("CHUNKRING_CACHE_DIR") or Path.home() / ".cache" / "chunkring")
+
+
 def cache_dir() -> Path:
-    """Where compiled kernels are cached (``CHUNKRING_CACHE_DIR``, default ``~/.cache/chunkring``)."""
-    root = os.environ.get("CHUNKRING_CACHE_DIR") or Path.home() / ".cache" / "chunkring"
-    return Path(root) / "kernels"
+    """Where compiled kernels are cached: :func:`cache_root`'s ``kernels``."""
+    return cache_root() / "kernels"
 
 
 def watchdog_timeout_s() -> float:

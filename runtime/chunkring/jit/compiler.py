@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from cuda.core import Device, ObjectCode, ProgramOptions
 
 __all__ = ["CPU_FALLBACK_ARCH", "KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "arch_of", "build", "default_arch",
+           "include_path", "nvrtc_version",
            "cache_key", "kernel_sources", "nvshmem_version", "program_options"]
 
 #: The CUDA sources: the repository's top-level ``device/`` (headers and kernels only), which the package
@@ -103,7 +104,7 @@ def nvshmem_version() -> str:
 
 
 @lru_cache(maxsize=1)
-def _include_path() -> tuple[str, ...]:
+def include_path() -> tuple[str, ...]:
     from cuda.pathfinder import find_nvidia_header_directory
 
     dirs = [str(INCLUDE_DIR), str(_nvshmem_include())]
@@ -116,7 +117,7 @@ def _include_path() -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=1)
-def _nvrtc_version() -> str:
+def nvrtc_version() -> str:
     from cuda.bindings import nvrtc
 
     err, major, minor = nvrtc.nvrtcVersion()
@@ -161,7 +162,7 @@ def program_options(name: str, *, defines: dict[str, int | str] | None = None,
         name=f"{name}.cu",
         std="c++17",
         arch=arch,
-        include_path=list(_include_path()),
+        include_path=list(include_path()),
         define_macro=["__NVSHMEM_NUMBA_SUPPORT__"] + [f"{k}={v}" for k, v in defines.items()],
         device_as_default_execution_space=True,
         # Spin-waits must not be optimised into assumptions; -O3 is the default and fine with asm volatile.
@@ -198,7 +199,7 @@ def cache_key(name: str, source: str, options: ProgramOptions) -> str:
     """The cache key of kernel ``name`` compiled from ``source`` with ``options`` (what :func:`build` names
     its cubin by): a hash of the name, the source, every header's contents, the NVSHMEM and NVRTC versions
     and every option as NVRTC receives it, so nothing that can change the cubin leaves the key unchanged."""
-    material = [name, source, _headers_digest(), nvshmem_version(), _nvrtc_version(),
+    material = [name, source, _headers_digest(), nvshmem_version(), nvrtc_version(),
                 *(flag.decode() for flag in options.as_bytes("nvrtc"))]
     return hashlib.sha256("\n".join(material).encode()).hexdigest()[:32]
 

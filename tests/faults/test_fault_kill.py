@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from chunkring_launch import exitcodes
+from chunkring_launch.jobs.layer_fault import PHASES
+from tests.helpers.processes import live_mps_daemons, processes_with
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")]
 
@@ -25,7 +27,6 @@ KILL_ENDS_WITHIN_S = 120
 #: A small bf16 layer (no DeepGEMM): 2 experts per rank, five chunks of 8 through a two-slot ring.
 LAYER = ["payload=\"bf16\"", "num_experts=8", "hidden=256", "intermediate=128", "topk=2", "max_tokens_per_rank=40",
          "front_num_slots=2", "front_tokens_per_slot=8", "tokens_per_rank=37"]
-PHASES = ("first_call", "streamed", "graph_replay", "reset", "destroy")
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -48,34 +49,5 @@ def test_a_rank_killed_ends_the_job_naming_it_and_leaves_nothing_behind(phase, r
     assert "signal 9" in proc.stderr, proc.stderr[-4000:]
     assert took < KILL_ENDS_WITHIN_S
     time.sleep(1.0)  # Open MPI's and the launcher's last children need a moment to be reaped
-    assert processes_with(str(tmp_path)) == [], "a process of the job outlived it"
+    assert processes_with(str(tmp_path), count_zombies=False) == [], "a process of the job outlived it"
     assert live_mps_daemons() == [], "an MPS daemon outlived the job"
-
-
-def processes_with(needle: str) -> list[int]:
-    """Live processes (not zombies) with ``needle`` in their environment: the job's, the launcher's MPS daemon's."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle.encode() in (entry / "environ").read_bytes() and not zombie(entry):
-                    alive.append(int(entry.name))
-            except OSError:
-                continue
-    return alive
-
-
-def live_mps_daemons() -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().startswith("nvidia-cuda-mps") and not zombie(entry):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def zombie(entry: Path) -> bool:
-    return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,6 +32,7 @@ from chunkring_launch.config import from_table, load_table, parse_overrides
 from chunkring_launch.jobdir import failed_ranks, first_failure, record_failure
 from chunkring_launch.jobs import JOBS, fault
 from tests.helpers.devices import HAVE_GPU
+from tests.helpers.processes import processes_with
 
 
 def _comm():
@@ -164,19 +164,6 @@ def _on_rank_0(comm, action):
     return comm.bcast(result)
 
 
-def _alive_with(needle: str) -> list[int]:
-    """Processes still running with ``needle`` in their environment."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and entry.name != str(os.getpid()):
-            try:
-                if needle.encode() in (entry / "environ").read_bytes():
-                    alive.append(int(entry.name))
-            except OSError:
-                continue
-    return alive
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("behaviour, status, needle", [
     ("raise", exitcodes.FAILED, "RuntimeError: deliberate failure on rank {last}"),
@@ -217,7 +204,7 @@ def test_ctrl_c_ends_every_rank_of_a_launch_this_wide(tmp_path):
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
-        return proc.returncode, stderr, time.monotonic() - start, _alive_with(str(tmp_path))
+        return proc.returncode, stderr, time.monotonic() - start, processes_with(str(tmp_path))
 
     returncode, stderr, elapsed, alive = _on_rank_0(comm, interrupt)
     assert returncode == exitcodes.INTERRUPTED, stderr

@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from chunkring_launch import exitcodes
+from tests.helpers.processes import processes_with
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 
@@ -107,13 +107,4 @@ def _wait_for_ranks(tmp_path, ranks: int, limit_s: float = 60) -> None:
 
 def _processes_of(tmp_path) -> list[int]:
     """Processes still running with this test's job directory in their environment."""
-    needle = str(tmp_path).encode()
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and entry.name != str(os.getpid()):
-            try:
-                if needle in (entry / "environ").read_bytes():
-                    alive.append(int(entry.name))
-            except OSError:
-                continue
-    return alive
+    return processes_with(str(tmp_path))

@@ -1,0 +1,40 @@
+"""Processes a test's job may have left behind, read from /proc (Linux)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["live_mps_daemons", "processes_with", "zombie"]
+
+
+def processes_with(needle: str, *, count_zombies: bool = True) -> list[int]:
+    """Processes other than this one with ``needle`` in their environment (a job's directory: its ranks, the
+    launcher's MPS daemon); zombies too unless ``count_zombies`` is False (one that init has yet to reap)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle.encode() in (entry / "environ").read_bytes() and (count_zombies or not zombie(entry)):
+                    alive.append(int(entry.name))
+            except OSError:
+                continue
+    return alive
+
+
+def live_mps_daemons() -> list[int]:
+    """MPS daemon processes (control and server) that are not zombies."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().startswith("nvidia-cuda-mps") and not zombie(entry):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def zombie(entry: Path) -> bool:
+    """Whether the process of ``/proc/<pid>`` has exited and waits to be reaped."""
+    return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"

@@ -49,6 +49,8 @@ import traceback
 
 import torch
 
+from chunkring.testing import records
+
 E, HIDDEN, INTER, TOPK = 32, 4096, 2048, 6
 GRAN = 128  # K granularity of every scale (1x128 activations, 128x128 weights)
 ALL_SECTIONS = ("versions", "contig", "masked", "mega", "extras")
@@ -204,13 +206,14 @@ def moe_reference(x_deq, w1_deq_fn, w2_deq_fn, topk_idx, topk_w, experts, inter)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Result file (same top-level keys as benchmarks/result_file.py), rewritten after every figure
+# Result file (the top-level keys of chunkring.testing.records.write), rewritten after every figure
 # ----------------------------------------------------------------------------------------------------
 
 class Results:
     def __init__(self, path):
         self.path = path
-        self.data = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": None, "gpus": 0, "ranks": 1,
+        self.data = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "tree_modified": records.tree_modified(),
+                     "gpu": None, "gpus": 0, "ranks": 1,
                      "suite": "probe_deepgemm", "command": " ".join(sys.argv), "passed": 0, "failed": 0,
                      "skipped": 0, "figures": {}, "errors": []}
 

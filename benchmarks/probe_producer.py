@@ -27,10 +27,7 @@ per chunk (no publish waits and no consumer spins), for a profiler around this s
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 from benchmarks.bench_overlap import SHAPES, ProducersAlone, Shape
 
@@ -119,13 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shape.destroy()
         if args.json:
-            Path(args.json).write_text(json.dumps({
-                "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
-                "gpus": 1, "ranks": runtime.world_size, "suite": "producer-probe", "command": " ".join(sys.argv),
-                "passed": len(records), "failed": len(chunks) - len(records), "skipped": 0,
-                "figures": {f"{k}_chunk{r['chunk']}": v for r in records for k, v in r.items()
-                            if isinstance(v, float)},
-                "records": records}, indent=1))
+            from chunkring.testing import records as result_file
+
+            result_file.write(args.json, suite="producer-probe", world_size=runtime.world_size, records=records,
+                              passed=len(records), failed=len(chunks) - len(records),
+                              figures={f"{k}_chunk{r['chunk']}": v for r in records for k, v in r.items()
+                                       if isinstance(v, float)})
         runtime.close()
     return 0
 

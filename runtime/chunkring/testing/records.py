@@ -24,17 +24,19 @@ def tree_modified() -> bool | None:
 
 
 def write(path: str, *, suite: str, world_size: int, figures: dict, records: list[dict] | None = None,
-          files: list[str] | None = None, incomplete: bool = False) -> None:
+          files: list[str] | None = None, incomplete: bool = False, passed: int = 1, failed: int = 0) -> None:
     """The summary keys, ``figures`` (name -> number), and where given ``records`` (one dict per measured
     case, for benchmarks whose results are a table) and ``files`` (names of figures written beside it).
     ``incomplete``: the run is still going (a benchmark that rewrites its record after each row, so a run cut
-    short by its time limit leaves what it measured, marked so)."""
+    short by its time limit leaves what it measured, marked so). ``passed`` / ``failed``: the cases a
+    benchmark measured and those it could not (default: one run that completed)."""
     import torch
 
     summary: dict[str, object] = {
         "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "tree_modified": tree_modified(),
         "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "ranks": world_size,
-        "suite": suite, "command": " ".join(sys.argv), "passed": 1, "failed": 0, "skipped": 0, "figures": figures}
+        "suite": suite, "command": " ".join(sys.argv), "passed": passed, "failed": failed, "skipped": 0,
+        "figures": figures}
     if records is not None:
         summary["records"] = records
     if files is not None:

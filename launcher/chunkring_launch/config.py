@@ -54,17 +54,8 @@ class CheckedConfig:
 
 
 def check_range(problems: UsageProblems, config: object, name: str, low: float, high: float, why: str = "") -> bool:
-    """Whether ``config.name`` is in [low, high]; if not, a problem naming the key, its value and the range."""
-    value = getattr(config, name)
-    if low <= value <= high:
-        return True
-    problems.add(f"must be in [{_number(low)}, {_number(high)}], got {value!r}" + (f" ({why})" if why else ""),
-                 field=name)
-    return False
-
-
-def _number(value: float) -> str:
-    return str(value) if isinstance(value, int) else f"{value:g}"
+    """Whether ``config.name`` is in [low, high] (:meth:`UsageProblems.check_range`)."""
+    return problems.check_range(name, getattr(config, name), low, high, why)
 
 
 def from_table(cls: type[T], table: Mapping[str, Any], *, job: str) -> T:

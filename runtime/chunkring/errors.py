@@ -84,6 +84,17 @@ class UsageProblems:
         """Whether any of ``fields`` has a problem already."""
         return any(field in fields for field, _ in self._found)
 
+    def check_range(self, field: str, value: float, low: float, high: float, why: str = "") -> bool:
+        """Whether ``value`` (of ``field``, unless that is at fault already) is in [low, high]; a problem naming
+        the value and the range if not."""
+        if self.reported(field):
+            return False
+        if low <= value <= high:
+            return True
+        self.add(f"must be in [{_number(low)}, {_number(high)}], got {value!r}" + (f" ({why})" if why else ""),
+                 field=field)
+        return False
+
     def __bool__(self) -> bool:
         return bool(self._found)
 
@@ -153,3 +164,7 @@ class ChunkringHostTimeoutError(ChunkringRuntimeError):
         self.timeout_s = timeout_s
         self.absent_ranks = absent_ranks
         self.gave_up_ranks = gave_up_ranks
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"

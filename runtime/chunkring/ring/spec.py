@@ -100,14 +100,7 @@ class RingSpec:
             object.__setattr__(self, "payload", PayloadFormat.checked(self.payload))
 
         def check_range(name: str, low: int, high: int, why: str = "") -> bool:
-            """Whether ``name`` (an int, if not reported already) is in [low, high]; a problem if not."""
-            if problems.reported(name):
-                return False
-            value = getattr(self, name)
-            if low <= value <= high:
-                return True
-            problems.add(f"must be in [{low}, {high}], got {value}" + (f" ({why})" if why else ""), field=name)
-            return False
+            return problems.check_range(name, getattr(self, name), low, high, why)
 
         world_ok = check_range("world_size", 1, MAX_WORLD_SIZE, f"a consumer's source mask holds {MAX_WORLD_SIZE} "
                                                                 "ranks")

@@ -56,17 +56,18 @@ class Ring:
 
     def __init__(self, runtime: Runtime, spec: RingSpec, *, timeout_s: float | None = None,
                  transport: str | None = None) -> None:
-        # Each stretch of this rank's own work before a collective abandons that collective's barrier if it fails,
-        # so the peers raise at once, naming this rank, and the ranks' barriers stay numbered alike.
-        with abandoning_on_failure(runtime):  # before check_identical's
-            if not isinstance(spec, RingSpec):
-                raise ChunkringUsageError(f"expected a RingSpec, got {type(spec).__name__}", field="spec")
-            if spec.world_size != runtime.world_size:
-                raise ChunkringUsageError(f"spec is for {spec.world_size} ranks, the job has {runtime.world_size}",
-                                          field="world_size")
-            check_work_queues()
-            timeout_s = watchdog_timeout_s() if timeout_s is None else check_timeout_s(timeout_s, field="timeout_s")
-            self.transport_mode = check_transport_mode(transport)
+        # The argument checks touch nothing of the runtime (they fail alike on every rank given the same
+        # arguments, and check_identical compares those next). Each later stretch of this rank's own work
+        # before a collective abandons that collective's barrier if it fails, so the peers raise at once,
+        # naming this rank, and the ranks' barriers stay numbered alike.
+        if not isinstance(spec, RingSpec):
+            raise ChunkringUsageError(f"expected a RingSpec, got {type(spec).__name__}", field="spec")
+        if spec.world_size != runtime.world_size:
+            raise ChunkringUsageError(f"spec is for {spec.world_size} ranks, the job has {runtime.world_size}",
+                                      field="world_size")
+        check_work_queues()
+        timeout_s = watchdog_timeout_s() if timeout_s is None else check_timeout_s(timeout_s, field="timeout_s")
+        self.transport_mode = check_transport_mode(transport)
         check_identical(runtime, (spec, timeout_s, self.transport_mode))
         #: This rank's watchdog limit (:meth:`set_timeout` changes it), which bounds :meth:`reset`'s waits.
         self.timeout_s = timeout_s

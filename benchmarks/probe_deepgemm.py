@@ -206,16 +206,14 @@ def moe_reference(x_deq, w1_deq_fn, w2_deq_fn, topk_idx, topk_w, experts, inter)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Result file (the top-level keys of chunkring.testing.records.write), rewritten after every figure
+# Result file (chunkring.testing.records.header's keys), rewritten after every figure
 # ----------------------------------------------------------------------------------------------------
 
 class Results:
     def __init__(self, path):
         self.path = path
-        self.data = {"commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "tree_modified": records.tree_modified(),
-                     "gpu": None, "gpus": 0, "ranks": 1,
-                     "suite": "probe_deepgemm", "command": " ".join(sys.argv), "passed": 0, "failed": 0,
-                     "skipped": 0, "figures": {}, "errors": []}
+        self.data = {**records.header(suite="probe_deepgemm", ranks=1, command=" ".join(sys.argv), passed=0,
+                                      failed=0), "figures": {}, "errors": []}
 
     @property
     def fig(self):
@@ -922,8 +920,6 @@ def main():
     budget = Budget(args.budget_s)
     torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references stay fp32
-    res.data["gpu"] = torch.cuda.get_device_name(0)
-    res.data["gpus"] = torch.cuda.device_count()
     res.fig["config"] = {"experts": E, "hidden": HIDDEN, "intermediate": INTER, "topk": TOPK,
                          "tokens": args.tokens, "replays": args.replays, "quick": args.quick,
                          "sections": sections, "dg_jit_cache_dir": os.environ["DG_JIT_CACHE_DIR"]}

@@ -6,8 +6,7 @@ import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from chunkring.testing.machine import driver_version
-from chunkring.testing.records import tree_modified
+from chunkring.testing import records
 
 
 def junit_counts(path: str) -> dict:
@@ -30,18 +29,6 @@ def junit_figures(path: str) -> dict:
         except (TypeError, ValueError):
             pass
     return figures
-
-
-def gpu_facts() -> dict:
-    import torch
-
-    facts = {"gpu": "none", "gpus": 0, "driver": None}
-    if torch.cuda.is_available():
-        facts["gpu"] = torch.cuda.get_device_name(0)
-        facts["gpus"] = torch.cuda.device_count()
-    facts["driver"] = driver_version()
-    facts["torch"] = torch.__version__
-    return facts
 
 
 def main() -> None:
@@ -77,15 +64,8 @@ def main() -> None:
                 figures[f"{tag}_{kernel}_s"] = info["seconds"]
                 builds[tag][kernel] = {"seconds": info["seconds"], "cache_hit": info.get("cache_hit")}
     summary = {
-        "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"),
-        # Whether the tree that ran differed from that commit (CHUNKRING_TREE_MODIFIED; null: nobody said).
-        "tree_modified": tree_modified(),
-        **gpu_facts(),
-        "ranks": args.ranks,
-        "suite": args.suite,
-        "command": args.command,
+        **records.header(suite=args.suite, ranks=args.ranks, command=args.command, **counts),
         "exit_status": args.rc,
-        **counts,
         "ranks_reporting": len(per_rank),
         "nvshmem": nvshmem_version(),
         # How the suite's rings reached their peers: "rma" when forced (CHUNKRING_TRANSPORT or pytest

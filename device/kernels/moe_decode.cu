@@ -25,11 +25,13 @@
 #include <cuda/std/cstdint>
 
 #include "chunkring/moe/decode_gemm.cuh"
+#include "chunkring/moe/fp8.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
 namespace {
 
 namespace decode = chunkring::moe::decode;
+namespace moe = chunkring::moe;
 using decode::kMTiles;
 using decode::kPassRows;
 using decode::kScaleRows;
@@ -40,7 +42,6 @@ using decode::kWarps;
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
-constexpr float kE4M3Max = 448.0f;  // largest finite float8_e4m3fn
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
@@ -69,7 +70,7 @@ __device__ void swiglu_quantise(const float (&acc)[kMTiles][kTokenTiles][4], u64
 #pragma unroll
         for (u32 c = 0; c < 4; ++c) {
             const float gate = round_bf16(acc[0][j][c]), up = round_bf16(acc[1][j][c]);
-            v[j][c] = gate / (1.0f + __expf(-gate)) * up;  // moe_swiglu_fp8's expression
+            v[j][c] = moe::silu_mul(gate, up);
             amax[j][c % 2] = fmaxf(amax[j][c % 2], fabsf(v[j][c]));
         }
     // Over the warp's 16 columns: the lanes of one t (lane bits 2-4 are g) hold the same tokens.
@@ -91,9 +92,7 @@ __device__ void swiglu_quantise(const float (&acc)[kMTiles][kTokenTiles][4], u64
             float m = 0.0f;
 #pragma unroll
             for (u32 w = 0; w < kWarps; ++w) m = fmaxf(m, amax_of[w][j * 8 + 2 * t + h]);
-            float s = m / kE4M3Max;
-            if (!(s > 0.0f)) s = 1.0f;  // a zero block (or one whose scale underflows), as moe_swiglu_fp8
-            scale[j][h] = s;
+            scale[j][h] = moe::e4m3_scale(m);
         }
     const u64 col = static_cast<u64>(chunk) * kScaleRows + warp * kTileRows + g;
 #pragma unroll
@@ -102,7 +101,7 @@ __device__ void swiglu_quantise(const float (&acc)[kMTiles][kTokenTiles][4], u64
         for (u32 c = 0; c < 4; ++c) {
             const u32 token = j * 8 + 2 * t + c % 2;
             if (token >= rows) continue;
-            const float q = fminf(fmaxf(v[j][c] / scale[j][c % 2], -kE4M3Max), kE4M3Max);
+            const float q = moe::clamp_e4m3(v[j][c] / scale[j][c % 2]);
             act[(first + token) * inter + col + (c / 2) * 8] = __nv_fp8_e4m3(q);
         }
     if (warp == 0 && g == 0)

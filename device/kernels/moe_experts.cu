@@ -23,6 +23,7 @@
 
 #include "chunkring/moe/blocks.cuh"
 #include "chunkring/moe/descriptors.cuh"
+#include "chunkring/moe/fp8.cuh"
 #include "chunkring/protocol/mutants.cuh"
 #include "chunkring/ptx/ordering.cuh"
 #include "chunkring/protocol/transport.cuh"
@@ -31,6 +32,7 @@
 
 namespace {
 
+namespace moe = chunkring::moe;
 namespace util = chunkring::util;
 namespace ptx = chunkring::ptx;
 using chunkring::protocol::kMutant;
@@ -45,7 +47,6 @@ using u64 = ::cuda::std::uint64_t;
 
 constexpr u32 kWarp = 32;
 constexpr u32 kScaleBlock = 128;    // channels per activation scale (DeepSeek's 1x128 recipe)
-constexpr float kE4M3Max = 448.0f;  // largest finite float8_e4m3fn
 
 __device__ __forceinline__ u64 round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
 
@@ -177,17 +178,16 @@ extern "C" __global__ void moe_swiglu_fp8(const __nv_bfloat16* gate_up, const in
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float gate = __bfloat162float(gv[j]);
-            v[j] = gate / (1.0f + __expf(-gate)) * __bfloat162float(uv[j]);
+            v[j] = moe::silu_mul(gate, __bfloat162float(uv[j]));
             amax = fmaxf(amax, fabsf(v[j]));
         }
 #pragma unroll
         for (int offset = kWarp / 2; offset > 0; offset /= 2)
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        float scale = amax / kE4M3Max;
-        if (!(scale > 0.0f)) scale = 1.0f;  // a zero block (or one whose scale underflows)
+        const float scale = moe::e4m3_scale(amax);
         __align__(4) __nv_fp8_e4m3 q[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) q[j] = __nv_fp8_e4m3(fminf(fmaxf(v[j] / scale, -kE4M3Max), kE4M3Max));
+        for (int j = 0; j < 4; ++j) q[j] = __nv_fp8_e4m3(moe::clamp_e4m3(v[j] / scale));
         *reinterpret_cast<u32*>(act + row * I + col) = *reinterpret_cast<const u32*>(q);
         if (lane == 0) act_sf[block * sf_stride + row] = scale;
     }
@@ -204,7 +204,7 @@ extern "C" __global__ void moe_swiglu_bf16(const __nv_bfloat16* gate_up, const i
         const __nv_bfloat16* gate = gate_up + row * 2 * I;
         for (u64 i = threadIdx.x; i < I; i += blockDim.x) {
             const float g = __bfloat162float(gate[i]), u = __bfloat162float(gate[I + i]);
-            act[row * I + i] = __float2bfloat16_rn(g / (1.0f + __expf(-g)) * u);
+            act[row * I + i] = __float2bfloat16_rn(moe::silu_mul(g, u));
         }
     }
 }

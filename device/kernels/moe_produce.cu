@@ -24,6 +24,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "chunkring/moe/fp8.cuh"
 #include "chunkring/protocol/publish.cuh"
 #include "chunkring/ptx/mma.cuh"
 #include "chunkring/util/kernel_params.cuh"
@@ -35,7 +36,6 @@ namespace {
 
 constexpr u32 kWarp = 32;
 constexpr u64 kScaleBlock = 128;     // columns per FP8 scale (runtime/chunkring/ring/spec.py FP8_SCALE_BLOCK)
-constexpr float kE4M3Max = 448.0f;   // largest finite float8_e4m3fn
 
 // The router GEMM's tiling (runtime/chunkring/moe/producer.py router_slices mirrors kRouterSlice and
 // kRouterMaxSlices): a block computes 16 tokens x 32 experts; its warps split the hidden columns into
@@ -142,13 +142,12 @@ __device__ void quantize_block(const __nv_bfloat16* in, unsigned char* out, floa
         const float other = __shfl_xor_sync(0xffffffffu, amax, offset);
         amax = (other > amax || isnan(other)) ? other : amax;
     }
-    float scale = amax / kE4M3Max;
-    if (!(scale > 0.0f)) scale = 1.0f;
+    const float scale = moe::e4m3_scale(amax);
     __align__(4) __nv_fp8_e4m3 q[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const float y = x[j] / scale;
-        q[j] = __nv_fp8_e4m3(isnan(y) ? y : fminf(fmaxf(y, -kE4M3Max), kE4M3Max));
+        q[j] = __nv_fp8_e4m3(isnan(y) ? y : moe::clamp_e4m3(y));  // NaN stays NaN: the input checks report it
     }
     *reinterpret_cast<u32*>(out + lane * 4) = *reinterpret_cast<const u32*>(q);
     if (lane == 0) *scale_out = scale;

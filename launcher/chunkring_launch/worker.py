@@ -111,37 +111,17 @@ def report(job: str, config: Any, runtime: JobRuntime, all_figures: list[dict[st
     import torch
 
     from chunkring.jit import nvshmem_version
-    from chunkring.testing.machine import driver_version
-    from chunkring.testing.records import tree_modified
+    from chunkring.testing import records
 
     figures = {f"rank{r}_{key}": value for r, f in enumerate(all_figures) for key, value in f.items()}
+    command = " ".join(["chunkring-launch", job] + [f"{k}={v!r}" for k, v in dataclasses.asdict(config).items()])
     return {
-        "commit": os.environ.get("CHUNKRING_COMMIT") or _git_commit(),
-        "tree_modified": tree_modified(),
-        "gpu": _device_name(runtime),
-        "driver": driver_version() or "unknown",
-        "gpus": torch.cuda.device_count(),
-        "ranks": runtime.world_size,
-        "suite": job,
-        "command": " ".join(["chunkring-launch", job] + [f"{k}={v!r}" for k, v in dataclasses.asdict(config).items()]),
-        "passed": 1,
-        "failed": 0,
-        "skipped": 0,
+        **records.header(suite=job, ranks=runtime.world_size, command=command, passed=1, failed=0,
+                         gpu=_device_name(runtime)),
         "config": dataclasses.asdict(config),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "nvshmem": nvshmem_version()},
         "figures": figures,
     }
-
-
-def _git_commit() -> str:
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True,
-                             timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def _abort_others(runtime: JobRuntime | None) -> None:

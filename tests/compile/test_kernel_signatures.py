@@ -12,6 +12,7 @@ import pytest
 
 from chunkring.jit import kernel_sources, parse_kernels
 from chunkring.jit.compiler import KERNEL_DIR, program_options
+from tests.helpers.launch_sites import launch_calls
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = kernel_sources()
@@ -88,28 +89,6 @@ def test_every_kernel_launched_from_python_exists_in_its_source():
 #: What a launch takes besides the kernel's parameters: KernelLibrary.launch's own keywords; the ``_launch``
 #: of chunkring.moe.experts.ExpertCompute takes a ``shared`` flag instead and forwards the rest.
 LAUNCH_OPTIONS = {"launch": {"grid", "block", "stream", "shared_bytes"}, "_launch": {"shared"}}
-
-
-def refused_on_purpose(tree: ast.AST) -> set[int]:
-    """The nodes inside ``with pytest.raises(...)`` blocks: a test's deliberately wrong launches."""
-    inside: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.With) and any(
-                isinstance(item.context_expr, ast.Call) and isinstance(item.context_expr.func, ast.Attribute)
-                and item.context_expr.func.attr == "raises" for item in node.items):
-            inside.update(id(sub) for statement in node.body for sub in ast.walk(statement))
-    return inside
-
-
-def launch_calls(tree: ast.AST):
-    """Every call of a ``launch`` or ``_launch`` attribute whose first argument is a literal kernel name, but
-    those a test expects to be refused."""
-    refused = refused_on_purpose(tree)
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and id(node) not in refused and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("launch", "_launch") and node.args
-                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            yield node.args[0].value, node
 
 
 def test_every_launch_names_its_arguments_after_the_kernel_parameters():

@@ -16,7 +16,7 @@ SPEC = RingSpec(world_size=2, num_slots=2, tokens_per_slot=8, hidden=256, payloa
 # A stand-in ring whose device is the CPU, so the checks run without a GPU: one process, every peer DIRECT.
 RING = SimpleNamespace(spec=SPEC, runtime=SimpleNamespace(torch_device=torch.device("cpu"),
                                                           allgather_object=lambda obj: [obj]),
-                       transports=(Transport.DIRECT,) * 2, check_alive=lambda: None)
+                       transports=(Transport.DIRECT,) * 2, rma_anywhere=False, check_alive=lambda: None)
 
 
 def good(n=3):
@@ -105,8 +105,11 @@ class FakeRuntime:
         self.calls.append(("quiesce", timeout_s, what))
 
 
-def ring_on(runtime, transports, spec=SPEC):
-    return SimpleNamespace(spec=spec, runtime=runtime, transports=transports, check_alive=lambda: None)
+def ring_on(runtime, transports, spec=SPEC, *, peer_rma=False):
+    """A ring of ``runtime`` whose PEs this rank reaches by ``transports``; ``peer_rma``: the peer has an RMA PE
+    (Ring.rma_anywhere is the ranks' agreed answer)."""
+    return SimpleNamespace(spec=spec, runtime=runtime, transports=transports, check_alive=lambda: None,
+                           rma_anywhere=Transport.RMA in transports or peer_rma)
 
 
 ROWS = ("x", "x_sf", "topk_idx", "topk_weights")
@@ -118,8 +121,8 @@ def test_gather_rows_come_from_the_symmetric_heap_where_any_rank_reads_by_rma(mi
     """docs/PROTOCOL.md, "Transports": the gather's gets land in these rows, and a get's local buffer must be
     NVSHMEM-registered for an off-node peer - which one GPU cannot show (its gets are the threads' own copies
     through a mapping that takes any buffer). A peer's RMA counts too: the allocation is a collective."""
-    runtime = FakeRuntime(lambda obj: (obj[0], peers))
-    out = GatherOutputs(ring_on(runtime, mine), 4)
+    runtime = FakeRuntime(lambda obj: obj)
+    out = GatherOutputs(ring_on(runtime, mine, peer_rma=peers), 4)
     assert out.symmetric
     allocated = {call[1]: call[2:] for call in runtime.calls if call[0] == "alloc"}
     for name in ROWS:
@@ -159,7 +162,7 @@ def test_empty_rows_are_never_symmetric():
 
 
 def test_every_rank_must_ask_for_the_same_capacity():
-    runtime = FakeRuntime(lambda obj: (obj[0] + 1, obj[1]))
+    runtime = FakeRuntime(lambda obj: obj + 1)
     with pytest.raises(ChunkringUsageError) as info:
         GatherOutputs(ring_on(runtime, RMA), 4)
     assert info.value.field == "capacity" and runtime.calls == []
@@ -168,11 +171,11 @@ def test_every_rank_must_ask_for_the_same_capacity():
 def test_a_bad_capacity_on_one_rank_raises_on_every_rank_after_the_same_collective():
     """The bad value travels in the all-gather: the rank that passed it raises after it, as its peers do - none
     raises before the collective while the others wait in it."""
-    bad_here = FakeRuntime(lambda obj: (4, obj[1]))
+    bad_here = FakeRuntime(lambda obj: 4)
     with pytest.raises(ChunkringUsageError, match="must be a non-negative int") as info:
         GatherOutputs(ring_on(bad_here, RMA), -1)
     assert info.value.field == "capacity" and bad_here.calls == []
-    bad_there = FakeRuntime(lambda obj: (None, obj[1]))  # the peer passed a bad one
+    bad_there = FakeRuntime(lambda obj: None)  # the peer passed a bad one
     with pytest.raises(ChunkringUsageError, match=r"rank\(s\) \[1\] passed a capacity") as info:
         GatherOutputs(ring_on(bad_there, RMA), 4)
     assert info.value.field == "capacity" and bad_there.calls == []

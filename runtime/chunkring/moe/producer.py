@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.ring.spec import FP8_SCALE_BLOCK
+from chunkring.ring.spec import E4M3_MAX, FP8_SCALE_BLOCK
 
 if TYPE_CHECKING:
     from chunkring.jit.launch import KernelLibrary
@@ -24,10 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["E4M3_MAX", "ROUTER_MAX_SLICES", "ROUTER_SLICE", "ROUTER_TILE", "enqueue_produce", "produce_grid",
            "produce_grid_limit", "quantize_rows_fp8", "route", "router_logits", "router_slices"]
-
-#: Largest finite float8_e4m3fn value (e4m3fn has no infinity; the all-ones code is NaN).
-E4M3_MAX = 448.0
-
 
 #: moe_produce.cu's router tiling: each warp of a block sums a slice of at least this many hidden columns, and a
 #: block has at most ROUTER_MAX_SLICES warps.

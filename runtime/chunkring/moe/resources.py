@@ -175,11 +175,11 @@ class LayerResources:
         # Every ring's buffer lives in the same symmetric heap, so NVSHMEM maps a peer for all or none.
         self.transports = self.rings[CallMode.BATCH_READY].transports
         # Where any rank reads or writes a peer by RMA, the local ends of its gets and puts (the stage, the
-        # experts' output) must be NVSHMEM-registered: symmetric allocations, a collective, so decided alike.
-        rma_anywhere = any(runtime.allgather_object(Transport.RMA in self.transports))
+        # experts' output) are symmetric allocations (Ring.rma_anywhere, agreed by every rank).
+        rma_anywhere = self.rings[CallMode.BATCH_READY].rma_anywhere
         if rma_anywhere and config.incremental:
-            # An RMA get's local buffer must be NVSHMEM-registered off-node; the pool is not (yet). Every rank
-            # has the same verdict (rma_anywhere is agreed), so every rank raises here.
+            # The pool is not NVSHMEM-registered (yet), and an RMA get's local buffer must be off-node. Every rank
+            # has the same verdict, so every rank raises here.
             raise ChunkringUsageError("waves > 1 (incremental expert blocks) needs every peer DIRECT for now",
                                       field="waves")
         self.stage = Stage.allocate(config, world, device, expert_lo=self.first_expert,

@@ -13,13 +13,13 @@ import torch
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.config import MoEConfig
+from chunkring.ring.spec import E4M3_MAX
 
 __all__ = ["WEIGHT_BLOCK", "ExpertWeights", "Fp8Weight", "Weight", "expert_weights", "init_weights", "payload_weights",
            "quantize_weight_fp8"]
 
 #: Rows and columns of weight that share one fp32 scale.
 WEIGHT_BLOCK = 128
-_E4M3_MAX = 448.0
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ def quantize_weight_fp8(w: torch.Tensor) -> Fp8Weight:
     blocks = padded.view(nb, WEIGHT_BLOCK, kb, WEIGHT_BLOCK)
     for e in range(E):
         padded[:N, :K] = w[e]
-        s = blocks.abs().amax(dim=(1, 3)) / _E4M3_MAX
+        s = blocks.abs().amax(dim=(1, 3)) / E4M3_MAX
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q = (blocks / s[:, None, :, None]).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+        q = (blocks / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         data[e] = q.view(nb * WEIGHT_BLOCK, kb * WEIGHT_BLOCK)[:N, :K]
         scale[e] = s
     return Fp8Weight(data, scale)

@@ -15,7 +15,6 @@ import torch
 from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 from chunkring.ring.status import ErrorCode
-from chunkring.ring.transport import Transport
 from chunkring.runtime import TEARDOWN_WAIT_S
 
 if TYPE_CHECKING:
@@ -172,19 +171,19 @@ class GatherOutputs:
         # caller's torch memory (nvshmemx_buffer_register) is not in nvshmem4py 0.4.1, and it would have to be
         # undone before torch's allocator reuses the block; a symmetric bounce buffer would copy every row
         # twice. Symmetric allocations are the layer's answer for its stage too (moe/resources.py). They are
-        # collectives, so the choice is agreed: symmetric where any rank has an RMA peer.
-        # A bad capacity travels too (as None), so every rank raises here rather than one raising before the
-        # collective and its peers waiting in it.
-        everyone = runtime.allgather_object((capacity if valid else None, Transport.RMA in ring.transports))
+        # collectives, so the choice is the ring's, agreed by every rank: symmetric where any rank has an RMA peer.
+        # A bad capacity travels in the all-gather (as None), so every rank raises here rather than one raising
+        # before the collective and its peers waiting in it.
+        everyone = runtime.allgather_object(capacity if valid else None)
         if not valid:
             raise ChunkringUsageError(f"must be a non-negative int, got {capacity!r}", field="capacity")
-        bad = [rank for rank, (c, _) in enumerate(everyone) if c is None]
+        bad = [rank for rank, c in enumerate(everyone) if c is None]
         if bad:
             raise ChunkringUsageError(f"rank(s) {bad} passed a capacity that is not a non-negative int",
                                       field="capacity")
-        if any(c != capacity for c, _ in everyone):
-            raise ChunkringUsageError(f"ranks disagree (capacities {[c for c, _ in everyone]})", field="capacity")
-        self.symmetric = any(rma for _, rma in everyone)
+        if any(c != capacity for c in everyone):
+            raise ChunkringUsageError(f"ranks disagree (capacities {everyone})", field="capacity")
+        self.symmetric: bool = ring.rma_anywhere
         self._runtime = runtime
         self._owned: list[torch.Tensor] = []
 

@@ -88,6 +88,10 @@ class Ring:
                                           failure_word=self.failure.device_address)
             self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
             self._destroyed = False
+        #: Whether any rank reaches a peer by RMA. Then the local ends of the gets and puts on this ring's rows (the
+        #: layer's stage and experts' output, GatherOutputs) must be NVSHMEM-registered memory off-node: symmetric
+        #: allocations, which are collectives, so every rank decides alike, once, here.
+        self.rma_anywhere: bool = any(runtime.allgather_object(Transport.RMA in self.transports))
         self.reset()
 
     def __repr__(self) -> str:

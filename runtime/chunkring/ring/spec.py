@@ -10,13 +10,15 @@ from dataclasses import dataclass
 
 from chunkring.errors import ChunkringUsageError, UsageProblems
 
-__all__ = ["PayloadFormat", "RingSpec", "MAX_WORLD_SIZE", "FP8_SCALE_BLOCK"]
+__all__ = ["PayloadFormat", "RingSpec", "MAX_WORLD_SIZE", "FP8_SCALE_BLOCK", "E4M3_MAX"]
 
 #: A consumer tracks the sources still active in one 64-bit mask (protocol/ring.cuh consume_invocation,
 #: kMaxWorldSize); each slot has one ack word per destination rank (docs/PROTOCOL.md, "Why no ABA").
 MAX_WORLD_SIZE = 64
 #: Channels sharing one fp32 scale in the FP8 payload.
 FP8_SCALE_BLOCK = 128
+#: float8_e4m3fn's largest finite value: a 1x128 block's absmax maps to it (device/include/chunkring/moe/fp8.cuh).
+E4M3_MAX = 448.0
 #: Rows are moved in 16-byte vectors.
 ROW_ALIGN_BYTES = 16
 #: Routed experts per token a slot carries (the consumer's per-token choice loop).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 #: "1" when the tree that ran differed from the commit it names (``CHUNKRING_COMMIT``), "0" when it did not.
@@ -23,20 +24,46 @@ def tree_modified() -> bool | None:
     return None
 
 
-def write(path: str, *, suite: str, world_size: int, figures: dict, records: list[dict] | None = None,
-          files: list[str] | None = None, incomplete: bool = False, passed: int = 1, failed: int = 0) -> None:
-    """The summary keys, ``figures`` (name -> number), and where given ``records`` (one dict per measured
-    case, for benchmarks whose results are a table) and ``files`` (names of figures written beside it).
-    ``incomplete``: the run is still going (a benchmark that rewrites its record after each row, so a run cut
-    short by its time limit leaves what it measured, marked so). ``passed`` / ``failed``: the cases a
-    benchmark measured and those it could not (default: one run that completed)."""
+def commit() -> str:
+    """The commit that ran: ``CHUNKRING_COMMIT`` where the caller said (the GPU host's copy has no .git), else
+    the checkout's HEAD, else "unknown"."""
+    said = os.environ.get("CHUNKRING_COMMIT")
+    if said:
+        return said
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True,
+                             timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def header(*, suite: str, ranks: int, command: str, passed: int, failed: int, skipped: int = 0,
+           gpu: str | None = None) -> dict[str, object]:
+    """The keys every result file starts with (tests/gpu_results/README.md): the commit (:func:`commit`) and
+    whether the tree differed from it, the machine (``gpu``: the first GPU's name unless given; "none" where
+    torch sees no GPU), and what ran with its counts."""
     import torch
 
-    summary: dict[str, object] = {
-        "commit": os.environ.get("CHUNKRING_COMMIT", "unknown"), "tree_modified": tree_modified(),
-        "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "ranks": world_size,
-        "suite": suite, "command": " ".join(sys.argv), "passed": passed, "failed": failed, "skipped": 0,
-        "figures": figures}
+    from chunkring.testing.machine import driver_version
+
+    gpus = torch.cuda.device_count()
+    if gpu is None:
+        gpu = torch.cuda.get_device_name(0) if gpus else "none"
+    return {"commit": commit(), "tree_modified": tree_modified(),
+            "gpu": gpu, "gpus": gpus, "driver": driver_version(), "torch": torch.__version__, "ranks": ranks,
+            "suite": suite, "command": command, "passed": passed, "failed": failed, "skipped": skipped}
+
+
+def write(path: str, *, suite: str, world_size: int, figures: dict, records: list[dict] | None = None,
+          files: list[str] | None = None, incomplete: bool = False, passed: int = 1, failed: int = 0) -> None:
+    """The summary keys (:func:`header`), ``figures`` (name -> number), and where given ``records`` (one dict
+    per measured case, for benchmarks whose results are a table) and ``files`` (names of figures written beside
+    it). ``incomplete``: the run is still going (a benchmark that rewrites its record after each row, so a run
+    cut short by its time limit leaves what it measured, marked so). ``passed`` / ``failed``: the cases a
+    benchmark measured and those it could not (default: one run that completed)."""
+    summary = header(suite=suite, ranks=world_size, command=" ".join(sys.argv), passed=passed, failed=failed)
+    summary["figures"] = figures
     if records is not None:
         summary["records"] = records
     if files is not None:

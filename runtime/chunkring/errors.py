@@ -166,5 +166,17 @@ class ChunkringHostTimeoutError(ChunkringRuntimeError):
         self.gave_up_ranks = gave_up_ranks
 
 
+class ChunkringOutOfStepError(ChunkringRuntimeError):
+    """The ranks met at a bounded barrier of different names: their host collectives fell out of step (one rank
+    skipped or added a collective the others made, e.g. one is in a ring's ``destroy()`` while another builds a
+    ring). ``what`` names this rank's barrier, ``elsewhere`` the others' (rank -> name). Nothing of the barrier's
+    purpose happened on any rank; every rank raises alike. The job cannot go on: end it."""
+
+    def __init__(self, message: str, *, what: str, elsewhere: dict[int, str]) -> None:
+        super().__init__(message)
+        self.what = what
+        self.elsewhere = elsewhere
+
+
 def _number(value: float) -> str:
     return str(value) if isinstance(value, int) else f"{value:g}"

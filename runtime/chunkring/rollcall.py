@@ -6,7 +6,8 @@ it holds one from each; then each says "passed", and a rank returns once everyon
 rank that gives up tells the others ("gave up") instead of "passed", so every rank - one that comes later too -
 raises rather than passing a barrier a peer abandoned and then waiting in a collective it never joins. Messages
 of an abandoned barrier that arrive later are dropped (their sequence number is behind), so the ranks' later
-barriers stay in step.
+barriers stay in step. Each "here" carries the barrier's name: ranks that meet under different names have
+fallen out of step (one skipped or added a collective), and every rank raises instead of pairing them.
 
 The module holds the protocol only; :class:`chunkring.hostcomm.HostComm` gives it MPI's point-to-point
 messages (the only module that imports mpi4py), the unit tests an in-process stand-in.
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from chunkring.errors import ChunkringHostTimeoutError
+from chunkring.errors import ChunkringHostTimeoutError, ChunkringOutOfStepError
 
 __all__ = ["GAVE_UP", "HERE", "PASSED", "Mailbox", "RollCall", "abandoning_on_failure"]
 
@@ -32,8 +33,9 @@ BUSY_POLLS = 200
 POLL_SLEEP_S = 0.0005
 
 #: (HERE, PASSED or GAVE_UP, barrier sequence number, the ranks a GAVE_UP's sender found missing: itself when
-#: it abandons, those it timed out waiting for otherwise; empty for the other two).
-Message = tuple[str, int, tuple[int, ...]]
+#: it abandons, those it timed out waiting for otherwise; empty for the other two, the barrier's name: a HERE's,
+#: empty for the other two).
+Message = tuple[str, int, tuple[int, ...], str]
 
 
 class Mailbox(Protocol):
@@ -56,11 +58,16 @@ class RollCall:
         self._seq = 0  # the next barrier's number
         self._inbox: dict[int, set[tuple[str, int]]] = {r: set() for r in self.others}  # (kind, seq) per sender
         self._missing: dict[tuple[int, int], tuple[int, ...]] = {}  # (sender, seq) -> what its GAVE_UP named
+        self._names: dict[tuple[int, int], str] = {}  # (sender, seq) -> the barrier its HERE named
 
     def meet(self, timeout_s: float, what: str = "a barrier") -> None:
         """Return once every rank has reached this barrier - on every rank or on none. Raise
         :class:`ChunkringHostTimeoutError` naming the absent ranks once ``timeout_s`` passes without them (telling
         every rank that this one gave up), or naming the ranks that gave up on this barrier.
+
+        ``what`` is also the barrier's name, the same on every rank for the same collective: when every rank is
+        here but some under another name, every rank raises :class:`ChunkringOutOfStepError` (each holds every
+        rank's name, so each sees the same mismatch) instead of pairing two different collectives.
 
         Two rounds make the verdict the same everywhere. Round 1: "here" to everyone, then wait for everyone's
         "here". A rank that has them all says "passed"; one whose limit passes first says "gave up". Round 2:
@@ -71,9 +78,10 @@ class RollCall:
         in round 2 while ranks that already hold every "passed" return. Each round waits ``timeout_s`` at most."""
         seq = self._seq
         self._seq += 1
-        self._post_all(HERE, seq)
+        self._post_all(HERE, seq, name=what)
         gave_up, absent = self._wait(seq, HERE, self.clock() + timeout_s)
         if not gave_up and not absent:
+            self._raise_if_out_of_step(seq, what)
             self._post_all(PASSED, seq)
             # Bounded again: every rank that sent "here" says its verdict within its own limit, unless it died.
             gave_up, absent = self._wait(seq, PASSED, self.clock() + timeout_s)
@@ -101,9 +109,20 @@ class RollCall:
             polls += 1
             self.sleep(0 if polls < BUSY_POLLS else POLL_SLEEP_S)
 
-    def _post_all(self, kind: str, seq: int, missing: tuple[int, ...] = ()) -> None:
+    def _raise_if_out_of_step(self, seq: int, what: str) -> None:
+        """Every rank is at barrier ``seq``: raise if any came under another name than ``what``."""
+        elsewhere = {r: self._names[(r, seq)] for r in self.others if self._names.get((r, seq)) != what}
+        if elsewhere:
+            self._forget(seq)
+            there = "; ".join(f"rank {r} at {name!r}" for r, name in sorted(elsewhere.items()))
+            raise ChunkringOutOfStepError(
+                f"rank {self.rank}: at {what!r}, but {there}: the ranks' host collectives fell out of step (a rank "
+                "skipped or added one); nothing was done here, and the job cannot go on", what=what,
+                elsewhere=elsewhere)
+
+    def _post_all(self, kind: str, seq: int, missing: tuple[int, ...] = (), *, name: str = "") -> None:
         for r in self.others:
-            self.mailbox.post(r, (kind, seq, missing))
+            self.mailbox.post(r, (kind, seq, missing, name))
 
     def abandon(self) -> None:
         """Tell every rank that this one will not come to the next barrier (it failed before it), then skip that
@@ -128,16 +147,19 @@ class RollCall:
     def _collect(self, seq: int) -> None:
         """File what arrived; drop what belongs to barriers before ``seq`` (abandoned ones: their late
         arrivals). A peer already at a later barrier keeps its message for then."""
-        for source, (kind, number, missing) in self.mailbox.arrived():
+        for source, (kind, number, missing, name) in self.mailbox.arrived():
             if number >= seq:
                 self._inbox[source].add((kind, number))
                 if kind == GAVE_UP:
                     self._missing[(source, number)] = tuple(missing)
+                if kind == HERE:
+                    self._names[(source, number)] = name
 
     def _forget(self, seq: int) -> None:
         for box in self._inbox.values():
             box.difference_update({(HERE, seq), (PASSED, seq), (GAVE_UP, seq)})
         self._missing = {key: ranks for key, ranks in self._missing.items() if key[1] > seq}
+        self._names = {key: name for key, name in self._names.items() if key[1] > seq}
 
 
 class Abandons(Protocol):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkring import ChunkringHostTimeoutError, ChunkringUsageError, RankInfo, Runtime
+from chunkring import ChunkringHostTimeoutError, ChunkringOutOfStepError, ChunkringUsageError, RankInfo, Runtime
 from chunkring.hostcomm import HostComm
 
 
@@ -76,6 +76,21 @@ def test_a_barrier_with_a_limit_names_the_absent_rank_and_stays_in_step():
     assert comm.allgather_object(rank) == list(range(size))
     comm.barrier(timeout_s=60)  # and a bounded barrier that every rank reaches returns
     comm.barrier(timeout_s=60)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_at_different_collectives_raise_on_every_rank_and_stay_in_step():
+    """The last rank is at another collective than the others (it skipped one they made): every rank raises
+    ChunkringOutOfStepError naming what the others are at, and the barrier after it lines up."""
+    comm, rank, size = _world()
+    odd = size - 1
+    mine = "the ring's destroy()" if rank == odd else "an allgather"
+    with pytest.raises(ChunkringOutOfStepError) as info:
+        comm.barrier(timeout_s=60, what=mine)
+    expected = {r: "an allgather" for r in range(odd)} if rank == odd else {odd: "the ring's destroy()"}
+    assert info.value.what == mine and info.value.elsewhere == expected
+    comm.barrier(timeout_s=60, what="the rejoin")
+    assert comm.allgather_object(rank) == list(range(size))
 
 
 @pytest.mark.mpi(min_size=2)

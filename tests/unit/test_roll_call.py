@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from chunkring import ChunkringHostTimeoutError
+from chunkring import ChunkringHostTimeoutError, ChunkringOutOfStepError
 from chunkring.rollcall import RollCall
 
 
@@ -171,3 +171,19 @@ def test_a_rank_that_saw_everyone_still_raises_when_a_peer_gave_up_before_seeing
     assert isinstance(results[1], ChunkringHostTimeoutError), "rank 1 passed a barrier rank 0 gave up on"
     assert results[1].gave_up_ranks == (0,) and results[1].absent_ranks == ()
     assert [message[0] for _, message in held] == ["here", "passed"]
+
+
+def test_ranks_at_barriers_of_different_names_raise_on_every_rank_and_the_next_one_lines_up():
+    """Rank 2 skipped a collective the others made (it is at the destroy's barrier while they build a ring): every
+    rank - the one that differs too - raises ChunkringOutOfStepError naming what each rank is at, at once, instead
+    of pairing the two collectives; their sequence numbers stay alike, so the barrier after lines up."""
+    calls = roll_calls(3)
+    started = time.monotonic()
+    results = run_ranks([lambda c=c: c.meet(30.0, "an allgather") for c in calls[:2]] +
+                        [lambda: calls[2].meet(30.0, "the ring's destroy()")])
+    assert time.monotonic() - started < 5.0, "the ranks waited out their limit"
+    assert all(isinstance(error, ChunkringOutOfStepError) for error in results), results
+    assert results[0].elsewhere == results[1].elsewhere == {2: "the ring's destroy()"}
+    assert results[2].elsewhere == {0: "an allgather", 1: "an allgather"}
+    assert "rank 0: at 'an allgather', but rank 2 at \"the ring's destroy()\"" in str(results[0])
+    assert run_ranks([lambda c=c: c.meet(5.0, "the rejoin") for c in calls]) == [None] * 3

@@ -156,7 +156,7 @@ class CallSchedule:
         # peer's first compile takes seconds to minutes (longer than the watchdog under CPU contention), and a
         # module load can wait for kernels already running on the GPU. Every rank makes its first call of a
         # mode at the same call (calls are collective), so this host barrier runs once per mode.
-        self.res.runtime.host_barrier(timeout_s=FIRST_CALL_BARRIER_S)
+        self.res.runtime.host_barrier(timeout_s=FIRST_CALL_BARRIER_S, what=f"the first {mode.value} call's warm-up")
         self._warm_modes.add(mode)
 
     def _consume(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks) -> torch.cuda.Stream:

@@ -1,0 +1,334 @@
+"""The decode path's kernels run on the CPU as written (tests/unit/test_moe_decode_emulation.py drives them): the
+warp engine of device/include/chunkring/moe/decode_gemm.cuh, moe_decode_l1 / moe_decode_l2 of
+device/kernels/moe_decode.cu, and - the semantics the decode kernels replace or feed - moe_swiglu_fp8 and
+moe_combine_push (DIRECT sources, no ring descriptor) of device/kernels/moe_experts.cu, with fp8.cuh's arithmetic.
+
+Each function below mirrors one device function line by line: the same index arithmetic, loop bounds, early exits,
+guards and stores, per block of the launch grid and per thread (numpy arrays over threadIdx.x); shared memory
+between two __syncthreads is a phase run by every thread before the next. Global memory is
+tests/helpers/kernel_emulation.py's: every computed offset is checked against the allocation it came from.
+
+Where it cannot be faithful: __expf (the emulation's exp is numpy's fp32 exp), the tensor core's summation order and
+internal precision (emulated as an exact sum rounded once), and anything about timing or memory ordering."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from tests.helpers.kernel_emulation import (
+    WARP,
+    EmulatedMemoryError,
+    Threads,
+    bf16_bits,
+    e4m3_bits,
+    fmaf,
+    mma_m16n8k32_e4m3,
+    round_bf16,
+    shfl_xor,
+)
+
+__all__ = ["kernels"]
+
+# decode_gemm.cuh's constants.
+KBLOCK, KSTEPS, TILE_ROWS, TILE_TOKENS, MTILES, TOKEN_TILES, WARPS, STAGES = 128, 4, 16, 8, 2, 2, 8, 3
+PASS_ROWS, SCALE_ROWS = TOKEN_TILES * TILE_TOKENS, WARPS * TILE_ROWS
+E4M3_MAX = np.float32(448.0)
+NULL = -1  # a null pointer among byte or element offsets
+
+
+# -- fp8.cuh ------------------------------------------------------------------------------------------------------
+def e4m3_scale(amax):
+    scale = (np.asarray(amax, np.float32) / E4M3_MAX).astype(np.float32)
+    return np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+
+
+def clamp_e4m3(y):
+    return np.fmin(np.fmax(y, -E4M3_MAX), E4M3_MAX).astype(np.float32)
+
+
+def silu_mul(gate, up):
+    gate, up = np.asarray(gate, np.float32), np.asarray(up, np.float32)
+    with np.errstate(over="ignore"):  # exp(-gate) = inf for a very negative gate, as __expf's: silu -> -0
+        return (gate / (np.float32(1.0) + np.exp(-gate)) * up).astype(np.float32)
+
+
+# -- decode_gemm.cuh ----------------------------------------------------------------------------------------------
+def load_stage(op, kb: int, t: np.ndarray) -> SimpleNamespace:
+    """load_stage: one k block of the warp's operands (null token rows and scales read as zeros)."""
+    lo = kb * KBLOCK + 16 * t
+    hi = lo + 64
+    st = SimpleNamespace(w=[[None, None] for _ in range(MTILES)], x=[None] * TOKEN_TILES, w_scale=[None] * MTILES,
+                         x_scale=[[None, None] for _ in range(TOKEN_TILES)])
+    for i in range(MTILES):
+        for h in range(2):
+            row = op.w_row[i] + h * 8 * op.k_bytes
+            st.w[i][h] = [op.w.load(row + lo, 16, "weight lo"), op.w.load(row + hi, 16, "weight hi")]
+        st.w_scale[i] = op.w_sf.load_as(np.float32, op.w_scale[i] + kb, "weight scale")
+    for j in range(TOKEN_TILES):
+        x, live = op.x_row[j], op.x_row[j] != NULL
+        parts = []
+        for start in (lo, hi):
+            part = np.zeros((t.size, 16), np.uint8)
+            part[live] = op.x.load(x[live] + start[live], 16, "token row")
+            parts.append(part)
+        st.x[j] = parts
+        for c in range(2):
+            sf, live = op.x_scale[j][c], op.x_scale[j][c] != NULL
+            st.x_scale[j][c] = np.zeros(t.size, np.float32)
+            st.x_scale[j][c][live] = op.x_sf.load_as(np.float32, sf[live] + kb * op.sf_stride, "token scale")
+    return st
+
+
+def word(v: np.ndarray, i: int) -> np.ndarray:
+    return v[:, 4 * i:4 * i + 4]  # register word i of a uint4: bytes 4i..4i+3, the lowest address in the low byte
+
+
+def mma_stage(st, tiles: int, acc: np.ndarray) -> None:
+    """mma_stage: the k block's four MMA steps into a fresh fragment, then acc += part * w_scale * x_scale."""
+    part = np.zeros_like(acc)
+    for s in range(KSTEPS):
+        at, p = (s % 2) * 2, s // 2
+        a = [np.stack([word(st.w[i][0][p], at), word(st.w[i][1][p], at), word(st.w[i][0][p], at + 1),
+                       word(st.w[i][1][p], at + 1)], axis=1) for i in range(MTILES)]
+        for j in range(TOKEN_TILES):
+            if j >= tiles:
+                continue
+            b = np.stack([word(st.x[j][p], at), word(st.x[j][p], at + 1)], axis=1)
+            for i in range(MTILES):
+                part[:, i, j] = mma_m16n8k32_e4m3(part[:, i, j], a[i], b)
+    for i in range(MTILES):
+        for j in range(TOKEN_TILES):
+            for c in range(4):  # c even: token 2t, odd: token 2t + 1
+                scale = (st.w_scale[i] * st.x_scale[j][c % 2]).astype(np.float32)
+                acc[:, i, j, c] = fmaf(part[:, i, j, c], scale, acc[:, i, j, c])
+
+
+def warp_gemm(op, kblocks: int, tiles: int, th: Threads) -> np.ndarray:
+    """warp_gemm: acc [threads, m tile, token tile, 4] over kblocks k blocks, kStages - 1 blocks loaded ahead."""
+    t = th.tid % 4
+    acc = np.zeros((th.count, MTILES, TOKEN_TILES, 4), np.float32)
+    st = [None] * STAGES
+    for s in range(STAGES - 1):
+        if s < kblocks:
+            st[s] = load_stage(op, s, t)
+    for kb0 in range(0, kblocks, STAGES):
+        for s in range(STAGES):
+            kb = kb0 + s
+            if kb >= kblocks:
+                break
+            if kb + STAGES - 1 < kblocks:
+                st[(s + STAGES - 1) % STAGES] = load_stage(op, kb + STAGES - 1, t)
+            mma_stage(st[s], tiles, acc)
+    return acc
+
+
+def set_tokens(op, first: int, rows: int, th: Threads) -> int:
+    """set_tokens: the pass's token rows and scales (null past ``rows``); returns the token tiles in use."""
+    g, t = th.lane // 4, th.tid % 4
+    op.x_row, op.x_scale = [None] * TOKEN_TILES, [[None, None] for _ in range(TOKEN_TILES)]
+    for j in range(TOKEN_TILES):
+        lo = j * TILE_TOKENS
+        here = min(rows - lo, TILE_TOKENS) if rows > lo else 0
+        p = first + lo
+        op.x_row[j] = np.where(g < here, (p + g) * op.k_bytes, NULL)
+        for c in range(2):
+            op.x_scale[j][c] = np.where(2 * t + c < here, p + 2 * t + c, NULL)
+    return (rows + TILE_TOKENS - 1) // TILE_TOKENS
+
+
+# -- moe_decode.cu ------------------------------------------------------------------------------------------------
+def group_of(counts, group_end, e: int) -> tuple[int, int]:
+    rows = int(counts.load_as(np.uint32, e, "counts"))
+    return (int(group_end.load_as(np.int32, e, "group_end")) - rows) % 2**64, rows
+
+
+def swiglu_quantise(acc, first, rows, chunk, inter, sf_stride, act, act_sf, th: Threads, trace) -> None:
+    """swiglu_quantise: SwiGLU of the warp's gate (acc m tile 0) and up (m tile 1) columns, the 128-column absmax
+    per token through shared amax_of[kWarps][kPassRows], e4m3 act and its scale for the pass's real rows."""
+    lane, warp = th.lane, th.warp
+    g, t = lane // 4, lane % 4
+    v = np.zeros((th.count, TOKEN_TILES, 4), np.float32)
+    amax = np.zeros((th.count, TOKEN_TILES, 2), np.float32)
+    for j in range(TOKEN_TILES):
+        for c in range(4):
+            gate, up = round_bf16(acc[:, 0, j, c]), round_bf16(acc[:, 1, j, c])
+            v[:, j, c] = silu_mul(gate, up)
+            amax[:, j, c % 2] = np.fmax(amax[:, j, c % 2], np.abs(v[:, j, c]))
+    amax_of = np.full((WARPS, PASS_ROWS), np.nan, np.float32)  # shared: this pass's stores only are readable
+    stored = np.zeros(amax_of.shape, np.int32)
+    for j in range(TOKEN_TILES):
+        for h in range(2):
+            for offset in (4, 8, 16):
+                amax[:, j, h] = np.fmax(amax[:, j, h], shfl_xor(amax[:, j, h], offset))
+            who = g == 0
+            slot = (warp[who], j * 8 + 2 * t[who] + h)
+            if warp.max() >= WARPS:
+                raise EmulatedMemoryError("amax_of: a warp past kWarps")
+            np.add.at(stored, slot, 1)
+            amax_of[slot] = amax[who, j, h]
+    if (stored > 1).any():
+        raise EmulatedMemoryError("amax_of: a slot stored twice")
+    # __syncthreads()
+    if not stored.all():
+        raise EmulatedMemoryError("amax_of: a slot read before this pass stored it")
+    scale = np.zeros((th.count, TOKEN_TILES, 2), np.float32)
+    for j in range(TOKEN_TILES):
+        for h in range(2):
+            m = np.zeros(th.count, np.float32)
+            for w in range(WARPS):
+                m = np.fmax(m, amax_of[w, j * 8 + 2 * t + h])
+            scale[:, j, h] = e4m3_scale(m)
+    col = chunk * SCALE_ROWS + warp * TILE_ROWS + g
+    for j in range(TOKEN_TILES):
+        for c in range(4):
+            token = j * 8 + 2 * t + c % 2
+            live = token < rows  # the others `continue`
+            q = clamp_e4m3((v[live, j, c] / scale[live, j, c % 2]).astype(np.float32))
+            at = (first + token[live]) * inter + col[live] + (c // 2) * 8
+            act.store(at, e4m3_bits(q)[:, None], "act")
+            trace.append((first + token[live], col[live] + (c // 2) * 8, acc[live, 0, j, c], acc[live, 1, j, c]))
+    lead = (warp == 0) & (g == 0)
+    for j in range(TOKEN_TILES):
+        for h in range(2):
+            token = j * 8 + 2 * t + h
+            live = lead & (token < rows)
+            act_sf.store_as(np.float32, chunk * sf_stride + first + token[live], scale[live, j, h], "act_sf")
+    # __syncthreads(): amax_of is rewritten by the next pass
+
+
+def moe_decode_l1(memory, grid, block, shared_bytes, a, trace) -> None:
+    """``trace`` (the emulation's, not the kernel's) gets (rows, columns, gate, up) of the fp32 sums the epilogue
+    rounds, for every act element it stores."""
+    th = Threads(block)
+    H, inter = a.hidden, a.inter
+    chunks = inter // SCALE_ROWS
+    for block_idx in range(grid):
+        e, chunk = block_idx // chunks, block_idx % chunks
+        first, rows = group_of(a.counts, a.group_end, e)
+        if rows == 0:
+            continue  # return: uniform across the block
+        warp, g = th.warp, th.lane // 4
+        kblocks, scale_rows = H // KBLOCK, 2 * inter // SCALE_ROWS
+        op = SimpleNamespace(w=a.w13, w_sf=a.w13_sf, x=a.rows, x_sf=a.rows_sf, k_bytes=H, sf_stride=a.sf_stride)
+        row0 = chunk * SCALE_ROWS + warp * TILE_ROWS + g
+        op.w_row = [(e * 2 * inter + row0) * H, (e * 2 * inter + inter + row0) * H]
+        op.w_scale = [np.full(block, (e * scale_rows + chunk) * kblocks),
+                      np.full(block, (e * scale_rows + inter // SCALE_ROWS + chunk) * kblocks)]
+        for done in range(0, rows, PASS_ROWS):
+            here = min(rows - done, PASS_ROWS)
+            tiles = set_tokens(op, first + done, here, th)
+            acc = warp_gemm(op, kblocks, tiles, th)
+            swiglu_quantise(acc, first + done, here, chunk, inter, op.sf_stride, a.act, a.act_sf, th, trace)
+
+
+def moe_decode_l2(memory, grid, block, shared_bytes, a) -> None:
+    th = Threads(block)
+    H, inter = a.hidden, a.inter
+    chunks = H // (MTILES * SCALE_ROWS)
+    for block_idx in range(grid):
+        e, chunk = block_idx // chunks, block_idx % chunks
+        first0, rows = group_of(a.counts, a.group_end, e)
+        if rows == 0:
+            continue
+        warp, g, t = th.warp, th.lane // 4, th.tid % 4
+        kblocks, scale_rows = inter // KBLOCK, H // SCALE_ROWS
+        op = SimpleNamespace(w=a.w2, w_sf=a.w2_sf, x=a.act, x_sf=a.act_sf, k_bytes=inter, sf_stride=a.sf_stride,
+                             w_row=[None] * MTILES, w_scale=[None] * MTILES)
+        col = [None] * MTILES
+        for i in range(MTILES):
+            blk = chunk * MTILES + i
+            col[i] = blk * SCALE_ROWS + warp * TILE_ROWS + g
+            op.w_row[i] = (e * H + col[i]) * inter
+            op.w_scale[i] = np.full(block, (e * scale_rows + blk) * kblocks)
+        for done in range(0, rows, PASS_ROWS):
+            here = min(rows - done, PASS_ROWS)
+            first = first0 + done
+            tiles = set_tokens(op, first, here, th)
+            acc = warp_gemm(op, kblocks, tiles, th)
+            for i in range(MTILES):
+                for j in range(TOKEN_TILES):
+                    for c in range(4):
+                        token = j * 8 + 2 * t + c % 2
+                        live = token < here
+                        at = (first + token[live]) * H + col[i][live] + (c // 2) * 8
+                        a.out.store(at * 2, bf16_bits(acc[live, i, j, c]), "out")
+
+
+# -- moe_experts.cu -----------------------------------------------------------------------------------------------
+def group_offsets(counts, num_local: int, block_m: int, block: int, shared_bytes: int) -> list[int]:
+    """group_offsets: offsets[e] (the padded counts' exclusive scan) and offsets[E] in the dynamic shared memory."""
+    if block > 1024 or (num_local + 1) * 4 > shared_bytes:
+        raise EmulatedMemoryError("group_offsets: partial[1024] or the dynamic shared offsets overflow")
+    per_thread = (num_local + block - 1) // block
+    bounds = [(min(x * per_thread, num_local), min(min(x * per_thread, num_local) + per_thread, num_local))
+              for x in range(block)]
+
+    def padded(e):
+        c = int(counts.load_as(np.uint32, e, "counts"))
+        return (c + block_m - 1) // block_m * block_m
+
+    partial = [sum(padded(e) for e in range(lo, hi)) for lo, hi in bounds]
+    partial = [sum(partial[:x]) for x in range(block)] + [sum(partial)]  # thread 0's scan; the last: the total
+    offsets = [0] * (num_local + 1)
+    offsets[num_local] = partial[block]
+    for x, (lo, hi) in enumerate(bounds):
+        run = partial[x]
+        for e in range(lo, hi):
+            offsets[e], run = run, run + padded(e)
+    return offsets
+
+
+def moe_swiglu_fp8(memory, grid, block, shared_bytes, a) -> None:
+    """A warp per (row, 128-column block) of the rows in use; the grid-stride loop hands each item to exactly one
+    warp and no item depends on another, so the items run here all at once."""
+    offsets = group_offsets(a.counts, a.num_local, a.block_m, block, shared_bytes)
+    used, inter = offsets[a.num_local], a.inter
+    blocks = inter // 128
+    item = np.arange(used * blocks, dtype=np.int64)
+    row, blk = item // blocks, item % blocks
+    keep = a.row_src.load_as(np.int32, row, "row_src") >= 0
+    row, blk = row[keep], blk[keep]
+    lane = np.arange(WARP)
+    col = blk[:, None] * 128 + lane * 4  # [items, lanes]
+    g = row[:, None] * 2 * inter + col
+    gate = a.gate_up.load(g * 2, 8, "gate").view(np.uint16)
+    up = a.gate_up.load((g + inter) * 2, 8, "up").view(np.uint16)
+    as_f32 = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)  # noqa: E731 - bf16 -> fp32 exactly
+    v = silu_mul(as_f32(gate), as_f32(up))  # [items, lanes, 4]
+    amax = np.fmax.reduce(np.fmax.reduce(np.abs(v), axis=2), axis=1)  # the lane's 4, then the warp's butterfly
+    scale = e4m3_scale(amax)
+    q = clamp_e4m3((v / scale[:, None, None]).astype(np.float32))
+    a.act.store(row[:, None] * inter + col, e4m3_bits(q), "act")
+    a.act_sf.store_as(np.float32, blk * a.sf_stride + row, scale, "act_sf")
+
+
+def moe_combine_push(memory, grid, block, shared_bytes, a) -> None:
+    """DIRECT sources only (desc null): each real row times its weight, bf16, to peer_combine[src] + (token K + k) H."""
+    if a.desc is not None:
+        raise NotImplementedError("the RMA path (puts) is not emulated")
+    offsets = group_offsets(a.counts, a.num_local, a.block_m, block, shared_bytes)
+    used, H = offsets[a.num_local], a.hidden
+    for block_idx in range(grid):
+        for row in range(block_idx, used, grid):
+            src = int(a.row_src.load_as(np.int32, row, "row_src"))
+            if src < 0:
+                continue
+            w = np.float32(a.row_weight.load_as(np.float32, row, "row_weight"))
+            token = int(a.row_token.load_as(np.int32, row, "row_token")) % 2**64
+            at = (token * a.topk + int(a.row_k.load_as(np.int32, row, "row_k"))) * H
+            peer, to = memory.at(int(a.peer_combine.load_as(np.uint64, src, "peer_combine")), "peer_combine[src]")
+            i = np.arange(0, H, 8)  # thread x takes i = 8x, 8x + 8 blockDim, ...: every i once
+            v = a.out.load((row * H + i) * 2, 16, "out row").view(np.uint16)
+            r = bf16_bits((((v.astype(np.uint32) << 16).view(np.float32)) * w).astype(np.float32))
+            peer.store(to + (at + i) * 2, r.reshape(len(i), 16), "combine row")
+    # Thread 0 of every block: atomicAdd(pushed, 1) (an atomic: exempt from the one-store-per-launch check).
+    a.pushed.raw[:8] = (a.pushed.load_as(np.int64, 0, "pushed") + grid).reshape(1).view(np.uint8)
+
+
+def kernels(trace: list) -> dict:
+    """The emulated kernels by name, for :class:`tests.helpers.kernel_emulation.EmulatedLibrary`; L1's sums go
+    to ``trace``."""
+    return {"moe_decode_l1": lambda *args: moe_decode_l1(*args, trace), "moe_decode_l2": moe_decode_l2,
+            "moe_swiglu_fp8": moe_swiglu_fp8, "moe_combine_push": moe_combine_push}

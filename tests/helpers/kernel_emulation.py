@@ -1,0 +1,240 @@
+"""The machine underneath the CPU emulation of CUDA kernels (tests/helpers/decode_emulator.py runs the kernels on
+it): global memory as the bytes of the very torch tensors a launch names, addressed by their ``data_ptr()``; a
+thread block as numpy arrays over ``threadIdx.x``; the number formats (fp32 with fmaf, bf16 and e4m3 round to
+nearest even, e4m3 saturating); the mma.sync.m16n8k32 e4m3 fragment tables of the PTX ISA; and a stand-in
+:class:`EmulatedLibrary` that checks each launch against the kernels' parsed signatures as the real library does.
+
+Every load and store names the allocation its base pointer came from and is checked there: in bounds, naturally
+aligned (the absolute address), only initialised bytes read (memory from ``torch.empty`` is uninitialised until a
+kernel writes it), and no byte stored twice in one launch (two threads storing one place is a race, or one of the
+two stores is misplaced). A failed check raises :class:`EmulatedMemoryError` with the access named."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from chunkring.jit import parse_kernels
+from chunkring.jit.launch import check_argument_names
+
+__all__ = ["E4M3_VALUES", "WARP", "Allocation", "EmulatedLibrary", "EmulatedMemoryError", "Memory", "Threads",
+           "bf16_bits", "e4m3_bits", "fmaf", "mma_m16n8k32_e4m3", "round_bf16", "shfl_xor"]
+
+DEVICE = Path(__file__).resolve().parents[2] / "device"
+WARP = 32
+#: The value of every e4m3 byte (float8_e4m3fn: 0x7f and 0xff are NaN).
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+
+
+class EmulatedMemoryError(AssertionError):
+    """An access the hardware would make wrongly: out of bounds, misaligned, uninitialised, or a second store."""
+
+
+@dataclass(eq=False)
+class Allocation:
+    """One tensor's bytes (shared with the tensor: a store changes it) and, per byte, whether it holds a value
+    and how often the current launch stored it."""
+
+    tensor: torch.Tensor
+    name: str
+    initialised: bool
+    raw: np.ndarray = field(init=False)
+    valid: np.ndarray = field(init=False)
+    stores: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        assert self.tensor.is_contiguous() and self.tensor.device.type == "cpu"
+        self.raw = self.tensor.reshape(-1).view(torch.uint8).numpy()
+        self.valid = np.full(self.raw.size, self.initialised)
+        self.stores = np.zeros(self.raw.size, np.int32)
+
+    @property
+    def base(self) -> int:
+        return self.tensor.data_ptr()
+
+    def _bytes(self, offsets, size: int, what: str) -> np.ndarray:
+        off = np.asarray(offsets, dtype=np.int64)
+        if off.size and (off.min() < 0 or off.max() + size > self.raw.size):
+            bad = off[(off < 0) | (off + size > self.raw.size)]
+            raise EmulatedMemoryError(f"{what}: byte offsets {bad[:4].tolist()} past {self.name} "
+                                      f"({self.raw.size} bytes)")
+        if off.size and ((self.base + off) % size).any():
+            raise EmulatedMemoryError(f"{what}: a {size}-byte access of {self.name} is misaligned")
+        return off[..., None] + np.arange(size)
+
+    def load(self, offsets, size: int, what: str) -> np.ndarray:
+        """The ``size`` bytes at each byte offset: uint8 [*offsets.shape, size]."""
+        at = self._bytes(offsets, size, what)
+        if not self.valid[at].all():
+            raise EmulatedMemoryError(f"{what}: reads uninitialised bytes of {self.name}")
+        return self.raw[at]
+
+    def store(self, offsets, data: np.ndarray, what: str) -> None:
+        """``data`` uint8 [*offsets.shape, size] to the byte offsets."""
+        at = self._bytes(offsets, data.shape[-1], what)
+        if at.size:
+            if len(np.unique(at)) != at.size or self.stores[at].any():
+                raise EmulatedMemoryError(f"{what}: stores a byte of {self.name} twice in one launch")
+            self.raw[at], self.valid[at] = data, True
+            self.stores[at] += 1
+
+    # Typed views of load/store: offsets in elements of the type, as the kernel's pointer arithmetic counts them.
+    def load_as(self, dtype, elements, what: str) -> np.ndarray:
+        size = np.dtype(dtype).itemsize
+        return self.load(np.asarray(elements, np.int64) * size, size, what).view(dtype)[..., 0]
+
+    def store_as(self, dtype, elements, values, what: str) -> None:
+        size = np.dtype(dtype).itemsize
+        values = np.ascontiguousarray(np.asarray(values, dtype))
+        self.store(np.asarray(elements, np.int64) * size, values.view(np.uint8).reshape(*values.shape, size), what)
+
+
+class Memory:
+    """The allocations a problem's launches touch, found by address (a pointer read from memory, as
+    moe_combine_push's peer_combine entries, is resolved here)."""
+
+    def __init__(self) -> None:
+        self.allocations: list[Allocation] = []
+
+    def add(self, tensor: torch.Tensor, name: str, *, initialised: bool = True) -> Allocation:
+        """Register ``tensor``; initialised=False models ``torch.empty`` (nothing readable before a store)."""
+        found = self.find(tensor)
+        if found is not None:
+            return found
+        alloc = Allocation(tensor, name, initialised)
+        ends = [(a.base, a.base + a.raw.size) for a in self.allocations]
+        assert all(alloc.base + alloc.raw.size <= lo or alloc.base >= hi for lo, hi in ends), "overlapping tensors"
+        self.allocations.append(alloc)
+        return alloc
+
+    def find(self, tensor: torch.Tensor) -> Allocation | None:
+        for a in self.allocations:
+            if a.base == tensor.data_ptr() and a.raw.size == tensor.numel() * tensor.element_size():
+                return a
+        return None
+
+    def at(self, address: int, what: str) -> tuple[Allocation, int]:
+        """The allocation holding byte ``address``, and the address's offset in it."""
+        for a in self.allocations:
+            if a.base <= address < a.base + a.raw.size:
+                return a, address - a.base
+        raise EmulatedMemoryError(f"{what}: address {address:#x} is in no allocation")
+
+    def begin_launch(self) -> None:
+        for a in self.allocations:
+            a.stores[:] = 0
+
+
+@dataclass(frozen=True)
+class Threads:
+    """One block's threads as arrays over threadIdx.x (warps of 32 consecutive threads)."""
+
+    count: int
+
+    @property
+    def tid(self) -> np.ndarray:
+        return np.arange(self.count, dtype=np.int64)
+
+    @property
+    def lane(self) -> np.ndarray:
+        return self.tid % WARP
+
+    @property
+    def warp(self) -> np.ndarray:
+        return self.tid // WARP
+
+
+def shfl_xor(values: np.ndarray, offset: int) -> np.ndarray:
+    """__shfl_xor_sync(0xffffffff, v, offset) over a block's threads (axis 0), every lane active."""
+    lanes = np.arange(values.shape[0]) % WARP
+    return values[(np.arange(values.shape[0]) - lanes) + (lanes ^ offset)]
+
+
+def fmaf(a, b, c) -> np.ndarray:
+    """fmaf in fp32: the product of two fp32 is exact in fp64; the sum is rounded in fp64, then to fp32 (a double
+    rounding where the exact sum needs more than 53 bits: off by at most one fp32 unit from the real fmaf)."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
+
+
+def bf16_bits(values) -> np.ndarray:
+    """__float2bfloat16_rn of fp32 values: their bf16 bytes, uint8 [..., 2]."""
+    flat = torch.from_numpy(np.ascontiguousarray(values, np.float32).reshape(-1)).to(torch.bfloat16)
+    return flat.view(torch.int16).numpy().view(np.uint8).reshape(*np.shape(values), 2)
+
+
+def round_bf16(values) -> np.ndarray:
+    """__bfloat162float(__float2bfloat16_rn(v)): fp32 rounded to bf16's 8 bits, as fp32."""
+    return torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def e4m3_bits(values) -> np.ndarray:
+    """__nv_fp8_e4m3(v) of fp32 values (round to nearest even, saturating to +-448): uint8, one per value."""
+    flat = torch.from_numpy(np.ascontiguousarray(values, np.float32).reshape(-1)).to(torch.float8_e4m3fn)
+    return flat.view(torch.uint8).numpy().reshape(np.shape(values))
+
+
+def _fragment_tables():
+    """The PTX ISA's mma.m16n8k32 fragments for 8-bit types (g = lane / 4, t = lane % 4; byte i of a register
+    is element i): a[r] holds A[g + 8 (r % 2)][4t + 16 (r / 2) + i], b[r] holds B[4t + 16 r + i][g], c[i] is
+    C[g + 8 (i / 2)][2t + i % 2]. Each table is checked to cover its matrix exactly once."""
+    lane, reg, byte = np.meshgrid(np.arange(WARP), np.arange(4), np.arange(4), indexing="ij")
+    g, t = lane // 4, lane % 4
+    a = (g + 8 * (reg % 2), 4 * t + 16 * (reg // 2) + byte)
+    b = (4 * t[:, :2] + 16 * reg[:, :2] + byte[:, :2], g[:, :2])
+    c_lane, c_i = np.meshgrid(np.arange(WARP), np.arange(4), indexing="ij")
+    c = (c_lane // 4 + 8 * (c_i // 2), 2 * (c_lane % 4) + c_i % 2)
+    for (rows, cols), shape in ((a, (16, 32)), (b, (32, 8)), (c, (16, 8))):
+        cells = sorted(zip(rows.ravel().tolist(), cols.ravel().tolist(), strict=True))
+        assert cells == [(r, k) for r in range(shape[0]) for k in range(shape[1])]
+    return a, b, c
+
+
+A_FRAGMENT, B_FRAGMENT, C_FRAGMENT = _fragment_tables()
+
+
+def mma_m16n8k32_e4m3(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 for every warp of a block at once: c fp32 [threads, 4],
+    a uint8 [threads, 4 registers, 4 bytes], b uint8 [threads, 2, 4]; returns d. The 32 products of each output
+    are summed exactly (fp64 holds any sum of 32 e4m3 products) and added to c with one rounding to fp32: the
+    tensor core's own order and internal precision are not modelled."""
+    warps = c.shape[0] // WARP
+    A, B = np.zeros((warps, 16, 32)), np.zeros((warps, 32, 8))
+    A[:, A_FRAGMENT[0], A_FRAGMENT[1]] = E4M3_VALUES[a].reshape(warps, WARP, 4, 4)
+    B[:, B_FRAGMENT[0], B_FRAGMENT[1]] = E4M3_VALUES[b].reshape(warps, WARP, 2, 4)
+    d = (A @ B)[:, C_FRAGMENT[0], C_FRAGMENT[1]].reshape(-1, 4)
+    return (c.astype(np.float64) + d).astype(np.float32)
+
+
+class EmulatedLibrary:
+    """A KernelLibrary stand-in that runs kernels on the CPU: each launch is checked as the real library checks it
+    (every parameter named once, each tensor's dtype and contiguity, each integer's range, against the signatures
+    parsed from the .cu files), recorded, and handed to ``kernels[name](memory, grid, block, shared_bytes, args)``
+    with every pointer as its :class:`Allocation` (None: null) and every scalar as an int. A tensor not yet in
+    ``memory`` is registered uninitialised: the launches' own outputs come from ``torch.empty``."""
+
+    def __init__(self, memory: Memory, kernels: dict[str, Callable], sources=("moe_decode.cu", "moe_experts.cu")):
+        self.memory, self.kernels, self.launches = memory, kernels, []
+        self.signatures = {}
+        for source in sources:
+            self.signatures.update(parse_kernels((DEVICE / "kernels" / source).read_text(), source))
+
+    def launch(self, name, /, *, grid, block, stream=None, shared_bytes=0, **args) -> None:
+        params = self.signatures[name]
+        check_argument_names(name, params, args)
+        values = {}
+        for param in params:
+            param.convert(args[param.name], torch.device("cpu"))
+            value = args[param.name]
+            if param.kind == "ptr":
+                value = None if value is None else self.memory.add(value, f"{name}.{param.name}", initialised=False)
+            else:
+                value = int(value)
+            values[param.name] = value
+        self.launches.append((name, grid, block, args))
+        self.memory.begin_launch()
+        self.kernels[name](self.memory, int(grid), int(block), int(shared_bytes), SimpleNamespace(**values))

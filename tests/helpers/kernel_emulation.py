@@ -7,7 +7,9 @@ nearest even, e4m3 saturating); the mma.sync.m16n8k32 e4m3 fragment tables of th
 Every load and store names the allocation its base pointer came from and is checked there: in bounds, naturally
 aligned (the absolute address), only initialised bytes read (memory from ``torch.empty`` is uninitialised until a
 kernel writes it), and no byte stored twice in one launch (two threads storing one place is a race, or one of the
-two stores is misplaced). A failed check raises :class:`EmulatedMemoryError` with the access named."""
+two stores is misplaced). A failed check raises :class:`EmulatedMemoryError` with the access named. Atomics are
+checked like loads (bounds, alignment, initialised) but are exempt from the one-store rule: they are how threads
+share a word. A pointer read from memory (a descriptor's field) is a :class:`Pointer`, resolved where it is used."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ import torch
 from chunkring.jit import parse_kernels
 from chunkring.jit.launch import check_argument_names
 
-__all__ = ["E4M3_VALUES", "WARP", "Allocation", "EmulatedLibrary", "EmulatedMemoryError", "Memory", "Threads",
-           "bf16_bits", "e4m3_bits", "fmaf", "mma_m16n8k32_e4m3", "round_bf16", "shfl_xor"]
+__all__ = ["E4M3_VALUES", "WARP", "Allocation", "EmptyTracker", "EmulatedLibrary", "EmulatedMemoryError", "Memory",
+           "Pointer", "Threads", "bf16_bits", "e4m3_bits", "fmaf", "mma_m16n8k32_e4m3", "round_bf16", "shfl_xor"]
 
 DEVICE = Path(__file__).resolve().parents[2] / "device"
 WARP = 32
@@ -83,15 +85,40 @@ class Allocation:
             self.raw[at], self.valid[at] = data, True
             self.stores[at] += 1
 
-    # Typed views of load/store: offsets in elements of the type, as the kernel's pointer arithmetic counts them.
-    def load_as(self, dtype, elements, what: str) -> np.ndarray:
+    # Typed views of load/store: offsets in elements of the type, as the kernel's pointer arithmetic counts them,
+    # from byte ``at`` of the allocation (a Pointer's place in it).
+    def load_as(self, dtype, elements, what: str, at: int = 0) -> np.ndarray:
         size = np.dtype(dtype).itemsize
-        return self.load(np.asarray(elements, np.int64) * size, size, what).view(dtype)[..., 0]
+        return self.load(at + np.asarray(elements, np.int64) * size, size, what).view(dtype)[..., 0]
 
-    def store_as(self, dtype, elements, values, what: str) -> None:
+    def store_as(self, dtype, elements, values, what: str, at: int = 0) -> None:
         size = np.dtype(dtype).itemsize
-        values = np.ascontiguousarray(np.asarray(values, dtype))
-        self.store(np.asarray(elements, np.int64) * size, values.view(np.uint8).reshape(*values.shape, size), what)
+        values = np.ascontiguousarray(np.broadcast_to(np.asarray(values, dtype), np.shape(elements)))
+        self.store(at + np.asarray(elements, np.int64) * size, values.view(np.uint8).reshape(*values.shape, size),
+                   what)
+
+    def atomic_add_as(self, dtype, elements, values, what: str, at: int = 0) -> np.ndarray:
+        """atomicAdd of ``values`` at each element, applied in array order (duplicates included, wrapping as the
+        type wraps); returns what each atomic read. Not a store for the one-store rule."""
+        size = np.dtype(dtype).itemsize
+        el = np.asarray(elements, np.int64).reshape(-1)
+        add = np.broadcast_to(np.asarray(values, np.int64), np.shape(elements)).reshape(-1)
+        old = self.load_as(dtype, el, what, at).astype(np.int64)
+        for i in range(1, el.size):  # the earlier atomics on the same element, in order
+            old[i] += add[:i][el[:i] == el[i]].sum()
+        ends = {int(e): o + a for e, o, a in zip(el, old, add, strict=True)}  # the last atomic per element wins
+        keys = np.array(list(ends), np.int64)
+        new = np.array(list(ends.values()), np.int64).astype(dtype).view(np.uint8).reshape(len(keys), size)
+        self.raw[self._bytes(at + keys * size, size, what)] = new
+        return old.astype(dtype).reshape(np.shape(elements))
+
+    def cas_as(self, dtype, element: int, compare, value, what: str, at: int = 0):
+        """atomicCAS of one element: stores ``value`` if it holds ``compare``; returns what it held."""
+        old = self.load_as(dtype, element, what, at)
+        if old == np.asarray(compare, dtype):
+            size = np.dtype(dtype).itemsize
+            self.raw[self._bytes(at + element * size, size, what)] = np.asarray(value, dtype).reshape(1).view(np.uint8)
+        return old
 
 
 class Memory:
@@ -128,6 +155,65 @@ class Memory:
     def begin_launch(self) -> None:
         for a in self.allocations:
             a.stores[:] = 0
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A device address the kernel read from memory (a descriptor's field): each access finds the allocation
+    holding it then, so a pointer that is never dereferenced (an empty tensor's, maybe null) is never looked up;
+    an access past the allocation it points into is an error there."""
+
+    memory: Memory
+    address: int
+    name: str
+
+    def target(self, what: str) -> tuple[Allocation, int]:
+        return self.memory.at(self.address, f"{what} ({self.name})")
+
+    def load_as(self, dtype, elements, what: str) -> np.ndarray:
+        elements = np.asarray(elements, np.int64)
+        if elements.size == 0:
+            return np.zeros(elements.shape, dtype)
+        alloc, at = self.target(what)
+        return alloc.load_as(dtype, elements, what, at)
+
+    def load(self, offsets, size: int, what: str) -> np.ndarray:
+        alloc, at = self.target(what)
+        return alloc.load(at + np.asarray(offsets, np.int64), size, what)
+
+    def store_as(self, dtype, elements, values, what: str) -> None:
+        alloc, at = self.target(what)
+        alloc.store_as(dtype, elements, values, what, at)
+
+    def atomic_add_as(self, dtype, elements, values, what: str) -> np.ndarray:
+        alloc, at = self.target(what)
+        return alloc.atomic_add_as(dtype, elements, values, what, at)
+
+    def cas_as(self, dtype, element: int, compare, value, what: str):
+        alloc, at = self.target(what)
+        return alloc.cas_as(dtype, element, compare, value, what, at)
+
+
+class EmptyTracker:
+    """Which tensors the host made with ``torch.empty`` (uninitialised memory) while installed: ``torch.empty``
+    wrapped through ``monkeypatch``, each result's storage noted. :meth:`initialised` is the
+    :class:`EmulatedLibrary` policy for a tensor a launch names first: torch.zeros / torch.full memory holds
+    values, torch.empty memory holds nothing a kernel may read before storing it."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.storages: set[int] = set()
+        real = torch.empty
+
+        def empty(*args, **kwargs):
+            t = real(*args, **kwargs)
+            if t.numel():
+                self.storages.add(t.untyped_storage().data_ptr())
+            return t
+
+        monkeypatch.setattr(torch, "empty", empty)
+
+    def initialised(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() not in self.storages
 
 
 @dataclass(frozen=True)
@@ -215,10 +301,12 @@ class EmulatedLibrary:
     (every parameter named once, each tensor's dtype and contiguity, each integer's range, against the signatures
     parsed from the .cu files), recorded, and handed to ``kernels[name](memory, grid, block, shared_bytes, args)``
     with every pointer as its :class:`Allocation` (None: null) and every scalar as an int. A tensor not yet in
-    ``memory`` is registered uninitialised: the launches' own outputs come from ``torch.empty``."""
+    ``memory`` is registered as ``initialised(tensor)`` says (default: uninitialised, the launches' own outputs
+    come from ``torch.empty``; :meth:`EmptyTracker.initialised` tells the host's torch.empty from its zeros)."""
 
-    def __init__(self, memory: Memory, kernels: dict[str, Callable], sources=("moe_decode.cu", "moe_experts.cu")):
-        self.memory, self.kernels, self.launches = memory, kernels, []
+    def __init__(self, memory: Memory, kernels: dict[str, Callable], sources=("moe_decode.cu", "moe_experts.cu"),
+                 initialised: Callable[[torch.Tensor], bool] = lambda tensor: False):
+        self.memory, self.kernels, self.launches, self.initialised = memory, kernels, [], initialised
         self.signatures = {}
         for source in sources:
             self.signatures.update(parse_kernels((DEVICE / "kernels" / source).read_text(), source))
@@ -231,7 +319,8 @@ class EmulatedLibrary:
             param.convert(args[param.name], torch.device("cpu"))
             value = args[param.name]
             if param.kind == "ptr":
-                value = None if value is None else self.memory.add(value, f"{name}.{param.name}", initialised=False)
+                value = None if value is None else self.memory.add(value, f"{name}.{param.name}",
+                                                                     initialised=self.initialised(value))
             else:
                 value = int(value)
             values[param.name] = value

@@ -1,7 +1,8 @@
 """The decode path's kernels run on the CPU as written (tests/unit/test_moe_decode_emulation.py drives them): the
 warp engine of device/include/chunkring/moe/decode_gemm.cuh, moe_decode_l1 / moe_decode_l2 of
 device/kernels/moe_decode.cu, and - the semantics the decode kernels replace or feed - moe_swiglu_fp8 and
-moe_combine_push (DIRECT sources, no ring descriptor) of device/kernels/moe_experts.cu, with fp8.cuh's arithmetic.
+moe_combine_push (DIRECT sources: no ring descriptor, or one without RMA peers) of device/kernels/moe_experts.cu,
+with fp8.cuh's arithmetic.
 
 Each function below mirrors one device function line by line: the same index arithmetic, loop bounds, early exits,
 guards and stores, per block of the launch grid and per thread (numpy arrays over threadIdx.x); shared memory
@@ -24,7 +25,9 @@ from tests.helpers.kernel_emulation import (
     bf16_bits,
     e4m3_bits,
     fmaf,
+    header_structs,
     mma_m16n8k32_e4m3,
+    read_struct,
     round_bf16,
     shfl_xor,
 )
@@ -36,6 +39,7 @@ KBLOCK, KSTEPS, TILE_ROWS, TILE_TOKENS, MTILES, TOKEN_TILES, WARPS, STAGES = 128
 PASS_ROWS, SCALE_ROWS = TOKEN_TILES * TILE_TOKENS, WARPS * TILE_ROWS
 E4M3_MAX = np.float32(448.0)
 NULL = -1  # a null pointer among byte or element offsets
+RING_FIELDS = header_structs("chunkring/layout/ring_desc.cuh")["RingDesc"]
 
 
 # -- fp8.cuh ------------------------------------------------------------------------------------------------------
@@ -305,9 +309,10 @@ def moe_swiglu_fp8(memory, grid, block, shared_bytes, a) -> None:
 
 
 def moe_combine_push(memory, grid, block, shared_bytes, a) -> None:
-    """DIRECT sources only (desc null): each real row times its weight, bf16, to peer_combine[src] + (token K + k) H."""
-    if a.desc is not None:
-        raise NotImplementedError("the RMA path (puts) is not emulated")
+    """DIRECT sources only (desc null, or a ring descriptor whose rma_peers is 0): each real row times its weight,
+    bf16, to peer_combine[src] + (token K + k) H."""
+    if a.desc is not None and read_struct(a.desc, RING_FIELDS, "RingDesc").rma_peers != 0:
+        raise NotImplementedError("the RMA path (puts, put_done) is not emulated")
     offsets = group_offsets(a.counts, a.num_local, a.block_m, block, shared_bytes)
     used, H = offsets[a.num_local], a.hidden
     for block_idx in range(grid):

@@ -13,6 +13,7 @@ share a word. A pointer read from memory (a descriptor's field) is a :class:`Poi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +26,39 @@ from chunkring.jit import parse_kernels
 from chunkring.jit.launch import check_argument_names
 
 __all__ = ["E4M3_VALUES", "WARP", "Allocation", "EmptyTracker", "EmulatedLibrary", "EmulatedMemoryError", "Memory",
-           "Pointer", "Threads", "bf16_bits", "e4m3_bits", "fmaf", "mma_m16n8k32_e4m3", "round_bf16", "shfl_xor"]
+           "Pointer", "Threads", "bf16_bits", "e4m3_bits", "fmaf", "header_constant", "header_enum", "header_structs",
+           "mma_m16n8k32_e4m3", "read_struct", "round_bf16", "shfl_xor"]
 
 DEVICE = Path(__file__).resolve().parents[2] / "device"
 WARP = 32
 #: The value of every e4m3 byte (float8_e4m3fn: 0x7f and 0xff are NaN).
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+
+
+def header_structs(header: str) -> dict[str, list[str]]:
+    """The u64 fields of each struct of a device header (a path under device/include), in declaration order: the
+    emulated kernels read descriptors in the device's field order, not the host mirror's."""
+    text = (DEVICE / "include" / header).read_text()
+    return {name: re.findall(r"^\s*u64 (\w+);", body, re.M)
+            for name, body in re.findall(r"struct (\w+) \{(.*?)\n\};", text, re.S)}
+
+
+def header_enum(header: str, name: str) -> dict[str, int]:
+    """The enumerators of enum ``name`` of a device header, by name (``kFoo = 3`` entries)."""
+    text = (DEVICE / "include" / header).read_text()
+    body = re.search(rf"enum (?:class )?{name}\b[^{{]*\{{(.*?)\}};", text, re.S).group(1)
+    return {k: int(v) for k, v in re.findall(r"(k\w+) = (\d+)", body)}
+
+
+def header_constant(header: str, name: str) -> int:
+    """``constexpr u64 name = value;`` of a device header."""
+    return int(re.search(rf"{name} = (\d+);", (DEVICE / "include" / header).read_text()).group(1))
+
+
+def read_struct(desc, fields: list[str], what: str) -> SimpleNamespace:
+    """``*desc`` for a struct of u64 ``fields``: every word loaded (an Allocation or a Pointer), by field name."""
+    words = desc.load_as(np.uint64, np.arange(len(fields)), what)
+    return SimpleNamespace(**{f: int(w) for f, w in zip(fields, words, strict=True)})
 
 
 class EmulatedMemoryError(AssertionError):

@@ -16,22 +16,25 @@ atomics on one cursor (lane order here)."""
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 
 import numpy as np
 
 from tests.helpers.decode_emulator import group_offsets
-from tests.helpers.kernel_emulation import DEVICE, WARP, EmulatedMemoryError, Pointer
+from tests.helpers.kernel_emulation import (
+    WARP,
+    EmulatedMemoryError,
+    Pointer,
+    header_constant,
+    header_structs,
+    read_struct,
+)
 
-__all__ = ["EmulatedTrap", "STRUCTS", "descriptor", "kernels", "warp_copy16"]
+__all__ = ["LAYOUT_VERSION", "STRUCTS", "EmulatedTrap", "descriptor", "kernels", "pointer", "warp_copy16"]
 
-_HEADER = (DEVICE / "include" / "chunkring" / "layout" / "moe_desc.cuh").read_text()
 #: The descriptors' fields in declaration order, from layout/moe_desc.cuh itself.
-STRUCTS = {name: re.findall(r"^\s*u64 (\w+);", body, re.M)
-           for name, body in re.findall(r"struct (\w+) \{(.*?)\n\};", _HEADER, re.S)}
-LAYOUT_VERSION = int(re.search(r"kMoeLayoutVersion = (\d+);", _HEADER).group(1))
-U64 = 2**64
+STRUCTS = header_structs("chunkring/layout/moe_desc.cuh")
+LAYOUT_VERSION = header_constant("chunkring/layout/moe_desc.cuh", "kMoeLayoutVersion")
 
 
 class EmulatedTrap(AssertionError):
@@ -40,10 +43,8 @@ class EmulatedTrap(AssertionError):
 
 def descriptor(memory, desc, struct: str) -> SimpleNamespace:
     """``*desc`` as the kernel reads it: every u64 word of the struct; then require_descriptor."""
-    fields = STRUCTS[struct]
-    words = desc.load_as(np.uint64, np.arange(len(fields)), struct)
-    s = SimpleNamespace(**{f: int(w) for f, w in zip(fields, words, strict=True)})
-    if s.layout_version != LAYOUT_VERSION or s.desc_bytes != 8 * len(fields):  # sizeof: all u64 (static_assert)
+    s = read_struct(desc, STRUCTS[struct], struct)
+    if s.layout_version != LAYOUT_VERSION or s.desc_bytes != 8 * len(STRUCTS[struct]):  # sizeof: u64s only
         raise EmulatedTrap(f"require_descriptor: {struct} version {s.layout_version}, {s.desc_bytes} bytes")
     return s
 

@@ -29,12 +29,20 @@ import pytest
 import torch
 
 from chunkring import MoEConfig, PayloadFormat
-from chunkring.moe.decode import DecodeGemm
-from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.stage import Stage
-from chunkring.moe.weights import quantize_weight_fp8
 from tests.helpers import decode_emulator, plan_emulator
-from tests.helpers.kernel_emulation import E4M3_VALUES, EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
+from tests.helpers.kernel_emulation import EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
+from tests.helpers.plan_layout import (
+    check_layout,
+    check_written,
+    combine_buffers,
+    expert_compute,
+    layer_rows,
+    layer_weights,
+    quantise_rows,
+    relative_errors,
+    written_slots,
+)
 
 
 @dataclass(frozen=True)
@@ -89,14 +97,6 @@ def routing(case: Case, gen: torch.Generator) -> torch.Tensor:
     return idx.view(W, N, K)
 
 
-def quantise_rows(x: torch.Tensor):
-    """1x128 e4m3 rows as the producers make them: scale = amax / 448 (1 for a zero block)."""
-    blocks = x.view(*x.shape[:-1], -1, 128)
-    scale = blocks.abs().amax(-1) / 448
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(x.shape), scale
-
-
 def pulled_stage(case: Case, config: MoEConfig, gen: torch.Generator):
     """Stage.allocate, then what moe_pull writes: idx and w of every row sent, x and sf of the rows with a local
     choice. Returns the stage and those rows' mask [W, N]."""
@@ -131,17 +131,6 @@ def config_of(case: Case, inter: int = 128) -> MoEConfig:
                      max_tokens_per_rank=case.tokens, payload=case.payload)
 
 
-def compute_for(case: Case, config: MoEConfig, library, monkeypatch) -> ExpertCompute:
-    """The host's ExpertCompute on the emulated library (FP8: with the decode GEMMs, which need no DeepGEMM)."""
-    # No GPU: ExpertCompute asks only for the SM count (its grids: 8 blocks per SM) and the current stream.
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
-        multi_processor_count=1))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    decode = DecodeGemm(library, config, case.experts) if case.payload.has_scales else None
-    return ExpertCompute(config, case.sources, case.rank * case.experts, case.experts, library, torch.device("cpu"),
-                         decode=decode)
-
-
 def run(case: Case, monkeypatch, *, seed: int = 0, corrupt=None, extra_kernels=None):
     gen = torch.Generator().manual_seed(seed)
     config = config_of(case)
@@ -153,7 +142,7 @@ def run(case: Case, monkeypatch, *, seed: int = 0, corrupt=None, extra_kernels=N
     register_stage(memory, stage, fetched)
     library = EmulatedLibrary(memory, {**plan_emulator.kernels(order_seed=seed), **(extra_kernels or {})},
                               initialised=EmptyTracker(monkeypatch).initialised)
-    compute = compute_for(case, config, library, monkeypatch)
+    compute = expert_compute(config, case.sources, case.rank, case.experts, library, monkeypatch)
     plan = compute.plan(stage)
     return types.SimpleNamespace(case=case, config=config, stage=stage, before=before, memory=memory, library=library,
                                  compute=compute, plan=plan)
@@ -169,38 +158,13 @@ def local_choices(r) -> list[list[tuple[int, int, int]]]:
 
 
 def check_plan(r) -> np.ndarray:
-    """The plan against the layout DevicePlan promises; returns the real rows."""
-    choices, plan, P = local_choices(r), r.plan, r.compute.capacity
-    counts = np.array([len(c) for c in choices], np.int64)
-    offsets = np.concatenate([[0], np.cumsum(-(-counts // GROUP_ALIGN) * GROUP_ALIGN)])[:-1]
-    assert plan.counts.tolist() == counts.tolist()
-    assert plan.group_end.tolist() == (offsets + counts).tolist(), "group_end: the psum form"
-    real = np.concatenate([np.arange(o, o + c) for o, c in zip(offsets, counts, strict=True)]).astype(np.int64)
-    for e, (o, c) in enumerate(zip(offsets, counts, strict=True)):
-        got = sorted(zip(plan.src[o:o + c].tolist(), plan.token[o:o + c].tolist(), plan.k[o:o + c].tolist(),
-                         strict=True))
-        assert got == choices[e], f"group {e}: each choice of the expert exactly once"
-    s, t, k = plan.src[real].long(), plan.token[real].long(), plan.k[real].long()
-    x = r.before["x"].view(torch.uint8).view(*r.before["x"].shape[:2], -1)
-    assert torch.equal(plan.rows[real], x[s, t]), "each row's payload bytes"
-    assert torch.equal(plan.rows_sf[:, real], r.before["sf"][s, t].T), "scales MN-major: rows_sf[j, p]"
-    assert torch.equal(plan.weight[real].view(torch.int32), r.before["w"][s, t, k].view(torch.int32))
-    pad = np.setdiff1d(np.arange(P), real)
-    assert (plan.src[pad] == -1).all(), "src -1 on every other row"
-    return real
+    """The plan against the layout DevicePlan promises for the stage's choices; returns the real rows."""
+    return check_layout(r.plan, local_choices(r), r.before["x"], r.before["sf"], r.before["w"])
 
 
 def check_nothing_else_written(r, real: np.ndarray) -> None:
     """Only the real rows' bytes of the plan, the counters - and no stage byte - were written."""
-    P = r.compute.capacity
-    for name in ("rows", "token", "k", "weight"):
-        valid = r.memory.find(getattr(r.plan, name)).valid.reshape(P, -1)
-        assert valid[real].all() and valid.sum() == len(real) * valid.shape[1], f"{name}: exactly the real rows"
-    if r.plan.rows_sf.numel():
-        valid = r.memory.find(r.plan.rows_sf).valid.reshape(r.plan.rows_sf.shape[0], P, 4)
-        assert valid[:, real].all() and valid.sum() == valid[:, real].size, "rows_sf: exactly the real rows"
-    stored = r.memory.find(r.plan.src).stores.reshape(P, 4)  # the scatter's (the last launch's) stores
-    assert (stored[real] == 1).all() and stored.sum() == stored[real].size, "src: stored on the real rows only"
+    check_written(r.memory, r.plan, real, r.memory.find(r.plan.src).stores)  # the scatter's: the last launch
     for name, t in r.before.items():
         assert torch.equal(getattr(r.stage, name), t), f"the plan kernels write no stage byte ({name})"
     cursors = r.library.launches[1][3]["cursors"]
@@ -258,57 +222,20 @@ def test_a_row_the_pull_did_not_fetch_is_never_read(monkeypatch):
         run(CASES[0], monkeypatch, corrupt=reroute)
 
 
-def dequantised(weight) -> np.ndarray:
-    """float64 [E, N, K] of an Fp8Weight: e4m3 value times its 128x128 block's scale, exactly."""
-    return E4M3_VALUES[weight.data.view(torch.uint8).numpy()] * weight.scale.double().numpy().repeat(
-        128, 1).repeat(128, 2)
-
-
-def layer_reference(r, w13, w2) -> dict[tuple[int, int], np.ndarray]:
-    """float64 of the whole layer at this rank, per (source, combine slot token * K + k): the staged FP8 row
-    dequantised, w13[e] (rounded to bf16, as gate_up is), SwiGLU, the activation quantised per 1x128 as the recipe
-    says (amax / 448, e4m3), w2[e], times the choice's weight."""
-    inter, K = r.config.intermediate, r.case.topk
-    w13, w2 = dequantised(w13), dequantised(w2)
-    x = E4M3_VALUES[r.before["x"].view(torch.uint8).numpy()] * r.before["sf"].double().numpy().repeat(128, -1)
-    out = {}
-    for e, choices in enumerate(local_choices(r)):
-        for s, t, k in choices:
-            h = torch.from_numpy(w13[e] @ x[s, t]).to(torch.bfloat16).double().numpy()  # gate_up is bf16
-            v = h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]
-            amax = np.abs(v).reshape(-1, 128).max(axis=1)
-            scale = np.where(amax > 0, amax / 448, 1.0).repeat(128)
-            act = torch.from_numpy(v / scale).to(torch.float8_e4m3fn).double().numpy() * scale
-            out[s, t * K + k] = (w2[e] @ act) * float(r.before["w"][s, t, k])
-    return out
-
-
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=str)
 def test_stage_to_combine_matches_the_layer(case, monkeypatch):
     """stage -> ExpertCompute.plan -> ExpertCompute.experts (the decode kernels) -> combine_push, every kernel
     emulated, against the float64 layer: each (source, token, k) of a local expert in its combine slot within
     the bf16 roundings of out and the combine (where fp32 and exact sums round gate/up differently, rarely, an act
     element moves by an e4m3 unit), and no other slot written."""
-    trace = []
-    r = run(case, monkeypatch, extra_kernels=decode_emulator.kernels(trace))
-    gen = torch.Generator().manual_seed(1)
-    E, H, inter, W, K = case.experts, case.hidden, r.config.intermediate, case.sources, case.topk
-    w13 = quantize_weight_fp8(torch.randn(E, 2 * inter, H, generator=gen) / H**0.5)
-    w2 = quantize_weight_fp8(torch.randn(E, H, inter, generator=gen) / inter**0.5)
-    for name, t in (("w13", w13.data), ("w13_sf", w13.scale), ("w2", w2.data), ("w2_sf", w2.scale)):
-        r.memory.add(t, name)
-    combine = [torch.full((case.tokens * K, H), float("nan"), dtype=torch.bfloat16) for _ in range(W)]
-    for s, c in enumerate(combine):
-        r.memory.add(c, f"combine[{s}]")
-    peer_combine = r.memory.add(torch.tensor([c.data_ptr() for c in combine], dtype=torch.int64), "peer_combine")
+    r = run(case, monkeypatch, extra_kernels=decode_emulator.kernels([]))
+    w13, w2 = layer_weights(r.memory, case.experts, case.hidden, r.config.intermediate)
+    combine, peer_combine = combine_buffers(r.memory, case.sources, case.tokens * case.topk, case.hidden)
     out = r.compute.experts(r.plan, w13, w2)
-    r.compute.combine_push(r.plan, out, peer_combine.tensor)
+    r.compute.combine_push(r.plan, out, peer_combine)
     assert [name for name, *_ in r.library.launches] == ["moe_plan_count", "moe_plan_scatter", "moe_decode_l1",
                                                          "moe_decode_l2", "moe_combine_push"]
-    want = layer_reference(r, w13, w2)
-    written = {(s, slot) for s in range(W) for slot in torch.nonzero(~combine[s].isnan().all(-1)).flatten().tolist()}
-    assert written == set(want), "exactly the local choices' combine slots"
-    errors = [np.linalg.norm(combine[s][slot].double().numpy() - ref) / np.linalg.norm(ref)
-              for (s, slot), ref in want.items()]
+    want = layer_rows(local_choices(r), r.before["x"], r.before["sf"], r.before["w"], w13, w2)
+    assert written_slots(combine) == set(want), "exactly the local choices' combine slots"
     # Two bf16 roundings (out, the combine) of up to 2^-9 each, and a rare e4m3 flip: measured at most 2^-8.5.
-    assert max(errors, default=0.0) < 2.0**-7, "each combine row within 2^-7 of the layer's, relative"
+    assert max(relative_errors(combine, want), default=0.0) < 2.0**-7, "each combine row within 2^-7, relative"

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from chunkring import MoEConfig, PayloadFormat
+from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat
 from chunkring.moe.blocks import HEADER_WORDS, BlockPool, pool_shape
 from chunkring.moe.experts import GROUP_ALIGN, DevicePlan
 from chunkring.ring.layout import RingLayout
@@ -325,3 +325,13 @@ def test_a_block_sealed_before_its_rows_landed_is_recorded(monkeypatch):
     got = status(r)
     assert (got.code, got.site, got.slot, got.expected, got.observed) == (
         ErrorCode.INTERNAL, Site.BLOCKS, block, L.block_m, L.block_m - 1)
+
+
+def test_a_pool_whose_blocks_are_not_the_plans_groups_is_refused_before_any_launch(monkeypatch):
+    """The gather aligns each expert's group to the pool's block, SwiGLU and the combine push to GROUP_ALIGN: one
+    plan layout needs both the same, so another pool is a typed error before anything is enqueued."""
+    r = setup(monkeypatch)
+    odd = BlockPool(pool_shape(N, K, W, E, GROUP_ALIGN // 2), H, True, torch.device("cpu"))
+    with pytest.raises(ChunkringUsageError, match="128 rows, got 64") as info:
+        r.compute.wave(odd, r.w13, r.w2, r.peer_combine, last=True, desc=r.desc)
+    assert info.value.field == "pool" and r.library.launches == []

@@ -283,6 +283,9 @@ class ExpertCompute:
         ``moe_wave_gather`` copies their rows into a fresh plan; then the batch path's GEMMs, SwiGLU and
         combine push on that plan (``moe_ack_held`` then waits for ``waves * push_blocks`` arrivals on
         :attr:`pushed`, every wave's). ``sms``: as for :meth:`__call__`."""
+        if pool.shape.block_m != GROUP_ALIGN:  # the gather aligns groups to the pool's blocks, SwiGLU and the push
+            raise ChunkringUsageError(f"the pool's blocks must be the plan's groups, {GROUP_ALIGN} rows, got "
+                                      f"{pool.shape.block_m}", field="pool")  # to GROUP_ALIGN: one plan layout
         plan, cursors = self._allocate_plan()
         self.kernels.launch("moe_wave_claim", desc=desc, pool_desc=pool.desc, min_blocks=self.wave_min_blocks,
                             last=int(last), counts=plan.counts, grid=1, block=_BLOCK,

@@ -76,12 +76,15 @@ class Allocation:
     raw: np.ndarray = field(init=False)
     valid: np.ndarray = field(init=False)
     stores: np.ndarray = field(init=False)
+    stored_in: np.ndarray = field(init=False)  # per byte, the launch that last stored it (-1: none)
+    launch: int = 0  # the launch running now (Memory.begin_launch / switch): the one-store rule's scope
 
     def __post_init__(self) -> None:
         assert self.tensor.is_contiguous() and self.tensor.device.type == "cpu"
         self.raw = self.tensor.reshape(-1).view(torch.uint8).numpy()
         self.valid = np.full(self.raw.size, self.initialised)
         self.stores = np.zeros(self.raw.size, np.int32)
+        self.stored_in = np.full(self.raw.size, -1, np.int64)
 
     @property
     def base(self) -> int:
@@ -104,14 +107,20 @@ class Allocation:
             raise EmulatedMemoryError(f"{what}: reads uninitialised bytes of {self.name}")
         return self.raw[at]
 
-    def store(self, offsets, data: np.ndarray, what: str) -> None:
-        """``data`` uint8 [*offsets.shape, size] to the byte offsets."""
+    def store(self, offsets, data: np.ndarray, what: str, again: bool = False) -> None:
+        """``data`` uint8 [*offsets.shape, size] to the byte offsets. ``again``: a rewrite in place (a value
+        checked where the launch put it, as moe_pull's routing): every byte must have been stored by this launch."""
         at = self._bytes(offsets, data.shape[-1], what)
-        if at.size:
-            if len(np.unique(at)) != at.size or self.stores[at].any():
+        if at.size and again:
+            if not (self.stored_in[at] == self.launch).all():
+                raise EmulatedMemoryError(f"{what}: rewrites bytes of {self.name} this launch never stored")
+            self.raw[at] = data
+        elif at.size:
+            if len(np.unique(at)) != at.size or (self.stored_in[at] == self.launch).any():
                 raise EmulatedMemoryError(f"{what}: stores a byte of {self.name} twice in one launch")
             self.raw[at], self.valid[at] = data, True
             self.stores[at] += 1
+            self.stored_in[at] = self.launch
 
     # Typed views of load/store: offsets in elements of the type, as the kernel's pointer arithmetic counts them,
     # from byte ``at`` of the allocation (a Pointer's place in it).
@@ -119,11 +128,11 @@ class Allocation:
         size = np.dtype(dtype).itemsize
         return self.load(at + np.asarray(elements, np.int64) * size, size, what).view(dtype)[..., 0]
 
-    def store_as(self, dtype, elements, values, what: str, at: int = 0) -> None:
+    def store_as(self, dtype, elements, values, what: str, at: int = 0, again: bool = False) -> None:
         size = np.dtype(dtype).itemsize
         values = np.ascontiguousarray(np.broadcast_to(np.asarray(values, dtype), np.shape(elements)))
         self.store(at + np.asarray(elements, np.int64) * size, values.view(np.uint8).reshape(*values.shape, size),
-                   what)
+                   what, again)
 
     def atomic_add_as(self, dtype, elements, values, what: str, at: int = 0) -> np.ndarray:
         """atomicAdd of ``values`` at each element, applied in array order (duplicates included, wrapping as the
@@ -155,6 +164,7 @@ class Memory:
 
     def __init__(self) -> None:
         self.allocations: list[Allocation] = []
+        self.launch = self.launched = 0  # the launch running now; how many began
 
     def add(self, tensor: torch.Tensor, name: str, *, initialised: bool = True) -> Allocation:
         """Register ``tensor``; initialised=False models ``torch.empty`` (nothing readable before a store)."""
@@ -162,6 +172,7 @@ class Memory:
         if found is not None:
             return found
         alloc = Allocation(tensor, name, initialised)
+        alloc.launch = self.launch
         ends = [(a.base, a.base + a.raw.size) for a in self.allocations]
         assert all(alloc.base + alloc.raw.size <= lo or alloc.base >= hi for lo, hi in ends), "overlapping tensors"
         self.allocations.append(alloc)
@@ -180,9 +191,19 @@ class Memory:
                 return a, address - a.base
         raise EmulatedMemoryError(f"{what}: address {address:#x} is in no allocation")
 
-    def begin_launch(self) -> None:
+    def begin_launch(self) -> int:
+        """A new launch: nothing stored in it yet. Returns its id (for :meth:`switch`)."""
+        self.launched += 1
+        self.switch(self.launched)
         for a in self.allocations:
             a.stores[:] = 0
+        return self.launch
+
+    def switch(self, launch: int) -> None:
+        """Continue launch ``launch`` (kernels that run concurrently, interleaved: each its own one-store rule)."""
+        self.launch = launch
+        for a in self.allocations:
+            a.launch = launch
 
 
 @dataclass(frozen=True)
@@ -209,9 +230,13 @@ class Pointer:
         alloc, at = self.target(what)
         return alloc.load(at + np.asarray(offsets, np.int64), size, what)
 
-    def store_as(self, dtype, elements, values, what: str) -> None:
+    def store(self, offsets, data: np.ndarray, what: str) -> None:
         alloc, at = self.target(what)
-        alloc.store_as(dtype, elements, values, what, at)
+        alloc.store(at + np.asarray(offsets, np.int64), data, what)
+
+    def store_as(self, dtype, elements, values, what: str, again: bool = False) -> None:
+        alloc, at = self.target(what)
+        alloc.store_as(dtype, elements, values, what, at, again)
 
     def atomic_add_as(self, dtype, elements, values, what: str) -> np.ndarray:
         alloc, at = self.target(what)
@@ -340,6 +365,13 @@ class EmulatedLibrary:
             self.signatures.update(parse_kernels((DEVICE / "kernels" / source).read_text(), source))
 
     def launch(self, name, /, *, grid, block, stream=None, shared_bytes=0, **args) -> None:
+        values = self.arguments(name, args)
+        self.launches.append((name, grid, block, args))
+        self.memory.begin_launch()
+        self.kernels[name](self.memory, int(grid), int(block), int(shared_bytes), values)
+
+    def arguments(self, name: str, args: dict) -> SimpleNamespace:
+        """The launch's arguments checked against the signature: pointers as Allocations, scalars as ints."""
         params = self.signatures[name]
         check_argument_names(name, params, args)
         values = {}
@@ -352,6 +384,4 @@ class EmulatedLibrary:
             else:
                 value = int(value)
             values[param.name] = value
-        self.launches.append((name, grid, block, args))
-        self.memory.begin_launch()
-        self.kernels[name](self.memory, int(grid), int(block), int(shared_bytes), SimpleNamespace(**values))
+        return SimpleNamespace(**values)

@@ -1,0 +1,298 @@
+"""The ring's data path of device/kernels/ring_host_api.cu (ring_publish_tensors; ring_publish_open, _copy, _close)
+and moe_stream.cu (moe_pull, moe_ack_held) run on the CPU as written, over tests/helpers/ring_emulator.py's heap,
+streams and protocol words (tests/unit/test_ring_pull_emulation.py drives them through publish_chunk and the
+layer's launch of moe_pull). Each function mirrors its device function (protocol/ring.cuh begin_chunk, wait_acked,
+publish, end_chunk, wait_chunk, ack_chunk, finish_chunk, last_block_to_arrive, consume_invocation; publish.cuh
+chunk_extent, close_chunk; validate.cuh's checks; moe/descriptors.cuh check_stage) for one block, thread 0's part
+where the device has thread 0 alone act; the StageDesc is read word by word in layout/moe_desc.cuh's order and its
+addresses resolved where dereferenced. Not emulated: the timeline trace (the launches pass trace=None), RMA peers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from tests.helpers.kernel_emulation import Pointer, read_struct
+from tests.helpers.plan_emulator import LAYOUT_VERSION, STRUCTS
+from tests.helpers.ring_emulator import CONTROL, META_EOS, RingView, copy, make_gen
+
+__all__ = ["NO_HELD_CHUNK", "kernels"]
+
+NO_HELD_CHUNK = 2**64 - 1  # moe_stream.cu kNoHeldChunk
+DESC_FIELD = {"kFieldVersion": 1, "kFieldBytes": 2, "kFieldSources": 3, "kFieldTopk": 4, "kFieldRowBytes": 5,
+              "kFieldSfPerRow": 6}
+
+
+# ---------------------------------------------------------------- producer
+def next_seq(ring: RingView) -> int:
+    return ring.load(ring.word("control", CONTROL["kControlNextSeq"]), "next_seq")
+
+
+def wait_acked(ring: RingView, epoch: int, seq: int):
+    slot, gen = seq % ring.d.num_slots, ring.gen(epoch, seq)
+    for dest in range(ring.d.world_size):
+        word = ring.ack_word(slot, dest)
+        if not (yield from ring.spin_until("kWaitReusable", dest, slot, gen,
+                                           ring.poll_gen(word, "kWaitReusable", dest, slot, gen))):
+            return False
+    return True
+
+
+def begin_chunk(ring: RingView, epoch: int, seq: int):
+    d = ring.d
+    slot, lap, mask = seq % d.num_slots, seq // d.num_slots, (2**64 - 1) >> d.epoch_bits
+    if lap >= mask:  # !lap_fits
+        ring.record_error("kLapOverflow", "kPublish", d.my_pe, slot, mask - 1, lap)
+        return False
+    if lap >= 1:
+        if not (yield from wait_acked(ring, epoch, seq - d.num_slots)):
+            return False
+        ring.store(ring.word("consumed", slot), ring.gen(epoch, seq - d.num_slots), "consumed")
+    return True
+
+
+def chunk_extent(ring: RingView, a, report: bool) -> SimpleNamespace:
+    e = SimpleNamespace(n=a.n_tokens, eos=a.end_of_stream != 0, publish=True)
+    if a.valid_tokens is None:
+        return e
+    asked = int(a.valid_tokens.load_as(np.int32, 0, "valid_tokens"))
+    valid = min(max(asked, 0), a.batch_rows)
+    if report and asked != valid and a.token_base == 0:
+        ring.report_input("kValidTokens", ring.d.my_pe, 0, 0, 0, asked)
+    if a.token_base > 0 and a.token_base >= valid:
+        return SimpleNamespace(n=0, eos=False, publish=False)
+    e.n, e.eos = min(valid - a.token_base, e.n), a.token_base + a.n_tokens >= valid
+    return e
+
+
+def copy_rows(ring: RingView, slot: int, a, n: int, part: int, parts: int) -> None:
+    """This block's share of the rows: block_copy16 of x, block_copy4 of the rest."""
+    d, K = ring.d, ring.d.topk
+    lo, hi = n * part // parts, n * (part + 1) // parts
+    for name, src, row in (("x", a.x, d.x_row_bytes), ("x_sf", a.x_sf, 4 * d.x_sf_row_floats),
+                           ("topk_idx", a.topk_idx, 4 * K), ("topk_weights", a.topk_weights, 4 * K)):
+        if (hi - lo) * row:
+            copy(ring.memory, ring.part(name, slot) + lo * row, src.base + lo * row, (hi - lo) * row,
+                 f"publish {name}", 16 if name == "x" else 4)
+
+
+def publish(ring: RingView, epoch: int, seq: int, kind: str) -> None:
+    """Remote SET of the ready word at every destination (the release fence: nothing to order here)."""
+    word = ring.ready_word(kind, ring.d.my_pe, seq % ring.d.num_slots)
+    for dest in range(ring.d.world_size):
+        ring.store(ring.remote(word, dest), ring.gen(epoch, seq), f"{kind}_ready at PE {dest}")
+
+
+def close_chunk(ring: RingView, epoch: int, seq: int, e, token_base: int) -> None:
+    meta = ring.part("meta", seq % ring.d.num_slots)
+    for i, value in enumerate((token_base, e.n, META_EOS if e.eos else 0)):
+        ring.store(meta + 8 * i, value, "meta")
+    publish(ring, epoch, seq, "route")
+    publish(ring, epoch, seq, "layout")
+    ring.store(ring.word("control", CONTROL["kControlNextSeq"]), seq + 1, "next_seq")  # end_chunk
+
+
+def ring_publish_tensors(ring: RingView, a, part: int, parts: int):
+    if not ring.rank.check_descriptor():
+        return
+    e = chunk_extent(ring, a, True)
+    if not e.publish:
+        return
+    epoch, seq = ring.epoch(), next_seq(ring)
+    if not (yield from begin_chunk(ring, epoch, seq)):
+        return
+    copy_rows(ring, seq % ring.d.num_slots, a, e.n, 0, 1)
+    close_chunk(ring, epoch, seq, e, a.token_base)
+
+
+def ring_publish_open(ring: RingView, a, part: int, parts: int):
+    if not ring.rank.check_descriptor() or not chunk_extent(ring, a, True).publish:
+        return
+    yield from begin_chunk(ring, ring.epoch(), next_seq(ring))
+
+
+def ring_publish_copy(ring: RingView, a, part: int, parts: int):
+    if not ring.rank.check_descriptor() or ring.has_error():
+        return
+    e = chunk_extent(ring, a, False)
+    if e.publish:
+        copy_rows(ring, next_seq(ring) % ring.d.num_slots, a, e.n, part, parts)
+    yield from ()
+
+
+def ring_publish_close(ring: RingView, a, part: int, parts: int):
+    if not ring.rank.check_descriptor() or ring.has_error():
+        return
+    e = chunk_extent(ring, a, False)
+    if e.publish:
+        close_chunk(ring, ring.epoch(), next_seq(ring), e, a.token_base)
+    yield from ()
+
+
+# ---------------------------------------------------------------- consumer
+def wait_chunk(ring: RingView, epoch: int, src: int, seq: int):
+    slot, want = seq % ring.d.num_slots, ring.gen(epoch, seq)
+    for kind, site in (("route", "kWaitRoute"), ("layout", "kWaitLayout")):
+        word = ring.ready_word(kind, src, slot)
+        if not (yield from ring.spin_until(site, src, slot, want, ring.poll_gen(word, site, src, slot, want))):
+            return False
+    ring.visible.add((src, slot))  # wait_acquire_fence: the slot's bytes are this block's to read
+    return True
+
+
+def ack_chunk(ring: RingView, epoch: int, src: int, seq: int) -> bool:
+    d = ring.d
+    slot, gen = seq % d.num_slots, ring.gen(epoch, seq)
+    prev = 0 if seq < d.num_slots else make_gen(epoch, seq // d.num_slots - 1, d.epoch_bits)
+    ring.visible.discard((src, slot))
+    word = Pointer(ring.memory, ring.remote(ring.ack_word(slot, d.my_pe), src), f"ack word at PE {src}")
+    replaced = int(word.load_as(np.uint64, 0, "ack"))
+    word.cas_as(np.uint64, 0, replaced, gen, "ack")  # the remote swap
+    if replaced != prev:
+        ring.record_error("kDoubleAck" if replaced == gen else "kAckTagMismatch", "kAck", src, slot, prev, replaced)
+        return False
+    ring.ordered_store(ring.word("cursor", src), np.uint64, seq + 1, "cursor")
+    return True
+
+
+def finish_chunk(ring: RingView, epoch: int, src: int, seq: int, counts, blocks: int) -> bool:
+    if counts is None:
+        return ack_chunk(ring, epoch, src, seq)
+    ring.visible.discard((src, seq % ring.d.num_slots))  # this block's reads of the chunk end at its arrival
+    i = src * ring.d.num_slots + seq % ring.d.num_slots
+    if int(counts.atomic_add_as(np.uint32, i, 1, "arrivals")) != blocks - 1:  # last_block_to_arrive
+        return True
+    counts.cas_as(np.uint32, i, blocks, 0, "arrivals")  # *count = 0: a store after the last atomic
+    return ack_chunk(ring, epoch, src, seq)
+
+
+def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred: Pointer | None, visit):
+    d = ring.d
+    next_seqs = [ring.load(ring.word("cursor", src), "cursor") for src in range(d.world_size)]
+    active = set(range(d.world_size))
+    while active:
+        for src in range(d.world_size):
+            if src not in active:
+                continue
+            seq = next_seqs[src]
+            slot = seq % d.num_slots
+            if not (yield from wait_chunk(ring, epoch, src, seq)):
+                return False
+            meta = ring.fetch_meta(src, slot)
+            if meta is None:
+                ring.record_error("kPeerUnreachable", "kPayload", src, slot, 0, 0)
+                return False
+            eos = bool(meta.flags & META_EOS)
+            if not visit(src, seq, slot):
+                return False
+            if deferred is not None and eos:
+                if ring.block == 0:
+                    deferred.store_as(np.uint64, src, seq, "held")
+            elif not finish_chunk(ring, epoch, src, seq, counts, blocks):
+                return False
+            next_seqs[src] = seq + 1
+            if eos:
+                active.discard(src)
+    return True
+
+
+def check_stage(ring: RingView, s) -> bool:
+    """moe::check_stage: the first field that differs, recorded (thread 0 of each block)."""
+    d = ring.d
+    for field, expected, observed in (("kFieldVersion", LAYOUT_VERSION, s.layout_version),
+                                      ("kFieldBytes", 8 * len(STRUCTS["StageDesc"]), s.desc_bytes),
+                                      ("kFieldSources", d.world_size, s.sources), ("kFieldTopk", d.topk, s.topk),
+                                      ("kFieldRowBytes", d.x_row_bytes, s.row_bytes),
+                                      ("kFieldSfPerRow", d.x_sf_row_floats, s.sf_per_row)):
+        if expected != observed:
+            ring.record_error("kInternal", "kDescriptor", 0, DESC_FIELD[field], expected, observed)
+            return False
+    return True
+
+
+def pull_visit(ring: RingView, s, src: int, seq: int, slot: int, part: int, parts: int) -> bool:
+    """moe_pull's visit for block ``part`` of ``parts``."""
+    d, N, K = ring.d, s.token_capacity, ring.d.topk
+    meta = ring.chunk_meta(src, slot)
+    if meta is None:
+        return False
+    base, n = meta.token_base, meta.num_tokens
+    if n > d.tokens_per_slot or base > N or n > N - base:  # checked_chunk_rows; the grid's first thread reports
+        if part == 0:
+            field, value = ("kNumTokens", n) if n > d.tokens_per_slot else ("kTokenBase", base)
+            ring.report_input(field, src, slot, 0, 0, value)
+        n = 0
+    lo, hi = n * part // parts, n * (part + 1) // parts
+    first_row = src * N + (base if n else 0)
+    idx = Pointer(ring.memory, s.idx + 4 * first_row * K, "stage idx")
+    ring.fetch(idx.address + 4 * lo * K, ring.part("topk_idx", slot) + 4 * lo * K, 4 * (hi - lo) * K, src, "idx")
+    ring.fetch(s.w + 4 * (first_row + lo) * K, ring.part("topk_weights", slot) + 4 * lo * K, 4 * (hi - lo) * K,
+               src, "w")
+    for i in range(lo * K, hi * K):  # checked_expert, in place
+        e = int(idx.load_as(np.int32, i, "stage idx"))
+        if not -1 <= e < d.num_experts:
+            ring.report_input("kTopkIdx", src, slot, i // K, i % K, e)
+            e = -1
+        idx.store_as(np.int32, i, e, "stage idx", again=True)
+    rows = np.arange(lo, hi)
+    choices = idx.load_as(np.int32, rows[:, None] * K + np.arange(K), "stage idx").reshape(-1, K)
+    mine = rows[((choices >= s.expert_lo) & (choices < s.expert_hi)).any(axis=1)]
+    row_bytes, sf = d.x_row_bytes, d.x_sf_row_floats
+    for row in mine.tolist():
+        ring.fetch(s.x + (first_row + row) * row_bytes, ring.part("x", slot) + row * row_bytes, row_bytes, src, "x")
+        ring.fetch(s.sf + 4 * (first_row + row) * sf, ring.part("x_sf", slot) + 4 * row * sf, 4 * sf, src, "sf")
+    for row in mine.tolist():  # checked_scale, in place
+        scales = Pointer(ring.memory, s.sf + 4 * (first_row + row) * sf, "stage sf")
+        for i in range(sf):
+            value = scales.load_as(np.float32, i, "stage sf")
+            if not np.isfinite(value):
+                ring.report_input("kXSf", src, slot, row, i, int(np.float32(value).view(np.uint32)))
+                value = np.float32(0)
+            scales.store_as(np.float32, i, value, "stage sf", again=True)
+    return True
+
+
+def moe_pull(ring: RingView, a, part: int, parts: int, visit=pull_visit):
+    assert a.trace is None, "the timeline trace is not emulated"
+    s = read_struct(a.stage, STRUCTS["StageDesc"], "StageDesc")
+    if not ring.rank.check_descriptor() or not check_stage(ring, s):
+        return
+    held = Pointer(ring.memory, s.held, "held")
+    yield from consume_invocation(ring, ring.epoch(), a.arrivals, parts, held,
+                                  lambda src, seq, slot: visit(ring, s, src, seq, slot, part, parts))
+
+
+def moe_ack_held(ring: RingView, a, part: int, parts: int):
+    """Block ``part`` acknowledges source ``part``'s held chunk once every push block arrived."""
+    assert a.trace is None, "the timeline trace is not emulated"
+    s = read_struct(a.stage, STRUCTS["StageDesc"], "StageDesc")
+    if not ring.rank.check_descriptor() or not check_stage(ring, s):
+        return
+    seq = int(Pointer(ring.memory, s.held, "held").load_as(np.uint64, part, "held"))
+    if seq == NO_HELD_CHUNK:
+        return
+    want = a.push_blocks % 2**64
+
+    def poll():
+        observed = int(a.pushed.load_as(np.uint64, 0, "pushed"))
+        return int(observed == want), observed
+
+    if (yield from ring.spin_until("kWaitPushed", ring.d.my_pe, 0, want, poll)):
+        ack_chunk(ring, ring.epoch(), part, seq)
+
+
+KERNELS = {f.__name__: f for f in (ring_publish_tensors, ring_publish_open, ring_publish_copy, ring_publish_close,
+                                   moe_pull, moe_ack_held)}
+
+
+def kernels(heap, streams, only=None) -> dict:
+    """The emulated kernels by name for a :class:`StreamLibrary`: each launch's blocks as generators, each block
+    with its own :class:`RingView`. ``only``: replace some by name (a mutant)."""
+    table = {**KERNELS, **(only or {})}
+
+    def launcher(kernel):
+        return lambda memory, grid, block, a: [kernel(RingView(memory, heap, streams, a.desc, b), a, b, grid)
+                                               for b in range(grid)]
+
+    return {name: launcher(kernel) for name, kernel in table.items()}

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tests.helpers.kernel_emulation import Pointer, read_struct
+from tests.helpers.kernel_emulation import EmulatedMemoryError, Pointer, read_struct
 from tests.helpers.plan_emulator import LAYOUT_VERSION, STRUCTS
 from tests.helpers.ring_emulator import CONTROL, META_EOS, RingView, copy, make_gen
 
@@ -66,9 +66,21 @@ def chunk_extent(ring: RingView, a, report: bool) -> SimpleNamespace:
     return e
 
 
-def copy_rows(ring: RingView, slot: int, a, n: int, part: int, parts: int) -> None:
+def check_free(ring: RingView, epoch: int, seq: int) -> None:
+    """The producer's side of the visibility check: a slot is written for chunk ``seq`` only once every destination
+    acknowledged its previous lap (begin_chunk's wait, in this kernel or the split publish's open)."""
+    d = ring.d
+    if seq >= d.num_slots:
+        acks = [ring.load(ring.ack_word(seq % d.num_slots, dest), "ack") for dest in range(d.world_size)]
+        if acks != [ring.gen(epoch, seq - d.num_slots)] * d.world_size:
+            raise EmulatedMemoryError(f"PE {d.my_pe} writes slot {seq % d.num_slots} for chunk {seq} before every "
+                                      f"destination acknowledged chunk {seq - d.num_slots} (ack words {acks})")
+
+
+def copy_rows(ring: RingView, seq: int, a, n: int, part: int, parts: int) -> None:
     """This block's share of the rows: block_copy16 of x, block_copy4 of the rest."""
-    d, K = ring.d, ring.d.topk
+    d, K, slot = ring.d, ring.d.topk, seq % ring.d.num_slots
+    check_free(ring, ring.epoch(), seq)
     lo, hi = n * part // parts, n * (part + 1) // parts
     for name, src, row in (("x", a.x, d.x_row_bytes), ("x_sf", a.x_sf, 4 * d.x_sf_row_floats),
                            ("topk_idx", a.topk_idx, 4 * K), ("topk_weights", a.topk_weights, 4 * K)):
@@ -85,6 +97,7 @@ def publish(ring: RingView, epoch: int, seq: int, kind: str) -> None:
 
 
 def close_chunk(ring: RingView, epoch: int, seq: int, e, token_base: int) -> None:
+    check_free(ring, epoch, seq)
     meta = ring.part("meta", seq % ring.d.num_slots)
     for i, value in enumerate((token_base, e.n, META_EOS if e.eos else 0)):
         ring.store(meta + 8 * i, value, "meta")
@@ -93,16 +106,16 @@ def close_chunk(ring: RingView, epoch: int, seq: int, e, token_base: int) -> Non
     ring.store(ring.word("control", CONTROL["kControlNextSeq"]), seq + 1, "next_seq")  # end_chunk
 
 
-def ring_publish_tensors(ring: RingView, a, part: int, parts: int):
+def ring_publish_tensors(ring: RingView, a, part: int, parts: int, begin=begin_chunk):
     if not ring.rank.check_descriptor():
         return
     e = chunk_extent(ring, a, True)
     if not e.publish:
         return
     epoch, seq = ring.epoch(), next_seq(ring)
-    if not (yield from begin_chunk(ring, epoch, seq)):
+    if not (yield from begin(ring, epoch, seq)):
         return
-    copy_rows(ring, seq % ring.d.num_slots, a, e.n, 0, 1)
+    copy_rows(ring, seq, a, e.n, 0, 1)
     close_chunk(ring, epoch, seq, e, a.token_base)
 
 
@@ -117,7 +130,7 @@ def ring_publish_copy(ring: RingView, a, part: int, parts: int):
         return
     e = chunk_extent(ring, a, False)
     if e.publish:
-        copy_rows(ring, next_seq(ring) % ring.d.num_slots, a, e.n, part, parts)
+        copy_rows(ring, next_seq(ring), a, e.n, part, parts)
     yield from ()
 
 

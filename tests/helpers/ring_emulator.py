@@ -107,29 +107,35 @@ class Streams:
         self.queues.setdefault(stream, deque()).append([blocks, None])
 
     def run(self) -> None:
-        """Until every stream is empty; a pass without progress raises EmulatedWaitBlocks."""
+        """Until every stream is empty. A pass visits the streams in a seeded order; each runs its launches until one
+        waits (a stream runs ahead as far as it can). A pass without progress raises EmulatedWaitBlocks."""
         while any(self.queues.values()):
             before, waits = self.progress, []
-            heads = [q[0] for q in self.queues.values() if q]
-            for head in self.rng.permutation(len(heads)):
-                launch = heads[head]
-                if launch[1] is None:  # a launch starts when it reaches the head of its stream
-                    launch[1], self.progress = self.memory.begin_launch(), self.progress + 1
-                blocks, waiting = launch[0], []
-                for i in self.rng.permutation(len(blocks)):
-                    self.memory.switch(launch[1])
-                    try:
-                        waiting.append(next(blocks[i]))
-                    except StopIteration:
-                        blocks[i], self.progress = None, self.progress + 1
-                launch[0] = [b for b in blocks if b is not None]
-                waits += waiting
+            queues = [q for q in self.queues.values() if q]
+            for i in self.rng.permutation(len(queues)):
+                while queues[i]:
+                    waiting = self.step(queues[i][0])
+                    waits += waiting
+                    if waiting:
+                        break
+                    queues[i].popleft()
             self.waits_seen += waits
-            for q in self.queues.values():
-                if q and not q[0][0]:
-                    q.popleft()
             if self.progress == before:
                 raise EmulatedWaitBlocks("every block waits: " + "; ".join(waits))
+
+    def step(self, launch: list) -> list[str]:
+        """Every unfinished block of ``launch`` once, in a seeded order, until it waits or ends: their waits."""
+        if launch[1] is None:  # a launch starts when it reaches the head of its stream
+            launch[1], self.progress = self.memory.begin_launch(), self.progress + 1
+        blocks, waiting = launch[0], []
+        for i in self.rng.permutation(len(blocks)):
+            self.memory.switch(launch[1])
+            try:
+                waiting.append(next(blocks[i]))
+            except StopIteration:
+                blocks[i], self.progress = None, self.progress + 1
+        launch[0] = [b for b in blocks if b is not None]
+        return waiting
 
 
 class StreamLibrary(EmulatedLibrary):

@@ -56,6 +56,7 @@ class World:
         self.grid, self.gen, self.spec = grid, torch.Generator().manual_seed(seed), spec
         self.expected = Expected(self.rings, self.stages, E)
         self.masked = [0] * world
+        self.arrivals = torch.zeros((world, S), dtype=torch.int32)  # LayerResources.arrivals of the mode
 
     def stage(self, spec: RingSpec, rank: int) -> Stage:
         W, fp8 = spec.world_size, spec.payload is PayloadFormat.FP8_E4M3
@@ -95,7 +96,8 @@ class World:
 
     def pull(self, rank: int) -> None:
         """schedule._launch_pull's launch."""
-        arrivals = torch.zeros((self.spec.world_size, S), dtype=torch.int32) if self.grid > 1 else None
+        self.arrivals.zero_()  # as the layer does before every pull
+        arrivals = self.arrivals if self.grid > 1 else None
         self.library.launch("moe_pull", desc=self.rings[rank].desc, arrivals=arrivals, stage=self.stages[rank].desc,
                             grid=self.grid, block=PULL_BLOCK, stream=None, trace=None, trace_capacity=0)
 
@@ -191,6 +193,22 @@ def test_a_pull_that_acknowledges_before_it_reads_is_caught(monkeypatch):
     w = World(monkeypatch, 1, PayloadFormat.FP8_E4M3, mutants={"moe_pull": early_ack_pull})
     with pytest.raises(EmulatedMemoryError, match="outside its wait_chunk"):
         w.call([[4, 2]])
+
+
+def unwaited_publish(ring, a, part, parts):
+    """Mutant: ring_publish_tensors without begin_chunk's wait for the slot's acknowledgements."""
+    def no_wait(ring_, epoch, seq):
+        yield from ()
+        return True
+
+    yield from pull_emulator.ring_publish_tensors(ring, a, part, parts, begin=no_wait)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_publish_that_does_not_wait_for_the_acks_is_caught(monkeypatch, seed):
+    w = World(monkeypatch, 1, PayloadFormat.FP8_E4M3, seed=seed, mutants={"ring_publish_tensors": unwaited_publish})
+    with pytest.raises(EmulatedMemoryError, match="before every destination acknowledged"):
+        w.call([[4, 2, 3]])
 
 
 def test_a_pull_whose_stream_never_ends_waits(monkeypatch):

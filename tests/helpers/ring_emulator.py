@@ -17,7 +17,8 @@ block runs at a time, between its waits). Blocks resume in an order drawn from `
 
 Visibility (the consumer's C1 edge): a block may read a source's slot (meta, x, x_sf, topk_idx, topk_weights)
 only between its wait_chunk for that slot and its arrival on or acknowledgement of the chunk (a held chunk stays
-readable); any other read raises :class:`EmulatedMemoryError`. Where it cannot be faithful: memory ordering
+readable); any other read raises :class:`EmulatedMemoryError` (the producer's side, pull_emulator.check_free: a
+slot is written only once every destination acknowledged its previous lap). Where it cannot be faithful: memory ordering
 itself, timing and timeouts, RMA gets (every peer is DIRECT), warps and lanes inside a block."""
 
 from __future__ import annotations

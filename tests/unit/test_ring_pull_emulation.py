@@ -15,8 +15,9 @@ global, non-local ones included; ``w``), ``held[src]`` the seq of its last chunk
 written (and the held ones after moe_ack_held), the cursors, ready and consumed words, nothing else written
 anywhere in the rings or stages; masked inputs counted; every read of a slot inside its wait .. ack window; FP8
 and bf16, chunks below and at tokens_per_slot, an empty source, grids of 1 and 3 blocks (arrival counting), a
-second call on the same ring (laps continue). A deliberate mutant (a pull that acknowledges before it reads) is
-caught. What only a GPU shows: memory ordering (the fences), RMA peers, the timeline trace, timeouts."""
+second call on the same ring (laps continue); a producer writing a slot only after every ack of its previous lap.
+Two deliberate mutants are caught: a pull that acknowledges before it reads, a publish that does not wait for acks.
+What only a GPU shows: memory ordering (the fences), RMA peers, the timeline trace, timeouts."""
 
 from __future__ import annotations
 

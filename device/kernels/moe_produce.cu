@@ -80,13 +80,19 @@ __device__ void router_slice(const __nv_bfloat16* hidden, const __nv_bfloat16* r
     }
 }
 
-// A candidate expert: its logit's rank key (NaN above +inf) and its index; idx < 0 = none.
+// A candidate expert: its logit's rank key (rank_key) and its index; idx < 0 = none.
 struct Pick {
-    float key;
+    u32 key;
     int idx;
 };
 
-__device__ __forceinline__ float rank_key(float logit) { return isnan(logit) ? __int_as_float(0x7f800000) : logit; }
+// The logit as an unsigned key in torch.topk's order: a larger float a larger key, -0 and +0 equal, and NaN (of
+// either sign) above +inf. A float key cannot put NaN above +inf: NaN compares false with everything.
+__device__ __forceinline__ u32 rank_key(float logit) {
+    if (isnan(logit)) return 0xffffffffu;
+    const u32 bits = __float_as_uint(logit == 0.0f ? 0.0f : logit);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);  // negatives reversed below the positives
+}
 
 // a before b in the top-k order: larger key first, then the lower index; a real pick before none.
 __device__ __forceinline__ bool before(const Pick& a, const Pick& b) {
@@ -98,10 +104,10 @@ __device__ __forceinline__ bool before(const Pick& a, const Pick& b) {
 // top-k order (so nothing is excluded by a list). Writes idx[K] and weights[K].
 __device__ void route_token(const float* logits, int num_experts, int topk, int* idx, float* weights) {
     const u32 lane = threadIdx.x % kWarp;
-    Pick prev{0.0f, -1};  // none yet: every expert is eligible
+    Pick prev{0u, -1};  // none yet: every expert is eligible
     float top_logit = 0.0f, my_logit = 0.0f;
     for (int k = 0; k < topk; ++k) {
-        Pick best{0.0f, -1};
+        Pick best{0u, -1};
         for (int e = static_cast<int>(lane); e < num_experts; e += kWarp) {
             const Pick cand{rank_key(logits[e]), e};
             if ((prev.idx < 0 || before(prev, cand)) && before(cand, best)) best = cand;

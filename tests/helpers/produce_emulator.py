@@ -112,8 +112,8 @@ def router_block(a, b: int, grid: int, block: int):
 # ---------------------------------------------------------------- moe_produce_chunk: arithmetic
 def rank_order(logits: np.ndarray, topk: int) -> np.ndarray:
     """route_token's K rounds for one row: each round the best expert strictly after the previous pick in the top-k
-    order (larger key first, NaN's key +inf; equal keys: the lower expert first). int [K]."""
-    keys = np.where(np.isnan(logits), np.float32(np.inf), logits)
+    order (larger key first, rank_key's keys; equal keys: the lower expert first). int [K]."""
+    keys = rank_keys(logits)
     picks: list[int] = []
     for _ in range(topk):
         best = -1
@@ -124,6 +124,14 @@ def rank_order(logits: np.ndarray, topk: int) -> np.ndarray:
                 best = e
         picks.append(best)
     return np.array(picks)
+
+
+def rank_keys(logits: np.ndarray) -> np.ndarray:
+    """moe_produce.cu rank_key per logit: uint32, a larger float a larger key, -0 == +0, NaN above +inf."""
+    logits = np.asarray(logits, np.float32)
+    bits = np.where(logits == 0, np.float32(0), logits).astype(np.float32).view(np.uint32)
+    keys = np.where(bits & np.uint32(0x80000000), ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+    return np.where(np.isnan(logits), np.uint32(0xFFFFFFFF), keys)
 
 
 def before(keys: np.ndarray, a: int, b: int) -> bool:

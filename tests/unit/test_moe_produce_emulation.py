@@ -5,8 +5,8 @@ tests/helpers/produce_emulator.py) on a real :class:`chunkring.Ring` over the st
 
 What it pins: the router's logits within the fp32 bound of a float64 GEMM and bit for bit batch-invariant (a chunk's
 rows equal the whole batch's, for several token counts and hidden sizes of 1, 3 and 16 slices); the pulled stage's
-routing equal to chunkring.moe.producer.route on the same logits (ties: the lower expert; NaN above any finite
-logit - a NaN against +inf is ranked unlike torch.topk, a known kernel mismatch kept as a strict xfail),
+routing equal to chunkring.moe.producer.route on the same logits (ties: the lower expert; NaN above every logit,
++inf included, as torch.topk ranks it),
 weights within 4 ulps, FP8 rows and scales bit for bit quantize_rows_fp8, bf16 rows as given; grids of one block
 and of one block per row (arrivals, left zero), a ring of 2 slots wrapping over 4 chunks, end of stream (the last
 chunk held). The broken variant Mutant::kArriveBeforeRows (a block arrives, so the last may publish, before it
@@ -194,8 +194,6 @@ def test_equal_logits_nan_and_zero_blocks(monkeypatch, multi):
     assert torch.isnan(p.stage.w[0, 1]).all()  # a NaN chosen: the row's weights are NaN, as torch's softmax
 
 
-@pytest.mark.xfail(strict=True, reason="moe_produce.cu rank_key gives NaN the key +inf, so a +inf logit of a lower "
-                   "expert ranks above a NaN; torch.topk ranks NaN first (the kernel's comment says it matches)")
 def test_a_nan_ranks_above_an_infinite_logit_as_torch_topk_ranks_it(monkeypatch):
     p = Producer(monkeypatch, PayloadFormat.FP8_E4M3)
     logits, hidden = crafted(sum(SIZES))
@@ -239,3 +237,12 @@ def test_arrive_before_rows_is_caught(monkeypatch):
             caught.append(str(error.value))
     assert all("uninitialised bytes of ring" in c or "after its publish" in c for c in caught), caught
     assert any("uninitialised bytes of ring" in c for c in caught), caught  # the consumer's side sees it too
+
+
+def test_rank_keys_order_logits_as_floats_do_with_nan_on_top():
+    """rank_key (mirrored by the emulator) orders every float as < does, -0 with +0, NaN of either sign above +inf."""
+    values = np.array([-np.inf, -3e38, -1.0, -1e-45, -0.0, 0.0, 1e-45, 1.0, 3e38, np.inf], np.float32)
+    keys = produce_emulator.rank_keys(values)
+    assert (np.diff(keys.astype(np.int64)) > 0).sum() == len(values) - 2 and keys[4] == keys[5]
+    nan = produce_emulator.rank_keys(np.array([np.nan, -np.nan], np.float32))
+    assert (nan > keys[-1]).all()

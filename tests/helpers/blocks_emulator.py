@@ -186,7 +186,7 @@ def pull_blocks_visit(ring: RingView, s, p, src: int, slot: int, part: int, part
     return True
 
 
-def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred: Pointer, visit):
+def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred: Pointer | None, visit):
     """pull_emulator.consume_invocation with a visit that is a generator (its reservations may wait)."""
     d = ring.d
     next_seqs = [ring.load(ring.word("cursor", src), "cursor") for src in range(d.world_size)]
@@ -204,7 +204,7 @@ def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred
             eos = bool(meta.flags & META_EOS)
             if not (yield from visit(src, seq, slot)):
                 return False
-            if eos:
+            if deferred is not None and eos:
                 if ring.block == 0:
                     deferred.store_as(np.uint64, src, seq, "held")
             elif not pull_emulator.finish_chunk(ring, epoch, src, seq, counts, blocks):
@@ -215,7 +215,7 @@ def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred
     return True
 
 
-def moe_pull_blocks(ring: RingView, a, part: int, parts: int, seal_on_reserve: bool = False):
+def moe_pull_blocks(ring: RingView, a, part: int, parts: int, seal_on_reserve: bool = False, defer: bool = True):
     assert a.trace is None, "the timeline trace is not emulated"
     s = read_struct(a.stage, STRUCTS["StageDesc"], "StageDesc")
     p = read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc")
@@ -226,7 +226,7 @@ def moe_pull_blocks(ring: RingView, a, part: int, parts: int, seal_on_reserve: b
     def visit(src: int, seq: int, slot: int):
         return pull_blocks_visit(ring, s, p, src, slot, part, parts, next_base, seal_on_reserve)
 
-    held = Pointer(ring.memory, s.held, "held")
+    held = Pointer(ring.memory, s.held, "held") if defer else None  # held_acks (None: the kNoDeferredAck mutant)
     # A block whose walk failed (recorded) never arrives on kEnded.
     if (yield from consume_invocation(ring, ring.epoch(), a.arrivals, parts, held, visit)):
         end_of_streams(ring, PoolWords(ring.memory, p), parts)
@@ -235,6 +235,11 @@ def moe_pull_blocks(ring: RingView, a, part: int, parts: int, seal_on_reserve: b
 def moe_pull_blocks_sealing_on_reserve(ring: RingView, a, part: int, parts: int):
     """The kSealOnReserve mutant (protocol/mutants.cuh): a block's last reservation seals it, LAND never does."""
     yield from moe_pull_blocks(ring, a, part, parts, seal_on_reserve=True)
+
+
+def moe_pull_blocks_acking_every_chunk(ring: RingView, a, part: int, parts: int):
+    """The kNoDeferredAck mutant: each source's last chunk acknowledged by the pull too, not held."""
+    yield from moe_pull_blocks(ring, a, part, parts, defer=False)
 
 
 def moe_wave_claim(ring: RingView, a, part: int, parts: int):

@@ -32,9 +32,10 @@ from chunkring.moe.experts import GROUP_ALIGN
 from chunkring.moe.resources import PULL_BLOCK
 from chunkring.moe.stage import Stage
 from chunkring.ring.io import publish_chunk
+from chunkring.ring.status import ErrorCode, Site
 from tests.helpers import blocks_emulator, decode_emulator
 from tests.helpers.blocks_emulator import NO_ROW, WaveStreamLibrary
-from tests.helpers.kernel_emulation import EmptyTracker, Memory
+from tests.helpers.kernel_emulation import EmptyTracker, EmulatedMemoryError, Memory
 from tests.helpers.plan_layout import (
     combine_buffers,
     expert_compute,
@@ -250,3 +251,27 @@ def test_one_rank_lands_every_choice_in_a_block_the_waves_claim_once(monkeypatch
     assert "kWaitBlocks" in sites, "a claim waited for the pull"
     first, _ = [(ids, sealed_all) for _, ids, sealed_all in w.claimed]
     assert len(first[0]) == 2 and first[1] == 0, "the first wave claimed full blocks while the pull ran on"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_blocks_sealed_at_their_last_reservation_are_caught(monkeypatch, seed):
+    """kSealOnReserve: a full block sealed when its last row is reserved, before its rows land. A wave claims it
+    with rows in flight: the claim records INTERNAL at BLOCKS (count, landed), the gather reads a row never
+    stored."""
+    w = World(monkeypatch, 1, seed, mutants={"moe_pull_blocks": blocks_emulator.moe_pull_blocks_sealing_on_reserve})
+    with pytest.raises(EmulatedMemoryError, match="uninitialised bytes of PE 0 pool"):
+        w.call([N])
+    got = w.rings[0].status()
+    assert (got.code, got.site, got.expected) == (ErrorCode.INTERNAL, Site.BLOCKS, GROUP_ALIGN)
+    assert got.observed < GROUP_ALIGN
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_pull_that_acknowledges_last_chunks_lets_the_drain_return_before_the_combine(monkeypatch, seed):
+    """kNoDeferredAck: the pull acknowledges each source's last chunk at once, so the producer's drain returns
+    and its reduction over k runs before the waves' combine rows land."""
+    w = World(monkeypatch, 1, seed, mutants={"moe_pull_blocks": blocks_emulator.moe_pull_blocks_acking_every_chunk})
+    batches = w.call([N])
+    assert w.rings[0].status().ok
+    with pytest.raises(AssertionError, match="complete at drain"):
+        check_layer(w, batches, [N])

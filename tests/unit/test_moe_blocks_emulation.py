@@ -99,11 +99,12 @@ class World:
 
     def batch(self, n: int):
         """x (e4m3), sf, idx (some -1, some out of range: masked), w of one source's n rows."""
-        x, sf = quantise_rows(torch.randn(n, H, generator=self.gen))
+        x, sf = (t[:n] for t in quantise_rows(torch.randn(max(n, 1), H, generator=self.gen)))
         # Per rank, its first expert about half the choices, its second 40% (full blocks sealed early), 10% -1.
         odds = torch.tensor([0.1 * self.W] + [0.5, 0.4] * self.W)
-        idx = torch.multinomial(odds, n * K, replacement=True, generator=self.gen).view(n, K).int() - 1
-        idx[:3] = torch.tensor([[EL * self.W + 1, 0], [-7, -1], [1, 1]][:n], dtype=torch.int32)
+        idx = torch.multinomial(odds, max(n, 1) * K, replacement=True, generator=self.gen)[:n * K].view(n, K).int() - 1
+        if n >= 3:  # an id past the experts and one below -1 (masked, counted), one row choosing expert 1 twice
+            idx[:3] = torch.tensor([[EL * self.W + 1, 0], [-7, -1], [1, 1]], dtype=torch.int32)
         return x, sf, idx, torch.rand(n, K, generator=self.gen) + 0.5
 
     def call(self, sizes: list[int]) -> list:
@@ -275,3 +276,13 @@ def test_a_pull_that_acknowledges_last_chunks_lets_the_drain_return_before_the_c
     assert w.rings[0].status().ok
     with pytest.raises(AssertionError, match="complete at drain"):
         check_layer(w, batches, [N])
+
+
+@pytest.mark.parametrize(("seed", "sizes"), [(0, [N, 100]), (1, [N, 100]), (2, [0, 130])])
+def test_two_ranks_pull_each_other_into_blocks_and_drain_complete(monkeypatch, seed, sizes):
+    """World size 2, every peer DIRECT: each rank's blocks hold both sources' choices of its experts, its waves
+    push to both sources' combine buffers, and each producer's drain returns only after both consumers' held
+    acks (an empty source sends one empty chunk)."""
+    w = World(monkeypatch, 2, seed)
+    batches = w.call(sizes)
+    check_call(w, batches, sizes)

@@ -11,8 +11,9 @@ producer stream, moe_pull_blocks on the pull stream, everything else (claim, gat
 moe_ack_held, moe_drain) on the stream :attr:`WaveStreamLibrary.stream` names when it is launched (the layer's
 consumer or producer stream). Kernels that never wait (the gather, the decode emulator's) run as one step.
 
-Interleaving: besides their waits, a pull block yields after each LAND and the claim after each pool id it looks at,
-so the claim scans while rows land and blocks seal (the real concurrency of the waves path). Lanes and warps of one
+Interleaving: besides their waits, a pull block yields between a block's RESERVE of row 0 and its ALLOCATE (so other
+blocks' reservations of that block WAIT) and after each LAND, and the claim after each pool id it looks at, so the
+claim scans while rows land and blocks seal (the real concurrency of the waves path). Lanes and warps of one
 block run in sequence: a block's rows in order, each row's choices in k order (lane 0's own order on the GPU).
 Where it cannot be faithful: memory ordering (the fences and acquire/release pairs are plain accesses here), the
 timeline trace, RMA peers, timeouts."""

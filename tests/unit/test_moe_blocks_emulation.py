@@ -6,12 +6,15 @@ each rank's ``moe_pull_blocks`` lands every local (token, k) choice in a block o
 ring_emulator.py, pull_emulator.py, wave_emulator.py, decode_emulator.py). The launches are the layer's: the pull by
 ``launch`` with exactly the keyword arguments ``schedule._pull_into_blocks_and_waves`` passes (desc, arrivals,
 stage, pool_desc, grid, block=PULL_BLOCK, stream, no trace), the waves by ``ExpertCompute.wave`` on the consumer
-stream, moe_ack_held after them, the drain and the reduction (``schedule._drain_and_reduce``'s torch.sum) on the
-producer stream after the publishes. The scheduler interleaves publishes, pull blocks (at their waits and after
-each LAND) and the claim (at its wait and between pool ids), by seed.
+stream, moe_ack_held after them, the drain and the reduction over k (``schedule._drain_and_reduce``'s sum, in fp32
+here) on the producer stream after the publishes (not after the consumer's stream: the drain's own wait is the edge).
+The scheduler interleaves publishes, pull blocks (at their waits, between RESERVE and ALLOCATE, after each LAND)
+and the claim (at its wait and between pool ids), by seed.
 
-What it pins, per rank and seed: every local choice in exactly one pool row of a block of its expert, with its
-payload, scales, source, token, k and weight; every other choice NO_ROW; every allocated block sealed once with
+World size 1 (4 chunks through a 2-slot ring inside the call; ~256 and ~205 choices of the two local experts, so full
+blocks seal at their last LAND and the first wave claims them while the pull runs on) and 2 (every peer DIRECT, one
+source empty). What it pins, per rank and seed: every local choice in exactly one pool row of a block of its expert,
+with its payload, scales, source, token, k and weight; every other choice NO_ROW; every allocated block sealed once with
 its row count (landed = count, kSealed = pool_next) and claimed once over the waves; the gathered plans' rows
 together exactly the local choices; sealed_all and kEnded = the grid; no error recorded; the combine rows every
 local choice's, once, against float64; the reduction read after the drain equal to the complete one. Deliberate
@@ -249,7 +252,7 @@ def test_one_rank_lands_every_choice_in_a_block_the_waves_claim_once(monkeypatch
     batches = w.call(sizes)
     check_call(w, batches, sizes)
     sites = " ".join(w.streams.waits_seen)
-    assert "kWaitBlocks" in sites, "a claim waited for the pull"
+    assert "kWaitBlocks" in sites and "kWaitAllocation" in sites, "a claim waited for the pull, a lane for ALLOCATE"
     first, _ = [(ids, sealed_all) for _, ids, sealed_all in w.claimed]
     assert len(first[0]) == 2 and first[1] == 0, "the first wave claimed full blocks while the pull ran on"
 

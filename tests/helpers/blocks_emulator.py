@@ -1,0 +1,358 @@
+"""The pull into incremental expert blocks and the waves beside it, run on the CPU as written (tests/unit/
+test_moe_blocks_emulation.py drives them): moe_pull_blocks of device/kernels/moe_stream.cu with moe/blocks.cuh's
+reserve_row (RESERVE, ALLOCATE or WAIT), land_row (LAND, SEAL A FULL BLOCK) and end_of_streams (the finisher's
+partial seals), on tests/helpers/ring_emulator.py's heap and streams and pull_emulator.py's consumer walk
+(consume_invocation, checks, held acks); moe_wave_claim as a coroutine whose wait yields to the pull; and moe_drain
+(ring.cuh drain: wait_acked of every chunk still possibly unacknowledged). The StageDesc and PoolDesc are read word
+by word in layout/moe_desc.cuh's order.
+
+:class:`WaveStreamLibrary` puts each launch on the stream the layer puts it: the publish kernels on their ring's
+producer stream, moe_pull_blocks on the pull stream, everything else (claim, gather, decode GEMMs, combine push,
+moe_ack_held, moe_drain) on the stream :attr:`WaveStreamLibrary.stream` names when it is launched (the layer's
+consumer or producer stream). Kernels that never wait (the gather, the decode emulator's) run as one step.
+
+Interleaving: besides their waits, a pull block yields between a block's RESERVE of row 0 and its ALLOCATE (so other
+blocks' reservations of that block WAIT) and after each LAND, and the claim after each pool id it looks at, so the
+claim scans while rows land and blocks seal (the real concurrency of the waves path). Lanes and warps of one
+block run in sequence: a block's rows in order, each row's choices in k order (lane 0's own order on the GPU).
+Where it cannot be faithful: memory ordering (the fences and acquire/release pairs are plain accesses here), the
+timeline trace, RMA peers, timeouts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.helpers import pull_emulator, wave_emulator
+from tests.helpers.kernel_emulation import Pointer, read_struct
+from tests.helpers.plan_emulator import STRUCTS
+from tests.helpers.ring_emulator import META_EOS, RingView, StreamLibrary
+from tests.helpers.wave_emulator import CLAIMED_BIT, COUNT_MASK, SEALED_BIT, PoolWords, sealed_unclaimed
+
+__all__ = ["NO_ROW", "WaveStreamLibrary", "kernels"]
+
+NO_ROW = 2**32 - 1  # blocks::kNoRow
+FIELD_EXPERTS = 7  # descriptors.cuh kFieldExperts
+
+
+def preempt(ring: RingView):
+    """A point where other blocks may run: progress made, so not a wait."""
+    ring.streams.progress += 1
+    yield f"PE {ring.d.my_pe} block {ring.block} runs on"
+
+
+def check_pool(ring: RingView, s, p) -> bool:
+    """moe::check_pool with the stage: the wave's checks, then the experts against the stage's range."""
+    if not ring.rank.check_pool(p):
+        return False
+    if s.expert_hi - s.expert_lo != p.experts:
+        ring.record_error("kInternal", "kDescriptor", 0, FIELD_EXPERTS, s.expert_hi - s.expert_lo, p.experts)
+        return False
+    return True
+
+
+def reserve_row(ring: RingView, pool: PoolWords, e: int, seal_on_reserve: bool = False):
+    """blocks::reserve_row (generator): the pool row, or NO_ROW after an overflow or a failed wait."""
+    L = pool.layout
+    r = pool.atomic_add(L.reserve(e), 1, "reserve")
+    j, offset = divmod(r, L.block_m)
+    if j >= L.blocks_per_expert:
+        ring.record_error("kInternal", "kBlocks", e, j, L.blocks_per_expert, r)
+        return NO_ROW
+    if offset == 0:
+        yield from preempt(ring)  # other lanes may reserve the block's later rows before it is allocated
+        i = pool.atomic_add(L.counter("kPoolNext"), 1, "pool_next")
+        if i >= L.blocks:
+            ring.record_error("kInternal", "kBlocks", e, i, L.blocks, i)
+            return NO_ROW
+        pool.store(L.expert_of(i), e, "expert_of")  # the label before the id is published
+        pool.store(L.block_of(e, j), i + 1, "block_of")
+    else:
+        def poll():
+            published = pool.load(L.block_of(e, j), "block_of")
+            return int(published != 0), published
+
+        if not (yield from ring.spin_until("kWaitAllocation", ring.d.my_pe, e, 1, poll)):
+            return NO_ROW
+        i = (pool.load(L.block_of(e, j), "block_of") - 1) % 2**32
+        if i >= L.blocks:
+            return NO_ROW
+    if seal_on_reserve and offset == L.block_m - 1:  # the kSealOnReserve mutant
+        pool.store(L.state(i), SEALED_BIT | L.block_m, "state")
+        pool.atomic_add(L.counter("kSealed"), 1, "sealed")
+    return i * L.block_m + offset
+
+
+def land_row(pool: PoolWords, row: int, seal_on_reserve: bool = False) -> None:
+    """blocks::land_row: LAND, and SEAL the block if this row completed it."""
+    L = pool.layout
+    i = row // L.block_m
+    old = pool.atomic_add(L.landed(i), 1, "landed")
+    if not seal_on_reserve and old + 1 == L.block_m:
+        pool.store(L.state(i), SEALED_BIT | L.block_m, "state")
+        pool.atomic_add(L.counter("kSealed"), 1, "sealed")
+
+
+def end_of_streams(ring: RingView, pool: PoolWords, parts: int) -> None:
+    """blocks::end_of_streams (thread 0): arrive on kEnded; the last block seals every partial block."""
+    L = pool.layout
+    if pool.atomic_add(L.counter("kEnded"), 1, "ended") + 1 != parts:
+        return
+    for e in range(L.experts):
+        c = min(pool.load(L.reserve(e), "reserve"), L.blocks_per_expert * L.block_m)
+        n = c % L.block_m
+        if n == 0:
+            continue
+        i = (pool.load(L.block_of(e, c // L.block_m), "block_of") - 1) % 2**32
+        if i >= L.blocks:
+            continue
+        landed = pool.load(L.landed(i), "landed")
+        if landed != n:
+            ring.record_error("kInternal", "kBlocks", e, i, n, landed)
+        pool.store(L.state(i), SEALED_BIT | n, "state")
+        pool.atomic_add(L.counter("kSealed"), 1, "sealed")
+    pool.store(L.counter("kSealedAll"), 1, "sealed_all")
+
+
+def chunk_rows(ring: RingView, s, src: int, slot: int, next_base: list[int]):
+    """chunk_meta, checked_chunk_rows, checked_chunk_order: (token_base, rows), or None (unreachable)."""
+    d, N = ring.d, s.token_capacity
+    meta = ring.chunk_meta(src, slot)
+    if meta is None:
+        return None
+    base, n = meta.token_base, meta.num_tokens
+    if n > d.tokens_per_slot or base > N or n > N - base:  # the grid's first thread reports
+        if ring.block == 0:
+            field, value = ("kNumTokens", n) if n > d.tokens_per_slot else ("kTokenBase", base)
+            ring.report_input(field, src, slot, 0, 0, value)
+        n = 0
+    if n and base < next_base[src]:
+        if ring.block == 0:
+            ring.report_input("kTokenBase", src, slot, 0, next_base[src], base)
+        n = 0
+    return base, n
+
+
+def pull_blocks_visit(ring: RingView, s, p, src: int, slot: int, part: int, parts: int, next_base: list[int],
+                      seal_on_reserve: bool):
+    """moe_pull_blocks' visit for block ``part`` of ``parts`` (generator: reservations may wait)."""
+    got = chunk_rows(ring, s, src, slot, next_base)
+    if got is None:
+        return False
+    (base, n), d, K, N = got, ring.d, ring.d.topk, s.token_capacity
+    lo, hi = n * part // parts, n * (part + 1) // parts
+    first_row = src * N + (base if n else 0)
+    idx = Pointer(ring.memory, s.idx + 4 * first_row * K, "stage idx")
+    at = Pointer(ring.memory, p.pos + 4 * first_row * K, "pool pos")
+    ring.fetch(idx.address + 4 * lo * K, ring.part("topk_idx", slot) + 4 * lo * K, 4 * (hi - lo) * K, src, "idx")
+    ring.fetch(s.w + 4 * (first_row + lo) * K, ring.part("topk_weights", slot) + 4 * lo * K, 4 * (hi - lo) * K,
+               src, "w")
+    for i in range(lo * K, hi * K):  # checked_expert, in place
+        e = int(idx.load_as(np.int32, i, "stage idx"))
+        if not -1 <= e < d.num_experts:
+            ring.report_input("kTopkIdx", src, slot, i // K, i % K, e)
+            e = -1
+        idx.store_as(np.int32, i, e, "stage idx", again=True)
+    if n:
+        next_base[src] = base + n
+    pool, row_bytes, sf = PoolWords(ring.memory, p), d.x_row_bytes, d.x_sf_row_floats
+    for row in range(lo, hi):  # pass 1: lane 0 reserves in k order, the warp fetches
+        for k in range(K):
+            e = int(idx.load_as(np.int32, row * K + k, "stage idx"))
+            local = s.expert_lo <= e < s.expert_hi
+            q = (yield from reserve_row(ring, pool, e - s.expert_lo, seal_on_reserve)) if local else NO_ROW
+            at.store_as(np.uint32, row * K + k, q, "pos")
+        for k in range(K):
+            q = int(at.load_as(np.uint32, row * K + k, "pos"))
+            if q != NO_ROW:
+                ring.fetch(p.x + q * row_bytes, ring.part("x", slot) + row * row_bytes, row_bytes, src, "x")
+                ring.fetch(p.sf + 4 * q * sf, ring.part("x_sf", slot) + 4 * row * sf, 4 * sf, src, "sf")
+    for row in range(lo, hi):  # pass 2: scales checked in place, src / token / k / weight stored, then LAND
+        for k in range(K):
+            q = int(at.load_as(np.uint32, row * K + k, "pos"))
+            if q == NO_ROW:
+                continue
+            scales = Pointer(ring.memory, p.sf + 4 * q * sf, "pool sf")
+            for i in range(sf):
+                value = scales.load_as(np.float32, i, "pool sf")
+                if not np.isfinite(value):
+                    ring.report_input("kXSf", src, slot, row, i, int(np.float32(value).view(np.uint32)))
+                    value = np.float32(0)
+                scales.store_as(np.float32, i, value, "pool sf", again=True)
+            weight = Pointer(ring.memory, s.w, "stage w").load_as(np.float32, (first_row + row) * K + k, "stage w")
+            for field, dtype, value in (("src", np.int32, src), ("token", np.int32, base + row),
+                                        ("k", np.int32, k), ("weight", np.float32, weight)):
+                Pointer(ring.memory, getattr(p, field), f"pool {field}").store_as(dtype, q, value, f"pool {field}")
+            land_row(pool, q, seal_on_reserve)
+            yield from preempt(ring)
+    return True
+
+
+def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred: Pointer | None, visit):
+    """pull_emulator.consume_invocation with a visit that is a generator (its reservations may wait)."""
+    d = ring.d
+    next_seqs = [ring.load(ring.word("cursor", src), "cursor") for src in range(d.world_size)]
+    active = set(range(d.world_size))
+    while active:
+        for src in sorted(active):
+            seq = next_seqs[src]
+            slot = seq % d.num_slots
+            if not (yield from pull_emulator.wait_chunk(ring, epoch, src, seq)):
+                return False
+            meta = ring.fetch_meta(src, slot)
+            if meta is None:
+                ring.record_error("kPeerUnreachable", "kPayload", src, slot, 0, 0)
+                return False
+            eos = bool(meta.flags & META_EOS)
+            if not (yield from visit(src, seq, slot)):
+                return False
+            if deferred is not None and eos:
+                if ring.block == 0:
+                    deferred.store_as(np.uint64, src, seq, "held")
+            elif not pull_emulator.finish_chunk(ring, epoch, src, seq, counts, blocks):
+                return False
+            next_seqs[src] = seq + 1
+            if eos:
+                active.discard(src)
+    return True
+
+
+def moe_pull_blocks(ring: RingView, a, part: int, parts: int, seal_on_reserve: bool = False, defer: bool = True):
+    assert a.trace is None, "the timeline trace is not emulated"
+    s = read_struct(a.stage, STRUCTS["StageDesc"], "StageDesc")
+    p = read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc")
+    if not ring.rank.check_descriptor() or not pull_emulator.check_stage(ring, s) or not check_pool(ring, s, p):
+        return
+    next_base = [0] * ring.d.world_size  # __shared__, one per block: every block masks the same chunks
+
+    def visit(src: int, seq: int, slot: int):
+        return pull_blocks_visit(ring, s, p, src, slot, part, parts, next_base, seal_on_reserve)
+
+    held = Pointer(ring.memory, s.held, "held") if defer else None  # held_acks (None: the kNoDeferredAck mutant)
+    # A block whose walk failed (recorded) never arrives on kEnded.
+    if (yield from consume_invocation(ring, ring.epoch(), a.arrivals, parts, held, visit)):
+        end_of_streams(ring, PoolWords(ring.memory, p), parts)
+
+
+def moe_pull_blocks_sealing_on_reserve(ring: RingView, a, part: int, parts: int):
+    """The kSealOnReserve mutant (protocol/mutants.cuh): a block's last reservation seals it, LAND never does."""
+    yield from moe_pull_blocks(ring, a, part, parts, seal_on_reserve=True)
+
+
+def moe_pull_blocks_acking_every_chunk(ring: RingView, a, part: int, parts: int):
+    """The kNoDeferredAck mutant: each source's last chunk acknowledged by the pull too, not held."""
+    yield from moe_pull_blocks(ring, a, part, parts, defer=False)
+
+
+def moe_wave_claim(ring: RingView, a, part: int, parts: int):
+    """wave_emulator.moe_wave_claim with its wait yielding to the pull, and the pull running while it scans."""
+    rank = ring.rank
+    if not rank.check_descriptor():
+        return
+    p = read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc")
+    if not rank.check_pool(p):
+        return
+    pool = PoolWords(ring.memory, p)
+    L = pool.layout
+    claimed = pool.load(L.counter("kClaimed"), "claimed")  # thread 0
+    want, last = (1 if a.last else a.min_blocks % 2**32), bool(a.last)
+
+    def poll():
+        if pool.load(L.counter("kSealedAll"), "sealed_all") != 0:
+            return 1, 0
+        if last:
+            return 0, 0
+        observed = sealed_unclaimed(pool.load(L.counter("kSealed"), "sealed"), claimed)
+        return (1 if observed >= want else 0), observed
+
+    ready = yield from ring.spin_until("kWaitBlocks", ring.d.my_pe, 0, want, poll)
+    allocated = min(pool.load(L.counter("kPoolNext"), "pool_next"), L.blocks)
+    pool.store(L.counter("kWaveCount"), 0, "wave_count")
+    claimed_here = 0
+    if not ready:
+        return
+    for i in ring.streams.rng.permutation(allocated).tolist():  # id = threadIdx.x; id += blockDim.x
+        yield from preempt(ring)
+        state = pool.load(L.state(i), "state")
+        if not state & SEALED_BIT or state & CLAIMED_BIT:
+            continue
+        n = state & COUNT_MASK
+        if pool.cas(L.state(i), state, CLAIMED_BIT | n, "state") != state:
+            continue
+        landed = pool.load(L.landed(i), "landed")
+        if landed != n:
+            rank.record_error("kInternal", "kBlocks", rank.d.my_pe, i, n, landed)
+        pool.store(L.wave_ids() + pool.atomic_add(L.counter("kWaveCount"), 1, "wave_count"), i, "wave_ids")
+        a.counts.atomic_add_as(np.uint32, pool.load(L.expert_of(i), "expert_of"), n, "counts")
+        claimed_here += 1
+    claimed = pool.load(L.counter("kClaimed"), "claimed") + claimed_here  # __syncthreads(); thread 0
+    pool.store(L.counter("kClaimed"), claimed, "claimed")
+    if last and claimed != allocated:
+        rank.record_error("kInternal", "kBlocks", rank.d.my_pe, 0, allocated, claimed)
+
+
+def moe_drain(ring: RingView, a, part: int, parts: int):
+    """ring.cuh drain (thread 0): wait_acked of every chunk of the last num_slots this rank published."""
+    if not ring.rank.check_descriptor():
+        return
+    epoch, nxt = ring.epoch(), pull_emulator.next_seq(ring)
+    for seq in range(max(nxt - ring.d.num_slots, 0), nxt):
+        if not (yield from pull_emulator.wait_acked(ring, epoch, seq)):
+            return
+
+
+class WaveStreamLibrary(StreamLibrary):
+    """A StreamLibrary with the layer's streams: publishes on ("publish", desc), moe_pull_blocks on ("pull", desc),
+    any other launch on :attr:`stream` (set by the caller, as the layer's ``torch.cuda.stream`` blocks do). A
+    kernel of ``plain`` (``fn(memory, grid, block, shared_bytes, args)``, which never waits) runs as one step."""
+
+    SOURCES = ("ring_host_api.cu", "moe_stream.cu", "moe_experts.cu", "moe_decode.cu")
+
+    def __init__(self, memory, coroutines: dict, plain: dict, streams) -> None:
+        super().__init__(memory, coroutines, streams, self.SOURCES)
+        self.plain, self.stream = plain, "consumer"
+
+    def launch(self, name, /, *, grid=1, block, stream=None, shared_bytes=0, **args) -> None:
+        if name not in self.plain:
+            if name.startswith("ring_publish") or name == "moe_pull_blocks":
+                return super().launch(name, grid=grid, block=block, stream=stream, shared_bytes=shared_bytes,
+                                      **args)
+            return self.enqueue(name, grid, block, args, self.kernels[name](self.memory, int(grid), int(block),
+                                                                            self.arguments(name, args)))
+        values = self.arguments(name, args)
+        kernel = self.plain[name]
+
+        def once():
+            kernel(self.memory, int(grid), int(block), int(shared_bytes), values)
+            yield from ()
+
+        self.enqueue(name, grid, block, args, [once()])
+
+    def enqueue(self, name, grid, block, args, blocks) -> None:
+        self.launches.append((name, grid, block, args))
+        self.streams.enqueue(self.stream, blocks)
+
+
+def kernels(heap, streams, mutants: dict | None = None) -> dict:
+    """The coroutine kernels by name (pull_emulator's publishes and moe_ack_held, and this module's), each launch's
+    blocks with their own RingView; ``mutants`` replace some by name."""
+    table = {**pull_emulator.KERNELS, "moe_pull_blocks": moe_pull_blocks, "moe_wave_claim": moe_wave_claim,
+             "moe_drain": moe_drain, **(mutants or {})}
+
+    def launcher(kernel):
+        return lambda memory, grid, block, a: [kernel(RingView(memory, heap, streams, a.desc, b), a, b, grid)
+                                               for b in range(grid)]
+
+    return {name: launcher(kernel) for name, kernel in table.items()}
+
+
+def plain_kernels(order_seed: int, decode: dict, claimed: list) -> dict:
+    """The kernels that never wait: the wave's gather, and ``decode`` (decode_emulator.kernels). Each gather first
+    appends (its PoolDesc's words address, the pool ids its wave claimed, sealed_all then) to ``claimed``."""
+    def gather(memory, grid, block, shared_bytes, a):
+        pool = PoolWords(memory, read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc"))
+        count, at = pool.load(pool.layout.counter("kWaveCount"), "wave_count"), pool.layout.wave_ids()
+        claimed.append((pool.words.address, [pool.load(at + i, "wave_ids") for i in range(count)],
+                        pool.load(pool.layout.counter("kSealedAll"), "sealed_all")))
+        wave_emulator.moe_wave_gather(memory, grid, block, shared_bytes, a, order_seed=order_seed)
+
+    return {"moe_wave_gather": gather, **decode}

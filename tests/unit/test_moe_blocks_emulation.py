@@ -2,8 +2,8 @@
 ``chunkring.ring.io.publish_chunk`` (real Rings over the stand-in runtime, one symmetric heap, every peer DIRECT),
 each rank's ``moe_pull_blocks`` lands every local (token, k) choice in a block of its expert while two waves
 (``ExpertCompute.wave``: moe_wave_claim, moe_wave_gather, the decode GEMMs, the combine push) run beside it, then
-``moe_ack_held``, ``moe_drain`` and the host's reduction over k - all as written (tests/helpers/blocks_emulator.py on
-ring_emulator.py, pull_emulator.py, wave_emulator.py, decode_emulator.py). The launches are the layer's: the pull by
+``moe_ack_held``, ``moe_drain`` and the host's reduction over k - all as written (tests/helpers/emulation/blocks.py on
+ring.py, pull.py, waves.py, decode.py). The launches are the layer's: the pull by
 ``launch`` with exactly the keyword arguments ``schedule._pull_into_blocks_and_waves`` passes (desc, arrivals,
 stage, pool_desc, grid, block=PULL_BLOCK, stream, no trace), the waves by ``ExpertCompute.wave`` on the consumer
 stream, moe_ack_held after them, the drain and the reduction over k (``schedule._drain_and_reduce``'s sum, in fp32
@@ -36,10 +36,11 @@ from chunkring.moe.resources import PULL_BLOCK
 from chunkring.moe.stage import Stage
 from chunkring.ring.io import publish_chunk
 from chunkring.ring.status import ErrorCode, Site
-from tests.helpers import blocks_emulator, decode_emulator
-from tests.helpers.blocks_emulator import NO_ROW, WaveStreamLibrary
-from tests.helpers.kernel_emulation import EmptyTracker, EmulatedMemoryError, Memory
-from tests.helpers.plan_layout import (
+from tests.helpers.emulation import blocks as blocks_emu
+from tests.helpers.emulation import decode as decode_emu
+from tests.helpers.emulation.blocks import NO_ROW, WaveStreamLibrary
+from tests.helpers.emulation.machine import EmptyTracker, EmulatedMemoryError, Memory
+from tests.helpers.emulation.plan_layout import (
     combine_buffers,
     expert_compute,
     layer_rows,
@@ -47,8 +48,8 @@ from tests.helpers.plan_layout import (
     quantise_rows,
     relative_errors,
 )
-from tests.helpers.ring_emulator import HeapRuntime, Streams, SymmetricHeap
-from tests.helpers.wave_emulator import CLAIMED_BIT, PoolLayout
+from tests.helpers.emulation.ring import HeapRuntime, Streams, SymmetricHeap
+from tests.helpers.emulation.waves import CLAIMED_BIT, PoolLayout
 
 EL, K, H, INTER, N, T, S, GRID = 2, 2, 256, 128, 256, 64, 2, 2  # local experts, ..., slots, pull blocks
 
@@ -61,8 +62,8 @@ class World:
         tracker = EmptyTracker(monkeypatch)  # before any buffer: torch.empty memory holds nothing readable
         self.streams, self.claimed = Streams(self.memory, seed), []
         self.library = WaveStreamLibrary(
-            self.memory, blocks_emulator.kernels(heap, self.streams, mutants),
-            blocks_emulator.plain_kernels(seed, decode_emulator.kernels([]), self.claimed), self.streams)
+            self.memory, blocks_emu.kernels(heap, self.streams, mutants),
+            blocks_emu.plain_kernels(seed, decode_emu.kernels([]), self.claimed), self.streams)
         self.library.initialised = tracker.initialised
         monkeypatch.setattr(chunkring.ring.io, "kernel_library", lambda runtime: self.library)
         self.config = MoEConfig(num_experts=EL * world, hidden=H, intermediate=INTER, topk=K, max_tokens_per_rank=N,
@@ -262,7 +263,7 @@ def test_blocks_sealed_at_their_last_reservation_are_caught(monkeypatch, seed):
     """kSealOnReserve: a full block sealed when its last row is reserved, before its rows land. A wave claims it
     with rows in flight: the claim records INTERNAL at BLOCKS (count, landed), the gather reads a row never
     stored."""
-    w = World(monkeypatch, 1, seed, mutants={"moe_pull_blocks": blocks_emulator.moe_pull_blocks_sealing_on_reserve})
+    w = World(monkeypatch, 1, seed, mutants={"moe_pull_blocks": blocks_emu.moe_pull_blocks_sealing_on_reserve})
     with pytest.raises(EmulatedMemoryError, match="uninitialised bytes of PE 0 pool"):
         w.call([N])
     got = w.rings[0].status()
@@ -274,7 +275,7 @@ def test_blocks_sealed_at_their_last_reservation_are_caught(monkeypatch, seed):
 def test_a_pull_that_acknowledges_last_chunks_lets_the_drain_return_before_the_combine(monkeypatch, seed):
     """kNoDeferredAck: the pull acknowledges each source's last chunk at once, so the producer's drain returns
     and its reduction over k runs before the waves' combine rows land."""
-    w = World(monkeypatch, 1, seed, mutants={"moe_pull_blocks": blocks_emulator.moe_pull_blocks_acking_every_chunk})
+    w = World(monkeypatch, 1, seed, mutants={"moe_pull_blocks": blocks_emu.moe_pull_blocks_acking_every_chunk})
     batches = w.call([N])
     assert w.rings[0].status().ok
     with pytest.raises(AssertionError, match="complete at drain"):

@@ -1,5 +1,5 @@
 """The decode path's two kernels (device/kernels/moe_decode.cu on chunkring/moe/decode_gemm.cuh), run whole on the
-CPU as written (tests/helpers/decode_emulator.py: every block of the launch grid, every thread, the PTX fragment
+CPU as written (tests/helpers/emulation/decode.py: every block of the launch grid, every thread, the PTX fragment
 tables of mma.m16n8k32, fp32 accumulation with the per-k-block scale promotion, bf16 and e4m3 rounding where the
 kernels round) and launched by the host's own code - ExpertCompute.experts -> DecodeGemm, then
 ExpertCompute.combine_push -> moe_combine_push - on plans in the real layout (groups padded to 128 rows,
@@ -33,8 +33,8 @@ from chunkring.moe.decode import DecodeGemm
 from chunkring.moe.experts import GROUP_ALIGN, DevicePlan, ExpertCompute
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.plan import padded_rows_bound, plan_batch
-from tests.helpers import decode_emulator
-from tests.helpers.kernel_emulation import E4M3_VALUES, EmulatedLibrary, EmulatedMemoryError, Memory, round_bf16
+from tests.helpers.emulation import decode as decode_emu
+from tests.helpers.emulation.machine import E4M3_VALUES, EmulatedLibrary, EmulatedMemoryError, Memory, round_bf16
 
 U32 = 2.0**-24  # fp32's unit roundoff
 
@@ -149,7 +149,7 @@ def run(case: Case, monkeypatch, *, corrupt=None):
     if corrupt is not None:
         corrupt(plan)
     memory, trace = Memory(), []
-    library = EmulatedLibrary(memory, decode_emulator.kernels(trace))
+    library = EmulatedLibrary(memory, decode_emu.kernels(trace))
     register(memory, plan, real, w13, w2)
     combine = [torch.full((tokens * case.topk, case.hidden), float("nan"), dtype=torch.bfloat16)
                for _ in range(case.sources)]

@@ -1,5 +1,5 @@
 """The batch plan's kernels (moe_plan_count, moe_plan_scatter of device/kernels/moe_experts.cu) run whole on the CPU as
-written (tests/helpers/plan_emulator.py: every block and warp of the launch grid, warps reaching their atomics in a
+written (tests/helpers/emulation/plan.py: every block and warp of the launch grid, warps reaching their atomics in a
 shuffled order, the stage read through its StageDesc words - field order from layout/moe_desc.cuh, version and size
 checked, each address resolved where it is dereferenced), launched by the host's own ExpertCompute.plan on a real
 Stage (Stage.allocate) filled as moe_pull leaves it: each source's routing (global expert ids, -1 masked) and weights
@@ -14,7 +14,7 @@ each group at the padded prefix sum (GROUP_ALIGN = 128 rows a group), group_end 
 written - no padding row, no stage byte; the cursors end at the counts. FP8 and bf16 payloads, 1-3 sources sending
 fewer rows than N, experts with no rows, groups of more than 128 rows, other ranks' experts, expert_lo > 0, and more
 choices than the grid's threads (the grid-stride loops). Then the chain stage -> plan -> the decode kernels ->
-combine push (tests/helpers/decode_emulator.py), against a float64 reference of the whole layer at this rank.
+combine push (tests/helpers/emulation/decode.py), against a float64 reference of the whole layer at this rank.
 
 What only a GPU shows: the hardware's atomics and warp votes, memory ordering between the pull and the plan, speed
 (tests/gpu/test_moe_experts.py and the layer's GPU tests)."""
@@ -30,9 +30,10 @@ import torch
 
 from chunkring import MoEConfig, PayloadFormat
 from chunkring.moe.stage import Stage
-from tests.helpers import decode_emulator, plan_emulator
-from tests.helpers.kernel_emulation import EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
-from tests.helpers.plan_layout import (
+from tests.helpers.emulation import decode as decode_emu
+from tests.helpers.emulation import plan as plan_emu
+from tests.helpers.emulation.machine import EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
+from tests.helpers.emulation.plan_layout import (
     check_layout,
     check_written,
     combine_buffers,
@@ -140,7 +141,7 @@ def run(case: Case, monkeypatch, *, seed: int = 0, corrupt=None, extra_kernels=N
     before = {name: getattr(stage, name).clone() for name in ("desc", "x", "sf", "idx", "w", "held")}
     memory = Memory()
     register_stage(memory, stage, fetched)
-    library = EmulatedLibrary(memory, {**plan_emulator.kernels(order_seed=seed), **(extra_kernels or {})},
+    library = EmulatedLibrary(memory, {**plan_emu.kernels(order_seed=seed), **(extra_kernels or {})},
                               initialised=EmptyTracker(monkeypatch).initialised)
     compute = expert_compute(config, case.sources, case.rank, case.experts, library, monkeypatch)
     plan = compute.plan(stage)
@@ -196,7 +197,7 @@ def test_the_kernels_read_the_stage_through_its_descriptor(monkeypatch):
     unchanged, so the host's check passes) plans the last expert's 30 choices nowhere; another layout version
     traps."""
     def lower(stage):
-        stage.desc[plan_emulator.STRUCTS["StageDesc"].index("expert_hi")] -= 1
+        stage.desc[plan_emu.STRUCTS["StageDesc"].index("expert_hi")] -= 1
 
     r = run(CASES[0], monkeypatch, corrupt=lower)
     assert r.plan.counts.tolist() == [9, 0, 0]
@@ -206,7 +207,7 @@ def test_the_kernels_read_the_stage_through_its_descriptor(monkeypatch):
     def version(stage):
         stage.desc[0] += 1
 
-    with pytest.raises(plan_emulator.EmulatedTrap, match="require_descriptor"):
+    with pytest.raises(plan_emu.EmulatedTrap, match="require_descriptor"):
         run(CASES[0], monkeypatch, corrupt=version)
 
 
@@ -228,7 +229,7 @@ def test_stage_to_combine_matches_the_layer(case, monkeypatch):
     emulated, against the float64 layer: each (source, token, k) of a local expert in its combine slot within
     the bf16 roundings of out and the combine (where fp32 and exact sums round gate/up differently, rarely, an act
     element moves by an e4m3 unit), and no other slot written."""
-    r = run(case, monkeypatch, extra_kernels=decode_emulator.kernels([]))
+    r = run(case, monkeypatch, extra_kernels=decode_emu.kernels([]))
     w13, w2 = layer_weights(r.memory, case.experts, case.hidden, r.config.intermediate)
     combine, peer_combine = combine_buffers(r.memory, case.sources, case.tokens * case.topk, case.hidden)
     out = r.compute.experts(r.plan, w13, w2)

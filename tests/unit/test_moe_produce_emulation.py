@@ -1,7 +1,7 @@
 """The MoE layer's producers run whole on the CPU: ``chunkring.moe.producer.router_logits`` launches
 ``moe_router_logits`` and ``enqueue_produce`` launches ``moe_produce_chunk`` (both emulated as written,
-tests/helpers/produce_emulator.py) on a real :class:`chunkring.Ring` over the stand-in runtime, and the layer's
-``moe_pull`` (tests/helpers/pull_emulator.py) reads the chunks into a stage, concurrently, blocks in a seeded order.
+tests/helpers/emulation/produce.py) on a real :class:`chunkring.Ring` over the stand-in runtime, and the layer's
+``moe_pull`` (tests/helpers/emulation/pull.py) reads the chunks into a stage, concurrently, blocks in a seeded order.
 
 What it pins: the router's logits within the fp32 bound of a float64 GEMM and bit for bit batch-invariant (a chunk's
 rows equal the whole batch's, for several token counts and hidden sizes of 1, 3 and 16 slices); the pulled stage's
@@ -25,9 +25,9 @@ from chunkring import PayloadFormat, Ring, RingSpec
 from chunkring.moe.producer import enqueue_produce, quantize_rows_fp8, route, router_logits, router_slices
 from chunkring.moe.resources import PULL_BLOCK
 from chunkring.moe.stage import Stage
-from tests.helpers import produce_emulator
-from tests.helpers.kernel_emulation import DEVICE, EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
-from tests.helpers.ring_emulator import HeapRuntime, Streams, SymmetricHeap
+from tests.helpers.emulation import produce as produce_emu
+from tests.helpers.emulation.machine import DEVICE, EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
+from tests.helpers.emulation.ring import HeapRuntime, Streams, SymmetricHeap
 
 S, T, H, K, E = 2, 5, 256, 3, 40  # slots, tokens per slot, hidden, topk, experts (two tiles of 32, padded)
 SIZES = [5, 3, 5, 2]  # 4 chunks through 2 slots, at and below tokens_per_slot
@@ -49,7 +49,7 @@ def bf16(*shape, seed: int) -> torch.Tensor:
 # ---------------------------------------------------------------- the router GEMM
 def emulated_logits(monkeypatch, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
     memory = Memory()
-    library = EmulatedLibrary(memory, {"moe_router_logits": produce_emulator.router_kernel},
+    library = EmulatedLibrary(memory, {"moe_router_logits": produce_emu.router_kernel},
                               sources=("moe_produce.cu",), initialised=EmptyTracker(monkeypatch).initialised)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     logits = router_logits(hidden.clone().as_subclass(OnDevice), router, kernels=library)
@@ -94,8 +94,8 @@ class Producer:
         self.pull_arrivals = torch.zeros((1, S), dtype=torch.int32) if pull_grid > 1 else None
         self.pull_grid, self.keep = pull_grid, []
         tracker = EmptyTracker(monkeypatch)  # from here on torch.empty is the host's uninitialised output
-        self.library = produce_emulator.ProduceLibrary(
-            self.memory, produce_emulator.kernels(heap, self.streams, rows_first=rows_first), self.streams,
+        self.library = produce_emu.ProduceLibrary(
+            self.memory, produce_emu.kernels(heap, self.streams, rows_first=rows_first), self.streams,
             tracker.initialised)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: PRODUCER)
 
@@ -242,7 +242,7 @@ def test_arrive_before_rows_is_caught(monkeypatch):
 def test_rank_keys_order_logits_as_floats_do_with_nan_on_top():
     """rank_key (mirrored by the emulator) orders every float as < does, -0 with +0, NaN of either sign above +inf."""
     values = np.array([-np.inf, -3e38, -1.0, -1e-45, -0.0, 0.0, 1e-45, 1.0, 3e38, np.inf], np.float32)
-    keys = produce_emulator.rank_keys(values)
+    keys = produce_emu.rank_keys(values)
     assert (np.diff(keys.astype(np.int64)) > 0).sum() == len(values) - 2 and keys[4] == keys[5]
-    nan = produce_emulator.rank_keys(np.array([np.nan, -np.nan], np.float32))
+    nan = produce_emu.rank_keys(np.array([np.nan, -np.nan], np.float32))
     assert (nan > keys[-1]).all()

@@ -1,6 +1,6 @@
 """One call's waves of incremental expert blocks run whole on the CPU: ExpertCompute.wave launches moe_wave_claim and
-moe_wave_gather (tests/helpers/wave_emulator.py: as written, the claim's protocol calls reduced to one thread in
-sequence) and, on the plan the gather fills, the decode kernels and the combine push (tests/helpers/decode_emulator.py;
+moe_wave_gather (tests/helpers/emulation/waves.py: as written, the claim's protocol calls reduced to one thread in
+sequence) and, on the plan the gather fills, the decode kernels and the combine push (tests/helpers/emulation/decode.py;
 the push takes the ring descriptor, no RMA peers). The pool (BlockPool on pool_shape, as the layer builds it) is
 filled between the waves as moe_pull_blocks leaves it, step by step (RESERVE + ALLOCATE, STORE, LAND with the seal of
 a full block, the finisher's partial seals; docs/PROTOCOL.md "Incremental expert blocks"), rows in flight (reserved,
@@ -32,9 +32,10 @@ from chunkring.moe.blocks import HEADER_WORDS, BlockPool, pool_shape
 from chunkring.moe.experts import GROUP_ALIGN, DevicePlan
 from chunkring.ring.layout import RingLayout
 from chunkring.ring.status import ErrorCode, Site, StatusRecord
-from tests.helpers import decode_emulator, wave_emulator
-from tests.helpers.kernel_emulation import EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
-from tests.helpers.plan_layout import (
+from tests.helpers.emulation import decode as decode_emu
+from tests.helpers.emulation import waves as waves_emu
+from tests.helpers.emulation.machine import EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
+from tests.helpers.emulation.plan_layout import (
     check_layout,
     check_written,
     combine_buffers,
@@ -45,7 +46,7 @@ from tests.helpers.plan_layout import (
     relative_errors,
     written_slots,
 )
-from tests.helpers.wave_emulator import CLAIMED_BIT, COUNT_MASK, SEALED_BIT, EmulatedWaitBlocks, PoolLayout
+from tests.helpers.emulation.waves import CLAIMED_BIT, COUNT_MASK, SEALED_BIT, EmulatedWaitBlocks, PoolLayout
 
 W, E, RANK, K, N, H, INTER = 2, 2, 1, 2, 110, 256, 128
 COUNTS = (260, 130)  # expert 0: blocks of 128, 128, 4; expert 1: 128, 2 - the pool's P = 5 blocks, all used
@@ -137,10 +138,10 @@ def setup(monkeypatch, seed: int = 0):
     memory, ranks, src_stores = Memory(), [], []
 
     def gather(memory, grid, block, shared_bytes, a):  # and the src stores it made (the plan's prefill aside)
-        wave_emulator.kernels(seed)["moe_wave_gather"](memory, grid, block, shared_bytes, a)
+        waves_emu.kernels(seed)["moe_wave_gather"](memory, grid, block, shared_bytes, a)
         src_stores.append(a.row_src.stores.copy())
 
-    kernels = {**wave_emulator.kernels(seed, ranks), "moe_wave_gather": gather, **decode_emulator.kernels([])}
+    kernels = {**waves_emu.kernels(seed, ranks), "moe_wave_gather": gather, **decode_emu.kernels([])}
     library = EmulatedLibrary(memory, kernels, initialised=EmptyTracker(monkeypatch).initialised)
     pool = BlockPool(pool_shape(N, K, W, E, GROUP_ALIGN), H, True, torch.device("cpu"))
     ring = RingLayout(config.ring_spec(W, streamed=True))

@@ -1,7 +1,7 @@
 """The ring's data path run whole on the CPU: ``chunkring.ring.io.publish_chunk`` launches its publish kernels
 (ring_publish_tensors, or ring_publish_open/_copy/_close where a chunk is too large for one block) and the layer's
 ``moe_pull`` reads every source's chunks into the stage through its StageDesc - both emulated as written
-(tests/helpers/pull_emulator.py on tests/helpers/ring_emulator.py). The pull is launched as
+(tests/helpers/emulation/pull.py on tests/helpers/emulation/ring.py). The pull is launched as
 ``schedule._launch_pull`` launches it (``desc=ring.desc``, ``arrivals``, ``stage=stage.desc``, the pull grid,
 ``block=PULL_BLOCK``, no trace), by ``launch`` on the emulated library; ``moe_ack_held`` as the layer launches it
 after the combine. Rings are real :class:`chunkring.Ring` objects over a stand-in runtime per rank, one symmetric
@@ -9,7 +9,7 @@ heap: world size 1, and 2 with both ranks in this process and every peer DIRECT.
 concurrently (streams interleaved, blocks in a seeded order), so a ring of 2 slots wraps inside one call: the third
 chunk's publish waits for the pull's acknowledgement of the first.
 
-What it pins, against tests/helpers/pull_reference.py: every source's rows at their token index in the stage
+What it pins, against tests/helpers/emulation/pull_reference.py: every source's rows at their token index in the stage
 (``x``, ``sf`` of rows with a local choice; ``idx`` with out-of-range ids masked to -1 and every other id kept
 global, non-local ones included; ``w``), ``held[src]`` the seq of its last chunk, the ack words of every other chunk
 written (and the held ones after moe_ack_held), the cursors, ready and consumed words, nothing else written
@@ -29,11 +29,11 @@ from chunkring import PayloadFormat, Ring, RingSpec
 from chunkring.moe.resources import PULL_BLOCK
 from chunkring.moe.stage import Stage
 from chunkring.ring.io import publish_chunk
-from tests.helpers import pull_emulator
-from tests.helpers.kernel_emulation import EmulatedMemoryError, Memory
-from tests.helpers.pull_reference import SENTINEL, Batch, Expected
-from tests.helpers.ring_emulator import HeapRuntime, StreamLibrary, Streams, SymmetricHeap
-from tests.helpers.wave_emulator import EmulatedWaitBlocks
+from tests.helpers.emulation import pull as pull_emu
+from tests.helpers.emulation.machine import EmulatedMemoryError, Memory
+from tests.helpers.emulation.pull_reference import SENTINEL, Batch, Expected
+from tests.helpers.emulation.ring import HeapRuntime, StreamLibrary, Streams, SymmetricHeap
+from tests.helpers.emulation.waves import EmulatedWaitBlocks
 
 S, T, H, K, E, N = 2, 4, 128, 2, 4, 12  # slots, tokens per slot, hidden, topk, experts, stage rows per source
 
@@ -45,7 +45,7 @@ class World:
                  mutants: dict | None = None) -> None:
         heap, self.memory = SymmetricHeap(world), Memory()
         self.streams = Streams(self.memory, seed)
-        self.library = StreamLibrary(self.memory, pull_emulator.kernels(heap, self.streams, mutants), self.streams)
+        self.library = StreamLibrary(self.memory, pull_emu.kernels(heap, self.streams, mutants), self.streams)
         monkeypatch.setattr(chunkring.ring.io, "kernel_library", lambda runtime: self.library)
         spec = RingSpec(world_size=world, num_slots=S, tokens_per_slot=T, hidden=H, payload=payload, topk=K,
                         num_experts=E)
@@ -184,10 +184,10 @@ def test_the_split_publish_of_a_large_chunk_lands_alike(monkeypatch):
 def early_ack_pull(ring, a, part, parts):
     """Mutant: the pull acknowledges each chunk before it reads it (finish_chunk, then the visit)."""
     def acked_first(ring_, s, src, seq, slot, part_, parts_):
-        pull_emulator.finish_chunk(ring_, ring_.epoch(), src, seq, a.arrivals, parts_)
-        return pull_emulator.pull_visit(ring_, s, src, seq, slot, part_, parts_)
+        pull_emu.finish_chunk(ring_, ring_.epoch(), src, seq, a.arrivals, parts_)
+        return pull_emu.pull_visit(ring_, s, src, seq, slot, part_, parts_)
 
-    yield from pull_emulator.moe_pull(ring, a, part, parts, visit=acked_first)
+    yield from pull_emu.moe_pull(ring, a, part, parts, visit=acked_first)
 
 
 def test_a_pull_that_acknowledges_before_it_reads_is_caught(monkeypatch):
@@ -202,7 +202,7 @@ def unwaited_publish(ring, a, part, parts):
         yield from ()
         return True
 
-    yield from pull_emulator.ring_publish_tensors(ring, a, part, parts, begin=no_wait)
+    yield from pull_emu.ring_publish_tensors(ring, a, part, parts, begin=no_wait)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

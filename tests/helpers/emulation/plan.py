@@ -1,9 +1,9 @@
 """The batch plan's kernels run on the CPU as written (tests/unit/test_moe_plan_emulation.py drives them):
-moe_plan_count and moe_plan_scatter of device/kernels/moe_experts.cu, with group_offsets (decode_emulator's) and
+moe_plan_count and moe_plan_scatter of device/kernels/moe_experts.cu, with group_offsets (decode.py's) and
 util/copy.cuh's warp_copy16, reading the stage through its StageDesc as the kernels do - the descriptor's u64 words
 in the order layout/moe_desc.cuh declares them (parsed from the header, not taken from the host's mirror),
 require_descriptor's version and size check (a mismatch traps), and every tensor address in it resolved in the
-emulated memory where it is dereferenced (tests/helpers/kernel_emulation.py: bounds, alignment, initialised bytes,
+emulated memory where it is dereferenced (tests/helpers/emulation/machine.py: bounds, alignment, initialised bytes,
 one store per byte and launch).
 
 Each function mirrors its device function line by line, per warp with numpy arrays over the 32 lanes. The order in
@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tests.helpers.decode_emulator import group_offsets
-from tests.helpers.kernel_emulation import (
+from tests.helpers.emulation.decode import group_offsets
+from tests.helpers.emulation.machine import (
     WARP,
     EmulatedMemoryError,
     Pointer,
@@ -125,6 +125,6 @@ def moe_plan_scatter(memory, grid, block, shared_bytes, a, order_seed: int = 0) 
 
 
 def kernels(order_seed: int = 0) -> dict:
-    """The emulated plan kernels by name, for :class:`tests.helpers.kernel_emulation.EmulatedLibrary`."""
+    """The emulated plan kernels by name, for :class:`tests.helpers.emulation.machine.EmulatedLibrary`."""
     return {"moe_plan_count": moe_plan_count,
             "moe_plan_scatter": lambda *args: moe_plan_scatter(*args, order_seed=order_seed)}

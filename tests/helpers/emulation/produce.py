@@ -3,7 +3,7 @@ test_moe_produce_emulation.py drives them through chunkring.moe.producer): ``moe
 mma.m16n8k16 bf16 fragments, each warp's slice of hidden columns summed step by step in fp32 and the slices added in
 order; ``moe_produce_chunk`` per block - begin_chunk, its share of the rows (route_token's K rounds and butterfly
 sum, quantize_block or the bf16 copy) stored into the ring slot, last_block_to_arrive on ``arrivals``, the last
-block's close_chunk - on tests/helpers/ring_emulator.py's heap and streams, consumed by pull_emulator's moe_pull.
+block's close_chunk - on tests/helpers/emulation/ring.py's heap and streams, consumed by pull.py's moe_pull.
 
 Two checks the producer adds to the ring emulation's: a slot's bytes count as unwritten from its chunk's first
 begin_chunk until a block stores them (a consumer that reads one reads a value the chunk never wrote: the
@@ -21,9 +21,9 @@ import functools
 
 import numpy as np
 
-from tests.helpers import pull_emulator
-from tests.helpers.kernel_emulation import WARP, EmulatedMemoryError, Pointer, e4m3_bits, shfl_xor
-from tests.helpers.ring_emulator import META_WORDS, RingView, StreamLibrary
+from tests.helpers.emulation import pull as pull_emu
+from tests.helpers.emulation.machine import WARP, EmulatedMemoryError, Pointer, e4m3_bits, shfl_xor
+from tests.helpers.emulation.ring import META_WORDS, RingView, StreamLibrary
 
 __all__ = ["ProduceLibrary", "kernels", "mma_m16n8k16_bf16", "rank_order", "router_kernel"]
 
@@ -33,7 +33,7 @@ ROUTER_ROWS, ROUTER_COLS, ROUTER_MAX_SLICES, SCALE_BLOCK, E4M3_MAX = 16, 32, 16,
 def _fragment_tables():
     """The PTX ISA's mma.m16n8k16 fragments for bf16 (g = lane / 4, t = lane % 4; half i of a register, the low
     half first): a[r] holds A[g + 8 (r % 2)][2t + 8 (r / 2) + i], b[r] holds B[2t + 8 r + i][g]. Each table is
-    checked to cover its matrix exactly once (C's is kernel_emulation's: c[i] is C[g + 8 (i / 2)][2t + i % 2])."""
+    checked to cover its matrix exactly once (C's is machine.py's: c[i] is C[g + 8 (i / 2)][2t + i % 2])."""
     lane, reg, half = np.meshgrid(np.arange(WARP), np.arange(4), np.arange(2), indexing="ij")
     g, t = lane // 4, lane % 4
     a = (g + 8 * (reg % 2), 2 * t + 8 * (reg // 2) + half)
@@ -164,7 +164,7 @@ def quantize_block(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
 
 # ---------------------------------------------------------------- moe_produce_chunk: the protocol
 def begin_chunk(ring: RingView, epoch: int, seq: int, begun: set):
-    """protocol/ring.cuh begin_chunk, as pull_emulator's, but every block stores the same consumed word (benignly:
+    """protocol/ring.cuh begin_chunk, as pull.py's, but every block stores the same consumed word (benignly:
     the same value) - so an ordered store; the first block past it marks the slot's bytes unwritten."""
     d = ring.d
     slot, lap, mask = seq % d.num_slots, seq // d.num_slots, (2**64 - 1) >> d.epoch_bits
@@ -172,7 +172,7 @@ def begin_chunk(ring: RingView, epoch: int, seq: int, begun: set):
         ring.record_error("kLapOverflow", "kPublish", d.my_pe, slot, mask - 1, lap)
         return False
     if lap >= 1:
-        if not (yield from pull_emulator.wait_acked(ring, epoch, seq - d.num_slots)):
+        if not (yield from pull_emu.wait_acked(ring, epoch, seq - d.num_slots)):
             return False
         ring.ordered_store(ring.word("consumed", slot), np.uint64, ring.gen(epoch, seq - d.num_slots), "consumed")
     if (d.base, seq) not in begun:
@@ -197,7 +197,7 @@ def check_unpublished(ring: RingView, epoch: int, seq: int) -> None:
 def produce_rows(ring: RingView, a, seq: int, n: int, part: int, parts: int) -> None:
     """This block's rows [lo, hi): routing, then each row's 128-column blocks (FP8 or the bf16 copy)."""
     d, slot, E = ring.d, seq % ring.d.num_slots, a.num_experts
-    pull_emulator.check_free(ring, ring.epoch(), seq)
+    pull_emu.check_free(ring, ring.epoch(), seq)
     check_unpublished(ring, ring.epoch(), seq)
     lo, hi = n * part // parts, n * (part + 1) // parts
     K, H, fp8 = d.topk, d.hidden, d.payload_format == 0
@@ -233,10 +233,10 @@ def moe_produce_chunk(ring: RingView, a, part: int, parts: int, *, begun: set, r
     """One block. ``rows_first=False`` is Mutant::kArriveBeforeRows: arrive (maybe publish), then store the rows."""
     if not ring.rank.check_descriptor() or ring.has_error():
         return
-    e = pull_emulator.chunk_extent(ring, a, part == 0)
+    e = pull_emu.chunk_extent(ring, a, part == 0)
     if not e.publish:
         return
-    epoch, seq = ring.epoch(), pull_emulator.next_seq(ring)
+    epoch, seq = ring.epoch(), pull_emu.next_seq(ring)
     if not (yield from begin_chunk(ring, epoch, seq, begun)):
         return
     yield from overtaken(ring, "after begin_chunk")
@@ -244,7 +244,7 @@ def moe_produce_chunk(ring: RingView, a, part: int, parts: int, *, begun: set, r
         produce_rows(ring, a, seq, e.n, part, parts)
         yield from overtaken(ring, "before its arrival")
     if a.arrivals is None or last_block_to_arrive(ring, a.arrivals, parts):
-        pull_emulator.close_chunk(ring, epoch, seq, e, a.token_base)
+        pull_emu.close_chunk(ring, epoch, seq, e, a.token_base)
     if not rows_first:
         yield from overtaken(ring, "after its arrival")
         produce_rows(ring, a, seq, e.n, part, parts)
@@ -257,9 +257,9 @@ def overtaken(ring: RingView, where: str):
 
 
 def kernels(heap, streams, *, rows_first: bool = True) -> dict:
-    """pull_emulator's kernels (moe_pull among them) and the producers, for a :class:`ProduceLibrary`."""
+    """pull.py's kernels (moe_pull among them) and the producers, for a :class:`ProduceLibrary`."""
     produce = functools.partial(moe_produce_chunk, begun=set(), rows_first=rows_first)
-    table = pull_emulator.kernels(heap, streams, {"moe_produce_chunk": produce})
+    table = pull_emu.kernels(heap, streams, {"moe_produce_chunk": produce})
     table["moe_router_logits"] = lambda memory, grid, block, a: [router_block(a, b, grid, block) for b in range(grid)]
     return table
 

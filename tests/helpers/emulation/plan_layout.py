@@ -13,7 +13,7 @@ import torch
 from chunkring.moe.decode import DecodeGemm
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.weights import quantize_weight_fp8
-from tests.helpers.kernel_emulation import E4M3_VALUES
+from tests.helpers.emulation.machine import E4M3_VALUES
 
 __all__ = ["check_layout", "check_written", "combine_buffers", "dequantised", "expert_compute", "layer_rows",
            "layer_weights", "quantise_rows", "relative_errors", "written_slots"]

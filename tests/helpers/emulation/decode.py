@@ -7,7 +7,7 @@ with fp8.cuh's arithmetic.
 Each function below mirrors one device function line by line: the same index arithmetic, loop bounds, early exits,
 guards and stores, per block of the launch grid and per thread (numpy arrays over threadIdx.x); shared memory
 between two __syncthreads is a phase run by every thread before the next. Global memory is
-tests/helpers/kernel_emulation.py's: every computed offset is checked against the allocation it came from.
+tests/helpers/emulation/machine.py's: every computed offset is checked against the allocation it came from.
 
 Where it cannot be faithful: __expf (the emulation's exp is numpy's fp32 exp), the tensor core's summation order and
 internal precision (emulated as an exact sum rounded once), and anything about timing or memory ordering."""
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tests.helpers.kernel_emulation import (
+from tests.helpers.emulation.machine import (
     WARP,
     EmulatedMemoryError,
     Threads,
@@ -333,7 +333,7 @@ def moe_combine_push(memory, grid, block, shared_bytes, a) -> None:
 
 
 def kernels(trace: list) -> dict:
-    """The emulated kernels by name, for :class:`tests.helpers.kernel_emulation.EmulatedLibrary`; L1's sums go
+    """The emulated kernels by name, for :class:`tests.helpers.emulation.machine.EmulatedLibrary`; L1's sums go
     to ``trace``."""
     return {"moe_decode_l1": lambda *args: moe_decode_l1(*args, trace), "moe_decode_l2": moe_decode_l2,
             "moe_swiglu_fp8": moe_swiglu_fp8, "moe_combine_push": moe_combine_push}

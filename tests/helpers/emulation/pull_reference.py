@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from chunkring.ring.layout import CONTROL, STATUS
-from tests.helpers.ring_emulator import make_gen
+from tests.helpers.emulation.ring import make_gen
 
 __all__ = ["Batch", "Expected", "SENTINEL"]
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tests.helpers.decode_emulator import group_offsets
-from tests.helpers.kernel_emulation import (
+from tests.helpers.emulation.decode import group_offsets
+from tests.helpers.emulation.machine import (
     WARP,
     EmulatedMemoryError,
     Pointer,
@@ -32,7 +32,7 @@ from tests.helpers.kernel_emulation import (
     header_structs,
     read_struct,
 )
-from tests.helpers.plan_emulator import LAYOUT_VERSION, STRUCTS, descriptor, pointer, warp_copy16
+from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS, descriptor, pointer, warp_copy16
 
 __all__ = ["ERROR", "SITE", "STATUS", "EmulatedWaitBlocks", "PoolLayout", "kernels", "sealed_unclaimed"]
 

@@ -1,4 +1,4 @@
-"""The machine underneath the CPU emulation of CUDA kernels (tests/helpers/decode_emulator.py runs the kernels on
+"""The machine underneath the CPU emulation of CUDA kernels (tests/helpers/emulation/decode.py runs the kernels on
 it): global memory as the bytes of the very torch tensors a launch names, addressed by their ``data_ptr()``; a
 thread block as numpy arrays over ``threadIdx.x``; the number formats (fp32 with fmaf, bf16 and e4m3 round to
 nearest even, e4m3 saturating); the mma.sync.m16n8k32 e4m3 fragment tables of the PTX ISA; and a stand-in
@@ -29,7 +29,7 @@ __all__ = ["E4M3_VALUES", "WARP", "Allocation", "EmptyTracker", "EmulatedLibrary
            "Pointer", "Threads", "bf16_bits", "e4m3_bits", "fmaf", "header_constant", "header_enum", "header_structs",
            "mma_m16n8k32_e4m3", "read_struct", "round_bf16", "shfl_xor"]
 
-DEVICE = Path(__file__).resolve().parents[2] / "device"
+DEVICE = Path(__file__).resolve().parents[3] / "device"
 WARP = 32
 #: The value of every e4m3 byte (float8_e4m3fn: 0x7f and 0xff are NaN).
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()

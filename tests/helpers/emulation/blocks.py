@@ -1,7 +1,7 @@
 """The pull into incremental expert blocks and the waves beside it, run on the CPU as written (tests/unit/
 test_moe_blocks_emulation.py drives them): moe_pull_blocks of device/kernels/moe_stream.cu with moe/blocks.cuh's
 reserve_row (RESERVE, ALLOCATE or WAIT), land_row (LAND, SEAL A FULL BLOCK) and end_of_streams (the finisher's
-partial seals), on tests/helpers/ring_emulator.py's heap and streams and pull_emulator.py's consumer walk
+partial seals), on tests/helpers/emulation/ring.py's heap and streams and pull.py's consumer walk
 (consume_invocation, checks, held acks); moe_wave_claim as a coroutine whose wait yields to the pull; and moe_drain
 (ring.cuh drain: wait_acked of every chunk still possibly unacknowledged). The StageDesc and PoolDesc are read word
 by word in layout/moe_desc.cuh's order.
@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.helpers import pull_emulator, wave_emulator
-from tests.helpers.kernel_emulation import Pointer, read_struct
-from tests.helpers.plan_emulator import STRUCTS
-from tests.helpers.ring_emulator import META_EOS, RingView, StreamLibrary
-from tests.helpers.wave_emulator import CLAIMED_BIT, COUNT_MASK, SEALED_BIT, PoolWords, sealed_unclaimed
+from tests.helpers.emulation import pull as pull_emu
+from tests.helpers.emulation import waves as waves_emu
+from tests.helpers.emulation.machine import Pointer, read_struct
+from tests.helpers.emulation.plan import STRUCTS
+from tests.helpers.emulation.ring import META_EOS, RingView, StreamLibrary
+from tests.helpers.emulation.waves import CLAIMED_BIT, COUNT_MASK, SEALED_BIT, PoolWords, sealed_unclaimed
 
 __all__ = ["NO_ROW", "WaveStreamLibrary", "kernels"]
 
@@ -188,7 +189,7 @@ def pull_blocks_visit(ring: RingView, s, p, src: int, slot: int, part: int, part
 
 
 def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred: Pointer | None, visit):
-    """pull_emulator.consume_invocation with a visit that is a generator (its reservations may wait)."""
+    """pull_emu.consume_invocation with a visit that is a generator (its reservations may wait)."""
     d = ring.d
     next_seqs = [ring.load(ring.word("cursor", src), "cursor") for src in range(d.world_size)]
     active = set(range(d.world_size))
@@ -196,7 +197,7 @@ def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred
         for src in sorted(active):
             seq = next_seqs[src]
             slot = seq % d.num_slots
-            if not (yield from pull_emulator.wait_chunk(ring, epoch, src, seq)):
+            if not (yield from pull_emu.wait_chunk(ring, epoch, src, seq)):
                 return False
             meta = ring.fetch_meta(src, slot)
             if meta is None:
@@ -208,7 +209,7 @@ def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred
             if deferred is not None and eos:
                 if ring.block == 0:
                     deferred.store_as(np.uint64, src, seq, "held")
-            elif not pull_emulator.finish_chunk(ring, epoch, src, seq, counts, blocks):
+            elif not pull_emu.finish_chunk(ring, epoch, src, seq, counts, blocks):
                 return False
             next_seqs[src] = seq + 1
             if eos:
@@ -220,7 +221,7 @@ def moe_pull_blocks(ring: RingView, a, part: int, parts: int, seal_on_reserve: b
     assert a.trace is None, "the timeline trace is not emulated"
     s = read_struct(a.stage, STRUCTS["StageDesc"], "StageDesc")
     p = read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc")
-    if not ring.rank.check_descriptor() or not pull_emulator.check_stage(ring, s) or not check_pool(ring, s, p):
+    if not ring.rank.check_descriptor() or not pull_emu.check_stage(ring, s) or not check_pool(ring, s, p):
         return
     next_base = [0] * ring.d.world_size  # __shared__, one per block: every block masks the same chunks
 
@@ -244,7 +245,7 @@ def moe_pull_blocks_acking_every_chunk(ring: RingView, a, part: int, parts: int)
 
 
 def moe_wave_claim(ring: RingView, a, part: int, parts: int):
-    """wave_emulator.moe_wave_claim with its wait yielding to the pull, and the pull running while it scans."""
+    """waves_emu.moe_wave_claim with its wait yielding to the pull, and the pull running while it scans."""
     rank = ring.rank
     if not rank.check_descriptor():
         return
@@ -294,9 +295,9 @@ def moe_drain(ring: RingView, a, part: int, parts: int):
     """ring.cuh drain (thread 0): wait_acked of every chunk of the last num_slots this rank published."""
     if not ring.rank.check_descriptor():
         return
-    epoch, nxt = ring.epoch(), pull_emulator.next_seq(ring)
+    epoch, nxt = ring.epoch(), pull_emu.next_seq(ring)
     for seq in range(max(nxt - ring.d.num_slots, 0), nxt):
-        if not (yield from pull_emulator.wait_acked(ring, epoch, seq)):
+        if not (yield from pull_emu.wait_acked(ring, epoch, seq)):
             return
 
 
@@ -333,9 +334,9 @@ class WaveStreamLibrary(StreamLibrary):
 
 
 def kernels(heap, streams, mutants: dict | None = None) -> dict:
-    """The coroutine kernels by name (pull_emulator's publishes and moe_ack_held, and this module's), each launch's
+    """The coroutine kernels by name (pull.py's publishes and moe_ack_held, and this module's), each launch's
     blocks with their own RingView; ``mutants`` replace some by name."""
-    table = {**pull_emulator.KERNELS, "moe_pull_blocks": moe_pull_blocks, "moe_wave_claim": moe_wave_claim,
+    table = {**pull_emu.KERNELS, "moe_pull_blocks": moe_pull_blocks, "moe_wave_claim": moe_wave_claim,
              "moe_drain": moe_drain, **(mutants or {})}
 
     def launcher(kernel):
@@ -346,13 +347,13 @@ def kernels(heap, streams, mutants: dict | None = None) -> dict:
 
 
 def plain_kernels(order_seed: int, decode: dict, claimed: list) -> dict:
-    """The kernels that never wait: the wave's gather, and ``decode`` (decode_emulator.kernels). Each gather first
+    """The kernels that never wait: the wave's gather, and ``decode`` (decode_emu.kernels). Each gather first
     appends (its PoolDesc's words address, the pool ids its wave claimed, sealed_all then) to ``claimed``."""
     def gather(memory, grid, block, shared_bytes, a):
         pool = PoolWords(memory, read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc"))
         count, at = pool.load(pool.layout.counter("kWaveCount"), "wave_count"), pool.layout.wave_ids()
         claimed.append((pool.words.address, [pool.load(at + i, "wave_ids") for i in range(count)],
                         pool.load(pool.layout.counter("kSealedAll"), "sealed_all")))
-        wave_emulator.moe_wave_gather(memory, grid, block, shared_bytes, a, order_seed=order_seed)
+        waves_emu.moe_wave_gather(memory, grid, block, shared_bytes, a, order_seed=order_seed)
 
     return {"moe_wave_gather": gather, **decode}

@@ -1,4 +1,4 @@
-"""The ring's protocol run on the CPU (tests/helpers/pull_emulator.py runs the publish kernels and moe_pull on it):
+"""The ring's protocol run on the CPU (tests/helpers/emulation/pull.py runs the publish kernels and moe_pull on it):
 ranks' symmetric heaps in one process, kernels as coroutines interleaved by a scheduler, and the device functions of
 protocol/ring.cuh, publish.cuh, validate.cuh, transport.cuh and status.cuh reduced to what one block does in
 sequence, line by line, on the ring words named by the RingDesc (read word by word in ring_desc.cuh's order).
@@ -17,7 +17,7 @@ block runs at a time, between its waits). Blocks resume in an order drawn from `
 
 Visibility (the consumer's C1 edge): a block may read a source's slot (meta, x, x_sf, topk_idx, topk_weights)
 only between its wait_chunk for that slot and its arrival on or acknowledgement of the chunk (a held chunk stays
-readable); any other read raises :class:`EmulatedMemoryError` (the producer's side, pull_emulator.check_free: a
+readable); any other read raises :class:`EmulatedMemoryError` (the producer's side, pull_emu.check_free: a
 slot is written only once every destination acknowledged its previous lap). Where it cannot be faithful: memory ordering
 itself, timing and timeouts, RMA gets (every peer is DIRECT), warps and lanes inside a block."""
 
@@ -29,8 +29,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from tests.helpers.kernel_emulation import EmulatedLibrary, EmulatedMemoryError, Memory, Pointer, header_enum
-from tests.helpers.wave_emulator import STATUS, EmulatedWaitBlocks, Rank
+from tests.helpers.emulation.machine import EmulatedLibrary, EmulatedMemoryError, Memory, Pointer, header_enum
+from tests.helpers.emulation.waves import STATUS, EmulatedWaitBlocks, Rank
 
 __all__ = ["CONTROL", "HeapRuntime", "RingView", "Streams", "StreamLibrary", "SymmetricHeap", "make_gen"]
 

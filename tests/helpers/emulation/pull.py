@@ -1,5 +1,5 @@
 """The ring's data path of device/kernels/ring_host_api.cu (ring_publish_tensors; ring_publish_open, _copy, _close)
-and moe_stream.cu (moe_pull, moe_ack_held) run on the CPU as written, over tests/helpers/ring_emulator.py's heap,
+and moe_stream.cu (moe_pull, moe_ack_held) run on the CPU as written, over tests/helpers/emulation/ring.py's heap,
 streams and protocol words (tests/unit/test_ring_pull_emulation.py drives them through publish_chunk and the
 layer's launch of moe_pull). Each function mirrors its device function (protocol/ring.cuh begin_chunk, wait_acked,
 publish, end_chunk, wait_chunk, ack_chunk, finish_chunk, last_block_to_arrive, consume_invocation; publish.cuh
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tests.helpers.kernel_emulation import EmulatedMemoryError, Pointer, read_struct
-from tests.helpers.plan_emulator import LAYOUT_VERSION, STRUCTS
-from tests.helpers.ring_emulator import CONTROL, META_EOS, RingView, copy, make_gen
+from tests.helpers.emulation.machine import EmulatedMemoryError, Pointer, read_struct
+from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS
+from tests.helpers.emulation.ring import CONTROL, META_EOS, RingView, copy, make_gen
 
 __all__ = ["NO_HELD_CHUNK", "kernels"]
 

@@ -1,10 +1,10 @@
 """The pull into incremental expert blocks and the waves beside it, run on the CPU as written (tests/unit/
 test_moe_blocks_emulation.py drives them): moe_pull_blocks of device/kernels/moe_stream.cu with moe/blocks.cuh's
 reserve_row (RESERVE, ALLOCATE or WAIT), land_row (LAND, SEAL A FULL BLOCK) and end_of_streams (the finisher's
-partial seals), on tests/helpers/emulation/ring.py's heap and streams and pull.py's consumer walk
-(consume_invocation, checks, held acks); moe_wave_claim as a coroutine whose wait yields to the pull; and moe_drain
-(ring.cuh drain: wait_acked of every chunk still possibly unacknowledged). The StageDesc and PoolDesc are read word
-by word in layout/moe_desc.cuh's order.
+partial seals), on ring.py's heap and streams and pull.py's consumer walk (consume_invocation, chunk and scale
+checks, held acks); waves.py's moe_wave_claim, its wait yielding to the pull; and moe_drain (ring.cuh drain:
+wait_acked of every chunk still possibly unacknowledged). The StageDesc and PoolDesc are read word by word in
+layout/moe_desc.cuh's order.
 
 :class:`WaveStreamLibrary` puts each launch on the stream the layer puts it: the publish kernels on their ring's
 producer stream, moe_pull_blocks on the pull stream, everything else (claim, gather, decode GEMMs, combine push,
@@ -26,13 +26,12 @@ from tests.helpers.emulation import pull as pull_emu
 from tests.helpers.emulation import waves as waves_emu
 from tests.helpers.emulation.machine import Pointer, read_struct
 from tests.helpers.emulation.plan import STRUCTS
-from tests.helpers.emulation.ring import META_EOS, RingView, StreamLibrary
-from tests.helpers.emulation.waves import CLAIMED_BIT, COUNT_MASK, SEALED_BIT, PoolWords, sealed_unclaimed
+from tests.helpers.emulation.ring import RingView, StreamLibrary
+from tests.helpers.emulation.waves import DESC_FIELD, SEALED_BIT, PoolWords
 
 __all__ = ["NO_ROW", "WaveStreamLibrary", "kernels"]
 
 NO_ROW = 2**32 - 1  # blocks::kNoRow
-FIELD_EXPERTS = 7  # descriptors.cuh kFieldExperts
 
 
 def preempt(ring: RingView):
@@ -45,8 +44,9 @@ def check_pool(ring: RingView, s, p) -> bool:
     """moe::check_pool with the stage: the wave's checks, then the experts against the stage's range."""
     if not ring.rank.check_pool(p):
         return False
-    if s.expert_hi - s.expert_lo != p.experts:
-        ring.record_error("kInternal", "kDescriptor", 0, FIELD_EXPERTS, s.expert_hi - s.expert_lo, p.experts)
+    experts = s.expert_hi - s.expert_lo
+    if experts != p.experts:
+        ring.record_error("kInternal", "kDescriptor", 0, DESC_FIELD["kFieldExperts"], experts, p.experts)
         return False
     return True
 
@@ -116,16 +116,10 @@ def end_of_streams(ring: RingView, pool: PoolWords, parts: int) -> None:
 
 def chunk_rows(ring: RingView, s, src: int, slot: int, next_base: list[int]):
     """chunk_meta, checked_chunk_rows, checked_chunk_order: (token_base, rows), or None (unreachable)."""
-    d, N = ring.d, s.token_capacity
-    meta = ring.chunk_meta(src, slot)
-    if meta is None:
+    got = pull_emu.checked_chunk_rows(ring, s, src, slot, ring.block == 0)
+    if got is None:
         return None
-    base, n = meta.token_base, meta.num_tokens
-    if n > d.tokens_per_slot or base > N or n > N - base:  # the grid's first thread reports
-        if ring.block == 0:
-            field, value = ("kNumTokens", n) if n > d.tokens_per_slot else ("kTokenBase", base)
-            ring.report_input(field, src, slot, 0, 0, value)
-        n = 0
+    base, n = got
     if n and base < next_base[src]:
         if ring.block == 0:
             ring.report_input("kTokenBase", src, slot, 0, next_base[src], base)
@@ -142,17 +136,8 @@ def pull_blocks_visit(ring: RingView, s, p, src: int, slot: int, part: int, part
     (base, n), d, K, N = got, ring.d, ring.d.topk, s.token_capacity
     lo, hi = n * part // parts, n * (part + 1) // parts
     first_row = src * N + (base if n else 0)
-    idx = Pointer(ring.memory, s.idx + 4 * first_row * K, "stage idx")
     at = Pointer(ring.memory, p.pos + 4 * first_row * K, "pool pos")
-    ring.fetch(idx.address + 4 * lo * K, ring.part("topk_idx", slot) + 4 * lo * K, 4 * (hi - lo) * K, src, "idx")
-    ring.fetch(s.w + 4 * (first_row + lo) * K, ring.part("topk_weights", slot) + 4 * lo * K, 4 * (hi - lo) * K,
-               src, "w")
-    for i in range(lo * K, hi * K):  # checked_expert, in place
-        e = int(idx.load_as(np.int32, i, "stage idx"))
-        if not -1 <= e < d.num_experts:
-            ring.report_input("kTopkIdx", src, slot, i // K, i % K, e)
-            e = -1
-        idx.store_as(np.int32, i, e, "stage idx", again=True)
+    idx = pull_emu.fetch_choices(ring, s, src, slot, first_row, lo, hi)
     if n:
         next_base[src] = base + n
     pool, row_bytes, sf = PoolWords(ring.memory, p), d.x_row_bytes, d.x_sf_row_floats
@@ -172,48 +157,13 @@ def pull_blocks_visit(ring: RingView, s, p, src: int, slot: int, part: int, part
             q = int(at.load_as(np.uint32, row * K + k, "pos"))
             if q == NO_ROW:
                 continue
-            scales = Pointer(ring.memory, p.sf + 4 * q * sf, "pool sf")
-            for i in range(sf):
-                value = scales.load_as(np.float32, i, "pool sf")
-                if not np.isfinite(value):
-                    ring.report_input("kXSf", src, slot, row, i, int(np.float32(value).view(np.uint32)))
-                    value = np.float32(0)
-                scales.store_as(np.float32, i, value, "pool sf", again=True)
+            pull_emu.checked_scales(ring, p.sf + 4 * q * sf, src, slot, row, "pool sf")
             weight = Pointer(ring.memory, s.w, "stage w").load_as(np.float32, (first_row + row) * K + k, "stage w")
             for field, dtype, value in (("src", np.int32, src), ("token", np.int32, base + row),
                                         ("k", np.int32, k), ("weight", np.float32, weight)):
                 Pointer(ring.memory, getattr(p, field), f"pool {field}").store_as(dtype, q, value, f"pool {field}")
             land_row(pool, q, seal_on_reserve)
             yield from preempt(ring)
-    return True
-
-
-def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred: Pointer | None, visit):
-    """pull_emu.consume_invocation with a visit that is a generator (its reservations may wait)."""
-    d = ring.d
-    next_seqs = [ring.load(ring.word("cursor", src), "cursor") for src in range(d.world_size)]
-    active = set(range(d.world_size))
-    while active:
-        for src in sorted(active):
-            seq = next_seqs[src]
-            slot = seq % d.num_slots
-            if not (yield from pull_emu.wait_chunk(ring, epoch, src, seq)):
-                return False
-            meta = ring.fetch_meta(src, slot)
-            if meta is None:
-                ring.record_error("kPeerUnreachable", "kPayload", src, slot, 0, 0)
-                return False
-            eos = bool(meta.flags & META_EOS)
-            if not (yield from visit(src, seq, slot)):
-                return False
-            if deferred is not None and eos:
-                if ring.block == 0:
-                    deferred.store_as(np.uint64, src, seq, "held")
-            elif not pull_emu.finish_chunk(ring, epoch, src, seq, counts, blocks):
-                return False
-            next_seqs[src] = seq + 1
-            if eos:
-                active.discard(src)
     return True
 
 
@@ -230,7 +180,7 @@ def moe_pull_blocks(ring: RingView, a, part: int, parts: int, seal_on_reserve: b
 
     held = Pointer(ring.memory, s.held, "held") if defer else None  # held_acks (None: the kNoDeferredAck mutant)
     # A block whose walk failed (recorded) never arrives on kEnded.
-    if (yield from consume_invocation(ring, ring.epoch(), a.arrivals, parts, held, visit)):
+    if (yield from pull_emu.consume_invocation(ring, ring.epoch(), a.arrivals, parts, held, visit)):
         end_of_streams(ring, PoolWords(ring.memory, p), parts)
 
 
@@ -245,50 +195,12 @@ def moe_pull_blocks_acking_every_chunk(ring: RingView, a, part: int, parts: int)
 
 
 def moe_wave_claim(ring: RingView, a, part: int, parts: int):
-    """waves_emu.moe_wave_claim with its wait yielding to the pull, and the pull running while it scans."""
-    rank = ring.rank
-    if not rank.check_descriptor():
-        return
-    p = read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc")
-    if not rank.check_pool(p):
-        return
-    pool = PoolWords(ring.memory, p)
-    L = pool.layout
-    claimed = pool.load(L.counter("kClaimed"), "claimed")  # thread 0
-    want, last = (1 if a.last else a.min_blocks % 2**32), bool(a.last)
+    """waves.py's moe_wave_claim with its wait yielding to the pull, and the pull running while it scans (a
+    preemption before each pool id; the ids in an order drawn from the streams' seed)."""
+    def order(n: int) -> list[int]:
+        return ring.streams.rng.permutation(n).tolist()
 
-    def poll():
-        if pool.load(L.counter("kSealedAll"), "sealed_all") != 0:
-            return 1, 0
-        if last:
-            return 0, 0
-        observed = sealed_unclaimed(pool.load(L.counter("kSealed"), "sealed"), claimed)
-        return (1 if observed >= want else 0), observed
-
-    ready = yield from ring.spin_until("kWaitBlocks", ring.d.my_pe, 0, want, poll)
-    allocated = min(pool.load(L.counter("kPoolNext"), "pool_next"), L.blocks)
-    pool.store(L.counter("kWaveCount"), 0, "wave_count")
-    claimed_here = 0
-    if not ready:
-        return
-    for i in ring.streams.rng.permutation(allocated).tolist():  # id = threadIdx.x; id += blockDim.x
-        yield from preempt(ring)
-        state = pool.load(L.state(i), "state")
-        if not state & SEALED_BIT or state & CLAIMED_BIT:
-            continue
-        n = state & COUNT_MASK
-        if pool.cas(L.state(i), state, CLAIMED_BIT | n, "state") != state:
-            continue
-        landed = pool.load(L.landed(i), "landed")
-        if landed != n:
-            rank.record_error("kInternal", "kBlocks", rank.d.my_pe, i, n, landed)
-        pool.store(L.wave_ids() + pool.atomic_add(L.counter("kWaveCount"), 1, "wave_count"), i, "wave_ids")
-        a.counts.atomic_add_as(np.uint32, pool.load(L.expert_of(i), "expert_of"), n, "counts")
-        claimed_here += 1
-    claimed = pool.load(L.counter("kClaimed"), "claimed") + claimed_here  # __syncthreads(); thread 0
-    pool.store(L.counter("kClaimed"), claimed, "claimed")
-    if last and claimed != allocated:
-        rank.record_error("kInternal", "kBlocks", rank.d.my_pe, 0, allocated, claimed)
+    yield from waves_emu.moe_wave_claim(ring.memory, ring.rank, a, ring.spin_until, order, lambda: preempt(ring))
 
 
 def moe_drain(ring: RingView, a, part: int, parts: int):
@@ -336,18 +248,12 @@ class WaveStreamLibrary(StreamLibrary):
 def kernels(heap, streams, mutants: dict | None = None) -> dict:
     """The coroutine kernels by name (pull.py's publishes and moe_ack_held, and this module's), each launch's
     blocks with their own RingView; ``mutants`` replace some by name."""
-    table = {**pull_emu.KERNELS, "moe_pull_blocks": moe_pull_blocks, "moe_wave_claim": moe_wave_claim,
-             "moe_drain": moe_drain, **(mutants or {})}
-
-    def launcher(kernel):
-        return lambda memory, grid, block, a: [kernel(RingView(memory, heap, streams, a.desc, b), a, b, grid)
-                                               for b in range(grid)]
-
-    return {name: launcher(kernel) for name, kernel in table.items()}
+    return pull_emu.kernels(heap, streams, {"moe_pull_blocks": moe_pull_blocks, "moe_wave_claim": moe_wave_claim,
+                                            "moe_drain": moe_drain, **(mutants or {})})
 
 
 def plain_kernels(order_seed: int, decode: dict, claimed: list) -> dict:
-    """The kernels that never wait: the wave's gather, and ``decode`` (decode_emu.kernels). Each gather first
+    """The kernels that never wait: the wave's gather, and ``decode`` (decode.py's kernels). Each gather first
     appends (its PoolDesc's words address, the pool ids its wave claimed, sealed_all then) to ``claimed``."""
     def gather(memory, grid, block, shared_bytes, a):
         pool = PoolWords(memory, read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc"))

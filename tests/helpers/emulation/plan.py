@@ -89,9 +89,7 @@ def moe_plan_scatter(memory, grid, block, shared_bytes, a, order_seed: int = 0) 
     choices = s.sources * s.token_capacity * s.topk
     expert_lo, num_local = s.expert_lo, s.expert_hi - s.expert_lo
     offsets = group_offsets(a.counts, num_local, a.block_m, block, shared_bytes)  # every block: the same values
-    e_all = np.arange(num_local)  # block 0: for (e = threadIdx.x; e < num_local; e += blockDim.x)
-    end = np.array(offsets[:num_local], np.int64) + a.counts.load_as(np.uint32, e_all, "counts")
-    a.group_end.store_as(np.int32, e_all, end.astype(np.uint32).view(np.int32), "group_end")  # unsigned -> int
+    store_group_end(a, offsets, num_local)
     warps = grid * block // WARP
     N, K = s.token_capacity, s.topk
     items = [(warp, base) for warp in range(warps) for base in range(warp * WARP, choices, warps * WARP)]
@@ -113,15 +111,31 @@ def moe_plan_scatter(memory, grid, block, shared_bytes, a, order_seed: int = 0) 
             p = int(row[src_lane])  # __shfl_sync(row, from)
             src, token = choice // (N * K), choice // K % N
             stage_row = src * N + token
-            # lane 0
-            a.row_src.store_as(np.int32, p, src, "row_src")
-            a.row_token.store_as(np.int32, p, token, "row_token")
-            a.row_k.store_as(np.int32, p, choice % K, "row_k")
-            a.row_weight.store_as(np.float32, p, stage_w.load_as(np.float32, choice, "stage w"), "row_weight")
-            warp_copy16(a.rows, p * row_bytes, stage_x, stage_row * row_bytes, row_bytes)
-            j = np.arange(sf_per_row, dtype=np.int64)  # for (j = lane; j < sf_per_row; j += kWarp): every j once
-            a.rows_sf.store_as(np.float32, j * a.sf_stride + p,
-                               stage_sf.load_as(np.float32, stage_row * sf_per_row + j, "stage sf"), "rows_sf")
+            weight = stage_w.load_as(np.float32, choice, "stage w")
+            store_plan_row(a, p, (src, token, choice % K, weight), stage_x, stage_sf, stage_row, row_bytes,
+                           sf_per_row, "stage")
+
+
+def store_group_end(a, offsets: list[int], num_local: int) -> None:
+    """group_end[e] = offsets[e] + counts[e] (block 0: for (e = threadIdx.x; e < num_local; e += blockDim.x);
+    unsigned, stored as int)."""
+    e_all = np.arange(num_local)
+    end = np.array(offsets[:num_local], np.int64) + a.counts.load_as(np.uint32, e_all, "counts")
+    a.group_end.store_as(np.int32, e_all, end.astype(np.uint32).view(np.int32), "group_end")
+
+
+def store_plan_row(a, p: int, fields: tuple, x, sf, row: int, row_bytes: int, sf_per_row: int, what: str) -> None:
+    """Plan row ``p``: lane 0 stores its (src, token, k, weight) ``fields``, the warp copies row ``row`` of ``x``
+    (warp_copy16) and of the scales ``sf`` (``what``: whose rows, stage or pool)."""
+    src, token, k, weight = fields
+    a.row_src.store_as(np.int32, p, src, "row_src")
+    a.row_token.store_as(np.int32, p, token, "row_token")
+    a.row_k.store_as(np.int32, p, k, "row_k")
+    a.row_weight.store_as(np.float32, p, weight, "row_weight")
+    warp_copy16(a.rows, p * row_bytes, x, row * row_bytes, row_bytes)
+    j = np.arange(sf_per_row, dtype=np.int64)  # for (j = lane; j < sf_per_row; j += kWarp): every j once
+    a.rows_sf.store_as(np.float32, j * a.sf_stride + p,
+                       sf.load_as(np.float32, row * sf_per_row + j, f"{what} sf"), "rows_sf")
 
 
 def kernels(order_seed: int = 0) -> dict:

@@ -166,15 +166,9 @@ def quantize_block(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
 def begin_chunk(ring: RingView, epoch: int, seq: int, begun: set):
     """protocol/ring.cuh begin_chunk, as pull.py's, but every block stores the same consumed word (benignly:
     the same value) - so an ordered store; the first block past it marks the slot's bytes unwritten."""
-    d = ring.d
-    slot, lap, mask = seq % d.num_slots, seq // d.num_slots, (2**64 - 1) >> d.epoch_bits
-    if lap >= mask:
-        ring.record_error("kLapOverflow", "kPublish", d.my_pe, slot, mask - 1, lap)
+    d, slot = ring.d, seq % ring.d.num_slots
+    if not (yield from pull_emu.begin_chunk(ring, epoch, seq, ordered=True)):
         return False
-    if lap >= 1:
-        if not (yield from pull_emu.wait_acked(ring, epoch, seq - d.num_slots)):
-            return False
-        ring.ordered_store(ring.word("consumed", slot), np.uint64, ring.gen(epoch, seq - d.num_slots), "consumed")
     if (d.base, seq) not in begun:
         begun.add((d.base, seq))
         for name, size in (("x", d.x_row_bytes), ("x_sf", 4 * d.x_sf_row_floats), ("topk_idx", 4 * d.topk),

@@ -16,12 +16,11 @@ import numpy as np
 from tests.helpers.emulation.machine import EmulatedMemoryError, Pointer, read_struct
 from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS
 from tests.helpers.emulation.ring import CONTROL, META_EOS, RingView, copy, make_gen
+from tests.helpers.emulation.waves import DESC_FIELD
 
 __all__ = ["NO_HELD_CHUNK", "kernels"]
 
 NO_HELD_CHUNK = 2**64 - 1  # moe_stream.cu kNoHeldChunk
-DESC_FIELD = {"kFieldVersion": 1, "kFieldBytes": 2, "kFieldSources": 3, "kFieldTopk": 4, "kFieldRowBytes": 5,
-              "kFieldSfPerRow": 6}
 
 
 # ---------------------------------------------------------------- producer
@@ -39,7 +38,8 @@ def wait_acked(ring: RingView, epoch: int, seq: int):
     return True
 
 
-def begin_chunk(ring: RingView, epoch: int, seq: int):
+def begin_chunk(ring: RingView, epoch: int, seq: int, ordered: bool = False):
+    """``ordered``: every block of the launch stores the consumed word (the same value), an ordered store."""
     d = ring.d
     slot, lap, mask = seq % d.num_slots, seq // d.num_slots, (2**64 - 1) >> d.epoch_bits
     if lap >= mask:  # !lap_fits
@@ -48,7 +48,11 @@ def begin_chunk(ring: RingView, epoch: int, seq: int):
     if lap >= 1:
         if not (yield from wait_acked(ring, epoch, seq - d.num_slots)):
             return False
-        ring.store(ring.word("consumed", slot), ring.gen(epoch, seq - d.num_slots), "consumed")
+        consumed, gen = ring.word("consumed", slot), ring.gen(epoch, seq - d.num_slots)
+        if ordered:
+            ring.ordered_store(consumed, np.uint64, gen, "consumed")
+        else:
+            ring.store(consumed, gen, "consumed")
     return True
 
 
@@ -181,6 +185,8 @@ def finish_chunk(ring: RingView, epoch: int, src: int, seq: int, counts, blocks:
 
 
 def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred: Pointer | None, visit):
+    """ring.cuh consume_invocation; ``visit(src, seq, slot)`` is a generator (moe_pull_blocks' reservations may
+    wait), its value whether the walk goes on."""
     d = ring.d
     next_seqs = [ring.load(ring.word("cursor", src), "cursor") for src in range(d.world_size)]
     active = set(range(d.world_size))
@@ -192,12 +198,11 @@ def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred
             slot = seq % d.num_slots
             if not (yield from wait_chunk(ring, epoch, src, seq)):
                 return False
-            meta = ring.fetch_meta(src, slot)
+            meta = ring.chunk_meta(src, slot)
             if meta is None:
-                ring.record_error("kPeerUnreachable", "kPayload", src, slot, 0, 0)
                 return False
             eos = bool(meta.flags & META_EOS)
-            if not visit(src, seq, slot):
+            if not (yield from visit(src, seq, slot)):
                 return False
             if deferred is not None and eos:
                 if ring.block == 0:
@@ -224,30 +229,59 @@ def check_stage(ring: RingView, s) -> bool:
     return True
 
 
-def pull_visit(ring: RingView, s, src: int, seq: int, slot: int, part: int, parts: int) -> bool:
-    """moe_pull's visit for block ``part`` of ``parts``."""
-    d, N, K = ring.d, s.token_capacity, ring.d.topk
+def checked_chunk_rows(ring: RingView, s, src: int, slot: int, report: bool) -> tuple[int, int] | None:
+    """chunk_meta and checked_chunk_rows: (token_base, rows), no rows where the meta is out of the stage's range
+    (the grid's first thread, ``report``, reports it), or None (unreachable: recorded)."""
+    d, N = ring.d, s.token_capacity
     meta = ring.chunk_meta(src, slot)
     if meta is None:
-        return False
+        return None
     base, n = meta.token_base, meta.num_tokens
-    if n > d.tokens_per_slot or base > N or n > N - base:  # checked_chunk_rows; the grid's first thread reports
-        if part == 0:
+    if n > d.tokens_per_slot or base > N or n > N - base:
+        if report:
             field, value = ("kNumTokens", n) if n > d.tokens_per_slot else ("kTokenBase", base)
             ring.report_input(field, src, slot, 0, 0, value)
         n = 0
-    lo, hi = n * part // parts, n * (part + 1) // parts
-    first_row = src * N + (base if n else 0)
+    return base, n
+
+
+def fetch_choices(ring: RingView, s, src: int, slot: int, first_row: int, lo: int, hi: int) -> Pointer:
+    """Rows lo..hi's topk_idx and topk_weights fetched into the stage at ``first_row``, each expert checked in
+    place (checked_expert): the stage's idx from ``first_row``."""
+    d, K = ring.d, ring.d.topk
     idx = Pointer(ring.memory, s.idx + 4 * first_row * K, "stage idx")
     ring.fetch(idx.address + 4 * lo * K, ring.part("topk_idx", slot) + 4 * lo * K, 4 * (hi - lo) * K, src, "idx")
     ring.fetch(s.w + 4 * (first_row + lo) * K, ring.part("topk_weights", slot) + 4 * lo * K, 4 * (hi - lo) * K,
                src, "w")
-    for i in range(lo * K, hi * K):  # checked_expert, in place
+    for i in range(lo * K, hi * K):
         e = int(idx.load_as(np.int32, i, "stage idx"))
         if not -1 <= e < d.num_experts:
             ring.report_input("kTopkIdx", src, slot, i // K, i % K, e)
             e = -1
         idx.store_as(np.int32, i, e, "stage idx", again=True)
+    return idx
+
+
+def checked_scales(ring: RingView, address: int, src: int, slot: int, row: int, what: str) -> None:
+    """checked_scale, in place: a row's scale factors at ``address``, each one not finite reported and zeroed."""
+    scales = Pointer(ring.memory, address, what)
+    for i in range(ring.d.x_sf_row_floats):
+        value = scales.load_as(np.float32, i, what)
+        if not np.isfinite(value):
+            ring.report_input("kXSf", src, slot, row, i, int(np.float32(value).view(np.uint32)))
+            value = np.float32(0)
+        scales.store_as(np.float32, i, value, what, again=True)
+
+
+def pull_visit(ring: RingView, s, src: int, seq: int, slot: int, part: int, parts: int) -> bool:
+    """moe_pull's visit for block ``part`` of ``parts``."""
+    got = checked_chunk_rows(ring, s, src, slot, part == 0)
+    if got is None:
+        return False
+    (base, n), d, N, K = got, ring.d, s.token_capacity, ring.d.topk
+    lo, hi = n * part // parts, n * (part + 1) // parts
+    first_row = src * N + (base if n else 0)
+    idx = fetch_choices(ring, s, src, slot, first_row, lo, hi)
     rows = np.arange(lo, hi)
     choices = idx.load_as(np.int32, rows[:, None] * K + np.arange(K), "stage idx").reshape(-1, K)
     mine = rows[((choices >= s.expert_lo) & (choices < s.expert_hi)).any(axis=1)]
@@ -255,14 +289,8 @@ def pull_visit(ring: RingView, s, src: int, seq: int, slot: int, part: int, part
     for row in mine.tolist():
         ring.fetch(s.x + (first_row + row) * row_bytes, ring.part("x", slot) + row * row_bytes, row_bytes, src, "x")
         ring.fetch(s.sf + 4 * (first_row + row) * sf, ring.part("x_sf", slot) + 4 * row * sf, 4 * sf, src, "sf")
-    for row in mine.tolist():  # checked_scale, in place
-        scales = Pointer(ring.memory, s.sf + 4 * (first_row + row) * sf, "stage sf")
-        for i in range(sf):
-            value = scales.load_as(np.float32, i, "stage sf")
-            if not np.isfinite(value):
-                ring.report_input("kXSf", src, slot, row, i, int(np.float32(value).view(np.uint32)))
-                value = np.float32(0)
-            scales.store_as(np.float32, i, value, "stage sf", again=True)
+    for row in mine.tolist():
+        checked_scales(ring, s.sf + 4 * (first_row + row) * sf, src, slot, row, "stage sf")
     return True
 
 
@@ -272,8 +300,12 @@ def moe_pull(ring: RingView, a, part: int, parts: int, visit=pull_visit):
     if not ring.rank.check_descriptor() or not check_stage(ring, s):
         return
     held = Pointer(ring.memory, s.held, "held")
-    yield from consume_invocation(ring, ring.epoch(), a.arrivals, parts, held,
-                                  lambda src, seq, slot: visit(ring, s, src, seq, slot, part, parts))
+
+    def visit_now(src: int, seq: int, slot: int):  # moe_pull's visit never waits
+        yield from ()
+        return visit(ring, s, src, seq, slot, part, parts)
+
+    yield from consume_invocation(ring, ring.epoch(), a.arrivals, parts, held, visit_now)
 
 
 def moe_ack_held(ring: RingView, a, part: int, parts: int):

@@ -17,7 +17,7 @@ block runs at a time, between its waits). Blocks resume in an order drawn from `
 
 Visibility (the consumer's C1 edge): a block may read a source's slot (meta, x, x_sf, topk_idx, topk_weights)
 only between its wait_chunk for that slot and its arrival on or acknowledgement of the chunk (a held chunk stays
-readable); any other read raises :class:`EmulatedMemoryError` (the producer's side, pull_emu.check_free: a
+readable); any other read raises :class:`EmulatedMemoryError` (the producer's side, pull.py's check_free: a
 slot is written only once every destination acknowledged its previous lap). Where it cannot be faithful: memory ordering
 itself, timing and timeouts, RMA gets (every peer is DIRECT), warps and lanes inside a block."""
 
@@ -239,20 +239,14 @@ class RingView:
             status.store_as(np.uint64, STATUS[f"kStatusInput{name}"], v % 2**64, f"input {name}")
 
     def spin_until(self, site: str, peer: int, slot: int, expected: int, poll):
-        """spin_until (generator): returns poll's verdict; yields while it would keep polling."""
-        while True:
+        """spin_until (generator): :meth:`Rank.spin_until`, a poll that decides counted as progress."""
+        def counted():
             verdict, observed = poll()
             if verdict != 0:
                 self.streams.progress += 1
-                return verdict > 0
-            if self.has_error():
-                return False
-            abort = self.rank.word("kStatusAbort") or self.rank.word("kStatusAbortNotice")
-            if abort:
-                self.record_error("kPeerAborted", site, peer, slot, expected, abort)
-                return False
-            yield f"PE {self.d.my_pe} block {self.block} at {site} (peer {peer}, slot {slot}): " \
-                  f"expected {expected:#x}, observed {observed:#x}"
+            return verdict, observed
+
+        return (yield from self.rank.spin_until(site, peer, slot, expected, counted, f" block {self.block}"))
 
     def poll_gen(self, address: int, site: str, peer: int, slot: int, want: int):
         """A poll of a generation word (ready or ack) for spin_until, with poll_verdict's error records."""

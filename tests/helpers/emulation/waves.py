@@ -5,10 +5,11 @@ protocol functions the claim calls - check_descriptor, moe/descriptors.cuh's che
 and the PoolDesc are read word by word in the order their headers declare; the error record lands in the ring
 buffer's status words, as on the GPU.
 
-spin_until: the emulation runs one kernel at a time, so nothing changes a word while a wait polls it. A wait whose
-condition holds at its first poll returns at once; one that would keep polling returns false where the GPU's would
-stop at its 64th poll (this rank has an error; a peer's abort word or notice - recorded as kPeerAborted), and
-otherwise raises :class:`EmulatedWaitBlocks`: on the GPU it waits for another kernel (the pull), or times out.
+spin_until: the claim is a coroutine whose wait yields (blocks.py runs it beside the pull); :func:`kernels` runs it
+alone, so nothing changes a word while a wait polls it. A wait whose condition holds at its first poll returns at
+once; one that would keep polling returns false where the GPU's would stop at its 64th poll (this rank has an error;
+a peer's abort word or notice - recorded as kPeerAborted), and otherwise yields, which run alone raises
+:class:`EmulatedWaitBlocks`: on the GPU it waits for another kernel (the pull), or times out.
 raise_abort reaches this rank's own abort words; the other ranks' (other GPUs) are listed in ``aborts_sent``.
 
 The claim's threads scan the pool ids in an order drawn from ``order_seed`` (its CAS and atomics then run in that
@@ -32,7 +33,7 @@ from tests.helpers.emulation.machine import (
     header_structs,
     read_struct,
 )
-from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS, descriptor, pointer, warp_copy16
+from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS, descriptor, pointer, store_group_end, store_plan_row
 
 __all__ = ["ERROR", "SITE", "STATUS", "EmulatedWaitBlocks", "PoolLayout", "kernels", "sealed_unclaimed"]
 
@@ -43,10 +44,10 @@ CONTROL = header_enum("chunkring/layout/ring_desc.cuh", "ControlWord")
 ERROR = header_enum("chunkring/protocol/status.cuh", "ErrorCode")
 SITE = header_enum("chunkring/protocol/status.cuh", "Site")
 COUNTER = header_enum("chunkring/moe/blocks.cuh", "Counter")
-# moe/blocks.cuh's state bits; descriptors.cuh's DescField values the claim can record.
+DESC_FIELD = header_enum("chunkring/moe/descriptors.cuh", "DescField")  # what check_stage / check_pool record
+# moe/blocks.cuh's state bits.
 SEALED_BIT, CLAIMED_BIT = 1 << 30, 1 << 31
 COUNT_MASK = SEALED_BIT - 1
-FIELD_VERSION, FIELD_BYTES, FIELD_ROW_BYTES, FIELD_SF_PER_ROW = 1, 2, 5, 6
 ABORT_CODE_BITS = ABORT_ORIGIN_BITS = 8
 
 
@@ -131,18 +132,22 @@ class Rank:
         if self.d.failure_word != 0:
             Pointer(self.memory, self.d.failure_word, "failure word").store_as(np.uint64, 0, word, "failure word")
 
-    def spin_until(self, site: str, peer: int, slot: int, expected: int, poll) -> bool:
-        verdict, observed = poll()
-        if verdict != 0:
-            return verdict > 0
-        # Nothing runs beside this kernel here: the condition stays false. The GPU's 64th poll stops at an error.
-        if self.word("kStatusCode") != 0:
-            return False
-        abort = self.word("kStatusAbort") or self.word("kStatusAbortNotice")
-        if abort:
-            self.record_error("kPeerAborted", site, peer, slot, expected, abort)
-            return False
-        raise EmulatedWaitBlocks(f"spin_until at {site} would wait: expected {expected}, observed {observed}")
+    def spin_until(self, site: str, peer: int, slot: int, expected: int, poll, who: str = ""):
+        """spin_until (a generator): poll's verdict, or false where the GPU's 64th poll stops at an error (this
+        rank's, or a peer's abort recorded as kPeerAborted); while it would keep polling it yields what it waits
+        for (``who``: the block, where several run)."""
+        while True:
+            verdict, observed = poll()
+            if verdict != 0:
+                return verdict > 0
+            if self.word("kStatusCode") != 0:
+                return False
+            abort = self.word("kStatusAbort") or self.word("kStatusAbortNotice")
+            if abort:
+                self.record_error("kPeerAborted", site, peer, slot, expected, abort)
+                return False
+            yield f"PE {self.d.my_pe}{who} at {site} would wait (peer {peer}, slot {slot}): " \
+                  f"expected {expected:#x}, observed {observed:#x}"
 
     def check_descriptor(self) -> bool:
         d = self.d
@@ -153,13 +158,13 @@ class Rank:
 
     def check_pool(self, p) -> bool:
         """moe::check_pool without a stage: DescCheck records the first field that differs (thread 0)."""
-        expectations = ((FIELD_VERSION, LAYOUT_VERSION, p.layout_version),
-                        (FIELD_BYTES, 8 * len(STRUCTS["PoolDesc"]), p.desc_bytes),
-                        (FIELD_ROW_BYTES, self.d.x_row_bytes, p.row_bytes),
-                        (FIELD_SF_PER_ROW, self.d.x_sf_row_floats, p.sf_per_row))
+        expectations = (("kFieldVersion", LAYOUT_VERSION, p.layout_version),
+                        ("kFieldBytes", 8 * len(STRUCTS["PoolDesc"]), p.desc_bytes),
+                        ("kFieldRowBytes", self.d.x_row_bytes, p.row_bytes),
+                        ("kFieldSfPerRow", self.d.x_sf_row_floats, p.sf_per_row))
         for field, expected, observed in expectations:
             if expected != observed:
-                self.record_error("kInternal", "kDescriptor", 0, field, expected, observed)
+                self.record_error("kInternal", "kDescriptor", 0, DESC_FIELD[field], expected, observed)
                 return False
         return True
 
@@ -184,8 +189,22 @@ class PoolWords:
         return int(self.words.cas_as(np.uint32, i, compare, value, what))
 
 
-def wait_for_blocks(rank: Rank, pool: PoolWords, claimed: int, want: int, last: bool) -> bool:
-    """moe_wave_claim's wait (thread 0)."""
+def run_alone(coroutine):
+    """Run a kernel's coroutine with nothing beside it: a wait it would yield at raises :class:`EmulatedWaitBlocks`
+    (nothing here could satisfy it; on the GPU another kernel - the pull - would, or the wait times out)."""
+    try:
+        waiting = next(coroutine)
+    except StopIteration as end:
+        return end.value
+    raise EmulatedWaitBlocks(waiting)
+
+
+def no_preemption():
+    yield from ()
+
+
+def wait_for_blocks(pool: PoolWords, claimed: int, want: int, last: bool, spin_until, pe: int):
+    """moe_wave_claim's wait (thread 0; a generator, as ``spin_until``)."""
     L = pool.layout
 
     def poll():
@@ -196,13 +215,13 @@ def wait_for_blocks(rank: Rank, pool: PoolWords, claimed: int, want: int, last: 
         observed = sealed_unclaimed(pool.load(L.counter("kSealed"), "sealed"), claimed)
         return (1 if observed >= want else 0), observed
 
-    return rank.spin_until("kWaitBlocks", rank.d.my_pe, 0, want, poll)
+    return (yield from spin_until("kWaitBlocks", pe, 0, want, poll))
 
 
-def moe_wave_claim(memory, grid, block, shared_bytes, a, order_seed: int = 0, ranks: list | None = None) -> None:
-    rank = Rank(memory, a.desc)
-    if ranks is not None:
-        ranks.append(rank)
+def moe_wave_claim(memory, rank: Rank, a, spin_until, order, preempt=no_preemption):
+    """moe_wave_claim as a coroutine: ``spin_until`` its wait (a generator: :meth:`Rank.spin_until`, or a ring
+    view's that yields to other kernels), ``order(n)`` the order its threads scan the pool ids ``0..n``,
+    ``preempt()`` a point before each id where other blocks may run."""
     if not rank.check_descriptor():
         return
     p = read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc")
@@ -213,15 +232,15 @@ def moe_wave_claim(memory, grid, block, shared_bytes, a, order_seed: int = 0, ra
     # thread 0
     claimed = pool.load(L.counter("kClaimed"), "claimed")
     want = 1 if a.last else a.min_blocks % 2**32
-    ready = wait_for_blocks(rank, pool, claimed, want, bool(a.last))
+    ready = yield from wait_for_blocks(pool, claimed, want, bool(a.last), spin_until, rank.d.my_pe)
     allocated = min(pool.load(L.counter("kPoolNext"), "pool_next"), L.blocks)
     claimed_here = 0
     pool.store(L.counter("kWaveCount"), 0, "wave_count")
     # __syncthreads()
     if not ready:
         return
-    for i in np.random.default_rng(order_seed).permutation(allocated):  # id = threadIdx.x; id += blockDim.x
-        i = int(i)
+    for i in order(allocated):  # id = threadIdx.x; id += blockDim.x
+        yield from preempt()
         state = pool.load(L.state(i), "state")
         if not state & SEALED_BIT or state & CLAIMED_BIT:
             continue
@@ -241,6 +260,18 @@ def moe_wave_claim(memory, grid, block, shared_bytes, a, order_seed: int = 0, ra
         rank.record_error("kInternal", "kBlocks", rank.d.my_pe, 0, allocated, claimed)
 
 
+def moe_wave_claim_alone(memory, grid, block, shared_bytes, a, order_seed: int = 0, ranks: list | None = None):
+    """The claim run alone (:func:`run_alone`): its threads scan in an order drawn from ``order_seed``."""
+    rank = Rank(memory, a.desc)
+    if ranks is not None:
+        ranks.append(rank)
+
+    def order(n: int) -> list[int]:
+        return np.random.default_rng(order_seed).permutation(n).tolist()
+
+    run_alone(moe_wave_claim(memory, rank, a, rank.spin_until, order))
+
+
 def moe_wave_gather(memory, grid, block, shared_bytes, a, order_seed: int = 0) -> None:
     pd = descriptor(memory, a.pool_desc, "PoolDesc")  # require_descriptor
     pool = PoolWords(memory, pd)
@@ -251,9 +282,7 @@ def moe_wave_gather(memory, grid, block, shared_bytes, a, order_seed: int = 0) -
     pool_k, pool_w = pointer(memory, pd, "k"), pointer(memory, pd, "weight")
     row_bytes, sf_per_row = pd.row_bytes, pd.sf_per_row
     offsets = group_offsets(a.counts, num_local, block_m, block, shared_bytes)
-    e_all = np.arange(num_local)  # block 0
-    end = np.array(offsets[:num_local], np.int64) + a.counts.load_as(np.uint32, e_all, "counts")
-    a.group_end.store_as(np.int32, e_all, end.astype(np.uint32).view(np.int32), "group_end")
+    store_group_end(a, offsets, num_local)
     claimed, bm = pool.load(L.counter("kWaveCount"), "wave_count"), block_m
     warps = grid * block // WARP
     items = [item for warp in range(warps) for item in range(warp, claimed * bm, warps)]
@@ -267,18 +296,13 @@ def moe_wave_gather(memory, grid, block, shared_bytes, a, order_seed: int = 0) -
         if e >= num_local:
             raise EmulatedMemoryError(f"offsets[{e}]: past the {num_local + 1} shared words")
         p = offsets[e] + int(a.cursors.atomic_add_as(np.uint32, e, 1, "cursors"))  # lane 0, then __shfl_sync
-        a.row_src.store_as(np.int32, p, pool_src.load_as(np.int32, src_row, "pool src"), "row_src")
-        a.row_token.store_as(np.int32, p, pool_token.load_as(np.int32, src_row, "pool token"), "row_token")
-        a.row_k.store_as(np.int32, p, pool_k.load_as(np.int32, src_row, "pool k"), "row_k")
-        a.row_weight.store_as(np.float32, p, pool_w.load_as(np.float32, src_row, "pool weight"), "row_weight")
-        warp_copy16(a.rows, p * row_bytes, pool_x, src_row * row_bytes, row_bytes)
-        j = np.arange(sf_per_row, dtype=np.int64)  # for (j = lane; j < sf_per_row; j += kWarp): every j once
-        a.rows_sf.store_as(np.float32, j * a.sf_stride + p,
-                           pool_sf.load_as(np.float32, src_row * sf_per_row + j, "pool sf"), "rows_sf")
+        fields = (pool_src.load_as(np.int32, src_row, "pool src"), pool_token.load_as(np.int32, src_row, "pool token"),
+                  pool_k.load_as(np.int32, src_row, "pool k"), pool_w.load_as(np.float32, src_row, "pool weight"))
+        store_plan_row(a, p, fields, pool_x, pool_sf, src_row, row_bytes, sf_per_row, "pool")
 
 
 def kernels(order_seed: int = 0, ranks: list | None = None) -> dict:
     """The emulated wave kernels by name; each claim's :class:`Rank` (its ``aborts_sent``) is appended to
     ``ranks``."""
-    return {"moe_wave_claim": lambda *args: moe_wave_claim(*args, order_seed=order_seed, ranks=ranks),
+    return {"moe_wave_claim": lambda *args: moe_wave_claim_alone(*args, order_seed=order_seed, ranks=ranks),
             "moe_wave_gather": lambda *args: moe_wave_gather(*args, order_seed=order_seed)}

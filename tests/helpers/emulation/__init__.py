@@ -9,5 +9,5 @@ cannot be satisfied yields, and when nothing can progress it fails with Emulated
 by word in the headers' order; pull_reference.py and plan_layout.py say what memory must hold afterwards.
 
 It is sequentially consistent, so it checks the protocols' logic and the kernels' addressing. Only a GPU shows
-memory ordering (fences, acquire/release), timing and timeouts, the tensor core's summation order, RMA peers and
-the timeline trace."""
+memory ordering (fences, acquire/release), timing and real timeouts (ring.py's Clock only orders deadlines), the
+tensor core's summation order, RMA peers and the timeline trace."""

@@ -1,9 +1,10 @@
-"""The ring's data path of device/kernels/ring_host_api.cu (ring_publish_tensors; ring_publish_open, _copy, _close)
-and moe_stream.cu (moe_pull, moe_ack_held) run on the CPU as written, over tests/helpers/emulation/ring.py's heap,
-streams and protocol words (tests/unit/test_ring_pull_emulation.py drives them through publish_chunk and the
-layer's launch of moe_pull). Each function mirrors its device function (protocol/ring.cuh begin_chunk, wait_acked,
-publish, end_chunk, wait_chunk, ack_chunk, finish_chunk, last_block_to_arrive, consume_invocation; publish.cuh
-chunk_extent, close_chunk; validate.cuh's checks; moe/descriptors.cuh check_stage) for one block, thread 0's part
+"""The ring's data path of device/kernels/ring_host_api.cu (ring_publish_tensors; ring_publish_open, _copy, _close;
+ring_raise_abort) and moe_stream.cu (moe_pull, moe_ack_held) run on the CPU as written, over
+tests/helpers/emulation/ring.py's heap, streams and protocol words (tests/unit/test_ring_pull_emulation.py drives
+them through publish_chunk and the layer's launch of moe_pull, test_ring_abort_emulation.py the aborts). Each
+function mirrors its device function (protocol/ring.cuh begin_chunk, wait_acked, publish, end_chunk, wait_chunk,
+ack_chunk, finish_chunk, last_block_to_arrive, consume_invocation; publish.cuh chunk_extent, close_chunk;
+validate.cuh's checks; moe/descriptors.cuh check_stage) for one block, thread 0's part
 where the device has thread 0 alone act; the StageDesc is read word by word in layout/moe_desc.cuh's order and its
 addresses resolved where dereferenced. Not emulated: the timeline trace (the launches pass trace=None), RMA peers."""
 
@@ -16,7 +17,7 @@ import numpy as np
 from tests.helpers.emulation.machine import EmulatedMemoryError, Pointer, read_struct
 from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS
 from tests.helpers.emulation.ring import CONTROL, META_EOS, RingView, copy, make_gen
-from tests.helpers.emulation.waves import DESC_FIELD
+from tests.helpers.emulation.waves import DESC_FIELD, ERROR
 
 __all__ = ["NO_HELD_CHUNK", "kernels"]
 
@@ -327,8 +328,15 @@ def moe_ack_held(ring: RingView, a, part: int, parts: int):
         ack_chunk(ring, ring.epoch(), part, seq)
 
 
+def ring_raise_abort(ring: RingView, a, part: int, parts: int):
+    """ring_host_api.cu ring_raise_abort: thread 0 records ``code`` at kHostCheck (no peer, slot or value)."""
+    if ring.rank.check_descriptor():
+        ring.record_error({v: k for k, v in ERROR.items()}[a.code], "kHostCheck", 0, 0, 0, 0)
+    yield from ()
+
+
 KERNELS = {f.__name__: f for f in (ring_publish_tensors, ring_publish_open, ring_publish_copy, ring_publish_close,
-                                   moe_pull, moe_ack_held)}
+                                   moe_pull, moe_ack_held, ring_raise_abort)}
 
 
 def kernels(heap, streams, only=None) -> dict:

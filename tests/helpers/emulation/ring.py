@@ -19,7 +19,15 @@ Visibility (the consumer's C1 edge): a block may read a source's slot (meta, x, 
 only between its wait_chunk for that slot and its arrival on or acknowledgement of the chunk (a held chunk stays
 readable); any other read raises :class:`EmulatedMemoryError` (the producer's side, pull.py's check_free: a
 slot is written only once every destination acknowledged its previous lap). Where it cannot be faithful: memory ordering
-itself, timing and timeouts, RMA gets (every peer is DIRECT), warps and lanes inside a block."""
+itself, timing, RMA gets (every peer is DIRECT), warps and lanes inside a block.
+
+Aborts (status.cuh raise_abort) reach every rank's words through the heap (:class:`HeapRank`): the notice by a
+signal SET, the abort word by a CAS; a fetching operation to a PE in ``SymmetricHeap.fetch_hangs`` never returns
+(:class:`EmulatedStuck`: the block then waits for ever). Timeouts, with a :class:`Clock` on the Streams: the
+globaltimer stands still while any block progresses and, when every block waits, jumps just past the earliest
+deadline of a wait, so exactly the wait with the soonest deadline times out (deterministically); without one, a
+pass without progress is EmulatedWaitBlocks. A HeapRuntime with ``host_word`` gives each Ring a failure word the
+emulated kernels store into (register ``ring.failure.host`` with the Memory)."""
 
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ import torch
 from tests.helpers.emulation.machine import EmulatedLibrary, EmulatedMemoryError, Memory, Pointer, header_enum
 from tests.helpers.emulation.waves import STATUS, EmulatedWaitBlocks, Rank
 
-__all__ = ["CONTROL", "HeapRuntime", "RingView", "Streams", "StreamLibrary", "SymmetricHeap", "make_gen"]
+__all__ = ["CONTROL", "Clock", "EmulatedStuck", "HeapRank", "HeapRuntime", "RingView", "Streams", "StreamLibrary",
+           "SymmetricHeap", "make_gen"]
 
 CONTROL = header_enum("chunkring/layout/ring_desc.cuh", "ControlWord")
 INPUT = header_enum("chunkring/protocol/validate.cuh", "InputField")
@@ -47,6 +56,7 @@ class SymmetricHeap:
         self.world_size = world_size
         self.objects: list[list[torch.Tensor]] = []  # per object, its tensor at each rank
         self.allocated = [0] * world_size
+        self.fetch_hangs: set[int] = set()  # PEs whose fetching remote operations from another PE never return
 
     def alloc(self, rank: int, shape, dtype) -> torch.Tensor:
         i = self.allocated[rank]
@@ -70,8 +80,8 @@ class HeapRuntime:
     this rank's answer for every rank (every rank passes the same arguments here), quiesce has nothing to wait
     for, and peer_address maps through the heap (every peer DIRECT)."""
 
-    def __init__(self, heap: SymmetricHeap, rank: int) -> None:
-        self.heap, self.rank, self.world_size = heap, rank, heap.world_size
+    def __init__(self, heap: SymmetricHeap, rank: int, *, host_word: bool = False) -> None:
+        self.heap, self.rank, self.world_size, self.host_word = heap, rank, heap.world_size, host_word
         self.torch_device = torch.device("cpu")
 
     def alloc(self, shape, dtype):
@@ -81,7 +91,9 @@ class HeapRuntime:
         pass
 
     def mapped_host_word(self):
-        return torch.zeros(1, dtype=torch.int64), 0
+        """The failure word: a CPU int64 and, with ``host_word``, its address as the device's (else 0: unwritten)."""
+        word = torch.zeros(1, dtype=torch.int64)
+        return word, word.data_ptr() if self.host_word else 0
 
     def peer_address(self, tensor, pe):
         return self.heap.nvshmem_ptr(tensor.data_ptr(), self.rank, pe)
@@ -95,12 +107,70 @@ class HeapRuntime:
     def quiesce(self, timeout_s, *, what):
         pass
 
+    def synchronize(self, timeout_s, *, what):
+        pass  # the emulated kernels ran in Streams.run
+
+
+class EmulatedStuck(Exception):  # noqa: N818 - a block's state, as EmulatedWaitBlocks
+    """A fetching remote operation that never returns: the block raising it waits for ever."""
+
+    def forever(self):
+        while True:
+            yield str(self)
+
+
+class Clock:
+    """The globaltimer in ns: ``now``, and the deadlines the waits of the current pass hold."""
+
+    def __init__(self) -> None:
+        self.now, self.deadlines = 0, set()
+
+    def wake(self) -> bool:
+        """Every block waits: jump just past the earliest deadline (False: no wait has one)."""
+        later = [t for t in self.deadlines if t >= self.now]
+        self.deadlines.clear()
+        if not later:
+            return False
+        self.now = min(later) + 1
+        return True
+
+
+class HeapRank(Rank):
+    """A Rank whose aborts reach every rank's words through the heap (status.cuh raise_abort)."""
+
+    def __init__(self, memory: Memory, desc, heap: SymmetricHeap) -> None:
+        super().__init__(memory, desc)
+        self.heap = heap
+
+    def status_word(self, name: str, pe: int) -> Pointer:
+        """Status word ``name`` of PE ``pe`` (nvshmem_ptr of this rank's)."""
+        address = self.heap.nvshmem_ptr(self.status.address + 8 * STATUS[name], self.d.my_pe, pe)
+        return Pointer(self.memory, address, f"{name} at PE {pe}")
+
+    def signal_set(self, name: str, word: int, pe: int) -> None:
+        """A non-fetching atomic SET (an atomic store: a CAS from what the word holds)."""
+        target = self.status_word(name, pe)
+        target.cas_as(np.uint64, 0, target.load_as(np.uint64, 0, name), word, name)
+
+    def atomic_cas(self, name: str, compare: int, word: int, pe: int) -> int:
+        """A fetching CAS: it returns once PE ``pe`` answers - never, for a PE in the heap's fetch_hangs."""
+        if pe != self.d.my_pe and pe in self.heap.fetch_hangs:
+            raise EmulatedStuck(f"PE {self.d.my_pe} waits for ever for PE {pe}'s answer to its CAS of {name}")
+        return int(self.status_word(name, pe).cas_as(np.uint64, 0, compare, word, name))
+
+    def raise_abort(self, word: int) -> None:
+        """Pass 1: the notice at every rank; pass 2: the abort word's CAS from 0 at every rank (quiet: nothing)."""
+        for pe in range(self.d.world_size):
+            self.signal_set("kStatusAbortNotice", word, pe)
+        for pe in range(self.d.world_size):
+            self.atomic_cas("kStatusAbort", 0, word, pe)
+
 
 class Streams:
     """CUDA streams of launches, each launch a list of block generators; :meth:`run` interleaves them."""
 
-    def __init__(self, memory: Memory, seed: int = 0) -> None:
-        self.memory, self.rng, self.progress = memory, np.random.default_rng(seed), 0
+    def __init__(self, memory: Memory, seed: int = 0, clock: Clock | None = None) -> None:
+        self.memory, self.rng, self.progress, self.clock = memory, np.random.default_rng(seed), 0, clock
         self.queues: dict[object, deque] = {}
         self.waits_seen: list[str] = []  # every wait that yielded, in order
 
@@ -109,9 +179,12 @@ class Streams:
 
     def run(self) -> None:
         """Until every stream is empty. A pass visits the streams in a seeded order; each runs its launches until one
-        waits (a stream runs ahead as far as it can). A pass without progress raises EmulatedWaitBlocks."""
+        waits (a stream runs ahead as far as it can). A pass without progress moves the clock to the next deadline;
+        where there is none (or no clock), it raises EmulatedWaitBlocks."""
         while any(self.queues.values()):
             before, waits = self.progress, []
+            if self.clock is not None:
+                self.clock.deadlines.clear()
             queues = [q for q in self.queues.values() if q]
             for i in self.rng.permutation(len(queues)):
                 while queues[i]:
@@ -121,7 +194,7 @@ class Streams:
                         break
                     queues[i].popleft()
             self.waits_seen += waits
-            if self.progress == before:
+            if self.progress == before and not (self.clock is not None and self.clock.wake()):
                 raise EmulatedWaitBlocks("every block waits: " + "; ".join(waits))
 
     def step(self, launch: list) -> list[str]:
@@ -135,6 +208,9 @@ class Streams:
                 waiting.append(next(blocks[i]))
             except StopIteration:
                 blocks[i], self.progress = None, self.progress + 1
+            except EmulatedStuck as stuck:  # it acted (its stores stand), then waits for ever
+                blocks[i], self.progress = stuck.forever(), self.progress + 1
+                waiting.append(str(stuck))
         launch[0] = [b for b in blocks if b is not None]
         return waiting
 
@@ -178,7 +254,8 @@ class RingView:
 
     def __init__(self, memory: Memory, heap: SymmetricHeap, streams: Streams, desc, block: int) -> None:
         self.memory, self.heap, self.streams, self.block = memory, heap, streams, block
-        self.rank = Rank(memory, desc)
+        self.rank = HeapRank(memory, desc, heap)
+        self.rank.clock = streams.clock
         self.d = self.rank.d
         self.visible: set[tuple[int, int]] = set()
 

@@ -10,7 +10,8 @@ alone, so nothing changes a word while a wait polls it. A wait whose condition h
 once; one that would keep polling returns false where the GPU's would stop at its 64th poll (this rank has an error;
 a peer's abort word or notice - recorded as kPeerAborted), and otherwise yields, which run alone raises
 :class:`EmulatedWaitBlocks`: on the GPU it waits for another kernel (the pull), or times out.
-raise_abort reaches this rank's own abort words; the other ranks' (other GPUs) are listed in ``aborts_sent``.
+raise_abort reaches this rank's own abort words; the other ranks' (other GPUs) are listed in ``aborts_sent``
+(ring.py's HeapRank writes them through the symmetric heap instead).
 
 The claim's threads scan the pool ids in an order drawn from ``order_seed`` (its CAS and atomics then run in that
 order), the gather's warps likewise. Where it cannot be faithful: memory ordering (acquire loads, fences - the
@@ -99,6 +100,7 @@ class Rank:
         self.status = Pointer(memory, self.d.base + self.d.off_status, "status words")
         self.control = Pointer(memory, self.d.base + self.d.off_control, "control words")
         self.memory, self.aborts_sent = memory, []
+        self.clock = None  # ring.py's Clock (the globaltimer) where waits time out; None: they never do
 
     def word(self, name: str) -> int:
         return int(self.status.load_as(np.uint64, STATUS[name], name))
@@ -120,8 +122,13 @@ class Rank:
         epoch = int(self.control.load_as(np.uint64, CONTROL["kControlEpoch"], "epoch"))
         word = epoch << (ABORT_CODE_BITS + ABORT_ORIGIN_BITS) | d.my_pe << ABORT_CODE_BITS | ERROR[code]
         self.report_to_host(word)
-        for pe in range(d.world_size):  # raise_abort: the notice, then the abort word's CAS, at every rank
-            if pe == d.my_pe:  # signal_set (an atomic store: a CAS from what it holds), then the CAS from 0
+        self.raise_abort(word)
+
+    def raise_abort(self, word: int) -> None:
+        """raise_abort: the notice, then the abort word's CAS, at every rank - this rank's own words here (a signal
+        SET is an atomic store: a CAS from what it holds), the others' listed."""
+        for pe in range(self.d.world_size):
+            if pe == self.d.my_pe:
                 notice = self.word("kStatusAbortNotice")
                 self.status.cas_as(np.uint64, STATUS["kStatusAbortNotice"], notice, word, "abort notice")
                 self.status.cas_as(np.uint64, STATUS["kStatusAbort"], 0, word, "abort word")
@@ -135,7 +142,10 @@ class Rank:
     def spin_until(self, site: str, peer: int, slot: int, expected: int, poll, who: str = ""):
         """spin_until (a generator): poll's verdict, or false where the GPU's 64th poll stops at an error (this
         rank's, or a peer's abort recorded as kPeerAborted); while it would keep polling it yields what it waits
-        for (``who``: the block, where several run)."""
+        for (``who``: the block, where several run). With a ``clock`` it also gives up once the clock is past the
+        deadline (entry + the descriptor's timeout_ns), recording kTimeout, as the GPU's 64th poll does."""
+        clock = self.clock
+        deadline = None if clock is None else clock.now + self.d.timeout_ns
         while True:
             verdict, observed = poll()
             if verdict != 0:
@@ -146,6 +156,11 @@ class Rank:
             if abort:
                 self.record_error("kPeerAborted", site, peer, slot, expected, abort)
                 return False
+            if deadline is not None:
+                if clock.now > deadline:
+                    self.record_error("kTimeout", site, peer, slot, expected, observed)
+                    return False
+                clock.deadlines.add(deadline)
             yield f"PE {self.d.my_pe}{who} at {site} would wait (peer {peer}, slot {slot}): " \
                   f"expected {expected:#x}, observed {observed:#x}"
 

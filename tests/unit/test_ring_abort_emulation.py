@@ -1,0 +1,159 @@
+"""The fail-closed paths of the ring at 2 ranks, the kernels emulated as written (tests/helpers/emulation/pull.py and
+ring.py: real Rings over one symmetric heap, the globaltimer a deterministic Clock) and the host's own functions
+reading what they left. A stalled call - rank 1 publishes three chunks of a stream it never ends through 2 slots
+and never pulls, rank 0 publishes one chunk and pulls, with a 1 s watchdog against rank 1's 5 s - makes rank 0's
+pull time out waiting for rank 1's third chunk while rank 1's third publish waits for its own ack.
+
+What it pins (protocol/status.cuh record_error, raise_abort, abort_word, spin_until; ring_host_api.cu
+ring_raise_abort; chunkring.ring.failure, Ring.raise_if_failed / check / reset): the origin's status record and
+failure word (the abort word: epoch, origin, code); every rank's abort notice and abort word set, the first abort
+winning the abort word at each rank; the peer's waiting producer stopped with PEER_ABORTED naming the origin, long
+before its own watchdog, its failure word that abort word; the typed host errors on each rank; the notice pass
+stopping a peer whose abort-word swap never returns (and, a mutant without it, that peer waiting for its own
+watchdog); the host's HOST_USAGE abort stopping a waiting peer; a reset zeroing every abort word and failure word,
+the next call running clean. Not here: memory ordering, real time, the quiet, a synchronise that never returns."""
+
+from __future__ import annotations
+
+import pytest
+
+from chunkring import PayloadFormat
+from chunkring.errors import ChunkringDeviceError, ChunkringPeerAbortedError, ChunkringTimeoutError
+from chunkring.ring.io import publish_chunk, raise_abort
+from chunkring.ring.layout import STATUS
+from chunkring.ring.status import AbortRecord, ErrorCode, Site
+from tests.helpers.emulation.pull_reference import Expected
+from tests.helpers.emulation.ring import Clock, HeapRank
+from tests.helpers.emulation.waves import EmulatedWaitBlocks
+from tests.helpers.emulation.world import E, World
+
+ORIGIN_WATCHDOG_NS, PEER_WATCHDOG_NS = 10**9, 5 * 10**9
+
+
+def abort_words(ring) -> tuple[int, int, int]:
+    """(abort word, abort notice, failure word) of one rank, unsigned."""
+    status = ring.views["status"]
+    return (int(status[STATUS["abort"]]) % 2**64, int(status[STATUS["abort_notice"]]) % 2**64, ring.failure.read())
+
+
+def publish(w: World, src: int, sizes: list[int], end: bool) -> None:
+    batch = w.batch(sizes)
+    for base, m, last in batch.chunks():
+        rows = slice(base, base + m)
+        publish_chunk(w.rings[src], x=batch.x[rows], x_sf=None, topk_idx=batch.idx[rows], topk_weights=batch.w[rows],
+                      token_base=base, end_of_stream=last and end)
+
+
+def stalled(monkeypatch, seed: int = 0) -> World:
+    w = World(monkeypatch, 2, PayloadFormat.BF16, seed=seed, clock=Clock())
+    w.rings[0].set_timeout(ORIGIN_WATCHDOG_NS / 1e9)  # rank 0's watchdog fires first
+    publish(w, 0, [2], end=True)
+    publish(w, 1, [2, 2, 2], end=False)
+    w.pull(0)
+    return w
+
+
+def word(w: World, origin: int, code: ErrorCode) -> int:
+    return AbortRecord.make(w.rings[0].epoch, origin, code).word
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_timeout_aborts_every_rank_and_each_host_raises_its_typed_error(monkeypatch, seed):
+    w = stalled(monkeypatch, seed)
+    w.streams.run()
+    assert ORIGIN_WATCHDOG_NS < w.clock.now < PEER_WATCHDOG_NS, "rank 1 stopped before its own watchdog"
+    abort = word(w, 0, ErrorCode.TIMEOUT)
+    origin, peer = w.rings[0].status(), w.rings[1].status()
+    assert (origin.code, origin.site, origin.pe, origin.peer, origin.slot) == (ErrorCode.TIMEOUT, Site.WAIT_ROUTE,
+                                                                              0, 1, 0)
+    assert (peer.code, peer.site, peer.pe, peer.peer, peer.observed) == (ErrorCode.PEER_ABORTED, Site.WAIT_REUSABLE,
+                                                                        1, 1, abort)
+    assert [abort_words(ring) for ring in w.rings] == [(abort, abort, abort)] * 2
+    for call in ("raise_if_failed", "check"):
+        with pytest.raises(ChunkringTimeoutError) as timeout:
+            getattr(w.rings[0], call)()
+        assert timeout.value.record.site == Site.WAIT_ROUTE and timeout.value.record.peer == 1
+        with pytest.raises(ChunkringPeerAbortedError) as aborted:
+            getattr(w.rings[1], call)()
+        assert (aborted.value.origin_rank, aborted.value.code) == (0, ErrorCode.TIMEOUT)
+
+
+def test_the_notice_stops_a_peer_whose_abort_word_swap_never_returns(monkeypatch):
+    w = stalled(monkeypatch)
+    w.heap.fetch_hangs.add(1)
+    with pytest.raises(EmulatedWaitBlocks, match="PE 0 waits for ever for PE 1's answer") as stuck:
+        w.streams.run()
+    assert "PE 1" not in str(stuck.value).replace("PE 1's answer", ""), "rank 1 waits no more"
+    assert w.clock.now < PEER_WATCHDOG_NS
+    abort = word(w, 0, ErrorCode.TIMEOUT)
+    peer = w.rings[1].status()
+    assert (peer.code, peer.observed) == (ErrorCode.PEER_ABORTED, abort)
+    assert abort_words(w.rings[1]) == (0, abort, abort), "no abort word landed: the notice stopped it"
+    assert abort_words(w.rings[0]) == (abort, abort, abort)
+    with pytest.raises(ChunkringPeerAbortedError) as aborted:
+        w.rings[1].raise_if_failed()
+    assert aborted.value.origin_rank == 0
+
+
+def abort_without_notice(rank: HeapRank, abort: int) -> None:
+    """Mutant: raise_abort's pass 2 alone."""
+    for pe in range(rank.d.world_size):
+        rank.atomic_cas("kStatusAbort", 0, abort, pe)
+
+
+def test_without_the_notice_pass_that_peer_waits_for_its_own_watchdog(monkeypatch):
+    monkeypatch.setattr(HeapRank, "raise_abort", abort_without_notice)
+    w = stalled(monkeypatch)
+    w.heap.fetch_hangs.add(1)
+    with pytest.raises(EmulatedWaitBlocks, match="waits for ever"):
+        w.streams.run()
+    assert w.rings[1].status().code == ErrorCode.TIMEOUT and w.clock.now > PEER_WATCHDOG_NS
+
+
+def test_a_host_usage_abort_stops_the_peer_waiting_in_the_call(monkeypatch):
+    w = World(monkeypatch, 2, PayloadFormat.BF16, clock=Clock())
+    w.pull(1)  # nobody publishes: it waits for rank 0's first chunk
+    raise_abort(w.rings[0], ErrorCode.HOST_USAGE)
+    w.streams.run()
+    assert w.clock.now == 0, "no watchdog fired"
+    abort = word(w, 0, ErrorCode.HOST_USAGE)
+    origin, peer = w.rings[0].status(), w.rings[1].status()
+    assert (origin.code, origin.site, origin.peer, origin.slot, origin.observed) == (ErrorCode.HOST_USAGE,
+                                                                                     Site.HOST_CHECK, 0, 0, 0)
+    assert (peer.code, peer.site, peer.peer, peer.observed) == (ErrorCode.PEER_ABORTED, Site.WAIT_ROUTE, 0, abort)
+    assert [abort_words(ring) for ring in w.rings] == [(abort, abort, abort)] * 2
+    with pytest.raises(ChunkringDeviceError) as refused:
+        w.rings[0].raise_if_failed()
+    assert type(refused.value) is ChunkringDeviceError and refused.value.record.code == ErrorCode.HOST_USAGE
+    with pytest.raises(ChunkringPeerAbortedError) as aborted:
+        w.rings[1].raise_if_failed()
+    assert (aborted.value.origin_rank, aborted.value.code) == (0, ErrorCode.HOST_USAGE)
+
+
+def test_the_first_abort_keeps_the_abort_word_at_every_rank(monkeypatch):
+    w = World(monkeypatch, 2, PayloadFormat.BF16, clock=Clock())
+    for rank in (0, 1):
+        raise_abort(w.rings[rank], ErrorCode.HOST_USAGE)
+        w.streams.run()
+    first, second = word(w, 0, ErrorCode.HOST_USAGE), word(w, 1, ErrorCode.HOST_USAGE)
+    assert [abort_words(ring) for ring in w.rings] == [(first, second, first), (first, second, second)]
+    with pytest.raises(ChunkringDeviceError, match="rank 0's abort .* reached this rank first"):
+        w.rings[1].check()
+
+
+def test_a_reset_clears_every_abort_and_the_next_call_runs_clean(monkeypatch):
+    w = stalled(monkeypatch)
+    w.streams.run()
+    epoch = w.rings[0].epoch
+    for ring in w.rings:
+        ring.reset()
+    for ring in w.rings:
+        assert ring.epoch == epoch + 1 and abort_words(ring) == (0, 0, 0) and ring.status().ok
+        ring.raise_if_failed()
+        ring.check()
+    w.expected, w.masked, now = Expected(w.rings, w.stages, E), [0, 0], w.clock.now
+    w.call([[3, 2], [4]])
+    w.ack_held()
+    w.expected.check(w.masked)
+    assert w.clock.now == now, "no watchdog fired"
+    assert all(abort_words(ring) == (0, 0, 0) for ring in w.rings)

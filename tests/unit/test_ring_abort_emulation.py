@@ -44,9 +44,10 @@ def publish(w: World, src: int, sizes: list[int], end: bool) -> None:
                       token_base=base, end_of_stream=last and end)
 
 
-def stalled(monkeypatch, seed: int = 0) -> World:
+def stalled(monkeypatch, seed: int = 0, origin: int = 0) -> World:
+    """The stalled call, ``origin``'s watchdog firing first (rank 0's pull, or rank 1's third publish)."""
     w = World(monkeypatch, 2, PayloadFormat.BF16, seed=seed, clock=Clock())
-    w.rings[0].set_timeout(ORIGIN_WATCHDOG_NS / 1e9)  # rank 0's watchdog fires first
+    w.rings[origin].set_timeout(ORIGIN_WATCHDOG_NS / 1e9)
     publish(w, 0, [2], end=True)
     publish(w, 1, [2, 2, 2], end=False)
     w.pull(0)
@@ -93,6 +94,30 @@ def test_the_notice_stops_a_peer_whose_abort_word_swap_never_returns(monkeypatch
     with pytest.raises(ChunkringPeerAbortedError) as aborted:
         w.rings[1].raise_if_failed()
     assert aborted.value.origin_rank == 0
+
+
+def abort_in_pe_order(rank: HeapRank, abort: int) -> None:
+    """Mutant: raise_abort's swaps from PE 0 on, not from this rank's own word."""
+    for pe in range(rank.d.world_size):
+        rank.signal_set("kStatusAbortNotice", abort, pe)
+    for pe in range(rank.d.world_size):
+        rank.atomic_cas("kStatusAbort", 0, abort, pe)
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_the_origin_swaps_its_own_abort_word_first(monkeypatch, mutant):
+    """Rank 1 fails while rank 0 never answers a fetching operation: its own abort word, swapped first (a local
+    swap returns), records that its error came first; swapping in PE order would leave it 0 behind PE 0's swap, and
+    a later rank's notice could then pass for the first error at the origin."""
+    if mutant:
+        monkeypatch.setattr(HeapRank, "raise_abort", abort_in_pe_order)
+    w = stalled(monkeypatch, origin=1)
+    w.heap.fetch_hangs.add(0)
+    with pytest.raises(EmulatedWaitBlocks, match="PE 1 waits for ever for PE 0's answer"):
+        w.streams.run()
+    abort = word(w, 1, ErrorCode.TIMEOUT)
+    assert w.rings[0].status().observed == abort  # the peer stopped on the notice either way
+    assert abort_words(w.rings[1])[0] == (0 if mutant else abort)
 
 
 def abort_without_notice(rank: HeapRank, abort: int) -> None:

@@ -159,11 +159,13 @@ class HeapRank(Rank):
         return int(self.status_word(name, pe).cas_as(np.uint64, 0, compare, word, name))
 
     def raise_abort(self, word: int) -> None:
-        """Pass 1: the notice at every rank; pass 2: the abort word's CAS from 0 at every rank (quiet: nothing)."""
-        for pe in range(self.d.world_size):
+        """Pass 1: the notice at every rank; pass 2: the abort word's CAS from 0 at every rank, this one's first
+        (quiet: nothing)."""
+        W, me = self.d.world_size, self.d.my_pe
+        for pe in range(W):
             self.signal_set("kStatusAbortNotice", word, pe)
-        for pe in range(self.d.world_size):
-            self.atomic_cas("kStatusAbort", 0, word, pe)
+        for i in range(W):
+            self.atomic_cas("kStatusAbort", 0, word, (me + i) % W)
 
 
 class Streams:

@@ -91,7 +91,9 @@ __device__ __forceinline__ u64 abort_word(const RingDesc& d) {
 //     that never answers (a fetching operation to it would never return) holds back no later rank.
 //  2. the abort word: a fetching compare-and-swap from 0 into each rank's, so at every rank the first error
 //     of the epoch wins. Each waits for its rank's reply: a rank after an unreachable one may never get its
-//     swap, but the notice of pass 1 already stops its waits (abort_word falls back to it).
+//     swap, but the notice of pass 1 already stops its waits (abort_word falls back to it). This rank's own
+//     word first - a local swap always returns - so its record of which error came first holds even when a
+//     peer never answers (a later rank's notice may overwrite the notice here, never the abort word).
 // Then a quiet: every notice has landed before the kernel ends, hence before a reset can zero the words
 // (the swaps are fetching, so they landed on return). NOTES: relaxed, no fence - an abort carries no
 // payload (a peer only stops waiting; it reads nothing of ours because of it), so eventual visibility is
@@ -100,7 +102,10 @@ __device__ __noinline__ void raise_abort(const RingDesc& d, u64 word) {
     u64* notice = layout::status_word(d, layout::kStatusAbortNotice);
     u64* first = layout::status_word(d, layout::kStatusAbort);
     for (u64 pe = 0; pe < d.world_size; ++pe) comm::signal_set_relaxed(notice, word, static_cast<int>(pe));
-    for (u64 pe = 0; pe < d.world_size; ++pe) comm::atomic_cas_relaxed(first, 0, word, static_cast<int>(pe));
+    for (u64 i = 0; i < d.world_size; ++i) {
+        const u64 pe = (d.my_pe + i) % d.world_size;  // this rank first, then the next ones
+        comm::atomic_cas_relaxed(first, 0, word, static_cast<int>(pe));
+    }
     comm::quiet();
 }
 

@@ -35,7 +35,8 @@ def body(text: str, function: str) -> str:
 
 
 def statements(block: str) -> list[str]:
-    return [s.strip() for s in re.split(r";", " ".join(block.split())) if s.strip()]
+    """The simple statements of ``block``, in order (a loop's braces separate them like semicolons)."""
+    return [s.strip() for s in re.split(r"[;{}]", " ".join(block.split())) if s.strip()]
 
 
 def test_quiet_block_is_barrier_one_quiet_barrier():

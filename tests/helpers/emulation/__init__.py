@@ -10,4 +10,5 @@ by word in the headers' order; pull_reference.py and plan_layout.py say what mem
 
 It is sequentially consistent, so it checks the protocols' logic and the kernels' addressing. Only a GPU shows
 memory ordering (fences, acquire/release), timing and real timeouts (ring.py's Clock only orders deadlines), the
-tensor core's summation order, RMA peers and the timeline trace."""
+tensor core's summation order, the network proxy's real completion of RMA operations (rma.py models when NVSHMEM
+promises it) and the timeline trace."""

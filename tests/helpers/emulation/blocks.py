@@ -148,10 +148,11 @@ def pull_blocks_visit(ring: RingView, s, p, src: int, slot: int, part: int, part
             q = (yield from reserve_row(ring, pool, e - s.expert_lo, seal_on_reserve)) if local else NO_ROW
             at.store_as(np.uint32, row * K + k, q, "pos")
         for k in range(K):
-            q = int(at.load_as(np.uint32, row * K + k, "pos"))
+            q, warp = int(at.load_as(np.uint32, row * K + k, "pos")), (row - lo) % ring.rma.warps
             if q != NO_ROW:
-                ring.fetch(p.x + q * row_bytes, ring.part("x", slot) + row * row_bytes, row_bytes, src, "x")
-                ring.fetch(p.sf + 4 * q * sf, ring.part("x_sf", slot) + 4 * row * sf, 4 * sf, src, "sf")
+                ring.fetch(p.x + q * row_bytes, ring.part("x", slot) + row * row_bytes, row_bytes, src, "x", warp)
+                ring.fetch(p.sf + 4 * q * sf, ring.part("x_sf", slot) + 4 * row * sf, 4 * sf, src, "sf", warp)
+    ring.rma.fetch_done(bool(d.rma_peers >> src & 1))
     for row in range(lo, hi):  # pass 2: scales checked in place, src / token / k / weight stored, then LAND
         for k in range(K):
             q = int(at.load_as(np.uint32, row * K + k, "pos"))

@@ -6,7 +6,8 @@ function mirrors its device function (protocol/ring.cuh begin_chunk, wait_acked,
 ack_chunk, finish_chunk, last_block_to_arrive, consume_invocation; publish.cuh chunk_extent, close_chunk;
 validate.cuh's checks; moe/descriptors.cuh check_stage) for one block, thread 0's part
 where the device has thread 0 alone act; the StageDesc is read word by word in layout/moe_desc.cuh's order and its
-addresses resolved where dereferenced. Not emulated: the timeline trace (the launches pass trace=None), RMA peers."""
+addresses resolved where dereferenced. An RMA source's fetches are rma.py's gets, completed by fetch_done's quiet.
+Not emulated: the timeline trace (the launches pass trace=None)."""
 
 from __future__ import annotations
 
@@ -287,9 +288,13 @@ def pull_visit(ring: RingView, s, src: int, seq: int, slot: int, part: int, part
     choices = idx.load_as(np.int32, rows[:, None] * K + np.arange(K), "stage idx").reshape(-1, K)
     mine = rows[((choices >= s.expert_lo) & (choices < s.expert_hi)).any(axis=1)]
     row_bytes, sf = d.x_row_bytes, d.x_sf_row_floats
-    for row in mine.tolist():
-        ring.fetch(s.x + (first_row + row) * row_bytes, ring.part("x", slot) + row * row_bytes, row_bytes, src, "x")
-        ring.fetch(s.sf + 4 * (first_row + row) * sf, ring.part("x_sf", slot) + 4 * row * sf, 4 * sf, src, "sf")
+    for row in mine.tolist():  # a warp per row: rows lo, lo + 8, ... to warp 0
+        warp = (row - lo) % ring.rma.warps
+        ring.fetch(s.x + (first_row + row) * row_bytes, ring.part("x", slot) + row * row_bytes, row_bytes, src, "x",
+                   warp)
+        ring.fetch(s.sf + 4 * (first_row + row) * sf, ring.part("x_sf", slot) + 4 * row * sf, 4 * sf, src, "sf",
+                   warp)
+    ring.rma.fetch_done(bool(d.rma_peers >> src & 1))
     for row in mine.tolist():
         checked_scales(ring, s.sf + 4 * (first_row + row) * sf, src, slot, row, "stage sf")
     return True

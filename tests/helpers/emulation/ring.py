@@ -5,8 +5,8 @@ sequence, line by line, on the ring words named by the RingDesc (read word by wo
 
 Heap: :class:`HeapRuntime` is a stand-in runtime per rank over one :class:`SymmetricHeap`: the i-th allocation of
 every rank is one symmetric object, and ``peer_address`` (the host's nvshmem_ptr) maps an address of this rank's
-to the same place of a peer's - so every peer is DIRECT, as on one NVLink node. The kernels' nvshmem_ptr, remote
-SETs and swaps go through the same mapping.
+to the same place of a peer's (0 for a pair in ``SymmetricHeap.unmapped``: that peer is RMA). The kernels' nvshmem_ptr,
+remote SETs and swaps go through the same mapping; an RMA peer's gets and the combine puts through rma.py.
 
 Concurrency: each block of each launch is a generator. A spin_until poll whose condition holds returns at once;
 one that does not yields, and :class:`Streams` runs other blocks (kernels on other streams, other blocks of the
@@ -19,7 +19,7 @@ Visibility (the consumer's C1 edge): a block may read a source's slot (meta, x, 
 only between its wait_chunk for that slot and its arrival on or acknowledgement of the chunk (a held chunk stays
 readable); any other read raises :class:`EmulatedMemoryError` (the producer's side, pull.py's check_free: a
 slot is written only once every destination acknowledged its previous lap). Where it cannot be faithful: memory ordering
-itself, timing, RMA gets (every peer is DIRECT), warps and lanes inside a block.
+itself, timing, lanes inside a block (warps only where rma.py orders operations).
 
 Aborts (status.cuh raise_abort) reach every rank's words through the heap (:class:`HeapRank`): the notice by a
 signal SET, the abort word by a CAS; a fetching operation to a PE in ``SymmetricHeap.fetch_hangs`` never returns
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from tests.helpers.emulation.machine import EmulatedLibrary, EmulatedMemoryError, Memory, Pointer, header_enum
+from tests.helpers.emulation.rma import RmaBlock
 from tests.helpers.emulation.waves import STATUS, EmulatedWaitBlocks, Rank
 
 __all__ = ["CONTROL", "Clock", "EmulatedStuck", "HeapRank", "HeapRuntime", "RingView", "Streams", "StreamLibrary",
@@ -57,6 +58,7 @@ class SymmetricHeap:
         self.objects: list[list[torch.Tensor]] = []  # per object, its tensor at each rank
         self.allocated = [0] * world_size
         self.fetch_hangs: set[int] = set()  # PEs whose fetching remote operations from another PE never return
+        self.unmapped: set[tuple[int, int]] = set()  # (my_pe, pe): nvshmem_ptr null, the peer RMA under "auto"
 
     def alloc(self, rank: int, shape, dtype) -> torch.Tensor:
         i = self.allocated[rank]
@@ -96,7 +98,7 @@ class HeapRuntime:
         return word, word.data_ptr() if self.host_word else 0
 
     def peer_address(self, tensor, pe):
-        return self.heap.nvshmem_ptr(tensor.data_ptr(), self.rank, pe)
+        return 0 if (self.rank, pe) in self.heap.unmapped else self.heap.nvshmem_ptr(tensor.data_ptr(), self.rank, pe)
 
     def allgather_object(self, obj, *, timeout_s=None):
         return [obj] * self.world_size
@@ -260,6 +262,7 @@ class RingView:
         self.rank.clock = streams.clock
         self.d = self.rank.d
         self.visible: set[tuple[int, int]] = set()
+        self.rma = RmaBlock(memory, self.d.my_pe)  # a block of PULL_BLOCK threads: 8 warps
 
     # --- addresses (layout/ring_desc.cuh) and words
     def part(self, name: str, slot: int) -> int:
@@ -353,21 +356,28 @@ class RingView:
                                               f"slot {slot} outside its wait_chunk .. acknowledgement")
                 return
 
-    def fetch(self, dst: int, part: int, nbytes: int, src: int, what: str) -> None:
-        """fetch_block / fetch_warp of a DIRECT peer: the bytes from nvshmem_ptr(part, src) into dst, 16 bytes at
-        a time where copy16_ok, else 4 (nothing for zero bytes)."""
+    def fetch(self, dst: int, part: int, nbytes: int, src: int, what: str, warp: int | None = None) -> None:
+        """fetch_block (``warp`` None) / fetch_warp: nothing for zero bytes; an RMA source's bytes by a get (rma.py),
+        a DIRECT one's from nvshmem_ptr(part, src) into dst, 16 bytes at a time where copy16_ok, else 4."""
         if nbytes == 0:
             return
         self.check_visible(part, nbytes, src)
-        view = self.remote(part, src)
+        if self.d.rma_peers >> src & 1:
+            at = self.remote(part, src)  # the symmetric address a get names
+            if warp is None:
+                return self.rma.get_now(dst, at, nbytes, what)
+            return self.rma.get_nbi(dst, at, nbytes, warp, what, lambda: self.check_visible(part, nbytes, src))
+        view = 0 if (self.d.my_pe, src) in self.heap.unmapped else self.remote(part, src)
         if view == 0:
             raise EmulatedMemoryError(f"{what}: no mapping of source {src}'s slot (a DIRECT peer must have one)")
         copy(self.memory, dst, view, nbytes, what)
 
     def fetch_meta(self, src: int, slot: int) -> SimpleNamespace | None:
+        """Three blocking get_u64 (RMA) or loads through nvshmem_ptr (None: DIRECT without a mapping)."""
         meta = self.part("meta", slot)
         self.check_visible(meta, 3 * 8, src)
-        view = self.remote(meta, src)
+        rma = self.d.rma_peers >> src & 1
+        view = 0 if not rma and (self.d.my_pe, src) in self.heap.unmapped else self.remote(meta, src)
         if view == 0:
             return None
         words = Pointer(self.memory, view, "meta").load_as(np.uint64, np.arange(3), "slot meta")

@@ -26,18 +26,26 @@ class World:
     """W ranks' rings and stages on one emulated machine, publish_chunk's library seam pointed at it."""
 
     def __init__(self, monkeypatch, world: int, payload: PayloadFormat, *, seed: int = 0, grid: int = 1,
-                 mutants: dict | None = None, clock: Clock | None = None) -> None:
-        """``clock``: waits time out (ring.py's Clock) and each Ring has a failure word the kernels store into."""
+                 mutants: dict | None = None, clock: Clock | None = None, transport: str = "auto",
+                 unmapped: bool = False, launchers=None) -> None:
+        """``clock``: waits time out (ring.py's Clock) and each Ring has a failure word the kernels store into.
+        ``transport`` "rma": every peer RMA (this rank too); ``unmapped``: no rank maps another (those peers RMA
+        under "auto"). ``launchers(heap)``: more kernels by name, ``launcher(memory, grid, block, args)`` -> blocks."""
         self.heap = heap = SymmetricHeap(world)
+        if unmapped:
+            heap.unmapped = {(r, pe) for r in range(world) for pe in range(world) if r != pe}
         self.memory, self.clock = Memory(), clock
         self.streams = Streams(self.memory, seed, clock)
-        self.library = StreamLibrary(self.memory, pull_emu.kernels(heap, self.streams, mutants), self.streams)
+        table = {**pull_emu.kernels(heap, self.streams, mutants), **(launchers(heap) if launchers else {})}
+        self.library = StreamLibrary(self.memory, table, self.streams, ("ring_host_api.cu", "moe_stream.cu",
+                                                                       "moe_experts.cu"))
         monkeypatch.setattr(chunkring.ring.io, "kernel_library", lambda runtime: self.library)
         spec = RingSpec(world_size=world, num_slots=S, tokens_per_slot=T, hidden=H, payload=payload, topk=K,
                         num_experts=E)
-        self.rings = [Ring(HeapRuntime(heap, r, host_word=clock is not None), spec, timeout_s=5.0, transport="auto")
+        self.rings = [Ring(HeapRuntime(heap, r, host_word=clock is not None), spec, timeout_s=5.0, transport=transport)
                       for r in range(world)]
-        assert all(pe == 0 for ring in self.rings for pe in ring.transports)  # every peer DIRECT
+        assert [list(ring.transports) for ring in self.rings] == [
+            [int(transport == "rma" or (r, pe) in heap.unmapped) for pe in range(world)] for r in range(world)]
         self.stages = [self.stage(spec, r) for r in range(world)]
         for r, ring in enumerate(self.rings):
             self.memory.add(ring.buffer, f"PE {r} ring")

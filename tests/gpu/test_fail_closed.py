@@ -77,6 +77,7 @@ def test_every_entry_point_raises_on_the_call_after_a_device_error(runtime):
             call()
             torch.cuda.synchronize()
             layer.check()  # the call itself worked
+            runtime.barrier()  # on every rank, before any rank's injected error aborts the ring
             inject_device_error(layer)
             assert_raises_for_this_rank(runtime, call, name)
             assert_raises_for_this_rank(runtime, call, name)  # and every call after, until the reset
@@ -127,6 +128,8 @@ def test_the_drop_in_raises_on_the_forward_after_a_device_error(runtime):
             torch.cuda.synchronize()
             for layer in layers.values():
                 layer.check()
+            runtime.barrier()  # every rank's layers checked before any rank's injected error aborts a ring
+            for layer in layers.values():
                 inject_device_error(layer)
             assert_raises_for_this_rank(runtime, lambda: model(ids), "drop-in")
             for layer in layers.values():

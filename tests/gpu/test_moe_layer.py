@@ -178,6 +178,7 @@ def test_bad_input_is_refused_before_gpu_work(runtime):
         layer.run(xq, sf, idx, w, w13, w2)
         torch.cuda.synchronize()
         layer.check()
+        runtime.barrier()  # every rank checked its good call before any rank's bad call aborts the ring
         for field, change in bad.items():
             kwargs = dict(x=xq, x_sf=sf, topk_idx=idx, topk_weights=w, w13=w13, w2=w2)
             kwargs.update(change)

@@ -58,9 +58,29 @@ def main() -> int:
                     torch.cuda.synchronize()
         return step
 
+    def contexts_only():  # cuda.core's green contexts without streams: is it the streams or the contexts?
+        from cuda.core import ContextOptions, SMResourceOptions
+
+        groups, remainder = runtime.device.resources.sm.split(SMResourceOptions(count=64))
+        for resource in (groups[0], remainder):
+            runtime.device.create_context(ContextOptions(resources=[resource])).close()
+        runtime.device.set_current()
+
+    def driver_green_context():  # the driver alone: cuGreenCtxCreate / cuGreenCtxDestroy, no cuda.core object
+        from cuda.bindings import driver
+
+        _, sm = driver.cuDeviceGetDevResource(runtime.ordinal, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
+        _, desc = driver.cuDevResourceGenerateDesc([sm], 1)
+        flags = driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
+        err, ctx = driver.cuGreenCtxCreate(desc, runtime.ordinal, flags)
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        (err,) = driver.cuGreenCtxDestroy(ctx)
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+
     figures = {}
     for name, step in (("layer_default_partition", layer("auto")), ("layer_no_partition", layer("none")),
-                       ("bare_partition", bare(False)), ("partition_with_torch_kernels", bare(True))):
+                       ("bare_partition", bare(False)), ("partition_with_torch_kernels", bare(True)),
+                       ("cuda_core_contexts_only", contexts_only), ("driver_green_context", driver_green_context)):
         figures[f"{name}_mib_per_cycle"] = round(drift_mib(step, args.cycles), 3)
         print(f"{name}: {figures[f'{name}_mib_per_cycle']} MiB per cycle over {args.cycles}", flush=True)
     if args.json:

@@ -77,10 +77,39 @@ def main() -> int:
         (err,) = driver.cuGreenCtxDestroy(ctx)
         assert err == driver.CUresult.CUDA_SUCCESS, err
 
+    def driver_partition():  # SmPartition's shape through the driver alone: a split, two contexts, 1 + 2 streams
+        from cuda.bindings import driver
+
+        def ok(result):
+            assert result[0] == driver.CUresult.CUDA_SUCCESS, result[0]
+            return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+        sm = ok(driver.cuDeviceGetDevResource(runtime.ordinal, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+        groups, _, remainder = ok(driver.cuDevSmResourceSplitByCount(1, sm, 0, 64))
+        flags = driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
+        made = []
+        for resource, count in ((groups[0], 1), (remainder, 2)):
+            ctx = ok(driver.cuGreenCtxCreate(ok(driver.cuDevResourceGenerateDesc([resource], 1)), runtime.ordinal,
+                                             flags))
+            streams = [ok(driver.cuGreenCtxStreamCreate(ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+                       for _ in range(count)]
+            made.append((ctx, streams))
+        for ctx, streams in made:
+            for stream in streams:
+                ok(driver.cuStreamDestroy(stream))
+            ok(driver.cuGreenCtxDestroy(ctx))
+
+    def bare_collected():  # a bare partition, then the garbage collector: does a cycle hold the handles?
+        import gc
+
+        bare(False)()
+        gc.collect()
+
     figures = {}
     for name, step in (("layer_default_partition", layer("auto")), ("layer_no_partition", layer("none")),
                        ("bare_partition", bare(False)), ("partition_with_torch_kernels", bare(True)),
-                       ("cuda_core_contexts_only", contexts_only), ("driver_green_context", driver_green_context)):
+                       ("cuda_core_contexts_only", contexts_only), ("driver_green_context", driver_green_context),
+                       ("driver_partition", driver_partition), ("bare_partition_collected", bare_collected)):
         figures[f"{name}_mib_per_cycle"] = round(drift_mib(step, args.cycles), 3)
         print(f"{name}: {figures[f'{name}_mib_per_cycle']} MiB per cycle over {args.cycles}", flush=True)
     if args.json:

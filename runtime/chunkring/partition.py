@@ -13,6 +13,7 @@ give the consumer its own stream, and enqueue producer work before the consumer.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,10 @@ class SmPartition:
     the consumer stream on the same SMs (the MoE layer's incremental pull, concurrent with its waves).
     Close it (or use ``with``) before the runtime closes. Several ranks sharing one GPU under MPS each make
     their own partition of the SMs MPS gives them.
+
+    :meth:`shared` returns the runtime's own partition of a size instead: one per size for every layer that
+    asks, so a model of many layers holds one pair of green contexts, and creating and destroying layers never
+    creates or destroys one (each green context holds device memory of its own).
     """
 
     def __init__(self, runtime: Runtime, producer_sms: int) -> None:
@@ -127,6 +132,7 @@ class SmPartition:
         self.plan = plan_partition(sm.sm_count, sm.min_partition_size, sm.coscheduled_alignment, producer_sms)
         self.runtime = runtime
         self._contexts, self._streams = [], []
+        self._shared = False  # the runtime's (shared): Runtime.close() destroys it, close() refuses
         try:
             groups, remainder = sm.split(SMResourceOptions(count=producer_sms))
             if len(groups) != 1 or groups[0].sm_count != producer_sms:
@@ -139,10 +145,10 @@ class SmPartition:
                 streams += [context.create_stream() for _ in range(count)]
             self._streams = streams
         except ChunkringRuntimeError:
-            self.close()
+            self._destroy()
             raise
         except Exception as exc:
-            self.close()
+            self._destroy()
             raise ChunkringRuntimeError(f"could not create the SM partitions: {exc}") from exc
         finally:
             device.set_current()  # the primary context stays current for torch and NVSHMEM
@@ -153,16 +159,27 @@ class SmPartition:
         self.consumer_sms = remainder.sm_count
 
     @classmethod
-    def sized_for(cls, runtime: Runtime, consumer_grid: int, consumer_blocks_per_sm: int, *,
-                  share: float | None = PRODUCER_SM_SHARE) -> SmPartition:
-        """The default partition for a consumer of ``consumer_grid`` blocks (``consumer_blocks_per_sm``
-        resident per SM) on this rank's GPU, or this GPU's share under MPS: :func:`default_producer_sms`
-        of the SMs the driver reports (``share`` as there), with the device's minimum partition and
-        alignment."""
+    def shared(cls, runtime: Runtime, consumer_grid: int, consumer_blocks_per_sm: int, *,
+               share: float | None = PRODUCER_SM_SHARE) -> SmPartition:
+        """The runtime's partition for a consumer of ``consumer_grid`` blocks (``consumer_blocks_per_sm``
+        resident per SM) on this rank's GPU, or this GPU's share under MPS: :func:`default_producer_sms` of the
+        SMs the driver reports (``share`` as there), with the device's minimum partition and alignment. Made at
+        the first request for its size and returned to every later one; :meth:`Runtime.close` destroys it
+        (:meth:`Runtime.at_close`; :meth:`close` refuses). Work of several layers on its streams runs in the
+        order it was enqueued, the producers' before the consumer's, as one layer's does."""
         check_work_queues()
         sm = _sm_resource(runtime)
-        return cls(runtime, default_producer_sms(sm.sm_count, sm.min_partition_size, sm.coscheduled_alignment,
-                                                 consumer_grid, consumer_blocks_per_sm, share))
+        producer_sms = default_producer_sms(sm.sm_count, sm.min_partition_size, sm.coscheduled_alignment,
+                                            consumer_grid, consumer_blocks_per_sm, share)
+        sizes = _SHARED.get(runtime)
+        if sizes is None:
+            sizes = _SHARED[runtime] = {}
+            runtime.at_close(lambda: _destroy_shared(sizes))
+        partition = sizes.get(producer_sms)
+        if partition is None:
+            partition = sizes[producer_sms] = cls(runtime, producer_sms)
+            partition._shared = True
+        return partition
 
     def __repr__(self) -> str:
         return f"SmPartition(producer={self.plan.producer_sms} SMs, consumer={self.consumer_sms} SMs)"
@@ -174,7 +191,14 @@ class SmPartition:
         return not self._streams and not self._contexts
 
     def close(self) -> None:
-        """Destroy the streams and green contexts (after synchronising them)."""
+        """Destroy the streams and green contexts (after synchronising them). A partition from :meth:`shared` is
+        its runtime's: ``ChunkringUsageError``, :meth:`Runtime.close` destroys it."""
+        if self._shared:
+            raise ChunkringUsageError("this partition is shared by its runtime's layers (SmPartition.shared); "
+                                      "Runtime.close() destroys it", field="partition")
+        self._destroy()
+
+    def _destroy(self) -> None:
         for stream in self._streams:
             stream.sync()
             stream.close()
@@ -187,6 +211,16 @@ class SmPartition:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Each open runtime's shared partitions by producer SM count (:meth:`SmPartition.shared`).
+_SHARED: weakref.WeakKeyDictionary[Runtime, dict[int, SmPartition]] = weakref.WeakKeyDictionary()
+
+
+def _destroy_shared(sizes: dict[int, SmPartition]) -> None:
+    for partition in sizes.values():
+        partition._destroy()
+    sizes.clear()
 
 
 def _sm_resource(runtime: Runtime) -> Any:  # cuda.core's SMResource

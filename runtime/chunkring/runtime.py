@@ -60,6 +60,7 @@ class Runtime(InJob):
     gpu_ranks: int = 1
     _tensors: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _libraries: list[NvshmemKernelObject] = field(default_factory=list, repr=False)
+    _before_close: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _closed: bool = False
     #: A wait for the device timed out (a kernel never ended): close() then touches nothing.
     _wedged: bool = field(default=False, repr=False)
@@ -264,10 +265,17 @@ class Runtime(InJob):
         self._libraries.append(library)
         return library
 
+    def at_close(self, release: Callable[[], None]) -> None:
+        """Call ``release`` when this runtime closes, before any symmetric tensor is freed (latest first): what
+        lives as long as the runtime, such as :meth:`chunkring.SmPartition.shared`'s partitions."""
+        self._check_open()
+        self._before_close.append(release)
+
     def close(self) -> None:
-        """Free every symmetric tensor and kernel library, then finalise NVSHMEM. A collective. A runtime whose
-        device never went idle (:meth:`synchronize` timed out: a kernel still waits on a dead peer) is only
-        marked closed: each step here would wait on that kernel for ever; the process's end reclaims it all."""
+        """Run what :meth:`at_close` registered (the shared SM partitions' destroy), free every symmetric
+        tensor and kernel library, then finalise NVSHMEM. A collective. A runtime whose device never went idle
+        (:meth:`synchronize` timed out: a kernel still waits on a dead peer) is only marked closed: each step
+        here would wait on that kernel for ever; the process's end reclaims it all."""
         if self._closed:
             return
         if self._wedged:
@@ -278,6 +286,9 @@ class Runtime(InJob):
         import nvshmem.core as nvshmem
         import torch
 
+        for release in reversed(self._before_close):
+            release()
+        self._before_close.clear()
         torch.cuda.synchronize(self.ordinal)
         for tensor in self._tensors.values():
             nvshmem.free_tensor(tensor)

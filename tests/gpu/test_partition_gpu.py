@@ -4,6 +4,7 @@ consumer confined to its partition lets a producer on the other partition make p
 import pytest
 import torch
 
+from chunkring.errors import ChunkringUsageError
 from chunkring.partition import SmPartition
 
 pytestmark = pytest.mark.gpu
@@ -34,8 +35,9 @@ def _layer_config(runtime, streaming=True):
 
 
 def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime):
-    """partition="auto" (the default): streamed calls on a partition the layer sized and made, batch-ready
-    calls on whole-GPU streams; both modes give the same output; destroy() closes the partition."""
+    """partition="auto" (the default): streamed calls on the runtime's partition of the size the layer needs,
+    batch-ready calls on whole-GPU streams; both modes give the same output; the partition outlives the layer
+    (the runtime's: shared with the next layer of that size, refused to a caller's close())."""
     from chunkring import MoELayer
     from chunkring.moe.calls import CallMode
     from chunkring.moe.producer import PRODUCE_MAX_BLOCKS
@@ -84,7 +86,15 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
         assert torch.equal(outs[0], outs[1])
     finally:
         layer.destroy()
-    assert part.closed  # closed with the layer
+    assert not part.closed  # the runtime's, not the layer's
+    again = MoELayer(runtime, cfg)
+    try:
+        assert again.partition is part  # the same green contexts and streams: no new one per layer
+    finally:
+        again.destroy()
+    with pytest.raises(ChunkringUsageError, match="Runtime.close"):
+        part.close()
+    assert not part.closed
 
 
 def test_no_partition_on_request_or_without_a_streaming_ring(runtime):

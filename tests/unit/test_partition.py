@@ -139,3 +139,94 @@ def test_partition_argument_other_than_a_partition_auto_or_none_is_refused(value
 @pytest.mark.parametrize("value", [DEFAULT_PARTITION, NO_PARTITION])
 def test_partition_argument_auto_and_none_are_accepted(value):
     assert check_partition_arg(value) == value
+
+
+class _FakeSm:
+    """cuda.core's SMResource as SmPartition reads it: 132 SMs, partitions of 8 aligned to 8."""
+
+    sm_count, min_partition_size, coscheduled_alignment = 132, 8, 8
+
+    def __init__(self, count=132):
+        self.sm_count = count
+
+    def split(self, options):
+        return [_FakeSm(options.count)], _FakeSm(self.sm_count - options.count)
+
+
+class _FakeContext:
+    def __init__(self, made):
+        self.made, self.open = made, True
+
+    def create_stream(self):
+        stream = _FakeStream()
+        self.made.append(stream)
+        return stream
+
+    def close(self):
+        self.open = False
+
+
+class _FakeStream(_FakeContext):
+    handle = 0
+
+    def __init__(self):
+        self.open = True
+
+    def sync(self):
+        pass
+
+
+class _FakeRuntime:
+    """What SmPartition reads of a Runtime; ``close()`` runs what ``at_close`` registered, as Runtime.close does."""
+
+    torch_device = "cuda:0"
+
+    def __init__(self, made):
+        import types
+
+        self.releases = []
+        self.device = types.SimpleNamespace(resources=types.SimpleNamespace(sm=_FakeSm()), set_current=lambda: None,
+                                            create_context=lambda options: made.append(_FakeContext(made)) or made[-1])
+
+    def at_close(self, release):
+        self.releases.append(release)
+
+    def close(self):
+        for release in reversed(self.releases):
+            release()
+
+
+def _fake_runtime(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: object())
+    made = []
+    return _FakeRuntime(made), made
+
+
+def test_layers_share_the_runtimes_partition_of_a_size_and_only_the_runtime_destroys_it(monkeypatch):
+    from chunkring import SmPartition
+
+    runtime, made = _fake_runtime(monkeypatch)
+    first = SmPartition.shared(runtime, 16, 8, share=None)
+    assert len(made) == 5  # two green contexts, three streams
+    assert SmPartition.shared(runtime, 16, 8, share=None) is first and len(made) == 5  # none made again
+    quarter = SmPartition.shared(runtime, 16, 8)  # another size: its own
+    assert quarter is not first and quarter.plan.producer_sms == 32 and len(made) == 10
+    assert len(runtime.releases) == 1  # one release for all of this runtime's partitions
+    with pytest.raises(ChunkringUsageError, match="Runtime.close") as info:
+        first.close()
+    assert info.value.field == "partition" and all(handle.open for handle in made)
+    runtime.close()
+    assert first.closed and quarter.closed and not any(handle.open for handle in made)
+    other, _ = _fake_runtime(monkeypatch)
+    assert SmPartition.shared(other, 16, 8, share=None) is not first  # per runtime
+
+
+def test_a_callers_partition_is_its_own_to_close(monkeypatch):
+    from chunkring import SmPartition
+
+    runtime, made = _fake_runtime(monkeypatch)
+    with SmPartition(runtime, 16) as part:
+        assert not part.closed and not runtime.releases
+    assert part.closed and not any(handle.open for handle in made)

@@ -56,7 +56,8 @@ class MoELayer:
         runtime: this process's :class:`chunkring.Runtime` (``chunkring.init()``).
         config: the layer's shapes; every rank passes an identical one (checked).
         partition: where streamed calls run. ``"auto"`` (the default): on a layer with a streaming ring, a
-            green-context :class:`chunkring.SmPartition` the layer makes and closes, sized by
+            green-context :class:`chunkring.SmPartition` of the runtime's (:meth:`SmPartition.shared`: one per
+            size, shared by the layers, destroyed by ``Runtime.close``), sized by
             :func:`chunkring.partition.default_producer_sms` - the consumer runs beside its producers and is
             the side confined (docs/PROTOCOL.md, "Progress"); an ``SmPartition``: that one (the caller closes
             it, after :meth:`destroy`); ``"none"``: ordinary streams. Batch-ready calls always run on two
@@ -144,7 +145,7 @@ class MoELayer:
 
     @property
     def partition(self) -> SmPartition | None:
-        """The partition streamed calls run on (the layer's own with ``partition="auto"``), or None."""
+        """The partition streamed calls run on (the runtime's shared one with ``partition="auto"``), or None."""
         return self.resources.partition
 
     def streams(self, mode: CallMode) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:

@@ -150,7 +150,7 @@ class LayerResources:
             # Reserved for what spins: with one wave only the pull runs there (the GEMMs follow it on the whole
             # GPU), so the producers get the rest; the waves of waves > 1 run their GEMMs there too.
             share = PRODUCER_SM_SHARE if config.incremental else None
-            partition = self._owned.enter_context(SmPartition.sized_for(runtime, PULL_GRID, resident, share=share))
+            partition = SmPartition.shared(runtime, PULL_GRID, resident, share=share)
         self.partition = partition if isinstance(partition, SmPartition) else None
         consumer_sms = (self.partition.consumer_sms if self.partition is not None
                         else torch.cuda.get_device_properties(device).multi_processor_count)
@@ -229,10 +229,11 @@ class LayerResources:
     def free(self) -> None:
         """Free everything (a collective), by the rule of :meth:`Runtime.quiesce`: wait until no kernel of any
         rank runs and none of their NVSHMEM operations is outstanding (a peer's combine push may still be
-        writing into this rank's buffer), then free in reverse order of allocation and close the partition
-        the layer made. A rank that does not come within :data:`chunkring.runtime.TEARDOWN_WAIT_S` makes the others
-        raise :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing freed: the symmetric
-        frees are collectives too, which that rank would never join."""
+        writing into this rank's buffer), then free in reverse order of allocation (the partition is the
+        runtime's or the caller's: it stays). A rank that does not come within
+        :data:`chunkring.runtime.TEARDOWN_WAIT_S` makes the others raise
+        :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing freed: the symmetric frees are
+        collectives too, which that rank would never join."""
         try:
             self.runtime.quiesce(TEARDOWN_WAIT_S, what="the layer's destroy()")
         except ChunkringError as exc:

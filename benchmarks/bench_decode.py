@@ -6,8 +6,9 @@ path and DeepGEMM's own SM90 MegaMoE at decode sizes, on one GPU, same inputs.
     python -m benchmarks.bench_decode --profile-once [--shapes flash] [--tokens 1,8,32,128]
 
 Per shape (benchmarks.bench_vs_megamoe SHAPES: ``flash`` 32 local experts, hidden 4096, intermediate 2048, top-6;
-``v3`` hidden 7168, top-8) and token count, every time a CUDA-graph replay (median,
-:func:`chunkring.moe.calibration.replay_median_ms`):
+``v3`` hidden 7168, top-8) and token count, every time from CUDA-graph replays of all the calls below
+interleaved in rounds, ``burst_for(tokens)`` replays back to back per sample (the median per call:
+:func:`chunkring.moe.calibration.replay_medians_ms`, the same for every side):
 
 * ``layer_decode_ms`` / ``layer_deepgemm_ms``: :meth:`chunkring.MoELayer.run`, batch-ready, on a layer built
   with ``decode=True`` / ``decode=False`` (plan, expert GEMMs, combine push, reduction: the whole call);
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,7 +41,7 @@ from benchmarks.bench_vs_megamoe import SHAPES, draw_weights, rel_err, routed_ba
 from benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_group
 from chunkring import MoEConfig, MoELayer
 from chunkring.jit import library_for
-from chunkring.moe.calibration import replay_median_ms
+from chunkring.moe.calibration import burst_for, replay_medians_ms
 from chunkring.moe.decode import DecodeGemm
 from chunkring.moe.experts import ExpertCompute, load_deep_gemm
 from chunkring.moe.stage import Stage
@@ -103,30 +106,30 @@ def measure(s: Shape, t: int, iterations: int) -> dict:
     x_deq = (xq.double().view(t, H // 128, 128) * xsf.double().unsqueeze(-1)).view(t, H)
     ref = moe_reference(x_deq, lambda e: s.w13_ref[e], lambda e: s.w2_ref[e], idx, w, s.cfg.num_experts, inter)
     row: dict = {"shape": s.name, "tokens": t, "weight_bytes": s.weight_bytes(idx)}
-    for path, layer in s.layers.items():
-        out: dict[int, torch.Tensor] = {}
-
-        def call(layer: MoELayer = layer) -> None:
-            out[0] = layer.run(xq, xsf, idx, w, s.w13, s.w2)
-
-        row[f"layer_{path}_ms"] = replay_median_ms(call, iterations=iterations, warmup=3)
-        torch.cuda.synchronize()
-        layer.check()
-        row[f"layer_{path}_rel_err"] = rel_err(out[0], ref)
     stage = s.stage(t, xq, xsf, idx, w)
     plan = s.computes["deepgemm"].plan(stage)
     row["rows_max"] = int(plan.counts.max())
-    for path, compute in s.computes.items():
-        def experts(c: ExpertCompute = compute) -> torch.Tensor:
-            return c.experts(plan, s.w13, s.w2)
+    outs: dict[str, torch.Tensor] = {}
+    calls: dict[str, Callable[[], object]] = {}
+    for path, layer in s.layers.items():
+        def call(layer: MoELayer = layer, key: str = f"layer_{path}") -> None:
+            outs[key] = layer.run(xq, xsf, idx, w, s.w13, s.w2)  # the graph's output, after its replays
 
-        row[f"experts_{path}_ms"] = replay_median_ms(experts, iterations=iterations, warmup=3)
+        calls[f"layer_{path}"] = call
+    for path, compute in s.computes.items():
+        calls[f"experts_{path}"] = partial(compute.experts, plan, s.w13, s.w2)
     if s.buffer is not None:
         y = torch.empty(t, H, dtype=torch.bfloat16, device=s.runtime.torch_device)
         tk = {"xq": xq, "xsf": xsf, "idx": idx, "w": w, "x": hidden}
-        _, staged, _ = mega_moe_calls(s.dg, s.buffer, tk, t, y, s.l1, s.l2)
-        row["megamoe_ms"] = replay_median_ms(staged, iterations=iterations, warmup=3)
-        torch.cuda.synchronize()
+        _, calls["megamoe"], _ = mega_moe_calls(s.dg, s.buffer, tk, t, y, s.l1, s.l2)
+    # Every side the same way, interleaved: graph replays in bursts (replay_medians_ms).
+    ms = replay_medians_ms(calls, iterations=iterations, warmup=3, burst=burst_for(t))
+    torch.cuda.synchronize()
+    row.update({f"{key}_ms": value for key, value in ms.items()})
+    for path, layer in s.layers.items():
+        layer.check()
+        row[f"layer_{path}_rel_err"] = rel_err(outs[f"layer_{path}"], ref)
+    if s.buffer is not None:
         row["megamoe_rel_err"] = rel_err(y, ref)
         row["decode_over_megamoe"] = row["layer_decode_ms"] / row["megamoe_ms"]
     for key in [k for k in row if k.endswith("_ms")]:

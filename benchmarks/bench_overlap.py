@@ -15,8 +15,10 @@ largest token count, ``MoELayer(runtime, config)`` (streamed calls on the defaul
 token count - batch-ready, and streamed in every chunk size up to the slot (``--chunks``, and the largest that
 fits) - and sets what ``streaming="auto"`` does. Per token count two records, ``chunk_kind`` "default" (the
 slot size: a streamed call with no calibration) and "best" (the chunk size calibration measured fastest),
-each with (CUDA-graph replays, median of ``--iterations``, ranks started together; the slowest rank's figure
-where several ranks run):
+each with (CUDA-graph replays, every call of a token count interleaved in rounds, ``burst_for(n)`` replays back to
+back per sample - :func:`chunkring.moe.calibration.replay_medians_ms` -, median of ``--iterations`` rounds,
+ranks started together; the slowest rank's figure where several ranks run; where both kinds name one chunk size
+one measurement serves both):
 
 * ``batch_ms``: ``ChunkedMoE.forward(streaming=False)``;
 * ``streamed_ms``: the same call streamed in chunks of ``chunk`` tokens (``MoELayer.forward(chunk=)``, the call
@@ -46,6 +48,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
@@ -244,13 +247,16 @@ def measure_shape(shape: Shape, args) -> list[dict]:
     import torch
 
     from chunkring import calibrate
-    from chunkring.moe.calibration import replay_median_ms
+    from chunkring.moe.calibration import burst_for, replay_medians_ms
 
     runtime, layer, module = shape.runtime, shape.layer, shape.module
 
-    def timed(call) -> float:
-        mine = replay_median_ms(call, iterations=args.iterations, warmup=args.warmup, barrier=runtime.barrier)
-        return max(runtime.allgather_object(mine))  # the slowest rank's
+    def timed(calls: dict, n: int) -> dict:
+        """Every call of ``calls`` interleaved (replay_medians_ms), each rank's median; the slowest rank's."""
+        mine = replay_medians_ms(calls, iterations=args.iterations, warmup=args.warmup, burst=burst_for(n),
+                                 barrier=runtime.barrier)
+        everyone = runtime.allgather_object(mine)
+        return {key: max(ranks[key] for ranks in everyone) for key in mine}
 
     calibration = calibrate(layer, shape.router, shape.w13, shape.w2, args.tokens,
                             chunks=[c for c in args.chunks if c <= shape.slot], iterations=args.iterations,
@@ -261,19 +267,25 @@ def measure_shape(shape: Shape, args) -> list[dict]:
     try:
         for n in args.tokens:
             hidden, (x, x_sf, idx, w) = shape.inputs(n)
-            common = {"ranks": runtime.world_size, "batch_ms": timed(lambda: module(hidden, streaming=False)),
-                      "auto_ms": timed(lambda: module(hidden, streaming="auto")),
-                      "Q_ms": timed(lambda: layer.run(x, x_sf, idx, w, shape.w13, shape.w2)),
-                      "entry_check_us": max(runtime.allgather_object(entry_check_us(layer.raise_if_failed)))}
+            kinds = {"default": min(n, shape.slot), "best": calibration.chunk_for(n)}
+            calls: dict[object, Callable[[], object]] = {
+                "batch": lambda: module(hidden, streaming=False),
+                "auto": lambda: module(hidden, streaming="auto"),
+                "Q": lambda: layer.run(x, x_sf, idx, w, shape.w13, shape.w2)}
+            for chunk in set(kinds.values()):  # one measurement where both kinds name one chunk
+                calls[("streamed", chunk)] = partial(shape.forward, hidden, chunk)
+                calls[("P", chunk)] = partial(producers, hidden, shape.router, chunk)
+            ms = timed(calls, n)
+            entry_us = max(runtime.allgather_object(entry_check_us(layer.raise_if_failed)))
             batch_out = module(hidden, streaming=False)
-            for kind, chunk in (("default", min(n, shape.slot)), ("best", calibration.chunk_for(n))):
+            for kind, chunk in kinds.items():
                 streamed_out = shape.forward(hidden, chunk)
                 torch.cuda.synchronize()
                 layer.check()
-                measured = dict(common, chunk_kind=kind,
-                                bitwise=all(runtime.allgather_object(bool(torch.equal(batch_out, streamed_out)))),
-                                streamed_ms=timed(lambda c=chunk: shape.forward(hidden, c)),
-                                P_ms=timed(lambda c=chunk: producers(hidden, shape.router, c)))
+                measured = {"ranks": runtime.world_size, "batch_ms": ms["batch"], "auto_ms": ms["auto"],
+                            "Q_ms": ms["Q"], "entry_check_us": entry_us, "chunk_kind": kind,
+                            "bitwise": all(runtime.allgather_object(bool(torch.equal(batch_out, streamed_out)))),
+                            "streamed_ms": ms[("streamed", chunk)], "P_ms": ms[("P", chunk)]}
                 record = shape_record(shape.name, n, chunk, measured)
                 records.append(record)
                 _say(runtime, " | ".join(_cell(record[k]) for k in RECORD_KEYS) +

@@ -122,3 +122,62 @@ def test_default_ring_is_two_slots_of_a_quarter(max_tokens, chunk):
     assert (ringed.front_num_slots, ringed.front_tokens_per_slot) == (2, chunk)
     assert ringed.streaming and ringed.max_tokens_per_rank == max_tokens
     assert 2 * chunk * 2 <= max(max_tokens, 4)  # payload at most half the full region (where it can be)
+
+
+def test_a_sample_covers_about_burst_tokens_and_every_rank_agrees():
+    from chunkring.moe.calibration import BURST_TOKENS, MAX_BURST, burst_for
+
+    assert [burst_for(n) for n in (0, 1, 128, 1024, 2048, 8192)] == [MAX_BURST, MAX_BURST, 16, 2, 1, 1]
+    for n in range(1, 5000):  # the most replays within BURST_TOKENS, at least one, at most MAX_BURST
+        burst = burst_for(n)
+        assert 1 <= burst <= MAX_BURST and (burst == 1 or burst * n <= BURST_TOKENS)
+        assert burst == MAX_BURST or (burst + 1) * n > BURST_TOKENS
+
+
+class _Clock:
+    """A fake device: each graph replay advances time by its call's cost; events read the time."""
+
+    def __init__(self):
+        self.now, self.order = 0.0, []
+
+    def event(self, enable_timing):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.at = clock.now
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+
+        return Event()
+
+
+def test_interleaved_bursts_time_each_call_per_replay_and_rotate_the_order(monkeypatch):
+    from chunkring.moe import calibration
+
+    clock = _Clock()
+    cost = {"a": 1.0, "b": 3.0, "c": 2.0}
+    drift = iter([0.0] * 200)
+
+    def capture(call, load=None):
+        key = call()
+        return SimpleNamespace(replay=lambda: (clock.order.append(key), setattr(clock, "now", clock.now + cost[key]
+                                                                                + next(drift))))
+
+    monkeypatch.setattr(calibration, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    barriers = []
+    got = calibration.replay_medians_ms({k: (lambda k=k: k) for k in cost}, iterations=3, warmup=1, burst=4,
+                                        barrier=lambda: barriers.append(1))
+    assert got == cost  # the span of a burst over its replays
+    assert len(clock.order) == 4 * 3 * 4 and len(barriers) == 4 * 3  # (warm-up + timed rounds) x calls x burst
+    rounds = [clock.order[i:i + 12:4] for i in range(0, len(clock.order), 12)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]  # each first in turn
+    with pytest.raises(ChunkringUsageError) as info:
+        calibration.replay_medians_ms({"a": lambda: "a"}, iterations=1, warmup=0, burst=0)
+    assert info.value.field == "burst"

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -25,7 +25,10 @@ if TYPE_CHECKING:
     from chunkring.moe.layer import MoELayer
     from chunkring.moe.weights import Fp8Weight
 
-__all__ = ["calibrate", "capture_graph", "chunk_candidates", "replay_median_ms", "slowest_rank"]
+__all__ = ["BURST_TOKENS", "MAX_BURST", "burst_for", "calibrate", "capture_graph", "chunk_candidates",
+           "replay_median_ms", "replay_medians_ms", "slowest_rank"]
+
+K = TypeVar("K")
 
 log = logging.getLogger("chunkring")
 
@@ -43,12 +46,55 @@ def capture_graph(call: Callable[[], object], load: Callable[[int], object] | No
     return graph
 
 
+#: A timed sample replays a graph back to back until it covers about this many tokens (at most
+#: :data:`MAX_BURST` replays, at least one): a lone sub-millisecond replay measures the idle GPU's ramp and the
+#: graph's launch as much as the call, and varied by 5 % between two timings of one call on the H200.
+BURST_TOKENS = 2048
+MAX_BURST = 16
+
+
+def burst_for(tokens: int) -> int:
+    """Replays per timed sample of a call on ``tokens`` tokens per rank (the same on every rank: a collective's
+    replays must pair up): ``BURST_TOKENS // tokens`` within [1, :data:`MAX_BURST`]."""
+    return max(1, min(MAX_BURST, BURST_TOKENS // max(tokens, 1)))
+
+
+def replay_medians_ms(calls: Mapping[K, Callable[[], object]], *, iterations: int, warmup: int, burst: int = 1,
+                      barrier: Callable[[], object] | None = None) -> dict[K, float]:
+    """Per-call time of each of ``calls`` (the median over ``iterations`` samples): each captured once in a CUDA
+    graph (:func:`capture_graph`), then timed in rounds - every round one sample of each call in turn, the order
+    rotating, so drift over time (clocks, temperature, other work) falls on every call alike; a sample is
+    ``burst`` replays back to back between two CUDA events, divided by ``burst``. The first ``warmup`` rounds
+    are not counted. ``barrier()``, if given, runs before each sample so the ranks of a collective call replay
+    together; every rank then passes the same calls in the same order, and the same ``burst``."""
+    if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+        raise ChunkringUsageError(f"must be an int >= 1, got {burst!r}", field="burst")
+    graphs = [(key, capture_graph(call)) for key, call in calls.items()]
+    times: dict[K, list[float]] = {key: [] for key, _ in graphs}
+    for round_ in range(warmup + iterations):
+        for offset in range(len(graphs)):
+            key, graph = graphs[(round_ + offset) % len(graphs)]
+            torch.cuda.synchronize()
+            if barrier is not None:
+                barrier()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(burst):
+                graph.replay()
+            stop.record()
+            stop.synchronize()
+            if round_ >= warmup:
+                times[key].append(start.elapsed_time(stop) / burst)
+    return {key: statistics.median(samples) for key, samples in times.items()}
+
+
 def replay_median_ms(call: Callable[[], object], load: Callable[[int], object] | None = None, *, iterations: int,
                      warmup: int, barrier: Callable[[], object] | None = None) -> float:
     """Median time of ``call`` captured once in a CUDA graph (:func:`capture_graph`) and replayed
     ``warmup + iterations`` times (the first ``warmup`` not counted), with CUDA events. ``load(i)``, if
     given, refreshes the graph's inputs before replay ``i``; ``barrier()``, if given, runs before each
-    replay so the ranks of a collective call replay together."""
+    replay so the ranks of a collective call replay together. Several calls compared with one another:
+    :func:`replay_medians_ms`."""
     graph = capture_graph(call, load)
     times = []
     for i in range(warmup + iterations):
@@ -92,7 +138,8 @@ def calibrate(layer: MoELayer, router_weight: torch.Tensor, w13: torch.Tensor | 
         token_counts: tokens per rank to measure, each in [1, ``max_tokens_per_rank``]: the sizes the caller
             serves (each call is governed by the smallest of them at or above its own count).
         chunks: chunk sizes to try besides the largest (default: powers of two from 64 up to the slot).
-        iterations, warmup: graph replays timed, and replays before them.
+        iterations, warmup: rounds timed, and rounds before them (:func:`replay_medians_ms`: batch-ready and
+            every chunking interleaved, :func:`burst_for` replays per sample).
         tolerance: how much slower than batch-ready streaming may measure, at every count, for "auto" to stream.
         seed: the hidden states' seed (with the rank).
 
@@ -123,16 +170,17 @@ def calibrate(layer: MoELayer, router_weight: torch.Tensor, w13: torch.Tensor | 
     runtime = layer.runtime
     gen = torch.Generator(runtime.torch_device).manual_seed(seed * 7919 + runtime.rank)
 
-    def timed(call: Callable[[], object]) -> float:
-        return replay_median_ms(call, iterations=iterations, warmup=warmup, barrier=runtime.barrier)
-
     batch: dict[int, float] = {}
     streamed: dict[int, dict[int, float]] = {}
     for n in counts:
         hidden = torch.randn(n, cfg.hidden, generator=gen, device=runtime.torch_device).to(torch.bfloat16)
         call = partial(layer.forward, hidden, router_weight, w13, w2)
-        batch[n] = timed(partial(call, streaming=False))
-        streamed[n] = {c: timed(partial(call, streaming=True, chunk=c)) for c in chunk_candidates(n, slot, sizes)}
+        options: dict[int | None, Callable[[], object]] = {None: partial(call, streaming=False)}
+        options.update({c: partial(call, streaming=True, chunk=c) for c in chunk_candidates(n, slot, sizes)})
+        timed = replay_medians_ms(options, iterations=iterations, warmup=warmup, burst=burst_for(n),
+                                  barrier=runtime.barrier)
+        batch[n] = timed.pop(None)
+        streamed[n] = {c: ms for c, ms in timed.items() if c is not None}
     everyone = runtime.allgather_object((batch, streamed))
     layer.streaming_calibration = StreamingCalibration(*slowest_rank(everyone), float(tolerance))
     if runtime.rank == 0:

@@ -10,9 +10,9 @@ Shapes are one rank's share (``experts`` local experts per rank, so ``num_expert
 width and top-k (hidden 7168, intermediate 2048, top-8; 32 experts per rank: over 8 ranks, V3's 256).
 
 Per shape, one layer is built as a serving caller builds it: ``MoEConfig(...).with_default_ring()`` for the
-largest token count, ``MoELayer(runtime, config)`` (streamed calls on the default partition), and a
-``ChunkedMoE`` over it holding this rank's weights. :func:`chunkring.calibrate` then times the layer at every
-token count - batch-ready, and streamed in every chunk size up to the slot (``--chunks``, and the largest that
+largest token count, ``MoELayer(runtime, config)`` (streamed calls on the default partition; ``--partition
+none``: on ordinary streams, each record's ``partition`` says which), and a ``ChunkedMoE`` over it holding this
+rank's weights. :func:`chunkring.calibrate` then times the layer at every token count - batch-ready, and streamed in every chunk size up to the slot (``--chunks``, and the largest that
 fits) - and sets what ``streaming="auto"`` does. Per token count two records, ``chunk_kind`` "default" (the
 slot size: a streamed call with no calibration) and "best" (the chunk size calibration measured fastest),
 each with (CUDA-graph replays, every call of a token count interleaved in rounds, ``burst_for(n)`` replays back to
@@ -113,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default=None, help="the result file (rank 0 writes it)")
+    parser.add_argument("--partition", default="auto", choices=("auto", "none"),
+                        help='the layer\'s partition= (default "auto", the default config\'s)')
     parser.add_argument("--no-timeline", action="store_true", help="skip the timeline trace and PNG")
     args = parser.parse_args(argv)
     try:
@@ -135,7 +137,8 @@ class Shape:
     """One shape's layer (the default config for ``max_tokens`` tokens per rank), this rank's weights drawn on
     the GPU, and the ``ChunkedMoE`` over them."""
 
-    def __init__(self, name: str, runtime, max_tokens: int, seed: int = 0, slot: int | None = None):
+    def __init__(self, name: str, runtime, max_tokens: int, seed: int = 0, slot: int | None = None,
+                 partition: str = "auto"):
         import torch
 
         from chunkring import ChunkedMoE, MoEConfig, MoELayer, expert_weights
@@ -153,7 +156,7 @@ class Shape:
         w2 = (torch.randn(E, H, inter, generator=self.gen, device=device) / inter**0.5).bfloat16()
         weights = expert_weights(self.config, w13, w2)
         self.w13, self.w2 = weights[0], weights[1]
-        self.layer = MoELayer(runtime, self.config)
+        self.layer = MoELayer(runtime, self.config, partition=partition)
         self.module = ChunkedMoE(self.layer, weights=(self.router, self.w13, self.w2))
 
     @property
@@ -287,6 +290,7 @@ def measure_shape(shape: Shape, args) -> list[dict]:
                             "bitwise": all(runtime.allgather_object(bool(torch.equal(batch_out, streamed_out)))),
                             "streamed_ms": ms[("streamed", chunk)], "P_ms": ms[("P", chunk)]}
                 record = shape_record(shape.name, n, chunk, measured)
+                record["partition"] = "none" if layer.partition is None else "auto"
                 records.append(record)
                 _say(runtime, " | ".join(_cell(record[k]) for k in RECORD_KEYS) +
                      f" | entry check {record['entry_check_us']:.2f} us")
@@ -365,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _say(runtime, " | ".join(RECORD_KEYS))
         for name in args.shapes:
-            shape = Shape(name, runtime, max(args.tokens))
+            shape = Shape(name, runtime, max(args.tokens), partition=args.partition)
             try:
                 mine = measure_shape(shape, args)
                 records += mine

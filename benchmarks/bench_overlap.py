@@ -9,16 +9,16 @@ Shapes are one rank's share (``experts`` local experts per rank, so ``num_expert
 ``flash`` is DeepGEMM's per-rank shape (32 experts, hidden 4096, intermediate 2048, top-6); ``v3`` DeepSeek-V3's
 width and top-k (hidden 7168, intermediate 2048, top-8; 32 experts per rank: over 8 ranks, V3's 256).
 
-Per shape, one layer is built as a serving caller builds it: ``MoEConfig(...).with_default_ring()`` for the
-largest token count, ``MoELayer(runtime, config)`` (streamed calls on the default partition; ``--partition
-none``: on ordinary streams, each record's ``partition`` says which), and a ``ChunkedMoE`` over it holding this
-rank's weights. :func:`chunkring.calibrate` then times the layer at every token count - batch-ready, and streamed in every chunk size up to the slot (``--chunks``, and the largest that
-fits) - and sets what ``streaming="auto"`` does. Per token count two records, ``chunk_kind`` "default" (the
-slot size: a streamed call with no calibration) and "best" (the chunk size calibration measured fastest),
-each with (CUDA-graph replays, every call of a token count interleaved in rounds, ``burst_for(n)`` replays back to
-back per sample - :func:`chunkring.moe.calibration.replay_medians_ms` -, median of ``--iterations`` rounds,
-ranks started together; the slowest rank's figure where several ranks run; where both kinds name one chunk size
-one measurement serves both):
+Per shape, one layer is built as a serving caller builds it: ``MoEConfig(...).with_default_ring()`` for the largest
+token count, ``MoELayer(runtime, config)`` (streamed calls on the default partition; ``--partition none``: on
+ordinary streams, each record's ``partition`` says which), and a ``ChunkedMoE`` over it holding this rank's weights.
+:func:`chunkring.calibrate` then times the layer at every token count - batch-ready, and streamed in every chunk
+size up to the slot (``--chunks``, and the largest that fits) - and sets what ``streaming="auto"`` does. Per token
+count two records, ``chunk_kind`` "default" (the slot size: a streamed call with no calibration) and "best" (the
+chunk size calibration measured fastest), each with (CUDA-graph replays, every call of a token count interleaved in
+rounds, ``burst_for(n)`` replays back to back per sample - :func:`chunkring.moe.calibration.replay_medians_ms` -,
+median of ``--iterations`` rounds, ranks started together; the slowest rank's figure where several ranks run; where
+both kinds name one chunk size one measurement serves both):
 
 * ``batch_ms``: ``ChunkedMoE.forward(streaming=False)``;
 * ``streamed_ms``: the same call streamed in chunks of ``chunk`` tokens (``MoELayer.forward(chunk=)``, the call

@@ -55,9 +55,10 @@ class MoELayer:
     Args:
         runtime: this process's :class:`chunkring.Runtime` (``chunkring.init()``).
         config: the layer's shapes; every rank passes an identical one (checked).
-        partition: where streamed calls run. ``"auto"`` (the default): on a layer with a streaming ring, a
-            green-context :class:`chunkring.SmPartition` of the runtime's (:meth:`SmPartition.shared`: one per
-            size, shared by the layers, destroyed by ``Runtime.close``), sized by
+        partition: where streamed calls of more chunks than the ring's slots run their spinning kernels (a
+            call of fewer never waits for a slot and runs on the whole GPU). ``"auto"`` (the default): on a
+            layer with a streaming ring, a green-context :class:`chunkring.SmPartition` of the runtime's
+            (:meth:`SmPartition.shared`: one per size, shared by the layers, destroyed by ``Runtime.close``), sized by
             :func:`chunkring.partition.default_producer_sms` - the consumer runs beside its producers and is
             the side confined (docs/PROTOCOL.md, "Progress"); an ``SmPartition``: that one (the caller closes
             it, after :meth:`destroy`); ``"none"``: ordinary streams. Batch-ready calls always run on two

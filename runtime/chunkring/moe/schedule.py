@@ -80,11 +80,22 @@ class CallSchedule:
         if out is None:
             out = torch.empty((n, res.config.hidden), dtype=torch.bfloat16, device=res.runtime.torch_device)
         caller = torch.cuda.current_stream(res.runtime.torch_device)
-        producer, consumer = res.streams[mode]
+        T = chunk if chunk is not None else ring.spec.tokens_per_slot
+        starts = list(range(0, n, T)) if n else [0]
+        K = res.config.topk
+        waves = res.config.waves if res.pool is not None and mode is CallMode.STREAMED else 1
         # The chunks that fit the ring never wait for a slot, so nothing of theirs spins: they and the call's
         # set-up run on the whole GPU's producer stream. Only the chunks after them, whose publishes wait for
-        # acknowledgements, and the drain need the producers' reserved SMs (a streamed call's partition).
+        # acknowledgements, and the drain need the producers' reserved SMs (a streamed call's partition). A call
+        # whose chunks all fit (every batch-ready call; a streamed call of at most S chunks at this rank) and
+        # whose expert work waits for nothing (one wave) spins only in its pull and its drain, bounded grids
+        # that leave the producers SMs: it runs on the whole GPU's streams (docs/PROTOCOL.md, "Progress" 9).
         early = res.streams[CallMode.BATCH_READY][0]
+        producer, consumer = res.streams[mode]
+        compute = res.compute_streams[mode]
+        if waves == 1 and len(starts) <= ring.spec.num_slots:
+            producer, consumer = res.streams[CallMode.BATCH_READY]
+            compute = consumer
         for stream in {early, producer, consumer}:
             stream.wait_stream(caller)
         self._warm_up(mode, consumer, w13, w2)
@@ -93,9 +104,6 @@ class CallSchedule:
         # the allocator from ever recording events on a partition's streams, which may be closed before those
         # tensors are freed.
         mark = _Marks(res, timeline)
-        T = chunk if chunk is not None else ring.spec.tokens_per_slot
-        starts = list(range(0, n, T)) if n else [0]
-        K = res.config.topk
 
         def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream, *, zero_rows: bool) -> None:
             with torch.cuda.stream(stream):
@@ -128,7 +136,7 @@ class CallSchedule:
         if producer is not early:
             producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish
         with torch.cuda.stream(consumer):
-            last = self._consume(mode, w13, w2, mark)
+            last = self._consume(mode, w13, w2, mark, waves, compute)
         produce_chunks(range(first, len(starts)), producer, zero_rows=False)
         with torch.cuda.stream(producer):
             self._drain_and_reduce(mode, n, out, mark, last)
@@ -159,15 +167,17 @@ class CallSchedule:
         self.res.runtime.host_barrier(timeout_s=FIRST_CALL_BARRIER_S, what=f"the first {mode.value} call's warm-up")
         self._warm_modes.add(mode)
 
-    def _consume(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks) -> torch.cuda.Stream:
+    def _consume(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks, waves: int,
+                 compute_stream: torch.cuda.Stream) -> torch.cuda.Stream:
         """The consumer's part of a call, from the consumer stream (current): pull, experts, combine push, held
         acks. Returns the stream its last step (the held acks) runs on.
 
         Only the pull waits for other kernels (for chunks producers have not published yet), so only the pull
         runs on the consumer stream - on a partition, the SMs reserved for what spins (docs/PROTOCOL.md,
         "Progress"). Once it returns every source's chunks are in, and the rest - plan, GEMMs, combine push,
-        held acks - runs on the compute stream over the whole GPU. With ``waves > 1`` the waves' claims spin
-        beside the pull, so every wave stays on the consumer stream."""
+        held acks - runs on ``compute_stream`` over the whole GPU (the consumer stream itself where that is the
+        whole GPU's). With ``waves > 1`` the waves' claims spin beside the pull, so every wave stays on the
+        consumer stream."""
         res = self.res
         ring, stage, compute = res.rings[mode], res.stage, res.compute
         consumer = torch.cuda.current_stream(res.runtime.torch_device)
@@ -175,14 +185,14 @@ class CallSchedule:
         stage.held.fill_(-1)
         res.arrivals[mode].zero_()  # a failed earlier call may have left counts behind
         compute.pushed.zero_()  # the combine pushes' arrivals, which moe_ack_held counts below
-        waves = res.config.waves if res.pool is not None and mode is CallMode.STREAMED else 1
         if waves > 1:
             self._pull_into_blocks_and_waves(mode, w13, w2, mark, res.consumer_sms[mode])
             last = consumer
         else:
             self._launch_pull(mode, mark.trace)
-            last = res.compute_streams[mode]
-            last.wait_stream(consumer)  # after the pull: every chunk of every source is in the stage
+            last = compute_stream
+            if last is not consumer:
+                last.wait_stream(consumer)  # after the pull: every chunk of every source is in the stage
             with torch.cuda.stream(last):
                 mark(Event.EXPERTS_BEGIN)
                 compute(stage, w13, w2, res.peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,

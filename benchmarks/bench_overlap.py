@@ -348,7 +348,7 @@ def _say(runtime, text: str) -> None:
         print(text, flush=True)
 
 
-def write_results(path: str, runtime, records: list[dict], files: list[str]) -> None:
+def write_results(path: str, runtime, records: list[dict], files: list[str], incomplete: bool = False) -> None:
     """The result file (rank 0): the summary fields, ``records``, their numbers as ``figures`` keyed
     ``<shape>_n<tokens>_<chunk_kind>_<key>``, and the names of the timeline files beside it."""
     from chunkring.testing import records as record_file
@@ -356,7 +356,7 @@ def write_results(path: str, runtime, records: list[dict], files: list[str]) -> 
     figures = {f"{r['shape']}_n{r['tokens']}_{r['chunk_kind']}_{k}": v for r in records for k, v in r.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     record_file.write(path, suite="overlap", world_size=runtime.world_size, figures=figures, records=records,
-                      files=[Path(f).name for f in files])
+                      files=[Path(f).name for f in files], incomplete=incomplete)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     files: list[str] = []
     try:
         _say(runtime, " | ".join(RECORD_KEYS))
-        for name in args.shapes:
+        for done, name in enumerate(args.shapes, 1):
             shape = Shape(name, runtime, max(args.tokens), partition=args.partition)
             try:
                 mine = measure_shape(shape, args)
@@ -382,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                                              f"{stem}-timeline-{name}-{best['tokens']}-c{best['chunk']}")
             finally:
                 shape.destroy()
-            if args.json and runtime.rank == 0:  # after every shape: a run cut short keeps what it measured
-                write_results(args.json, runtime, records, files)
+            if args.json and runtime.rank == 0:  # after every shape: a run cut short keeps what it measured,
+                # marked incomplete until the last shape is in
+                write_results(args.json, runtime, records, files, incomplete=done < len(args.shapes))
     finally:
         runtime.close()
     return 0

@@ -85,6 +85,9 @@ def replay_medians_ms(calls: Mapping[K, Callable[[], object]], *, iterations: in
             stop.synchronize()
             if round_ >= warmup:
                 times[key].append(start.elapsed_time(stop) / burst)
+    del graphs
+    # The graphs' private pools back to the device: ranks sharing a GPU under MPS allocate from one memory.
+    torch.cuda.empty_cache()
     return {key: statistics.median(samples) for key, samples in times.items()}
 
 

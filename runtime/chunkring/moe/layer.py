@@ -28,7 +28,7 @@ from chunkring.moe import handles
 from chunkring.moe.calls import CallMode, call_chunk, check_forward_args, check_run_args, resolve_streaming
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.decode import check_decode_config, decode_fits
-from chunkring.moe.producer import enqueue_produce, router_logits
+from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, enqueue_produce, router_logits
 from chunkring.moe.resources import LayerKernels, LayerResources
 from chunkring.moe.schedule import CallSchedule
 from chunkring.moe.timeline import Timeline
@@ -247,7 +247,7 @@ class MoELayer:
             self.raise_if_failed()
 
         def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
-                    stream: torch.cuda.Stream) -> None:
+                    stream: torch.cuda.Stream, may_wait: bool) -> None:
             enqueue_publish(ring, x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end],
                             topk_weights[start:end], start, eos, valid, rows, stream)
 
@@ -282,14 +282,17 @@ class MoELayer:
         if hidden.data_ptr() % 16:
             hidden = hidden.clone()  # the fused producer loads rows in 8-byte pieces
         res = self.resources
-        arrivals, max_blocks = res.produce_arrivals[mode], res.produce_max_blocks[mode]
+        arrivals, spinning_blocks = res.produce_arrivals[mode], res.produce_max_blocks[mode]
 
         def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
-                    stream: torch.cuda.Stream) -> None:
+                    stream: torch.cuda.Stream, may_wait: bool) -> None:
             chunk = hidden[start:end]
             logits = router_logits(chunk, router_weight, kernels=res.kernels.produce)  # what route() computes
+            # Only a producer that may wait for a slot spins, so only its grid is sized for residency beside the
+            # other ranks' spinning kernels (docs/PROTOCOL.md, "Progress" 8); the ring's first S chunks keep
+            # the full grid, as a batch-ready call's one chunk does.
             enqueue_produce(ring, res.kernels.produce, logits, chunk, start, eos, valid, rows, arrivals, stream,
-                            max_blocks)
+                            spinning_blocks if may_wait else PRODUCE_MAX_BLOCKS)
 
         return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
 

@@ -106,14 +106,14 @@ class LayerResources:
 
     Attributes: ``kernels``; ``rings`` {mode: :class:`Ring`}; ``transports`` (per PE, the same for every ring);
     ``stage``; ``arrivals`` {mode: int32 [W, S]} (the pull's blocks done with each (source, slot)'s chunk);
-    ``produce_arrivals`` {mode: int32 [1]} (the fused producer's blocks done with the chunk); ``combine`` bf16
-    [N·K, H] (symmetric: consumers push into it); ``peer_combine`` int64 [W] (each DIRECT source's combine
-    buffer as this GPU addresses it, 0 for RMA ones); ``compute`` (:class:`ExpertCompute`); ``pool``
-    (:class:`BlockPool` or None: ``waves > 1`` only) and ``pull_stream`` (where its pull runs);
-    ``partition`` (where streamed calls run, or None); ``pull_grid``; ``produce_max_blocks`` {mode};
-    ``streams`` {mode: (producer, consumer)}; ``compute_streams`` {mode: where the expert work after the
-    pull runs - an ordinary stream over the whole GPU}; ``consumer_sms`` {mode: SMs the GEMMs on the consumer
-    stream may fill (the waves of ``waves > 1``), None for all}.
+    ``produce_arrivals`` {mode: int32 [1]} (the fused producer's blocks done with the chunk); ``combine`` bf16 [N·K,
+    H] (symmetric: consumers push into it); ``peer_combine`` int64 [W] (each DIRECT source's combine buffer as this
+    GPU addresses it, 0 for RMA ones); ``compute`` (:class:`ExpertCompute`); ``pool`` (:class:`BlockPool` or None:
+    ``waves > 1`` only) and ``pull_stream`` (where its pull runs); ``partition`` (where streamed calls run, or
+    None); ``pull_grid``; ``produce_max_blocks`` {mode: the fused producer's grid where it may wait for a slot};
+    ``streams`` {mode: (producer, consumer)}; ``compute_streams`` {mode: where the expert work after the pull runs -
+    an ordinary stream over the whole GPU}; ``consumer_sms`` {mode: SMs the GEMMs on the consumer stream may fill
+    (the waves of ``waves > 1``), None for all}.
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,

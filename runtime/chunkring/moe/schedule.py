@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule", "Publish"]
 
 #: Enqueues rows [start, end) of a call's batch as the ring's next chunk on the producer stream:
-#: (ring, start, end, end_of_stream, valid_tokens, batch_rows, stream).
-Publish = Callable[[Ring, int, int, bool, torch.Tensor | None, int | None, torch.cuda.Stream], None]
+#: (ring, start, end, end_of_stream, valid_tokens, batch_rows, stream, may_wait). ``may_wait``: the chunk comes
+#: after the ring's first S of the call, so its publish may wait for a slot's acks (its producer spins).
+Publish = Callable[[Ring, int, int, bool, torch.Tensor | None, int | None, torch.cuda.Stream, bool], None]
 
 #: How long a layer's first call of a mode waits at the host barrier for every rank's GEMM warm-up: several
 #: ranks compiling DeepGEMM's kernels at once take minutes at most; a rank that raised before the barrier
@@ -105,7 +106,8 @@ class CallSchedule:
         # tensors are freed.
         mark = _Marks(res, timeline)
 
-        def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream, *, zero_rows: bool) -> None:
+        def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream, *, zero_rows: bool,
+                           may_wait: bool) -> None:
             with torch.cuda.stream(stream):
                 for index in chunks:
                     start = starts[index]
@@ -113,7 +115,8 @@ class CallSchedule:
                     mark(Event.PRODUCE_BEGIN, index)
                     if zero_rows:  # the chunk's combine rows, before its publish (see below)
                         res.combine[start * K:end * K].zero_()
-                    publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, stream)
+                    publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, stream,
+                            may_wait)
                     mark(Event.PUBLISHED, index)
 
         # Enqueue order (docs/PROTOCOL.md, "Progress"): the chunks that fit the ring first - their publishes
@@ -129,7 +132,7 @@ class CallSchedule:
         # chunk before it acquired that chunk (docs/PROTOCOL.md). The first chunks' one by one, so the first
         # publish waits for its own rows only; the rest in one memset on the whole GPU after them, which the
         # later chunks' stream waits for - not on the producers' reserved SMs, and while the consumer starts.
-        produce_chunks(range(first), early, zero_rows=True)
+        produce_chunks(range(first), early, zero_rows=True, may_wait=False)
         if first < len(starts):
             with torch.cuda.stream(early):
                 res.combine[starts[first] * K:n * K].zero_()
@@ -137,7 +140,7 @@ class CallSchedule:
             producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish
         with torch.cuda.stream(consumer):
             last = self._consume(mode, w13, w2, mark, waves, compute)
-        produce_chunks(range(first, len(starts)), producer, zero_rows=False)
+        produce_chunks(range(first, len(starts)), producer, zero_rows=False, may_wait=True)
         with torch.cuda.stream(producer):
             self._drain_and_reduce(mode, n, out, mark, last)
         caller.wait_stream(producer)

@@ -1,0 +1,137 @@
+"""Where a call's work runs (chunkring.moe.schedule, docs/PROTOCOL.md "Progress" 9), on the host alone: a
+streamed call of at most S chunks at this rank runs on the whole GPU's streams as a batch-ready call does; one of
+more chunks runs its pull on the partition's consumer stream and its later chunks and drain on the partition's
+producer stream; only a chunk past the ring's first S is published with ``may_wait`` (its producer may spin, so
+its grid is the residency-sized one); with ``waves > 1`` the consumer stays on the partition whatever the count.
+Streams, kernels and the expert work are recorders; the tensors are the CPU's."""
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from chunkring.moe.calls import CallMode
+from chunkring.moe.schedule import CallSchedule
+
+N, H, K = 64, 8, 2
+
+
+class Stream:
+    def __init__(self, name):
+        self.name, self.waits = name, []
+
+    def wait_stream(self, other):
+        self.waits.append(other.name)
+
+
+class Device:
+    """torch.cuda's current stream, as the schedule switches it."""
+
+    def __init__(self, caller):
+        self.current = caller
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+class Compute:
+    """ExpertCompute as the schedule uses it: the expert work (a call) and the waves, recorded where they run."""
+
+    pushed, push_blocks = torch.zeros(1, dtype=torch.int32), 1
+
+    def __init__(self, launched, device):
+        self.launched, self.device = launched, device
+
+    def warm_up(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        self.launched.append(("experts", self.device.current.name))
+
+    def wave(self, *args, **kwargs):
+        self.launched.append(("wave", self.device.current.name))
+
+
+def schedule_on(monkeypatch, *, slots, waves=1, partition=True):
+    caller = Stream("caller")
+    device = Device(caller)
+    monkeypatch.setattr(torch.cuda, "stream", device.stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: device.current)
+    launched = []
+
+    def launch(name, **kwargs):
+        launched.append((name, kwargs["stream"].name))
+
+    whole = (Stream("whole.producer"), Stream("whole.consumer"))
+    streamed = (Stream("part.producer"), Stream("part.consumer")) if partition else whole
+    spec = SimpleNamespace(tokens_per_slot=16, num_slots=slots, world_size=1)
+    rings = {mode: SimpleNamespace(spec=spec, desc=mode.value) for mode in CallMode}
+    pool = SimpleNamespace(reset=lambda: None, desc="pool") if waves > 1 else None
+    res = SimpleNamespace(
+        config=SimpleNamespace(topk=K, hidden=H, waves=waves), rings=rings, pool=pool, pull_grid=4,
+        runtime=SimpleNamespace(torch_device="cpu", rank=0, host_barrier=lambda **kw: None,
+                                abandon_barrier=lambda: None),
+        streams={CallMode.BATCH_READY: whole, CallMode.STREAMED: streamed},
+        compute_streams={CallMode.BATCH_READY: whole[1],
+                         CallMode.STREAMED: Stream("whole.compute") if partition else whole[1]},
+        consumer_sms={CallMode.BATCH_READY: None, CallMode.STREAMED: 12 if partition else None},
+        pull_stream=Stream("part.side") if waves > 1 else None,
+        combine=torch.zeros(N * K, H, dtype=torch.bfloat16), peer_combine=None,
+        produce_arrivals={mode: torch.zeros(1, dtype=torch.int32) for mode in CallMode},
+        arrivals={mode: torch.zeros(1, 4, dtype=torch.int32) for mode in CallMode},
+        stage=SimpleNamespace(idx=torch.zeros(1, N, K, dtype=torch.int32), held=torch.zeros(1, dtype=torch.int64),
+                              desc="stage"),
+        kernels=SimpleNamespace(stream=SimpleNamespace(launch=launch)))
+    res.compute = Compute(launched, device)
+    return CallSchedule(res), res, launched
+
+
+def call(schedule, mode, n, chunk=None):
+    published = []
+
+    def publish(ring, start, end, eos, valid, rows, stream, may_wait):
+        published.append((start, end, stream.name, may_wait))
+
+    schedule.enqueue(mode, n, publish, None, None, None, None, None, chunk)
+    return published
+
+
+def where(launched, name):
+    return {stream for kernel, stream in launched if kernel == name}
+
+
+@pytest.mark.parametrize("n", [0, 1, 16, 32])
+def test_a_streamed_call_that_fits_the_ring_runs_on_the_whole_gpu_as_batch_ready_does(monkeypatch, n):
+    schedule, res, launched = schedule_on(monkeypatch, slots=2)
+    published = call(schedule, CallMode.STREAMED, n)
+    assert all(stream == "whole.producer" and not may_wait for _, _, stream, may_wait in published)
+    assert where(launched, "moe_pull") == {"whole.consumer"} and where(launched, "experts") == {"whole.consumer"}
+    assert where(launched, "moe_drain") == {"whole.producer"}
+    batch_schedule, _, batch_launched = schedule_on(monkeypatch, slots=2)
+    call(batch_schedule, CallMode.BATCH_READY, n)
+    assert [s for _, s in launched] == [s for _, s in batch_launched]  # the same placement, kernel by kernel
+
+
+def test_a_streamed_call_of_more_chunks_than_slots_spins_on_the_partition(monkeypatch):
+    schedule, res, launched = schedule_on(monkeypatch, slots=2)
+    published = call(schedule, CallMode.STREAMED, 61)  # four chunks of 16 through two slots
+    assert [(s, e) for s, e, _, _ in published] == [(0, 16), (16, 32), (32, 48), (48, 61)]
+    assert [(stream, may_wait) for _, _, stream, may_wait in published] == [
+        ("whole.producer", False), ("whole.producer", False), ("part.producer", True), ("part.producer", True)]
+    assert where(launched, "moe_pull") == {"part.consumer"}
+    assert where(launched, "experts") == {"whole.compute"}  # after the pull, over the whole GPU
+    assert where(launched, "moe_drain") == {"part.producer"}
+    assert "part.consumer" in res.compute_streams[CallMode.STREAMED].waits
+
+
+def test_waves_keep_the_consumer_on_the_partition_whatever_the_count(monkeypatch):
+    schedule, res, launched = schedule_on(monkeypatch, slots=2, waves=2)
+    call(schedule, CallMode.STREAMED, 1)
+    assert where(launched, "moe_pull_blocks") == {"part.side"} and where(launched, "wave") == {"part.consumer"}
+    assert where(launched, "moe_ack_held") == {"part.consumer"}

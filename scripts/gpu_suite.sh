@@ -20,7 +20,8 @@
 # decode_1rank runs the decode path's GPU tests, then benchmarks/bench_decode.py (decode vs DeepGEMM vs MegaMoE;
 # DECODE_ARGS, default flash at 1-128 tokens); decode_ncu records the decode kernels' achieved DRAM bandwidth with
 # Nsight Compute, after a one-kernel probe that ncu can profile here (producer_ncu likewise). smoke_1rank runs the
-# newest device paths' tests first and stops at the first failure: a short first call of a session.
+# newest device paths' tests first and stops at the first failure: a short first call of a session. quick_1rank
+# runs the GPU tests but the input fuzzer.
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -31,7 +32,7 @@ ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
-           decode_1rank decode_ncu)
+           decode_1rank decode_ncu quick_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -84,6 +85,10 @@ smoke_1rank() {  # the layer's newest device paths first, stopping at the first 
     run_suite smoke-1rank 1 python3 -m pytest tests/gpu/test_moe_experts.py tests/gpu/test_wave_claim.py \
         tests/gpu/test_moe_blocks.py tests/gpu/test_fail_closed.py tests/gpu/test_moe_decode.py -x -v -rs \
         --durations=8 "${limits[@]}" --junitxml="$logs/smoke-1rank.xml" || status=1
+}
+quick_1rank() {  # the GPU tests but the input fuzzer (its ~90 s), for a short device call after a host change
+    run_suite quick-1rank 1 python3 -m pytest tests/gpu --ignore=tests/gpu/test_fuzz_inputs.py -v -rs \
+        --durations=8 "${limits[@]}" --junitxml="$logs/quick-1rank.xml" || status=1
 }
 gpu_1rank_rma() {  # the same GPU tests, every ring forced onto the RMA data path
     run_suite gpu-1rank-rma 1 python3 -m pytest tests/gpu -v -rs --durations=8 "${limits[@]}" --transport rma \

@@ -151,7 +151,7 @@ def config(**changes):
 def test_the_rule_picks_decode_while_mean_rows_per_expert_are_at_most_the_bound():
     assert mean_rows_per_expert(config(), 1) == 8 * 6 / 32
     assert decode_fits(config(), 1)
-    bound_tokens = DECODE_MAX_ROWS * 32 // 6  # 170 tokens: 31.9 rows per expert
+    bound_tokens = DECODE_MAX_ROWS * 32 // 6  # 42 tokens: 7.9 rows per expert
     assert decode_fits(config(max_tokens_per_rank=bound_tokens), 1)
     assert not decode_fits(config(max_tokens_per_rank=bound_tokens + 1), 1)
     assert not decode_fits(config(max_tokens_per_rank=64), 8)  # 8 ranks' tokens reach every rank's experts

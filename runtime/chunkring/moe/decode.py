@@ -46,8 +46,10 @@ DECODE_THREADS = 256
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
 #: The rule's default bound: the decode path is chosen while an expert's mean rows at a full batch are at
-#: most this (two passes). A guess until a GPU session measures the crossover (benchmarks/bench_decode.py).
-DECODE_MAX_ROWS = 32
+#: most this, half a pass, so that few experts need a second pass over their weights. Measured on the H200
+#: (benchmarks/bench_decode.py, flash shape): the decode layer was 0.92x the DeepGEMM path's at a mean of 6
+#: rows per expert (at most 10), and 1.59x at a mean of 24 (at most 32: two passes, every weight read twice).
+DECODE_MAX_ROWS = DECODE_PASS_ROWS // 2
 
 
 class PlanTensors(Protocol):

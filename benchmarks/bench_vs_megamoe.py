@@ -8,12 +8,13 @@ top-6; ``v3``: hidden 7168, top-8, 32 local experts, intermediate 2048) and toke
 
 * ``chunkring_ms`` / ``chunkring_streamed_ms``: :meth:`chunkring.MoELayer.run` on the routed FP8 batch,
   batch-ready and streamed through the default ring (:meth:`MoEConfig.with_default_ring`), as CUDA-graph
-  replays (median, :func:`chunkring.moe.calibration.replay_median_ms`);
+  replays: every side of a token count timed in the same rounds, interleaved, each sample ``burst_for(t)``
+  replays back to back (the median per side, :func:`chunkring.moe.calibration.replay_medians_ms`);
 * ``megamoe_ms``: ``deep_gemm.fp8_mega_moe`` on a one-rank process group, its symmetric buffer staged
   with the same FP8 rows, scales and routing (the staging copies timed with the call, as a caller must),
-  as CUDA-graph replays like the layer (``megamoe_eager_ms`` beside it: with launch overhead);
+  as CUDA-graph replays timed with the layer's (``megamoe_eager_ms`` beside it: with launch overhead);
 * ``torch_bf16_ms``: the plain-torch peer (:func:`chunkring.testing.peer_moe.torch_moe`: route, sort,
-  two ``torch._grouped_mm``) on the bf16 hidden states and bf16 weights;
+  two ``torch._grouped_mm``) on the bf16 hidden states and bf16 weights, timed with the others;
 * ``chunkring_rel_err`` / ``megamoe_rel_err``: ``||out - ref|| / ||ref||`` against an fp64 reference on
   the dequantised operands (the FP8 rows and the FP8 weights both paths read);
 * ``weight_bytes``: the FP8 weights (with their scales) of the experts the batch routes to, what a call must
@@ -31,13 +32,14 @@ import argparse
 import math
 import statistics
 import sys
+from functools import partial
 
 import torch
 
 import chunkring
 from benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_group, time_eager
 from chunkring import MoEConfig, MoELayer
-from chunkring.moe.calibration import replay_median_ms
+from chunkring.moe.calibration import burst_for, replay_medians_ms
 from chunkring.moe.experts import load_deep_gemm
 from chunkring.moe.producer import quantize_rows_fp8, route
 from chunkring.moe.weights import Fp8Weight, expert_weights
@@ -90,27 +92,26 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
                                 lambda e: w13_ref[e], lambda e: w2_ref[e], idx, w, E, inter)
             row = {"shape": name, "tokens": t, "chunk": cfg.front_tokens_per_slot}
             out = {}
-            for streaming, key in ((False, "chunkring_ms"), (True, "chunkring_streamed_ms")):
-                def call(s=streaming):
-                    out[s] = layer.run(xq, xsf, idx, w, w13, w2, streaming=s)
 
-                row[key] = replay_median_ms(call, iterations=args.iterations, warmup=3)
-                torch.cuda.synchronize()
-                layer.check()
-            row["chunkring_rel_err"] = rel_err(out[False], ref)
-            row["streamed_equals_batch"] = bool(torch.equal(out[False], out[True]))
+            def call(streaming: bool) -> None:
+                out[streaming] = layer.run(xq, xsf, idx, w, w13, w2, streaming=streaming)
 
             y = torch.empty(t, H, dtype=torch.bfloat16, device=device)
             tk = {"xq": xq, "xsf": xsf, "idx": idx, "w": w, "x": hidden}
             _, staged, _ = mega_moe_calls(dg, buffer, tk, t, y, l1, l2)
-            eager = time_eager(staged, args.iterations)["median_ms"]
-            row["megamoe_ms"] = replay_median_ms(staged, iterations=args.iterations, warmup=3)
-            row["megamoe_eager_ms"] = eager
+            row["megamoe_eager_ms"] = time_eager(staged, args.iterations)["median_ms"]
+            # Every side the same way, interleaved: graph replays in bursts (replay_medians_ms).
+            ms = replay_medians_ms({"chunkring_ms": partial(call, False), "chunkring_streamed_ms": partial(call, True),
+                                    "megamoe_ms": staged,
+                                    "torch_bf16_ms": partial(torch_moe, hidden, router, w13_bf16, w2_bf16, K)},
+                                   iterations=args.iterations, warmup=3, burst=burst_for(t))
             torch.cuda.synchronize()
+            layer.check()
+            row.update(ms)
+            row["chunkring_rel_err"] = rel_err(out[False], ref)
+            row["streamed_equals_batch"] = bool(torch.equal(out[False], out[True]))
             row["megamoe_rel_err"] = rel_err(y, ref)
 
-            row["torch_bf16_ms"] = replay_median_ms(lambda: torch_moe(hidden, router, w13_bf16, w2_bf16, K),
-                                                    iterations=args.iterations, warmup=3)
             touched = int(torch.unique(idx[idx >= 0]).numel())
             per_expert = sum(t.data[0].numel() + 4 * t.scale[0].numel() for t in (w13, w2))
             row["weight_bytes"] = touched * per_expert

@@ -24,6 +24,15 @@ def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def ok(result: tuple):
+    """A cuda.bindings call's result past its CUresult, which must be CUDA_SUCCESS: None, the one value, or the
+    tuple of them."""
+    from cuda.bindings import driver
+
+    assert result[0] == driver.CUresult.CUDA_SUCCESS, result[0]
+    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+
 def drift_mib(step, cycles: int) -> float:
     step()  # the first cycle loads what stays loaded (modules, the allocator's pools)
     before = free_bytes()
@@ -69,20 +78,13 @@ def main() -> int:
     def driver_green_context():  # the driver alone: cuGreenCtxCreate / cuGreenCtxDestroy, no cuda.core object
         from cuda.bindings import driver
 
-        _, sm = driver.cuDeviceGetDevResource(runtime.ordinal, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
-        _, desc = driver.cuDevResourceGenerateDesc([sm], 1)
-        flags = driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
-        err, ctx = driver.cuGreenCtxCreate(desc, runtime.ordinal, flags)
-        assert err == driver.CUresult.CUDA_SUCCESS, err
-        (err,) = driver.cuGreenCtxDestroy(ctx)
-        assert err == driver.CUresult.CUDA_SUCCESS, err
+        sm = ok(driver.cuDeviceGetDevResource(runtime.ordinal, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+        desc = ok(driver.cuDevResourceGenerateDesc([sm], 1))
+        ok(driver.cuGreenCtxDestroy(ok(driver.cuGreenCtxCreate(
+            desc, runtime.ordinal, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))))
 
     def driver_partition():  # SmPartition's shape through the driver alone: a split, two contexts, 1 + 2 streams
         from cuda.bindings import driver
-
-        def ok(result):
-            assert result[0] == driver.CUresult.CUDA_SUCCESS, result[0]
-            return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
         sm = ok(driver.cuDeviceGetDevResource(runtime.ordinal, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
         groups, _, remainder = ok(driver.cuDevSmResourceSplitByCount(1, sm, 0, 64))

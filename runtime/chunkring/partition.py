@@ -175,7 +175,7 @@ class SmPartition:
         sizes = _SHARED.get(runtime)
         if sizes is None:
             sizes = _SHARED[runtime] = {}
-            runtime.at_close(lambda: _destroy_shared(sizes))
+            runtime.at_close(lambda: _destroy_shared(runtime))
         partition = sizes.get(producer_sms)
         if partition is None:
             partition = sizes[producer_sms] = cls(runtime, producer_sms)
@@ -218,10 +218,9 @@ class SmPartition:
 _SHARED: weakref.WeakKeyDictionary[Runtime, dict[int, SmPartition]] = weakref.WeakKeyDictionary()
 
 
-def _destroy_shared(sizes: dict[int, SmPartition]) -> None:
-    for partition in sizes.values():
+def _destroy_shared(runtime: Runtime) -> None:
+    for partition in _SHARED.pop(runtime).values():
         partition._destroy()
-    sizes.clear()
 
 
 def _sm_resource(runtime: Runtime) -> Any:  # cuda.core's SMResource

@@ -117,7 +117,7 @@ def host_layer(monkeypatch, cfg: MoEConfig, *, rank: int = 0) -> MoELayer:
     rings = {mode: HostRing(runtime) for mode in modes}
     resources = SimpleNamespace(rings=rings, experts_per_rank=E, first_expert=0, transports=(), free=lambda: None,
                                 kernels=None, produce_arrivals=dict.fromkeys(modes),
-                                produce_max_blocks=dict.fromkeys(modes))
+                                spinning_produce_blocks=None)
     monkeypatch.setattr(chunkring.moe.layer, "LayerResources", lambda *args, **kwargs: resources)
     monkeypatch.setattr(chunkring.moe.layer, "module_loading_is_eager", lambda: True)
     layer = MoELayer(runtime, cfg)

@@ -153,40 +153,37 @@ class _FakeSm:
         return [_FakeSm(options.count)], _FakeSm(self.sm_count - options.count)
 
 
-class _FakeContext:
+class _FakeHandle:
+    """A cuda.core green context or stream: records itself in ``made`` and whether it is still open."""
+
+    handle = 0
+
     def __init__(self, made):
         self.made, self.open = made, True
+        made.append(self)
 
     def create_stream(self):
-        stream = _FakeStream()
-        self.made.append(stream)
-        return stream
+        return _FakeHandle(self.made)
+
+    def sync(self):
+        pass
 
     def close(self):
         self.open = False
 
 
-class _FakeStream(_FakeContext):
-    handle = 0
-
-    def __init__(self):
-        self.open = True
-
-    def sync(self):
-        pass
-
-
 class _FakeRuntime:
-    """What SmPartition reads of a Runtime; ``close()`` runs what ``at_close`` registered, as Runtime.close does."""
+    """What SmPartition reads of a Runtime; ``close()`` runs what ``at_close`` registered, as Runtime.close does.
+    ``made``: every green context and stream made on it."""
 
     torch_device = "cuda:0"
 
-    def __init__(self, made):
+    def __init__(self):
         import types
 
-        self.releases = []
+        self.releases, self.made = [], []
         self.device = types.SimpleNamespace(resources=types.SimpleNamespace(sm=_FakeSm()), set_current=lambda: None,
-                                            create_context=lambda options: made.append(_FakeContext(made)) or made[-1])
+                                            create_context=lambda options: _FakeHandle(self.made))
 
     def at_close(self, release):
         self.releases.append(release)
@@ -200,8 +197,8 @@ def _fake_runtime(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: object())
-    made = []
-    return _FakeRuntime(made), made
+    runtime = _FakeRuntime()
+    return runtime, runtime.made
 
 
 def test_layers_share_the_runtimes_partition_of_a_size_and_only_the_runtime_destroys_it(monkeypatch):

@@ -74,17 +74,9 @@ def replay_medians_ms(calls: Mapping[K, Callable[[], object]], *, iterations: in
     for round_ in range(warmup + iterations):
         for offset in range(len(graphs)):
             key, graph = graphs[(round_ + offset) % len(graphs)]
-            torch.cuda.synchronize()
-            if barrier is not None:
-                barrier()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(burst):
-                graph.replay()
-            stop.record()
-            stop.synchronize()
+            ms = _sample_ms(graph, burst, barrier)
             if round_ >= warmup:
-                times[key].append(start.elapsed_time(stop) / burst)
+                times[key].append(ms)
     del graphs
     # The graphs' private pools back to the device: ranks sharing a GPU under MPS allocate from one memory.
     torch.cuda.empty_cache()
@@ -103,17 +95,25 @@ def replay_median_ms(call: Callable[[], object], load: Callable[[int], object] |
     for i in range(warmup + iterations):
         if load is not None:
             load(i)
-        torch.cuda.synchronize()
-        if barrier is not None:
-            barrier()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
+        ms = _sample_ms(graph, 1, barrier)
         if i >= warmup:
-            times.append(start.elapsed_time(stop))
+            times.append(ms)
     return statistics.median(times)
+
+
+def _sample_ms(graph: torch.cuda.CUDAGraph, burst: int, barrier: Callable[[], object] | None) -> float:
+    """One timed sample: the device idle (and the ranks met, with ``barrier``), then ``burst`` replays of
+    ``graph`` back to back between two CUDA events; milliseconds per replay."""
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(burst):
+        graph.replay()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / burst
 
 
 def chunk_candidates(n: int, slot: int, chunks: Iterable[int] | None = None) -> tuple[int, ...]:

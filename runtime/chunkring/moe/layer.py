@@ -193,7 +193,7 @@ class MoELayer:
         res = self.resources
         streamed = res.rings.get(CallMode.STREAMED)
         part = res.partition
-        return {"pull_grid": res.pull_grid, "producer_grid_max": res.produce_max_blocks[CallMode.STREAMED],
+        return {"pull_grid": res.pull_grid, "producer_grid_max": res.spinning_produce_blocks,
                 "plan_rows": res.compute.capacity,
                 "producer_sms": part.plan.producer_sms if part else 0, "consumer_sms": part.consumer_sms if part else 0,
                 "chunk_tokens": streamed.spec.tokens_per_slot if streamed else 0,
@@ -282,17 +282,17 @@ class MoELayer:
         if hidden.data_ptr() % 16:
             hidden = hidden.clone()  # the fused producer loads rows in 8-byte pieces
         res = self.resources
-        arrivals, spinning_blocks = res.produce_arrivals[mode], res.produce_max_blocks[mode]
+        arrivals = res.produce_arrivals[mode]
 
         def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
                     stream: torch.cuda.Stream, may_wait: bool) -> None:
             chunk = hidden[start:end]
             logits = router_logits(chunk, router_weight, kernels=res.kernels.produce)  # what route() computes
             # Only a producer that may wait for a slot spins, so only its grid is sized for residency beside the
-            # other ranks' spinning kernels (docs/PROTOCOL.md, "Progress" 8); the ring's first S chunks keep
-            # the full grid, as a batch-ready call's one chunk does.
+            # other ranks' spinning kernels (docs/PROTOCOL.md, "Progress" 8); the ring's first S chunks - a
+            # batch-ready call's one chunk among them - keep the full grid.
             enqueue_produce(ring, res.kernels.produce, logits, chunk, start, eos, valid, rows, arrivals, stream,
-                            spinning_blocks if may_wait else PRODUCE_MAX_BLOCKS)
+                            res.spinning_produce_blocks if may_wait else PRODUCE_MAX_BLOCKS)
 
         return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
 

@@ -106,14 +106,14 @@ class LayerResources:
 
     Attributes: ``kernels``; ``rings`` {mode: :class:`Ring`}; ``transports`` (per PE, the same for every ring);
     ``stage``; ``arrivals`` {mode: int32 [W, S]} (the pull's blocks done with each (source, slot)'s chunk);
-    ``produce_arrivals`` {mode: int32 [1]} (the fused producer's blocks done with the chunk); ``combine`` bf16 [N·K,
-    H] (symmetric: consumers push into it); ``peer_combine`` int64 [W] (each DIRECT source's combine buffer as this
-    GPU addresses it, 0 for RMA ones); ``compute`` (:class:`ExpertCompute`); ``pool`` (:class:`BlockPool` or None:
-    ``waves > 1`` only) and ``pull_stream`` (where its pull runs); ``partition`` (where streamed calls run, or
-    None); ``pull_grid``; ``produce_max_blocks`` {mode: the fused producer's grid where it may wait for a slot};
-    ``streams`` {mode: (producer, consumer)}; ``compute_streams`` {mode: where the expert work after the pull runs -
-    an ordinary stream over the whole GPU}; ``consumer_sms`` {mode: SMs the GEMMs on the consumer stream may fill
-    (the waves of ``waves > 1``), None for all}.
+    ``produce_arrivals`` {mode: int32 [1]} (the fused producer's blocks done with the chunk); ``combine`` bf16
+    [N·K, H] (symmetric: consumers push into it); ``peer_combine`` int64 [W] (each DIRECT source's combine buffer as
+    this GPU addresses it, 0 for RMA ones); ``compute`` (:class:`ExpertCompute`); ``pool`` (:class:`BlockPool` or
+    None: ``waves > 1`` only) and ``pull_stream`` (where its pull runs); ``partition`` (where streamed calls run, or
+    None); ``pull_grid``; ``spinning_produce_blocks`` (the fused producer's most blocks where it may wait for a
+    slot); ``streams`` {mode: (producer, consumer)}; ``compute_streams`` {mode: where the expert work after the pull
+    runs - an ordinary stream over the whole GPU}; ``consumer_sms`` {mode: SMs the GEMMs on the consumer stream may
+    fill (the waves of ``waves > 1``), None for all}.
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
@@ -155,11 +155,9 @@ class LayerResources:
         consumer_sms = (self.partition.consumer_sms if self.partition is not None
                         else torch.cuda.get_device_properties(device).multi_processor_count)
         # Ranks sharing this GPU spin on the same SMs: each sizes its spinning grids to its share of them.
-        self.pull_grid, streamed_producer = spinning_grids(
+        self.pull_grid, self.spinning_produce_blocks = spinning_grids(
             consumer_sms, resident, None if self.partition is None else self.partition.plan.producer_sms,
             runtime.gpu_ranks)
-        # A batch-ready call's producer never waits (one chunk per source, the ring drained): its whole grid.
-        self.produce_max_blocks = {CallMode.BATCH_READY: PRODUCE_MAX_BLOCKS, CallMode.STREAMED: streamed_producer}
 
     def _allocate(self, timeout_s: float | None) -> None:
         """The collective allocations, in the same order on every rank."""

@@ -92,11 +92,9 @@ class CallSchedule:
         # whose expert work waits for nothing (one wave) spins only in its pull and its drain, bounded grids
         # that leave the producers SMs: it runs on the whole GPU's streams (docs/PROTOCOL.md, "Progress" 9).
         early = res.streams[CallMode.BATCH_READY][0]
-        producer, consumer = res.streams[mode]
-        compute = res.compute_streams[mode]
-        if waves == 1 and len(starts) <= ring.spec.num_slots:
-            producer, consumer = res.streams[CallMode.BATCH_READY]
-            compute = consumer
+        placed = CallMode.BATCH_READY if waves == 1 and len(starts) <= ring.spec.num_slots else mode
+        producer, consumer = res.streams[placed]
+        compute = res.compute_streams[placed]
         for stream in {early, producer, consumer}:
             stream.wait_stream(caller)
         self._warm_up(mode, consumer, w13, w2)

@@ -3,7 +3,7 @@ test_moe_blocks_emulation.py drives them): moe_pull_blocks of device/kernels/moe
 reserve_row (RESERVE, ALLOCATE or WAIT), land_row (LAND, SEAL A FULL BLOCK) and end_of_streams (the finisher's
 partial seals), on ring.py's heap and streams and pull.py's consumer walk (consume_invocation, chunk and scale
 checks, held acks); waves.py's moe_wave_claim, its wait yielding to the pull; and moe_drain (ring.cuh drain:
-wait_acked of every chunk still possibly unacknowledged). The StageDesc and PoolDesc are read word by word in
+poll_acked of every chunk still possibly unacknowledged). The StageDesc and PoolDesc are read word by word in
 layout/moe_desc.cuh's order.
 
 :class:`WaveStreamLibrary` puts each launch on the stream the layer puts it: the publish kernels on their ring's
@@ -205,12 +205,12 @@ def moe_wave_claim(ring: RingView, a, part: int, parts: int):
 
 
 def moe_drain(ring: RingView, a, part: int, parts: int):
-    """ring.cuh drain (thread 0): wait_acked of every chunk of the last num_slots this rank published."""
+    """ring.cuh drain (thread 0): poll_acked of every chunk of the last num_slots this rank published."""
     if not ring.rank.check_descriptor():
         return
     epoch, nxt = ring.epoch(), pull_emu.next_seq(ring)
     for seq in range(max(nxt - ring.d.num_slots, 0), nxt):
-        if not (yield from pull_emu.wait_acked(ring, epoch, seq)):
+        if not (yield from pull_emu.poll_acked(ring, epoch, seq)):
             return
 
 

@@ -2,7 +2,7 @@
 ring_raise_abort) and moe_stream.cu (moe_pull, moe_ack_held) run on the CPU as written, over
 tests/helpers/emulation/ring.py's heap, streams and protocol words (tests/unit/test_ring_pull_emulation.py drives
 them through publish_chunk and the layer's launch of moe_pull, test_ring_abort_emulation.py the aborts). Each
-function mirrors its device function (protocol/ring.cuh begin_chunk, wait_acked, publish, end_chunk, wait_chunk,
+function mirrors its device function (protocol/ring.cuh begin_chunk, poll_acked, publish, end_chunk, wait_chunk,
 ack_chunk, finish_chunk, last_block_to_arrive, consume_invocation; publish.cuh chunk_extent, close_chunk;
 validate.cuh's checks; moe/descriptors.cuh check_stage) for one block, thread 0's part
 where the device has thread 0 alone act; the StageDesc is read word by word in layout/moe_desc.cuh's order and its
@@ -30,7 +30,9 @@ def next_seq(ring: RingView) -> int:
     return ring.load(ring.word("control", CONTROL["kControlNextSeq"]), "next_seq")
 
 
-def wait_acked(ring: RingView, epoch: int, seq: int):
+def poll_acked(ring: RingView, epoch: int, seq: int):
+    """ring.cuh poll_acked; its caller's acquire fence (acquire_acks) has no counterpart in this sequentially
+    consistent emulation."""
     slot, gen = seq % ring.d.num_slots, ring.gen(epoch, seq)
     for dest in range(ring.d.world_size):
         word = ring.ack_word(slot, dest)
@@ -48,7 +50,7 @@ def begin_chunk(ring: RingView, epoch: int, seq: int, ordered: bool = False):
         ring.record_error("kLapOverflow", "kPublish", d.my_pe, slot, mask - 1, lap)
         return False
     if lap >= 1:
-        if not (yield from wait_acked(ring, epoch, seq - d.num_slots)):
+        if not (yield from poll_acked(ring, epoch, seq - d.num_slots)):
             return False
         consumed, gen = ring.word("consumed", slot), ring.gen(epoch, seq - d.num_slots)
         if ordered:

@@ -76,27 +76,39 @@ __device__ __forceinline__ int poll_verdict(const RingDesc& d, GenState state, S
 
 // ---------------------------------------------------------------- producer (owner of the slot)
 
-// Thread 0 only: wait until every destination acknowledged chunk `seq` (each destination's ack word
+// Thread 0 only: poll until every destination acknowledged chunk `seq` (each destination's ack word
 // of its slot holds seq's generation). A word of another epoch, or of a later lap, is an error, never
-// accepted. Orders: every consumer's reads of chunk `seq` (their release fence + swap) happen-before
-// our acquire fence, hence before whatever the caller does next with the slot.
-__device__ __forceinline__ bool wait_acked(const RingDesc& d, u64 epoch, u64 seq) {
+// accepted. Relaxed loads only: the caller's acquire fence after its last poll orders what follows.
+__device__ __forceinline__ bool poll_acked(const RingDesc& d, u64 epoch, u64 seq) {
     const u64 slot = slot_of(seq, d.num_slots), gen = gen_of(d, epoch, seq);
     const u32 bits = epoch_bits(d);
-    // One timeout for the whole wait, however many words it polls (as for the one-word ack mask before).
+    // One timeout for the whole wait, however many words it polls.
     const u64 deadline = ptx::globaltimer_ns() + d.timeout_ns;
     for (u64 dest = 0; dest < d.world_size; ++dest) {
         const u64* word = ack_word(d, slot, dest);
-        // NOTES: relaxed polling; the acquire fence below orders what follows.
         const bool ok = spin_until(d, Site::kWaitReusable, dest, slot, gen, [&](u64& observed) {
             observed = ptx::ld_relaxed_sys(word);
             return poll_verdict(d, classify_acked(observed, gen, bits), Site::kWaitReusable, dest, slot, gen, observed);
         }, deadline);
         if (!ok) return false;
     }
-    // acquire: consumers' reads (and what they wrote for us) before our next step. System scope: they ran
-    // on other GPUs and released with system-scope fences before their swaps.
+    return true;
+}
+
+// acquire: every consumer's reads of the chunks whose acks were polled (and what they wrote for us)
+// before our next step. One fence serves any number of polls before it: each observed ack with this
+// fence after it is an acquire pattern. System scope: the consumers ran on other GPUs and released
+// with system-scope fences before their swaps.
+__device__ __forceinline__ void acquire_acks() {
     if constexpr (kMutant != Mutant::kNoAckAcquire) ptx::fence_acq_rel_sys();
+}
+
+// Thread 0 only: wait until every destination acknowledged chunk `seq`, then acquire.
+// Orders: every consumer's reads of chunk `seq` (their release fence + swap) happen-before our
+// acquire fence, hence before whatever the caller does next with the slot.
+__device__ __forceinline__ bool wait_acked(const RingDesc& d, u64 epoch, u64 seq) {
+    if (!poll_acked(d, epoch, seq)) return false;
+    acquire_acks();
     return true;
 }
 
@@ -131,7 +143,8 @@ __device__ __forceinline__ bool drain(const RingDesc& d, u64 epoch) {
         // NOTES: relaxed - only this rank's producers write next_seq, stream-ordered before us.
         const u64 next = ptx::ld_relaxed_sys(control_word(d, kControlNextSeq));
         const u64 first = next > d.num_slots ? next - d.num_slots : 0;
-        for (u64 seq = first; ok && seq < next; ++seq) ok = wait_acked(d, epoch, seq);
+        for (u64 seq = first; ok && seq < next; ++seq) ok = poll_acked(d, epoch, seq);
+        if (ok) acquire_acks();  // once, after every slot's acks were observed
     }
     return block_agree(ok);
 }

@@ -157,7 +157,7 @@ __device__ __forceinline__ bool check_descriptor(const RingDesc& d) {
 // it records kPeerAborted (observed: the abort word, which names the failed rank); or after desc.timeout_ns -
 // then it records a timeout naming the site, peer, slot and the last value observed. Caller: one thread.
 // `deadline` (globaltimer ns, 0: now + desc.timeout_ns) lets one timeout bound several spins of one
-// wait (wait_acked's, destination by destination).
+// wait (poll_acked's, destination by destination).
 template <typename Poll>
 __device__ __forceinline__ bool spin_until(const RingDesc& d, Site site, u64 peer, u64 slot, u64 expected, Poll poll,
                                            u64 deadline = 0) {

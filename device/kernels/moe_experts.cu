@@ -96,8 +96,11 @@ extern "C" __global__ void moe_plan_count(const StageDesc* stage, unsigned* coun
     }
 }
 
-// One warp per 32 consecutive choices of the stage's idx [W, N, K]: each choice of a local expert takes the
-// next row of its group (cursors [E_local], zeroed by the host) and the warp copies its payload there.
+// Each warp looks at 32 choices of the stage's idx [W, N, K] at a time, one per lane, `warps` apart (lane l of
+// warp w in pass i: choice (32 i + l) * warps + w); each choice of a local expert takes the next row of its
+// group (cursors [E_local], zeroed by the host) and the warp copies its payload there, one row after another.
+// The stride spreads a small call's rows - a token's k choices, consecutive tokens - over as many warps as it
+// has rows, so their copies run side by side instead of 32 round trips in one warp.
 //   stage: x [W, N, row_bytes], sf [W, N, sf_per_row] fp32 (FP8 payload; sf_per_row 0 for bf16), idx, w
 //   rows [P, row_bytes]         rows_sf: the GEMM's scale layout, scale j of row p at j * sf_stride + p
 //   row_src [P] int32: source rank, -1 on padding rows (prefilled by the host)
@@ -123,8 +126,8 @@ extern "C" __global__ void moe_plan_scatter(const StageDesc* stage, int block_m,
     const u32 lane = threadIdx.x % kWarp;
     const u64 warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp, warps = gridDim.x * blockDim.x / kWarp;
     const u64 N = s.token_capacity, K = s.topk;
-    for (u64 base = warp * kWarp; base < choices; base += warps * kWarp) {
-        const u64 mine_choice = base + lane;
+    for (u64 pass = 0; pass * kWarp * warps + warp < choices; ++pass) {
+        const u64 mine_choice = (pass * kWarp + lane) * warps + warp;
         int e = -1;
         unsigned row = 0;
         if (mine_choice < choices) {
@@ -139,7 +142,7 @@ extern "C" __global__ void moe_plan_scatter(const StageDesc* stage, int block_m,
         while (todo) {
             const int from = __ffs(todo) - 1;
             todo &= todo - 1;
-            const u64 choice = base + from;
+            const u64 choice = (pass * kWarp + from) * warps + warp;
             const u64 p = __shfl_sync(0xffffffffu, row, from);
             const u64 src = choice / (N * K), token = choice / K % N;
             const u64 stage_row = src * N + token;

@@ -92,11 +92,12 @@ def moe_plan_scatter(memory, grid, block, shared_bytes, a, order_seed: int = 0) 
     store_group_end(a, offsets, num_local)
     warps = grid * block // WARP
     N, K = s.token_capacity, s.topk
-    items = [(warp, base) for warp in range(warps) for base in range(warp * WARP, choices, warps * WARP)]
+    items = [(warp, step) for warp in range(warps) for step in range(0, choices, WARP * warps)
+             if step + warp < choices]  # pass = step // (WARP * warps): while pass * 32 * warps + warp < choices
     lane = np.arange(WARP, dtype=np.int64)
     for n in np.random.default_rng(order_seed).permutation(len(items)):
-        warp, base = items[n]
-        mine_choice = base + lane
+        warp, step = items[n]
+        mine_choice = step + lane * warps + warp  # (pass * 32 + lane) * warps + warp
         live = mine_choice < choices
         e = np.full(WARP, -1, np.int64)
         e[live] = stage_idx.load_as(np.int32, mine_choice[live], "stage idx").astype(np.int64) - expert_lo
@@ -107,7 +108,7 @@ def moe_plan_scatter(memory, grid, block, shared_bytes, a, order_seed: int = 0) 
             np.uint32, e[local], 1, "cursors").astype(np.int64)
         row %= 2**32  # unsigned
         for src_lane in np.flatnonzero(e >= 0):  # __ballot_sync, then __ffs: ascending lanes
-            choice = base + int(src_lane)
+            choice = int(mine_choice[src_lane])
             p = int(row[src_lane])  # __shfl_sync(row, from)
             src, token = choice // (N * K), choice // K % N
             stage_row = src * N + token

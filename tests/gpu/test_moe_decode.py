@@ -7,9 +7,11 @@
 * a row's output does not depend on its place in the plan (the plan places rows by atomic cursor), and
   two runs are bitwise equal;
 * through the layer (``MoELayer(..., decode=True)``): streamed equals batch-ready bit for bit and both
-  match the layer's fp32 reference; CUDA-graph replays equal eager calls bit for bit.
+  match the layer's fp32 reference; CUDA-graph replays equal eager calls bit for bit; with ``decode="auto"`` each
+  call takes the engine its size does (decode_fits), either way matching the reference.
 
-Not run yet: written without a GPU, for the GPU session that measures the path."""
+The per-call ``"auto"`` test is written without a GPU and has not run on one yet; the others pass on the H200
+(tests/gpu_results/*-decode-1rank.json)."""
 
 import pytest
 import torch
@@ -150,6 +152,41 @@ def test_layer_on_the_decode_path_streamed_equals_batch_ready(runtime, n):
         assert torch.equal(outs[True], outs[False])
         err = rel_error(outs[False], layer_reference(layer, x_in, idx, w, w13, w2))
         assert err <= tolerance(layer), f"relative error {err:.2e}"
+    finally:
+        layer.destroy()
+
+
+def test_auto_runs_each_call_on_the_engine_its_size_takes(runtime, monkeypatch):
+    """decode="auto": a call within decode_fits' bound runs its expert GEMMs on the decode path, a larger one on
+    DeepGEMM's; each matches the reference, and streamed equals batch-ready at each size."""
+    cfg = layer_config(runtime.world_size)
+    layer = MoELayer(runtime, cfg, timeout_s=60, decode="auto")
+    calls = []
+    original = DecodeGemm.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeGemm, "__call__", counted)
+    try:
+        sizes = [n for n in range(1, MAX_TOKENS + 1) if layer.resources.decode_for(n)]
+        assert sizes and sizes[-1] < MAX_TOKENS, "the config must put the bound inside the layer's capacity"
+        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(31))
+        experts = local_weights(layer, w13, w2)
+        for n in (sizes[-1], sizes[-1] + 1):
+            x_in, idx, w, args = case_inputs("fp8", n, cfg.num_experts, cfg.topk, "uniform", 200 + runtime.rank,
+                                             runtime.torch_device)
+            outs = {}
+            for streaming in (False, True):
+                calls.clear()
+                outs[streaming] = layer.run(*args, *experts, streaming=streaming).clone()
+                torch.cuda.synchronize()
+                layer.check()
+                assert bool(calls) == (n in sizes), f"{n} tokens, streaming={streaming}: decode path {bool(calls)}"
+            assert torch.equal(outs[True], outs[False])
+            err = rel_error(outs[False], layer_reference(layer, x_in, idx, w, w13, w2))
+            assert err <= tolerance(layer), f"{n} tokens: relative error {err:.2e}"
     finally:
         layer.destroy()
 

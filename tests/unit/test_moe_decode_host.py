@@ -160,6 +160,25 @@ def test_the_rule_picks_decode_while_mean_rows_per_expert_are_at_most_the_bound(
     assert not decode_fits(config(max_tokens_per_rank=17), 1, max_rows=3)
 
 
+def test_per_call_the_rule_counts_the_calls_tokens_not_the_layers_capacity():
+    """decode="auto" asks per call (LayerResources.decode_for): a layer sized for 8,192 tokens per rank still
+    takes the decode path for a call of a few tokens, and DeepGEMM's for a call past the bound."""
+    big = config(max_tokens_per_rank=8192)
+    bound_tokens = DECODE_MAX_ROWS * 32 // 6
+    assert not decode_fits(big, 1)
+    assert mean_rows_per_expert(big, 4, tokens=2) == 2 * 4 * 6 / 32
+    assert decode_fits(big, 1, tokens=1) and decode_fits(big, 1, tokens=bound_tokens) and decode_fits(big, 1, tokens=0)
+    assert not decode_fits(big, 1, tokens=bound_tokens + 1)
+    assert decode_fits(big, 4, tokens=bound_tokens // 4) and not decode_fits(big, 4, tokens=bound_tokens // 4 + 1)
+
+
+@pytest.mark.parametrize("tokens", [-1, True, 1.5])
+def test_the_rule_refuses_a_bad_token_count(tokens):
+    with pytest.raises(ChunkringUsageError) as info:
+        decode_fits(config(), 1, tokens=tokens)
+    assert info.value.field == "tokens"
+
+
 @pytest.mark.parametrize("changes", [dict(payload=PayloadFormat.BF16), dict(hidden=1152)],
                          ids=["bf16", "hidden-not-256"])
 def test_the_rule_declines_what_the_kernels_cannot_run(changes):

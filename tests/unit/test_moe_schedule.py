@@ -15,6 +15,7 @@ from chunkring.moe.calls import CallMode
 from chunkring.moe.schedule import CallSchedule
 
 N, H, K = 64, 8, 2
+DECODE_TOKENS = 8  # the fake layer's decode_for: the decode path for calls of at most this many tokens
 
 
 class Stream:
@@ -47,15 +48,18 @@ class Compute:
 
     def __init__(self, launched, device):
         self.launched, self.device = launched, device
+        self.engines = []  # each expert call's decode= (the engine it was asked for)
 
     def warm_up(self, *args, **kwargs):
         pass
 
     def __call__(self, *args, **kwargs):
         self.launched.append(("experts", self.device.current.name))
+        self.engines.append(kwargs["decode"])
 
     def wave(self, *args, **kwargs):
         self.launched.append(("wave", self.device.current.name))
+        self.engines.append(kwargs["decode"])
 
 
 def schedule_on(monkeypatch, *, slots, waves=1, partition=True):
@@ -87,7 +91,8 @@ def schedule_on(monkeypatch, *, slots, waves=1, partition=True):
         arrivals={mode: torch.zeros(1, 4, dtype=torch.int32) for mode in CallMode},
         stage=SimpleNamespace(idx=torch.zeros(1, N, K, dtype=torch.int32), held=torch.zeros(1, dtype=torch.int64),
                               desc="stage"),
-        kernels=SimpleNamespace(stream=SimpleNamespace(launch=launch)))
+        kernels=SimpleNamespace(stream=SimpleNamespace(launch=launch)),
+        decode_for=lambda n: n <= DECODE_TOKENS)
     res.compute = Compute(launched, device)
     return CallSchedule(res), res, launched
 
@@ -135,3 +140,16 @@ def test_waves_keep_the_consumer_on_the_partition_whatever_the_count(monkeypatch
     call(schedule, CallMode.STREAMED, 1)
     assert where(launched, "moe_pull_blocks") == {"part.side"} and where(launched, "wave") == {"part.consumer"}
     assert where(launched, "moe_ack_held") == {"part.consumer"}
+
+
+@pytest.mark.parametrize("waves", [1, 2])
+def test_each_call_asks_for_the_engine_its_size_takes_in_either_mode(monkeypatch, waves):
+    """decode="auto" per call: the expert work of a call (every wave's) runs on the engine
+    ``LayerResources.decode_for`` names for the call's token count, streamed as batch-ready."""
+    schedule, res, launched = schedule_on(monkeypatch, slots=2, waves=waves)
+    for n in (1, DECODE_TOKENS, DECODE_TOKENS + 1, N):
+        for mode in CallMode:
+            res.compute.engines.clear()
+            call(schedule, mode, n)
+            want = n <= DECODE_TOKENS
+            assert res.compute.engines and all(engine is want for engine in res.compute.engines), (n, mode)

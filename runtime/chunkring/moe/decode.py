@@ -8,14 +8,14 @@ from HBM (docs/PERFORMANCE.md). The decode kernels put 16 weight rows on the MMA
 tokens on its narrow side, so an expert's weights are streamed once per pass of up to
 :data:`DECODE_PASS_ROWS` of its rows, and an expert with no rows reads nothing.
 
-**Off by default, and unmeasured**: written and compiled without a GPU; :class:`DecodeGemm` runs only
-where a caller passes one (``ExpertCompute(..., decode=...)``, ``MoELayer(..., decode=True)``). Its
-speed and its agreement with the DeepGEMM path on the H200 are for a GPU session to measure
-(tests/gpu/test_moe_decode.py, benchmarks/bench_decode.py) before anything turns it on.
-
-Which path a layer takes is fixed per layer (:func:`decode_fits`), never per call: the kernels are fixed
-grids over the layer's experts that loop over whatever rows the call brought, so a call is correct at
-any routing and captures into a CUDA graph; only its speed depends on the rows per expert.
+Which calls take it: a layer built with ``decode=True`` runs every call on it; ``decode="auto"`` chooses per
+call, by the call's token count (:func:`decode_fits` with ``tokens``): the decode path while an expert's mean
+rows are at most :data:`DECODE_MAX_ROWS`, DeepGEMM's above. Both engines are fixed grids that loop over
+whatever rows a call brought, so either is correct at any routing and captures into a CUDA graph; only the
+speed depends on the rows per expert. Each rank chooses for its own consumer - the choice changes how it
+computes its rows, not what the ranks exchange - and a streamed call chooses as the batch-ready call of its
+size does, so the two stay equal bit for bit. The engines round differently in their last bits, so a token's
+output can differ between a call of 8 tokens and one of 4,096.
 
 Weights are read in the checkpoint's own layout (:class:`~chunkring.moe.weights.Fp8Weight`, [E, N, K]
 e4m3 row-major with 128x128 block scales): the kernels choose their k order so that every MMA
@@ -45,8 +45,8 @@ DECODE_PASS_ROWS = 16
 DECODE_THREADS = 256
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
-#: The rule's default bound: the decode path is chosen while an expert's mean rows at a full batch are at
-#: most this, half a pass, so that few experts need a second pass over their weights. Measured on the H200
+#: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most
+#: this, half a pass, so that few experts need a second pass over their weights. Measured on the H200
 #: (benchmarks/bench_decode.py, flash shape): the decode layer was 0.92x the DeepGEMM path's at a mean of 6
 #: rows per expert (at most 10), and 1.59x at a mean of 24 (at most 32: two passes, every weight read twice).
 DECODE_MAX_ROWS = DECODE_PASS_ROWS // 2
@@ -74,10 +74,11 @@ def fragment_k(step: int, t: int, half: int, byte: int) -> int:
     return (step // 2) * 64 + t * 16 + (step % 2) * 8 + half * 4 + byte
 
 
-def mean_rows_per_expert(config: MoEConfig, world_size: int) -> float:
-    """An expert's rows at a full batch under uniform routing: every rank's ``max_tokens_per_rank`` tokens,
-    ``topk`` choices each, spread over ``num_experts``."""
-    return config.max_tokens_per_rank * world_size * config.topk / config.num_experts
+def mean_rows_per_expert(config: MoEConfig, world_size: int, tokens: int | None = None) -> float:
+    """An expert's rows under uniform routing when every rank brings ``tokens`` tokens (None: a full batch,
+    ``max_tokens_per_rank``), ``topk`` choices each, spread over ``num_experts``."""
+    n = config.max_tokens_per_rank if tokens is None else tokens
+    return n * world_size * config.topk / config.num_experts
 
 
 def check_decode_config(config: MoEConfig) -> None:
@@ -94,19 +95,21 @@ def check_decode_config(config: MoEConfig) -> None:
                                   f"{config.intermediate}", field="intermediate")
 
 
-def decode_fits(config: MoEConfig, world_size: int, *, max_rows: int = DECODE_MAX_ROWS) -> bool:
-    """Whether a layer of ``config`` on ``world_size`` ranks should take the decode path: the FP8 payload, shapes
-    the kernels take (:func:`check_decode_config`), and at most ``max_rows`` rows per expert on average at a
-    full batch (:func:`mean_rows_per_expert`). One answer per layer, so every call of a layer - and every
-    CUDA graph captured from one - runs the same kernels. A call may still bring an expert many more rows
-    (a hot expert): it is computed correctly, in more passes."""
+def decode_fits(config: MoEConfig, world_size: int, *, tokens: int | None = None,
+                max_rows: int = DECODE_MAX_ROWS) -> bool:
+    """Whether a call of ``tokens`` tokens per rank (None: a full batch) of a layer of ``config`` on ``world_size``
+    ranks should take the decode path: the FP8 payload, shapes the kernels take (:func:`check_decode_config`),
+    and at most ``max_rows`` rows per expert on average (:func:`mean_rows_per_expert`). A call may still bring
+    an expert many more rows (a hot expert): it is computed correctly, in more passes."""
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise ChunkringUsageError(f"expected a positive int, got {max_rows!r}", field="max_rows")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+        raise ChunkringUsageError(f"expected an int >= 0 or None, got {tokens!r}", field="tokens")
     try:
         check_decode_config(config)
     except ChunkringUsageError:
         return False
-    return mean_rows_per_expert(config, world_size) <= max_rows
+    return mean_rows_per_expert(config, world_size, tokens) <= max_rows
 
 
 class DecodeGemm:

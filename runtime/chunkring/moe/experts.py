@@ -129,20 +129,24 @@ class ExpertCompute:
     ``capacity`` (P): the most planned rows one call can produce here, every source's full batch
     routed to this rank's experts (:func:`~chunkring.moe.dispatch.padded_rows_bound`). ``decode``: a
     :class:`~chunkring.moe.decode.DecodeGemm` to run the FP8 expert GEMMs (L1, SwiGLU, L2) instead of
-    DeepGEMM's, or None (the default: the decode path is not yet measured on a GPU).
+    DeepGEMM's, or None (DeepGEMM's only). ``deep_gemm_too``: with ``decode``, DeepGEMM's engine as well, each
+    call choosing (the ``decode=`` of :meth:`experts`; the layer's ``decode="auto"``); without it, every call
+    of an FP8 layer given ``decode`` takes the decode path.
     """
 
     def __init__(self, config, world_size: int, first_expert: int, experts_per_rank: int, kernels, device, *,
-                 decode: DecodeGemm | None = None):
+                 decode: DecodeGemm | None = None, deep_gemm_too: bool = False):
         if decode is not None and not isinstance(decode, DecodeGemm):
             raise ChunkringUsageError(f"expected a DecodeGemm or None, got {type(decode).__name__}", field="decode")
+        if not isinstance(deep_gemm_too, bool):
+            raise ChunkringUsageError(f"expected a bool, got {deep_gemm_too!r}", field="deep_gemm_too")
         self.config, self.kernels, self.device, self.decode = config, kernels, device, decode
         self.first_expert, self.experts_per_rank = first_expert, experts_per_rank
         self.fp8 = config.payload.has_scales
         self.capacity = padded_rows_bound(config.max_tokens_per_rank, config.topk, world_size, experts_per_rank,
                                           GROUP_ALIGN)
-        # DeepGEMM runs the FP8 GEMMs unless the decode path does (deep_gemm is untyped).
-        self._deep_gemm: Any = load_deep_gemm() if self.fp8 and decode is None else None
+        # DeepGEMM runs the FP8 GEMMs unless the decode path runs every call (deep_gemm is untyped).
+        self._deep_gemm: Any = load_deep_gemm() if self.fp8 and (decode is None or deep_gemm_too) else None
         self._grid = _BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         # moe_combine_push's arrivals: each block adds 1 after releasing its stores; moe_ack_held waits for
         # push_blocks of them before the held acks (docs/PROTOCOL.md, "The MoE layer on the ring").
@@ -171,17 +175,19 @@ class ExpertCompute:
             return
         plan, _ = self._allocate_plan()  # every count 0
         with self.gemm_sms(sms):
-            self.experts(plan, w13, w2)
+            self.experts(plan, w13, w2, decode=False)
         self._warm.add(sms)
 
     def __call__(self, stage, w13, w2, peer_combine: torch.Tensor, on_experts_done, *,
-                 desc: torch.Tensor | None = None, combine: torch.Tensor | None = None, sms: int | None = None) -> None:
+                 desc: torch.Tensor | None = None, combine: torch.Tensor | None = None, sms: int | None = None,
+                 decode: bool | None = None) -> None:
         """Plan ``stage``'s rows (moe_pull's output), run the experts, call ``on_experts_done`` (a timeline
         mark) and push the weighted rows to each source (:meth:`combine_push`). ``sms``: the SMs the current
-        stream may use (its green-context partition's), None for the whole GPU (:meth:`gemm_sms`)."""
+        stream may use (its green-context partition's), None for the whole GPU (:meth:`gemm_sms`); ``decode``:
+        as :meth:`experts` takes it."""
         plan = self.plan(stage)
         with self.gemm_sms(sms):
-            out = self.experts(plan, w13, w2)
+            out = self.experts(plan, w13, w2, decode=decode)
         on_experts_done()
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
 
@@ -244,11 +250,20 @@ class ExpertCompute:
             rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev))
         return plan, counters[2]
 
-    def experts(self, plan: DevicePlan, w13, w2) -> torch.Tensor:
-        """bf16 [P, H]: w2[e] @ swiglu(w13[e] @ row) for every planned row (padding rows: unspecified)."""
+    def experts(self, plan: DevicePlan, w13, w2, *, decode: bool | None = None) -> torch.Tensor:
+        """bf16 [P, H]: w2[e] @ swiglu(w13[e] @ row) for every planned row (padding rows: unspecified). ``decode``
+        (FP8): this call on the decode path (True) or on DeepGEMM's (False); None: the decode path if this
+        compute has one. The engine asked for must be one this compute was built with."""
         cfg, dev, P = self.config, self.device, self.capacity
         H, inter = cfg.hidden, cfg.intermediate
-        if self.fp8 and self.decode is not None:
+        if decode is None:
+            decode = self.decode is not None
+        if decode and self.decode is None:
+            raise ChunkringUsageError("this expert work has no decode path", field="decode")
+        if self.fp8 and not decode and self._deep_gemm is None:
+            raise ChunkringUsageError("this expert work runs every call on the decode path", field="decode")
+        if decode:
+            assert self.decode is not None  # checked above; a DecodeGemm needs the FP8 payload
             out = self.rma_out if self.rma_out is not None else torch.empty((P, H), dtype=torch.bfloat16, device=dev)
             self.decode(plan, w13, w2, out, stream=torch.cuda.current_stream(dev))
             return out
@@ -276,13 +291,13 @@ class ExpertCompute:
         return self.rma_out.copy_(out)  # _grouped_mm allocates its output; the puts need registered memory
 
     def wave(self, pool: BlockPool, w13, w2, peer_combine: torch.Tensor, *, last: bool, desc: torch.Tensor,
-             combine: torch.Tensor | None = None, sms: int | None = None) -> None:
+             combine: torch.Tensor | None = None, sms: int | None = None, decode: bool | None = None) -> None:
         """One wave of incremental expert blocks (:mod:`chunkring.moe.blocks`), on the current stream:
         ``moe_wave_claim`` waits (bounded, on ``desc``'s watchdog) until :attr:`wave_min_blocks` sealed blocks
         are unclaimed or, for the ``last`` wave, until every block is sealed, and claims every sealed one;
         ``moe_wave_gather`` copies their rows into a fresh plan; then the batch path's GEMMs, SwiGLU and
         combine push on that plan (``moe_ack_held`` then waits for ``waves * push_blocks`` arrivals on
-        :attr:`pushed`, every wave's). ``sms``: as for :meth:`__call__`."""
+        :attr:`pushed`, every wave's). ``sms``, ``decode``: as for :meth:`__call__`."""
         if pool.shape.block_m != GROUP_ALIGN:  # the gather aligns groups to the pool's blocks, SwiGLU and the push
             raise ChunkringUsageError(f"the pool's blocks must be the plan's groups, {GROUP_ALIGN} rows, got "
                                       f"{pool.shape.block_m}", field="pool")  # to GROUP_ALIGN: one plan layout
@@ -292,7 +307,7 @@ class ExpertCompute:
                             stream=torch.cuda.current_stream(self.device))
         self._launch("moe_wave_gather", pool_desc=pool.desc, cursors=cursors, shared=True, **plan.scatter_args())
         with self.gemm_sms(sms):
-            out = self.experts(plan, w13, w2)
+            out = self.experts(plan, w13, w2, decode=decode)
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
 
     def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor, *,

@@ -27,7 +27,7 @@ from chunkring.errors import ChunkringError, ChunkringUsageError
 from chunkring.moe import handles
 from chunkring.moe.calls import CallMode, call_chunk, check_forward_args, check_run_args, resolve_streaming
 from chunkring.moe.config import MoEConfig
-from chunkring.moe.decode import check_decode_config, decode_fits
+from chunkring.moe.decode import check_decode_config
 from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, enqueue_produce, router_logits
 from chunkring.moe.resources import LayerKernels, LayerResources
 from chunkring.moe.schedule import CallSchedule
@@ -68,9 +68,10 @@ class MoELayer:
         kernels: the kernel libraries (None: built for this GPU; :mod:`chunkring.testing.variants` passes
             deliberately broken ones).
         decode: run the FP8 expert GEMMs on the decode path (:class:`chunkring.moe.decode.DecodeGemm`, for few
-            rows per expert) instead of DeepGEMM's: ``True``; ``"auto"``: where
-            :func:`chunkring.moe.decode.decode_fits` says the config suits it; ``False`` (the default - the decode
-            path is not yet measured on a GPU): never. One choice for the layer's every call.
+            rows per expert) instead of DeepGEMM's: ``True``: every call; ``"auto"``: each call whose size
+            :func:`chunkring.moe.decode.decode_fits` says suits it (at most 8 rows per expert on average), the
+            others on DeepGEMM's; ``False`` (the default): never. Streamed and batch-ready calls of one size choose
+            alike, so they stay equal bit for bit; calls of different sizes may round differently.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly
@@ -113,7 +114,7 @@ class MoELayer:
         #: Everything the layer holds at this rank (:class:`LayerResources`): rings, stage, buffers, kernels,
         #: partition and streams.
         self.resources = LayerResources(runtime, config, partition=partition, timeout_s=timeout_s, kernels=kernels,
-                                        decode=decode is True or (decode == "auto" and decode_fits(config, world)))
+                                        decode=decode)
         #: This rank's experts: ``experts_per_rank`` of them from global index ``first_expert``.
         self.experts_per_rank, self.first_expert = self.resources.experts_per_rank, self.resources.first_expert
         #: Enqueues the layer's calls on :attr:`resources`.

@@ -23,7 +23,7 @@ from chunkring.jit import library_for
 from chunkring.moe.blocks import BlockPool, pool_shape
 from chunkring.moe.calls import CallMode
 from chunkring.moe.config import MoEConfig
-from chunkring.moe.decode import DecodeGemm
+from chunkring.moe.decode import DecodeGemm, check_decode_config, decode_fits
 from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
 from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
 from chunkring.moe.stage import Stage
@@ -113,26 +113,42 @@ class LayerResources:
     None); ``pull_grid``; ``spinning_produce_blocks`` (the fused producer's most blocks where it may wait for a
     slot); ``streams`` {mode: (producer, consumer)}; ``compute_streams`` {mode: where the expert work after the pull
     runs - an ordinary stream over the whole GPU}; ``consumer_sms`` {mode: SMs the GEMMs on the consumer stream may
-    fill (the waves of ``waves > 1``), None for all}.
+    fill (the waves of ``waves > 1``), None for all}; ``decode`` (True: every call's FP8 expert GEMMs on the
+    decode path; "auto": each call's as :meth:`decode_for` says; False: DeepGEMM's).
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
-                 timeout_s: float | None = None, kernels: LayerKernels | None = None, decode: bool = False) -> None:
+                 timeout_s: float | None = None, kernels: LayerKernels | None = None,
+                 decode: bool | str = False) -> None:
         self.runtime, self.config = runtime, config
+        self.decode = decode
+        if decode == "auto":
+            try:
+                check_decode_config(config)
+            except ChunkringUsageError:  # a config the decode kernels cannot run: DeepGEMM's for every call
+                self.decode = False
         self._owned = contextlib.ExitStack()  # frees what was made, in reverse order
         try:
-            agree(runtime, lambda: self._prepare(kernels, partition, decode))
+            agree(runtime, lambda: self._prepare(kernels, partition, self.decode))
             self._allocate(timeout_s)
             self._streams_for_modes()
         except BaseException:
             self._owned.close()
             raise
 
+    def decode_for(self, tokens: int) -> bool:
+        """Whether this rank's call of ``tokens`` tokens runs its FP8 expert GEMMs on the decode path: as
+        :attr:`decode` says, and for "auto" as :func:`chunkring.moe.decode.decode_fits` says of the call's
+        size (this rank's count, as if every rank brought as many: each rank chooses for its own consumer)."""
+        if self.decode == "auto":
+            return decode_fits(self.config, self.runtime.world_size, tokens=tokens)
+        return bool(self.decode)
+
     # ------------------------------------------------------------------ construction
 
-    def _prepare(self, kernels: LayerKernels | None, partition: SmPartition | str, decode: bool) -> None:
+    def _prepare(self, kernels: LayerKernels | None, partition: SmPartition | str, decode: bool | str) -> None:
         """The steps that can fail on one rank alone: kernel builds, the GEMM engine, the partition, the grids.
-        ``decode``: the expert GEMMs on the decode path (:class:`DecodeGemm`, its own kernel library)."""
+        ``decode``: :attr:`decode` (the decode path: :class:`DecodeGemm`, its own kernel library)."""
         runtime, config = self.runtime, self.config
         world, device = runtime.world_size, runtime.torch_device
         self.experts_per_rank = config.num_experts // world
@@ -141,7 +157,7 @@ class LayerResources:
         decode_gemm = (DecodeGemm(library_for(runtime, "moe_decode"), config, self.experts_per_rank) if decode
                        else None)
         self.compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank, self.kernels.experts,
-                                     device, decode=decode_gemm)
+                                     device, decode=decode_gemm, deep_gemm_too=decode == "auto")
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start would
         # stall the others (docs/PROTOCOL.md, "Progress").
         pulls = ("moe_pull", "moe_pull_blocks") if config.incremental else ("moe_pull",)

@@ -98,6 +98,7 @@ class CallSchedule:
         for stream in {early, producer, consumer}:
             stream.wait_stream(caller)
         self._warm_up(mode, consumer, w13, w2)
+        decode = res.decode_for(n)  # this rank's engine for the call's expert GEMMs, by its size
         # No record_stream on the caller's tensors: the caller's stream waits for every stream of the call at its
         # end, so its frees (stream-ordered on it) already come after our last use. That also keeps
         # the allocator from ever recording events on a partition's streams, which may be closed before those
@@ -137,7 +138,7 @@ class CallSchedule:
         if producer is not early:
             producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish
         with torch.cuda.stream(consumer):
-            last = self._consume(mode, w13, w2, mark, waves, compute)
+            last = self._consume(mode, w13, w2, mark, waves, compute, decode)
         produce_chunks(range(first, len(starts)), producer, zero_rows=False, may_wait=True)
         with torch.cuda.stream(producer):
             self._drain_and_reduce(mode, n, out, mark, last)
@@ -169,9 +170,10 @@ class CallSchedule:
         self._warm_modes.add(mode)
 
     def _consume(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks, waves: int,
-                 compute_stream: torch.cuda.Stream) -> torch.cuda.Stream:
-        """The consumer's part of a call, from the consumer stream (current): pull, experts, combine push, held
-        acks. Returns the stream its last step (the held acks) runs on.
+                 compute_stream: torch.cuda.Stream, decode: bool) -> torch.cuda.Stream:
+        """The consumer's part of a call, from the consumer stream (current): pull, experts (``decode``: their FP8
+        GEMMs on the decode path), combine push, held acks. Returns the stream its last step (the held acks)
+        runs on.
 
         Only the pull waits for other kernels (for chunks producers have not published yet), so only the pull
         runs on the consumer stream - on a partition, the SMs reserved for what spins (docs/PROTOCOL.md,
@@ -187,7 +189,7 @@ class CallSchedule:
         res.arrivals[mode].zero_()  # a failed earlier call may have left counts behind
         compute.pushed.zero_()  # the combine pushes' arrivals, which moe_ack_held counts below
         if waves > 1:
-            self._pull_into_blocks_and_waves(mode, w13, w2, mark, res.consumer_sms[mode])
+            self._pull_into_blocks_and_waves(mode, w13, w2, mark, res.consumer_sms[mode], decode)
             last = consumer
         else:
             self._launch_pull(mode, mark.trace)
@@ -197,7 +199,7 @@ class CallSchedule:
             with torch.cuda.stream(last):
                 mark(Event.EXPERTS_BEGIN)
                 compute(stage, w13, w2, res.peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
-                        combine=res.combine, sms=None)
+                        combine=res.combine, sms=None, decode=decode)
         with torch.cuda.stream(last):
             mark(Event.COMBINE_DONE)
             push_arrivals = compute.push_blocks * waves  # every wave pushes (one: the batch plan)
@@ -216,12 +218,12 @@ class CallSchedule:
                                   stream=torch.cuda.current_stream(res.runtime.torch_device), **trace)
 
     def _pull_into_blocks_and_waves(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks,
-                                    sms: int | None) -> None:
+                                    sms: int | None, decode: bool) -> None:
         """The consumer's incremental expert blocks, from the consumer stream (current): zero the pool's words;
         ``moe_pull_blocks`` on the pull stream; ``waves`` waves on the consumer stream, concurrent with the pull
         (each claim waits for sealed blocks; the last for every stream's end); then the consumer joins the pull
         stream, so ``moe_ack_held`` (after this) reads the held seqs the pull wrote and runs after the last
-        wave's combine push."""
+        wave's combine push. ``decode``: the waves' FP8 GEMMs on the decode path."""
         res = self.res
         pool, pull_stream, ring, stage = res.pool, res.pull_stream, res.rings[mode], res.stage
         assert pool is not None and pull_stream is not None  # only called with a pool
@@ -235,7 +237,7 @@ class CallSchedule:
         mark(Event.EXPERTS_BEGIN)
         for wave in range(res.config.waves):
             res.compute.wave(pool, w13, w2, res.peer_combine, last=wave == res.config.waves - 1, desc=ring.desc,
-                             combine=res.combine, sms=sms)
+                             combine=res.combine, sms=sms, decode=decode)
         mark(Event.EXPERTS_DONE)
         consumer.wait_stream(pull_stream)
 

@@ -7,8 +7,9 @@ Per shape (``flash``: DeepGEMM's per-rank shape, 32 local experts, hidden 4096, 
 top-6; ``v3``: hidden 7168, top-8, 32 local experts, intermediate 2048) and token count, on one rank:
 
 * ``chunkring_ms`` / ``chunkring_streamed_ms``: :meth:`chunkring.MoELayer.run` on the routed FP8 batch,
-  batch-ready and streamed through the default ring (:meth:`MoEConfig.with_default_ring`), as CUDA-graph
-  replays: every side of a token count timed in the same rounds, interleaved, each sample ``burst_for(t)``
+  batch-ready and streamed through the default ring (:meth:`MoEConfig.with_default_ring`), with
+  ``decode="auto"`` (``engine``: the expert GEMMs' engine the call's size took, "decode" or "deepgemm"), as
+  CUDA-graph replays: every side of a token count timed in the same rounds, interleaved, each sample ``burst_for(t)``
   replays back to back (the median per side, :func:`chunkring.moe.calibration.replay_medians_ms`);
 * ``megamoe_ms``: ``deep_gemm.fp8_mega_moe`` on a one-rank process group, its symmetric buffer staged
   with the same FP8 rows, scales and routing (the staging copies timed with the call, as a caller must),
@@ -75,7 +76,7 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
     E, H, inter, K = shape["experts"], shape["hidden"], shape["intermediate"], shape["topk"]
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=inter, topk=K,
                     max_tokens_per_rank=max(tokens)).with_default_ring()
-    layer = MoELayer(runtime, cfg)
+    layer = MoELayer(runtime, cfg, decode="auto")
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
     router, w13_bf16, w2_bf16 = draw_weights(shape, gen, device)
@@ -90,7 +91,8 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
             hidden, idx, w, xq, xsf = routed_batch(t, shape, router, gen, device)
             ref = moe_reference((xq.double().view(t, H // 128, 128) * xsf.double().unsqueeze(-1)).view(t, H),
                                 lambda e: w13_ref[e], lambda e: w2_ref[e], idx, w, E, inter)
-            row = {"shape": name, "tokens": t, "chunk": cfg.front_tokens_per_slot}
+            row = {"shape": name, "tokens": t, "chunk": cfg.front_tokens_per_slot,
+                   "engine": "decode" if layer.resources.decode_for(t) else "deepgemm"}
             out = {}
 
             def call(streaming: bool) -> None:
@@ -156,9 +158,11 @@ def main() -> int:
         records.write(args.json, suite="vs-megamoe", world_size=1, records=rows,
                       figures={f"{r['shape']}_{r['tokens']}_{k}": v for r in rows for k, v in r.items()
                                if isinstance(v, float)})
-    print("\nshape  tokens | chunkring ms | streamed | MegaMoE | torch bf16 | /MegaMoE | torch/ | err   | err/Mega")
+    print("\nshape  tokens | engine   | chunkring ms | streamed | MegaMoE | torch bf16 | /MegaMoE | torch/ | err   "
+          "| err/Mega")
     for r in rows:
-        print(f"{r['shape']:5s} {r['tokens']:6d} | {r['chunkring_ms']:12.3f} | {r['chunkring_streamed_ms']:8.3f} | "
+        print(f"{r['shape']:5s} {r['tokens']:6d} | {r['engine']:8s} | {r['chunkring_ms']:12.3f} | "
+              f"{r['chunkring_streamed_ms']:8.3f} | "
               f"{r['megamoe_ms']:7.3f} | {r['torch_bf16_ms']:10.3f} | {r['chunkring_over_megamoe']:8.2f} | "
               f"{r['torch_over_chunkring']:6.2f} | {r['chunkring_rel_err']:.3f} | {r['err_over_megamoe']:.2f}")
     print(f"median streamed/batch {statistics.median(r['streamed_over_batch'] for r in rows):.3f}")

@@ -146,18 +146,16 @@ def main() -> int:
     runtime = chunkring.init()
     dg = load_deep_gemm()
     group, _ = one_rank_group()
-    rows = []
+    rows: list[dict] = []
+    shapes = args.shapes.split(",")
     try:
-        for name in args.shapes.split(","):
+        for i, name in enumerate(shapes):
             rows += bench_shape(name, SHAPES[name], tokens, args, runtime, dg, group)
+            # Rewritten after each shape, marked incomplete until the last: a run a time limit cuts keeps
+            # the shapes it finished.
+            write_record(args.json, rows, incomplete=i < len(shapes) - 1)
     finally:
         runtime.close()
-    if args.json:
-        from chunkring.testing import records
-
-        records.write(args.json, suite="vs-megamoe", world_size=1, records=rows,
-                      figures={f"{r['shape']}_{r['tokens']}_{k}": v for r in rows for k, v in r.items()
-                               if isinstance(v, float)})
     print("\nshape  tokens | engine   | chunkring ms | streamed | MegaMoE | torch bf16 | /MegaMoE | torch/ | err   "
           "| err/Mega")
     for r in rows:
@@ -167,6 +165,16 @@ def main() -> int:
               f"{r['torch_over_chunkring']:6.2f} | {r['chunkring_rel_err']:.3f} | {r['err_over_megamoe']:.2f}")
     print(f"median streamed/batch {statistics.median(r['streamed_over_batch'] for r in rows):.3f}")
     return 0
+
+
+def write_record(path: str | None, rows: list[dict], *, incomplete: bool) -> None:
+    if path is None:
+        return
+    from chunkring.testing import records
+
+    records.write(path, suite="vs-megamoe", world_size=1, records=rows, incomplete=incomplete,
+                  figures={f"{r['shape']}_{r['tokens']}_{k}": v for r in rows for k, v in r.items()
+                           if isinstance(v, float)})
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@
 //   (GEMM engine)      L2: out = act @ w2[e]^T per group
 //   moe_combine_push   each real row * its top-k weight, as bf16, into its source's combine buffer at
 //                      token * K + k
+// and at each source, once its drain saw every destination's ack (moe_stream.cu):
+//   moe_combine_reduce out[t] = the sum over k of its combine rows t * K + k
 //
 // Every kernel is a fixed grid that loops over what the call brought: rows past the last group and
 // padding rows cost a bounds check, not a pass. A row's place inside its group comes from an atomic
@@ -47,6 +49,7 @@ using u64 = ::cuda::std::uint64_t;
 
 constexpr u32 kWarp = 32;
 constexpr u32 kScaleBlock = 128;    // channels per activation scale (DeepSeek's 1x128 recipe)
+constexpr u32 kReduceInFlight = 4;  // moe_combine_reduce: combine rows loaded before they are added
 
 __device__ __forceinline__ u64 round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
 
@@ -261,6 +264,54 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
         // composes with a GPU-scope one for another GPU's memory.
         if constexpr (kMutant != Mutant::kNoPushRelease) ptx::fence_acq_rel_sys();
         atomicAdd(pushed, 1ull);  // NOTES: relaxed; the fence before it makes it the release
+    }
+}
+
+// The owner's output: out[t] = sum over k of combine[t * K + k], each element accumulated in fp32 in k order
+// and rounded once to bf16 - one order whatever the call's chunking or the ranks that wrote the rows, so
+// streamed calls equal batch-ready bit for bit. Stream-ordered after moe_drain, whose acquire saw every
+// destination's ack (each sent after that destination's rows for this rank landed), so every row read here
+// is complete. Eight values per thread and step (one 16-byte load per k) where hidden % 8 == 0 and both
+// buffers are 16-byte aligned (a caller's `out` may be a view at any element offset), else one.
+extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, __nv_bfloat16* out, long long tokens,
+                                              int topk, long long hidden) {
+    const u64 n = static_cast<u64>(tokens), K = static_cast<u64>(topk), H = static_cast<u64>(hidden);
+    const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
+    const u64 first = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    using ::cuda::std::uintptr_t;
+    const bool aligned = (reinterpret_cast<uintptr_t>(combine) | reinterpret_cast<uintptr_t>(out)) % 16 == 0;
+    if (H % 8 == 0 && aligned) {
+        const u64 per_row = H / 8;  // 16-byte vectors per row
+        const auto* rows = reinterpret_cast<const int4*>(combine);
+        auto* dst = reinterpret_cast<int4*>(out);
+        for (u64 i = first; i < n * per_row; i += stride) {
+            const u64 t = i / per_row, c = i % per_row;
+            float acc[8] = {};
+            for (u64 k0 = 0; k0 < K; k0 += kReduceInFlight) {  // the loads of several k in flight, added in k order
+                int4 raw[kReduceInFlight];
+#pragma unroll
+                for (u32 u = 0; u < kReduceInFlight; ++u)
+                    if (k0 + u < K) raw[u] = rows[(t * K + k0 + u) * per_row + c];
+#pragma unroll
+                for (u32 u = 0; u < kReduceInFlight; ++u) {
+                    if (k0 + u >= K) break;
+                    const auto* v = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[j] += __bfloat162float(v[j]);
+                }
+            }
+            __align__(16) __nv_bfloat16 r[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) r[j] = __float2bfloat16_rn(acc[j]);
+            dst[i] = *reinterpret_cast<const int4*>(r);
+        }
+        return;
+    }
+    for (u64 i = first; i < n * H; i += stride) {
+        const u64 t = i / H, c = i % H;
+        float acc = 0.0f;
+        for (u64 k = 0; k < K; ++k) acc += __bfloat162float(combine[(t * K + k) * H + c]);
+        out[i] = __float2bfloat16_rn(acc);
     }
 }
 

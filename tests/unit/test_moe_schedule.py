@@ -57,6 +57,9 @@ class Compute:
         self.launched.append(("experts", self.device.current.name))
         self.engines.append(kwargs["decode"])
 
+    def reduce(self, combine, out):
+        self.launched.append(("reduce", self.device.current.name))
+
     def wave(self, *args, **kwargs):
         self.launched.append(("wave", self.device.current.name))
         self.engines.append(kwargs["decode"])
@@ -117,7 +120,7 @@ def test_a_streamed_call_that_fits_the_ring_runs_on_the_whole_gpu_as_batch_ready
     published = call(schedule, CallMode.STREAMED, n)
     assert all(stream == "whole.producer" and not may_wait for _, _, stream, may_wait in published)
     assert where(launched, "moe_pull") == {"whole.consumer"} and where(launched, "experts") == {"whole.consumer"}
-    assert where(launched, "moe_drain") == {"whole.producer"}
+    assert where(launched, "moe_drain") == where(launched, "reduce") == {"whole.producer"}
     batch_schedule, _, batch_launched = schedule_on(monkeypatch, slots=2)
     call(batch_schedule, CallMode.BATCH_READY, n)
     assert [s for _, s in launched] == [s for _, s in batch_launched]  # the same placement, kernel by kernel
@@ -132,6 +135,7 @@ def test_a_streamed_call_of_more_chunks_than_slots_spins_on_the_partition(monkey
     assert where(launched, "moe_pull") == {"part.consumer"}
     assert where(launched, "experts") == {"whole.compute"}  # after the pull, over the whole GPU
     assert where(launched, "moe_drain") == {"part.producer"}
+    assert where(launched, "reduce") == {"part.producer"}  # after the drain, on its stream
     assert "part.consumer" in res.compute_streams[CallMode.STREAMED].waits
 
 

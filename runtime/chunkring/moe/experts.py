@@ -323,6 +323,15 @@ class ExpertCompute:
                      hidden=cfg.hidden, topk=cfg.topk, peer_combine=peer_combine, desc=desc, combine=combine,
                      pushed=self.pushed, shared=True, **plan.group_args())
 
+    def reduce(self, combine: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` [n, H] bf16 = the sum over k of ``combine``'s rows t * K + k (bf16 [>= n * K, H]), in fp32 in k
+        order, on the current stream (``moe_combine_reduce``): the owner's last step, after its drain."""
+        n, H = out.shape
+        vectors = n * (H // 8 if H % 8 == 0 else H)
+        grid = max(1, min(self._grid, -(-vectors // _BLOCK)))
+        self.kernels.launch("moe_combine_reduce", combine=combine, out=out, tokens=n, topk=self.config.topk,
+                            hidden=H, grid=grid, block=_BLOCK, stream=torch.cuda.current_stream(self.device))
+
     def _launch(self, name: str, *, shared: bool = False, **args: Any) -> None:
         """Kernel ``name`` on the current stream, one block per SM slot of :attr:`_grid`; ``shared``: with
         ``group_offsets``' shared memory (E_local + 1 words)."""

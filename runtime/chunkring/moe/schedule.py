@@ -141,7 +141,7 @@ class CallSchedule:
             last = self._consume(mode, w13, w2, mark, waves, compute, decode)
         produce_chunks(range(first, len(starts)), producer, zero_rows=False, may_wait=True)
         with torch.cuda.stream(producer):
-            self._drain_and_reduce(mode, n, out, mark, last)
+            self._drain_and_reduce(mode, out, mark, last)
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
         caller.wait_stream(last)
@@ -241,12 +241,10 @@ class CallSchedule:
         mark(Event.EXPERTS_DONE)
         consumer.wait_stream(pull_stream)
 
-    def _drain_and_reduce(self, mode: CallMode, n: int, out: torch.Tensor, mark: _Marks,
-                          consumed: torch.cuda.Stream) -> None:
+    def _drain_and_reduce(self, mode: CallMode, out: torch.Tensor, mark: _Marks, consumed: torch.cuda.Stream) -> None:
         """The producer's end of a call, on the producer stream (current): drain, then the reduction over k.
         ``consumed``: the stream of this rank's held acks (:meth:`_consume`)."""
         res = self.res
-        K, H = res.config.topk, res.config.hidden
         producer = torch.cuda.current_stream(res.runtime.torch_device)
         # The drain spins until every destination acknowledged; started only after this rank's own consumer is
         # done (its held acks sent, so no wait on it is lost), it does not hold an SM through the expert
@@ -255,5 +253,5 @@ class CallSchedule:
         res.kernels.stream.launch("moe_drain", desc=res.rings[mode].desc, block=32, stream=producer)
         mark(Event.DRAINED)
         # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank wrote a row.
-        torch.sum(res.combine[:n * K].view(n, K, H), dim=1, out=out)
+        res.compute.reduce(res.combine, out)
         mark(Event.OUTPUT_DONE)

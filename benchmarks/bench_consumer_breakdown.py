@@ -7,8 +7,8 @@ Steps timed alone (median of graph replays, :func:`chunkring.moe.calibration.rep
 call (``call_ms``); the expert plan (``plan_ms``: counters, the plan's memsets, moe_plan_count,
 moe_plan_scatter); the experts (``experts_ms``: L1, SwiGLU + FP8 quantisation, L2); the combine push
 (``combine_push_ms``, into a local buffer); the owner's zeroing of its combine rows (``combine_zero_ms``)
-and its reduction over k (``reduce_ms``). The timeline adds what only a full call has: the publish, the
-pull, the drain.
+and its reduction over k (``reduce_ms``: ``moe_combine_reduce``; ``reduce_torch_ms``: torch's sum, beside
+it). The timeline adds what only a full call has: the publish, the pull, the drain.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def breakdown(name: str, tokens: list[int], runtime, iterations: int) -> list[di
             row["combine_zero_ms"] = replay_median_ms(lambda: combine[:t * K].zero_(), iterations=iterations,
                                                       warmup=3)
             result = torch.empty((t, H), dtype=torch.bfloat16, device=device)
-            row["reduce_ms"] = replay_median_ms(
+            row["reduce_ms"] = replay_median_ms(lambda: compute.reduce(combine, result), iterations=iterations,
+                                                warmup=3)
+            row["reduce_torch_ms"] = replay_median_ms(  # the torch sum the layer used before moe_combine_reduce
                 lambda: torch.sum(combine[:t * K].view(t, K, H), dim=1, out=result), iterations=iterations, warmup=3)
             row["timeline_us"] = timeline_offsets_us(layer, args)
             rows.append(row)

@@ -23,7 +23,8 @@
 # newest device paths' tests first and stops at the first failure: a short first call of a session. quick_1rank
 # runs the GPU tests but the input fuzzer. call_kernels lists every kernel of a small layer call's graph replay, as
 # the GPU ran it (benchmarks/probe_call_kernels.py: where a decode-sized call's time goes). megamoe_1rank runs
-# benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and the torch peer, graph with graph; MEGAMOE_ARGS).
+# benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and the torch peer, graph with graph; MEGAMOE_ARGS);
+# breakdown_1rank benchmarks/bench_consumer_breakdown.py (a batch-ready call's steps timed alone).
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -34,7 +35,7 @@ ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
-           decode_1rank decode_ncu quick_1rank call_kernels megamoe_1rank)
+           decode_1rank decode_ncu quick_1rank call_kernels megamoe_1rank breakdown_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -203,6 +204,12 @@ megamoe_1rank() {  # MEGAMOE_ARGS / MEGAMOE_LIMIT_S override the bench's argumen
     # shellcheck disable=SC2086
     timeout "${MEGAMOE_LIMIT_S:-400}" python3 -m benchmarks.bench_vs_megamoe ${MEGAMOE_ARGS:-} \
         --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-vs-megamoe.json" 2>&1 | tee "$logs/megamoe.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+breakdown_1rank() {  # BREAKDOWN_ARGS override the bench's arguments (default: flash at 8, 1,024 and 8,192 tokens)
+    # shellcheck disable=SC2086
+    timeout 300 python3 -m benchmarks.bench_consumer_breakdown ${BREAKDOWN_ARGS:-} \
+        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-breakdown.json" 2>&1 | tee "$logs/breakdown.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and achieved DRAM bandwidth per launch,

@@ -108,11 +108,12 @@ def main() -> int:
         rows = breakdown(args.shape, [int(t) for t in args.tokens.split(",")], runtime, args.iterations)
     finally:
         runtime.close()
+    keys = ("call_ms", "plan_ms", "experts_ms", "combine_push_ms", "combine_zero_ms", "reduce_ms", "reduce_torch_ms")
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"suite": "consumer-breakdown", "gpu": torch.cuda.get_device_name(0), "rows": rows}, out,
-                      indent=2)
-    keys = ("call_ms", "plan_ms", "experts_ms", "combine_push_ms", "combine_zero_ms", "reduce_ms")
+        from chunkring.testing import records
+
+        records.write(args.json, suite="consumer-breakdown", world_size=1, records=rows,
+                      figures={f"{args.shape}_{r['tokens']}_{k}": r[k] for r in rows for k in keys})
     print("tokens | " + " | ".join(keys))
     for r in rows:
         print(f"{r['tokens']:6d} | " + " | ".join(f"{r[k]:.3f}" for k in keys))

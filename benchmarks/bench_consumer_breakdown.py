@@ -28,6 +28,7 @@ from chunkring.moe.experts import ExpertCompute
 from chunkring.moe.stage import Stage
 from chunkring.moe.timeline import Event
 from chunkring.moe.weights import expert_weights
+from chunkring.testing import records
 
 
 def timeline_offsets_us(layer, args, calls: int = 3) -> dict[str, float]:
@@ -109,11 +110,7 @@ def main() -> int:
     finally:
         runtime.close()
     keys = ("call_ms", "plan_ms", "experts_ms", "combine_push_ms", "combine_zero_ms", "reduce_ms", "reduce_torch_ms")
-    if args.json:
-        from chunkring.testing import records
-
-        records.write(args.json, suite="consumer-breakdown", world_size=1, records=rows,
-                      figures={f"{args.shape}_{r['tokens']}_{k}": r[k] for r in rows for k in keys})
+    records.write_table(args.json, suite="consumer-breakdown", rows=rows)
     print("tokens | " + " | ".join(keys))
     for r in rows:
         print(f"{r['tokens']:6d} | " + " | ".join(f"{r[k]:.3f}" for k in keys))

@@ -46,6 +46,7 @@ from chunkring.moe.decode import DecodeGemm
 from chunkring.moe.experts import ExpertCompute, load_deep_gemm
 from chunkring.moe.stage import Stage
 from chunkring.moe.weights import Fp8Weight, expert_weights
+from chunkring.testing import records
 
 PATHS = ("deepgemm", "decode")
 
@@ -188,7 +189,8 @@ def main() -> int:
                 for t in tokens:
                     rows.append(measure(shape, t, args.iterations))
                     print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
-                    write_record(args.json, rows, incomplete=True)  # what a time limit cuts short survives
+                    # what a time limit cuts short survives
+                    records.write_table(args.json, suite="decode", rows=rows, incomplete=True)
                     torch.cuda.empty_cache()
             finally:
                 shape.destroy()
@@ -196,19 +198,9 @@ def main() -> int:
         runtime.close()
     if args.profile_once:
         return 0
-    write_record(args.json, rows)
+    records.write_table(args.json, suite="decode", rows=rows)
     report(rows)
     return 0
-
-
-def write_record(path: str | None, rows: list[dict], *, incomplete: bool = False) -> None:
-    if path is None:
-        return
-    from chunkring.testing import records
-
-    records.write(path, suite="decode", world_size=1, records=rows, incomplete=incomplete,
-                  figures={f"{r['shape']}_{r['tokens']}_{k}": v for r in rows for k, v in r.items()
-                           if isinstance(v, float)})
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from chunkring.moe.calibration import burst_for, replay_medians_ms
 from chunkring.moe.experts import load_deep_gemm
 from chunkring.moe.producer import quantize_rows_fp8, route
 from chunkring.moe.weights import Fp8Weight, expert_weights
+from chunkring.testing import records
 from chunkring.testing.peer_moe import torch_moe
 
 SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
@@ -153,7 +154,7 @@ def main() -> int:
             rows += bench_shape(name, SHAPES[name], tokens, args, runtime, dg, group)
             # Rewritten after each shape, marked incomplete until the last: a run a time limit cuts keeps
             # the shapes it finished.
-            write_record(args.json, rows, incomplete=i < len(shapes) - 1)
+            records.write_table(args.json, suite="vs-megamoe", rows=rows, incomplete=i < len(shapes) - 1)
     finally:
         runtime.close()
     print("\nshape  tokens | engine   | chunkring ms | streamed | MegaMoE | torch bf16 | /MegaMoE | torch/ | err   "
@@ -165,16 +166,6 @@ def main() -> int:
               f"{r['torch_over_chunkring']:6.2f} | {r['chunkring_rel_err']:.3f} | {r['err_over_megamoe']:.2f}")
     print(f"median streamed/batch {statistics.median(r['streamed_over_batch'] for r in rows):.3f}")
     return 0
-
-
-def write_record(path: str | None, rows: list[dict], *, incomplete: bool) -> None:
-    if path is None:
-        return
-    from chunkring.testing import records
-
-    records.write(path, suite="vs-megamoe", world_size=1, records=rows, incomplete=incomplete,
-                  figures={f"{r['shape']}_{r['tokens']}_{k}": v for r in rows for k, v in r.items()
-                           if isinstance(v, float)})
 
 
 if __name__ == "__main__":

@@ -28,3 +28,17 @@ def test_without_a_commit_given_a_checkout_names_its_head(monkeypatch):
     assert records.commit() == expected
     assert records.header(suite="s", ranks=1, command="c", passed=1, failed=0)["tree_modified"] is None
 
+
+
+def test_a_table_record_names_each_rows_floats_by_shape_and_tokens(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("CHUNKRING_COMMIT", "abc1234")
+    rows = [{"shape": "flash", "tokens": 8, "engine": "decode", "layer_ms": 0.25, "rows_max": 3},
+            {"shape": "v3", "tokens": 1, "layer_ms": 0.5}]
+    path = tmp_path / "t.json"
+    records.write_table(str(path), suite="t", rows=rows, incomplete=True)
+    got = json.loads(path.read_text())
+    assert all(key in got for key in KEYS) and got["records"] == rows and got["incomplete"] is True
+    assert got["figures"] == {"flash_8_layer_ms": 0.25, "v3_1_layer_ms": 0.5}  # floats only
+    records.write_table(None, suite="t", rows=rows)  # no path: nothing written, no error

@@ -72,3 +72,12 @@ def write(path: str, *, suite: str, world_size: int, figures: dict, records: lis
         summary["incomplete"] = True
     with open(path, "w") as out:
         json.dump(summary, out, indent=2)
+
+
+def write_table(path: str | None, *, suite: str, rows: list[dict], incomplete: bool = False) -> None:
+    """A table benchmark's record (:func:`write`, one rank): ``rows`` as its records, and every float of a row as
+    a figure named ``<shape>_<tokens>_<key>``. Nothing without a ``path``."""
+    if path is None:
+        return
+    write(path, suite=suite, world_size=1, records=rows, incomplete=incomplete,
+          figures={f"{r['shape']}_{r['tokens']}_{k}": v for r in rows for k, v in r.items() if isinstance(v, float)})

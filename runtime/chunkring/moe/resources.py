@@ -129,7 +129,7 @@ class LayerResources:
                 self.decode = False
         self._owned = contextlib.ExitStack()  # frees what was made, in reverse order
         try:
-            agree(runtime, lambda: self._prepare(kernels, partition, self.decode))
+            agree(runtime, lambda: self._prepare(kernels, partition))
             self._allocate(timeout_s)
             self._streams_for_modes()
         except BaseException:
@@ -146,18 +146,18 @@ class LayerResources:
 
     # ------------------------------------------------------------------ construction
 
-    def _prepare(self, kernels: LayerKernels | None, partition: SmPartition | str, decode: bool | str) -> None:
-        """The steps that can fail on one rank alone: kernel builds, the GEMM engine, the partition, the grids.
-        ``decode``: :attr:`decode` (the decode path: :class:`DecodeGemm`, its own kernel library)."""
+    def _prepare(self, kernels: LayerKernels | None, partition: SmPartition | str) -> None:
+        """The steps that can fail on one rank alone: kernel builds, the GEMM engine (DeepGEMM's, the decode
+        path's as :attr:`decode` says, or both), the partition, the grids."""
         runtime, config = self.runtime, self.config
         world, device = runtime.world_size, runtime.torch_device
         self.experts_per_rank = config.num_experts // world
         self.first_expert = runtime.rank * self.experts_per_rank
         self.kernels = kernels if kernels is not None else LayerKernels.build(runtime)
-        decode_gemm = (DecodeGemm(library_for(runtime, "moe_decode"), config, self.experts_per_rank) if decode
+        decode_gemm = (DecodeGemm(library_for(runtime, "moe_decode"), config, self.experts_per_rank) if self.decode
                        else None)
         self.compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank, self.kernels.experts,
-                                     device, decode=decode_gemm, deep_gemm_too=decode == "auto")
+                                     device, decode=decode_gemm, deep_gemm_too=self.decode == "auto")
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start would
         # stall the others (docs/PROTOCOL.md, "Progress").
         pulls = ("moe_pull", "moe_pull_blocks") if config.incremental else ("moe_pull",)

@@ -27,23 +27,12 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import subprocess
 import sys
 
 #: NVLink 4 per direction per H200 is 450 GB/s; about 370 is what one-way copies reach (public figures).
 LINK_GBS = 370.0
 #: A chunk's fixed cost where no record measures it: two launches and a ring handshake, about 20 µs.
 DEFAULT_CHUNK_COST_MS = 0.020
-
-
-def committed_at(path: str) -> int:
-    """When ``path`` was last committed (Unix seconds; 0 outside a git checkout or for an uncommitted file)."""
-    try:
-        out = subprocess.run(["git", "log", "-1", "--format=%ct", "--", path], capture_output=True, text=True,
-                             check=False).stdout.strip()
-    except OSError:
-        return 0
-    return int(out) if out.isdigit() else 0
 
 
 def row_bytes(hidden: int, fp8: bool = True) -> int:
@@ -91,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-gbs", type=float, default=LINK_GBS)
     args = parser.parse_args(argv)
     path = args.record
-    if path is None:  # the one-rank record measured at the most token counts, the newest of those
+    if path is None:  # the one-rank record measured at the most token counts, of those the newest commit's
         files = {p: json.load(open(p)) for p in glob.glob("benchmarks/results/*-overlap.json")}
         one_rank = [p for p, record in files.items() if record["ranks"] == 1 and "auto_ms" in record["records"][0]]
         if not one_rank:
             parser.error("no one-rank overlap record of this bench under benchmarks/results/")
-        path = max(one_rank, key=lambda p: (len(files[p]["records"]), committed_at(p)))
+        from scripts.results_index import git_commit_time
+
+        commit_time = git_commit_time()  # a commit git does not know counts as the oldest
+        path = max(one_rank, key=lambda p: (len(files[p]["records"]), commit_time(files[p]["commit"]) or 0))
     from benchmarks.bench_overlap import SHAPES
 
     rows = model_rows(json.load(open(path))["records"], SHAPES, args.ranks, args.link_gbs)

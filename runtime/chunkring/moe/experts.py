@@ -327,8 +327,7 @@ class ExpertCompute:
         """``out`` [n, H] bf16 = the sum over k of ``combine``'s rows t * K + k (bf16 [>= n * K, H]), in fp32 in k
         order, on the current stream (``moe_combine_reduce``): the owner's last step, after its drain."""
         n, H = out.shape
-        vectors = n * (H // 8 if H % 8 == 0 else H)
-        grid = max(1, min(self._grid, -(-vectors // _BLOCK)))
+        grid = max(1, min(self._grid, -(-n * H // (8 * _BLOCK))))  # eight values a thread (grid-stride past it)
         self.kernels.launch("moe_combine_reduce", combine=combine, out=out, tokens=n, topk=self.config.topk,
                             hidden=H, grid=grid, block=_BLOCK, stream=torch.cuda.current_stream(self.device))
 

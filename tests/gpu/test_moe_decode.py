@@ -135,23 +135,30 @@ def layer_config(world):
                      max_tokens_per_rank=MAX_TOKENS, front_num_slots=SLOTS, front_tokens_per_slot=GRAPH_C)
 
 
+def check_both_modes(layer, cfg, w13, w2, n, seed, after_call=lambda streaming: None):
+    """``layer.run`` of ``n`` tokens batch-ready, then streamed (``after_call(streaming)`` after each): equal bit for
+    bit, and matching the layer's fp32 reference."""
+    runtime = layer.runtime
+    experts = local_weights(layer, w13, w2)
+    x_in, idx, w, args = case_inputs("fp8", n, cfg.num_experts, cfg.topk, "uniform", seed + runtime.rank,
+                                     runtime.torch_device)
+    outs = {}
+    for streaming in (False, True):
+        outs[streaming] = layer.run(*args, *experts, streaming=streaming).clone()
+        torch.cuda.synchronize()
+        layer.check()
+        after_call(streaming)
+    assert torch.equal(outs[True], outs[False])
+    err = rel_error(outs[False], layer_reference(layer, x_in, idx, w, w13, w2))
+    assert err <= tolerance(layer), f"{n} tokens: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("n", [0, 1, 37])
 def test_layer_on_the_decode_path_streamed_equals_batch_ready(runtime, n):
     cfg = layer_config(runtime.world_size)
     layer = MoELayer(runtime, cfg, timeout_s=60, decode=True)
     try:
-        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(21))
-        experts = local_weights(layer, w13, w2)
-        x_in, idx, w, args = case_inputs("fp8", n, cfg.num_experts, cfg.topk, "uniform", 100 + runtime.rank,
-                                         runtime.torch_device)
-        outs = {}
-        for streaming in (False, True):
-            outs[streaming] = layer.run(*args, *experts, streaming=streaming).clone()
-            torch.cuda.synchronize()
-            layer.check()
-        assert torch.equal(outs[True], outs[False])
-        err = rel_error(outs[False], layer_reference(layer, x_in, idx, w, w13, w2))
-        assert err <= tolerance(layer), f"relative error {err:.2e}"
+        check_both_modes(layer, cfg, *weights(cfg.num_experts, torch.Generator().manual_seed(21)), n, 100)
     finally:
         layer.destroy()
 
@@ -173,20 +180,13 @@ def test_auto_runs_each_call_on_the_engine_its_size_takes(runtime, monkeypatch):
         sizes = [n for n in range(1, MAX_TOKENS + 1) if layer.resources.decode_for(n)]
         assert sizes and sizes[-1] < MAX_TOKENS, "the config must put the bound inside the layer's capacity"
         w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(31))
-        experts = local_weights(layer, w13, w2)
         for n in (sizes[-1], sizes[-1] + 1):
-            x_in, idx, w, args = case_inputs("fp8", n, cfg.num_experts, cfg.topk, "uniform", 200 + runtime.rank,
-                                             runtime.torch_device)
-            outs = {}
-            for streaming in (False, True):
-                calls.clear()
-                outs[streaming] = layer.run(*args, *experts, streaming=streaming).clone()
-                torch.cuda.synchronize()
-                layer.check()
+            def engine_taken(streaming, n=n):
                 assert bool(calls) == (n in sizes), f"{n} tokens, streaming={streaming}: decode path {bool(calls)}"
-            assert torch.equal(outs[True], outs[False])
-            err = rel_error(outs[False], layer_reference(layer, x_in, idx, w, w13, w2))
-            assert err <= tolerance(layer), f"{n} tokens: relative error {err:.2e}"
+                calls.clear()
+
+            calls.clear()
+            check_both_modes(layer, cfg, w13, w2, n, 200, after_call=engine_taken)
     finally:
         layer.destroy()
 

@@ -6,9 +6,9 @@
 Steps timed alone (median of graph replays, :func:`chunkring.moe.calibration.replay_median_ms`): the whole
 call (``call_ms``); the expert plan (``plan_ms``: counters, the plan's memsets, moe_plan_count,
 moe_plan_scatter); the experts (``experts_ms``: L1, SwiGLU + FP8 quantisation, L2); the combine push
-(``combine_push_ms``, into a local buffer); the owner's zeroing of its combine rows (``combine_zero_ms``)
-and its reduction over k (``reduce_ms``: ``moe_combine_reduce``; ``reduce_torch_ms``: torch's sum, beside
-it). The timeline adds what only a full call has: the publish, the pull, the drain.
+(``combine_push_ms``, into a local buffer); the owner's reduction over k (``reduce_ms``:
+``moe_combine_reduce``, over the routed choices; ``reduce_torch_ms``: torch's sum of every row, beside it). The
+timeline adds what only a full call has: the publish, the pull, the drain.
 """
 
 from __future__ import annotations
@@ -82,11 +82,9 @@ def breakdown(name: str, tokens: list[int], runtime, iterations: int) -> list[di
             out = compute.experts(plan, w13, w2)
             row["combine_push_ms"] = replay_median_ms(lambda: compute.combine_push(plan, out, local),
                                                       iterations=iterations, warmup=3)
-            row["combine_zero_ms"] = replay_median_ms(lambda: combine[:t * K].zero_(), iterations=iterations,
-                                                      warmup=3)
             result = torch.empty((t, H), dtype=torch.bfloat16, device=device)
-            row["reduce_ms"] = replay_median_ms(lambda: compute.reduce(combine, result), iterations=iterations,
-                                                warmup=3)
+            row["reduce_ms"] = replay_median_ms(lambda: compute.reduce(combine, stage.idx[0], result),
+                                                iterations=iterations, warmup=3)
             row["reduce_torch_ms"] = replay_median_ms(  # the torch sum the layer used before moe_combine_reduce
                 lambda: torch.sum(combine[:t * K].view(t, K, H), dim=1, out=result), iterations=iterations, warmup=3)
             row["timeline_us"] = timeline_offsets_us(layer, args)
@@ -109,7 +107,7 @@ def main() -> int:
         rows = breakdown(args.shape, [int(t) for t in args.tokens.split(",")], runtime, args.iterations)
     finally:
         runtime.close()
-    keys = ("call_ms", "plan_ms", "experts_ms", "combine_push_ms", "combine_zero_ms", "reduce_ms", "reduce_torch_ms")
+    keys = ("call_ms", "plan_ms", "experts_ms", "combine_push_ms", "reduce_ms", "reduce_torch_ms")
     records.write_table(args.json, suite="consumer-breakdown", rows=rows)
     print("tokens | " + " | ".join(keys))
     for r in rows:

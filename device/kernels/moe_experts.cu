@@ -12,7 +12,7 @@
 //   moe_combine_push   each real row * its top-k weight, as bf16, into its source's combine buffer at
 //                      token * K + k
 // and at each source, once its drain saw every destination's ack (moe_stream.cu):
-//   moe_combine_reduce out[t] = the sum over k of its combine rows t * K + k
+//   moe_combine_reduce out[t] = the sum over its routed choices k of its combine rows t * K + k
 //
 // Every kernel is a fixed grid that loops over what the call brought: rows past the last group and
 // padding rows cost a bounds check, not a pass. A row's place inside its group comes from an atomic
@@ -267,14 +267,19 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
     }
 }
 
-// The owner's output: out[t] = sum over k of combine[t * K + k], each element accumulated in fp32 in k order
-// and rounded once to bf16 - one order whatever the call's chunking or the ranks that wrote the rows, so
-// streamed calls equal batch-ready bit for bit. Stream-ordered after moe_drain, whose acquire saw every
-// destination's ack (each sent after that destination's rows for this rank landed), so every row read here
-// is complete. Eight values per thread and step (one 16-byte load per k) where hidden % 8 == 0 and both
-// buffers are 16-byte aligned (a caller's `out` may be a view at any element offset), else one.
-extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, __nv_bfloat16* out, long long tokens,
-                                              int topk, long long hidden) {
+// The owner's output: out[t] = sum over k of combine[t * K + k] for every routed choice (routing[t * K + k] >= 0),
+// each element accumulated in fp32 in k order and rounded once to bf16 - one order whatever the call's chunking
+// or the ranks that wrote the rows, so streamed calls equal batch-ready bit for bit. `routing` [tokens, K] is
+// this rank's own rows of the stage as its pull checked them (an out-of-range expert masked to -1, as every
+// rank's pull masks it; rows past a valid count -1 as the host filled them): each routed choice's row was
+// written in this call by the one rank that owns its expert, and a masked choice's row by none, so it is never
+// read - the combine buffer needs no zeroing, and a token with no routed choice comes out 0.
+// Stream-ordered after moe_drain, whose acquire saw every destination's ack (each sent after that destination's
+// rows for this rank landed), so every row read here is complete. Eight values per thread and step (one 16-byte
+// load per k) where hidden % 8 == 0 and both buffers are 16-byte aligned (a caller's `out` may be a view at any
+// element offset), else one.
+extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, const int* routing, __nv_bfloat16* out,
+                                              long long tokens, int topk, long long hidden) {
     const u64 n = static_cast<u64>(tokens), K = static_cast<u64>(topk), H = static_cast<u64>(hidden);
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
     const u64 first = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -289,12 +294,15 @@ extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, __nv
             float acc[8] = {};
             for (u64 k0 = 0; k0 < K; k0 += kReduceInFlight) {  // the loads of several k in flight, added in k order
                 int4 raw[kReduceInFlight];
-#pragma unroll
-                for (u32 u = 0; u < kReduceInFlight; ++u)
-                    if (k0 + u < K) raw[u] = rows[(t * K + k0 + u) * per_row + c];
+                bool routed[kReduceInFlight];
 #pragma unroll
                 for (u32 u = 0; u < kReduceInFlight; ++u) {
-                    if (k0 + u >= K) break;
+                    routed[u] = k0 + u < K && routing[t * K + k0 + u] >= 0;
+                    if (routed[u]) raw[u] = rows[(t * K + k0 + u) * per_row + c];
+                }
+#pragma unroll
+                for (u32 u = 0; u < kReduceInFlight; ++u) {
+                    if (!routed[u]) continue;
                     const auto* v = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
 #pragma unroll
                     for (int j = 0; j < 8; ++j) acc[j] += __bfloat162float(v[j]);
@@ -310,7 +318,8 @@ extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, __nv
     for (u64 i = first; i < n * H; i += stride) {
         const u64 t = i / H, c = i % H;
         float acc = 0.0f;
-        for (u64 k = 0; k < K; ++k) acc += __bfloat162float(combine[(t * K + k) * H + c]);
+        for (u64 k = 0; k < K; ++k)
+            if (routing[t * K + k] >= 0) acc += __bfloat162float(combine[(t * K + k) * H + c]);
         out[i] = __float2bfloat16_rn(acc);
     }
 }

@@ -18,8 +18,8 @@
  * With -DHELD_ACK the processes are the MoE layer's two streams of one call
  * (PROTOCOL.md "The MoE layer on the ring", device/kernels/moe_stream.cu):
  * consumer(d) is moe_pull, then moe_combine_push, then moe_ack_held;
- * producer(r) zeroes its combine rows, publishes, then runs moe_drain and
- * reduces its combine rows (see "Held acks" below).  -DHELD_ACK -DBLOCKS=n
+ * producer(r) publishes, then runs moe_drain and reduces its combine rows
+ * (see "Held acks" below).  -DHELD_ACK -DBLOCKS=n
  * is the layer as it ships: moe_pull's grid of n blocks shares every chunk,
  * the last block to arrive acks it, and each source's eos chunk is held (no
  * arrival) until moe_ack_held.
@@ -113,7 +113,7 @@
  *   COMBINE_BEFORE_REDUCE          (HELD_ACK) when producer r's drain of
  *                                  invocation inv completes, every consumer's
  *                                  combine write for r of inv has landed (and
- *                                  no later write or r's zeroing replaced it)
+ *                                  no later write replaced it)
  *   ALL_FINISH (LIVENESS, ltl)     <> every producer and every consumer has
  *                                  finished all NINV invocations (HELD_ACK:
  *                                  producers include drain and reduce,
@@ -130,9 +130,10 @@
  * blocks, one per source, all concurrent: the acks go out from a
  * nondeterministic first source in rotation, every order for W = 2; before
  * the swap each reads the held slot's meta, which must still be chunk q:
- * NO_OVERWRITE_BEFORE_EVERY_ACK).  Producer r, before each publish, zeroes
- * its row of every consumer (combined[CMB(*, r)] = 0: the chunk's rows, as
- * the layer zeroes them chunk by chunk); after its last publish it drains
+ * NO_OVERWRITE_BEFORE_EVERY_ACK).  Producer r never clears the rows: the
+ * layer's reduction reads only routed choices, each written in the call, so
+ * a row still holding an earlier invocation's marker fails the check.  After
+ * its last publish it drains
  * (drain(): for every seq in [max(0, q - S), q), the last chunk of each
  * slot, the P1 wait for every ack[s][d] == gen(seq) [acquire]) and then reduces:
  * one step that asserts COMBINE_BEFORE_REDUCE for every consumer.  Abstracted
@@ -338,8 +339,8 @@ byte  kfin[W];             /* blocks of d that finished their current kernel:
 #endif
 #ifdef HELD_ACK
 /* the MoE layer's combine buffers, ghost: CMB(d, r) = consumer d's rows in
- * owner r's combine buffer; inv + 1 once d wrote them in invocation inv, 0
- * after r zeroed them */
+ * owner r's combine buffer; inv + 1 once d wrote them in invocation inv (0
+ * before d's first write) */
 byte  combined[W * W];
 #define CMB(d, r)    ((d) * W + (r))
 #define NO_HELD      255   /* held[r]: no eos chunk of r held (the -1 fill) */
@@ -458,16 +459,6 @@ proctype producer(byte r)
     /* one invocation: n_r >= 1 chunks, the last with eos=1; the empty rank
      * publishes exactly one empty eos chunk (BUG_SKIP_EOS_EMPTY: none) */
     for (k : 1 .. NPUB(r)) {
-#ifdef HELD_ACK
-      /* zero the chunk's combine rows, before its publish (stream order). The
-       * marker stands for every chunk's rows, and consumers write it only after
-       * the last chunk, so here this is the same as zeroing before the last
-       * publish: the model checks that zeroing precedes the publish a consumer
-       * acquires, not the per-chunk row ranges (disjoint in the code). */
-      d_step { d = 0;
-               do :: d < W -> combined[CMB(d, r)] = 0; d++ :: else -> break od;
-               d = 0 }
-#endif
       s = q % S; g = GEN(q); j = SIX(r, s);
       /* P1 WAIT REUSABLE (lap >= 1): every ack[s][d] == gen(q-S) [acquire] */
       if

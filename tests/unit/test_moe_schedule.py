@@ -57,8 +57,9 @@ class Compute:
         self.launched.append(("experts", self.device.current.name))
         self.engines.append(kwargs["decode"])
 
-    def reduce(self, combine, out):
+    def reduce(self, combine, routing, out):
         self.launched.append(("reduce", self.device.current.name))
+        self.routing = routing
 
     def wave(self, *args, **kwargs):
         self.launched.append(("wave", self.device.current.name))
@@ -157,3 +158,19 @@ def test_each_call_asks_for_the_engine_its_size_takes_in_either_mode(monkeypatch
             call(schedule, mode, n)
             want = n <= DECODE_TOKENS
             assert res.compute.engines and all(engine is want for engine in res.compute.engines), (n, mode)
+
+
+@pytest.mark.parametrize("mode", list(CallMode))
+def test_the_reduction_reads_this_ranks_own_routing_and_nothing_clears_the_combine_rows(monkeypatch, mode):
+    """The owner's reduction adds only its routed choices' rows (docs/PROTOCOL.md, "The MoE layer on the ring"):
+    it takes this rank's own stage rows - the routing its pull checked - and no step of the call writes the
+    combine buffer at this rank (only peers' pushes do), at any chunking."""
+    schedule, res, launched = schedule_on(monkeypatch, slots=2)
+    res.runtime.rank = 1
+    res.stage.idx = torch.arange(2 * N * K, dtype=torch.int32).view(2, N, K)
+    res.combine.fill_(float("nan"))
+    for n in (0, 1, 61):
+        call(schedule, mode, n)
+        routing = res.compute.routing
+        assert routing.data_ptr() == res.stage.idx[1].data_ptr() and routing.shape == (N, K)
+    assert res.combine.isnan().all()

@@ -323,13 +323,16 @@ class ExpertCompute:
                      hidden=cfg.hidden, topk=cfg.topk, peer_combine=peer_combine, desc=desc, combine=combine,
                      pushed=self.pushed, shared=True, **plan.group_args())
 
-    def reduce(self, combine: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` [n, H] bf16 = the sum over k of ``combine``'s rows t * K + k (bf16 [>= n * K, H]), in fp32 in k
-        order, on the current stream (``moe_combine_reduce``): the owner's last step, after its drain."""
+    def reduce(self, combine: torch.Tensor, routing: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` [n, H] bf16 = the sum over k of ``combine``'s rows t * K + k (bf16 [>= n * K, H]) for each choice
+        routed in ``routing`` (int32 [>= n, K]: this rank's own stage rows as its pull checked them, -1 masked), in
+        fp32 in k order, on the current stream (``moe_combine_reduce``): the owner's last step, after its drain. A
+        masked choice's row is never read (no rank wrote it), so nothing zeroes the combine buffer."""
         n, H = out.shape
         grid = max(1, min(self._grid, -(-n * H // (8 * _BLOCK))))  # eight values a thread (grid-stride past it)
-        self.kernels.launch("moe_combine_reduce", combine=combine, out=out, tokens=n, topk=self.config.topk,
-                            hidden=H, grid=grid, block=_BLOCK, stream=torch.cuda.current_stream(self.device))
+        self.kernels.launch("moe_combine_reduce", combine=combine, routing=routing, out=out, tokens=n,
+                            topk=self.config.topk, hidden=H, grid=grid, block=_BLOCK,
+                            stream=torch.cuda.current_stream(self.device))
 
     def _launch(self, name: str, *, shared: bool = False, **args: Any) -> None:
         """Kernel ``name`` on the current stream, one block per SM slot of :attr:`_grid`; ``shared``: with

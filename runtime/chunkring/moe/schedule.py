@@ -2,11 +2,12 @@
 
 Two streams per call (:attr:`LayerResources.streams`: a streamed call's are its SM partition's):
 
-* producer stream: zero this rank's combine rows; publish the batch into the call's ring (batch-ready: the
-  whole batch as one chunk into the one-slot ring; streamed: chunk by chunk, each as soon as its producers
-  finished); wait until every rank acknowledged every chunk (``moe_drain``); reduce the combine rows over k
-  into the output. The set-up and the chunks that fit the ring run on the whole GPU's producer stream
-  (their publishes never wait); a streamed call's later chunks and its drain on its partition's.
+* producer stream: publish the batch into the call's ring (batch-ready: the whole batch as one chunk into the
+  one-slot ring; streamed: chunk by chunk, each as soon as its producers finished); wait until every rank
+  acknowledged every chunk (``moe_drain``); reduce the combine rows of the routed choices over k into the
+  output (a masked choice's row is written by no rank and read by none, so nothing zeroes them). The set-up
+  and the chunks that fit the ring run on the whole GPU's producer stream (their publishes never wait); a
+  streamed call's later chunks and its drain on its partition's.
 * consumer stream: pull every source's chunks as they arrive into the stage at their token index (each
   slot freed as soon as it is copied); plan the rows into expert groups, L1 -> SwiGLU -> L2 once per expert,
   push the weighted rows to their sources' combine buffers, then acknowledge each source's last chunk,
@@ -83,7 +84,6 @@ class CallSchedule:
         caller = torch.cuda.current_stream(res.runtime.torch_device)
         T = chunk if chunk is not None else ring.spec.tokens_per_slot
         starts = list(range(0, n, T)) if n else [0]
-        K = res.config.topk
         waves = res.config.waves if res.pool is not None and mode is CallMode.STREAMED else 1
         # The chunks that fit the ring never wait for a slot, so nothing of theirs spins: they and the call's
         # set-up run on the whole GPU's producer stream. Only the chunks after them, whose publishes wait for
@@ -105,15 +105,12 @@ class CallSchedule:
         # tensors are freed.
         mark = _Marks(res, timeline)
 
-        def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream, *, zero_rows: bool,
-                           may_wait: bool) -> None:
+        def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream, *, may_wait: bool) -> None:
             with torch.cuda.stream(stream):
                 for index in chunks:
                     start = starts[index]
                     end = min(start + T, n)
                     mark(Event.PRODUCE_BEGIN, index)
-                    if zero_rows:  # the chunk's combine rows, before its publish (see below)
-                        res.combine[start * K:end * K].zero_()
                     publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, stream,
                             may_wait)
                     mark(Event.PUBLISHED, index)
@@ -127,19 +124,12 @@ class CallSchedule:
         with torch.cuda.stream(early):
             mark(Event.CALL_BEGIN)
             res.produce_arrivals[mode].zero_()  # a failed earlier call may have left a count behind
-        # The combine rows of a chunk are zeroed before its publish, in stream order: no consumer writes a row of a
-        # chunk before it acquired that chunk (docs/PROTOCOL.md). The first chunks' one by one, so the first
-        # publish waits for its own rows only; the rest in one memset on the whole GPU after them, which the
-        # later chunks' stream waits for - not on the producers' reserved SMs, and while the consumer starts.
-        produce_chunks(range(first), early, zero_rows=True, may_wait=False)
-        if first < len(starts):
-            with torch.cuda.stream(early):
-                res.combine[starts[first] * K:n * K].zero_()
+        produce_chunks(range(first), early, may_wait=False)
         if producer is not early:
             producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish
         with torch.cuda.stream(consumer):
             last = self._consume(mode, w13, w2, mark, waves, compute, decode)
-        produce_chunks(range(first, len(starts)), producer, zero_rows=False, may_wait=True)
+        produce_chunks(range(first, len(starts)), producer, may_wait=True)
         with torch.cuda.stream(producer):
             self._drain_and_reduce(mode, out, mark, last)
         caller.wait_stream(producer)
@@ -252,6 +242,8 @@ class CallSchedule:
         producer.wait_stream(consumed)
         res.kernels.stream.launch("moe_drain", desc=res.rings[mode].desc, block=32, stream=producer)
         mark(Event.DRAINED)
-        # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank wrote a row.
-        res.compute.reduce(res.combine, out)
+        # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank wrote a row. The routing
+        # is this rank's own stage rows, which its pull wrote and checked: the held acks (``consumed``) come after
+        # the pull in stream order, and the next call's refill of the stage after this reduction.
+        res.compute.reduce(res.combine, res.stage.idx[res.runtime.rank], out)
         mark(Event.OUTPUT_DONE)

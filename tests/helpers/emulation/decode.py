@@ -1,8 +1,8 @@
 """The decode path's kernels run on the CPU as written (tests/unit/test_moe_decode_emulation.py drives them): the
 warp engine of device/include/chunkring/moe/decode_gemm.cuh, moe_decode_l1 / moe_decode_l2 of
-device/kernels/moe_decode.cu, and - the semantics the decode kernels replace or feed - moe_swiglu_fp8 and
-moe_combine_push (DIRECT sources: no ring descriptor, or one without RMA peers) of device/kernels/moe_experts.cu,
-with fp8.cuh's arithmetic.
+device/kernels/moe_decode.cu, and - the semantics the decode kernels replace or feed - moe_swiglu_fp8,
+moe_combine_push (DIRECT sources: no ring descriptor, or one without RMA peers) and moe_combine_reduce of
+device/kernels/moe_experts.cu, with fp8.cuh's arithmetic.
 
 Each function below mirrors one device function line by line: the same index arithmetic, loop bounds, early exits,
 guards and stores, per block of the launch grid and per thread (numpy arrays over threadIdx.x); shared memory
@@ -332,8 +332,26 @@ def moe_combine_push(memory, grid, block, shared_bytes, a) -> None:
     a.pushed.raw[:8] = (a.pushed.load_as(np.int64, 0, "pushed") + grid).reshape(1).view(np.uint8)
 
 
+def moe_combine_reduce(memory, grid, block, shared_bytes, a) -> None:
+    """out[t] = the sum over k of combine row t K + k where routing[t K + k] >= 0, in fp32 in k order, rounded once
+    to bf16. The rows of masked choices are never loaded, so an unwritten (uninitialised) row there is never read."""
+    n, K, H = a.tokens, a.topk, a.hidden
+    if H % 8:
+        raise NotImplementedError("the scalar path (hidden % 8 != 0, or unaligned buffers) is not emulated")
+    vectors = np.arange(0, 2 * H, 16)  # the row's 16-byte vectors, eight values each
+    as_f32 = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)  # noqa: E731 - bf16 -> fp32 exactly
+    for t in range(n):
+        acc = np.zeros(H, np.float32)
+        for k in range(K):
+            if a.routing.load_as(np.int32, t * K + k, "routing") >= 0:
+                row = a.combine.load((t * K + k) * H * 2 + vectors, 16, "combine row").view(np.uint16).reshape(H)
+                acc = (acc + as_f32(row)).astype(np.float32)
+        a.out.store(t * H * 2 + vectors, bf16_bits(acc).reshape(H // 8, 16), "out row")
+
+
 def kernels(trace: list) -> dict:
     """The emulated kernels by name, for :class:`tests.helpers.emulation.machine.EmulatedLibrary`; L1's sums go
     to ``trace``."""
     return {"moe_decode_l1": lambda *args: moe_decode_l1(*args, trace), "moe_decode_l2": moe_decode_l2,
-            "moe_swiglu_fp8": moe_swiglu_fp8, "moe_combine_push": moe_combine_push}
+            "moe_swiglu_fp8": moe_swiglu_fp8, "moe_combine_push": moe_combine_push,
+            "moe_combine_reduce": moe_combine_reduce}

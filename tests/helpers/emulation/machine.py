@@ -184,6 +184,10 @@ class Memory:
                 return a
         return None
 
+    def holding(self, address: int) -> bool:
+        """Whether byte ``address`` lies in a registered allocation."""
+        return any(a.base <= address < a.base + a.raw.size for a in self.allocations)
+
     def at(self, address: int, what: str) -> tuple[Allocation, int]:
         """The allocation holding byte ``address``, and the address's offset in it."""
         for a in self.allocations:
@@ -378,9 +382,14 @@ class EmulatedLibrary:
         for param in params:
             param.convert(args[param.name], torch.device("cpu"))
             value = args[param.name]
-            if param.kind == "ptr":
-                value = None if value is None else self.memory.add(value, f"{name}.{param.name}",
-                                                                     initialised=self.initialised(value))
+            if param.kind == "ptr" and value is None:
+                pass
+            elif param.kind == "ptr":
+                what = f"{name}.{param.name}"
+                inside = self.memory.find(value) is None and self.memory.holding(value.data_ptr())
+                # A view into a registered tensor (a stage's rows of one source) is a pointer into its allocation.
+                value = Pointer(self.memory, value.data_ptr(), what) if inside else self.memory.add(
+                    value, what, initialised=self.initialised(value))
             else:
                 value = int(value)
             values[param.name] = value

@@ -101,11 +101,13 @@ def layer_weights(memory, experts: int, hidden: int, inter: int, seed: int = 1):
     return w13, w2
 
 
-def combine_buffers(memory, sources: int, slots: int, hidden: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each source's combine buffer [slots, H] bf16, NaN until written, and peer_combine (their addresses)."""
+def combine_buffers(memory, sources: int, slots: int, hidden: int, *,
+                    initialised: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each source's combine buffer [slots, H] bf16, NaN until written, and peer_combine (their addresses).
+    ``initialised=False``: the emulated memory also holds nothing readable in a row until a kernel writes it."""
     combine = [torch.full((slots, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(sources)]
     for s, c in enumerate(combine):
-        memory.add(c, f"combine[{s}]")
+        memory.add(c, f"combine[{s}]", initialised=initialised)
     peer_combine = torch.tensor([c.data_ptr() for c in combine], dtype=torch.int64)
     memory.add(peer_combine, "peer_combine")
     return combine, peer_combine

@@ -152,8 +152,8 @@
  * after every block of the pull finished (kfin) -- so its ack covers every
  * block's read -- and then stores d's cursor for r, as ack_chunk does.
  * Block 0's process runs the rest of d's consumer stream (combine, held
- * acks, then the host's refill of held[] and zeroing of the arrival counts,
- * asserted already zero); the next call's blocks start after it (callfin).
+ * acks, then the next call's moe_call_reset: held[] refilled and the
+ * arrival counts zeroed, asserted already zero); the next call's blocks start after it (callfin).
  * Not modelled: the owner's drain waiting for its own consumer stream (the
  * layer's producer.wait_stream(consumer)); leaving it out only adds
  * schedules, and it orders the owner's own rows, never a peer's.
@@ -679,7 +679,7 @@ proctype consumer(byte d)
      * one did, COMPLETION / NO_ABA would see the wrong chunk consumed). */
 #ifdef HELD_ACK
     /* ... and after the previous call's combine and held acks (and the
-     * host's refill of held[] and zeroing of the arrival counts) */
+     * call's moe_call_reset: held[] refilled, arrival counts zeroed) */
     if :: callfin[d] >= inv :: error_reported -> goto end_abort fi;
 #else
     if :: kfin[d] >= BLOCKS * inv :: error_reported -> goto end_abort fi;
@@ -710,9 +710,9 @@ proctype consumer(byte d)
     :: b == 0 ->
        /* the rest of d's consumer stream, modelled in block 0's process: the
         * combine kernel starts after every block of the pull (stream order);
-        * then moe_ack_held; then the host's refill of held[] (block 0's
-        * held[] is the device array: only block 0 writes it) and zeroing of
-        * the arrival counts, before the next call's pull */
+        * then moe_ack_held; then the next call's moe_call_reset, which refills
+        * held[] (block 0's held[] is the device array: only block 0 writes it)
+        * and zeroes the arrival counts before that call's pull */
        if :: kfin[d] >= BLOCKS * (inv + 1) :: error_reported -> goto end_abort fi;
        combine_and_ack_held();
        d_step { i = 0;

@@ -118,11 +118,14 @@ class World:
     def call(self, sizes: list[int]) -> list:
         """One call, enqueued as schedule.enqueue enqueues it, then run; returns each source's batch."""
         batches = [self.batch(n) for n in sizes]
-        for r in range(self.W):  # _consume's resets, on the consumer stream before the pull
-            self.stages[r].idx.fill_(-1)
-            self.stages[r].held.fill_(-1)
-            self.arrivals[r].zero_()
-            self.computes[r].pushed.zero_()
+        for r in range(self.W):
+            # _consume's reset. The layer's pull stream waits for it on the consumer stream; emulated streams have
+            # no waits, so it runs ahead of the pull on the pull's own stream (the waves come after the pull's
+            # blocks through their claims, moe_ack_held after the waves).
+            self.library.stream = ("moe_pull_blocks", self.rings[r].desc.data_ptr())
+            self.library.launch("moe_call_reset", stage=self.stages[r].desc, arrivals=self.arrivals[r],
+                                arrival_words=self.arrivals[r].numel(), pushed=self.computes[r].pushed, grid=1,
+                                block=PULL_BLOCK, stream=None)
         for src, (x, sf, idx, w) in enumerate(batches):
             for base in range(0, max(sizes[src], 1), T):
                 rows = slice(base, min(base + T, sizes[src]))

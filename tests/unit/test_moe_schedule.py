@@ -174,3 +174,15 @@ def test_the_reduction_reads_this_ranks_own_routing_and_nothing_clears_the_combi
         routing = res.compute.routing
         assert routing.data_ptr() == res.stage.idx[1].data_ptr() and routing.shape == (N, K)
     assert res.combine.isnan().all()
+
+
+@pytest.mark.parametrize("waves", [1, 2])
+def test_one_reset_launch_precedes_the_pull_on_the_consumer_stream(monkeypatch, waves):
+    """The stage's routing and held seqs, the arrival counts and the push count are reset by one moe_call_reset
+    on the consumer stream, before the pull (the waves' pull stream waits for the consumer stream)."""
+    schedule, res, launched = schedule_on(monkeypatch, slots=2, waves=waves)
+    call(schedule, CallMode.STREAMED, 61)
+    names = [name for name, _ in launched]
+    pull = "moe_pull_blocks" if waves > 1 else "moe_pull"
+    assert names.count("moe_call_reset") == 1 and names.index("moe_call_reset") < names.index(pull)
+    assert where(launched, "moe_call_reset") == {"part.consumer"}

@@ -43,6 +43,9 @@ __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule", "Publish"]
 #: after the ring's first S of the call, so its publish may wait for a slot's acks (its producer spins).
 Publish = Callable[[Ring, int, int, bool, torch.Tensor | None, int | None, torch.cuda.Stream, bool], None]
 
+#: The most blocks of ``moe_call_reset`` (eight words a thread below that; a grid-stride loop past it).
+_RESET_MAX_GRID = 1024
+
 #: How long a layer's first call of a mode waits at the host barrier for every rank's GEMM warm-up: several
 #: ranks compiling DeepGEMM's kernels at once take minutes at most; a rank that raised before the barrier
 #: never comes, and the others then raise instead of waiting for ever.
@@ -174,10 +177,13 @@ class CallSchedule:
         res = self.res
         ring, stage, compute = res.rings[mode], res.stage, res.compute
         consumer = torch.cuda.current_stream(res.runtime.torch_device)
-        stage.idx.fill_(-1)
-        stage.held.fill_(-1)
-        res.arrivals[mode].zero_()  # a failed earlier call may have left counts behind
-        compute.pushed.zero_()  # the combine pushes' arrivals, which moe_ack_held counts below
+        # The stage's routing (-1) and held seqs, the pull's arrival counts and the pushes' count (which
+        # moe_ack_held counts below), whatever an earlier call left, in one launch.
+        choices = stage.idx.numel()
+        res.kernels.stream.launch("moe_call_reset", stage=stage.desc, arrivals=res.arrivals[mode],
+                                  arrival_words=res.arrivals[mode].numel(), pushed=compute.pushed,
+                                  grid=max(1, min(_RESET_MAX_GRID, -(-choices // (8 * PULL_BLOCK)))), block=PULL_BLOCK,
+                                  stream=consumer)
         if waves > 1:
             self._pull_into_blocks_and_waves(mode, w13, w2, mark, res.consumer_sms[mode], decode)
             last = consumer

@@ -75,7 +75,7 @@ class Stage:
         # bf16 rows carry no scales: an empty tensor, which no get reaches (and the symmetric heap holds none).
         sf = (zeros((W, N, H // FP8_SCALE_BLOCK), torch.float32) if fp8
               else torch.zeros((W, N, 0), dtype=torch.float32, device=device))
-        # -1 (planned nowhere) is refilled before every pull: a row no chunk brought is never computed.
+        # -1 (planned nowhere) is refilled before every pull (moe_call_reset): a row no chunk brought is never computed.
         idx = zeros((W, N, K), torch.int32).fill_(-1)
         return cls(x, sf, idx, zeros((W, N, K), torch.float32), expert_lo=expert_lo, expert_hi=expert_hi)
 

@@ -254,8 +254,9 @@ def kernels(heap, streams, mutants: dict | None = None) -> dict:
 
 
 def plain_kernels(order_seed: int, decode: dict, claimed: list) -> dict:
-    """The kernels that never wait: the wave's gather, and ``decode`` (decode.py's kernels). Each gather first
-    appends (its PoolDesc's words address, the pool ids its wave claimed, sealed_all then) to ``claimed``."""
+    """The kernels that never wait: the call's reset, the wave's gather, and ``decode`` (decode.py's kernels). Each
+    gather first appends (its PoolDesc's words address, the pool ids its wave claimed, sealed_all then) to
+    ``claimed``."""
     def gather(memory, grid, block, shared_bytes, a):
         pool = PoolWords(memory, read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc"))
         count, at = pool.load(pool.layout.counter("kWaveCount"), "wave_count"), pool.layout.wave_ids()
@@ -263,4 +264,4 @@ def plain_kernels(order_seed: int, decode: dict, claimed: list) -> dict:
                         pool.load(pool.layout.counter("kSealedAll"), "sealed_all")))
         waves_emu.moe_wave_gather(memory, grid, block, shared_bytes, a, order_seed=order_seed)
 
-    return {"moe_wave_gather": gather, **decode}
+    return {"moe_wave_gather": gather, "moe_call_reset": pull_emu.moe_call_reset, **decode}

@@ -1,5 +1,5 @@
 """The ring's data path of device/kernels/ring_host_api.cu (ring_publish_tensors; ring_publish_open, _copy, _close;
-ring_raise_abort) and moe_stream.cu (moe_pull, moe_ack_held) run on the CPU as written, over
+ring_raise_abort) and moe_stream.cu (moe_call_reset, moe_pull, moe_ack_held) run on the CPU as written, over
 tests/helpers/emulation/ring.py's heap, streams and protocol words (tests/unit/test_ring_pull_emulation.py drives
 them through publish_chunk and the layer's launch of moe_pull, test_ring_abort_emulation.py the aborts). Each
 function mirrors its device function (protocol/ring.cuh begin_chunk, poll_acked, publish, end_chunk, wait_chunk,
@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from tests.helpers.emulation.machine import EmulatedMemoryError, Pointer, read_struct
-from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS
+from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS, descriptor
 from tests.helpers.emulation.ring import CONTROL, META_EOS, RingView, copy, make_gen
 from tests.helpers.emulation.waves import DESC_FIELD, ERROR
 
-__all__ = ["NO_HELD_CHUNK", "kernels"]
+__all__ = ["NO_HELD_CHUNK", "kernels", "moe_call_reset"]
 
 NO_HELD_CHUNK = 2**64 - 1  # moe_stream.cu kNoHeldChunk
 
@@ -340,6 +340,17 @@ def ring_raise_abort(ring: RingView, a, part: int, parts: int):
     if ring.rank.check_descriptor():
         ring.record_error({v: k for k, v in ERROR.items()}[a.code], "kHostCheck", 0, 0, 0, 0)
     yield from ()
+
+
+def moe_call_reset(memory, grid, block, shared_bytes, a) -> None:
+    """The call's consumer words, every thread's grid-stride stores at once (a plain kernel: it never waits): the
+    stage's idx -1, its held NO_HELD_CHUNK, the arrival counts and the push count 0."""
+    s = descriptor(memory, a.stage, "StageDesc")
+    choices = s.sources * s.token_capacity * s.topk
+    Pointer(memory, s.idx, "stage idx").store_as(np.int32, np.arange(choices), -1, "stage idx")
+    Pointer(memory, s.held, "stage held").store_as(np.uint64, np.arange(s.sources), NO_HELD_CHUNK, "stage held")
+    a.arrivals.store_as(np.uint32, np.arange(a.arrival_words), 0, "arrivals")
+    a.pushed.store_as(np.uint64, 0, 0, "pushed")
 
 
 KERNELS = {f.__name__: f for f in (ring_publish_tensors, ring_publish_open, ring_publish_copy, ring_publish_close,

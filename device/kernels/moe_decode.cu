@@ -43,6 +43,12 @@ using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
 
+// Warp w's weight ring in the block's dynamic shared memory (decode_gemm.cuh warp_gemm).
+__device__ __forceinline__ uint4* warp_ring(u32 warp) {
+    extern __shared__ uint4 decode_rings[];
+    return decode_rings + warp * decode::kStages * decode::kStageVectors;
+}
+
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // The expert's first planned row and its row count: group e is rows [group_end[e] - counts[e], group_end[e]).
@@ -124,7 +130,8 @@ __device__ void swiglu_quantise(const float (&acc)[kMTiles][kTokenTiles][4], u64
 //   rows [P, H] e4m3 (the plan's rows), rows_sf: scale j of row p at j * sf_stride + p
 //   counts [E_local], group_end [E_local]: the plan's groups (moe_plan_scatter)
 //   act [P, I] e4m3, act_sf: scale j of row p at j * sf_stride + p (only the groups' real rows written)
-// Launch: grid E_local * inter / 128, block decode::kThreads; hidden % 128 == 0, inter % 128 == 0.
+// Launch: grid E_local * inter / 128, block decode::kThreads, decode::kSharedBytes of dynamic shared memory (the
+// warps' weight rings); hidden % 128 == 0, inter % 128 == 0.
 extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     moe_decode_l1(const __nv_fp8_e4m3* w13, const float* w13_sf, const unsigned char* rows, const float* rows_sf,
                   long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
@@ -148,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     for (u32 done = 0; done < group.rows; done += kPassRows) {
         const u32 here = min(group.rows - done, kPassRows);
         const u32 tiles = decode::set_tokens(op, rows, rows_sf, group.first + done, here);
-        decode::warp_gemm(op, static_cast<u32>(kblocks), tiles, acc);
+        decode::warp_gemm(op, warp_ring(warp), static_cast<u32>(kblocks), tiles, acc);
         swiglu_quantise(acc, group.first + done, here, chunk, I, op.sf_stride, act, act_sf);
     }
 }
@@ -158,7 +165,8 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
 //   w2 [E_local, H, I] e4m3, w2_sf [E_local, H / 128, I / 128] fp32 (chunkring.moe.Fp8Weight)
 //   act [P, I] e4m3, act_sf: scale j of row p at j * sf_stride + p (moe_decode_l1's output)
 //   out [P, H] bf16: the groups' real rows written, others untouched
-// Launch: grid E_local * hidden / 256, block decode::kThreads; hidden % 256 == 0, inter % 128 == 0.
+// Launch: grid E_local * hidden / 256, block decode::kThreads, decode::kSharedBytes of dynamic shared memory;
+// hidden % 256 == 0, inter % 128 == 0.
 extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     moe_decode_l2(const __nv_fp8_e4m3* w2, const float* w2_sf, const __nv_fp8_e4m3* act, const float* act_sf,
                   long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
@@ -187,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
         const u32 here = min(group.rows - done, kPassRows);
         const u64 first = group.first + done;
         const u32 tiles = decode::set_tokens(op, reinterpret_cast<const unsigned char*>(act), act_sf, first, here);
-        decode::warp_gemm(op, static_cast<u32>(kblocks), tiles, acc);
+        decode::warp_gemm(op, warp_ring(warp), static_cast<u32>(kblocks), tiles, acc);
 #pragma unroll
         for (u32 i = 0; i < kMTiles; ++i)
 #pragma unroll

@@ -2,9 +2,9 @@
 options, its report on): registers are allocated per warp in units of 256, and a block whose warps need more
 than the SM's 65,536 fails its launch ("too many resources requested") - on the GPU host, not here, unless this
 test reads the report first. The block sizes come from the launch sites, statically (a literal, or a module
-constant the launch names). The decode kernels (device/kernels/moe_decode.cu) also keep their load pipeline in
-registers: no stack frame and no spills, or the weight stream's loads in flight would become local-memory
-traffic that only a GPU profile would show."""
+constant the launch names). The decode kernels (device/kernels/moe_decode.cu) also keep their operands in
+registers (their weight stream's copies in flight are in shared memory): no stack frame and no spills, or each
+k block's fragments would become local-memory traffic that only a GPU profile would show."""
 
 import ast
 import dataclasses

@@ -25,6 +25,7 @@ from chunkring.jit import parse_kernels
 from chunkring.jit.launch import check_argument_names
 from chunkring.moe.decode import (
     DECODE_MAX_ROWS,
+    DECODE_SHARED_BYTES,
     DECODE_THREADS,
     DecodeGemm,
     check_decode_config,
@@ -42,6 +43,17 @@ HEADER = DEVICE / "include/chunkring/moe/decode_gemm.cuh"
 def test_fragment_k_is_a_permutation_of_the_k_block():
     ks = [fragment_k(s, t, h, b) for s in range(4) for t in range(4) for h in range(2) for b in range(4)]
     assert sorted(ks) == list(range(128))
+
+
+def test_the_shared_memory_is_the_headers():
+    """The kernels index their warps' weight rings in the block's dynamic shared memory: the launch must give all of
+    it (kWarps x kStages k blocks of kMTiles x 2 x 2 x 32 16-byte vectors)."""
+    text = HEADER.read_text()
+    value = {name: int(re.search(rf"constexpr u32 {name} = (\d+);", text).group(1))
+             for name in ("kWarps", "kStages", "kMTiles")}
+    assert re.search(r"constexpr u32 kStageVectors = kMTiles \* 2 \* 2 \* kWarp;", text)
+    assert re.search(r"constexpr u32 kSharedBytes = kWarps \* kStages \* kStageVectors \* 16;", text)
+    assert DECODE_SHARED_BYTES == value["kWarps"] * value["kStages"] * value["kMTiles"] * 2 * 2 * 32 * 16
 
 
 def test_the_block_size_is_the_headers():
@@ -202,14 +214,15 @@ class RecordingLibrary:
 
     def __init__(self):
         self.signatures = parse_kernels((DEVICE / "kernels/moe_decode.cu").read_text(), "moe_decode.cu")
-        self.launches = []
+        self.launches, self.shared_bytes = [], []
 
-    def launch(self, name, /, *, grid, block, stream, **args):
+    def launch(self, name, /, *, grid, block, stream, shared_bytes=0, **args):
         params = self.signatures[name]
         check_argument_names(name, params, args)
         for param in params:
             param.convert(args[param.name], torch.device("cpu"))
         self.launches.append((name, grid, block, args))
+        self.shared_bytes.append(shared_bytes)
 
 
 def cpu_plan(P, E, H):
@@ -235,6 +248,7 @@ def test_the_launches_name_every_parameter_on_the_kernels_grids():
     assert (l1, g1, b1) == ("moe_decode_l1", E * inter // 128, DECODE_THREADS)
     assert (l2, g2, b2) == ("moe_decode_l2", E * H // 256, DECODE_THREADS)
     assert gemm.grids() == (g1, g2)
+    assert library.shared_bytes == [DECODE_SHARED_BYTES] * 2, "both kernels' warps keep their weight rings"
     assert a1["act"] is a2["act"] and a1["act_sf"] is a2["act_sf"], "L2 reads what L1 wrote"
     assert tuple(a1["act"].shape) == (P, inter) and tuple(a1["act_sf"].shape) == (inter // 128, P)
     assert a1["sf_stride"] == a2["sf_stride"] == P and a2["out"] is out

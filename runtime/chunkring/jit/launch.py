@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 # Param lives with the signatures that make it.
 __all__ = ["LAUNCH_KEYWORDS", "KernelArgs", "KernelLibrary", "Param", "check_argument_names", "library_for"]
 
+#: Dynamic shared memory a block may take without its kernel opting in to more (CUDA's default limit).
+_DEFAULT_SHARED_BYTES = 48 * 1024
+
 #: Loaded libraries per Runtime, by (source name, defines) (freed with the Runtime).
 _LOADED: weakref.WeakKeyDictionary[Runtime, dict[tuple, KernelLibrary]] = weakref.WeakKeyDictionary()
 
@@ -51,6 +54,7 @@ class KernelLibrary:
             raise ChunkringRuntimeError(f"kernel missing from {build_result.name}: {exc}") from exc
         for name, kernel in self._kernels.items():
             _load_now(name, kernel)
+        self._shared_allowed: dict[str, int] = {}  # kernels opted in to more dynamic shared memory, and how much
 
     def __repr__(self) -> str:
         return f"KernelLibrary({self.build.name!r}, kernels={sorted(self._signatures)})"
@@ -78,12 +82,28 @@ class KernelLibrary:
         torch_stream = stream if stream is not None else torch.cuda.current_stream(device)
         if torch_stream.device != device:
             raise ChunkringUsageError(f"stream is on {torch_stream.device}, kernel runs on {device}", field="stream")
+        if shared_bytes > self._shared_allowed.get(name, _DEFAULT_SHARED_BYTES):
+            self._allow_shared(name, shared_bytes)
         stream_obj = self.runtime.device.create_stream(torch_stream)
         try:
             config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
             launch(stream_obj, config, self._kernels[name], *values)
         except Exception as exc:
             raise ChunkringRuntimeError(f"launch of {name} failed: {exc}") from exc
+
+    def _allow_shared(self, name: str, nbytes: int) -> None:
+        """Opt kernel ``name`` in to ``nbytes`` of dynamic shared memory per block: past 48 KiB a launch fails
+        unless its kernel's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES allows it. More than the GPU has is a
+        ``ChunkringUsageError`` here, before anything is enqueued."""
+        from cuda.bindings import driver
+
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        kernel = driver.CUkernel(int(self._kernels[name].handle))
+        (err,) = driver.cuKernelSetAttribute(attribute, nbytes, kernel, driver.CUdevice(self.runtime.ordinal))
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise ChunkringUsageError(f"{name}: {nbytes} bytes of dynamic shared memory a block: {err}",
+                                      field="shared_bytes")
+        self._shared_allowed[name] = nbytes
 
 
 #: Some of a kernel's arguments by parameter name, for a launch to expand (``**args``); each value is checked

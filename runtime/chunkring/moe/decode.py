@@ -35,14 +35,17 @@ if TYPE_CHECKING:
     from chunkring.jit import KernelLibrary
     from chunkring.moe.config import MoEConfig
 
-__all__ = ["DECODE_MAX_ROWS", "DECODE_PASS_ROWS", "DECODE_THREADS", "L2_CHUNK_ROWS", "DecodeGemm",
-           "PlanTensors", "check_decode_config", "decode_fits", "fragment_k", "mean_rows_per_expert"]
+__all__ = ["DECODE_MAX_ROWS", "DECODE_PASS_ROWS", "DECODE_SHARED_BYTES", "DECODE_THREADS", "L2_CHUNK_ROWS",
+           "DecodeGemm", "PlanTensors", "check_decode_config", "decode_fits", "fragment_k", "mean_rows_per_expert"]
 
 #: An expert's rows per pass over its weights (decode_gemm.cuh kPassRows: 2 token tiles of 8): an expert
 #: with more rows streams its weights once per 16 of them.
 DECODE_PASS_ROWS = 16
 #: Threads per block of both kernels (decode_gemm.cuh kThreads: 8 warps).
 DECODE_THREADS = 256
+#: Dynamic shared memory per block of both kernels (decode_gemm.cuh kSharedBytes): each warp's ring of 6 k blocks
+#: of weight fragments, 4 KiB each, that cp.async keeps in flight ahead of its MMAs.
+DECODE_SHARED_BYTES = 8 * 6 * 4096
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
 #: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most
@@ -182,7 +185,8 @@ class DecodeGemm:
         l1, l2 = self.grids()
         self.kernels.launch("moe_decode_l1", w13=w13.data, w13_sf=w13.scale, rows=plan.rows, rows_sf=plan.rows_sf,
                             sf_stride=P, counts=plan.counts, group_end=plan.group_end, hidden=H, inter=inter,
-                            act=act, act_sf=act_sf, grid=l1, block=DECODE_THREADS, stream=stream)
+                            act=act, act_sf=act_sf, grid=l1, block=DECODE_THREADS, shared_bytes=DECODE_SHARED_BYTES,
+                            stream=stream)
         self.kernels.launch("moe_decode_l2", w2=w2.data, w2_sf=w2.scale, act=act, act_sf=act_sf, sf_stride=P,
                             counts=plan.counts, group_end=plan.group_end, hidden=H, inter=inter, out=out,
-                            grid=l2, block=DECODE_THREADS, stream=stream)
+                            grid=l2, block=DECODE_THREADS, shared_bytes=DECODE_SHARED_BYTES, stream=stream)

@@ -4,9 +4,12 @@
 // costs one MMA per 512 weight bytes instead of a 64- or 128-row tile of padding.
 //
 // Each warp owns kMTiles m tiles (16 weight rows each, all in one 128-row scale block per tile) and streams
-// their rows over the whole k range once per pass of up to kPassRows tokens; kStages k blocks (128 k each)
-// of loads are in flight ahead of the MMAs. Weights are read as the checkpoint stores them ([N, K]
-// row-major, e4m3): no transformed copy.
+// their rows over the whole k range once per pass of up to kPassRows tokens. The weights go through a ring of
+// kStages k blocks (128 k each) in the warp's part of the block's shared memory, filled by cp.async: kStages - 1
+// blocks of copies are in flight while the MMAs consume one, without holding registers (a register pipeline
+// spills past 3 stages; at 3 stages, 64 KB in flight per SM read the weights at 2.6 TB/s on the H200). The
+// token operands and scales, small and re-read by every warp, are plain loads one k block ahead. Weights are
+// read as the checkpoint stores them ([N, K] row-major, e4m3): no transformed copy.
 //
 // The k order. Only the pairing of each k between A and B enters the sum, so both operands take the same
 // permutation of each 128-wide k block, chosen so that every fragment comes from 16-byte loads: lane
@@ -41,8 +44,14 @@ constexpr u32 kPassRows = kTokenTiles * kTileTokens;  // an expert's rows per pa
 constexpr u32 kWarps = 8;                   // per block
 constexpr u32 kThreads = kWarps * kWarp;
 constexpr u32 kScaleRows = kWarps * kTileRows;  // 128: m tile i of every warp lies in one scale block
-constexpr u32 kStages = 3;                  // k blocks of loads per warp: the one in use and two in flight
+constexpr u32 kStages = 6;                  // k blocks of weight copies per warp: the one in use, the rest in flight
+// One k block of a warp's weight fragments in its ring: [m tile][row g, g + 8][lo, hi][lane], 16 bytes each.
+// Lanes innermost: a quarter-warp's 16-byte accesses cover 128 contiguous bytes, free of bank conflicts.
+constexpr u32 kStageVectors = kMTiles * 2 * 2 * kWarp;
+// The block's dynamic shared memory (the launch's shared_bytes; decode.py's DECODE_SHARED_BYTES).
+constexpr u32 kSharedBytes = kWarps * kStages * kStageVectors * 16;
 static_assert(kScaleRows == kKBlock, "a block's m tile i spans exactly one 128-row weight scale block");
+static_assert(kSharedBytes <= 227 * 1024 - 1024, "the ring and the epilogue's static shared memory fit one SM");
 
 // The k (0..127) of a block that a fragment byte holds: MMA step `step` (0..3), lane t = lane % 4, register
 // half `half` (0: a[0], a[1], b[0]; 1: a[2], a[3], b[1]), byte `byte` (0..3) of that register word.
@@ -79,63 +88,81 @@ struct WarpOperands {
     u64 sf_stride;
 };
 
-// One k block of a warp's operands, in registers.
-struct Stage {
-    uint4 w[kMTiles][2][2];     // [m tile][row g, row g + 8][lo, hi]
+// One k block of a warp's token operands and scales, in registers.
+struct Tokens {
     uint4 x[kTokenTiles][2];    // [token tile][lo, hi] of token g
-    float w_scale[kMTiles];
     float x_scale[kTokenTiles][2];
+    float w_scale[kMTiles];
 };
 
 __device__ __forceinline__ u32 word(const uint4& v, u32 i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-__device__ __forceinline__ void load_stage(Stage& st, const WarpOperands& op, u32 kb, u32 t) {
-    const u64 lo = static_cast<u64>(kb) * kKBlock + 16 * t, hi = lo + 64;
+// Vector v (0..kStageVectors) of a lane's fragments in a ring slot: m tile i, row half h, part (lo, hi).
+__device__ __forceinline__ u32 ring_vector(u32 i, u32 h, u32 part, u32 lane) {
+    return ((i * 2 + h) * 2 + part) * kWarp + lane;
+}
+
+// Copies k block kb of the warp's weight fragments into its ring slot kb % kStages (no commit).
+__device__ __forceinline__ void copy_weights(uint4* ring, const WarpOperands& op, u32 kb, u32 lane) {
+    const u64 lo = static_cast<u64>(kb) * kKBlock + 16 * (lane % 4), hi = lo + 64;
+    uint4* slot = ring + (kb % kStages) * kStageVectors;
 #pragma unroll
-    for (u32 i = 0; i < kMTiles; ++i) {
+    for (u32 i = 0; i < kMTiles; ++i)
 #pragma unroll
         for (u32 h = 0; h < 2; ++h) {
             const unsigned char* row = op.w_row[i] + h * 8 * op.k_bytes;
-            st.w[i][h][0] = ptx::ld_nc_no_allocate_v4(row + lo);
-            st.w[i][h][1] = ptx::ld_nc_no_allocate_v4(row + hi);
+            ptx::cp_async_16(slot + ring_vector(i, h, 0, lane), row + lo);
+            ptx::cp_async_16(slot + ring_vector(i, h, 1, lane), row + hi);
         }
-        st.w_scale[i] = __ldg(op.w_scale[i] + kb);
-    }
+}
+
+__device__ __forceinline__ void load_tokens(Tokens& tk, const WarpOperands& op, u32 kb, u32 t) {
+    const u64 lo = static_cast<u64>(kb) * kKBlock + 16 * t, hi = lo + 64;
+#pragma unroll
+    for (u32 i = 0; i < kMTiles; ++i) tk.w_scale[i] = __ldg(op.w_scale[i] + kb);
 #pragma unroll
     for (u32 j = 0; j < kTokenTiles; ++j) {
         // The token rows are re-read by every warp of the block (and every block of the expert): cached loads.
         const unsigned char* x = op.x_row[j];
-        st.x[j][0] = x != nullptr ? __ldg(reinterpret_cast<const uint4*>(x + lo)) : make_uint4(0, 0, 0, 0);
-        st.x[j][1] = x != nullptr ? __ldg(reinterpret_cast<const uint4*>(x + hi)) : make_uint4(0, 0, 0, 0);
+        tk.x[j][0] = x != nullptr ? __ldg(reinterpret_cast<const uint4*>(x + lo)) : make_uint4(0, 0, 0, 0);
+        tk.x[j][1] = x != nullptr ? __ldg(reinterpret_cast<const uint4*>(x + hi)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (u32 c = 0; c < 2; ++c) {
             const float* sf = op.x_scale[j][c];
-            st.x_scale[j][c] = sf != nullptr ? __ldg(sf + static_cast<u64>(kb) * op.sf_stride) : 0.0f;
+            tk.x_scale[j][c] = sf != nullptr ? __ldg(sf + static_cast<u64>(kb) * op.sf_stride) : 0.0f;
         }
     }
 }
 
 // acc[i][j] += (the k block's MMAs of m tile i and token tile j) * w_scale[i] * x_scale of the column's
-// token; token tiles from `tiles` on are skipped (uniform across the warp).
-__device__ __forceinline__ void mma_stage(const Stage& st, u32 tiles, float (&acc)[kMTiles][kTokenTiles][4]) {
-    float part[kMTiles][kTokenTiles][4] = {};
+// token, the weights from ring slot `slot`; token tiles from `tiles` on are skipped (uniform across the warp).
+__device__ __forceinline__ void mma_block(const uint4* slot, const Tokens& tk, u32 tiles, u32 lane,
+                                          float (&acc)[kMTiles][kTokenTiles][4]) {
+    uint4 w[kMTiles][2][2];  // [m tile][row g, row g + 8][lo, hi]
+#pragma unroll
+    for (u32 i = 0; i < kMTiles; ++i)
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h)
+#pragma unroll
+            for (u32 part = 0; part < 2; ++part) w[i][h][part] = slot[ring_vector(i, h, part, lane)];
+    float sum[kMTiles][kTokenTiles][4] = {};
 #pragma unroll
     for (u32 s = 0; s < kKSteps; ++s) {
         const u32 at = (s % 2) * 2, p = s / 2;
         u32 a[kMTiles][4];
 #pragma unroll
         for (u32 i = 0; i < kMTiles; ++i) {
-            a[i][0] = word(st.w[i][0][p], at);      // row g,     k half 0
-            a[i][1] = word(st.w[i][1][p], at);      // row g + 8, k half 0
-            a[i][2] = word(st.w[i][0][p], at + 1);  // row g,     k half 1
-            a[i][3] = word(st.w[i][1][p], at + 1);  // row g + 8, k half 1
+            a[i][0] = word(w[i][0][p], at);      // row g,     k half 0
+            a[i][1] = word(w[i][1][p], at);      // row g + 8, k half 0
+            a[i][2] = word(w[i][0][p], at + 1);  // row g,     k half 1
+            a[i][3] = word(w[i][1][p], at + 1);  // row g + 8, k half 1
         }
 #pragma unroll
         for (u32 j = 0; j < kTokenTiles; ++j) {
             if (j >= tiles) continue;
-            const u32 b[2] = {word(st.x[j][p], at), word(st.x[j][p], at + 1)};
+            const u32 b[2] = {word(tk.x[j][p], at), word(tk.x[j][p], at + 1)};
 #pragma unroll
-            for (u32 i = 0; i < kMTiles; ++i) ptx::mma_m16n8k32_e4m3_f32(part[i][j], a[i], b);
+            for (u32 i = 0; i < kMTiles; ++i) ptx::mma_m16n8k32_e4m3_f32(sum[i][j], a[i], b);
         }
     }
 #pragma unroll
@@ -144,35 +171,43 @@ __device__ __forceinline__ void mma_stage(const Stage& st, u32 tiles, float (&ac
         for (u32 j = 0; j < kTokenTiles; ++j)
 #pragma unroll
             for (u32 c = 0; c < 4; ++c)  // c even: token 2t, odd: token 2t + 1
-                acc[i][j][c] = fmaf(part[i][j][c], st.w_scale[i] * st.x_scale[j][c % 2], acc[i][j][c]);
+                acc[i][j][c] = fmaf(sum[i][j][c], tk.w_scale[i] * tk.x_scale[j][c % 2], acc[i][j][c]);
 }
 
 // The warp's fp32 tiles over `kblocks` k blocks: acc[i][j][c] for m tile i, token tile j, and fragment
-// element c (c[0..3] of the MMA: rows g, g, g + 8, g + 8; tokens 2t, 2t + 1, 2t, 2t + 1). The loads of the
-// next kStages - 1 k blocks are issued before each block's MMAs. The stage index is a compile-time
-// constant inside the unrolled loop, so the stages stay in registers.
-__device__ __forceinline__ void warp_gemm(const WarpOperands& op, u32 kblocks, u32 tiles,
+// element c (c[0..3] of the MMA: rows g, g, g + 8, g + 8; tokens 2t, 2t + 1, 2t, 2t + 1). `ring`: the warp's
+// kStages * kStageVectors vectors of shared memory.
+//
+// One copy group per k block, committed in k order (an empty one past the last block, so that the count
+// stays exact): the first kStages before the loop, block kb + kStages after block kb's MMAs. Block kb's group is
+// then the oldest of at most kStages in flight, so waiting until kStages - 1 remain completes it. A lane reads
+// back only the vectors it copied itself, so the wait is the only synchronisation before a read. Before a slot
+// is refilled, __syncwarp: cp.async is unordered with the thread's earlier loads, and the barrier completes the
+// slot's reads (already consumed by the MMAs, which are volatile asm ahead of the copy) first.
+__device__ __forceinline__ void warp_gemm(const WarpOperands& op, uint4* ring, u32 kblocks, u32 tiles,
                                           float (&acc)[kMTiles][kTokenTiles][4]) {
-    const u32 t = threadIdx.x % 4;
+    const u32 lane = threadIdx.x % kWarp, t = lane % 4;
 #pragma unroll
     for (u32 i = 0; i < kMTiles; ++i)
 #pragma unroll
         for (u32 j = 0; j < kTokenTiles; ++j)
 #pragma unroll
             for (u32 c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
-    Stage st[kStages];
 #pragma unroll
-    for (u32 s = 0; s + 1 < kStages; ++s)
-        if (s < kblocks) load_stage(st[s], op, s, t);
-    for (u32 kb0 = 0; kb0 < kblocks; kb0 += kStages) {
-#pragma unroll
-        for (u32 s = 0; s < kStages; ++s) {
-            const u32 kb = kb0 + s;
-            if (kb >= kblocks) break;
-            // st[s - 1] was used by the previous block: refill it with the block kStages - 1 ahead.
-            if (kb + kStages - 1 < kblocks) load_stage(st[(s + kStages - 1) % kStages], op, kb + kStages - 1, t);
-            mma_stage(st[s], tiles, acc);
-        }
+    for (u32 kb = 0; kb < kStages; ++kb) {
+        if (kb < kblocks) copy_weights(ring, op, kb, lane);
+        ptx::cp_async_commit();
+    }
+    Tokens tk, next;
+    load_tokens(tk, op, 0, t);
+    for (u32 kb = 0; kb < kblocks; ++kb) {
+        if (kb + 1 < kblocks) load_tokens(next, op, kb + 1, t);
+        ptx::cp_async_wait<kStages - 1>();
+        mma_block(ring + (kb % kStages) * kStageVectors, tk, tiles, lane, acc);
+        __syncwarp();  // the slot's reads before its refill
+        if (kb + kStages < kblocks) copy_weights(ring, op, kb + kStages, lane);
+        ptx::cp_async_commit();
+        tk = next;
     }
 }
 

@@ -1,22 +1,27 @@
-// Streaming loads (PTX `ld.global.nc` with a cache hint). With ordering.cuh and mma.cuh, the only `asm`.
+// Asynchronous copies into shared memory (PTX `cp.async`). With ordering.cuh and mma.cuh, the only `asm`.
 #pragma once
 
 #include <cuda/std/cstdint>
 
 namespace chunkring::ptx {
 
-// 16 bytes of read-only global memory that this kernel reads exactly once (the decode GEMM's expert
-// weights): the non-coherent path, without allocating in L1. The data must not be written while the
-// kernel runs. Why no L1 allocation: each weight byte is used by one warp once, and an allocating load
-// would evict the token rows that the block's eight warps re-read from L1. `volatile` keeps the loads
-// where the source issues them - a stage ahead of their use - rather than next to their first use; no
-// "memory" clobber: this is not an ordering point, so ordinary loads and stores may move around it.
-__device__ __forceinline__ uint4 ld_nc_no_allocate_v4(const void* ptr) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(ptr));
-    return v;
+// 16 bytes of global memory copied asynchronously into shared memory (`cp.async.cg`: cached in L2 only, so a
+// weight byte read once by one warp allocates nothing in L1). The copy is this thread's: it is complete and
+// visible to this thread once a cp_async_wait covers the group it was committed in. "memory" clobber: the
+// compiler must not move the shared-memory reads of a slot past the copy that refills it.
+__device__ __forceinline__ void cp_async_16(void* shared, const void* global) {
+    const auto to = static_cast<::cuda::std::uint32_t>(__cvta_generic_to_shared(shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global) : "memory");
+}
+
+// Closes this thread's group of cp.async copies issued since the last commit (an empty group is a group too).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most `kPending` of this thread's committed groups are still in flight: every older group's
+// copies have landed and are visible to this thread.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 }  // namespace chunkring::ptx

@@ -314,3 +314,18 @@ def test_a_group_boundary_off_by_one_is_caught(monkeypatch):
 
     with pytest.raises(EmulatedMemoryError, match="uninitialised bytes of rows"):
         run(CASES[1], monkeypatch, corrupt=late)
+
+
+@pytest.mark.parametrize("broken", ["a wait one group short", "copies one block further ahead"])
+def test_a_broken_weight_pipeline_is_caught(monkeypatch, broken):
+    """Not vacuous: the ring refuses a read of a k block whose copy group is still in flight (a wait that leaves one
+    group too many), and of a slot whose block was replaced (copies issued one block further ahead)."""
+    if broken == "a wait one group short":
+        wait = decode_emu.Ring.wait
+        monkeypatch.setattr(decode_emu.Ring, "wait", lambda ring, pending: wait(ring, pending + 1))
+    else:
+        copy = decode_emu.copy_weights
+        monkeypatch.setattr(decode_emu, "copy_weights",
+                            lambda ring, op, kb, t: copy(ring, op, kb + (kb >= decode_emu.STAGES), t))
+    with pytest.raises(EmulatedMemoryError, match="weight ring"):
+        run(CASES[4], monkeypatch)

@@ -96,29 +96,26 @@ def test_launch_keywords_are_not_parameter_names():
     assert {"grid", "block", "stream", "shared_bytes"} == LAUNCH_KEYWORDS
 
 
-def test_a_kernel_is_opted_in_once_to_more_shared_memory_than_the_default(monkeypatch):
-    """Past 48 KiB of dynamic shared memory a launch fails unless its kernel allows that much: _allow_shared (which
-    launch calls for a size past what the kernel allows so far) sets the kernel's attribute and remembers the size,
-    and a size the GPU refuses is a usage error naming the kernel, before anything is enqueued."""
+def test_a_kernel_is_opted_in_to_more_shared_memory_than_the_default(monkeypatch):
+    """Past 48 KiB of dynamic shared memory a launch fails unless its kernel allows that much: allow_dynamic_shared
+    (which a library's launch calls for a size past what the kernel allows so far) sets the kernel's attribute, and
+    a size the GPU refuses is a usage error naming the kernel, before anything is enqueued."""
     from types import SimpleNamespace
 
     from cuda.bindings import driver
 
-    from chunkring.jit.launch import KernelLibrary
+    from chunkring.jit.launch import allow_dynamic_shared
 
     calls, answer = [], [driver.CUresult.CUDA_SUCCESS]
     monkeypatch.setattr(driver, "cuKernelSetAttribute",
-                        lambda attribute, value, kernel, device: calls.append((attribute, value)) or (answer[0],))
-    monkeypatch.setattr(driver, "CUkernel", lambda handle: handle)
-    monkeypatch.setattr(driver, "CUdevice", lambda ordinal: ordinal)
-    library = object.__new__(KernelLibrary)  # no GPU: only what _allow_shared reads
-    library.runtime = SimpleNamespace(ordinal=0)
-    library._kernels = {"k": SimpleNamespace(handle=7)}
-    library._shared_allowed = {}
-    library._allow_shared("k", 196608)
+                        lambda attribute, value, kernel, device: calls.append((attribute, value, kernel, device))
+                        or (answer[0],))
+    monkeypatch.setattr(driver, "CUkernel", lambda handle: ("kernel", handle))
+    monkeypatch.setattr(driver, "CUdevice", lambda ordinal: ("device", ordinal))
+    allow_dynamic_shared(SimpleNamespace(handle=7), 196608, 1, "k")
     attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    assert calls == [(attribute, 196608)] and library._shared_allowed == {"k": 196608}
+    assert calls == [(attribute, 196608, ("kernel", 7), ("device", 1))]
     answer[0] = driver.CUresult.CUDA_ERROR_INVALID_VALUE
     with pytest.raises(ChunkringUsageError, match="k: 300000 bytes of dynamic shared memory") as info:
-        library._allow_shared("k", 300000)
-    assert info.value.field == "shared_bytes" and library._shared_allowed == {"k": 196608}
+        allow_dynamic_shared(SimpleNamespace(handle=7), 300000, 1, "k")
+    assert info.value.field == "shared_bytes"

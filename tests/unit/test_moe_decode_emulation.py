@@ -34,6 +34,7 @@ from chunkring.moe.experts import GROUP_ALIGN, DevicePlan, ExpertCompute
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.plan import padded_rows_bound, plan_batch
 from tests.helpers.emulation import decode as decode_emu
+from tests.helpers.emulation import decode_gemm as engine
 from tests.helpers.emulation.machine import E4M3_VALUES, EmulatedLibrary, EmulatedMemoryError, Memory, round_bf16
 
 U32 = 2.0**-24  # fp32's unit roundoff
@@ -321,11 +322,11 @@ def test_a_broken_weight_pipeline_is_caught(monkeypatch, broken):
     """Not vacuous: the ring refuses a read of a k block whose copy group is still in flight (a wait that leaves one
     group too many), and of a slot whose block was replaced (copies issued one block further ahead)."""
     if broken == "a wait one group short":
-        wait = decode_emu.Ring.wait
-        monkeypatch.setattr(decode_emu.Ring, "wait", lambda ring, pending: wait(ring, pending + 1))
+        wait = engine.Ring.wait
+        monkeypatch.setattr(engine.Ring, "wait", lambda ring, pending: wait(ring, pending + 1))
     else:
-        copy = decode_emu.copy_weights
-        monkeypatch.setattr(decode_emu, "copy_weights",
-                            lambda ring, op, kb, t: copy(ring, op, kb + (kb >= decode_emu.STAGES), t))
+        copy = engine.copy_weights
+        monkeypatch.setattr(engine, "copy_weights",
+                            lambda ring, op, kb, t: copy(ring, op, kb + (kb >= engine.STAGES), t))
     with pytest.raises(EmulatedMemoryError, match="weight ring"):
         run(CASES[4], monkeypatch)

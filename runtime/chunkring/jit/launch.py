@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from chunkring.runtime import Runtime
 
 # Param lives with the signatures that make it.
-__all__ = ["LAUNCH_KEYWORDS", "KernelArgs", "KernelLibrary", "Param", "check_argument_names", "library_for"]
+__all__ = ["LAUNCH_KEYWORDS", "KernelArgs", "KernelLibrary", "Param", "allow_dynamic_shared", "check_argument_names",
+           "library_for"]
 
 #: Dynamic shared memory a block may take without its kernel opting in to more (CUDA's default limit).
 _DEFAULT_SHARED_BYTES = 48 * 1024
@@ -83,28 +84,14 @@ class KernelLibrary:
         if torch_stream.device != device:
             raise ChunkringUsageError(f"stream is on {torch_stream.device}, kernel runs on {device}", field="stream")
         if shared_bytes > self._shared_allowed.get(name, _DEFAULT_SHARED_BYTES):
-            self._allow_shared(name, shared_bytes)
+            allow_dynamic_shared(self._kernels[name], shared_bytes, self.runtime.ordinal, name)
+            self._shared_allowed[name] = shared_bytes
         stream_obj = self.runtime.device.create_stream(torch_stream)
         try:
             config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
             launch(stream_obj, config, self._kernels[name], *values)
         except Exception as exc:
             raise ChunkringRuntimeError(f"launch of {name} failed: {exc}") from exc
-
-    def _allow_shared(self, name: str, nbytes: int) -> None:
-        """Opt kernel ``name`` in to ``nbytes`` of dynamic shared memory per block: past 48 KiB a launch fails
-        unless its kernel's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES allows it. More than the GPU has is a
-        ``ChunkringUsageError`` here, before anything is enqueued."""
-        from cuda.bindings import driver
-
-        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        kernel = driver.CUkernel(int(self._kernels[name].handle))
-        (err,) = driver.cuKernelSetAttribute(attribute, nbytes, kernel, driver.CUdevice(self.runtime.ordinal))
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise ChunkringUsageError(f"{name}: {nbytes} bytes of dynamic shared memory a block: {err}",
-                                      field="shared_bytes")
-        self._shared_allowed[name] = nbytes
-
 
 #: Some of a kernel's arguments by parameter name, for a launch to expand (``**args``); each value is checked
 #: against its parameter there.
@@ -123,6 +110,20 @@ def check_argument_names(name: str, params: tuple[Param, ...], args: dict[str, o
     if missing or unknown:
         raise ChunkringUsageError(f"{name}({', '.join(expected)}): missing {missing}, unknown {unknown}",
                                   field="args")
+
+
+def allow_dynamic_shared(kernel: Kernel, nbytes: int, ordinal: int, name: str) -> None:
+    """Opt ``kernel`` (``name``, for errors) in to ``nbytes`` of dynamic shared memory per block on GPU ``ordinal``:
+    past 48 KiB a launch fails unless the kernel's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES allows it. More
+    than the GPU has is a ``ChunkringUsageError`` here, before anything is enqueued."""
+    from cuda.bindings import driver
+
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    handle = driver.CUkernel(int(kernel.handle))
+    (err,) = driver.cuKernelSetAttribute(attribute, nbytes, handle, driver.CUdevice(ordinal))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ChunkringUsageError(f"{name}: {nbytes} bytes of dynamic shared memory a block: {err}",
+                                  field="shared_bytes")
 
 
 #: The device-state symbol NVSHMEM binds in every library that calls its device API.

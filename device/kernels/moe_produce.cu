@@ -229,7 +229,7 @@ extern "C" __global__ void moe_router_logits(const __nv_bfloat16* hidden, const 
 // batch: logits fp32 [n, num_experts] (the router GEMM's output), hidden bf16 [n, hidden] (both
 // contiguous). valid_tokens / batch_rows: a device token count that may cut the chunk short (chunk_extent).
 // arrivals (nullable for a one-block grid): one counter, zero before the launch (the last block leaves it
-// zero; after a failed launch the host zeroes it).
+// zero; after a failed launch MoELayer.reset zeroes it).
 extern "C" __global__ void moe_produce_chunk(const RingDesc* desc, const float* logits, const __nv_bfloat16* hidden,
                                              int num_experts, int n_tokens, long long token_base, int end_of_stream,
                                              CHUNKRING_NULLABLE const int* valid_tokens, long long batch_rows,

@@ -63,6 +63,7 @@ class HostRing:
     def reset(self) -> None:
         self.status = [0] * 32
         self.failure.clear()
+        self.runtime.resets.append("ring")
 
     def check_alive(self) -> None:
         pass
@@ -111,13 +112,13 @@ def host_layer(monkeypatch, cfg: MoEConfig, *, rank: int = 0) -> MoELayer:
     """A real MoELayer over host-only rings (one per call mode of ``cfg``), its schedule replaced by one that
     counts the calls it is handed (``layer.schedule.calls``) and returns zeros."""
     runtime = SimpleNamespace(rank=rank, world_size=1, torch_device=torch.device("cpu"), gpu_ranks=1,
-                              allgather_object=lambda value: [value], abandoned=0)
+                              allgather_object=lambda value: [value], abandoned=0, resets=[])
     runtime.abandon_barrier = lambda: setattr(runtime, "abandoned", runtime.abandoned + 1)
     modes = (CallMode.BATCH_READY, CallMode.STREAMED) if cfg.streaming else (CallMode.BATCH_READY,)
     rings = {mode: HostRing(runtime) for mode in modes}
     resources = SimpleNamespace(rings=rings, experts_per_rank=E, first_expert=0, transports=(), free=lambda: None,
                                 kernels=None, produce_arrivals=dict.fromkeys(modes),
-                                spinning_produce_blocks=None)
+                                spinning_produce_blocks=None, zero_counts=lambda: runtime.resets.append("counts"))
     monkeypatch.setattr(chunkring.moe.layer, "LayerResources", lambda *args, **kwargs: resources)
     monkeypatch.setattr(chunkring.moe.layer, "module_loading_is_eager", lambda: True)
     layer = MoELayer(runtime, cfg)
@@ -300,3 +301,12 @@ def test_a_check_inside_a_graph_capture_aborts_nothing(monkeypatch, launches):
         layer.run(**BAD_ARGUMENTS["topk_idx"], x=torch.zeros(5, H, dtype=torch.bfloat16), x_sf=None,
                   topk_weights=torch.zeros(5, K), w13=w13, w2=w2)
     assert launches.calls == []
+
+
+def test_a_layer_reset_zeroes_its_arrival_counts_after_every_rings_reset(monkeypatch):
+    """A failed call may leave an arrival count short of its last block, which would never publish or acknowledge
+    again: MoELayer.reset zeroes the layer's counts, after its rings' resets (their quiesce: no kernel of the failed
+    call still arrives). Calls themselves do not zero the producer's count."""
+    layer = host_layer(monkeypatch, config(streaming=True))
+    layer.reset()
+    assert layer.runtime.resets == ["ring", "ring", "counts"]

@@ -367,10 +367,12 @@ class MoELayer:
                 raise
 
     def reset(self) -> None:
-        """Start a new epoch on every ring: after an error, before calling again. A collective."""
+        """Start a new epoch on every ring and zero the layer's arrival counts: after an error, before calling
+        again. A collective."""
         self._check_alive()
         for ring in self.rings.values():
             ring.reset()
+        self.resources.zero_counts()  # after the rings' quiesce: no kernel of the failed call still arrives
 
     def set_timeout(self, seconds: float) -> None:
         """The watchdog limit of the calls enqueued after this on the current stream (every ring's; see

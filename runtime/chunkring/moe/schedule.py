@@ -126,7 +126,6 @@ class CallSchedule:
         first = min(ring.spec.num_slots, len(starts))
         with torch.cuda.stream(early):
             mark(Event.CALL_BEGIN)
-            res.produce_arrivals[mode].zero_()  # a failed earlier call may have left a count behind
         produce_chunks(range(first), early, may_wait=False)
         if producer is not early:
             producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish

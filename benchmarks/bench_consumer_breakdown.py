@@ -4,7 +4,7 @@
     python benchmarks/bench_consumer_breakdown.py [--shape flash] [--tokens 8,1024,8192] [--json PATH]
 
 Steps timed alone (median of graph replays, :func:`chunkring.moe.calibration.replay_median_ms`): the whole
-call (``call_ms``); the expert plan (``plan_ms``: counters, the plan's memsets, moe_plan_count,
+call (``call_ms``); the expert plan (``plan_ms``: moe_plan_reset, moe_plan_count,
 moe_plan_scatter); the experts (``experts_ms``: L1, SwiGLU + FP8 quantisation, L2); the combine push
 (``combine_push_ms``, into a local buffer); the owner's reduction over k (``reduce_ms``:
 ``moe_combine_reduce``, over the routed choices; ``reduce_torch_ms``: torch's sum of every row, beside it). The

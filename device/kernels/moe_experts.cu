@@ -1,6 +1,7 @@
 // The MoE consumer's expert work at one destination rank (runtime/chunkring/moe/experts.py drives it), after
 // moe_pull (moe_stream.cu) staged every source's rows at their token index:
 //
+//   moe_plan_reset     a plan with nothing planned: its counters 0, every row's source -1
 //   moe_plan_count     count the staged (source, token, k) choices of each local expert
 //   moe_plan_scatter   give each choice a row of its expert's group (groups padded to block_m rows) and
 //                      copy its payload there: the FP8 row and its 1x128 scales in the GEMM's layout
@@ -85,7 +86,17 @@ __device__ void group_offsets(const unsigned* counts, int num_local, int block_m
 
 }  // namespace
 
-// counts [E_local] (zeroed by the host) += the choices in the stage's idx [W, N, K] of experts
+// A plan with nothing planned, in one launch: counters [counter_words] (counts, group ends and the scatter's
+// cursors, E_local each) 0, and row_src [rows] -1 (every row padding until moe_plan_scatter or moe_wave_gather
+// fills it). Plain stores, any grid: the plan's kernels come after it in stream order.
+extern "C" __global__ void moe_plan_reset(unsigned* counters, long long counter_words, int* row_src, long long rows) {
+    const u64 first = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
+    for (u64 i = first; i < static_cast<u64>(counter_words); i += stride) counters[i] = 0;
+    for (u64 i = first; i < static_cast<u64>(rows); i += stride) row_src[i] = -1;
+}
+
+// counts [E_local] (zeroed by moe_plan_reset) += the choices in the stage's idx [W, N, K] of experts
 // [expert_lo, expert_hi). Out-of-range values were already masked to -1 by moe_pull.
 extern "C" __global__ void moe_plan_count(const StageDesc* stage, unsigned* counts) {
     const StageDesc& s = *stage;
@@ -101,12 +112,12 @@ extern "C" __global__ void moe_plan_count(const StageDesc* stage, unsigned* coun
 
 // Each warp looks at 32 choices of the stage's idx [W, N, K] at a time, one per lane, `warps` apart (lane l of
 // warp w in pass i: choice (32 i + l) * warps + w); each choice of a local expert takes the next row of its
-// group (cursors [E_local], zeroed by the host) and the warp copies its payload there, one row after another.
+// group (cursors [E_local], zeroed by moe_plan_reset) and the warp copies its payload there, one row after another.
 // The stride spreads a small call's rows - a token's k choices, consecutive tokens - over as many warps as it
 // has rows, so their copies run side by side instead of 32 round trips in one warp.
 //   stage: x [W, N, row_bytes], sf [W, N, sf_per_row] fp32 (FP8 payload; sf_per_row 0 for bf16), idx, w
 //   rows [P, row_bytes]         rows_sf: the GEMM's scale layout, scale j of row p at j * sf_stride + p
-//   row_src [P] int32: source rank, -1 on padding rows (prefilled by the host)
+//   row_src [P] int32: source rank, -1 on padding rows (prefilled by moe_plan_reset)
 //   row_token / row_k [P] int32, row_weight [P] fp32 (padding rows: unwritten)
 //   group_end [E_local] int32: offset(e) + counts[e], the real rows' end of each group - DeepGEMM's
 //   "psum" grouped layout, with which its GEMMs visit only each expert's own row blocks
@@ -336,7 +347,7 @@ extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, cons
 // One block. Waits (thread 0, bounded) until at least `min_blocks` sealed blocks are unclaimed or the
 // finisher sealed everything (`last`: only the latter), then claims every sealed block below pool_next:
 // a compare-and-swap kSealed | n -> kClaimed | n, whose winner alone adds the block to wave_ids and its n
-// rows to counts[expert] (zeroed by the host). The last wave checks that every allocated block was
+// rows to counts[expert] (zeroed by moe_plan_reset). The last wave checks that every allocated block was
 // claimed (PROTOCOL.md step 9's exit test).
 extern "C" __global__ void moe_wave_claim(const RingDesc* desc, const PoolDesc* pool_desc, int min_blocks, int last,
                                           unsigned* counts) {
@@ -396,7 +407,7 @@ extern "C" __global__ void moe_wave_claim(const RingDesc* desc, const PoolDesc* 
 }
 
 // The claimed blocks' rows into a plan (moe_plan_scatter's layout and outputs; counts from
-// moe_wave_claim, cursors [E_local] zeroed by the host): a warp per claimed pool row. Stream-ordered
+// moe_wave_claim, cursors [E_local] zeroed by moe_plan_reset): a warp per claimed pool row. Stream-ordered
 // after moe_wave_claim, whose claimants acquired every row (kernel boundary: their acquires order these
 // reads, in this later kernel of the same stream).
 //   pool: x [P * bm, row_bytes], sf [P * bm, sf_per_row] (row-major, as the pull stored them), src, token, k, weight

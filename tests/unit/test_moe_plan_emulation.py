@@ -168,16 +168,17 @@ def check_nothing_else_written(r, real: np.ndarray) -> None:
     check_written(r.memory, r.plan, real, r.memory.find(r.plan.src).stores)  # the scatter's: the last launch
     for name, t in r.before.items():
         assert torch.equal(getattr(r.stage, name), t), f"the plan kernels write no stage byte ({name})"
-    cursors = r.library.launches[1][3]["cursors"]
+    cursors = next(args for name, _, _, args in r.library.launches if name == "moe_plan_scatter")["cursors"]
     assert cursors.tolist() == r.plan.counts.tolist(), "every cursor ends at its count"
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_the_plan_kernels_build_the_documented_layout(case, monkeypatch):
     r = run(case, monkeypatch)
-    grid = r.compute.push_blocks
-    assert [(name, g, b) for name, g, b, _ in r.library.launches] == [("moe_plan_count", grid, 256),
-                                                                      ("moe_plan_scatter", grid, 256)]
+    grid, P = r.compute.push_blocks, r.compute.capacity
+    assert [(name, g, b) for name, g, b, _ in r.library.launches] == [
+        ("moe_plan_reset", max(1, min(grid, -(-P // 256))), 256), ("moe_plan_count", grid, 256),
+        ("moe_plan_scatter", grid, 256)]
     check_nothing_else_written(r, check_plan(r))
 
 
@@ -234,8 +235,8 @@ def test_stage_to_combine_matches_the_layer(case, monkeypatch):
     combine, peer_combine = combine_buffers(r.memory, case.sources, case.tokens * case.topk, case.hidden)
     out = r.compute.experts(r.plan, w13, w2)
     r.compute.combine_push(r.plan, out, peer_combine)
-    assert [name for name, *_ in r.library.launches] == ["moe_plan_count", "moe_plan_scatter", "moe_decode_l1",
-                                                         "moe_decode_l2", "moe_combine_push"]
+    assert [name for name, *_ in r.library.launches] == ["moe_plan_reset", "moe_plan_count", "moe_plan_scatter",
+                                                         "moe_decode_l1", "moe_decode_l2", "moe_combine_push"]
     want = layer_rows(local_choices(r), r.before["x"], r.before["sf"], r.before["w"], w13, w2)
     assert written_slots(combine) == set(want), "exactly the local choices' combine slots"
     # Two bf16 roundings (out, the combine) of up to 2^-9 each, and a rare e4m3 flip: measured at most 2^-8.5.

@@ -236,13 +236,17 @@ class ExpertCompute:
                                       f"the {self.capacity} rows of this layer's plan", field="stage")
 
     def _allocate_plan(self) -> tuple[DevicePlan, torch.Tensor]:
-        """A plan's buffers with no rows planned (every count 0, every row padding), and the scatter's
-        per-expert cursors (0)."""
+        """A plan's buffers with no rows planned (every count 0, every row padding: ``moe_plan_reset``, one launch
+        on the current stream), and the scatter's per-expert cursors (0)."""
         dev, P, E, H = self.device, self.capacity, self.experts_per_rank, self.config.hidden
-        counters = torch.zeros((3, E), dtype=torch.int32, device=dev)  # counts, group ends, cursors
+        counters = torch.empty((3, E), dtype=torch.int32, device=dev)  # counts, group ends, cursors
+        src = torch.empty(P, dtype=torch.int32, device=dev)
+        self.kernels.launch("moe_plan_reset", counters=counters, counter_words=counters.numel(), row_src=src, rows=P,
+                            grid=max(1, min(self._grid, -(-P // _BLOCK))), block=_BLOCK,
+                            stream=torch.cuda.current_stream(dev))
         row_bytes, sf_per_row = (H, H // FP8_SCALE_BLOCK) if self.fp8 else (2 * H, 0)
         plan = DevicePlan(
-            counts=counters[0], group_end=counters[1], src=torch.full((P,), -1, dtype=torch.int32, device=dev),
+            counts=counters[0], group_end=counters[1], src=src,
             token=torch.empty(P, dtype=torch.int32, device=dev), k=torch.empty(P, dtype=torch.int32, device=dev),
             weight=torch.empty(P, dtype=torch.float32, device=dev),
             rows=torch.empty((P, row_bytes), dtype=torch.uint8, device=dev),

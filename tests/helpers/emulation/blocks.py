@@ -25,7 +25,7 @@ import numpy as np
 from tests.helpers.emulation import pull as pull_emu
 from tests.helpers.emulation import waves as waves_emu
 from tests.helpers.emulation.machine import Pointer, read_struct
-from tests.helpers.emulation.plan import STRUCTS
+from tests.helpers.emulation.plan import STRUCTS, moe_plan_reset
 from tests.helpers.emulation.ring import RingView, StreamLibrary
 from tests.helpers.emulation.waves import DESC_FIELD, SEALED_BIT, PoolWords
 
@@ -254,9 +254,9 @@ def kernels(heap, streams, mutants: dict | None = None) -> dict:
 
 
 def plain_kernels(order_seed: int, decode: dict, claimed: list) -> dict:
-    """The kernels that never wait: the call's reset, the wave's gather, and ``decode`` (decode.py's kernels). Each
-    gather first appends (its PoolDesc's words address, the pool ids its wave claimed, sealed_all then) to
-    ``claimed``."""
+    """The kernels that never wait: the call's reset, the plan's reset, the wave's gather, and ``decode``
+    (decode.py's kernels). Each gather first appends (its PoolDesc's words address, the pool ids its wave claimed,
+    sealed_all then) to ``claimed``."""
     def gather(memory, grid, block, shared_bytes, a):
         pool = PoolWords(memory, read_struct(a.pool_desc, STRUCTS["PoolDesc"], "PoolDesc"))
         count, at = pool.load(pool.layout.counter("kWaveCount"), "wave_count"), pool.layout.wave_ids()
@@ -264,4 +264,5 @@ def plain_kernels(order_seed: int, decode: dict, claimed: list) -> dict:
                         pool.load(pool.layout.counter("kSealedAll"), "sealed_all")))
         waves_emu.moe_wave_gather(memory, grid, block, shared_bytes, a, order_seed=order_seed)
 
-    return {"moe_wave_gather": gather, "moe_call_reset": pull_emu.moe_call_reset, **decode}
+    return {"moe_wave_gather": gather, "moe_call_reset": pull_emu.moe_call_reset,
+            "moe_plan_reset": moe_plan_reset, **decode}

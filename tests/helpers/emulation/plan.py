@@ -139,7 +139,14 @@ def store_plan_row(a, p: int, fields: tuple, x, sf, row: int, row_bytes: int, sf
                        sf.load_as(np.float32, row * sf_per_row + j, f"{what} sf"), "rows_sf")
 
 
+def moe_plan_reset(memory, grid, block, shared_bytes, a) -> None:
+    """A plan with nothing planned: every counter word 0, every row's source -1 (grid-stride stores, every index
+    once)."""
+    a.counters.store_as(np.uint32, np.arange(a.counter_words), 0, "counters")
+    a.row_src.store_as(np.int32, np.arange(a.rows), -1, "row_src")
+
+
 def kernels(order_seed: int = 0) -> dict:
     """The emulated plan kernels by name, for :class:`tests.helpers.emulation.machine.EmulatedLibrary`."""
-    return {"moe_plan_count": moe_plan_count,
+    return {"moe_plan_reset": moe_plan_reset, "moe_plan_count": moe_plan_count,
             "moe_plan_scatter": lambda *args: moe_plan_scatter(*args, order_seed=order_seed)}

@@ -34,7 +34,15 @@ from tests.helpers.emulation.machine import (
     header_structs,
     read_struct,
 )
-from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS, descriptor, pointer, store_group_end, store_plan_row
+from tests.helpers.emulation.plan import (
+    LAYOUT_VERSION,
+    STRUCTS,
+    descriptor,
+    moe_plan_reset,
+    pointer,
+    store_group_end,
+    store_plan_row,
+)
 
 __all__ = ["ERROR", "SITE", "STATUS", "EmulatedWaitBlocks", "PoolLayout", "kernels", "sealed_unclaimed"]
 
@@ -319,5 +327,6 @@ def moe_wave_gather(memory, grid, block, shared_bytes, a, order_seed: int = 0) -
 def kernels(order_seed: int = 0, ranks: list | None = None) -> dict:
     """The emulated wave kernels by name; each claim's :class:`Rank` (its ``aborts_sent``) is appended to
     ``ranks``."""
-    return {"moe_wave_claim": lambda *args: moe_wave_claim_alone(*args, order_seed=order_seed, ranks=ranks),
+    return {"moe_plan_reset": moe_plan_reset,
+            "moe_wave_claim": lambda *args: moe_wave_claim_alone(*args, order_seed=order_seed, ranks=ranks),
             "moe_wave_gather": lambda *args: moe_wave_gather(*args, order_seed=order_seed)}

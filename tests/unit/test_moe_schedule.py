@@ -56,6 +56,11 @@ class Compute:
     def __call__(self, *args, **kwargs):
         self.launched.append(("experts", self.device.current.name))
         self.engines.append(kwargs["decode"])
+        self.empty = kwargs["empty"]
+
+    def empty_plan(self):
+        self.launched.append(("empty_plan", self.device.current.name))
+        return "empty plan"
 
     def reduce(self, combine, routing, out):
         self.launched.append(("reduce", self.device.current.name))
@@ -186,3 +191,17 @@ def test_one_reset_launch_precedes_the_pull_on_the_consumer_stream(monkeypatch, 
     pull = "moe_pull_blocks" if waves > 1 else "moe_pull"
     assert names.count("moe_call_reset") == 1 and names.index("moe_call_reset") < names.index(pull)
     assert where(launched, "moe_call_reset") == {"part.consumer"}
+
+
+@pytest.mark.parametrize(("mode", "n"), [(CallMode.BATCH_READY, 61), (CallMode.STREAMED, 16), (CallMode.STREAMED, 61)])
+def test_the_batch_plan_is_reset_before_the_pull_on_the_stream_that_uses_it(monkeypatch, mode, n):
+    """The plan's reset depends on nothing of the call: enqueued before the pull (which waits for the chunks), on
+    the stream the expert work runs on, which joins the call's start first; the experts fill that plan."""
+    schedule, res, launched = schedule_on(monkeypatch, slots=2)
+    call(schedule, mode, n)
+    names = [name for name, _ in launched]
+    assert names.index("empty_plan") < names.index("moe_pull")
+    assert where(launched, "empty_plan") == where(launched, "experts") and res.compute.empty == "empty plan"
+    compute = res.compute_streams[CallMode.STREAMED]
+    if where(launched, "experts") == {compute.name}:  # a stream of its own: it waited for the consumer twice
+        assert compute.waits == ["part.consumer", "part.consumer"]

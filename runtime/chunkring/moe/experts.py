@@ -173,19 +173,19 @@ class ExpertCompute:
         (:meth:`gemm_sms`), so once per SM count suffices."""
         if sms in self._warm or self._deep_gemm is None:  # the decode kernels load with their library
             return
-        plan, _ = self._allocate_plan()  # every count 0
+        plan, _ = self.empty_plan()  # every count 0
         with self.gemm_sms(sms):
             self.experts(plan, w13, w2, decode=False)
         self._warm.add(sms)
 
     def __call__(self, stage, w13, w2, peer_combine: torch.Tensor, on_experts_done, *,
                  desc: torch.Tensor | None = None, combine: torch.Tensor | None = None, sms: int | None = None,
-                 decode: bool | None = None) -> None:
+                 decode: bool | None = None, empty: tuple[DevicePlan, torch.Tensor] | None = None) -> None:
         """Plan ``stage``'s rows (moe_pull's output), run the experts, call ``on_experts_done`` (a timeline
         mark) and push the weighted rows to each source (:meth:`combine_push`). ``sms``: the SMs the current
         stream may use (its green-context partition's), None for the whole GPU (:meth:`gemm_sms`); ``decode``:
-        as :meth:`experts` takes it."""
-        plan = self.plan(stage)
+        as :meth:`experts` takes it; ``empty``: as :meth:`plan` takes it."""
+        plan = self.plan(stage, empty)
         with self.gemm_sms(sms):
             out = self.experts(plan, w13, w2, decode=decode)
         on_experts_done()
@@ -208,9 +208,11 @@ class ExpertCompute:
         finally:
             dg.set_num_sms(before)
 
-    def plan(self, stage: Stage) -> DevicePlan:
-        """Every staged choice of a local expert in its expert's group, with its payload copied there."""
-        plan, cursors = self._allocate_plan()
+    def plan(self, stage: Stage, empty: tuple[DevicePlan, torch.Tensor] | None = None) -> DevicePlan:
+        """Every staged choice of a local expert in its expert's group, with its payload copied there. ``empty``:
+        the plan to fill, as :meth:`empty_plan` made it earlier in stream order (a layer resets it before its
+        pull, while the pull waits for chunks); None: one made here."""
+        plan, cursors = empty if empty is not None else self.empty_plan()
         if stage is not self._checked_stage:  # a Stage never changes its tensors or shapes: checked once
             self._check_stage(stage, plan)
             self._checked_stage = stage
@@ -235,7 +237,7 @@ class ExpertCompute:
             raise ChunkringUsageError(f"a stage of {stage.idx.shape[0]} x {stage.idx.shape[1]} rows can plan past "
                                       f"the {self.capacity} rows of this layer's plan", field="stage")
 
-    def _allocate_plan(self) -> tuple[DevicePlan, torch.Tensor]:
+    def empty_plan(self) -> tuple[DevicePlan, torch.Tensor]:
         """A plan's buffers with no rows planned (every count 0, every row padding: ``moe_plan_reset``, one launch
         on the current stream), and the scatter's per-expert cursors (0)."""
         dev, P, E, H = self.device, self.capacity, self.experts_per_rank, self.config.hidden
@@ -305,7 +307,7 @@ class ExpertCompute:
         if pool.shape.block_m != GROUP_ALIGN:  # the gather aligns groups to the pool's blocks, SwiGLU and the push
             raise ChunkringUsageError(f"the pool's blocks must be the plan's groups, {GROUP_ALIGN} rows, got "
                                       f"{pool.shape.block_m}", field="pool")  # to GROUP_ALIGN: one plan layout
-        plan, cursors = self._allocate_plan()
+        plan, cursors = self.empty_plan()
         self.kernels.launch("moe_wave_claim", desc=desc, pool_desc=pool.desc, min_blocks=self.wave_min_blocks,
                             last=int(last), counts=plan.counts, grid=1, block=_BLOCK,
                             stream=torch.cuda.current_stream(self.device))

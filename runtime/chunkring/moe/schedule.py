@@ -187,14 +187,21 @@ class CallSchedule:
             self._pull_into_blocks_and_waves(mode, w13, w2, mark, res.consumer_sms[mode], decode)
             last = consumer
         else:
-            self._launch_pull(mode, mark.trace)
             last = compute_stream
+            if last is not consumer:
+                last.wait_stream(consumer)  # after the call's start (in a capture: the stream joins the graph)
+            # The plan's reset does not depend on the pull: enqueued before it, it runs while the chunks are
+            # still coming, not between the pull and the GEMMs. On the stream that uses the plan: one stream
+            # allocates, uses and frees its buffers.
+            with torch.cuda.stream(last):
+                empty = compute.empty_plan()
+            self._launch_pull(mode, mark.trace)
             if last is not consumer:
                 last.wait_stream(consumer)  # after the pull: every chunk of every source is in the stage
             with torch.cuda.stream(last):
                 mark(Event.EXPERTS_BEGIN)
                 compute(stage, w13, w2, res.peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
-                        combine=res.combine, sms=None, decode=decode)
+                        combine=res.combine, sms=None, decode=decode, empty=empty)
         with torch.cuda.stream(last):
             mark(Event.COMBINE_DONE)
             push_arrivals = compute.push_blocks * waves  # every wave pushes (one: the batch plan)

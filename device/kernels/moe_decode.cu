@@ -16,6 +16,9 @@
 // and arrival count, which the held acks wait for; keeping it one kernel keeps those rules in one place,
 // for a cost of one read and write of [rows, H] bf16 - small at decode sizes.
 //
+// Both are launched with pdl (ptx/dependent_launch.cuh): a block lets the next kernel start at once (nothing here
+// spins) and waits for the kernel ahead of it - the plan's scatter, or L1 - before it reads anything.
+//
 // Rounding, as the DeepGEMM path rounds, so that both paths answer alike: L1's fp32 sums rounded to bf16
 // (DeepGEMM's output type) before SwiGLU; SwiGLU, the 1x128 absmax and the e4m3 cast as moe_swiglu_fp8;
 // L2's sums rounded to bf16. The sums themselves differ from DeepGEMM's in order.
@@ -26,12 +29,14 @@
 
 #include "chunkring/moe/decode_gemm.cuh"
 #include "chunkring/moe/fp8.cuh"
+#include "chunkring/ptx/dependent_launch.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
 namespace {
 
 namespace decode = chunkring::moe::decode;
 namespace moe = chunkring::moe;
+namespace ptx = chunkring::ptx;
 using decode::kMTiles;
 using decode::kPassRows;
 using decode::kScaleRows;
@@ -136,6 +141,8 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     moe_decode_l1(const __nv_fp8_e4m3* w13, const float* w13_sf, const unsigned char* rows, const float* rows_sf,
                   long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
                   long long inter, __nv_fp8_e4m3* act, float* act_sf) {
+    ptx::release_dependents();
+    ptx::wait_prior_grid();
     const u64 H = static_cast<u64>(hidden), I = static_cast<u64>(inter);
     const u32 chunks = static_cast<u32>(I / kScaleRows), e = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
     const Group group = group_of(counts, group_end, e);
@@ -171,6 +178,8 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     moe_decode_l2(const __nv_fp8_e4m3* w2, const float* w2_sf, const __nv_fp8_e4m3* act, const float* act_sf,
                   long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
                   long long inter, __nv_bfloat16* out) {
+    ptx::release_dependents();
+    ptx::wait_prior_grid();
     const u64 H = static_cast<u64>(hidden), I = static_cast<u64>(inter);
     const u32 chunks = static_cast<u32>(H / (kMTiles * kScaleRows)), e = blockIdx.x / chunks,
               chunk = blockIdx.x % chunks;

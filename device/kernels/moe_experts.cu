@@ -15,6 +15,11 @@
 // and at each source, once its drain saw every destination's ack (moe_stream.cu):
 //   moe_combine_reduce out[t] = the sum over its routed choices k of its combine rows t * K + k
 //
+// Dependent launches (ptx/dependent_launch.cuh): moe_plan_scatter and moe_combine_push are launched with pdl, so
+// each starts as soon as the kernel ahead of it let it, and waits for that kernel's completion (wait_prior_grid)
+// before its first global memory access; moe_plan_count and moe_plan_scatter, which never spin, let theirs start
+// at once (release_dependents).
+//
 // Every kernel is a fixed grid that loops over what the call brought: rows past the last group and
 // padding rows cost a bounds check, not a pass. A row's place inside its group comes from an atomic
 // cursor, so it varies between runs; nothing depends on it: the GEMMs compute each row from that row
@@ -28,6 +33,7 @@
 #include "chunkring/moe/descriptors.cuh"
 #include "chunkring/moe/fp8.cuh"
 #include "chunkring/protocol/mutants.cuh"
+#include "chunkring/ptx/dependent_launch.cuh"
 #include "chunkring/ptx/ordering.cuh"
 #include "chunkring/protocol/transport.cuh"
 #include "chunkring/util/copy.cuh"
@@ -99,6 +105,7 @@ extern "C" __global__ void moe_plan_reset(unsigned* counters, long long counter_
 // counts [E_local] (zeroed by moe_plan_reset) += the choices in the stage's idx [W, N, K] of experts
 // [expert_lo, expert_hi). Out-of-range values were already masked to -1 by moe_pull.
 extern "C" __global__ void moe_plan_count(const StageDesc* stage, unsigned* counts) {
+    ptx::release_dependents();
     const StageDesc& s = *stage;
     chunkring::moe::require_descriptor(s);
     const int* stage_idx = address<const int>(s.idx);
@@ -125,6 +132,8 @@ extern "C" __global__ void moe_plan_scatter(const StageDesc* stage, int block_m,
                                             unsigned* cursors, unsigned char* rows, float* rows_sf, long long sf_stride,
                                             int* row_src, int* row_token, int* row_k, float* row_weight,
                                             int* group_end) {
+    ptx::release_dependents();
+    ptx::wait_prior_grid();
     const StageDesc& s = *stage;
     chunkring::moe::require_descriptor(s);
     const auto* stage_x = address<const unsigned char>(s.x);
@@ -244,6 +253,7 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
                                             const unsigned long long* peer_combine,
                                             CHUNKRING_NULLABLE const RingDesc* desc,
                                             CHUNKRING_NULLABLE __nv_bfloat16* combine, unsigned long long* pushed) {
+    ptx::wait_prior_grid();
     extern __shared__ unsigned offsets[];
     group_offsets(counts, num_local, block_m, offsets);
     const u64 used = offsets[num_local], H = static_cast<u64>(hidden);

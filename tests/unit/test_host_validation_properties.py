@@ -103,7 +103,7 @@ def monkeypatch_module():
     signatures = parse_kernels((KERNEL_DIR / "ring_host_api.cu").read_text(), "ring_host_api.cu")
 
     class Recorder:
-        def launch(self, name, /, *, grid=1, block=128, stream=None, shared_bytes=0, **args):
+        def launch(self, name, /, *, grid=1, block=128, stream=None, shared_bytes=0, pdl=False, **args):
             check_argument_names(name, signatures[name], args)
             launches.append((name, args))
 

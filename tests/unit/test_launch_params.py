@@ -93,7 +93,7 @@ def test_argument_names_must_be_the_kernel_parameters():
 
 
 def test_launch_keywords_are_not_parameter_names():
-    assert {"grid", "block", "stream", "shared_bytes"} == LAUNCH_KEYWORDS
+    assert {"grid", "block", "stream", "shared_bytes", "pdl"} == LAUNCH_KEYWORDS
 
 
 def test_a_kernel_is_opted_in_to_more_shared_memory_than_the_default(monkeypatch):

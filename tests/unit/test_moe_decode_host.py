@@ -216,7 +216,7 @@ class RecordingLibrary:
         self.signatures = parse_kernels((DEVICE / "kernels/moe_decode.cu").read_text(), "moe_decode.cu")
         self.launches, self.shared_bytes = [], []
 
-    def launch(self, name, /, *, grid, block, stream, shared_bytes=0, **args):
+    def launch(self, name, /, *, grid, block, stream, shared_bytes=0, pdl=False, **args):
         params = self.signatures[name]
         check_argument_names(name, params, args)
         for param in params:

@@ -67,9 +67,13 @@ class KernelLibrary:
         return int(self._kernels[name].occupancy.max_active_blocks_per_multiprocessor(block, shared_bytes))
 
     def launch(self, name: str, /, *, grid: int | tuple[int, ...] = 1, block: int | tuple[int, ...] = 128,
-               stream: torch.cuda.Stream | None = None, shared_bytes: int = 0, **args: object) -> None:
+               stream: torch.cuda.Stream | None = None, shared_bytes: int = 0, pdl: bool = False,
+               **args: object) -> None:
         """Enqueue kernel ``name`` on ``stream`` (a torch stream; the current one by default), every parameter
-        given by its name in the kernel's signature: ``launch("moe_drain", desc=ring.desc, block=32)``."""
+        given by its name in the kernel's signature: ``launch("moe_drain", desc=ring.desc, block=32)``.
+        ``pdl``: a programmatic dependent launch - the kernel may start before the stream's previous kernel has
+        finished, so it must wait for it (device/include/chunkring/ptx/dependent_launch.cuh) before touching
+        memory."""
         import torch
         from cuda.core import LaunchConfig, launch
 
@@ -88,7 +92,8 @@ class KernelLibrary:
             self._shared_allowed[name] = shared_bytes
         stream_obj = self.runtime.device.create_stream(torch_stream)
         try:
-            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes,
+                                  programmatic_stream_serialization=pdl)
             launch(stream_obj, config, self._kernels[name], *values)
         except Exception as exc:
             raise ChunkringRuntimeError(f"launch of {name} failed: {exc}") from exc
@@ -98,7 +103,7 @@ class KernelLibrary:
 KernelArgs = dict[str, Any]
 
 #: The launch's own keywords: no kernel parameter may take one of these names.
-LAUNCH_KEYWORDS = frozenset({"grid", "block", "stream", "shared_bytes"})
+LAUNCH_KEYWORDS = frozenset({"grid", "block", "stream", "shared_bytes", "pdl"})
 
 
 def check_argument_names(name: str, params: tuple[Param, ...], args: dict[str, object]) -> None:

@@ -186,7 +186,7 @@ class DecodeGemm:
         self.kernels.launch("moe_decode_l1", w13=w13.data, w13_sf=w13.scale, rows=plan.rows, rows_sf=plan.rows_sf,
                             sf_stride=P, counts=plan.counts, group_end=plan.group_end, hidden=H, inter=inter,
                             act=act, act_sf=act_sf, grid=l1, block=DECODE_THREADS, shared_bytes=DECODE_SHARED_BYTES,
-                            stream=stream)
+                            pdl=True, stream=stream)
         self.kernels.launch("moe_decode_l2", w2=w2.data, w2_sf=w2.scale, act=act, act_sf=act_sf, sf_stride=P,
                             counts=plan.counts, group_end=plan.group_end, hidden=H, inter=inter, out=out,
-                            grid=l2, block=DECODE_THREADS, shared_bytes=DECODE_SHARED_BYTES, stream=stream)
+                            grid=l2, block=DECODE_THREADS, shared_bytes=DECODE_SHARED_BYTES, pdl=True, stream=stream)

@@ -218,7 +218,7 @@ class ExpertCompute:
             self._checked_stage = stage
         self._launch("moe_plan_count", stage=stage.desc, counts=plan.counts)
         self._launch("moe_plan_scatter", stage=stage.desc, block_m=GROUP_ALIGN, cursors=cursors, shared=True,
-                     **plan.scatter_args())
+                     pdl=True, **plan.scatter_args())
         return plan
 
     def _check_stage(self, stage: Stage, plan: DevicePlan) -> None:
@@ -327,7 +327,7 @@ class ExpertCompute:
         cfg = self.config
         self._launch("moe_combine_push", out=out, row_token=plan.token, row_k=plan.k, row_weight=plan.weight,
                      hidden=cfg.hidden, topk=cfg.topk, peer_combine=peer_combine, desc=desc, combine=combine,
-                     pushed=self.pushed, shared=True, **plan.group_args())
+                     pushed=self.pushed, shared=True, pdl=True, **plan.group_args())
 
     def reduce(self, combine: torch.Tensor, routing: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` [n, H] bf16 = the sum over k of ``combine``'s rows t * K + k (bf16 [>= n * K, H]) for each choice
@@ -340,8 +340,9 @@ class ExpertCompute:
                             topk=self.config.topk, hidden=H, grid=grid, block=_BLOCK,
                             stream=torch.cuda.current_stream(self.device))
 
-    def _launch(self, name: str, *, shared: bool = False, **args: Any) -> None:
+    def _launch(self, name: str, *, shared: bool = False, pdl: bool = False, **args: Any) -> None:
         """Kernel ``name`` on the current stream, one block per SM slot of :attr:`_grid`; ``shared``: with
-        ``group_offsets``' shared memory (E_local + 1 words)."""
+        ``group_offsets``' shared memory (E_local + 1 words); ``pdl``: a dependent launch (a kernel that waits for
+        the one ahead of it first: moe_experts.cu, "Dependent launches")."""
         self.kernels.launch(name, grid=self._grid, block=_BLOCK, shared_bytes=self._offsets_bytes if shared else 0,
-                            stream=torch.cuda.current_stream(self.device), **args)
+                            stream=torch.cuda.current_stream(self.device), pdl=pdl, **args)

@@ -225,7 +225,7 @@ class WaveStreamLibrary(StreamLibrary):
         super().__init__(memory, coroutines, streams, self.SOURCES)
         self.plain, self.stream = plain, "consumer"
 
-    def launch(self, name, /, *, grid=1, block, stream=None, shared_bytes=0, **args) -> None:
+    def launch(self, name, /, *, grid=1, block, stream=None, shared_bytes=0, pdl=False, **args) -> None:
         if name not in self.plain:
             if name.startswith("ring_publish") or name == "moe_pull_blocks":
                 return super().launch(name, grid=grid, block=block, stream=stream, shared_bytes=shared_bytes,

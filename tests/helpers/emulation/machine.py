@@ -368,7 +368,7 @@ class EmulatedLibrary:
         for source in sources:
             self.signatures.update(parse_kernels((DEVICE / "kernels" / source).read_text(), source))
 
-    def launch(self, name, /, *, grid, block, stream=None, shared_bytes=0, **args) -> None:
+    def launch(self, name, /, *, grid, block, stream=None, shared_bytes=0, pdl=False, **args) -> None:
         values = self.arguments(name, args)
         self.launches.append((name, grid, block, args))
         self.memory.begin_launch()

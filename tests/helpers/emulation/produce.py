@@ -266,7 +266,7 @@ class ProduceLibrary(StreamLibrary):
         super().__init__(memory, kernels, streams, sources=("moe_produce.cu", "moe_stream.cu"))
         self.initialised = initialised
 
-    def launch(self, name, /, *, grid=1, block, stream=None, shared_bytes=0, **args) -> None:
+    def launch(self, name, /, *, grid=1, block, stream=None, shared_bytes=0, pdl=False, **args) -> None:
         if stream is None:
             super().launch(name, grid=grid, block=block, shared_bytes=shared_bytes, **args)
             return

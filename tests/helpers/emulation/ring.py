@@ -228,7 +228,7 @@ class StreamLibrary(EmulatedLibrary):
         super().__init__(memory, kernels, sources, initialised=lambda tensor: True)
         self.streams = streams
 
-    def launch(self, name, /, *, grid=1, block, stream=None, shared_bytes=0, **args) -> None:
+    def launch(self, name, /, *, grid=1, block, stream=None, shared_bytes=0, pdl=False, **args) -> None:
         values = self.arguments(name, args)
         self.launches.append((name, grid, block, args))
         kind = "publish" if name.startswith("ring_publish") else name

@@ -1,4 +1,5 @@
-// Asynchronous copies into shared memory (PTX `cp.async`). With ordering.cuh and mma.cuh, the only `asm`.
+// Asynchronous copies into shared memory (PTX `cp.async`). With ordering.cuh, mma.cuh and
+// dependent_launch.cuh, the only `asm`.
 #pragma once
 
 #include <cuda/std/cstdint>

@@ -1,4 +1,5 @@
-// Tensor-core matrix multiply-accumulate, warp-wide (PTX `mma.sync`). With ordering.cuh and load.cuh, the only `asm`.
+// Tensor-core matrix multiply-accumulate, warp-wide (PTX `mma.sync`). With ordering.cuh, load.cuh and
+// dependent_launch.cuh, the only `asm`.
 #pragma once
 
 #include <cuda/std/cstdint>

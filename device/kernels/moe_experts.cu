@@ -15,10 +15,11 @@
 // and at each source, once its drain saw every destination's ack (moe_stream.cu):
 //   moe_combine_reduce out[t] = the sum over its routed choices k of its combine rows t * K + k
 //
-// Dependent launches (ptx/dependent_launch.cuh): moe_plan_scatter and moe_combine_push are launched with pdl, so
-// each starts as soon as the kernel ahead of it let it, and waits for that kernel's completion (wait_prior_grid)
-// before its first global memory access; moe_plan_count and moe_plan_scatter, which never spin, let theirs start
-// at once (release_dependents).
+// Dependent launches (ptx/dependent_launch.cuh): moe_plan_scatter, moe_combine_push and moe_combine_reduce are
+// launched with pdl, so each starts as soon as the kernel ahead of it let it, and waits for that kernel's
+// completion (wait_prior_grid) before its first global memory access; moe_plan_count, moe_plan_scatter and
+// moe_combine_push, which never spin, let theirs start at once (release_dependents). moe_drain, ahead of the
+// reduction, spins: it never does, so the reduction's blocks are placed only once it has ended.
 //
 // Every kernel is a fixed grid that loops over what the call brought: rows past the last group and
 // padding rows cost a bounds check, not a pass. A row's place inside its group comes from an atomic
@@ -253,6 +254,7 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
                                             const unsigned long long* peer_combine,
                                             CHUNKRING_NULLABLE const RingDesc* desc,
                                             CHUNKRING_NULLABLE __nv_bfloat16* combine, unsigned long long* pushed) {
+    ptx::release_dependents();
     ptx::wait_prior_grid();
     extern __shared__ unsigned offsets[];
     group_offsets(counts, num_local, block_m, offsets);
@@ -301,6 +303,7 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
 // element offset), else one.
 extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, const int* routing, __nv_bfloat16* out,
                                               long long tokens, int topk, long long hidden) {
+    ptx::wait_prior_grid();
     const u64 n = static_cast<u64>(tokens), K = static_cast<u64>(topk), H = static_cast<u64>(hidden);
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
     const u64 first = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -16,6 +16,7 @@
 // pulls overlap the producers' later chunks and free each slot as soon as it was copied.
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/protocol/validate.cuh"
+#include "chunkring/ptx/dependent_launch.cuh"
 #include "chunkring/util/copy.cuh"
 #include "chunkring/util/kernel_params.cuh"
 #include "chunkring/moe/blocks.cuh"
@@ -280,10 +281,12 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
 // system-scope fence, acquire them all, and the same fence is the ack's release, cumulative over them:
 // once its owner sees this ack, every combine row this rank computed for it has landed. Stream order
 // has the push complete already; the count makes the edge explicit instead of resting on kernel
-// completion for another GPU's memory (docs/PROTOCOL.md, "The MoE layer on the ring").
+// completion for another GPU's memory (docs/PROTOCOL.md, "The MoE layer on the ring"). A dependent launch: it
+// waits for the kernel ahead of it (the push, which lets it start early) before anything else.
 extern "C" __global__ void moe_ack_held(const RingDesc* desc, const StageDesc* stage,
                                         const unsigned long long* pushed, long long push_blocks,
                                         CHUNKRING_NULLABLE long long* trace, long long trace_capacity) {
+    ptx::wait_prior_grid();
     const RingDesc& d = *desc;
     if (!check_descriptor(d) || !moe::check_stage(d, *stage)) return;
     const u64 src = blockIdx.x, seq = address<const u64>(stage->held)[src];

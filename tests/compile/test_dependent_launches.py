@@ -15,7 +15,7 @@ from tests.helpers.launch_sites import launch_calls
 REPO = Path(__file__).resolve().parents[2]
 #: The kernels that release their dependents at their start: each runs to its end without waiting for anything
 #: but its own stream (no ring wait, no count to poll), so a dependent's waiting blocks cannot hold it up.
-RELEASING = {"moe_plan_count", "moe_plan_scatter", "moe_decode_l1", "moe_decode_l2"}
+RELEASING = {"moe_plan_count", "moe_plan_scatter", "moe_decode_l1", "moe_decode_l2", "moe_combine_push"}
 #: What a kernel that waits on another rank or grid calls (protocol/ring.cuh, status.cuh, moe/blocks.cuh).
 SPINS = re.compile(r"\b(spin_until|consume_invocation|begin_chunk|poll_acked|wait_chunk|drain)\s*\(")
 
@@ -54,7 +54,8 @@ def first_statements(body: str) -> list[str]:
 
 def test_every_dependent_launch_waits_for_the_kernel_ahead_before_anything_else():
     bodies, launched = kernel_bodies(), pdl_launches()
-    assert launched == {"moe_plan_scatter", "moe_combine_push", "moe_decode_l1", "moe_decode_l2"}, launched
+    assert launched == {"moe_plan_scatter", "moe_combine_push", "moe_decode_l1", "moe_decode_l2", "moe_ack_held",
+                        "moe_combine_reduce"}, launched
     for name in launched:
         head = first_statements(bodies[name])
         assert "ptx::wait_prior_grid();" in head and head[0] in ("ptx::wait_prior_grid();",

@@ -337,7 +337,7 @@ class ExpertCompute:
         n, H = out.shape
         grid = max(1, min(self._grid, -(-n * H // (8 * _BLOCK))))  # eight values a thread (grid-stride past it)
         self.kernels.launch("moe_combine_reduce", combine=combine, routing=routing, out=out, tokens=n,
-                            topk=self.config.topk, hidden=H, grid=grid, block=_BLOCK,
+                            topk=self.config.topk, hidden=H, grid=grid, block=_BLOCK, pdl=True,
                             stream=torch.cuda.current_stream(self.device))
 
     def _launch(self, name: str, *, shared: bool = False, pdl: bool = False, **args: Any) -> None:

@@ -207,7 +207,7 @@ class CallSchedule:
             push_arrivals = compute.push_blocks * waves  # every wave pushes (one: the batch plan)
             res.kernels.stream.launch("moe_ack_held", desc=ring.desc, stage=stage.desc, pushed=compute.pushed,
                                       push_blocks=push_arrivals, grid=ring.spec.world_size, block=32, stream=last,
-                                      **mark.trace)
+                                      pdl=True, **mark.trace)
         return last
 
     def _launch_pull(self, mode: CallMode, trace: KernelArgs) -> None:

@@ -84,9 +84,11 @@ gpu_1rank() {  # the CPU suite (kernel compilation included) is CI's job; the GP
         --durations=8 "${limits[@]}" --junitxml="$logs/gpu-1rank.xml" || status=1
 }
 smoke_1rank() {  # the layer's newest device paths first, stopping at the first failure (a few minutes): the MoE
-    # descriptors (plan, pull into blocks, waves), the failure word, the decode kernels - before the whole suite
+    # descriptors (plan, pull into blocks, waves), the failure word, the decode kernels, the reduction over the
+    # routed choices - before the whole suite
     run_suite smoke-1rank 1 python3 -m pytest tests/gpu/test_moe_experts.py tests/gpu/test_wave_claim.py \
-        tests/gpu/test_moe_blocks.py tests/gpu/test_fail_closed.py tests/gpu/test_moe_decode.py -x -v -rs \
+        tests/gpu/test_moe_blocks.py tests/gpu/test_fail_closed.py tests/gpu/test_moe_decode.py \
+        tests/gpu/test_moe_reduce.py -x -v -rs \
         --durations=8 "${limits[@]}" --junitxml="$logs/smoke-1rank.xml" || status=1
 }
 quick_1rank() {  # the GPU tests but the input fuzzer (its ~90 s), for a short device call after a host change

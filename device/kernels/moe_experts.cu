@@ -304,6 +304,7 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
 extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, const int* routing, __nv_bfloat16* out,
                                               long long tokens, int topk, long long hidden) {
     ptx::wait_prior_grid();
+    constexpr bool kEveryChoice = kMutant == Mutant::kReduceEveryChoice;  // a negative control only
     const u64 n = static_cast<u64>(tokens), K = static_cast<u64>(topk), H = static_cast<u64>(hidden);
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
     const u64 first = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -321,7 +322,7 @@ extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, cons
                 bool routed[kReduceInFlight];
 #pragma unroll
                 for (u32 u = 0; u < kReduceInFlight; ++u) {
-                    routed[u] = k0 + u < K && routing[t * K + k0 + u] >= 0;
+                    routed[u] = k0 + u < K && (routing[t * K + k0 + u] >= 0 || kEveryChoice);
                     if (routed[u]) raw[u] = rows[(t * K + k0 + u) * per_row + c];
                 }
 #pragma unroll
@@ -343,7 +344,7 @@ extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, cons
         const u64 t = i / H, c = i % H;
         float acc = 0.0f;
         for (u64 k = 0; k < K; ++k)
-            if (routing[t * K + k] >= 0) acc += __bfloat162float(combine[(t * K + k) * H + c]);
+            if (routing[t * K + k] >= 0 || kEveryChoice) acc += __bfloat162float(combine[(t * K + k) * H + c]);
         out[i] = __float2bfloat16_rn(acc);
     }
 }

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from chunkring.runtime import Runtime
 
 __all__ = ["ARRIVE_BEFORE_ROWS", "LITMUS_DIRECTIONS", "MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "NO_PUSH_RELEASE",
-           "SEAL_ON_RESERVE", "StressLibrary", "StressPlan"]
+           "REDUCE_EVERY_CHOICE", "SEAL_ON_RESERVE", "StressLibrary", "StressPlan"]
 
 #: protocol/mutants.cuh Mutant values (append-only): the protocol's, which the stress suite must catch.
 MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4,
@@ -42,6 +42,10 @@ SEAL_ON_RESERVE = 13
 #: stores its rows, so the last arrival publishes a chunk still being written (caught by
 #: tests/stress/test_fused_producer_mutants.py).
 ARRIVE_BEFORE_ROWS = 14
+#: protocol/mutants.cuh kReduceEveryChoice: the owner's reduction adds every choice's combine row, routed or not;
+#: nothing zeroes the combine buffer, so a masked choice adds what an earlier call left (caught by
+#: tests/gpu/test_moe_reduce.py).
+REDUCE_EVERY_CHOICE = 15
 #: The message-passing litmus kernels of ring_stress.cu: "push", the writer stores into the reader's memory
 #: (litmus_mp); "pull", the ring's own direction: the writer stores into its own memory and SETs the
 #: reader's flag, the reader loads through nvshmem_ptr (litmus_mp_pull).

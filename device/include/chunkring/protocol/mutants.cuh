@@ -1,6 +1,6 @@
 // Deliberately broken protocol variants, for negative controls only. Each removes exactly one rule, and
 // a GPU test must catch every one: 1-4, 7 and 9-12 (ring.cuh, rules.cuh) tests/stress/test_mutants.py; 11
-// and 14 in the fused producer tests/stress/test_fused_producer_mutants.py; 5, 6, 8 and 13 the tests of the
+// and 14 in the fused producer tests/stress/test_fused_producer_mutants.py; 5, 6, 8, 13 and 15 the tests of the
 // kernels that rely on those rules (runtime/chunkring/testing/stress.py names them). A fence mutant may
 // escape where every rank shares one GPU; its test says so (docs/PROTOCOL.md, "Evidence").
 // Values are append-only; production builds never define the macro.
@@ -31,6 +31,8 @@ enum class Mutant : unsigned {
                             // its rows landed (moe/blocks.cuh; the model's bug_seal_on_reserve)
     kArriveBeforeRows = 14,  // fused producer: each block arrives before storing its rows, so the last arrival
                              // publishes while rows are still being written (moe_produce.cu)
+    kReduceEveryChoice = 15,  // reduction: every choice's combine row is added, routed or not, so a masked
+                              // choice adds what an earlier call left in its row (moe_combine_reduce)
 };
 
 constexpr Mutant kMutant = static_cast<Mutant>(CHUNKRING_MUTANT);

@@ -102,7 +102,7 @@ def test_decode_outputs_match_the_reference_and_the_deepgemm_path(runtime, hidde
     torch.cuda.synchronize()
     counts = plan.counts.tolist()
     assert counts[ACTIVE:] == [0] * (E_LOCAL - ACTIVE), "the idle experts must have no rows"
-    if n >= 32:
+    if n >= 128:  # a mean of n * TOPK / ACTIVE rows per expert: 85 at 128 tokens
         assert max(counts) > DECODE_PASS_ROWS, "an expert must take more than one pass"
     real, ref = reference(plan, x_in, q13, q2)
     got = out_decode[real].float()

@@ -54,11 +54,11 @@ class Case:
 
 
 CASES = [
-    Case(1, 256, 128, 1, 1, (32,)),  # 32 rows in one expert: two full passes; L2 one k block
-    Case(2, 512, 256, 2, 2, (0, 17)),  # an idle expert; 16 + 1 rows; two L2 chunks; 4 k blocks (< kStages)
-    Case(3, 768, 128, 2, 3, (1, 40, 9)),  # a hot expert (3 passes, the last half a pass); L1 k blocks == kStages
-    Case(2, 256, 384, 1, 2, (16, 8)),  # passes and token tiles exactly full; L2 3 k blocks
-    Case(1, 1792, 896, 1, 1, (20,)),  # both weight rings wrap: L1 14 k blocks, L2 7; a pass and a part
+    Case(1, 256, 128, 1, 1, (64,)),  # 64 rows in one expert: two full passes; L2 one k block
+    Case(2, 512, 256, 2, 2, (0, 33)),  # an idle expert; 32 + 1 rows; two L2 chunks; 4 k blocks (< kStages)
+    Case(3, 768, 128, 2, 3, (1, 80, 9)),  # a hot expert (3 passes, the last half a pass); L1 k blocks == kStages
+    Case(2, 256, 384, 1, 2, (32, 8)),  # passes and token tiles exactly full; L2 3 k blocks
+    Case(1, 1792, 896, 1, 1, (20,)),  # both weight rings wrap: L1 14 k blocks, L2 7; a part of a pass
     Case(2, 256, 128, 2, 1, (0, 0)),  # nothing routed here: every block returns at once
 ]
 

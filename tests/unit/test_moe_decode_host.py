@@ -25,6 +25,7 @@ from chunkring.jit import parse_kernels
 from chunkring.jit.launch import check_argument_names
 from chunkring.moe.decode import (
     DECODE_MAX_ROWS,
+    DECODE_PASS_ROWS,
     DECODE_SHARED_BYTES,
     DECODE_THREADS,
     DecodeGemm,
@@ -54,6 +55,16 @@ def test_the_shared_memory_is_the_headers():
     assert re.search(r"constexpr u32 kStageVectors = kMTiles \* 2 \* 2 \* kWarp;", text)
     assert re.search(r"constexpr u32 kSharedBytes = kWarps \* kStages \* kStageVectors \* 16;", text)
     assert DECODE_SHARED_BYTES == value["kWarps"] * value["kStages"] * value["kMTiles"] * 2 * 2 * 32 * 16
+
+
+def test_the_pass_is_the_headers():
+    """An expert's rows per pass (the host's DECODE_PASS_ROWS, which the GPU tests use to force several passes) are
+    the header's kTokenTiles token tiles of kTileTokens."""
+    text = HEADER.read_text()
+    tiles, tokens = (int(re.search(rf"constexpr u32 {name} = (\d+);", text).group(1))
+                     for name in ("kTokenTiles", "kTileTokens"))
+    assert re.search(r"constexpr u32 kPassRows = kTokenTiles \* kTileTokens;", text)
+    assert DECODE_PASS_ROWS == tiles * tokens
 
 
 def test_the_block_size_is_the_headers():

@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 __all__ = ["DECODE_MAX_ROWS", "DECODE_PASS_ROWS", "DECODE_SHARED_BYTES", "DECODE_THREADS", "L2_CHUNK_ROWS",
            "DecodeGemm", "PlanTensors", "check_decode_config", "decode_fits", "fragment_k", "mean_rows_per_expert"]
 
-#: An expert's rows per pass over its weights (decode_gemm.cuh kPassRows: 2 token tiles of 8): an expert
-#: with more rows streams its weights once per 16 of them.
-DECODE_PASS_ROWS = 16
+#: An expert's rows per pass over its weights (decode_gemm.cuh kPassRows: 4 token tiles of 8): an expert
+#: with more rows streams its weights once per 32 of them.
+DECODE_PASS_ROWS = 32
 #: Threads per block of both kernels (decode_gemm.cuh kThreads: 8 warps).
 DECODE_THREADS = 256
 #: Dynamic shared memory per block of both kernels (decode_gemm.cuh kSharedBytes): each warp's ring of 6 k blocks
@@ -49,10 +49,11 @@ DECODE_SHARED_BYTES = 8 * 6 * 4096
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
 #: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most
-#: this, half a pass, so that few experts need a second pass over their weights. Measured on the H200
-#: (benchmarks/bench_decode.py, flash shape): the decode layer was 0.92x the DeepGEMM path's at a mean of 6
-#: rows per expert (at most 10), and 1.59x at a mean of 24 (at most 32: two passes, every weight read twice).
-DECODE_MAX_ROWS = DECODE_PASS_ROWS // 2
+#: this. Measured on the H200 when a pass held 16 rows (benchmarks/bench_decode.py, flash shape): the decode
+#: layer was 0.92x the DeepGEMM path's at a mean of 6 rows per expert (at most 10), and 1.59x at a mean of 24
+#: (at most 32: two passes, every weight read twice). Passes of 32 rows read those weights once; the bound
+#: stays where it was measured until the crossover is measured again.
+DECODE_MAX_ROWS = 8
 
 
 class PlanTensors(Protocol):

@@ -15,7 +15,7 @@ __all__ = ["KBLOCK", "MTILES", "NULL", "PASS_ROWS", "SCALE_ROWS", "STAGES", "TIL
            "WARPS", "Ring", "copy_weights", "set_tokens", "warp_gemm"]
 
 # decode_gemm.cuh's constants.
-KBLOCK, KSTEPS, TILE_ROWS, TILE_TOKENS, MTILES, TOKEN_TILES, WARPS, STAGES = 128, 4, 16, 8, 2, 2, 8, 6
+KBLOCK, KSTEPS, TILE_ROWS, TILE_TOKENS, MTILES, TOKEN_TILES, WARPS, STAGES = 128, 4, 16, 8, 2, 4, 8, 6
 PASS_ROWS, SCALE_ROWS = TOKEN_TILES * TILE_TOKENS, WARPS * TILE_ROWS
 NULL = -1  # a null pointer among byte or element offsets
 

@@ -39,7 +39,7 @@ constexpr u32 kKSteps = kKBlock / 32;       // MMAs (k = 32 each) per k block
 constexpr u32 kTileRows = 16;               // weight rows per MMA (m)
 constexpr u32 kTileTokens = 8;              // tokens per MMA (n)
 constexpr u32 kMTiles = 2;                  // m tiles per warp
-constexpr u32 kTokenTiles = 2;              // token tiles per pass
+constexpr u32 kTokenTiles = 4;              // token tiles per pass
 constexpr u32 kPassRows = kTokenTiles * kTileTokens;  // an expert's rows per pass over its weights
 constexpr u32 kWarps = 8;                   // per block
 constexpr u32 kThreads = kWarps * kWarp;

@@ -209,9 +209,10 @@ CONFIGS: tuple[Config, ...] = (
     # ---- the MoE layer as it ships (-DHELD_ACK -DBLOCKS=2): moe_pull's grid
     # shares every chunk, the last block to arrive acks it, and each source's
     # eos chunk is held (no arrival) until moe_ack_held, after the whole pull
-    # kernel and the combine; moe_call_reset refills held[] and zeroes the
-    # arrival counts before each pull.  COMBINE_BEFORE_REDUCE and every block's read
-    # (NO_OVERWRITE_BEFORE_EVERY_ACK) together.
+    # kernel and the combine; moe_call_reset refills held[] before each pull,
+    # and the arrival counts, which no call zeroes, are checked zero there.
+    # COMBINE_BEFORE_REDUCE and every block's read (NO_OVERWRITE_BEFORE_EVERY_ACK)
+    # together.
     Config("heldblk2_w2s1", ("W=2", "S=1", "BLOCKS=2", "HELD_ACK"), PASS,
            why="2 pull blocks, held eos ack, 2 chunks from rank 0 through 1 slot "
                "(ring wraps in the call), rank 1 empty, two invocations"),

@@ -2,7 +2,7 @@
 // and the held acknowledgement is moe_experts.cu's (plan, SwiGLU, combine push) and the GEMM engine's.
 //
 // One call at a destination rank, on its consumer stream:
-//   moe_call_reset     the call's consumer words: the stage's routing and held seqs, the arrival counts
+//   moe_call_reset     the call's consumer words: the stage's routing and held seqs, the push count
 //   moe_pull           every chunk of every source, as it arrives: copy its rows routed here into the
 //                      stage at their token index, and acknowledge it - except each source's last
 //                      chunk, whose acknowledgement is held (the ring's deferred ack)
@@ -69,20 +69,20 @@ struct TraceAcked {
 
 // A call's consumer words, in one launch before its pull, whatever an earlier call (a failed one too) left: the
 // stage's routing idx [W, N, K] to -1 (planned nowhere: a row no chunk brings is computed by no expert and read by
-// no reduction), its held [W] to kNoHeldChunk, the pull's arrival counts [arrival_words] and the combine push's
-// count to 0. Plain stores, any grid: the pull, the push and moe_ack_held come after it in stream order.
-extern "C" __global__ void moe_call_reset(const StageDesc* stage, unsigned* arrivals, long long arrival_words,
-                                          unsigned long long* pushed) {
+// no reduction), its held [W] to kNoHeldChunk and the combine push's count to 0 (every call adds to it). Not the
+// pull's arrival counts: a call leaves them at zero (each chunk's last arrival zeroes its count), and only a
+// failed call, which MoELayer.reset follows, can leave one short. Plain stores, any grid: the pull, the push
+// and moe_ack_held come after it in stream order.
+extern "C" __global__ void moe_call_reset(const StageDesc* stage, unsigned long long* pushed) {
     const StageDesc& s = *stage;
     moe::require_descriptor(s);
     auto* idx = address<int>(s.idx);
     auto* held = address<unsigned long long>(s.held);
-    const u64 choices = s.sources * s.token_capacity * s.topk, words = static_cast<u64>(arrival_words);
+    const u64 choices = s.sources * s.token_capacity * s.topk;
     const u64 first = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
     for (u64 i = first; i < choices; i += stride) idx[i] = -1;
     for (u64 i = first; i < s.sources; i += stride) held[i] = kNoHeldChunk;
-    for (u64 i = first; i < words; i += stride) arrivals[i] = 0;
     if (first == 0) *pushed = 0;
 }
 
@@ -93,7 +93,8 @@ extern "C" __global__ void moe_call_reset(const StageDesc* stage, unsigned* arri
 // Every chunk but a source's last is acknowledged as soon as every block copied it: nothing the call
 // reads later is slot-resident (the RFC's early input_consumed). The last is held (held[src] = its
 // seq) for moe_ack_held.
-//   arrivals [W * S] (null for one block; zeroed by moe_call_reset before the launch)
+//   arrivals [W * S] (null for one block): zero between calls (each chunk's last arrival zeroes its count;
+//            after a failed call MoELayer.reset)
 //   stage: layout/moe_desc.cuh (its idx -1 and its held [W] kNoHeldChunk, by moe_call_reset)
 //   trace (nullable): timeline.cuh's buffer of trace_capacity records (observed, pulled, acked)
 extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE unsigned* arrivals, const StageDesc* stage,

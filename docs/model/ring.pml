@@ -152,8 +152,8 @@
  * after every block of the pull finished (kfin) -- so its ack covers every
  * block's read -- and then stores d's cursor for r, as ack_chunk does.
  * Block 0's process runs the rest of d's consumer stream (combine, held
- * acks, then the next call's moe_call_reset: held[] refilled and the
- * arrival counts zeroed, asserted already zero); the next call's blocks start after it (callfin).
+ * acks, then the next call's moe_call_reset: held[] refilled; the arrival
+ * counts, which no call zeroes, asserted zero); the next call's blocks start after it (callfin).
  * Not modelled: the owner's drain waiting for its own consumer stream (the
  * layer's producer.wait_stream(consumer)); leaving it out only adds
  * schedules, and it orders the owner's own rows, never a peer's.
@@ -679,7 +679,7 @@ proctype consumer(byte d)
      * one did, COMPLETION / NO_ABA would see the wrong chunk consumed). */
 #ifdef HELD_ACK
     /* ... and after the previous call's combine and held acks (and the
-     * call's moe_call_reset: held[] refilled, arrival counts zeroed) */
+     * call's moe_call_reset: held[] refilled) */
     if :: callfin[d] >= inv :: error_reported -> goto end_abort fi;
 #else
     if :: kfin[d] >= BLOCKS * inv :: error_reported -> goto end_abort fi;
@@ -712,13 +712,13 @@ proctype consumer(byte d)
         * combine kernel starts after every block of the pull (stream order);
         * then moe_ack_held; then the next call's moe_call_reset, which refills
         * held[] (block 0's held[] is the device array: only block 0 writes it)
-        * and zeroes the arrival counts before that call's pull */
+        * before that call's pull. No call zeroes the arrival counts: each
+        * chunk's last arrival does, so they are zero here (checked) */
        if :: kfin[d] >= BLOCKS * (inv + 1) :: error_reported -> goto end_abort fi;
        combine_and_ack_held();
        d_step { i = 0;
                 do
-                :: i < W * S -> CHECK(COMPLETION, arrivals[d * W * S + i] == 0);
-                                arrivals[d * W * S + i] = 0; i++
+                :: i < W * S -> CHECK(COMPLETION, arrivals[d * W * S + i] == 0); i++
                 :: else -> break
                 od;
                 i = 0 }

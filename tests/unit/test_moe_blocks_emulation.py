@@ -123,8 +123,7 @@ class World:
             # no waits, so it runs ahead of the pull on the pull's own stream (the waves come after the pull's
             # blocks through their claims, moe_ack_held after the waves).
             self.library.stream = ("moe_pull_blocks", self.rings[r].desc.data_ptr())
-            self.library.launch("moe_call_reset", stage=self.stages[r].desc, arrivals=self.arrivals[r],
-                                arrival_words=self.arrivals[r].numel(), pushed=self.computes[r].pushed, grid=1,
+            self.library.launch("moe_call_reset", stage=self.stages[r].desc, pushed=self.computes[r].pushed, grid=1,
                                 block=PULL_BLOCK, stream=None)
         for src, (x, sf, idx, w) in enumerate(batches):
             for base in range(0, max(sizes[src], 1), T):
@@ -246,6 +245,7 @@ def check_layer(w: World, batches, sizes: list[int]) -> None:
 
 
 def check_call(w: World, batches, sizes: list[int]) -> None:
+    assert not w.arrivals.any(), "a call leaves every arrival count at zero: calls do not zero them"
     for r, ring in enumerate(w.rings):
         assert ring.status().ok, ring.status()
         check_blocks(w, r, pool_rows(w, r, batches))

@@ -183,7 +183,7 @@ def test_the_reduction_reads_this_ranks_own_routing_and_nothing_clears_the_combi
 
 @pytest.mark.parametrize("waves", [1, 2])
 def test_one_reset_launch_precedes_the_pull_on_the_consumer_stream(monkeypatch, waves):
-    """The stage's routing and held seqs, the arrival counts and the push count are reset by one moe_call_reset
+    """The stage's routing and held seqs and the push count are reset by one moe_call_reset
     on the consumer stream, before the pull (the waves' pull stream waits for the consumer stream)."""
     schedule, res, launched = schedule_on(monkeypatch, slots=2, waves=waves)
     call(schedule, CallMode.STREAMED, 61)

@@ -241,8 +241,8 @@ class LayerResources:
     def zero_counts(self) -> None:
         """Zero the layer's arrival counts (the pull's and the fused producer's), on the current stream: after a
         failed call, whose blocks may have arrived without the last one - which zeroes a count - ever coming
-        (:meth:`MoELayer.reset`, after its rings' quiesce). A call that ends leaves every count at zero, so calls
-        need not zero them (``moe_call_reset`` still zeroes the pull's, in the same launch as its other words)."""
+        (:meth:`MoELayer.reset`, after its rings' quiesce). A call that ends leaves every count at zero (the
+        model checks the pull's: docs/model/ring.pml), so calls do not zero them."""
         for count in (*self.arrivals.values(), *self.produce_arrivals.values()):
             count.zero_()
 

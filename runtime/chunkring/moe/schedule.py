@@ -176,11 +176,10 @@ class CallSchedule:
         res = self.res
         ring, stage, compute = res.rings[mode], res.stage, res.compute
         consumer = torch.cuda.current_stream(res.runtime.torch_device)
-        # The stage's routing (-1) and held seqs, the pull's arrival counts and the pushes' count (which
-        # moe_ack_held counts below), whatever an earlier call left, in one launch.
+        # The stage's routing (-1) and held seqs and the pushes' count (which moe_ack_held counts below),
+        # whatever an earlier call left, in one launch.
         choices = stage.idx.numel()
-        res.kernels.stream.launch("moe_call_reset", stage=stage.desc, arrivals=res.arrivals[mode],
-                                  arrival_words=res.arrivals[mode].numel(), pushed=compute.pushed,
+        res.kernels.stream.launch("moe_call_reset", stage=stage.desc, pushed=compute.pushed,
                                   grid=max(1, min(_RESET_MAX_GRID, -(-choices // (8 * PULL_BLOCK)))), block=PULL_BLOCK,
                                   stream=consumer)
         if waves > 1:

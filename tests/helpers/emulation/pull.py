@@ -344,12 +344,11 @@ def ring_raise_abort(ring: RingView, a, part: int, parts: int):
 
 def moe_call_reset(memory, grid, block, shared_bytes, a) -> None:
     """The call's consumer words, every thread's grid-stride stores at once (a plain kernel: it never waits): the
-    stage's idx -1, its held NO_HELD_CHUNK, the arrival counts and the push count 0."""
+    stage's idx -1, its held NO_HELD_CHUNK, the push count 0."""
     s = descriptor(memory, a.stage, "StageDesc")
     choices = s.sources * s.token_capacity * s.topk
     Pointer(memory, s.idx, "stage idx").store_as(np.int32, np.arange(choices), -1, "stage idx")
     Pointer(memory, s.held, "stage held").store_as(np.uint64, np.arange(s.sources), NO_HELD_CHUNK, "stage held")
-    a.arrivals.store_as(np.uint32, np.arange(a.arrival_words), 0, "arrivals")
     a.pushed.store_as(np.uint64, 0, 0, "pushed")
 
 

@@ -54,7 +54,8 @@ class World:
         self.grid, self.gen, self.spec = grid, torch.Generator().manual_seed(seed), spec
         self.expected = Expected(self.rings, self.stages, E)
         self.masked = [0] * world
-        self.arrivals = torch.zeros((world, S), dtype=torch.int32)  # LayerResources.arrivals of the mode
+        # Each rank's LayerResources.arrivals of the mode, zeroed once: a call leaves every count at zero.
+        self.arrivals = torch.zeros((world, world, S), dtype=torch.int32)
 
     def stage(self, spec: RingSpec, rank: int) -> Stage:
         W, fp8 = spec.world_size, spec.payload is PayloadFormat.FP8_E4M3
@@ -94,8 +95,7 @@ class World:
 
     def pull(self, rank: int) -> None:
         """schedule._launch_pull's launch."""
-        self.arrivals.zero_()  # as the layer does before every pull
-        arrivals = self.arrivals if self.grid > 1 else None
+        arrivals = self.arrivals[rank] if self.grid > 1 else None
         self.library.launch("moe_pull", desc=self.rings[rank].desc, arrivals=arrivals, stage=self.stages[rank].desc,
                             grid=self.grid, block=PULL_BLOCK, stream=None, trace=None, trace_capacity=0)
 
@@ -109,6 +109,7 @@ class World:
                 getattr(self.expected, f"stage_{name}" if name == "idx" else name)[rank].fill_(-1)
             self.pull(rank)
         self.streams.run()
+        assert not self.arrivals.any(), "a call leaves every arrival count at zero (its chunks' last arrivals)"
         for dest, stage in enumerate(self.stages):
             for src, chunks in enumerate(published):
                 for base, m, eos, seq in chunks:

@@ -16,8 +16,13 @@
 // and arrival count, which the held acks wait for; keeping it one kernel keeps those rules in one place,
 // for a cost of one read and write of [rows, H] bf16 - small at decode sizes.
 //
-// Both are launched with pdl (ptx/dependent_launch.cuh): a block lets the next kernel start at once (nothing here
-// spins) and waits for the kernel ahead of it - the plan's scatter, or L1 - before it reads anything.
+// Both are launched with pdl (ptx/dependent_launch.cuh). Before a block waits for the kernel ahead of it (the
+// plan's scatter, or L1) it reads only its expert's row count and starts its first pass's weight copies: the
+// weights are never written in a call, and the counts are final once the kernel ahead has let us start (that
+// kernel releases only after its own wait, and the counts' writer, moe_plan_count or moe_wave_claim, is further
+// ahead still). So a block of an idle expert returns without holding an SM through the wait (finish_idle), and
+// the first k blocks of an active one's weights load while the scatter, or L1, finishes. Once its wait returns, a
+// block lets the next kernel start (nothing here spins) and reads the rest.
 //
 // Rounding, as the DeepGEMM path rounds, so that both paths answer alike: L1's fp32 sums rounded to bf16
 // (DeepGEMM's output type) before SwiGLU; SwiGLU, the 1x128 absmax and the e4m3 cast as moe_swiglu_fp8;
@@ -30,6 +35,7 @@
 #include "chunkring/moe/decode_gemm.cuh"
 #include "chunkring/moe/fp8.cuh"
 #include "chunkring/ptx/dependent_launch.cuh"
+#include "chunkring/ptx/ordering.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
 namespace {
@@ -56,15 +62,20 @@ __device__ __forceinline__ uint4* warp_ring(u32 warp) {
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// The expert's first planned row and its row count: group e is rows [group_end[e] - counts[e], group_end[e]).
-struct Group {
-    u64 first;
-    u32 rows;
-};
+// Expert e's planned rows, read before the block waits for the kernel ahead (see the top): a relaxed GPU-scope
+// load, served by L2, where the counts' writer - complete, and its memory flushed, before the kernel ahead of this
+// one stopped waiting - left them; no L1 line of an earlier read can answer it.
+__device__ __forceinline__ u32 rows_of(const unsigned* counts, u32 e) { return ptx::ld_relaxed_gpu(counts + e); }
 
-__device__ __forceinline__ Group group_of(const unsigned* counts, const int* group_end, u32 e) {
-    const u32 rows = counts[e];
-    return {static_cast<u64>(group_end[e]) - rows, rows};
+// A block of an idle expert ends without waiting for the kernel ahead - except block 0, so that this kernel
+// completes only after that kernel has, and whatever follows it in the stream finds every kernel ahead complete.
+__device__ __forceinline__ void finish_idle() {
+    if (blockIdx.x == 0) ptx::wait_prior_grid();
+}
+
+// The expert's first planned row, once the wait returned: group e is rows [group_end[e] - rows, group_end[e]).
+__device__ __forceinline__ u64 first_row(const int* group_end, u32 e, u32 rows) {
+    return static_cast<u64>(group_end[e]) - rows;
 }
 
 // L1's epilogue for one pass: the warp's gate tile (acc[0]) and up tile (acc[1]) hold 16 intermediate columns
@@ -141,14 +152,16 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     moe_decode_l1(const __nv_fp8_e4m3* w13, const float* w13_sf, const unsigned char* rows, const float* rows_sf,
                   long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
                   long long inter, __nv_fp8_e4m3* act, float* act_sf) {
-    ptx::release_dependents();
-    ptx::wait_prior_grid();
     const u64 H = static_cast<u64>(hidden), I = static_cast<u64>(inter);
     const u32 chunks = static_cast<u32>(I / kScaleRows), e = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
-    const Group group = group_of(counts, group_end, e);
-    if (group.rows == 0) return;  // uniform across the block: an idle expert's weights are never read
+    const u32 planned = rows_of(counts, e);
+    if (planned == 0) {  // uniform across the block: an idle expert's weights are never read
+        finish_idle();
+        return;
+    }
     const u32 warp = threadIdx.x / kWarp, g = threadIdx.x % kWarp / 4;
-    const u64 kblocks = H / decode::kKBlock, scale_rows = 2 * I / kScaleRows;
+    const u32 kblocks = static_cast<u32>(H / decode::kKBlock);
+    const u64 scale_rows = 2 * I / kScaleRows;
     const auto* w = reinterpret_cast<const unsigned char*>(w13);
     decode::WarpOperands op{};
     op.k_bytes = H;
@@ -158,12 +171,17 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     op.w_row[1] = w + (e * 2 * I + I + row0) * H;  // its up row
     op.w_scale[0] = w13_sf + (e * scale_rows + chunk) * kblocks;
     op.w_scale[1] = w13_sf + (e * scale_rows + I / kScaleRows + chunk) * kblocks;
+    decode::start_weights(warp_ring(warp), op, kblocks);  // the first pass's, while the kernel ahead finishes
+    ptx::wait_prior_grid();
+    ptx::release_dependents();
+    const u64 first = first_row(group_end, e, planned);
     float acc[kMTiles][kTokenTiles][4];
-    for (u32 done = 0; done < group.rows; done += kPassRows) {
-        const u32 here = min(group.rows - done, kPassRows);
-        const u32 tiles = decode::set_tokens(op, rows, rows_sf, group.first + done, here);
-        decode::warp_gemm(op, warp_ring(warp), static_cast<u32>(kblocks), tiles, acc);
-        swiglu_quantise(acc, group.first + done, here, chunk, I, op.sf_stride, act, act_sf);
+    for (u32 done = 0; done < planned; done += kPassRows) {
+        if (done > 0) decode::start_weights(warp_ring(warp), op, kblocks);
+        const u32 here = min(planned - done, kPassRows);
+        const u32 tiles = decode::set_tokens(op, rows, rows_sf, first + done, here);
+        decode::warp_gemm(op, warp_ring(warp), kblocks, tiles, acc);
+        swiglu_quantise(acc, first + done, here, chunk, I, op.sf_stride, act, act_sf);
     }
 }
 
@@ -178,15 +196,17 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     moe_decode_l2(const __nv_fp8_e4m3* w2, const float* w2_sf, const __nv_fp8_e4m3* act, const float* act_sf,
                   long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
                   long long inter, __nv_bfloat16* out) {
-    ptx::release_dependents();
-    ptx::wait_prior_grid();
     const u64 H = static_cast<u64>(hidden), I = static_cast<u64>(inter);
     const u32 chunks = static_cast<u32>(H / (kMTiles * kScaleRows)), e = blockIdx.x / chunks,
               chunk = blockIdx.x % chunks;
-    const Group group = group_of(counts, group_end, e);
-    if (group.rows == 0) return;  // uniform across the block
+    const u32 planned = rows_of(counts, e);
+    if (planned == 0) {  // uniform across the block
+        finish_idle();
+        return;
+    }
     const u32 warp = threadIdx.x / kWarp, g = threadIdx.x % kWarp / 4, t = threadIdx.x % 4;
-    const u64 kblocks = I / decode::kKBlock, scale_rows = H / kScaleRows;
+    const u32 kblocks = static_cast<u32>(I / decode::kKBlock);
+    const u64 scale_rows = H / kScaleRows;
     const auto* w = reinterpret_cast<const unsigned char*>(w2);
     decode::WarpOperands op{};
     op.k_bytes = I;
@@ -199,12 +219,17 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
         op.w_row[i] = w + (e * H + col[i]) * I;
         op.w_scale[i] = w2_sf + (e * scale_rows + block) * kblocks;
     }
+    decode::start_weights(warp_ring(warp), op, kblocks);  // the first pass's, while L1 finishes
+    ptx::wait_prior_grid();
+    ptx::release_dependents();
+    const u64 group_first = first_row(group_end, e, planned);
     float acc[kMTiles][kTokenTiles][4];
-    for (u32 done = 0; done < group.rows; done += kPassRows) {
-        const u32 here = min(group.rows - done, kPassRows);
-        const u64 first = group.first + done;
+    for (u32 done = 0; done < planned; done += kPassRows) {
+        if (done > 0) decode::start_weights(warp_ring(warp), op, kblocks);
+        const u32 here = min(planned - done, kPassRows);
+        const u64 first = group_first + done;
         const u32 tiles = decode::set_tokens(op, reinterpret_cast<const unsigned char*>(act), act_sf, first, here);
-        decode::warp_gemm(op, warp_ring(warp), static_cast<u32>(kblocks), tiles, acc);
+        decode::warp_gemm(op, warp_ring(warp), kblocks, tiles, acc);
 #pragma unroll
         for (u32 i = 0; i < kMTiles; ++i)
 #pragma unroll

@@ -17,9 +17,10 @@
 //
 // Dependent launches (ptx/dependent_launch.cuh): moe_plan_scatter, moe_combine_push and moe_combine_reduce are
 // launched with pdl, so each starts as soon as the kernel ahead of it let it, and waits for that kernel's
-// completion (wait_prior_grid) before its first global memory access; moe_plan_count, moe_plan_scatter and
-// moe_combine_push, which never spin, let theirs start at once (release_dependents). moe_drain, ahead of the
-// reduction, spins: it never does, so the reduction's blocks are placed only once it has ended.
+// completion (wait_prior_grid) before its first global memory access. moe_plan_count (at its start: it is not a
+// dependent launch), moe_plan_scatter and moe_combine_push (as soon as their wait returns), which never spin, let
+// theirs start early (release_dependents). moe_drain, ahead of the reduction, spins: it never does, so the
+// reduction's blocks are placed only once it has ended.
 //
 // Every kernel is a fixed grid that loops over what the call brought: rows past the last group and
 // padding rows cost a bounds check, not a pass. A row's place inside its group comes from an atomic
@@ -133,8 +134,8 @@ extern "C" __global__ void moe_plan_scatter(const StageDesc* stage, int block_m,
                                             unsigned* cursors, unsigned char* rows, float* rows_sf, long long sf_stride,
                                             int* row_src, int* row_token, int* row_k, float* row_weight,
                                             int* group_end) {
-    ptx::release_dependents();
     ptx::wait_prior_grid();
+    ptx::release_dependents();
     const StageDesc& s = *stage;
     chunkring::moe::require_descriptor(s);
     const auto* stage_x = address<const unsigned char>(s.x);
@@ -254,8 +255,8 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
                                             const unsigned long long* peer_combine,
                                             CHUNKRING_NULLABLE const RingDesc* desc,
                                             CHUNKRING_NULLABLE __nv_bfloat16* combine, unsigned long long* pushed) {
-    ptx::release_dependents();
     ptx::wait_prior_grid();
+    ptx::release_dependents();
     extern __shared__ unsigned offsets[];
     group_offsets(counts, num_local, block_m, offsets);
     const u64 used = offsets[num_local], H = static_cast<u64>(hidden);

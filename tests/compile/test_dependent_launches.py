@@ -1,8 +1,14 @@
-"""Programmatic dependent launches (device/include/chunkring/ptx/dependent_launch.cuh) are safe only by two rules,
-checked here statically, without a GPU: every launch with ``pdl=True`` names a kernel whose first statements wait
-for the kernel ahead of it (``wait_prior_grid``, after at most a ``release_dependents``), so nothing it reads or
-writes races that kernel; and the kernels that let their dependents start early are exactly those that never
-spin, named here with the reason."""
+"""Programmatic dependent launches (device/include/chunkring/ptx/dependent_launch.cuh) are safe only by its rules,
+checked here statically, without a GPU:
+
+* every launch with ``pdl=True`` names a kernel that waits for the kernel ahead of it (``wait_prior_grid``) before
+  it touches anything the call's kernels write or read: as its first statement, or - the decode GEMMs - after
+  reading only its expert's row count and the weights, with every block that ends before waiting going through
+  ``finish_idle`` (block 0 waits all the same);
+* a kernel releases its dependents (``release_dependents``) right after its wait, or at its start if it is never
+  launched with pdl, so a kernel's launch implies that every kernel two or more ahead of it has completed - which
+  is what makes the decode GEMMs' early read of the row counts final;
+* the kernels that release are exactly those that never spin, named here with the reason."""
 
 import ast
 import re
@@ -10,12 +16,18 @@ from pathlib import Path
 
 from chunkring.jit import kernel_sources
 from chunkring.jit.compiler import KERNEL_DIR
+from chunkring.jit.signatures import parse_kernels
 from tests.helpers.launch_sites import launch_calls
 
 REPO = Path(__file__).resolve().parents[2]
-#: The kernels that release their dependents at their start: each runs to its end without waiting for anything
-#: but its own stream (no ring wait, no count to poll), so a dependent's waiting blocks cannot hold it up.
+WAIT, RELEASE = "ptx::wait_prior_grid();", "ptx::release_dependents();"
+#: The kernels that release their dependents: each runs to its end without waiting for anything but its own
+#: stream (no ring wait, no count to poll), so a dependent's waiting blocks cannot hold it up.
 RELEASING = {"moe_plan_count", "moe_plan_scatter", "moe_decode_l1", "moe_decode_l2", "moe_combine_push"}
+#: The kernels that read before their wait, and the parameters they may touch there: the weights (no kernel writes
+#: them), the row counts (final once the kernel ahead let them start), scalars.
+EARLY_READS = {"moe_decode_l1": {"w13", "w13_sf", "counts", "hidden", "inter", "sf_stride"},
+               "moe_decode_l2": {"w2", "w2_sf", "counts", "hidden", "inter", "sf_stride"}}
 #: What a kernel that waits on another rank or grid calls (protocol/ring.cuh, status.cuh, moe/blocks.cuh).
 SPINS = re.compile(r"\b(spin_until|consume_invocation|begin_chunk|poll_acked|wait_chunk|drain)\s*\(")
 
@@ -37,6 +49,15 @@ def kernel_bodies() -> dict[str, str]:
     return bodies
 
 
+def kernel_params() -> dict[str, set[str]]:
+    """Each kernel's parameter names, as the launches check them."""
+    params = {}
+    for source in kernel_sources():
+        path = KERNEL_DIR / f"{source}.cu"
+        params.update({name: {p.name for p in ps} for name, ps in parse_kernels(path.read_text(), path.name).items()})
+    return params
+
+
 def pdl_launches() -> set[str]:
     """The kernels launched with ``pdl=True`` anywhere in the package or the benchmarks."""
     found = set()
@@ -48,18 +69,47 @@ def pdl_launches() -> set[str]:
     return found
 
 
-def first_statements(body: str) -> list[str]:
-    return [line.strip() for line in body.strip().splitlines()[:2]]
+def statements(body: str) -> list[str]:
+    """The body's lines, stripped, comments and blank lines left out."""
+    lines = (line.split("//")[0].strip() for line in body.splitlines())
+    return [line for line in lines if line]
 
 
-def test_every_dependent_launch_waits_for_the_kernel_ahead_before_anything_else():
-    bodies, launched = kernel_bodies(), pdl_launches()
+def before_wait(body: str) -> str:
+    return body[:body.index(WAIT)] if WAIT in body else body
+
+
+def test_every_dependent_launch_waits_for_the_kernel_ahead_before_touching_what_it_writes():
+    bodies, params, launched = kernel_bodies(), kernel_params(), pdl_launches()
     assert launched == {"moe_plan_scatter", "moe_combine_push", "moe_decode_l1", "moe_decode_l2", "moe_ack_held",
                         "moe_combine_reduce"}, launched
-    for name in launched:
-        head = first_statements(bodies[name])
-        assert "ptx::wait_prior_grid();" in head and head[0] in ("ptx::wait_prior_grid();",
-                                                                  "ptx::release_dependents();"), (name, head)
+    for name in launched - EARLY_READS.keys():
+        assert statements(bodies[name])[0] == WAIT, (name, statements(bodies[name])[:2])
+    for name, allowed in EARLY_READS.items():
+        early = before_wait(bodies[name])
+        assert WAIT in bodies[name], name
+        touched = {p for p in params[name] if re.search(rf"\b{p}\b", early)}
+        assert touched <= allowed, f"{name} touches {sorted(touched - allowed)} before its wait"
+        assert "rows_of(counts" in early and not re.search(r"\bcounts\s*\[", early), \
+            f"{name}: the counts are read early only by rows_of's relaxed GPU-scope load"
+        returns = [m.start() for m in re.finditer(r"\breturn\b", early)]
+        assert returns, f"{name}: a block of an idle expert ends early (the case finish_idle covers)"
+        for at in returns:
+            assert early[:at].rstrip().endswith("finish_idle();"), f"{name} ends a block early without finish_idle"
+    finish_idle = re.search(r"void finish_idle\(\) \{(.*?)\n\}", (KERNEL_DIR / "moe_decode.cu").read_text(), re.S)
+    assert finish_idle and statements(finish_idle.group(1)) == ["if (blockIdx.x == 0) ptx::wait_prior_grid();"]
+
+
+def test_a_kernel_releases_its_dependents_only_after_its_own_wait():
+    bodies, launched = kernel_bodies(), pdl_launches()
+    releasing = {name for name, body in bodies.items() if "release_dependents()" in body}
+    assert releasing == RELEASING
+    for name in releasing:
+        lines = statements(bodies[name])
+        if name in launched:
+            assert lines[lines.index(WAIT) + 1] == RELEASE and lines.count(RELEASE) == 1, name
+        else:  # not a dependent launch: its launch already followed the kernel ahead's completion
+            assert lines[0] == RELEASE and WAIT not in lines, name
 
 
 def test_only_kernels_that_never_spin_release_their_dependents():
@@ -67,8 +117,5 @@ def test_only_kernels_that_never_spin_release_their_dependents():
     # Not vacuous: the kernels that do wait are recognised as such.
     assert all(SPINS.search(bodies[name]) for name in ("moe_pull", "moe_pull_blocks", "moe_ack_held", "moe_drain",
                                                         "moe_wave_claim", "ring_publish_open", "moe_produce_chunk"))
-    releasing = {name for name, body in bodies.items() if "release_dependents()" in body}
-    assert releasing == RELEASING
-    for name in releasing:
-        assert first_statements(bodies[name])[0] == "ptx::release_dependents();", name
+    for name in RELEASING:
         assert not SPINS.search(bodies[name]), f"{name} spins: a dependent's waiting blocks could hold it up"

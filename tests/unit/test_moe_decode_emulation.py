@@ -330,3 +330,12 @@ def test_a_broken_weight_pipeline_is_caught(monkeypatch, broken):
                             lambda ring, op, kb, t: copy(ring, op, kb + (kb >= engine.STAGES), t))
     with pytest.raises(EmulatedMemoryError, match="weight ring"):
         run(CASES[4], monkeypatch)
+
+
+def test_what_the_kernel_ahead_writes_is_read_only_after_the_wait(monkeypatch):
+    """Not vacuous: before wait_prior_grid a block reads only its expert's count and the weights (it starts its first
+    weight copies there); the emulated kernels hand out every other operand only after the wait, so a kernel that
+    never waited is refused at its first such read."""
+    monkeypatch.setattr(decode_emu.Prior, "wait", lambda prior: None)
+    with pytest.raises(EmulatedMemoryError, match="read before wait_prior_grid"):
+        run(CASES[1], monkeypatch)

@@ -176,7 +176,12 @@ class DecodeGemm:
                  stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue on ``stream`` (None: the current one) ``out[p] = w2[e] @ act(w13[e] @ row p)`` for every
         real row p of ``plan`` (bf16 [P, H]; other rows untouched), act = e4m3(silu(gate) * up) per 1x128.
-        No host synchronisation and nothing read back: graph-capturable."""
+        No host synchronisation and nothing read back: graph-capturable.
+
+        Both kernels are dependent launches that read ``plan.counts`` before they wait for the kernel ahead of
+        them (ptx/dependent_launch.cuh): the counts must be final once that kernel lets L1 start - as they are
+        after ``moe_plan_scatter`` or ``moe_wave_gather`` (the plan's own kernels), or after any kernel that does
+        not let its dependents start early (only chunkring's releasing kernels do)."""
         self.check(plan, w13, w2, out)
         H, inter = self.config.hidden, self.config.intermediate
         P = plan.rows.shape[0]

@@ -26,7 +26,9 @@ from tests.helpers.emulation.decode_gemm import (
     TILE_ROWS,
     TOKEN_TILES,
     WARPS,
+    Ring,
     set_tokens,
+    start_weights,
     warp_gemm,
 )
 from tests.helpers.emulation.machine import (
@@ -64,9 +66,29 @@ def silu_mul(gate, up):
 
 
 # -- moe_decode.cu ------------------------------------------------------------------------------------------------
-def group_of(counts, group_end, e: int) -> tuple[int, int]:
-    rows = int(counts.load_as(np.uint32, e, "counts"))
-    return (int(group_end.load_as(np.int32, e, "group_end")) - rows) % 2**64, rows
+def rows_of(counts, e: int) -> int:
+    return int(counts.load_as(np.uint32, e, "counts"))
+
+
+def first_row(group_end, e: int, rows: int) -> int:
+    return (int(group_end.load_as(np.int32, e, "group_end")) - rows) % 2**64
+
+
+class Prior:
+    """The kernel's view of what the kernel ahead of it writes or reads: ``ready`` after wait_prior_grid. Before
+    it, a block may read only its expert's count and the weights (the operands a pre-wait read would touch are
+    handed out here, and refuse to be)."""
+
+    def __init__(self, a) -> None:
+        self.a, self.ready = a, False
+
+    def wait(self) -> None:
+        self.ready = True
+
+    def __getattr__(self, name: str):
+        if not self.__dict__["ready"]:
+            raise EmulatedMemoryError(f"{name} read before wait_prior_grid")
+        return getattr(self.__dict__["a"], name)
 
 
 def swiglu_quantise(acc, first, rows, chunk, inter, sf_stride, act, act_sf, th: Threads, trace) -> None:
@@ -130,22 +152,30 @@ def moe_decode_l1(memory, grid, block, shared_bytes, a, trace) -> None:
     H, inter = a.hidden, a.inter
     chunks = inter // SCALE_ROWS
     for block_idx in range(grid):
+        prior = Prior(a)
         e, chunk = block_idx // chunks, block_idx % chunks
-        first, rows = group_of(a.counts, a.group_end, e)
+        rows = rows_of(a.counts, e)
         if rows == 0:
-            continue  # return: uniform across the block
+            continue  # finish_idle(); return: uniform across the block
         warp, g = th.warp, th.lane // 4
         kblocks, scale_rows = H // KBLOCK, 2 * inter // SCALE_ROWS
-        op = SimpleNamespace(w=a.w13, w_sf=a.w13_sf, x=a.rows, x_sf=a.rows_sf, k_bytes=H, sf_stride=a.sf_stride)
+        op = SimpleNamespace(w=a.w13, w_sf=a.w13_sf, k_bytes=H, sf_stride=a.sf_stride)
         row0 = chunk * SCALE_ROWS + warp * TILE_ROWS + g
         op.w_row = [(e * 2 * inter + row0) * H, (e * 2 * inter + inter + row0) * H]
         op.w_scale = [np.full(block, (e * scale_rows + chunk) * kblocks),
                       np.full(block, (e * scale_rows + inter // SCALE_ROWS + chunk) * kblocks)]
+        ring = Ring(block)  # the warps' rings, one block's dynamic shared memory
+        start_weights(ring, op, kblocks, th)
+        prior.wait()
+        op.x, op.x_sf = prior.rows, prior.rows_sf
+        first = first_row(prior.group_end, e, rows)
         for done in range(0, rows, PASS_ROWS):
+            if done > 0:
+                start_weights(ring, op, kblocks, th)
             here = min(rows - done, PASS_ROWS)
             tiles = set_tokens(op, first + done, here, th)
-            acc = warp_gemm(op, kblocks, tiles, th)
-            swiglu_quantise(acc, first + done, here, chunk, inter, op.sf_stride, a.act, a.act_sf, th, trace)
+            acc = warp_gemm(op, ring, kblocks, tiles, th)
+            swiglu_quantise(acc, first + done, here, chunk, inter, op.sf_stride, prior.act, prior.act_sf, th, trace)
 
 
 def moe_decode_l2(memory, grid, block, shared_bytes, a) -> None:
@@ -153,32 +183,40 @@ def moe_decode_l2(memory, grid, block, shared_bytes, a) -> None:
     H, inter = a.hidden, a.inter
     chunks = H // (MTILES * SCALE_ROWS)
     for block_idx in range(grid):
+        prior = Prior(a)
         e, chunk = block_idx // chunks, block_idx % chunks
-        first0, rows = group_of(a.counts, a.group_end, e)
+        rows = rows_of(a.counts, e)
         if rows == 0:
-            continue
+            continue  # finish_idle(); return
         warp, g, t = th.warp, th.lane // 4, th.tid % 4
         kblocks, scale_rows = inter // KBLOCK, H // SCALE_ROWS
-        op = SimpleNamespace(w=a.w2, w_sf=a.w2_sf, x=a.act, x_sf=a.act_sf, k_bytes=inter, sf_stride=a.sf_stride,
-                             w_row=[None] * MTILES, w_scale=[None] * MTILES)
+        op = SimpleNamespace(w=a.w2, w_sf=a.w2_sf, k_bytes=inter, sf_stride=a.sf_stride, w_row=[None] * MTILES,
+                             w_scale=[None] * MTILES)
         col = [None] * MTILES
         for i in range(MTILES):
             blk = chunk * MTILES + i
             col[i] = blk * SCALE_ROWS + warp * TILE_ROWS + g
             op.w_row[i] = (e * H + col[i]) * inter
             op.w_scale[i] = np.full(block, (e * scale_rows + blk) * kblocks)
+        ring = Ring(block)
+        start_weights(ring, op, kblocks, th)
+        prior.wait()
+        op.x, op.x_sf = prior.act, prior.act_sf
+        first0 = first_row(prior.group_end, e, rows)
         for done in range(0, rows, PASS_ROWS):
+            if done > 0:
+                start_weights(ring, op, kblocks, th)
             here = min(rows - done, PASS_ROWS)
             first = first0 + done
             tiles = set_tokens(op, first, here, th)
-            acc = warp_gemm(op, kblocks, tiles, th)
+            acc = warp_gemm(op, ring, kblocks, tiles, th)
             for i in range(MTILES):
                 for j in range(TOKEN_TILES):
                     for c in range(4):
                         token = j * 8 + 2 * t + c % 2
                         live = token < here
                         at = (first + token[live]) * H + col[i][live] + (c // 2) * 8
-                        a.out.store(at * 2, bf16_bits(acc[live, i, j, c]), "out")
+                        prior.out.store(at * 2, bf16_bits(acc[live, i, j, c]), "out")
 
 
 # -- moe_experts.cu -----------------------------------------------------------------------------------------------

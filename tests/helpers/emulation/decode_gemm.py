@@ -12,7 +12,7 @@ import numpy as np
 from tests.helpers.emulation.machine import EmulatedMemoryError, Threads, fmaf, mma_m16n8k32_e4m3
 
 __all__ = ["KBLOCK", "MTILES", "NULL", "PASS_ROWS", "SCALE_ROWS", "STAGES", "TILE_ROWS", "TILE_TOKENS", "TOKEN_TILES",
-           "WARPS", "Ring", "copy_weights", "set_tokens", "warp_gemm"]
+           "WARPS", "Ring", "copy_weights", "set_tokens", "start_weights", "warp_gemm"]
 
 # decode_gemm.cuh's constants.
 KBLOCK, KSTEPS, TILE_ROWS, TILE_TOKENS, MTILES, TOKEN_TILES, WARPS, STAGES = 128, 4, 16, 8, 2, 4, 8, 6
@@ -113,17 +113,22 @@ def mma_block(slot: np.ndarray, tk, tiles: int, acc: np.ndarray) -> None:
                 acc[:, i, j, c] = fmaf(part[:, i, j, c], scale, acc[:, i, j, c])
 
 
-def warp_gemm(op, kblocks: int, tiles: int, th: Threads) -> np.ndarray:
-    """warp_gemm: acc [threads, m tile, token tile, 4] over kblocks k blocks, the weights through the warp's ring
-    (kStages copy groups committed ahead; block kb read after waiting until kStages - 1 remain), the tokens one k
-    block ahead."""
+def start_weights(ring: Ring, op, kblocks: int, th: Threads) -> None:
+    """start_weights: a pass's first kStages k blocks of weight copies, one committed group each (empty past
+    kblocks). Reads only the weights: a kernel may call it before it waits for the kernel ahead."""
     t = th.tid % 4
-    acc = np.zeros((th.count, MTILES, TOKEN_TILES, 4), np.float32)
-    ring = Ring(th.count)
     for kb in range(STAGES):
         if kb < kblocks:
             copy_weights(ring, op, kb, t)
         ring.commit()
+
+
+def warp_gemm(op, ring: Ring, kblocks: int, tiles: int, th: Threads) -> np.ndarray:
+    """warp_gemm: acc [threads, m tile, token tile, 4] over kblocks k blocks, the weights through the warp's ring
+    (start_weights' kStages copy groups committed ahead; block kb read after waiting until kStages - 1 remain), the
+    tokens one k block ahead."""
+    t = th.tid % 4
+    acc = np.zeros((th.count, MTILES, TOKEN_TILES, 4), np.float32)
     tk = load_tokens(op, 0, t)
     for kb in range(kblocks):
         nxt = load_tokens(op, kb + 1, t) if kb + 1 < kblocks else None

@@ -174,16 +174,28 @@ __device__ __forceinline__ void mma_block(const uint4* slot, const Tokens& tk, u
                 acc[i][j][c] = fmaf(sum[i][j][c], tk.w_scale[i] * tk.x_scale[j][c % 2], acc[i][j][c]);
 }
 
-// The warp's fp32 tiles over `kblocks` k blocks: acc[i][j][c] for m tile i, token tile j, and fragment
-// element c (c[0..3] of the MMA: rows g, g, g + 8, g + 8; tokens 2t, 2t + 1, 2t, 2t + 1). `ring`: the warp's
-// kStages * kStageVectors vectors of shared memory.
+// A pass's first kStages k blocks of weight copies into the warp's ring, one committed group each (empty past
+// `kblocks`): warp_gemm's prologue. Weights only - nothing a kernel of the call writes - so a kernel may start its
+// first pass's copies before it waits for the kernel ahead of it (moe_decode.cu).
+__device__ __forceinline__ void start_weights(uint4* ring, const WarpOperands& op, u32 kblocks) {
+    const u32 lane = threadIdx.x % kWarp;
+#pragma unroll
+    for (u32 kb = 0; kb < kStages; ++kb) {
+        if (kb < kblocks) copy_weights(ring, op, kb, lane);
+        ptx::cp_async_commit();
+    }
+}
+
+// The warp's fp32 tiles over `kblocks` k blocks: acc[i][j][c] for m tile i, token tile j, and fragment element c
+// (c[0..3] of the MMA: rows g, g, g + 8, g + 8; tokens 2t, 2t + 1, 2t, 2t + 1). `ring`: the warp's
+// kStages * kStageVectors vectors of shared memory, into which start_weights(ring, op, kblocks) copies first.
 //
 // One copy group per k block, committed in k order (an empty one past the last block, so that the count
-// stays exact): the first kStages before the loop, block kb + kStages after block kb's MMAs. Block kb's group is
-// then the oldest of at most kStages in flight, so waiting until kStages - 1 remain completes it. A lane reads
-// back only the vectors it copied itself, so the wait is the only synchronisation before a read. Before a slot
-// is refilled, __syncwarp: cp.async is unordered with the thread's earlier loads, and the barrier completes the
-// slot's reads (already consumed by the MMAs, which are volatile asm ahead of the copy) first.
+// stays exact): the first kStages by start_weights, before warp_gemm; block kb + kStages after block kb's MMAs.
+// Block kb's group is then the oldest of at most kStages in flight, so waiting until kStages - 1 remain completes
+// it. A lane reads back only the vectors it copied itself, so the wait is the only synchronisation before a read.
+// Before a slot is refilled, __syncwarp: cp.async is unordered with the thread's earlier loads, and the barrier
+// completes the slot's reads (already consumed by the MMAs, which are volatile asm ahead of the copy) first.
 __device__ __forceinline__ void warp_gemm(const WarpOperands& op, uint4* ring, u32 kblocks, u32 tiles,
                                           float (&acc)[kMTiles][kTokenTiles][4]) {
     const u32 lane = threadIdx.x % kWarp, t = lane % 4;
@@ -193,11 +205,6 @@ __device__ __forceinline__ void warp_gemm(const WarpOperands& op, uint4* ring, u
         for (u32 j = 0; j < kTokenTiles; ++j)
 #pragma unroll
             for (u32 c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
-#pragma unroll
-    for (u32 kb = 0; kb < kStages; ++kb) {
-        if (kb < kblocks) copy_weights(ring, op, kb, lane);
-        ptx::cp_async_commit();
-    }
     Tokens tk, next;
     load_tokens(tk, op, 0, t);
     for (u32 kb = 0; kb < kblocks; ++kb) {

@@ -6,9 +6,11 @@
 Steps timed alone (median of graph replays, :func:`chunkring.moe.calibration.replay_median_ms`): the whole
 call (``call_ms``); the expert plan (``plan_ms``: moe_plan_reset, moe_plan_count,
 moe_plan_scatter); the experts (``experts_ms``: L1, SwiGLU + FP8 quantisation, L2); the combine push
-(``combine_push_ms``, into a local buffer); the owner's reduction over k (``reduce_ms``:
-``moe_combine_reduce``, over the routed choices; ``reduce_torch_ms``: torch's sum of every row, beside it). The
-timeline adds what only a full call has: the publish, the pull, the drain.
+(``combine_push_ms``: every row into a local buffer, as a rank pushes its peers' rows); the owner's reduction over
+k (``reduce_ms``: ``moe_combine_reduce`` over the routed choices' combine rows; ``reduce_own_ms``: the same with
+every choice read where the experts left it, as a rank reduces its own choices, which the layer's push skips;
+``reduce_torch_ms``: torch's sum of every row, beside them). The timeline adds what only a full call has: the
+publish, the pull, the drain.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from benchmarks.bench_vs_megamoe import SHAPES, draw_weights, routed_batch
 from chunkring import MoEConfig, MoELayer, Timeline
 from chunkring.jit import library_for
 from chunkring.moe.calibration import replay_median_ms
-from chunkring.moe.experts import ExpertCompute
+from chunkring.moe.experts import ExpertCompute, OwnRows
 from chunkring.moe.stage import Stage
 from chunkring.moe.timeline import Event
 from chunkring.moe.weights import expert_weights
@@ -83,8 +85,12 @@ def breakdown(name: str, tokens: list[int], runtime, iterations: int) -> list[di
             row["combine_push_ms"] = replay_median_ms(lambda: compute.combine_push(plan, out, local),
                                                       iterations=iterations, warmup=3)
             result = torch.empty((t, H), dtype=torch.bfloat16, device=device)
-            row["reduce_ms"] = replay_median_ms(lambda: compute.reduce(combine, stage.idx[0], result),
+            row["reduce_ms"] = replay_median_ms(lambda: compute.reduce(combine, stage.idx[0], stage.w[0], result),
                                                 iterations=iterations, warmup=3)
+            own = OwnRows(plan.own_row, out)  # one rank: every choice is this rank's own
+            row["reduce_own_ms"] = replay_median_ms(
+                lambda: compute.reduce(combine, stage.idx[0], stage.w[0], result, own), iterations=iterations,
+                warmup=3)
             row["reduce_torch_ms"] = replay_median_ms(  # the torch sum the layer used before moe_combine_reduce
                 lambda: torch.sum(combine[:t * K].view(t, K, H), dim=1, out=result), iterations=iterations, warmup=3)
             row["timeline_us"] = timeline_offsets_us(layer, args)
@@ -107,7 +113,7 @@ def main() -> int:
         rows = breakdown(args.shape, [int(t) for t in args.tokens.split(",")], runtime, args.iterations)
     finally:
         runtime.close()
-    keys = ("call_ms", "plan_ms", "experts_ms", "combine_push_ms", "reduce_ms", "reduce_torch_ms")
+    keys = ("call_ms", "plan_ms", "experts_ms", "combine_push_ms", "reduce_ms", "reduce_own_ms", "reduce_torch_ms")
     records.write_table(args.json, suite="consumer-breakdown", rows=rows)
     print("tokens | " + " | ".join(keys))
     for r in rows:

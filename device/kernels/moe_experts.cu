@@ -11,9 +11,10 @@
 //   moe_swiglu_bf16    act = silu(gate) * up in bf16 (bf16 path)
 //   (GEMM engine)      L2: out = act @ w2[e]^T per group
 //   moe_combine_push   each real row * its top-k weight, as bf16, into its source's combine buffer at
-//                      token * K + k
+//                      token * K + k - but the rows of this rank's own tokens, which stay where L2 wrote them
 // and at each source, once its drain saw every destination's ack (moe_stream.cu):
-//   moe_combine_reduce out[t] = the sum over its routed choices k of its combine rows t * K + k
+//   moe_combine_reduce out[t] = the sum over its routed choices k of its combine rows t * K + k, an own
+//                      choice's row read in place (its L2 row times its weight, rounded as the push rounds)
 //
 // Dependent launches (ptx/dependent_launch.cuh): moe_plan_scatter, moe_combine_push and moe_combine_reduce are
 // launched with pdl, so each starts as soon as the kernel ahead of it let it, and waits for that kernel's
@@ -60,6 +61,13 @@ constexpr u32 kWarp = 32;
 constexpr u32 kScaleBlock = 128;    // channels per activation scale (DeepSeek's 1x128 recipe)
 constexpr u32 kReduceInFlight = 4;  // moe_combine_reduce: combine rows loaded before they are added
 
+// A row element times its choice's top-k weight, in fp32, rounded to bf16: what a combine row holds - written so
+// by moe_combine_push, or computed so by moe_combine_reduce for an own row the push left in place, so that the
+// sum over k has the same bits whichever rank computed a row.
+__device__ __forceinline__ __nv_bfloat16 weighted(__nv_bfloat16 v, float weight) {
+    return __float2bfloat16_rn(__bfloat162float(v) * weight);
+}
+
 __device__ __forceinline__ u64 round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
 
 // offsets[e] = first row of expert e's group, offsets[E] = rows in use: the exclusive scan of the
@@ -95,13 +103,16 @@ __device__ void group_offsets(const unsigned* counts, int num_local, int block_m
 }  // namespace
 
 // A plan with nothing planned, in one launch: counters [counter_words] (counts, group ends and the scatter's
-// cursors, E_local each) 0, and row_src [rows] -1 (every row padding until moe_plan_scatter or moe_wave_gather
-// fills it). Plain stores, any grid: the plan's kernels come after it in stream order.
-extern "C" __global__ void moe_plan_reset(unsigned* counters, long long counter_words, int* row_src, long long rows) {
+// cursors, E_local each) 0, row_src [rows] -1 (every row padding until moe_plan_scatter or moe_wave_gather fills
+// it) and own_row [own_choices] -1 (no own choice planned). Plain stores, any grid: the plan's kernels, and the
+// reduction that reads own_row, come after it in stream order.
+extern "C" __global__ void moe_plan_reset(unsigned* counters, long long counter_words, int* row_src, long long rows,
+                                          int* own_row, long long own_choices) {
     const u64 first = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
     for (u64 i = first; i < static_cast<u64>(counter_words); i += stride) counters[i] = 0;
     for (u64 i = first; i < static_cast<u64>(rows); i += stride) row_src[i] = -1;
+    for (u64 i = first; i < static_cast<u64>(own_choices); i += stride) own_row[i] = -1;
 }
 
 // counts [E_local] (zeroed by moe_plan_reset) += the choices in the stage's idx [W, N, K] of experts
@@ -130,10 +141,12 @@ extern "C" __global__ void moe_plan_count(const StageDesc* stage, unsigned* coun
 //   row_token / row_k [P] int32, row_weight [P] fp32 (padding rows: unwritten)
 //   group_end [E_local] int32: offset(e) + counts[e], the real rows' end of each group - DeepGEMM's
 //   "psum" grouped layout, with which its GEMMs visit only each expert's own row blocks
+//   own_row [N * K] int32: for each choice of source own_rank (this rank's own tokens), its row p at token * K + k
+//   (-1 elsewhere, prefilled by moe_plan_reset): where the reduction finds it, since the push skips those rows
 extern "C" __global__ void moe_plan_scatter(const StageDesc* stage, int block_m, const unsigned* counts,
                                             unsigned* cursors, unsigned char* rows, float* rows_sf, long long sf_stride,
                                             int* row_src, int* row_token, int* row_k, float* row_weight,
-                                            int* group_end) {
+                                            int* group_end, int own_rank, int* own_row) {
     ptx::wait_prior_grid();
     ptx::release_dependents();
     const StageDesc& s = *stage;
@@ -176,6 +189,7 @@ extern "C" __global__ void moe_plan_scatter(const StageDesc* stage, int block_m,
                 row_token[p] = static_cast<int>(token);
                 row_k[p] = static_cast<int>(choice % K);
                 row_weight[p] = stage_w[choice];
+                if (src == static_cast<u64>(own_rank)) own_row[choice % (N * K)] = static_cast<int>(p);
             }
             util::warp_copy16(rows + p * row_bytes, stage_x + stage_row * row_bytes, row_bytes, lane);
             for (u64 j = lane; j < sf_per_row; j += kWarp) rows_sf[j * sf_stride + p] = stage_sf[stage_row * sf_per_row + j];
@@ -239,7 +253,9 @@ extern "C" __global__ void moe_swiglu_bf16(const __nv_bfloat16* gate_up, const i
 
 // One block per row in use (grid-stride): a real row of out [P, H] bf16, times its top-k weight in fp32
 // and rounded to bf16 - the precision of the layer's output, which the source's reduction over k
-// (fp32 accumulation) keeps - goes to its source's combine buffer [capacity * K, H] at token * K + k.
+// (fp32 accumulation) keeps - goes to its source's combine buffer [capacity * K, H] at token * K + k. A row of
+// source own_rank (this rank; -1: none) stays in `out`: this rank's own reduction reads it there (own_row), after
+// this call's held acks and drain in stream order, so nothing copies it.
 // Per source, as the ring descriptor `desc` says (protocol/transport.cuh; null desc: every source DIRECT):
 //   DIRECT: stores through peer_combine[src] (the source's combine buffer as this GPU addresses it);
 //   RMA:    the weighted row overwrites its own row of `out`, then one non-blocking block put of it to
@@ -254,7 +270,8 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
                                             int num_local, int block_m, long long hidden, int topk,
                                             const unsigned long long* peer_combine,
                                             CHUNKRING_NULLABLE const RingDesc* desc,
-                                            CHUNKRING_NULLABLE __nv_bfloat16* combine, unsigned long long* pushed) {
+                                            CHUNKRING_NULLABLE __nv_bfloat16* combine, int own_rank,
+                                            unsigned long long* pushed) {
     ptx::wait_prior_grid();
     ptx::release_dependents();
     extern __shared__ unsigned offsets[];
@@ -262,7 +279,7 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
     const u64 used = offsets[num_local], H = static_cast<u64>(hidden);
     for (u64 row = blockIdx.x; row < used; row += gridDim.x) {
         const int src = row_src[row];
-        if (src < 0) continue;  // uniform across the block: one row per block
+        if (src < 0 || src == own_rank) continue;  // uniform across the block: one row per block
         const bool rma = desc != nullptr && chunkring::protocol::peer_is_rma(*desc, src);
         const float w = row_weight[row];
         const u64 at = (static_cast<u64>(row_token[row]) * topk + row_k[row]) * H;
@@ -273,7 +290,7 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
             const auto* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
             __align__(16) __nv_bfloat16 r[8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) r[j] = __float2bfloat16_rn(__bfloat162float(v[j]) * w);
+            for (int j = 0; j < 8; ++j) r[j] = weighted(v[j], w);
             *reinterpret_cast<int4*>(to + i) = *reinterpret_cast<const int4*>(r);
         }
         if (rma) chunkring::protocol::put_block(combine + at, from, H * sizeof(__nv_bfloat16), src);
@@ -291,47 +308,63 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
     }
 }
 
-// The owner's output: out[t] = sum over k of combine[t * K + k] for every routed choice (routing[t * K + k] >= 0),
+// The owner's output: out[t] = sum over k of its choice's row for every routed choice (routing[t * K + k] >= 0),
 // each element accumulated in fp32 in k order and rounded once to bf16 - one order whatever the call's chunking
-// or the ranks that wrote the rows, so streamed calls equal batch-ready bit for bit. `routing` [tokens, K] is
+// or the ranks that computed the rows, so streamed calls equal batch-ready bit for bit. `routing` [tokens, K] is
 // this rank's own rows of the stage as its pull checked them (an out-of-range expert masked to -1, as every
 // rank's pull masks it; rows past a valid count -1 as the host filled them): each routed choice's row was
 // written in this call by the one rank that owns its expert, and a masked choice's row by none, so it is never
 // read - the combine buffer needs no zeroing, and a token with no routed choice comes out 0.
+// A choice's row: where own_row (nullable, [tokens * K]) names a plan row p >= 0 - a choice this rank computed
+// itself, which moe_combine_push left in place - own_out's row p times weights[t * K + k], rounded to bf16 as the
+// push rounds it; else combine row t * K + k.
 // Stream-ordered after moe_drain, whose acquire saw every destination's ack (each sent after that destination's
-// rows for this rank landed), so every row read here is complete. Eight values per thread and step (one 16-byte
-// load per k) where hidden % 8 == 0 and both buffers are 16-byte aligned (a caller's `out` may be a view at any
-// element offset), else one.
-extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, const int* routing, __nv_bfloat16* out,
+// rows for this rank landed), and - on this rank's own streams - after its own held acks, which follow its L2, so
+// every row read here is complete. Eight values per thread and step (one 16-byte load per k) where hidden % 8 == 0
+// and the buffers are 16-byte aligned (a caller's `out` may be a view at any element offset), else one.
+extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, const int* routing, const float* weights,
+                                              CHUNKRING_NULLABLE const int* own_row,
+                                              CHUNKRING_NULLABLE const __nv_bfloat16* own_out, __nv_bfloat16* out,
                                               long long tokens, int topk, long long hidden) {
     ptx::wait_prior_grid();
     constexpr bool kEveryChoice = kMutant == Mutant::kReduceEveryChoice;  // a negative control only
     const u64 n = static_cast<u64>(tokens), K = static_cast<u64>(topk), H = static_cast<u64>(hidden);
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
     const u64 first = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    // The plan row of choice i if it is one of this rank's own (left in own_out by the push), else -1.
+    auto own_at = [&](u64 i) { return own_row != nullptr ? own_row[i] : -1; };
     using ::cuda::std::uintptr_t;
-    const bool aligned = (reinterpret_cast<uintptr_t>(combine) | reinterpret_cast<uintptr_t>(out)) % 16 == 0;
+    const bool aligned = (reinterpret_cast<uintptr_t>(combine) | reinterpret_cast<uintptr_t>(out) |
+                          reinterpret_cast<uintptr_t>(own_out)) % 16 == 0;
     if (H % 8 == 0 && aligned) {
         const u64 per_row = H / 8;  // 16-byte vectors per row
         const auto* rows = reinterpret_cast<const int4*>(combine);
+        const auto* own_rows = reinterpret_cast<const int4*>(own_out);
         auto* dst = reinterpret_cast<int4*>(out);
         for (u64 i = first; i < n * per_row; i += stride) {
             const u64 t = i / per_row, c = i % per_row;
             float acc[8] = {};
             for (u64 k0 = 0; k0 < K; k0 += kReduceInFlight) {  // the loads of several k in flight, added in k order
                 int4 raw[kReduceInFlight];
-                bool routed[kReduceInFlight];
+                bool routed[kReduceInFlight], own[kReduceInFlight];
+                float weight[kReduceInFlight];  // an own row's top-k weight (a combine row is weighted already)
 #pragma unroll
                 for (u32 u = 0; u < kReduceInFlight; ++u) {
-                    routed[u] = k0 + u < K && (routing[t * K + k0 + u] >= 0 || kEveryChoice);
-                    if (routed[u]) raw[u] = rows[(t * K + k0 + u) * per_row + c];
+                    const u64 choice = t * K + k0 + u;
+                    routed[u] = k0 + u < K && (routing[choice] >= 0 || kEveryChoice);
+                    if (!routed[u]) continue;
+                    const int p = own_at(choice);
+                    own[u] = p >= 0;
+                    weight[u] = own[u] ? weights[choice] : 0.0f;
+                    raw[u] = own[u] ? own_rows[static_cast<u64>(p) * per_row + c] : rows[choice * per_row + c];
                 }
 #pragma unroll
                 for (u32 u = 0; u < kReduceInFlight; ++u) {
                     if (!routed[u]) continue;
                     const auto* v = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[j] += __bfloat162float(v[j]);
+                    for (int j = 0; j < 8; ++j)
+                        acc[j] += __bfloat162float(own[u] ? weighted(v[j], weight[u]) : v[j]);
                 }
             }
             __align__(16) __nv_bfloat16 r[8];
@@ -344,8 +377,13 @@ extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, cons
     for (u64 i = first; i < n * H; i += stride) {
         const u64 t = i / H, c = i % H;
         float acc = 0.0f;
-        for (u64 k = 0; k < K; ++k)
-            if (routing[t * K + k] >= 0 || kEveryChoice) acc += __bfloat162float(combine[(t * K + k) * H + c]);
+        for (u64 k = 0; k < K; ++k) {
+            const u64 choice = t * K + k;
+            if (routing[choice] < 0 && !kEveryChoice) continue;
+            const int p = own_at(choice);
+            acc += __bfloat162float(p >= 0 ? weighted(own_out[static_cast<u64>(p) * H + c], weights[choice])
+                                           : combine[choice * H + c]);
+        }
         out[i] = __float2bfloat16_rn(acc);
     }
 }

@@ -156,7 +156,11 @@
  * counts, which no call zeroes, asserted zero); the next call's blocks start after it (callfin).
  * Not modelled: the owner's drain waiting for its own consumer stream (the
  * layer's producer.wait_stream(consumer)); leaving it out only adds
- * schedules, and it orders the owner's own rows, never a peer's.
+ * schedules, and it orders the owner's own rows, never a peer's.  Those the
+ * layer's batch plan does not push at all: they stay where the owner's L2
+ * wrote them, which precedes its held acks in stream order as the push does;
+ * the marker combined[CMB(r, r)] stands for them, so the check here is
+ * stronger than the stream order the layer relies on.
  * The producer never waits for a held ack within an invocation
  * (the eos chunk is its last publish); across invocations P1 may wait for
  * the held ack of the previous one, which comes without any further publish.

@@ -1,7 +1,7 @@
 """The owner's reduction over k on the GPU: it adds only the choices its own pull found routed, each written once
-in the call by the rank that owns its expert, so nothing zeroes the combine buffer (docs/PROTOCOL.md, "The MoE
-layer on the ring"). The negative control: a reduction that adds every choice's row takes what an earlier call
-left in a masked choice's row."""
+in the call by the rank that owns its expert (or, for this rank's own experts, left where its L2 wrote them), so
+nothing zeroes the combine buffer (docs/PROTOCOL.md, "The MoE layer on the ring"). The negative control: a
+reduction that adds every choice's row reads rows no rank wrote."""
 
 import pytest
 import torch
@@ -14,10 +14,10 @@ from tests.gpu.moe_helpers import INTER, H, layer_reference, local_weights, rel_
 pytestmark = pytest.mark.gpu
 
 
-def _masked_after_routed_is_wrong(runtime, variant: int) -> bool:
-    """A layer of ``variant``'s kernels (0: the real ones), two batch-ready calls of the same tokens: every choice
-    routed, then about 30 % of them masked. Nothing zeroes the combine buffer, so each masked choice's row still
-    holds the first call's value. Whether any rank's second output missed the reference."""
+def _masked_choices_read(runtime, variant: int) -> bool:
+    """A layer of ``variant``'s kernels (0: the real ones), its combine buffer filled with NaN - what no push writes
+    - then one batch-ready call with about 30 % of the choices masked. Whether any rank's output missed the
+    reference (a NaN row read makes its tokens NaN)."""
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=4, max_tokens_per_rank=64)
     layer = mutant_layer(runtime, cfg, variant, timeout_s=60)
@@ -26,26 +26,27 @@ def _masked_after_routed_is_wrong(runtime, variant: int) -> bool:
         w13_local, w2_local = local_weights(layer, w13, w2)
         gen = torch.Generator().manual_seed(40 + rank)
         xq, sf = quantize_fp8_per128(torch.randn(64, H, generator=gen))
-        routed, w = routing(64, cfg.num_experts, cfg.topk, "uniform", gen)
-        masked = routed.clone()
-        masked[torch.rand(64, cfg.topk, generator=gen) < 0.3] = -1
-        outs = [layer.run(*(t.to(device) for t in (xq, sf, idx, w)), w13_local, w2_local) for idx in (routed, masked)]
+        idx, w = routing(64, cfg.num_experts, cfg.topk, "uniform", gen)
+        idx[torch.rand(64, cfg.topk, generator=gen) < 0.3] = -1
+        # Stream-ordered before the call's publish, so before any peer pulls this rank's tokens and pushes to it.
+        layer.resources.combine.fill_(float("nan"))
+        out = layer.run(*(t.to(device) for t in (xq, sf, idx, w)), w13_local, w2_local)
         torch.cuda.synchronize()
         layer.check()
-        ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), masked, w, w13, w2)
-        wrong = rel_error(outs[1], ref) > tolerance(layer)
+        ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
+        wrong = not torch.isfinite(out).all() or rel_error(out, ref) > tolerance(layer)
     finally:
         layer.destroy()
-    return any(runtime.allgather_object(wrong))
+    return any(runtime.allgather_object(bool(wrong)))
 
 
 def test_negative_control_a_reduction_of_every_choice_adds_rows_no_rank_wrote(runtime):
-    """The owner's reduction adds only its routed choices' combine rows (docs/PROTOCOL.md, "The MoE layer on the
-    ring"): a masked choice's row is written by no rank and never zeroed. The REDUCE_EVERY_CHOICE mutant adds
-    every row, so after a call that routed every choice, a call that masks some adds the first call's rows and
-    misses the reference; the real kernels, same calls, match it. One rank suffices: its own rows."""
+    """The owner's reduction adds only its routed choices' rows (docs/PROTOCOL.md, "The MoE layer on the ring"): a
+    masked choice's combine row is written by no rank and never zeroed. The REDUCE_EVERY_CHOICE mutant adds every
+    row, so with the combine buffer holding NaN it reads a masked choice's NaN and misses the reference; the real
+    kernels, same call, match it. One rank suffices: its own masked choices."""
     from chunkring.testing.stress import REDUCE_EVERY_CHOICE
 
-    assert not _masked_after_routed_is_wrong(runtime, 0)
-    assert _masked_after_routed_is_wrong(runtime, REDUCE_EVERY_CHOICE), \
-        "the REDUCE_EVERY_CHOICE mutant escaped: the reduction's routing is not what keeps stale rows out"
+    assert not _masked_choices_read(runtime, 0)
+    assert _masked_choices_read(runtime, REDUCE_EVERY_CHOICE), \
+        "the REDUCE_EVERY_CHOICE mutant escaped: the reduction's routing is not what keeps unwritten rows out"

@@ -157,7 +157,7 @@ class World:
         self.library.stream = ("publish", self.rings[r].desc.data_ptr())
         self.library.launch("moe_drain", desc=self.rings[r].desc, block=32, stream=None)
         self.reduced[r] = torch.empty((n, H), dtype=torch.bfloat16)
-        self.computes[r].reduce(self.combine[r], self.stages[r].idx[r], self.reduced[r])
+        self.computes[r].reduce(self.combine[r], self.stages[r].idx[r], self.stages[r].w[r], self.reduced[r])
 
 
 def local_choices(batches, r: int) -> dict[tuple[int, int, int], int]:

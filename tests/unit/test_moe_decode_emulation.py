@@ -120,7 +120,8 @@ def build(case: Case, seed: int = 0):
     plan = DevicePlan(counts=ref.counts.int(), group_end=(ref.expert_offsets[:-1] + ref.counts).int(),
                       src=torch.full((P,), -1, dtype=torch.int32), token=torch.zeros(P, dtype=torch.int32),
                       k=torch.zeros(P, dtype=torch.int32), weight=torch.zeros(P),
-                      rows=torch.zeros((P, H), dtype=torch.uint8), rows_sf=torch.zeros((H // 128, P)))
+                      rows=torch.zeros((P, H), dtype=torch.uint8), rows_sf=torch.zeros((H // 128, P)),
+                      own_row=torch.full((tokens * K,), -1, dtype=torch.int32))
     real = torch.nonzero(ref.src_rank[order] >= 0).flatten()
     picked = order[real]
     plan.src[real], plan.k[real], plan.weight[real] = ref.src_rank[picked], ref.topk_pos[picked], ref.weight[picked]

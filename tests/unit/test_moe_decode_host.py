@@ -241,7 +241,8 @@ def cpu_plan(P, E, H):
     return DevicePlan(counts=counts, group_end=torch.zeros(E, dtype=torch.int32),
                       src=torch.full((P,), -1, dtype=torch.int32), token=torch.zeros(P, dtype=torch.int32),
                       k=torch.zeros(P, dtype=torch.int32), weight=torch.zeros(P),
-                      rows=torch.zeros((P, H), dtype=torch.uint8), rows_sf=torch.ones((H // 128, P)))
+                      rows=torch.zeros((P, H), dtype=torch.uint8), rows_sf=torch.ones((H // 128, P)),
+                      own_row=torch.full((P,), -1, dtype=torch.int32))  # read by no decode kernel
 
 
 def small_weights(E, H, inter):

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from chunkring import MoEConfig, PayloadFormat
+from chunkring.moe.experts import OwnRows
 from chunkring.moe.stage import Stage
 from tests.helpers.emulation import decode as decode_emu
 from tests.helpers.emulation import plan as plan_emu
@@ -160,7 +161,7 @@ def local_choices(r) -> list[list[tuple[int, int, int]]]:
 
 def check_plan(r) -> np.ndarray:
     """The plan against the layout DevicePlan promises for the stage's choices; returns the real rows."""
-    return check_layout(r.plan, local_choices(r), r.before["x"], r.before["sf"], r.before["w"])
+    return check_layout(r.plan, local_choices(r), r.before["x"], r.before["sf"], r.before["w"], r.case.rank)
 
 
 def check_nothing_else_written(r, real: np.ndarray) -> None:
@@ -241,3 +242,35 @@ def test_stage_to_combine_matches_the_layer(case, monkeypatch):
     assert written_slots(combine) == set(want), "exactly the local choices' combine slots"
     # Two bf16 roundings (out, the combine) of up to 2^-9 each, and a rare e4m3 flip: measured at most 2^-8.5.
     assert max(relative_errors(combine, want), default=0.0) < 2.0**-7, "each combine row within 2^-7, relative"
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=str)
+def test_own_choices_stay_in_place_and_reach_the_reduction(case, monkeypatch):
+    """The batch plan's push leaves this rank's own choices where L2 wrote them (``keep_own``), and the rank's
+    reduction reads them there through own_row, weighted as the push weights: its output equals, bit for bit, the
+    reduction of a combine buffer into which every row was pushed. The rows of this rank's tokens that other ranks'
+    experts compute come from the test, as those ranks' pushes would."""
+    r = run(case, monkeypatch, extra_kernels=decode_emu.kernels([]))
+    w13, w2 = layer_weights(r.memory, case.experts, case.hidden, r.config.intermediate)
+    combine, peer_combine = combine_buffers(r.memory, case.sources, case.tokens * case.topk, case.hidden)
+    out = r.compute.experts(r.plan, w13, w2)
+    r.compute.combine_push(r.plan, out, peer_combine, keep_own=True)
+    rank, K, H = case.rank, case.topk, case.hidden
+    want = layer_rows(local_choices(r), r.before["x"], r.before["sf"], r.before["w"], w13, w2)
+    assert written_slots(combine) == {slot for slot in want if slot[0] != rank}, "every local choice but the own"
+    idx = r.before["idx"][rank]
+    peers = torch.nonzero((idx >= 0) & ((idx < r.stage.expert_lo) | (idx >= r.stage.expert_hi))).tolist()
+    gen = torch.Generator().manual_seed(5)
+    for t, k in peers:
+        combine[rank][t * K + k] = torch.randn(H, generator=gen).bfloat16()
+    pushed = combine[rank].clone()  # the same buffer had the push copied the own rows too
+    for p in np.flatnonzero((r.plan.src == rank).numpy()):
+        pushed[int(r.plan.token[p]) * K + int(r.plan.k[p])] = (out[p].float() * r.plan.weight[p]).bfloat16()
+    want_out = torch.zeros(case.tokens, H)
+    for k in range(K):  # fp32, in k order, the routed choices only
+        routed = (idx[:, k] >= 0).unsqueeze(1)
+        want_out = torch.where(routed, want_out + pushed[k::K].float(), want_out)
+    result = torch.empty((case.tokens, H), dtype=torch.bfloat16)
+    r.compute.reduce(combine[rank], r.stage.idx[rank], r.stage.w[rank], result, OwnRows(r.plan.own_row, out))
+    assert r.library.launches[-1][0] == "moe_combine_reduce"
+    assert torch.equal(result, want_out.bfloat16()), "the own rows read in place, weighted as the push weights"

@@ -19,11 +19,13 @@ DECODE_TOKENS = 8  # the fake layer's decode_for: the decode path for calls of a
 
 
 class Stream:
-    def __init__(self, name):
-        self.name, self.waits = name, []
+    def __init__(self, name, launched=None):
+        self.name, self.waits, self.launched = name, [], launched
 
     def wait_stream(self, other):
         self.waits.append(other.name)
+        if self.launched is not None:
+            self.launched.append(("wait", f"{self.name}<-{other.name}"))
 
 
 class Device:
@@ -57,14 +59,15 @@ class Compute:
         self.launched.append(("experts", self.device.current.name))
         self.engines.append(kwargs["decode"])
         self.empty = kwargs["empty"]
+        return "own rows"
 
     def empty_plan(self):
         self.launched.append(("empty_plan", self.device.current.name))
         return "empty plan"
 
-    def reduce(self, combine, routing, out):
+    def reduce(self, combine, routing, weights, out, own):
         self.launched.append(("reduce", self.device.current.name))
-        self.routing = routing
+        self.routing, self.weights, self.own = routing, weights, own
 
     def wave(self, *args, **kwargs):
         self.launched.append(("wave", self.device.current.name))
@@ -81,7 +84,7 @@ def schedule_on(monkeypatch, *, slots, waves=1, partition=True):
     def launch(name, **kwargs):
         launched.append((name, kwargs["stream"].name))
 
-    whole = (Stream("whole.producer"), Stream("whole.consumer"))
+    whole = (Stream("whole.producer"), Stream("whole.consumer", launched))
     streamed = (Stream("part.producer"), Stream("part.consumer")) if partition else whole
     spec = SimpleNamespace(tokens_per_slot=16, num_slots=slots, world_size=1)
     rings = {mode: SimpleNamespace(spec=spec, desc=mode.value) for mode in CallMode}
@@ -92,14 +95,14 @@ def schedule_on(monkeypatch, *, slots, waves=1, partition=True):
                                 abandon_barrier=lambda: None),
         streams={CallMode.BATCH_READY: whole, CallMode.STREAMED: streamed},
         compute_streams={CallMode.BATCH_READY: whole[1],
-                         CallMode.STREAMED: Stream("whole.compute") if partition else whole[1]},
+                         CallMode.STREAMED: Stream("whole.compute", launched) if partition else whole[1]},
         consumer_sms={CallMode.BATCH_READY: None, CallMode.STREAMED: 12 if partition else None},
         pull_stream=Stream("part.side") if waves > 1 else None,
         combine=torch.zeros(N * K, H, dtype=torch.bfloat16), peer_combine=None,
         produce_arrivals={mode: torch.zeros(1, dtype=torch.int32) for mode in CallMode},
         arrivals={mode: torch.zeros(1, 4, dtype=torch.int32) for mode in CallMode},
-        stage=SimpleNamespace(idx=torch.zeros(1, N, K, dtype=torch.int32), held=torch.zeros(1, dtype=torch.int64),
-                              desc="stage"),
+        stage=SimpleNamespace(idx=torch.zeros(1, N, K, dtype=torch.int32), w=torch.zeros(1, N, K),
+                              held=torch.zeros(1, dtype=torch.int64), desc="stage"),
         kernels=SimpleNamespace(stream=SimpleNamespace(launch=launch)),
         decode_for=lambda n: n <= DECODE_TOKENS)
     res.compute = Compute(launched, device)
@@ -173,12 +176,32 @@ def test_the_reduction_reads_this_ranks_own_routing_and_nothing_clears_the_combi
     schedule, res, launched = schedule_on(monkeypatch, slots=2)
     res.runtime.rank = 1
     res.stage.idx = torch.arange(2 * N * K, dtype=torch.int32).view(2, N, K)
+    res.stage.w = torch.rand(2, N, K)
     res.combine.fill_(float("nan"))
     for n in (0, 1, 61):
         call(schedule, mode, n)
-        routing = res.compute.routing
+        routing, weights = res.compute.routing, res.compute.weights
         assert routing.data_ptr() == res.stage.idx[1].data_ptr() and routing.shape == (N, K)
+        assert weights.data_ptr() == res.stage.w[1].data_ptr() and weights.shape == (N, K)
     assert res.combine.isnan().all()
+
+
+@pytest.mark.parametrize(("mode", "waves"), [(CallMode.BATCH_READY, 1), (CallMode.STREAMED, 1), (CallMode.STREAMED, 2)])
+def test_the_batch_plans_own_rows_reach_the_reduction_and_outlive_it(monkeypatch, mode, waves):
+    """This rank's own choices stay where its experts wrote them (docs/PROTOCOL.md, "The MoE layer on the ring"):
+    the batch plan's own rows go to the reduction, and the stream that allocated them waits for the reduction
+    before the call returns (so nothing there reuses their memory before it read them). Waves push every row:
+    the reduction gets none."""
+    schedule, res, launched = schedule_on(monkeypatch, slots=2, waves=waves)
+    call(schedule, mode, 61)
+    if waves > 1:
+        assert res.compute.own is None
+        return
+    assert res.compute.own == "own rows"
+    compute = res.compute_streams[mode] if mode is CallMode.STREAMED else res.streams[mode][1]
+    producer = res.streams[mode][0].name
+    names = [(name, where) for name, where in launched]
+    assert names.index(("wait", f"{compute.name}<-{producer}")) > names.index(("reduce", producer))
 
 
 @pytest.mark.parametrize("waves", [1, 2])
@@ -204,4 +227,4 @@ def test_the_batch_plan_is_reset_before_the_pull_on_the_stream_that_uses_it(monk
     assert where(launched, "empty_plan") == where(launched, "experts") and res.compute.empty == "empty plan"
     compute = res.compute_streams[CallMode.STREAMED]
     if where(launched, "experts") == {compute.name}:  # a stream of its own: it waited for the consumer twice
-        assert compute.waits == ["part.consumer", "part.consumer"]
+        assert compute.waits[:2] == ["part.consumer", "part.consumer"]

@@ -167,7 +167,8 @@ def wave(r, last: bool):
     claimed = words[L.wave_ids():L.wave_ids() + int(words[L.counter("kWaveCount")])].tolist()
     args = [a for name, _, _, a in r.library.launches if name == "moe_wave_gather"][-1]
     plan = DevicePlan(counts=args["counts"], group_end=args["group_end"], src=args["row_src"], token=args["row_token"],
-                      k=args["row_k"], weight=args["row_weight"], rows=args["rows"], rows_sf=args["rows_sf"])
+                      k=args["row_k"], weight=args["row_weight"], rows=args["rows"], rows_sf=args["rows_sf"],
+                      own_row=torch.empty(0, dtype=torch.int32))  # a wave's gather fills no own rows
     return claimed, plan
 
 

@@ -91,7 +91,7 @@ def plan_of(w: World, r: int, gen: torch.Generator):
                     src[row], token[row], k[row], weight[row] = s, t, kk, stage.w[s, t, kk]
                     want[s, t * K + kk] = (out[row].float() * weight[row]).bfloat16()
     plan = DevicePlan(counts, counts.clone(), src, token, k, weight, torch.zeros(P, H, dtype=torch.uint8),
-                      torch.zeros(H // 128, P))
+                      torch.zeros(H // 128, P), own_row=torch.full((N * K,), -1, dtype=torch.int32))
     return plan, out, want
 
 

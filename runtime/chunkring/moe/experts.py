@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from chunkring.jit import KernelArgs
     from chunkring.moe.stage import Stage
 
-__all__ = ["GROUP_ALIGN", "DevicePlan", "ExpertCompute", "check_expert_weights", "load_deep_gemm"]
+__all__ = ["GROUP_ALIGN", "DevicePlan", "ExpertCompute", "OwnRows", "check_expert_weights", "load_deep_gemm"]
 
 #: Rows each expert group is padded to: DeepGEMM's M alignment for the contiguous layout (checked
 #: against the library when it loads). The bf16 path plans alike, so both paths share one plan.
@@ -82,7 +82,8 @@ class DevicePlan:
     [E_local]: offset(e) + counts[e] (DeepGEMM's psum layout).  Per row [P]: src int32 (-1 on padding
     rows and past the last group), token, k int32, weight fp32 (unspecified there).  rows uint8 [P, row
     bytes]: the payload (FP8 or bf16 bytes); rows_sf fp32 [H / 128, P]: the FP8 rows' scales, MN-major as
-    the GEMM takes them.
+    the GEMM takes them. own_row int32 [N * K] (N = ``max_tokens_per_rank``): the row of each choice of this
+    rank's own tokens at token * K + k, -1 elsewhere (``moe_plan_scatter`` fills it; a wave's plan leaves it -1).
     """
 
     counts: torch.Tensor
@@ -93,6 +94,7 @@ class DevicePlan:
     weight: torch.Tensor
     rows: torch.Tensor
     rows_sf: torch.Tensor
+    own_row: torch.Tensor
 
     def scatter_args(self) -> KernelArgs:
         """What the kernels that fill a plan (``moe_plan_scatter``, ``moe_wave_gather``) write into, by their
@@ -105,6 +107,18 @@ class DevicePlan:
         """The plan's rows and groups as the kernels that walk them (SwiGLU, combine push) take them."""
         return {"row_src": self.src, "counts": self.counts, "num_local": self.counts.shape[0],
                 "block_m": GROUP_ALIGN}
+
+
+@dataclass(frozen=True)
+class OwnRows:
+    """Where a call's own choices - this rank's tokens routed to this rank's experts - are, for its reduction
+    (:meth:`ExpertCompute.reduce`): the batch plan's ``own_row`` (int32 [N * K]: the row of ``out`` holding choice
+    token * K + k, -1 for every other choice) and ``out`` (bf16 [P, H], the experts' rows, unweighted). The combine
+    push leaves those rows there instead of copying them into this rank's own combine buffer. Allocated on the
+    stream that ran the experts: it must not run anything that reuses them before the reduction has read them."""
+
+    row: torch.Tensor
+    out: torch.Tensor
 
 
 def check_expert_weights(config, experts_per_rank: int, device, w13, w2) -> None:
@@ -142,6 +156,7 @@ class ExpertCompute:
             raise ChunkringUsageError(f"expected a bool, got {deep_gemm_too!r}", field="deep_gemm_too")
         self.config, self.kernels, self.device, self.decode = config, kernels, device, decode
         self.first_expert, self.experts_per_rank = first_expert, experts_per_rank
+        self.rank = first_expert // experts_per_rank  # the stage's source index of this rank's own tokens
         self.fp8 = config.payload.has_scales
         self.capacity = padded_rows_bound(config.max_tokens_per_rank, config.topk, world_size, experts_per_rank,
                                           GROUP_ALIGN)
@@ -180,16 +195,18 @@ class ExpertCompute:
 
     def __call__(self, stage, w13, w2, peer_combine: torch.Tensor, on_experts_done, *,
                  desc: torch.Tensor | None = None, combine: torch.Tensor | None = None, sms: int | None = None,
-                 decode: bool | None = None, empty: tuple[DevicePlan, torch.Tensor] | None = None) -> None:
+                 decode: bool | None = None, empty: tuple[DevicePlan, torch.Tensor] | None = None) -> OwnRows:
         """Plan ``stage``'s rows (moe_pull's output), run the experts, call ``on_experts_done`` (a timeline
-        mark) and push the weighted rows to each source (:meth:`combine_push`). ``sms``: the SMs the current
-        stream may use (its green-context partition's), None for the whole GPU (:meth:`gemm_sms`); ``decode``:
-        as :meth:`experts` takes it; ``empty``: as :meth:`plan` takes it."""
+        mark) and push the weighted rows to each other source (:meth:`combine_push`); returns where this rank's own
+        choices are, for its :meth:`reduce`. ``sms``: the SMs the current stream may use (its green-context
+        partition's), None for the whole GPU (:meth:`gemm_sms`); ``decode``: as :meth:`experts` takes it;
+        ``empty``: as :meth:`plan` takes it."""
         plan = self.plan(stage, empty)
         with self.gemm_sms(sms):
             out = self.experts(plan, w13, w2, decode=decode)
         on_experts_done()
-        self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
+        self.combine_push(plan, out, peer_combine, desc=desc, combine=combine, keep_own=True)
+        return OwnRows(plan.own_row, out)
 
     @contextlib.contextmanager
     def gemm_sms(self, sms: int | None) -> Iterator[None]:
@@ -218,7 +235,7 @@ class ExpertCompute:
             self._checked_stage = stage
         self._launch("moe_plan_count", stage=stage.desc, counts=plan.counts)
         self._launch("moe_plan_scatter", stage=stage.desc, block_m=GROUP_ALIGN, cursors=cursors, shared=True,
-                     pdl=True, **plan.scatter_args())
+                     pdl=True, own_rank=self.rank, own_row=plan.own_row, **plan.scatter_args())
         return plan
 
     def _check_stage(self, stage: Stage, plan: DevicePlan) -> None:
@@ -233,18 +250,23 @@ class ExpertCompute:
                                       f"a row, top-{got[4]}) is not this layer's (experts [{want[0]}, {want[1]}), "
                                       f"{want[2]} bytes and {want[3]} scales a row, top-{want[4]})", field="stage")
         W, N = stage.idx.shape[0], stage.idx.shape[1]
+        if N * self.config.topk > plan.own_row.numel() or self.rank >= W:
+            raise ChunkringUsageError(f"a stage of {W} x {N} rows does not fit this layer's rank {self.rank} of "
+                                      f"{self.config.max_tokens_per_rank} tokens", field="stage")
         if padded_rows_bound(N, self.config.topk, W, self.experts_per_rank, GROUP_ALIGN) > self.capacity:
             raise ChunkringUsageError(f"a stage of {stage.idx.shape[0]} x {stage.idx.shape[1]} rows can plan past "
                                       f"the {self.capacity} rows of this layer's plan", field="stage")
 
     def empty_plan(self) -> tuple[DevicePlan, torch.Tensor]:
-        """A plan's buffers with no rows planned (every count 0, every row padding: ``moe_plan_reset``, one launch
-        on the current stream), and the scatter's per-expert cursors (0)."""
+        """A plan's buffers with no rows planned (every count 0, every row padding, no own choice: ``moe_plan_reset``,
+        one launch on the current stream), and the scatter's per-expert cursors (0)."""
         dev, P, E, H = self.device, self.capacity, self.experts_per_rank, self.config.hidden
         counters = torch.empty((3, E), dtype=torch.int32, device=dev)  # counts, group ends, cursors
         src = torch.empty(P, dtype=torch.int32, device=dev)
+        own_row = torch.empty(self.config.max_tokens_per_rank * self.config.topk, dtype=torch.int32, device=dev)
         self.kernels.launch("moe_plan_reset", counters=counters, counter_words=counters.numel(), row_src=src, rows=P,
-                            grid=max(1, min(self._grid, -(-P // _BLOCK))), block=_BLOCK,
+                            own_row=own_row, own_choices=own_row.numel(),
+                            grid=max(1, min(self._grid, -(-max(P, own_row.numel()) // _BLOCK))), block=_BLOCK,
                             stream=torch.cuda.current_stream(dev))
         row_bytes, sf_per_row = (H, H // FP8_SCALE_BLOCK) if self.fp8 else (2 * H, 0)
         plan = DevicePlan(
@@ -253,7 +275,7 @@ class ExpertCompute:
             weight=torch.empty(P, dtype=torch.float32, device=dev),
             rows=torch.empty((P, row_bytes), dtype=torch.uint8, device=dev),
             # The GEMM's scale layout (MN-major): scale j of row p at j * P + p.
-            rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev))
+            rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev), own_row=own_row)
         return plan, counters[2]
 
     def experts(self, plan: DevicePlan, w13, w2, *, decode: bool | None = None) -> torch.Tensor:
@@ -317,27 +339,35 @@ class ExpertCompute:
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
 
     def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor, *,
-                     desc: torch.Tensor | None = None, combine: torch.Tensor | None = None) -> None:
+                     desc: torch.Tensor | None = None, combine: torch.Tensor | None = None,
+                     keep_own: bool = False) -> None:
         """Each real row of ``out``, times its weight, to its source's combine buffer at token * K + k:
         stores through ``peer_combine`` (int64 [W]: each source's combine buffer as this GPU addresses it)
         for DIRECT sources, an RMA put to ``combine`` (this rank's symmetric combine buffer) on the source
         for RMA ones - as ``desc`` (a ring descriptor, :attr:`chunkring.Ring.desc`) says; without one every
-        source is DIRECT. An RMA row is weighted in place in ``out`` first. Then :attr:`pushed` holds
-        :attr:`push_blocks` more (the layer zeroes it once per call, before the call's first push)."""
+        source is DIRECT. An RMA row is weighted in place in ``out`` first. ``keep_own``: the rows of this rank's
+        own tokens stay in ``out`` unweighted (the batch plan: its :class:`OwnRows` tell the reduction where).
+        Then :attr:`pushed` holds :attr:`push_blocks` more (the layer zeroes it once per call, before the call's
+        first push)."""
         cfg = self.config
         self._launch("moe_combine_push", out=out, row_token=plan.token, row_k=plan.k, row_weight=plan.weight,
                      hidden=cfg.hidden, topk=cfg.topk, peer_combine=peer_combine, desc=desc, combine=combine,
-                     pushed=self.pushed, shared=True, pdl=True, **plan.group_args())
+                     own_rank=self.rank if keep_own else -1, pushed=self.pushed, shared=True, pdl=True,
+                     **plan.group_args())
 
-    def reduce(self, combine: torch.Tensor, routing: torch.Tensor, out: torch.Tensor) -> None:
-        """``out`` [n, H] bf16 = the sum over k of ``combine``'s rows t * K + k (bf16 [>= n * K, H]) for each choice
-        routed in ``routing`` (int32 [>= n, K]: this rank's own stage rows as its pull checked them, -1 masked), in
-        fp32 in k order, on the current stream (``moe_combine_reduce``): the owner's last step, after its drain. A
-        masked choice's row is never read (no rank wrote it), so nothing zeroes the combine buffer."""
+    def reduce(self, combine: torch.Tensor, routing: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+               own: OwnRows | None = None) -> None:
+        """``out`` [n, H] bf16 = the sum over k of each routed choice's row (``routing``, int32 [>= n, K]: this
+        rank's own stage rows as its pull checked them, -1 masked), in fp32 in k order, on the current stream
+        (``moe_combine_reduce``): the owner's last step, after its drain. A choice's row is ``combine``'s row
+        t * K + k (bf16 [>= n * K, H]), or, for a choice ``own`` names, its row of ``own.out`` times ``weights``
+        (fp32 [>= n, K]: this rank's own stage weights), rounded as the push rounds. A masked choice's row is never
+        read (no rank wrote it), so nothing zeroes the combine buffer."""
         n, H = out.shape
         grid = max(1, min(self._grid, -(-n * H // (8 * _BLOCK))))  # eight values a thread (grid-stride past it)
-        self.kernels.launch("moe_combine_reduce", combine=combine, routing=routing, out=out, tokens=n,
-                            topk=self.config.topk, hidden=H, grid=grid, block=_BLOCK, pdl=True,
+        self.kernels.launch("moe_combine_reduce", combine=combine, routing=routing, weights=weights,
+                            own_row=None if own is None else own.row, own_out=None if own is None else own.out,
+                            out=out, tokens=n, topk=self.config.topk, hidden=H, grid=grid, block=_BLOCK, pdl=True,
                             stream=torch.cuda.current_stream(self.device))
 
     def _launch(self, name: str, *, shared: bool = False, pdl: bool = False, **args: Any) -> None:

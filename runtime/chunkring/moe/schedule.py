@@ -4,13 +4,15 @@ Two streams per call (:attr:`LayerResources.streams`: a streamed call's are its 
 
 * producer stream: publish the batch into the call's ring (batch-ready: the whole batch as one chunk into the
   one-slot ring; streamed: chunk by chunk, each as soon as its producers finished); wait until every rank
-  acknowledged every chunk (``moe_drain``); reduce the combine rows of the routed choices over k into the
-  output (a masked choice's row is written by no rank and read by none, so nothing zeroes them). The set-up
+  acknowledged every chunk (``moe_drain``); reduce the rows of the routed choices over k into the output:
+  the combine rows peers pushed, and this rank's own choices where its experts left them (a masked choice's row
+  is written by no rank and read by none, so nothing zeroes them). The set-up
   and the chunks that fit the ring run on the whole GPU's producer stream (their publishes never wait); a
   streamed call's later chunks and its drain on its partition's.
 * consumer stream: pull every source's chunks as they arrive into the stage at their token index (each
   slot freed as soon as it is copied); plan the rows into expert groups, L1 -> SwiGLU -> L2 once per expert,
-  push the weighted rows to their sources' combine buffers, then acknowledge each source's last chunk,
+  push the weighted rows to their sources' combine buffers (but this rank's own), then acknowledge each source's
+  last chunk,
   held until then (``moe_ack_held``). With ``waves > 1`` (streamed calls) the pull instead lands each row in
   a block of its expert, on a stream of its own, and the waves of expert work run beside it.
 
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.moe.calls import CallMode
+from chunkring.moe.experts import OwnRows
 from chunkring.moe.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
@@ -130,10 +133,13 @@ class CallSchedule:
         if producer is not early:
             producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish
         with torch.cuda.stream(consumer):
-            last = self._consume(mode, w13, w2, mark, waves, compute, decode)
+            last, own = self._consume(mode, w13, w2, mark, waves, compute, decode)
         produce_chunks(range(first, len(starts)), producer, may_wait=True)
         with torch.cuda.stream(producer):
-            self._drain_and_reduce(mode, out, mark, last)
+            self._drain_and_reduce(mode, out, mark, last, own)
+        if own is not None:
+            # own's memory was allocated on `last`: freed when this returns, reused there only after the reduction.
+            last.wait_stream(producer)
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
         caller.wait_stream(last)
@@ -162,10 +168,10 @@ class CallSchedule:
         self._warm_modes.add(mode)
 
     def _consume(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks, waves: int,
-                 compute_stream: torch.cuda.Stream, decode: bool) -> torch.cuda.Stream:
+                 compute_stream: torch.cuda.Stream, decode: bool) -> tuple[torch.cuda.Stream, OwnRows | None]:
         """The consumer's part of a call, from the consumer stream (current): pull, experts (``decode``: their FP8
         GEMMs on the decode path), combine push, held acks. Returns the stream its last step (the held acks)
-        runs on.
+        runs on, and where the batch plan left this rank's own choices (None with waves, which push every row).
 
         Only the pull waits for other kernels (for chunks producers have not published yet), so only the pull
         runs on the consumer stream - on a partition, the SMs reserved for what spins (docs/PROTOCOL.md,
@@ -182,6 +188,7 @@ class CallSchedule:
         res.kernels.stream.launch("moe_call_reset", stage=stage.desc, pushed=compute.pushed,
                                   grid=max(1, min(_RESET_MAX_GRID, -(-choices // (8 * PULL_BLOCK)))), block=PULL_BLOCK,
                                   stream=consumer)
+        own = None
         if waves > 1:
             self._pull_into_blocks_and_waves(mode, w13, w2, mark, res.consumer_sms[mode], decode)
             last = consumer
@@ -199,15 +206,15 @@ class CallSchedule:
                 last.wait_stream(consumer)  # after the pull: every chunk of every source is in the stage
             with torch.cuda.stream(last):
                 mark(Event.EXPERTS_BEGIN)
-                compute(stage, w13, w2, res.peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
-                        combine=res.combine, sms=None, decode=decode, empty=empty)
+                own = compute(stage, w13, w2, res.peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
+                              combine=res.combine, sms=None, decode=decode, empty=empty)
         with torch.cuda.stream(last):
             mark(Event.COMBINE_DONE)
             push_arrivals = compute.push_blocks * waves  # every wave pushes (one: the batch plan)
             res.kernels.stream.launch("moe_ack_held", desc=ring.desc, stage=stage.desc, pushed=compute.pushed,
                                       push_blocks=push_arrivals, grid=ring.spec.world_size, block=32, stream=last,
                                       pdl=True, **mark.trace)
-        return last
+        return last, own
 
     def _launch_pull(self, mode: CallMode, trace: KernelArgs) -> None:
         """Enqueue ``moe_pull`` of ``mode``'s ring into the stage, on the current stream. ``trace``: the
@@ -242,9 +249,11 @@ class CallSchedule:
         mark(Event.EXPERTS_DONE)
         consumer.wait_stream(pull_stream)
 
-    def _drain_and_reduce(self, mode: CallMode, out: torch.Tensor, mark: _Marks, consumed: torch.cuda.Stream) -> None:
+    def _drain_and_reduce(self, mode: CallMode, out: torch.Tensor, mark: _Marks, consumed: torch.cuda.Stream,
+                          own: OwnRows | None) -> None:
         """The producer's end of a call, on the producer stream (current): drain, then the reduction over k.
-        ``consumed``: the stream of this rank's held acks (:meth:`_consume`)."""
+        ``consumed``: the stream of this rank's held acks (:meth:`_consume`); ``own``: where its experts left this
+        rank's own choices (None: pushed to its combine buffer like the others)."""
         res = self.res
         producer = torch.cuda.current_stream(res.runtime.torch_device)
         # The drain spins until every destination acknowledged; started only after this rank's own consumer is
@@ -253,8 +262,10 @@ class CallSchedule:
         producer.wait_stream(consumed)
         res.kernels.stream.launch("moe_drain", desc=res.rings[mode].desc, block=32, stream=producer)
         mark(Event.DRAINED)
-        # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank wrote a row. The routing
-        # is this rank's own stage rows, which its pull wrote and checked: the held acks (``consumed``) come after
-        # the pull in stream order, and the next call's refill of the stage after this reduction.
-        res.compute.reduce(res.combine, res.stage.idx[res.runtime.rank], out)
+        # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank computed a row. The routing
+        # and weights are this rank's own stage rows, which its pull wrote and checked: the held acks (``consumed``)
+        # come after the pull in stream order - and after the L2 that wrote the own rows - and the next call's
+        # refill of the stage after this reduction.
+        rank = res.runtime.rank
+        res.compute.reduce(res.combine, res.stage.idx[rank], res.stage.w[rank], out, own)
         mark(Event.OUTPUT_DONE)

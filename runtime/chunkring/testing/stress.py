@@ -43,7 +43,7 @@ SEAL_ON_RESERVE = 13
 #: tests/stress/test_fused_producer_mutants.py).
 ARRIVE_BEFORE_ROWS = 14
 #: protocol/mutants.cuh kReduceEveryChoice: the owner's reduction adds every choice's combine row, routed or not;
-#: nothing zeroes the combine buffer, so a masked choice adds what an earlier call left (caught by
+#: nothing writes or zeroes a masked choice's row, so it adds whatever the buffer held (caught by
 #: tests/gpu/test_moe_reduce.py).
 REDUCE_EVERY_CHOICE = 15
 #: The message-passing litmus kernels of ring_stress.cu: "push", the writer stores into the reader's memory

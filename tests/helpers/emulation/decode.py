@@ -267,9 +267,14 @@ def moe_swiglu_fp8(memory, grid, block, shared_bytes, a) -> None:
     a.act_sf.store_as(np.float32, blk * a.sf_stride + row, scale, "act_sf")
 
 
+def weighted(bits: np.ndarray, w: np.float32) -> np.ndarray:
+    """weighted: bf16 element bits times a top-k weight in fp32, rounded to bf16 (bits)."""
+    return bf16_bits((((bits.astype(np.uint32) << 16).view(np.float32)) * w).astype(np.float32))
+
+
 def moe_combine_push(memory, grid, block, shared_bytes, a) -> None:
-    """DIRECT sources only (desc null, or a ring descriptor whose rma_peers is 0): each real row times its weight,
-    bf16, to peer_combine[src] + (token K + k) H."""
+    """DIRECT sources only (desc null, or a ring descriptor whose rma_peers is 0): each real row of another source
+    than own_rank times its weight, bf16, to peer_combine[src] + (token K + k) H."""
     if a.desc is not None and read_struct(a.desc, RING_FIELDS, "RingDesc").rma_peers != 0:
         raise NotImplementedError("the RMA path (puts, put_done) is not emulated")
     offsets = group_offsets(a.counts, a.num_local, a.block_m, block, shared_bytes)
@@ -277,7 +282,7 @@ def moe_combine_push(memory, grid, block, shared_bytes, a) -> None:
     for block_idx in range(grid):
         for row in range(block_idx, used, grid):
             src = int(a.row_src.load_as(np.int32, row, "row_src"))
-            if src < 0:
+            if src < 0 or src == a.own_rank:
                 continue
             w = np.float32(a.row_weight.load_as(np.float32, row, "row_weight"))
             token = int(a.row_token.load_as(np.int32, row, "row_token")) % 2**64
@@ -285,15 +290,16 @@ def moe_combine_push(memory, grid, block, shared_bytes, a) -> None:
             peer, to = memory.at(int(a.peer_combine.load_as(np.uint64, src, "peer_combine")), "peer_combine[src]")
             i = np.arange(0, H, 8)  # thread x takes i = 8x, 8x + 8 blockDim, ...: every i once
             v = a.out.load((row * H + i) * 2, 16, "out row").view(np.uint16)
-            r = bf16_bits((((v.astype(np.uint32) << 16).view(np.float32)) * w).astype(np.float32))
-            peer.store(to + (at + i) * 2, r.reshape(len(i), 16), "combine row")
+            peer.store(to + (at + i) * 2, weighted(v, w).reshape(len(i), 16), "combine row")
     # Thread 0 of every block: atomicAdd(pushed, 1) (an atomic: exempt from the one-store-per-launch check).
     a.pushed.raw[:8] = (a.pushed.load_as(np.int64, 0, "pushed") + grid).reshape(1).view(np.uint8)
 
 
 def moe_combine_reduce(memory, grid, block, shared_bytes, a) -> None:
-    """out[t] = the sum over k of combine row t K + k where routing[t K + k] >= 0, in fp32 in k order, rounded once
-    to bf16. The rows of masked choices are never loaded, so an unwritten (uninitialised) row there is never read."""
+    """out[t] = the sum over k of choice t K + k's row where routing[t K + k] >= 0, in fp32 in k order, rounded once
+    to bf16: own_out's row own_row[t K + k] times weights[t K + k] (as the push weights) where own_row is given and
+    names one, else combine row t K + k. The rows of masked choices are never loaded, so an unwritten
+    (uninitialised) row there is never read."""
     n, K, H = a.tokens, a.topk, a.hidden
     if H % 8:
         raise NotImplementedError("the scalar path (hidden % 8 != 0, or unaligned buffers) is not emulated")
@@ -302,9 +308,17 @@ def moe_combine_reduce(memory, grid, block, shared_bytes, a) -> None:
     for t in range(n):
         acc = np.zeros(H, np.float32)
         for k in range(K):
-            if a.routing.load_as(np.int32, t * K + k, "routing") >= 0:
-                row = a.combine.load((t * K + k) * H * 2 + vectors, 16, "combine row").view(np.uint16).reshape(H)
-                acc = (acc + as_f32(row)).astype(np.float32)
+            choice = t * K + k
+            if a.routing.load_as(np.int32, choice, "routing") < 0:
+                continue
+            p = int(a.own_row.load_as(np.int32, choice, "own_row")) if a.own_row is not None else -1
+            if p >= 0:
+                row = a.own_out.load(p * H * 2 + vectors, 16, "own row").view(np.uint16).reshape(H)
+                w = np.float32(a.weights.load_as(np.float32, choice, "weights"))
+                row = weighted(row, w).view(np.uint16).reshape(H)
+            else:
+                row = a.combine.load(choice * H * 2 + vectors, 16, "combine row").view(np.uint16).reshape(H)
+            acc = (acc + as_f32(row)).astype(np.float32)
         a.out.store(t * H * 2 + vectors, bf16_bits(acc).reshape(H // 8, 16), "out row")
 
 

@@ -115,6 +115,8 @@ def moe_plan_scatter(memory, grid, block, shared_bytes, a, order_seed: int = 0) 
             weight = stage_w.load_as(np.float32, choice, "stage w")
             store_plan_row(a, p, (src, token, choice % K, weight), stage_x, stage_sf, stage_row, row_bytes,
                            sf_per_row, "stage")
+            if src == a.own_rank % 2**64:  # static_cast<u64>(own_rank): -1 names no source
+                a.own_row.store_as(np.int32, choice % (N * K), p, "own_row")
 
 
 def store_group_end(a, offsets: list[int], num_local: int) -> None:
@@ -140,10 +142,11 @@ def store_plan_row(a, p: int, fields: tuple, x, sf, row: int, row_bytes: int, sf
 
 
 def moe_plan_reset(memory, grid, block, shared_bytes, a) -> None:
-    """A plan with nothing planned: every counter word 0, every row's source -1 (grid-stride stores, every index
-    once)."""
+    """A plan with nothing planned: every counter word 0, every row's source -1, no own choice (grid-stride stores,
+    every index once)."""
     a.counters.store_as(np.uint32, np.arange(a.counter_words), 0, "counters")
     a.row_src.store_as(np.int32, np.arange(a.rows), -1, "row_src")
+    a.own_row.store_as(np.int32, np.arange(a.own_choices), -1, "own_row")
 
 
 def kernels(order_seed: int = 0) -> dict:

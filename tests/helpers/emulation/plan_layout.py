@@ -20,11 +20,12 @@ __all__ = ["check_layout", "check_written", "combine_buffers", "dequantised", "e
 
 
 def check_layout(plan, choices: list[list[tuple[int, int, int]]], x: torch.Tensor, sf: torch.Tensor,
-                 w: torch.Tensor) -> np.ndarray:
+                 w: torch.Tensor, own_rank: int | None = None) -> np.ndarray:
     """``plan`` against the documented layout for ``choices`` (per local expert, its sorted (source, token, k)):
     counts, each group at the padded prefix sum (GROUP_ALIGN rows a group), group_end = offset + count (psum form),
     each choice once in its group, its payload bytes (``x`` [W, N, ...] any dtype), its scales MN-major
-    (rows_sf[j, p] = ``sf`` [W, N, j]) and its weight (``w`` [W, N, K]) bit for bit; src -1 on every other row.
+    (rows_sf[j, p] = ``sf`` [W, N, j]) and its weight (``w`` [W, N, K]) bit for bit; src -1 on every other row;
+    with ``own_rank``, own_row[t * K + k] = the row of each choice of that source, -1 for every other choice.
     Returns the real rows."""
     counts = np.array([len(c) for c in choices], np.int64)
     offsets = np.concatenate([[0], np.cumsum(-(-counts // GROUP_ALIGN) * GROUP_ALIGN)])[:-1]
@@ -41,6 +42,11 @@ def check_layout(plan, choices: list[list[tuple[int, int, int]]], x: torch.Tenso
     assert torch.equal(plan.weight[real].view(torch.int32), w[s, t, k].view(torch.int32)), "each row's weight"
     pad = np.setdiff1d(np.arange(plan.src.shape[0]), real)
     assert (plan.src[pad] == -1).all(), "src -1 on every other row"
+    if own_rank is not None:
+        want = torch.full_like(plan.own_row, -1)
+        own = real[(s == own_rank).numpy()]
+        want[plan.token[own].long() * w.shape[2] + plan.k[own].long()] = torch.from_numpy(own).int()
+        assert torch.equal(plan.own_row, want), "own_row: each own choice's row, -1 for every other choice"
     return real
 
 

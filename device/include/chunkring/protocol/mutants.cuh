@@ -32,7 +32,7 @@ enum class Mutant : unsigned {
     kArriveBeforeRows = 14,  // fused producer: each block arrives before storing its rows, so the last arrival
                              // publishes while rows are still being written (moe_produce.cu)
     kReduceEveryChoice = 15,  // reduction: every choice's combine row is added, routed or not, so a masked
-                              // choice adds what an earlier call left in its row (moe_combine_reduce)
+                              // choice adds whatever its row held, which no rank wrote (moe_combine_reduce)
 };
 
 constexpr Mutant kMutant = static_cast<Mutant>(CHUNKRING_MUTANT);

@@ -277,9 +277,11 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
     extern __shared__ unsigned offsets[];
     group_offsets(counts, num_local, block_m, offsets);
     const u64 used = offsets[num_local], H = static_cast<u64>(hidden);
+    bool stored = false;  // whether this block pushed a row (uniform across the block)
     for (u64 row = blockIdx.x; row < used; row += gridDim.x) {
         const int src = row_src[row];
         if (src < 0 || src == own_rank) continue;  // uniform across the block: one row per block
+        stored = true;
         const bool rma = desc != nullptr && chunkring::protocol::peer_is_rma(*desc, src);
         const float w = row_weight[row];
         const u64 at = (static_cast<u64>(row_token[row]) * topk + row_k[row]) * H;
@@ -302,8 +304,10 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
         // release: fence, then the arrival. System scope, although the acquiring thread (moe_ack_held) is on
         // this GPU: the stores went to other GPUs' memory, where their reader is, and a system-scope fence
         // orders them at that scope before the arrival, so the edge needs nothing of how the ack's release
-        // composes with a GPU-scope one for another GPU's memory.
-        if constexpr (kMutant != Mutant::kNoPushRelease) ptx::fence_acq_rel_sys();
+        // composes with a GPU-scope one for another GPU's memory. A block that pushed no row has nothing to
+        // release: it arrives without the fence (at decode sizes nearly every block; at one rank every one). Its
+        // relaxed add still carries the earlier arrivals' releases: an RMW continues the chain ack_held reads.
+        if (kMutant != Mutant::kNoPushRelease && stored) ptx::fence_acq_rel_sys();
         atomicAdd(pushed, 1ull);  // NOTES: relaxed; the fence before it makes it the release
     }
 }

@@ -24,7 +24,9 @@
 # runs the GPU tests but the input fuzzer. call_kernels lists every kernel of a small layer call's graph replay, as
 # the GPU ran it (benchmarks/probe_call_kernels.py: where a decode-sized call's time goes). megamoe_1rank runs
 # benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and the torch peer, graph with graph; MEGAMOE_ARGS);
-# breakdown_1rank benchmarks/bench_consumer_breakdown.py (a batch-ready call's steps timed alone).
+# breakdown_1rank benchmarks/bench_consumer_breakdown.py (a batch-ready call's steps timed alone). bisect_1rank runs
+# the GPU tests BISECT_TESTS names (pytest arguments) on each earlier tree scripts/carry_trees.sh put in .carry/trees,
+# in its order, until one passes: the commit after that tree broke them (one summary per tree, named by its commit).
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -35,7 +37,7 @@ ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
-           decode_1rank decode_ncu quick_1rank call_kernels megamoe_1rank breakdown_1rank)
+           decode_1rank decode_ncu quick_1rank call_kernels megamoe_1rank breakdown_1rank bisect_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -90,6 +92,29 @@ smoke_1rank() {  # the layer's newest device paths first, stopping at the first 
         tests/gpu/test_moe_blocks.py tests/gpu/test_fail_closed.py tests/gpu/test_moe_decode.py \
         tests/gpu/test_moe_reduce.py -x -v -rs \
         --durations=8 "${limits[@]}" --junitxml="$logs/smoke-1rank.xml" || status=1
+}
+bisect_1rank() {
+    if [ -z "${BISECT_TESTS:-}" ] || [ ! -f .carry/trees/ORDER ]; then
+        echo "bisect_1rank: set BISECT_TESTS and carry the trees of scripts/carry_trees.sh"; status=1; return
+    fi
+    local tree dir
+    while read -r tree; do
+        dir=/tmp/trees/$tree
+        rm -rf "$dir" && mkdir -p "$dir" && tar -C "$dir" -xzf ".carry/trees/$tree.tgz" || { status=1; return; }
+        # That tree's package and kernels ahead of the editable install of this one; its own tests and scripts; its
+        # summary named by its commit.
+        # shellcheck disable=SC2086  # BISECT_TESTS: several pytest arguments
+        (cd "$dir" && export PYTHONPATH="$dir/runtime:$dir/launcher:$PYTHONPATH" CHUNKRING_COMMIT=$tree \
+            CHUNKRING_TREE_MODIFIED=0 && run_suite bisect-1rank 1 python3 -m pytest $BISECT_TESTS -x -v -rs \
+            "${limits[@]}" --junitxml="$logs/bisect-1rank.xml")
+        local rc=$?
+        mv "$logs/bisect-1rank.log" "$logs/bisect-1rank-$tree.log"
+        if [ "$rc" = 0 ]; then
+            echo "bisect_1rank: $tree passes $BISECT_TESTS" | tee -a "$logs/driver.log"
+            return
+        fi
+        echo "bisect_1rank: $tree fails $BISECT_TESTS" | tee -a "$logs/driver.log"
+    done < .carry/trees/ORDER
 }
 quick_1rank() {  # the GPU tests but the input fuzzer (its ~90 s), for a short device call after a host change
     run_suite quick-1rank 1 python3 -m pytest tests/gpu --ignore=tests/gpu/test_fuzz_inputs.py -v -rs \

@@ -111,12 +111,10 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
     const u64 row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats;
     const bool first_thread = threadIdx.x == 0 && blockIdx.x == 0;  // reports and traces for the grid
     __shared__ long long chunk_of[kMaxWorldSize];  // per source: the chunk being pulled, for the trace
-    auto visit = [&](u64 src, u64, u64 slot) {
+    auto visit = [&](u64 src, u64, u64 slot, const ChunkMeta& meta) {
         // Every read of the slot below is a fetch (protocol/transport.cuh): loads through nvshmem_ptr or
         // NVSHMEM gets, as the descriptor says for src; all of them complete before this visit returns,
         // so before the chunk's acknowledgement.
-        ChunkMeta meta;
-        if (!chunk_meta(d, src, slot, meta)) return false;
         const u64 base = meta.token_base;
         const u64 n = checked_chunk_rows(d, src, slot, base, meta.num_tokens, N, first_thread);
         if (first_thread) {
@@ -204,9 +202,7 @@ extern "C" __global__ void moe_pull_blocks(const RingDesc* desc, CHUNKRING_NULLA
     __shared__ u64 next_base[kMaxWorldSize];
     for (u64 src = threadIdx.x; src < d.world_size; src += blockDim.x) next_base[src] = 0;
     __syncthreads();
-    auto visit = [&](u64 src, u64, u64 slot) {
-        ChunkMeta meta;
-        if (!chunk_meta(d, src, slot, meta)) return false;
+    auto visit = [&](u64 src, u64, u64 slot, const ChunkMeta& meta) {
         const u64 base = meta.token_base;
         const u64 n = checked_chunk_order(d, src, slot, base,
                                           checked_chunk_rows(d, src, slot, base, meta.num_tokens, N, first_thread),

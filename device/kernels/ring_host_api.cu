@@ -108,9 +108,9 @@ extern "C" __global__ void ring_gather(const RingDesc* desc, unsigned char* out_
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     const u64 cap = static_cast<u64>(capacity);
-    consume_invocation(d, current_epoch(d), whole_grid(arrivals), nullptr, [&](u64 src, u64 seq, u64 slot) {
-        ChunkMeta meta;  // every read of the slot is a fetch: loads or gets, per src's transport
-        if (!chunk_meta(d, src, slot, meta)) return false;
+    consume_invocation(d, current_epoch(d), whole_grid(arrivals), nullptr,
+                       [&](u64 src, u64, u64 slot, const ChunkMeta& meta) {
+        // Every read of the slot is a fetch: loads or gets, per src's transport.
         const u64 base = meta.token_base;
         const u64 n = checked_chunk_rows(d, src, slot, base, meta.num_tokens, cap,
                                          threadIdx.x == 0 && blockIdx.x == 0);  // all check, one reports

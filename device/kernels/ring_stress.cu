@@ -148,7 +148,7 @@ __device__ bool consume_and_check(const RingDesc& d, u64 epoch, u64 seed, u32 ma
     __shared__ u64 seen[kMaxWorldSize];  // tokens seen per source this invocation: the next token base
     for (u64 s = threadIdx.x; s < d.world_size; s += blockDim.x) seen[s] = 0;
     __syncthreads();
-    return consume_invocation(d, epoch, consumers, nullptr, [&](u64 src, u64 seq, u64) {
+    return consume_invocation(d, epoch, consumers, nullptr, [&](u64 src, u64 seq, u64, const ChunkMeta&) {
         random_delay(seed ^ 0x55 ^ (static_cast<u64>(blockIdx.x) << 48), src, seq, max_delay_ns);
         __syncthreads();
         u64 n = 0;

@@ -74,9 +74,9 @@ def test_the_split_publish_of_a_large_chunk_lands_alike(monkeypatch):
 
 def early_ack_pull(ring, a, part, parts):
     """Mutant: the pull acknowledges each chunk before it reads it (finish_chunk, then the visit)."""
-    def acked_first(ring_, s, src, seq, slot, part_, parts_):
+    def acked_first(ring_, s, src, seq, slot, meta, part_, parts_):
         pull_emu.finish_chunk(ring_, ring_.epoch(), src, seq, a.arrivals, parts_)
-        return pull_emu.pull_visit(ring_, s, src, seq, slot, part_, parts_)
+        return pull_emu.pull_visit(ring_, s, src, seq, slot, meta, part_, parts_)
 
     yield from pull_emu.moe_pull(ring, a, part, parts, visit=acked_first)
 

@@ -114,12 +114,9 @@ def end_of_streams(ring: RingView, pool: PoolWords, parts: int) -> None:
     pool.store(L.counter("kSealedAll"), 1, "sealed_all")
 
 
-def chunk_rows(ring: RingView, s, src: int, slot: int, next_base: list[int]):
-    """chunk_meta, checked_chunk_rows, checked_chunk_order: (token_base, rows), or None (unreachable)."""
-    got = pull_emu.checked_chunk_rows(ring, s, src, slot, ring.block == 0)
-    if got is None:
-        return None
-    base, n = got
+def chunk_rows(ring: RingView, s, src: int, slot: int, meta, next_base: list[int]) -> tuple[int, int]:
+    """checked_chunk_rows and checked_chunk_order of the chunk's ``meta``: (token_base, rows)."""
+    base, n = pull_emu.checked_chunk_rows(ring, s, src, slot, meta, ring.block == 0)
     if n and base < next_base[src]:
         if ring.block == 0:
             ring.report_input("kTokenBase", src, slot, 0, next_base[src], base)
@@ -127,13 +124,10 @@ def chunk_rows(ring: RingView, s, src: int, slot: int, next_base: list[int]):
     return base, n
 
 
-def pull_blocks_visit(ring: RingView, s, p, src: int, slot: int, part: int, parts: int, next_base: list[int],
+def pull_blocks_visit(ring: RingView, s, p, src: int, slot: int, meta, part: int, parts: int, next_base: list[int],
                       seal_on_reserve: bool):
     """moe_pull_blocks' visit for block ``part`` of ``parts`` (generator: reservations may wait)."""
-    got = chunk_rows(ring, s, src, slot, next_base)
-    if got is None:
-        return False
-    (base, n), d, K, N = got, ring.d, ring.d.topk, s.token_capacity
+    (base, n), d, K, N = chunk_rows(ring, s, src, slot, meta, next_base), ring.d, ring.d.topk, s.token_capacity
     lo, hi = n * part // parts, n * (part + 1) // parts
     first_row = src * N + (base if n else 0)
     at = Pointer(ring.memory, p.pos + 4 * first_row * K, "pool pos")
@@ -176,8 +170,8 @@ def moe_pull_blocks(ring: RingView, a, part: int, parts: int, seal_on_reserve: b
         return
     next_base = [0] * ring.d.world_size  # __shared__, one per block: every block masks the same chunks
 
-    def visit(src: int, seq: int, slot: int):
-        return pull_blocks_visit(ring, s, p, src, slot, part, parts, next_base, seal_on_reserve)
+    def visit(src: int, seq: int, slot: int, meta):
+        return pull_blocks_visit(ring, s, p, src, slot, meta, part, parts, next_base, seal_on_reserve)
 
     held = Pointer(ring.memory, s.held, "held") if defer else None  # held_acks (None: the kNoDeferredAck mutant)
     # A block whose walk failed (recorded) never arrives on kEnded.

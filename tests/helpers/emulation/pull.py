@@ -189,8 +189,8 @@ def finish_chunk(ring: RingView, epoch: int, src: int, seq: int, counts, blocks:
 
 
 def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred: Pointer | None, visit):
-    """ring.cuh consume_invocation; ``visit(src, seq, slot)`` is a generator (moe_pull_blocks' reservations may
-    wait), its value whether the walk goes on."""
+    """ring.cuh consume_invocation; ``visit(src, seq, slot, meta)`` is a generator (moe_pull_blocks' reservations
+    may wait), its value whether the walk goes on; ``meta``: the chunk's meta words, fetched once per step."""
     d = ring.d
     next_seqs = [ring.load(ring.word("cursor", src), "cursor") for src in range(d.world_size)]
     active = set(range(d.world_size))
@@ -206,7 +206,7 @@ def consume_invocation(ring: RingView, epoch: int, counts, blocks: int, deferred
             if meta is None:
                 return False
             eos = bool(meta.flags & META_EOS)
-            if not (yield from visit(src, seq, slot)):
+            if not (yield from visit(src, seq, slot, meta)):
                 return False
             if deferred is not None and eos:
                 if ring.block == 0:
@@ -233,13 +233,10 @@ def check_stage(ring: RingView, s) -> bool:
     return True
 
 
-def checked_chunk_rows(ring: RingView, s, src: int, slot: int, report: bool) -> tuple[int, int] | None:
-    """chunk_meta and checked_chunk_rows: (token_base, rows), no rows where the meta is out of the stage's range
-    (the grid's first thread, ``report``, reports it), or None (unreachable: recorded)."""
+def checked_chunk_rows(ring: RingView, s, src: int, slot: int, meta, report: bool) -> tuple[int, int]:
+    """checked_chunk_rows of the chunk's ``meta`` (consume_invocation's): (token_base, rows), no rows where the meta
+    is out of the stage's range (the grid's first thread, ``report``, reports it)."""
     d, N = ring.d, s.token_capacity
-    meta = ring.chunk_meta(src, slot)
-    if meta is None:
-        return None
     base, n = meta.token_base, meta.num_tokens
     if n > d.tokens_per_slot or base > N or n > N - base:
         if report:
@@ -277,12 +274,9 @@ def checked_scales(ring: RingView, address: int, src: int, slot: int, row: int, 
         scales.store_as(np.float32, i, value, what, again=True)
 
 
-def pull_visit(ring: RingView, s, src: int, seq: int, slot: int, part: int, parts: int) -> bool:
+def pull_visit(ring: RingView, s, src: int, seq: int, slot: int, meta, part: int, parts: int) -> bool:
     """moe_pull's visit for block ``part`` of ``parts``."""
-    got = checked_chunk_rows(ring, s, src, slot, part == 0)
-    if got is None:
-        return False
-    (base, n), d, N, K = got, ring.d, s.token_capacity, ring.d.topk
+    (base, n), d, N, K = checked_chunk_rows(ring, s, src, slot, meta, part == 0), ring.d, s.token_capacity, ring.d.topk
     lo, hi = n * part // parts, n * (part + 1) // parts
     first_row = src * N + (base if n else 0)
     idx = fetch_choices(ring, s, src, slot, first_row, lo, hi)
@@ -309,9 +303,9 @@ def moe_pull(ring: RingView, a, part: int, parts: int, visit=pull_visit):
         return
     held = Pointer(ring.memory, s.held, "held")
 
-    def visit_now(src: int, seq: int, slot: int):  # moe_pull's visit never waits
+    def visit_now(src: int, seq: int, slot: int, meta):  # moe_pull's visit never waits
         yield from ()
-        return visit(ring, s, src, seq, slot, part, parts)
+        return visit(ring, s, src, seq, slot, meta, part, parts)
 
     yield from consume_invocation(ring, ring.epoch(), a.arrivals, parts, held, visit_now)
 

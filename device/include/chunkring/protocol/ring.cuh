@@ -279,7 +279,8 @@ __device__ __forceinline__ bool finish_chunk(const RingDesc& d, u64 epoch, u64 s
 }
 
 // Consume one invocation: chunk steps over the sources still active (rank order within a step), each
-// chunk waited for, handed to `visit(src, seq, slot)` (block-level; returns false after recording an
+// chunk waited for, handed to `visit(src, seq, slot, meta)` (block-level; `meta`: the chunk's meta words,
+// fetched once per block after the acquire, the same in every thread; returns false after recording an
 // error), then acknowledged; a source drops out after its end-of-stream chunk. No global token count is
 // needed, and an empty source (one empty end-of-stream chunk) stalls nobody.
 // With `consumers.counts` (see finish_chunk), every consumer block runs this and visits every chunk, each
@@ -303,7 +304,8 @@ template <typename Visit, typename Acked = NoHook>
 __device__ bool consume_invocation(const RingDesc& d, u64 epoch, ConsumerBlocks consumers, u64* deferred, Visit visit,
                                    Acked acked = {}) {
     __shared__ u64 active, next_seq[kMaxWorldSize];
-    __shared__ bool step_eos, step_ok;
+    __shared__ bool step_ok;
+    __shared__ ChunkMeta step_meta;
     // NOTES: relaxed - only this consumer writes its cursors (ack_chunk), in earlier kernels or, within
     // this kernel, only after every block arrived at a chunk, i.e. after every block read them here.
     for (u64 src = threadIdx.x; src < d.world_size; src += blockDim.x)
@@ -315,14 +317,14 @@ __device__ bool consume_invocation(const RingDesc& d, u64 epoch, ConsumerBlocks 
             if (!(active >> src & 1)) continue;
             const u64 seq = next_seq[src], slot = slot_of(seq, d.num_slots);
             if (!wait_chunk(d, epoch, src, seq)) return false;
-            if (threadIdx.x == 0) {
-                ChunkMeta meta;  // after wait_chunk's acquire: loads or a get, per src's transport
-                step_ok = fetch_meta(d, src, slot, meta);
-                if (step_ok) step_eos = meta.flags & kMetaEndOfStream;
-                else record_error(d, ErrorCode::kPeerUnreachable, Site::kPayload, src, slot, 0, 0);
+            if (threadIdx.x == 0) {  // after wait_chunk's acquire: loads or gets, per src's transport
+                step_ok = fetch_meta(d, src, slot, step_meta);
+                if (!step_ok) record_error(d, ErrorCode::kPeerUnreachable, Site::kPayload, src, slot, 0, 0);
             }
             __syncthreads();
-            if (!step_ok || !visit(src, seq, slot)) return false;
+            if (!step_ok) return false;
+            const bool step_eos = (step_meta.flags & kMetaEndOfStream) != 0;
+            if (!visit(src, seq, slot, step_meta)) return false;
             if (deferred != nullptr && step_eos) {
                 if (threadIdx.x == 0 && blockIdx.x == 0) deferred[src] = seq;
             } else {

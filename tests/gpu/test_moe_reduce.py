@@ -19,7 +19,7 @@ def _masked_choices_read(runtime, variant: int) -> bool:
     - then one batch-ready call with about 30 % of the choices masked. Whether any rank's output missed the
     reference (a NaN row read makes its tokens NaN)."""
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
-    cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=4, max_tokens_per_rank=64)
+    cfg = MoEConfig(num_experts=8 * W, hidden=H, intermediate=INTER, topk=4, max_tokens_per_rank=64)
     layer = mutant_layer(runtime, cfg, variant, timeout_s=60)
     try:
         w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(11))

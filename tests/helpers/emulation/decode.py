@@ -49,6 +49,11 @@ E4M3_MAX = np.float32(448.0)
 RING_FIELDS = header_structs("chunkring/layout/ring_desc.cuh")["RingDesc"]
 
 
+def bf16_values(bits) -> np.ndarray:
+    """__bfloat162float of bf16 bit patterns (uint16): fp32, exactly."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
 # -- fp8.cuh ------------------------------------------------------------------------------------------------------
 def e4m3_scale(amax):
     scale = (np.asarray(amax, np.float32) / E4M3_MAX).astype(np.float32)
@@ -258,8 +263,7 @@ def moe_swiglu_fp8(memory, grid, block, shared_bytes, a) -> None:
     g = row[:, None] * 2 * inter + col
     gate = a.gate_up.load(g * 2, 8, "gate").view(np.uint16)
     up = a.gate_up.load((g + inter) * 2, 8, "up").view(np.uint16)
-    as_f32 = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)  # noqa: E731 - bf16 -> fp32 exactly
-    v = silu_mul(as_f32(gate), as_f32(up))  # [items, lanes, 4]
+    v = silu_mul(bf16_values(gate), bf16_values(up))  # [items, lanes, 4]
     amax = np.fmax.reduce(np.fmax.reduce(np.abs(v), axis=2), axis=1)  # the lane's 4, then the warp's butterfly
     scale = e4m3_scale(amax)
     q = clamp_e4m3((v / scale[:, None, None]).astype(np.float32))
@@ -269,7 +273,7 @@ def moe_swiglu_fp8(memory, grid, block, shared_bytes, a) -> None:
 
 def weighted(bits: np.ndarray, w: np.float32) -> np.ndarray:
     """weighted: bf16 element bits times a top-k weight in fp32, rounded to bf16 (bits)."""
-    return bf16_bits((((bits.astype(np.uint32) << 16).view(np.float32)) * w).astype(np.float32))
+    return bf16_bits((bf16_values(bits) * w).astype(np.float32))
 
 
 def moe_combine_push(memory, grid, block, shared_bytes, a) -> None:
@@ -304,7 +308,6 @@ def moe_combine_reduce(memory, grid, block, shared_bytes, a) -> None:
     if H % 8:
         raise NotImplementedError("the scalar path (hidden % 8 != 0, or unaligned buffers) is not emulated")
     vectors = np.arange(0, 2 * H, 16)  # the row's 16-byte vectors, eight values each
-    as_f32 = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)  # noqa: E731 - bf16 -> fp32 exactly
     for t in range(n):
         acc = np.zeros(H, np.float32)
         for k in range(K):
@@ -318,7 +321,7 @@ def moe_combine_reduce(memory, grid, block, shared_bytes, a) -> None:
                 row = weighted(row, w).view(np.uint16).reshape(H)
             else:
                 row = a.combine.load(choice * H * 2 + vectors, 16, "combine row").view(np.uint16).reshape(H)
-            acc = (acc + as_f32(row)).astype(np.float32)
+            acc = (acc + bf16_values(row)).astype(np.float32)
         a.out.store(t * H * 2 + vectors, bf16_bits(acc).reshape(H // 8, 16), "out row")
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tests.helpers.emulation.decode import RING_FIELDS, bf16_bits, group_offsets
+from tests.helpers.emulation.decode import RING_FIELDS, group_offsets, weighted
 from tests.helpers.emulation.machine import WARP, EmulatedMemoryError, Memory, Pointer, read_struct
 
 __all__ = ["RmaBlock", "combine_push_launcher"]
@@ -135,14 +135,14 @@ def combine_push_block(memory: Memory, heap, a, block_idx: int, grid: int, block
     i = np.arange(0, H, 8)  # thread x takes i = 8x, 8x + 8 blockDim, ...: every i once
     for row in range(block_idx, used, grid):
         src = int(a.row_src.load_as(np.int32, row, "row_src"))
-        if src < 0:
+        if src < 0 or src == a.own_rank:
             continue
         rma = d is not None and bool(d.rma_peers >> src & 1)
         w = np.float32(a.row_weight.load_as(np.float32, row, "row_weight"))
         token = int(a.row_token.load_as(np.int32, row, "row_token")) % 2**64
         at = (token * a.topk + int(a.row_k.load_as(np.int32, row, "row_k"))) * H
         v = a.out.load((row * H + i) * 2, 16, "out row").view(np.uint16)
-        r = bf16_bits((((v.astype(np.uint32) << 16).view(np.float32)) * w).astype(np.float32)).reshape(len(i), 16)
+        r = weighted(v, w).reshape(len(i), 16)
         if rma:
             a.out.store((row * H + i) * 2, r, "out row, weighted in place")
             target = heap.nvshmem_ptr(a.combine.base + 2 * at, d.my_pe, src)  # combine + at, symmetric, on src

@@ -19,14 +19,15 @@
 # heap, green contexts and device memory flat, output exact).
 # decode_1rank runs the decode path's GPU tests, then benchmarks/bench_decode.py (decode vs DeepGEMM vs MegaMoE;
 # DECODE_ARGS, default flash at 1-128 tokens); decode_ncu records the decode kernels' achieved DRAM bandwidth with
-# Nsight Compute, after a one-kernel probe that ncu can profile here (producer_ncu likewise). smoke_1rank runs the
-# newest device paths' tests first and stops at the first failure: a short first call of a session. quick_1rank
-# runs the GPU tests but the input fuzzer. call_kernels lists every kernel of a small layer call's graph replay, as
-# the GPU ran it (benchmarks/probe_call_kernels.py: where a decode-sized call's time goes). megamoe_1rank runs
-# benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and the torch peer, graph with graph; MEGAMOE_ARGS);
-# breakdown_1rank benchmarks/bench_consumer_breakdown.py (a batch-ready call's steps timed alone). bisect_1rank runs
-# the GPU tests BISECT_TESTS names (pytest arguments) on each earlier tree scripts/carry_trees.sh put in .carry/trees,
-# in its order, until one passes: the commit after that tree broke them (one summary per tree, named by its commit).
+# Nsight Compute, and where one L1 and one L2 launch at 8 tokens stall, after a one-kernel probe that ncu can profile
+# here (producer_ncu likewise). smoke_1rank runs the newest device paths' tests first and stops at the first failure:
+# a short first call of a session. quick_1rank runs the GPU tests but the input fuzzer. call_kernels lists every
+# kernel of a small layer call's graph replay, as the GPU ran it (benchmarks/probe_call_kernels.py: where a decode-
+# sized call's time goes). megamoe_1rank runs benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and the torch
+# peer, graph with graph; MEGAMOE_ARGS); breakdown_1rank benchmarks/bench_consumer_breakdown.py (a batch-ready call's
+# steps timed alone). bisect_1rank runs the GPU tests BISECT_TESTS names (pytest arguments) on each earlier tree
+# scripts/carry_trees.sh put in .carry/trees, in its order, until one passes: the commit after that tree broke them
+# (one summary per tree, named by its commit).
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -249,6 +250,13 @@ decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and 
         2>&1 | tee "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     grep -q moe_decode_l "$out" 2>/dev/null || { echo "decode_ncu: no moe_decode_l* row in $out"; status=1; }
+    # Where the warps of one L1 and one L2 launch at 8 tokens wait: stall reasons, memory chart, source hot spots
+    timeout 200 "$ncu" --clock-control none -k regex:moe_decode_l -c 2 --section SpeedOfLight \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section SourceCounters --section Occupancy --section LaunchStats \
+        --log-file "${out%.csv}-stalls.txt" python3 -m benchmarks.bench_decode --profile-once --shapes flash --tokens 8 \
+        2>&1 | tee -a "$logs/decode_ncu.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 ncu_ready() {  # prints the ncu that can profile here (one kernel, 30 s at most), or why none can, and fails
     local ncu

@@ -27,7 +27,8 @@
 # peer, graph with graph; MEGAMOE_ARGS); breakdown_1rank benchmarks/bench_consumer_breakdown.py (a batch-ready call's
 # steps timed alone). bisect_1rank runs the GPU tests BISECT_TESTS names (pytest arguments) on each earlier tree
 # scripts/carry_trees.sh put in .carry/trees, in its order, until one passes: the commit after that tree broke them
-# (one summary per tree, named by its commit).
+# (one summary per tree, named by its commit). decode_trees runs the decode benchmark on each such tree: an earlier
+# commit's kernels against this tree's on the same card.
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -38,7 +39,7 @@ ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
-           decode_1rank decode_ncu quick_1rank call_kernels megamoe_1rank breakdown_1rank bisect_1rank)
+           decode_1rank decode_trees decode_ncu quick_1rank call_kernels megamoe_1rank breakdown_1rank bisect_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -115,6 +116,21 @@ bisect_1rank() {
             return
         fi
         echo "bisect_1rank: $tree fails $BISECT_TESTS" | tee -a "$logs/driver.log"
+    done < .carry/trees/ORDER
+}
+decode_trees() {  # benchmarks/bench_decode.py of each tree in .carry/trees (DECODE_ARGS as decode_1rank's): an earlier
+    # commit's decode kernels timed on the same card in the same call as this tree's, its record named by its commit
+    [ -f .carry/trees/ORDER ] || { echo "decode_trees: carry the trees of scripts/carry_trees.sh"; status=1; return; }
+    local tree dir
+    while read -r tree; do
+        dir=/tmp/trees/$tree
+        rm -rf "$dir" && mkdir -p "$dir" && tar -C "$dir" -xzf ".carry/trees/$tree.tgz" || { status=1; return; }
+        # shellcheck disable=SC2086
+        (cd "$dir" && export PYTHONPATH="$dir/runtime:$dir/launcher:$PYTHONPATH" CHUNKRING_COMMIT=$tree \
+            CHUNKRING_TREE_MODIFIED=0 && timeout "${DECODE_LIMIT_S:-180}" python3 -m benchmarks.bench_decode \
+            ${DECODE_ARGS:---shapes flash --tokens 1,8,32,128} \
+            --json "${BENCH_RESULTS:-benchmarks/results}/$tree-decode.json" 2>&1 | tee "$logs/decode-$tree.log"
+            exit "${PIPESTATUS[0]}") || status=1
     done < .carry/trees/ORDER
 }
 quick_1rank() {  # the GPU tests but the input fuzzer (its ~90 s), for a short device call after a host change

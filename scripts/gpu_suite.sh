@@ -266,6 +266,9 @@ decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and 
         2>&1 | tee "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     grep -q moe_decode_l "$out" 2>/dev/null || { echo "decode_ncu: no moe_decode_l* row in $out"; status=1; }
+    python3 scripts/decode_ncu_summary.py "$out" --tokens 1,8,32,128 --shape flash --json "${out%.csv}.json" \
+        2>&1 | tee -a "$logs/decode_ncu.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
     # Where the warps of one L1 and one L2 launch at 8 tokens wait: stall reasons, memory chart, source hot spots
     timeout 200 "$ncu" --clock-control none -k regex:moe_decode_l -c 2 --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \

@@ -124,13 +124,14 @@ __device__ __forceinline__ WeightRing warp_ring(unsigned char* shared, u32 warp)
 
 __device__ __forceinline__ u32 word(const uint4& v, u32 i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// The current pass's k block kb into its stage: lane 0 arrives expecting the stage's bytes, and each lane copies
-// its row's segment. The stage's previous block must have been read by every lane (a __syncwarp after its reads).
-// The order of lane 0's arrival and the other lanes' copies does not matter: the phase completes only once both the
-// arrival and all kStageBytes came (the byte count may run ahead of the expectation).
+// The current pass's k block kb into its stage: lane 0 arrives expecting the stage's bytes, then each lane copies
+// its row's segment; the phase completes once the arrival came and all kStageBytes landed. The stage's previous
+// block must have been read by every lane (a __syncwarp after its reads). The __syncwarp here puts the expectation
+// ahead of every copy, so the phase's byte count never runs ahead of it.
 __device__ __forceinline__ void copy_weights(const WeightRing& ring, const WarpOperands& op, u32 kb, u32 lane) {
     const u32 stage = (ring.base + kb) % kStages;
     if (lane == 0) ptx::mbarrier_arrive_expect_bytes(ring.landed + stage, kStageBytes);
+    __syncwarp();
     ptx::bulk_copy_evict_first(ring.stages + stage * kStageBytes + lane * kKBlock,
                                op.w_segment + static_cast<u64>(kb) * kKBlock, kKBlock, ring.landed + stage);
 }

@@ -23,9 +23,11 @@ METRICS = {"gpu__time_duration.sum": ("us", 1e-3),  # ns
            "launch__registers_per_thread": ("registers", 1.0),
            "launch__grid_size": ("grid", 1.0)}
 #: What the units row may say for each metric: its scale to the unit METRICS assumes (ncu picks a readable unit).
-UNITS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9,
+UNITS = {"ns": 1.0, "us": 1e3, "ms": 1e6, "nsecond": 1.0, "usecond": 1e3, "msecond": 1e6,
+         "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9,
+         "byte/s": 1.0, "Kbyte/s": 1e3, "Mbyte/s": 1e6, "Gbyte/s": 1e9, "Tbyte/s": 1e12,
          "byte/second": 1.0, "Kbyte/second": 1e3, "Mbyte/second": 1e6, "Gbyte/second": 1e9, "Tbyte/second": 1e12,
-         "%": 1.0, "register/thread": 1.0, "": 1.0}
+         "%": 1.0, "register/thread": 1.0, "block": 1.0, "": 1.0}
 
 
 def launches(path: str) -> list[dict[str, str]]:

@@ -19,7 +19,7 @@
 # heap, green contexts and device memory flat, output exact).
 # decode_1rank runs the decode path's GPU tests, then benchmarks/bench_decode.py (decode vs DeepGEMM vs MegaMoE;
 # DECODE_ARGS, default flash at 1-128 tokens); decode_ncu records the decode kernels' achieved DRAM bandwidth with
-# Nsight Compute, and where one L1 and one L2 launch at 8 tokens stall, after a one-kernel probe that ncu can profile
+# Nsight Compute, then decode_stalls where one L1 and one L2 launch at 8 tokens stall, after a one-kernel probe that ncu can profile
 # here (producer_ncu likewise). smoke_1rank runs the newest device paths' tests first and stops at the first failure:
 # a short first call of a session. quick_1rank runs the GPU tests but the input fuzzer. call_kernels lists every
 # kernel of a small layer call's graph replay, as the GPU ran it (benchmarks/probe_call_kernels.py: where a decode-
@@ -39,7 +39,7 @@ ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
-           decode_1rank decode_trees decode_ncu quick_1rank call_kernels megamoe_1rank breakdown_1rank bisect_1rank)
+           decode_1rank decode_trees decode_ncu decode_stalls quick_1rank call_kernels megamoe_1rank breakdown_1rank bisect_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -269,12 +269,17 @@ decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and 
     python3 scripts/decode_ncu_summary.py "$out" --tokens 1,8,32,128 --shape flash --json "${out%.csv}.json" \
         2>&1 | tee -a "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    # Where the warps of one L1 and one L2 launch at 8 tokens wait: stall reasons, memory chart, source hot spots
+    decode_stalls
+}
+decode_stalls() {  # where the warps of one L1 and one L2 launch at 8 tokens wait: stall reasons, scheduler, memory
+    # tables, source hot spots (Nsight Compute's text report)
+    local ncu
+    ncu=$(ncu_ready) || { echo "decode_stalls: $ncu"; status=1; return; }
     timeout 200 "$ncu" --clock-control none -k regex:moe_decode_l -c 2 --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         --section MemoryWorkloadAnalysis_Tables --section SourceCounters --section Occupancy --section LaunchStats \
-        --log-file "${out%.csv}-stalls.txt" python3 -m benchmarks.bench_decode --profile-once --shapes flash --tokens 8 \
-        2>&1 | tee -a "$logs/decode_ncu.log"
+        --log-file "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode-ncu-stalls.txt" \
+        python3 -m benchmarks.bench_decode --profile-once --shapes flash --tokens 8 2>&1 | tee -a "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 ncu_ready() {  # prints the ncu that can profile here (one kernel, 30 s at most), or why none can, and fails

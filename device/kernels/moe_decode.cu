@@ -54,10 +54,10 @@ using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
 
-// The block's dynamic shared memory: the warps' weight rings (decode_gemm.cuh warp_ring).
-__device__ __forceinline__ unsigned char* decode_shared() {
-    extern __shared__ __align__(16) unsigned char decode_rings[];
-    return decode_rings;
+// Warp w's weight ring in the block's dynamic shared memory (decode_gemm.cuh warp_gemm).
+__device__ __forceinline__ uint4* warp_ring(u32 warp) {
+    extern __shared__ uint4 decode_rings[];
+    return decode_rings + warp * decode::kStages * decode::kStageVectors;
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
@@ -147,7 +147,7 @@ __device__ void swiglu_quantise(const float (&acc)[kMTiles][kTokenTiles][4], u64
 //   counts [E_local], group_end [E_local]: the plan's groups (moe_plan_scatter)
 //   act [P, I] e4m3, act_sf: scale j of row p at j * sf_stride + p (only the groups' real rows written)
 // Launch: grid E_local * inter / 128, block decode::kThreads, decode::kSharedBytes of dynamic shared memory (the
-// warps' weight rings and their barriers); hidden % 128 == 0, inter % 128 == 0.
+// warps' weight rings); hidden % 128 == 0, inter % 128 == 0.
 extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     moe_decode_l1(const __nv_fp8_e4m3* w13, const float* w13_sf, const unsigned char* rows, const float* rows_sf,
                   long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
@@ -159,29 +159,28 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
         finish_idle();
         return;
     }
-    const u32 warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+    const u32 warp = threadIdx.x / kWarp, g = threadIdx.x % kWarp / 4;
     const u32 kblocks = static_cast<u32>(H / decode::kKBlock);
     const u64 scale_rows = 2 * I / kScaleRows;
     const auto* w = reinterpret_cast<const unsigned char*>(w13);
     decode::WarpOperands op{};
     op.k_bytes = H;
     op.sf_stride = static_cast<u64>(sf_stride);
-    // m tile 0: the warp's 16 gate rows; m tile 1: the same up rows (inter further)
-    const u64 gate = static_cast<u64>(chunk) * kScaleRows + warp * kTileRows + lane % kTileRows;
-    op.w_segment = w + (e * 2 * I + (lane / kTileRows) * I + gate) * H;
+    const u64 row0 = static_cast<u64>(chunk) * kScaleRows + warp * kTileRows + g;  // gate row g of the warp's tile
+    op.w_row[0] = w + (e * 2 * I + row0) * H;
+    op.w_row[1] = w + (e * 2 * I + I + row0) * H;  // its up row
     op.w_scale[0] = w13_sf + (e * scale_rows + chunk) * kblocks;
     op.w_scale[1] = w13_sf + (e * scale_rows + I / kScaleRows + chunk) * kblocks;
-    decode::WeightRing ring = decode::warp_ring(decode_shared(), warp);
-    decode::start_weights(ring, op, kblocks);  // the first pass's, while the kernel ahead finishes
+    decode::start_weights(warp_ring(warp), op, kblocks);  // the first pass's, while the kernel ahead finishes
     ptx::wait_prior_grid();
     ptx::release_dependents();
     const u64 first = first_row(group_end, e, planned);
     float acc[kMTiles][kTokenTiles][4];
     for (u32 done = 0; done < planned; done += kPassRows) {
-        if (done > 0) decode::start_weights(ring, op, kblocks);
+        if (done > 0) decode::start_weights(warp_ring(warp), op, kblocks);
         const u32 here = min(planned - done, kPassRows);
         const u32 tiles = decode::set_tokens(op, rows, rows_sf, first + done, here);
-        decode::warp_gemm(op, ring, kblocks, tiles, acc);
+        decode::warp_gemm(op, warp_ring(warp), kblocks, tiles, acc);
         swiglu_quantise(acc, first + done, here, chunk, I, op.sf_stride, act, act_sf);
     }
 }
@@ -205,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
         finish_idle();
         return;
     }
-    const u32 warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+    const u32 warp = threadIdx.x / kWarp, g = threadIdx.x % kWarp / 4, t = threadIdx.x % 4;
     const u32 kblocks = static_cast<u32>(I / decode::kKBlock);
     const u64 scale_rows = H / kScaleRows;
     const auto* w = reinterpret_cast<const unsigned char*>(w2);
@@ -217,23 +216,20 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     for (u32 i = 0; i < kMTiles; ++i) {
         const u64 block = static_cast<u64>(chunk) * kMTiles + i;  // its 128-row scale block
         col[i] = block * kScaleRows + warp * kTileRows + g;
+        op.w_row[i] = w + (e * H + col[i]) * I;
         op.w_scale[i] = w2_sf + (e * scale_rows + block) * kblocks;
     }
-    // m tile i: the warp's 16 rows of scale block chunk * kMTiles + i
-    op.w_segment = w + (e * H + (static_cast<u64>(chunk) * kMTiles + lane / kTileRows) * kScaleRows +
-                        warp * kTileRows + lane % kTileRows) * I;
-    decode::WeightRing ring = decode::warp_ring(decode_shared(), warp);
-    decode::start_weights(ring, op, kblocks);  // the first pass's, while L1 finishes
+    decode::start_weights(warp_ring(warp), op, kblocks);  // the first pass's, while L1 finishes
     ptx::wait_prior_grid();
     ptx::release_dependents();
     const u64 group_first = first_row(group_end, e, planned);
     float acc[kMTiles][kTokenTiles][4];
     for (u32 done = 0; done < planned; done += kPassRows) {
-        if (done > 0) decode::start_weights(ring, op, kblocks);
+        if (done > 0) decode::start_weights(warp_ring(warp), op, kblocks);
         const u32 here = min(planned - done, kPassRows);
         const u64 first = group_first + done;
         const u32 tiles = decode::set_tokens(op, reinterpret_cast<const unsigned char*>(act), act_sf, first, here);
-        decode::warp_gemm(op, ring, kblocks, tiles, acc);
+        decode::warp_gemm(op, warp_ring(warp), kblocks, tiles, acc);
 #pragma unroll
         for (u32 i = 0; i < kMTiles; ++i)
 #pragma unroll

@@ -16,7 +16,7 @@ import decode_ncu_summary as summary  # noqa: E402
 
 HEADER = ('"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__bytes_read.sum.per_second",'
           '"dram__throughput.avg.pct_of_peak_sustained_elapsed","launch__grid_size"\n'
-          '"","","usecond","Mbyte","Tbyte/second","%",""\n')
+          '"","","ns","byte","byte/s","%",""\n')  # the units ncu 2025 writes
 
 
 def launch(i, name, us, mb, tbps, pct, grid):
@@ -31,10 +31,10 @@ def write_csv(tmp_path, *rows):
 
 def test_launches_pair_with_token_counts_in_order(tmp_path):
     path = write_csv(tmp_path,
-                     launch(0, "moe_decode_l1", "40.5", "100.7", "2.49", "51.2", "512"),
+                     launch(0, "moe_decode_l1", "40,500", "100,700,000", "2,490,000,000,000", "51.2", "512"),
                      launch(1, "void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>", "44", "100", "2.2", "46", "132"),
-                     launch(2, "moe_decode_l2", "20", "50.3", "2.5", "52", "512"),
-                     launch(3, "moe_decode_l1", "1,200.5", "436", "3.6", "75", "512"))
+                     launch(2, "moe_decode_l2", "20,000", "50,300,000", "2,500,000,000,000", "52", "512"),
+                     launch(3, "moe_decode_l1", "1,200,500", "436", "3.6", "75", "512"))
     rows = summary.summarise(summary.launches(path), [1, 8], "flash")
     assert [(r["tokens"], r["kernel"]) for r in rows] == [(1, "l1"), (1, "l2"), (8, "l1")]
     first = rows[0]
@@ -58,8 +58,8 @@ def test_an_unknown_unit_is_an_error(tmp_path):
 
 
 def test_the_record_has_the_result_keys(tmp_path):
-    path = write_csv(tmp_path, launch(0, "moe_decode_l1", "40", "100", "2.5", "50", "512"),
-                     launch(1, "moe_decode_l2", "20", "50", "2.5", "50", "512"))
+    path = write_csv(tmp_path, launch(0, "moe_decode_l1", "40", "100", "2.5e12", "50", "512"),
+                     launch(1, "moe_decode_l2", "20", "50", "2.5e12", "50", "512"))
     out = tmp_path / "out.json"
     env = {**os.environ, "CHUNKRING_COMMIT": "abc1234",
            "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}

@@ -47,17 +47,14 @@ def test_fragment_k_is_a_permutation_of_the_k_block():
 
 
 def test_the_shared_memory_is_the_headers():
-    """The kernels index their warps' weight rings and the rings' barriers in the block's dynamic shared memory: the
-    launch must give all of it (kWarps x kStages stages of kMTiles x kTileRows row segments of kKBlock bytes, and an
-    8-byte barrier per stage)."""
+    """The kernels index their warps' weight rings in the block's dynamic shared memory: the launch must give all of
+    it (kWarps x kStages k blocks of kMTiles x 2 x 2 x 32 16-byte vectors)."""
     text = HEADER.read_text()
     value = {name: int(re.search(rf"constexpr u32 {name} = (\d+);", text).group(1))
-             for name in ("kWarps", "kStages", "kMTiles", "kTileRows", "kKBlock")}
-    assert re.search(r"constexpr u32 kStageRows = kMTiles \* kTileRows;", text)
-    assert re.search(r"constexpr u32 kStageBytes = kStageRows \* kKBlock;", text)
-    assert re.search(r"constexpr u32 kSharedBytes = kWarps \* kStages \* \(kStageBytes \+ sizeof\(u64\)\);", text)
-    stage = value["kMTiles"] * value["kTileRows"] * value["kKBlock"]
-    assert DECODE_SHARED_BYTES == value["kWarps"] * value["kStages"] * (stage + 8)
+             for name in ("kWarps", "kStages", "kMTiles")}
+    assert re.search(r"constexpr u32 kStageVectors = kMTiles \* 2 \* 2 \* kWarp;", text)
+    assert re.search(r"constexpr u32 kSharedBytes = kWarps \* kStages \* kStageVectors \* 16;", text)
+    assert DECODE_SHARED_BYTES == value["kWarps"] * value["kStages"] * value["kMTiles"] * 2 * 2 * 32 * 16
 
 
 def test_the_pass_is_the_headers():

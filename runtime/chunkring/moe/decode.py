@@ -44,8 +44,8 @@ DECODE_PASS_ROWS = 32
 #: Threads per block of both kernels (decode_gemm.cuh kThreads: 8 warps).
 DECODE_THREADS = 256
 #: Dynamic shared memory per block of both kernels (decode_gemm.cuh kSharedBytes): each warp's ring of 6 k blocks
-#: of its 32 weight rows, 4 KiB each, that bulk copies keep in flight ahead of its MMAs, and a barrier per stage.
-DECODE_SHARED_BYTES = 8 * 6 * (4096 + 8)
+#: of weight fragments, 4 KiB each, that cp.async keeps in flight ahead of its MMAs.
+DECODE_SHARED_BYTES = 8 * 6 * 4096
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
 #: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most

@@ -162,11 +162,11 @@ def moe_decode_l1(memory, grid, block, shared_bytes, a, trace) -> None:
         rows = rows_of(a.counts, e)
         if rows == 0:
             continue  # finish_idle(); return: uniform across the block
-        warp, lane = th.warp, th.lane
+        warp, g = th.warp, th.lane // 4
         kblocks, scale_rows = H // KBLOCK, 2 * inter // SCALE_ROWS
         op = SimpleNamespace(w=a.w13, w_sf=a.w13_sf, k_bytes=H, sf_stride=a.sf_stride)
-        gate = chunk * SCALE_ROWS + warp * TILE_ROWS + lane % TILE_ROWS
-        op.w_segment = (e * 2 * inter + (lane // TILE_ROWS) * inter + gate) * H
+        row0 = chunk * SCALE_ROWS + warp * TILE_ROWS + g
+        op.w_row = [(e * 2 * inter + row0) * H, (e * 2 * inter + inter + row0) * H]
         op.w_scale = [np.full(block, (e * scale_rows + chunk) * kblocks),
                       np.full(block, (e * scale_rows + inter // SCALE_ROWS + chunk) * kblocks)]
         ring = Ring(block)  # the warps' rings, one block's dynamic shared memory
@@ -195,14 +195,14 @@ def moe_decode_l2(memory, grid, block, shared_bytes, a) -> None:
             continue  # finish_idle(); return
         warp, g, t = th.warp, th.lane // 4, th.tid % 4
         kblocks, scale_rows = inter // KBLOCK, H // SCALE_ROWS
-        op = SimpleNamespace(w=a.w2, w_sf=a.w2_sf, k_bytes=inter, sf_stride=a.sf_stride, w_scale=[None] * MTILES)
+        op = SimpleNamespace(w=a.w2, w_sf=a.w2_sf, k_bytes=inter, sf_stride=a.sf_stride, w_row=[None] * MTILES,
+                             w_scale=[None] * MTILES)
         col = [None] * MTILES
         for i in range(MTILES):
             blk = chunk * MTILES + i
             col[i] = blk * SCALE_ROWS + warp * TILE_ROWS + g
+            op.w_row[i] = (e * H + col[i]) * inter
             op.w_scale[i] = np.full(block, (e * scale_rows + blk) * kblocks)
-        op.w_segment = (e * H + (chunk * MTILES + th.lane // TILE_ROWS) * SCALE_ROWS + warp * TILE_ROWS +
-                        th.lane % TILE_ROWS) * inter
         ring = Ring(block)
         start_weights(ring, op, kblocks, th)
         prior.wait()

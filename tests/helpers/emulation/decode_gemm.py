@@ -1,7 +1,7 @@
 """The decode path's warp engine, device/include/chunkring/moe/decode_gemm.cuh, run on the CPU as written (decode.py's
-moe_decode_l1 / moe_decode_l2 drive it): per block, numpy arrays over its threads. The warps' weight rings in shared
-memory hold what each lane's bulk copy brought, with a barrier per stage: a wait, a read or a refill out of turn is an
-error, so the pipeline's indexing and phases are checked; its timing and memory ordering are not."""
+moe_decode_l1 / moe_decode_l2 drive it): per warp, numpy arrays over its threads. The weight ring in shared memory
+is each thread's own slots, with its copy groups: a read of a slot whose group has not landed or that holds another
+k block is an error, so the pipeline's indexing is checked; its timing and memory ordering are not."""
 
 from __future__ import annotations
 
@@ -9,60 +9,59 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tests.helpers.emulation.machine import WARP, EmulatedMemoryError, Threads, fmaf, mma_m16n8k32_e4m3
+from tests.helpers.emulation.machine import EmulatedMemoryError, Threads, fmaf, mma_m16n8k32_e4m3
 
 __all__ = ["KBLOCK", "MTILES", "NULL", "PASS_ROWS", "SCALE_ROWS", "STAGES", "TILE_ROWS", "TILE_TOKENS", "TOKEN_TILES",
            "WARPS", "Ring", "copy_weights", "set_tokens", "start_weights", "warp_gemm"]
 
 # decode_gemm.cuh's constants.
 KBLOCK, KSTEPS, TILE_ROWS, TILE_TOKENS, MTILES, TOKEN_TILES, WARPS, STAGES = 128, 4, 16, 8, 2, 4, 8, 6
-PASS_ROWS, SCALE_ROWS, STAGE_ROWS = TOKEN_TILES * TILE_TOKENS, WARPS * TILE_ROWS, MTILES * TILE_ROWS
+PASS_ROWS, SCALE_ROWS = TOKEN_TILES * TILE_TOKENS, WARPS * TILE_ROWS
 NULL = -1  # a null pointer among byte or element offsets
 
 
 class Ring:
-    """The warps' rings (warp_ring): per warp STAGES stages of STAGE_ROWS row segments of KBLOCK bytes, row r copied
-    by lane r, and per stage a barrier, here its count of completed phases (a stage's copies land at once). Checked:
-    a wait for block n finds its stage's phase n // STAGES complete and no later one (a parity wait could not tell
-    them apart); a read finds block n in its stage; a refill finds the stage's block read by then."""
+    """A warp's ring of STAGES k blocks of weight fragments in shared memory, per thread (each lane reads back only
+    what it copied): the copies of each committed group, and which k block each slot holds. A read of a slot whose
+    group is still in flight, or that holds another k block, is an error: the pipeline's indexing is checked here."""
 
     def __init__(self, threads: int) -> None:
-        warps = threads // WARP
-        self.stages = np.zeros((warps, STAGES, STAGE_ROWS, KBLOCK), np.uint8)
-        self.holds = np.full((warps, STAGES), -1)  # the block number a stage holds
-        self.read = np.ones((warps, STAGES), bool)  # whether that block was read (a __syncwarp after its reads)
-        self.phases = np.zeros((warps, STAGES), np.int64)  # completed phases of each stage's barrier
-        self.base = 0  # blocks of the earlier passes (uniform across the block's warps)
+        self.slots = np.zeros((threads, STAGES, MTILES, 2, 2, 16), np.uint8)
+        self.holds = [None] * STAGES  # the k block a slot's copies bring
+        self.groups: list[list[int]] = []  # per committed group, the k blocks of its copies
+        self.open: list[int] = []  # copies issued since the last commit
+        self.landed: set[int] = set()
 
-    def wait(self, n: int) -> None:
-        """gemm_step's barrier wait for block n: its stage's phase n // STAGES (parity n // STAGES % 2)."""
-        stage = n % STAGES
-        if not (self.phases[:, stage] == n // STAGES + 1).all():
-            raise EmulatedMemoryError(f"weight ring: block {n} waited for in stage {stage} after "
-                                      f"{self.phases[:, stage].tolist()} completed phases (expected {n // STAGES + 1})")
+    def commit(self) -> None:
+        self.groups.append(self.open)
+        self.open = []
 
-    def stage(self, n: int, th: Threads) -> np.ndarray:
-        """Each thread's view of block n's stage: [threads, STAGE_ROWS, KBLOCK]."""
-        stage = n % STAGES
-        if not (self.holds[:, stage] == n).all():
-            raise EmulatedMemoryError(f"weight ring: block {n} read from stage {stage} holding "
-                                      f"{self.holds[:, stage].tolist()}")
-        return self.stages[th.warp, stage]
+    def wait(self, pending: int) -> None:
+        """cp_async_wait<pending>: every group but the newest ``pending`` has landed."""
+        for group in self.groups[:max(len(self.groups) - pending, 0)]:
+            self.landed.update(group)
+
+    def read(self, kb: int) -> np.ndarray:
+        slot = kb % STAGES
+        if self.holds[slot] != kb or kb not in self.landed:
+            raise EmulatedMemoryError(f"weight ring: k block {kb} read from slot {slot} holding "
+                                      f"{self.holds[slot]} (landed: {kb in self.landed})")
+        return self.slots[:, slot]
 
 
-def copy_weights(ring: Ring, op, kb: int, th: Threads) -> None:
-    """copy_weights: the pass's k block kb into its stage, lane r copying row r's segment; lane 0's arrival and the
-    copied bytes complete the stage barrier's phase."""
-    n = ring.base + kb
-    stage = n % STAGES
-    if not ring.read[:, stage].all():
-        raise EmulatedMemoryError(f"weight ring: stage {stage} refilled with block {n} before block "
-                                  f"{ring.holds[0, stage]} was read")
-    segments = op.w.load(op.w_segment + kb * KBLOCK, KBLOCK, "weight segment", align=16)  # a bulk copy's alignment
-    ring.stages[th.warp, stage, th.lane] = segments
-    ring.holds[:, stage] = n
-    ring.read[:, stage] = False
-    ring.phases[:, stage] += 1
+def copy_weights(ring: Ring, op, kb: int, t: np.ndarray) -> None:
+    """copy_weights: k block kb of the warp's weight fragments into slot kb % kStages (cp.async, no commit)."""
+    lo = kb * KBLOCK + 16 * t
+    hi = lo + 64
+    slot = kb % STAGES
+    for i in range(MTILES):
+        for h in range(2):
+            row = op.w_row[i] + h * 8 * op.k_bytes
+            ring.slots[:, slot, i, h, 0] = op.w.load(row + lo, 16, "weight lo")
+            ring.slots[:, slot, i, h, 1] = op.w.load(row + hi, 16, "weight hi")
+    ring.holds[slot] = kb
+    ring.landed.discard(kb)
+    ring.open.append(kb)
 
 
 def load_tokens(op, kb: int, t: np.ndarray) -> SimpleNamespace:
@@ -92,17 +91,10 @@ def word(v: np.ndarray, i: int) -> np.ndarray:
     return v[:, 4 * i:4 * i + 4]  # register word i of a uint4: bytes 4i..4i+3, the lowest address in the low byte
 
 
-def mma_block(stage: np.ndarray, tk, tiles: int, th: Threads, acc: np.ndarray) -> None:
-    """mma_block: the stage's weight fragments (lane g, t: rows i * 16 + g and + 8, bytes [16t, 16t + 16) and
-    64 further), the k block's four MMA steps into a fresh fragment, then acc += sum * w_scale * x_scale."""
-    g, t = th.lane // 4, th.lane % 4
-    threads = np.arange(th.count)
-
-    def fragment(i: int, h: int, part: int) -> np.ndarray:
-        start = part * 64 + 16 * t
-        return np.stack([stage[threads, i * TILE_ROWS + h * 8 + g, start + b] for b in range(16)], axis=1)
-
-    w = [[[fragment(i, h, part) for part in range(2)] for h in range(2)] for i in range(MTILES)]
+def mma_block(slot: np.ndarray, tk, tiles: int, acc: np.ndarray) -> None:
+    """mma_block: the slot's weight fragments, the k block's four MMA steps into a fresh fragment, then
+    acc += sum * w_scale * x_scale."""
+    w = [[[slot[:, i, h, part] for part in range(2)] for h in range(2)] for i in range(MTILES)]
     part = np.zeros_like(acc)
     for s in range(KSTEPS):
         at, p = (s % 2) * 2, s // 2
@@ -122,39 +114,30 @@ def mma_block(stage: np.ndarray, tk, tiles: int, th: Threads, acc: np.ndarray) -
 
 
 def start_weights(ring: Ring, op, kblocks: int, th: Threads) -> None:
-    """start_weights: a pass's first STAGES k blocks (fewer if it has fewer). Reads only the weights: a kernel may
-    call it before it waits for the kernel ahead."""
-    for kb in range(min(STAGES, kblocks)):
-        copy_weights(ring, op, kb, th)
-
-
-def gemm_step(ring: Ring, op, kb: int, kblocks: int, tk, tiles: int, th: Threads, acc: np.ndarray) -> None:
-    """gemm_step: wait for block kb's stage, its MMAs, the stage read (__syncwarp), its refill with kb + STAGES."""
-    n = ring.base + kb
-    ring.wait(n)
-    mma_block(ring.stage(n, th), tk, tiles, th, acc)
-    ring.read[:, n % STAGES] = True
-    if kb + STAGES < kblocks:
-        copy_weights(ring, op, kb + STAGES, th)
+    """start_weights: a pass's first kStages k blocks of weight copies, one committed group each (empty past
+    kblocks). Reads only the weights: a kernel may call it before it waits for the kernel ahead."""
+    t = th.tid % 4
+    for kb in range(STAGES):
+        if kb < kblocks:
+            copy_weights(ring, op, kb, t)
+        ring.commit()
 
 
 def warp_gemm(op, ring: Ring, kblocks: int, tiles: int, th: Threads) -> np.ndarray:
-    """warp_gemm: acc [threads, m tile, token tile, 4] over kblocks k blocks, the weights through the warps' rings
-    (start_weights first), the tokens in two sets, even and odd blocks, each loaded once its previous block's MMAs
-    read it; the ring moves on to the next pass."""
+    """warp_gemm: acc [threads, m tile, token tile, 4] over kblocks k blocks, the weights through the warp's ring
+    (start_weights' kStages copy groups committed ahead; block kb read after waiting until kStages - 1 remain), the
+    tokens one k block ahead."""
     t = th.tid % 4
     acc = np.zeros((th.count, MTILES, TOKEN_TILES, 4), np.float32)
-    even = load_tokens(op, 0, t)
-    odd = load_tokens(op, 1, t) if kblocks > 1 else None
-    for kb in range(0, kblocks, 2):
-        gemm_step(ring, op, kb, kblocks, even, tiles, th, acc)
-        if kb + 2 < kblocks:
-            even = load_tokens(op, kb + 2, t)
-        if kb + 1 < kblocks:
-            gemm_step(ring, op, kb + 1, kblocks, odd, tiles, th, acc)
-            if kb + 3 < kblocks:
-                odd = load_tokens(op, kb + 3, t)
-    ring.base += kblocks
+    tk = load_tokens(op, 0, t)
+    for kb in range(kblocks):
+        nxt = load_tokens(op, kb + 1, t) if kb + 1 < kblocks else None
+        ring.wait(STAGES - 1)
+        mma_block(ring.read(kb), tk, tiles, acc)
+        if kb + STAGES < kblocks:
+            copy_weights(ring, op, kb + STAGES, t)
+        ring.commit()
+        tk = nxt
     return acc
 
 

@@ -90,19 +90,19 @@ class Allocation:
     def base(self) -> int:
         return self.tensor.data_ptr()
 
-    def _bytes(self, offsets, size: int, what: str, align: int | None = None) -> np.ndarray:
+    def _bytes(self, offsets, size: int, what: str) -> np.ndarray:
         off = np.asarray(offsets, dtype=np.int64)
         if off.size and (off.min() < 0 or off.max() + size > self.raw.size):
             bad = off[(off < 0) | (off + size > self.raw.size)]
             raise EmulatedMemoryError(f"{what}: byte offsets {bad[:4].tolist()} past {self.name} "
                                       f"({self.raw.size} bytes)")
-        if off.size and ((self.base + off) % (align or size)).any():
+        if off.size and ((self.base + off) % size).any():
             raise EmulatedMemoryError(f"{what}: a {size}-byte access of {self.name} is misaligned")
         return off[..., None] + np.arange(size)
 
-    def load(self, offsets, size: int, what: str, align: int | None = None) -> np.ndarray:
-        """The ``size`` bytes at each byte offset (aligned to ``align``, by default ``size``): uint8 [..., size]."""
-        at = self._bytes(offsets, size, what, align)
+    def load(self, offsets, size: int, what: str) -> np.ndarray:
+        """The ``size`` bytes at each byte offset: uint8 [*offsets.shape, size]."""
+        at = self._bytes(offsets, size, what)
         if not self.valid[at].all():
             raise EmulatedMemoryError(f"{what}: reads uninitialised bytes of {self.name}")
         return self.raw[at]

@@ -5,19 +5,18 @@
 //
 // Each warp owns kMTiles m tiles (16 weight rows each, all in one 128-row scale block per tile) and streams
 // their rows over the whole k range once per pass of up to kPassRows tokens. The weights go through a ring of
-// kStages k blocks (128 k each) in the warp's part of the block's shared memory, filled by bulk copies (the copy
-// engine; ptx/load.cuh), one 128-byte row segment per lane, each stage's landing reported by its own barrier:
-// kStages - 1 blocks are in flight while the MMAs consume one, without registers or per-thread copy slots. The
-// token operands and scales, small and re-read by every warp, are plain loads two k blocks ahead, alternating
-// between two register sets. Weights are read as the checkpoint stores them ([N, K] row-major, e4m3): no
-// transformed copy.
+// kStages k blocks (128 k each) in the warp's part of the block's shared memory, filled by cp.async: kStages - 1
+// blocks of copies are in flight while the MMAs consume one, without holding registers (a register pipeline
+// spills past 3 stages; at 3 stages, 64 KB in flight per SM read the weights at 2.6 TB/s on the H200). The
+// token operands and scales, small and re-read by every warp, are plain loads one k block ahead. Weights are
+// read as the checkpoint stores them ([N, K] row-major, e4m3): no transformed copy.
 //
 // The k order. Only the pairing of each k between A and B enters the sum, so both operands take the same
 // permutation of each 128-wide k block, chosen so that every fragment comes from 16-byte loads: lane
-// t = lane % 4 reads bytes [16t, 16t + 16) ("lo") and [64 + 16t, 64 + 16t + 16) ("hi") of a row's k block
-// - for its two weight rows (g and g + 8, g = lane / 4), from the stage, and for its token (g), from global
-// memory - and MMA step s of the block takes register words (s % 2) * 2 and (s % 2) * 2 + 1 of part s / 2
-// (fragment_k below).
+// t = lane % 4 loads bytes [16t, 16t + 16) ("lo") and [64 + 16t, 64 + 16t + 16) ("hi") of a row's k block
+// - for its two weight rows (g and g + 8, g = lane / 4) and for its token (g) - and MMA step s of the block
+// takes register words (s % 2) * 2 and (s % 2) * 2 + 1 of part s / 2 (fragment_k below). One load
+// instruction of a warp then covers 64 contiguous bytes of 8 rows: whole 32-byte sectors.
 //
 // Scales, per k block: the block's four MMAs accumulate into a fresh fp32 fragment, which is added to the
 // running fp32 total times (weight scale of the 128x128 block) x (the token's 1x128 scale) - DeepGEMM's
@@ -45,17 +44,14 @@ constexpr u32 kPassRows = kTokenTiles * kTileTokens;  // an expert's rows per pa
 constexpr u32 kWarps = 8;                   // per block
 constexpr u32 kThreads = kWarps * kWarp;
 constexpr u32 kScaleRows = kWarps * kTileRows;  // 128: m tile i of every warp lies in one scale block
-constexpr u32 kStages = 6;                  // k blocks of weights per warp: the one in use, the rest in flight
-// One stage of a warp's ring: the segments of one k block of its kMTiles * kTileRows weight rows, row r (m tile
-// r / kTileRows, its row r % kTileRows) at r * kKBlock, copied by lane r.
-constexpr u32 kStageRows = kMTiles * kTileRows;
-constexpr u32 kStageBytes = kStageRows * kKBlock;
-// The block's dynamic shared memory (the launch's shared_bytes; decode.py's DECODE_SHARED_BYTES): the warps' rings,
-// then their stages' barriers.
-constexpr u32 kSharedBytes = kWarps * kStages * (kStageBytes + sizeof(u64));
-static_assert(kStageRows == kWarp, "each lane copies one row segment of a stage");
+constexpr u32 kStages = 6;                  // k blocks of weight copies per warp: the one in use, the rest in flight
+// One k block of a warp's weight fragments in its ring: [m tile][row g, g + 8][lo, hi][lane], 16 bytes each.
+// Lanes innermost: a quarter-warp's 16-byte accesses cover 128 contiguous bytes, free of bank conflicts.
+constexpr u32 kStageVectors = kMTiles * 2 * 2 * kWarp;
+// The block's dynamic shared memory (the launch's shared_bytes; decode.py's DECODE_SHARED_BYTES).
+constexpr u32 kSharedBytes = kWarps * kStages * kStageVectors * 16;
 static_assert(kScaleRows == kKBlock, "a block's m tile i spans exactly one 128-row weight scale block");
-static_assert(kSharedBytes <= 227 * 1024 - 1024, "the rings and the epilogue's static shared memory fit one SM");
+static_assert(kSharedBytes <= 227 * 1024 - 1024, "the ring and the epilogue's static shared memory fit one SM");
 
 // The k (0..127) of a block that a fragment byte holds: MMA step `step` (0..3), lane t = lane % 4, register
 // half `half` (0: a[0], a[1], b[0]; 1: a[2], a[3], b[1]), byte `byte` (0..3) of that register word.
@@ -84,7 +80,7 @@ static_assert(fragment_k(0, 0, 0, 0) == 0 && fragment_k(1, 0, 0, 0) == 8 && frag
 
 // What one warp reads, at k = 0; a null token pointer is a token past the pass's rows (read as zeros).
 struct WarpOperands {
-    const unsigned char* w_segment;               // the weight row this lane copies: row lane % 16 of m tile lane / 16
+    const unsigned char* w_row[kMTiles];          // row g of each m tile; row g + 8 lies 8 * k_bytes further
     const float* w_scale[kMTiles];                // each m tile's scale row: k block j at [j]
     const unsigned char* x_row[kTokenTiles];      // token g of each token tile: its FP8 row
     const float* x_scale[kTokenTiles][2];         // tokens 2t, 2t + 1 of each token tile: k block j at j * sf_stride
@@ -99,41 +95,25 @@ struct Tokens {
     float w_scale[kMTiles];
 };
 
-// A warp's ring of weight stages in shared memory, and where it stands. The warp's k blocks are numbered over all
-// its passes: block n lands in stage n % kStages, and is that stage's fill number n / kStages - the phase of the
-// stage's barrier that reports it.
-struct WeightRing {
-    unsigned char* stages;  // kStages * kStageBytes
-    u64* landed;            // per stage, a barrier of one arrival (the copying lane 0's) and kStageBytes of copies
-    u32 base;               // blocks of the warp's earlier passes: the current pass's block kb is number base + kb
-};
-
-// Warp `warp`'s ring in `shared` (the block's kSharedBytes), its barriers initialised by its lane 0. Every lane
-// calls it; on return the barriers are ready for the warp's lanes and for the copy engine.
-__device__ __forceinline__ WeightRing warp_ring(unsigned char* shared, u32 warp) {
-    WeightRing ring{shared + warp * kStages * kStageBytes,
-                    reinterpret_cast<u64*>(shared + kWarps * kStages * kStageBytes) + warp * kStages, 0};
-    if (threadIdx.x % kWarp == 0) {
-#pragma unroll
-        for (u32 s = 0; s < kStages; ++s) ptx::mbarrier_init(ring.landed + s, 1);
-        ptx::fence_barrier_init();
-    }
-    __syncwarp();  // the barriers' initialisation before any lane waits on them or copies into their stages
-    return ring;
-}
-
 __device__ __forceinline__ u32 word(const uint4& v, u32 i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// The current pass's k block kb into its stage: lane 0 arrives expecting the stage's bytes, then each lane copies
-// its row's segment; the phase completes once the arrival came and all kStageBytes landed. The stage's previous
-// block must have been read by every lane (a __syncwarp after its reads). The __syncwarp here puts the expectation
-// ahead of every copy, so the phase's byte count never runs ahead of it.
-__device__ __forceinline__ void copy_weights(const WeightRing& ring, const WarpOperands& op, u32 kb, u32 lane) {
-    const u32 stage = (ring.base + kb) % kStages;
-    if (lane == 0) ptx::mbarrier_arrive_expect_bytes(ring.landed + stage, kStageBytes);
-    __syncwarp();
-    ptx::bulk_copy_evict_first(ring.stages + stage * kStageBytes + lane * kKBlock,
-                               op.w_segment + static_cast<u64>(kb) * kKBlock, kKBlock, ring.landed + stage);
+// Vector v (0..kStageVectors) of a lane's fragments in a ring slot: m tile i, row half h, part (lo, hi).
+__device__ __forceinline__ u32 ring_vector(u32 i, u32 h, u32 part, u32 lane) {
+    return ((i * 2 + h) * 2 + part) * kWarp + lane;
+}
+
+// Copies k block kb of the warp's weight fragments into its ring slot kb % kStages (no commit).
+__device__ __forceinline__ void copy_weights(uint4* ring, const WarpOperands& op, u32 kb, u32 lane) {
+    const u64 lo = static_cast<u64>(kb) * kKBlock + 16 * (lane % 4), hi = lo + 64;
+    uint4* slot = ring + (kb % kStages) * kStageVectors;
+#pragma unroll
+    for (u32 i = 0; i < kMTiles; ++i)
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+            const unsigned char* row = op.w_row[i] + h * 8 * op.k_bytes;
+            ptx::cp_async_16(slot + ring_vector(i, h, 0, lane), row + lo);
+            ptx::cp_async_16(slot + ring_vector(i, h, 1, lane), row + hi);
+        }
 }
 
 __device__ __forceinline__ void load_tokens(Tokens& tk, const WarpOperands& op, u32 kb, u32 t) {
@@ -155,19 +135,16 @@ __device__ __forceinline__ void load_tokens(Tokens& tk, const WarpOperands& op, 
 }
 
 // acc[i][j] += (the k block's MMAs of m tile i and token tile j) * w_scale[i] * x_scale of the column's
-// token, the weights from `stage`; token tiles from `tiles` on are skipped (uniform across the warp).
-__device__ __forceinline__ void mma_block(const unsigned char* stage, const Tokens& tk, u32 tiles, u32 lane,
+// token, the weights from ring slot `slot`; token tiles from `tiles` on are skipped (uniform across the warp).
+__device__ __forceinline__ void mma_block(const uint4* slot, const Tokens& tk, u32 tiles, u32 lane,
                                           float (&acc)[kMTiles][kTokenTiles][4]) {
-    const u32 g = lane / 4, t = lane % 4;
     uint4 w[kMTiles][2][2];  // [m tile][row g, row g + 8][lo, hi]
 #pragma unroll
     for (u32 i = 0; i < kMTiles; ++i)
 #pragma unroll
         for (u32 h = 0; h < 2; ++h)
 #pragma unroll
-            for (u32 part = 0; part < 2; ++part)
-                w[i][h][part] = *reinterpret_cast<const uint4*>(stage + (i * kTileRows + h * 8 + g) * kKBlock +
-                                                                part * 64 + t * 16);
+            for (u32 part = 0; part < 2; ++part) w[i][h][part] = slot[ring_vector(i, h, part, lane)];
     float sum[kMTiles][kTokenTiles][4] = {};
 #pragma unroll
     for (u32 s = 0; s < kKSteps; ++s) {
@@ -197,55 +174,48 @@ __device__ __forceinline__ void mma_block(const unsigned char* stage, const Toke
                 acc[i][j][c] = fmaf(sum[i][j][c], tk.w_scale[i] * tk.x_scale[j][c % 2], acc[i][j][c]);
 }
 
-// A pass's first kStages k blocks of weight copies into the warp's ring (fewer if the pass has fewer):
-// warp_gemm's prologue. Weights only - nothing a kernel of the call writes - so a kernel may start its first pass's
-// copies before it waits for the kernel ahead of it (moe_decode.cu).
-__device__ __forceinline__ void start_weights(const WeightRing& ring, const WarpOperands& op, u32 kblocks) {
+// A pass's first kStages k blocks of weight copies into the warp's ring, one committed group each (empty past
+// `kblocks`): warp_gemm's prologue. Weights only - nothing a kernel of the call writes - so a kernel may start its
+// first pass's copies before it waits for the kernel ahead of it (moe_decode.cu).
+__device__ __forceinline__ void start_weights(uint4* ring, const WarpOperands& op, u32 kblocks) {
     const u32 lane = threadIdx.x % kWarp;
 #pragma unroll
-    for (u32 kb = 0; kb < kStages; ++kb)
+    for (u32 kb = 0; kb < kStages; ++kb) {
         if (kb < kblocks) copy_weights(ring, op, kb, lane);
-}
-
-// One k block of a pass: wait until its stage landed, its MMAs, then the stage's refill with block kb + kStages.
-// Before the refill, __syncwarp: every lane's reads of the stage (complete: the MMAs consumed their values) come
-// before any lane's copy overwrites it.
-__device__ __forceinline__ void gemm_step(const WeightRing& ring, const WarpOperands& op, u32 kb, u32 kblocks,
-                                          const Tokens& tk, u32 tiles, float (&acc)[kMTiles][kTokenTiles][4]) {
-    const u32 lane = threadIdx.x % kWarp, n = ring.base + kb, stage = n % kStages;
-    ptx::mbarrier_wait(ring.landed + stage, (n / kStages) % 2);
-    mma_block(ring.stages + stage * kStageBytes, tk, tiles, lane, acc);
-    __syncwarp();
-    if (kb + kStages < kblocks) copy_weights(ring, op, kb + kStages, lane);
+        ptx::cp_async_commit();
+    }
 }
 
 // The warp's fp32 tiles over `kblocks` k blocks: acc[i][j][c] for m tile i, token tile j, and fragment element c
-// (c[0..3] of the MMA: rows g, g, g + 8, g + 8; tokens 2t, 2t + 1, 2t, 2t + 1). start_weights(ring, op, kblocks)
-// copies first; on return every block of the pass has been read and the ring is at the next pass.
+// (c[0..3] of the MMA: rows g, g, g + 8, g + 8; tokens 2t, 2t + 1, 2t, 2t + 1). `ring`: the warp's
+// kStages * kStageVectors vectors of shared memory, into which start_weights(ring, op, kblocks) copies first.
 //
-// The tokens alternate between two register sets, even and odd k blocks: block kb + 2's loads are issued once
-// block kb's MMAs have read its set, a whole block ahead of their use.
-__device__ __forceinline__ void warp_gemm(const WarpOperands& op, WeightRing& ring, u32 kblocks, u32 tiles,
+// One copy group per k block, committed in k order (an empty one past the last block, so that the count
+// stays exact): the first kStages by start_weights, before warp_gemm; block kb + kStages after block kb's MMAs.
+// Block kb's group is then the oldest of at most kStages in flight, so waiting until kStages - 1 remain completes
+// it. A lane reads back only the vectors it copied itself, so the wait is the only synchronisation before a read.
+// Before a slot is refilled, __syncwarp: cp.async is unordered with the thread's earlier loads, and the barrier
+// completes the slot's reads (already consumed by the MMAs, which are volatile asm ahead of the copy) first.
+__device__ __forceinline__ void warp_gemm(const WarpOperands& op, uint4* ring, u32 kblocks, u32 tiles,
                                           float (&acc)[kMTiles][kTokenTiles][4]) {
-    const u32 t = threadIdx.x % 4;
+    const u32 lane = threadIdx.x % kWarp, t = lane % 4;
 #pragma unroll
     for (u32 i = 0; i < kMTiles; ++i)
 #pragma unroll
         for (u32 j = 0; j < kTokenTiles; ++j)
 #pragma unroll
             for (u32 c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
-    Tokens even, odd;
-    load_tokens(even, op, 0, t);
-    if (kblocks > 1) load_tokens(odd, op, 1, t);
-    for (u32 kb = 0; kb < kblocks; kb += 2) {
-        gemm_step(ring, op, kb, kblocks, even, tiles, acc);
-        if (kb + 2 < kblocks) load_tokens(even, op, kb + 2, t);
-        if (kb + 1 < kblocks) {
-            gemm_step(ring, op, kb + 1, kblocks, odd, tiles, acc);
-            if (kb + 3 < kblocks) load_tokens(odd, op, kb + 3, t);
-        }
+    Tokens tk, next;
+    load_tokens(tk, op, 0, t);
+    for (u32 kb = 0; kb < kblocks; ++kb) {
+        if (kb + 1 < kblocks) load_tokens(next, op, kb + 1, t);
+        ptx::cp_async_wait<kStages - 1>();
+        mma_block(ring + (kb % kStages) * kStageVectors, tk, tiles, lane, acc);
+        __syncwarp();  // the slot's reads before its refill
+        if (kb + kStages < kblocks) copy_weights(ring, op, kb + kStages, lane);
+        ptx::cp_async_commit();
+        tk = next;
     }
-    ring.base += kblocks;
 }
 
 // An expert's pass over rows [first, first + rows) of its group (rows <= kPassRows, the tokens' FP8 rows

@@ -64,15 +64,15 @@ def copy_weights(ring: Ring, op, kb: int, t: np.ndarray) -> None:
     ring.open.append(kb)
 
 
-def load_tokens(op, kb: int, t: np.ndarray) -> SimpleNamespace:
+def load_tokens(op, kb: int, t: np.ndarray, tiles: int) -> SimpleNamespace:
     """load_tokens: one k block of the warp's token operands and both scales (null token rows and scales read as
-    zeros)."""
+    zeros); token tiles from ``tiles`` on are not loaded (None: mma_block never reads them)."""
     lo = kb * KBLOCK + 16 * t
     hi = lo + 64
     tk = SimpleNamespace(x=[None] * TOKEN_TILES, x_scale=[[None, None] for _ in range(TOKEN_TILES)],
                          w_scale=[op.w_sf.load_as(np.float32, op.w_scale[i] + kb, "weight scale")
                                   for i in range(MTILES)])
-    for j in range(TOKEN_TILES):
+    for j in range(tiles):
         x, live = op.x_row[j], op.x_row[j] != NULL
         parts = []
         for start in (lo, hi):
@@ -107,7 +107,7 @@ def mma_block(slot: np.ndarray, tk, tiles: int, acc: np.ndarray) -> None:
             for i in range(MTILES):
                 part[:, i, j] = mma_m16n8k32_e4m3(part[:, i, j], a[i], b)
     for i in range(MTILES):
-        for j in range(TOKEN_TILES):
+        for j in range(tiles):  # the others' sums are zero and their outputs never written
             for c in range(4):  # c even: token 2t, odd: token 2t + 1
                 scale = (tk.w_scale[i] * tk.x_scale[j][c % 2]).astype(np.float32)
                 acc[:, i, j, c] = fmaf(part[:, i, j, c], scale, acc[:, i, j, c])
@@ -123,21 +123,31 @@ def start_weights(ring: Ring, op, kblocks: int, th: Threads) -> None:
         ring.commit()
 
 
+def gemm_step(op, ring: Ring, kb: int, kblocks: int, tk, tiles: int, t: np.ndarray, acc: np.ndarray) -> None:
+    """gemm_step: wait until block kb's group landed, its MMAs, then its slot's refill with kb + STAGES."""
+    ring.wait(STAGES - 1)
+    mma_block(ring.read(kb), tk, tiles, acc)
+    if kb + STAGES < kblocks:
+        copy_weights(ring, op, kb + STAGES, t)
+    ring.commit()
+
+
 def warp_gemm(op, ring: Ring, kblocks: int, tiles: int, th: Threads) -> np.ndarray:
     """warp_gemm: acc [threads, m tile, token tile, 4] over kblocks k blocks, the weights through the warp's ring
     (start_weights' kStages copy groups committed ahead; block kb read after waiting until kStages - 1 remain), the
-    tokens one k block ahead."""
+    tokens in two sets, even and odd blocks, each loaded once its previous block's MMAs read it."""
     t = th.tid % 4
     acc = np.zeros((th.count, MTILES, TOKEN_TILES, 4), np.float32)
-    tk = load_tokens(op, 0, t)
-    for kb in range(kblocks):
-        nxt = load_tokens(op, kb + 1, t) if kb + 1 < kblocks else None
-        ring.wait(STAGES - 1)
-        mma_block(ring.read(kb), tk, tiles, acc)
-        if kb + STAGES < kblocks:
-            copy_weights(ring, op, kb + STAGES, t)
-        ring.commit()
-        tk = nxt
+    even = load_tokens(op, 0, t, tiles)
+    odd = load_tokens(op, 1, t, tiles) if kblocks > 1 else None
+    for kb in range(0, kblocks, 2):
+        gemm_step(op, ring, kb, kblocks, even, tiles, t, acc)
+        if kb + 2 < kblocks:
+            even = load_tokens(op, kb + 2, t, tiles)
+        if kb + 1 < kblocks:
+            gemm_step(op, ring, kb + 1, kblocks, odd, tiles, t, acc)
+            if kb + 3 < kblocks:
+                odd = load_tokens(op, kb + 3, t, tiles)
     return acc
 
 

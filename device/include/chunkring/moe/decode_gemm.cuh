@@ -8,8 +8,9 @@
 // kStages k blocks (128 k each) in the warp's part of the block's shared memory, filled by cp.async: kStages - 1
 // blocks of copies are in flight while the MMAs consume one, without holding registers (a register pipeline
 // spills past 3 stages; at 3 stages, 64 KB in flight per SM read the weights at 2.6 TB/s on the H200). The
-// token operands and scales, small and re-read by every warp, are plain loads one k block ahead. Weights are
-// read as the checkpoint stores them ([N, K] row-major, e4m3): no transformed copy.
+// token operands and scales, small and re-read by every warp, are plain loads a whole k block ahead of their
+// use, in two register sets that alternate. Weights are read as the checkpoint stores them ([N, K] row-major,
+// e4m3): no transformed copy.
 //
 // The k order. Only the pairing of each k between A and B enters the sum, so both operands take the same
 // permutation of each 128-wide k block, chosen so that every fragment comes from 16-byte loads: lane
@@ -116,12 +117,14 @@ __device__ __forceinline__ void copy_weights(uint4* ring, const WarpOperands& op
         }
 }
 
-__device__ __forceinline__ void load_tokens(Tokens& tk, const WarpOperands& op, u32 kb, u32 t) {
+// Token tiles from `tiles` on are not loaded (uniform across the warp): mma_block never reads them.
+__device__ __forceinline__ void load_tokens(Tokens& tk, const WarpOperands& op, u32 kb, u32 t, u32 tiles) {
     const u64 lo = static_cast<u64>(kb) * kKBlock + 16 * t, hi = lo + 64;
 #pragma unroll
     for (u32 i = 0; i < kMTiles; ++i) tk.w_scale[i] = __ldg(op.w_scale[i] + kb);
 #pragma unroll
     for (u32 j = 0; j < kTokenTiles; ++j) {
+        if (j >= tiles) continue;
         // The token rows are re-read by every warp of the block (and every block of the expert): cached loads.
         const unsigned char* x = op.x_row[j];
         tk.x[j][0] = x != nullptr ? __ldg(reinterpret_cast<const uint4*>(x + lo)) : make_uint4(0, 0, 0, 0);
@@ -168,10 +171,12 @@ __device__ __forceinline__ void mma_block(const uint4* slot, const Tokens& tk, u
 #pragma unroll
     for (u32 i = 0; i < kMTiles; ++i)
 #pragma unroll
-        for (u32 j = 0; j < kTokenTiles; ++j)
+        for (u32 j = 0; j < kTokenTiles; ++j) {
+            if (j >= tiles) continue;  // its sums are zero and its outputs never written
 #pragma unroll
             for (u32 c = 0; c < 4; ++c)  // c even: token 2t, odd: token 2t + 1
                 acc[i][j][c] = fmaf(sum[i][j][c], tk.w_scale[i] * tk.x_scale[j][c % 2], acc[i][j][c]);
+        }
 }
 
 // A pass's first kStages k blocks of weight copies into the warp's ring, one committed group each (empty past
@@ -186,6 +191,19 @@ __device__ __forceinline__ void start_weights(uint4* ring, const WarpOperands& o
     }
 }
 
+// One k block of a pass: wait until its copy group landed, its MMAs, then its slot's refill with block kb + kStages.
+// Before the refill, __syncwarp: cp.async is unordered with the thread's earlier loads, and the barrier completes
+// the slot's reads (already consumed by the MMAs, which are volatile asm ahead of the copy) first.
+__device__ __forceinline__ void gemm_step(const WarpOperands& op, uint4* ring, u32 kb, u32 kblocks, const Tokens& tk,
+                                          u32 tiles, float (&acc)[kMTiles][kTokenTiles][4]) {
+    const u32 lane = threadIdx.x % kWarp;
+    ptx::cp_async_wait<kStages - 1>();
+    mma_block(ring + (kb % kStages) * kStageVectors, tk, tiles, lane, acc);
+    __syncwarp();
+    if (kb + kStages < kblocks) copy_weights(ring, op, kb + kStages, lane);
+    ptx::cp_async_commit();
+}
+
 // The warp's fp32 tiles over `kblocks` k blocks: acc[i][j][c] for m tile i, token tile j, and fragment element c
 // (c[0..3] of the MMA: rows g, g, g + 8, g + 8; tokens 2t, 2t + 1, 2t, 2t + 1). `ring`: the warp's
 // kStages * kStageVectors vectors of shared memory, into which start_weights(ring, op, kblocks) copies first.
@@ -194,27 +212,28 @@ __device__ __forceinline__ void start_weights(uint4* ring, const WarpOperands& o
 // stays exact): the first kStages by start_weights, before warp_gemm; block kb + kStages after block kb's MMAs.
 // Block kb's group is then the oldest of at most kStages in flight, so waiting until kStages - 1 remain completes
 // it. A lane reads back only the vectors it copied itself, so the wait is the only synchronisation before a read.
-// Before a slot is refilled, __syncwarp: cp.async is unordered with the thread's earlier loads, and the barrier
-// completes the slot's reads (already consumed by the MMAs, which are volatile asm ahead of the copy) first.
+//
+// The token operands alternate between two register sets, even and odd k blocks: block kb + 2's loads are issued
+// once block kb's MMAs have read its set, a whole k block ahead of their use.
 __device__ __forceinline__ void warp_gemm(const WarpOperands& op, uint4* ring, u32 kblocks, u32 tiles,
                                           float (&acc)[kMTiles][kTokenTiles][4]) {
-    const u32 lane = threadIdx.x % kWarp, t = lane % 4;
+    const u32 t = threadIdx.x % 4;
 #pragma unroll
     for (u32 i = 0; i < kMTiles; ++i)
 #pragma unroll
         for (u32 j = 0; j < kTokenTiles; ++j)
 #pragma unroll
             for (u32 c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
-    Tokens tk, next;
-    load_tokens(tk, op, 0, t);
-    for (u32 kb = 0; kb < kblocks; ++kb) {
-        if (kb + 1 < kblocks) load_tokens(next, op, kb + 1, t);
-        ptx::cp_async_wait<kStages - 1>();
-        mma_block(ring + (kb % kStages) * kStageVectors, tk, tiles, lane, acc);
-        __syncwarp();  // the slot's reads before its refill
-        if (kb + kStages < kblocks) copy_weights(ring, op, kb + kStages, lane);
-        ptx::cp_async_commit();
-        tk = next;
+    Tokens even, odd;
+    load_tokens(even, op, 0, t, tiles);
+    if (kblocks > 1) load_tokens(odd, op, 1, t, tiles);
+    for (u32 kb = 0; kb < kblocks; kb += 2) {
+        gemm_step(op, ring, kb, kblocks, even, tiles, acc);
+        if (kb + 2 < kblocks) load_tokens(even, op, kb + 2, t, tiles);
+        if (kb + 1 < kblocks) {
+            gemm_step(op, ring, kb + 1, kblocks, odd, tiles, acc);
+            if (kb + 3 < kblocks) load_tokens(odd, op, kb + 3, t, tiles);
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 raw over ``benchmarks.bench_decode --profile-once``) as a result file - per launch of moe_decode_l1 / moe_decode_l2,
 its time, DRAM bytes read and achieved DRAM bandwidth, against the card's peak.
 
-    python scripts/decode_ncu_summary.py CSV --tokens 1,8,32,128 --shape flash --json OUT.json
+    python scripts/decode_ncu_summary.py CSV --tokens 1,8,32,128 --shape flash --json OUT.json [--gpu NAME]
 
 The profiled script runs each token count's decode kernels once, L1 then L2, in the order of ``--tokens``: the n-th
 L1 launch is the n-th token count's (DeepGEMM's path, which it also runs, does not match the kernel filter).
@@ -76,6 +76,7 @@ def main() -> int:
     parser.add_argument("--tokens", default="1,8,32,128")
     parser.add_argument("--shape", default="flash")
     parser.add_argument("--json", required=True)
+    parser.add_argument("--gpu", default=None, help="the card that ran (default: this machine's first GPU)")
     args = parser.parse_args()
     records_ = summarise(launches(args.csv), [int(t) for t in args.tokens.split(",")], args.shape)
     for r in records_:
@@ -85,7 +86,7 @@ def main() -> int:
     figures = {f"{r['shape']}_{r['tokens']}_{r['kernel']}_{k}": v for r in records_ for k, v in r.items()
                if isinstance(v, float)}
     records.write(args.json, suite="decode-ncu", world_size=1, figures=figures, records=records_,
-                  passed=len(records_), failed=0 if records_ else 1)
+                  passed=len(records_), failed=0 if records_ else 1, gpu=args.gpu)
     return 0 if records_ else 1
 
 

@@ -50,19 +50,23 @@ def header(*, suite: str, ranks: int, command: str, passed: int, failed: int, sk
     gpus = torch.cuda.device_count()
     if gpu is None:
         gpu = torch.cuda.get_device_name(0) if gpus else "none"
+    else:
+        gpus = max(gpus, 1)  # a record written away from its card (a profile summarised elsewhere) names one
     return {"commit": commit(), "tree_modified": tree_modified(),
             "gpu": gpu, "gpus": gpus, "driver": driver_version(), "torch": torch.__version__, "ranks": ranks,
             "suite": suite, "command": command, "passed": passed, "failed": failed, "skipped": skipped}
 
 
 def write(path: str, *, suite: str, world_size: int, figures: dict, records: list[dict] | None = None,
-          files: list[str] | None = None, incomplete: bool = False, passed: int = 1, failed: int = 0) -> None:
+          files: list[str] | None = None, incomplete: bool = False, passed: int = 1, failed: int = 0,
+          gpu: str | None = None) -> None:
     """The summary keys (:func:`header`), ``figures`` (name -> number), and where given ``records`` (one dict
     per measured case, for benchmarks whose results are a table) and ``files`` (names of figures written beside
     it). ``incomplete``: the run is still going (a benchmark that rewrites its record after each row, so a run
     cut short by its time limit leaves what it measured, marked so). ``passed`` / ``failed``: the cases a
-    benchmark measured and those it could not (default: one run that completed)."""
-    summary = header(suite=suite, ranks=world_size, command=" ".join(sys.argv), passed=passed, failed=failed)
+    benchmark measured and those it could not (default: one run that completed). ``gpu``: the card that ran, where
+    the record is written elsewhere (a profiler's report summarised on another machine)."""
+    summary = header(suite=suite, ranks=world_size, command=" ".join(sys.argv), passed=passed, failed=failed, gpu=gpu)
     summary["figures"] = figures
     if records is not None:
         summary["records"] = records

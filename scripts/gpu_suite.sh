@@ -48,6 +48,10 @@ done
 results=${RESULTS:-tests/gpu_results}
 logs=${LOGS:-/tmp/chunkring-logs}
 mkdir -p "$results" "$logs" "${BENCH_RESULTS:-benchmarks/results}"
+# Absolute: the parts that run an earlier tree (bisect_1rank, decode_trees) write their records from inside it.
+results=$(cd "$results" && pwd) logs=$(cd "$logs" && pwd)
+BENCH_RESULTS=$(cd "${BENCH_RESULTS:-benchmarks/results}" && pwd)
+export BENCH_RESULTS
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export CHUNKRING_CACHE_DIR=${CHUNKRING_CACHE_DIR:-/tmp/chunkring-cache}
@@ -125,12 +129,8 @@ decode_trees() {  # benchmarks/bench_decode.py of each tree in .carry/trees (DEC
     while read -r tree; do
         dir=/tmp/trees/$tree
         rm -rf "$dir" && mkdir -p "$dir" && tar -C "$dir" -xzf ".carry/trees/$tree.tgz" || { status=1; return; }
-        # shellcheck disable=SC2086
         (cd "$dir" && export PYTHONPATH="$dir/runtime:$dir/launcher:$PYTHONPATH" CHUNKRING_COMMIT=$tree \
-            CHUNKRING_TREE_MODIFIED=0 && timeout "${DECODE_LIMIT_S:-180}" python3 -m benchmarks.bench_decode \
-            ${DECODE_ARGS:---shapes flash --tokens 1,8,32,128} \
-            --json "${BENCH_RESULTS:-benchmarks/results}/$tree-decode.json" 2>&1 | tee "$logs/decode-$tree.log"
-            exit "${PIPESTATUS[0]}") || status=1
+            CHUNKRING_TREE_MODIFIED=0 && decode_bench "$logs/decode-$tree.log") || status=1
     done < .carry/trees/ORDER
 }
 quick_1rank() {  # the GPU tests but the input fuzzer (its ~90 s), for a short device call after a host change
@@ -232,10 +232,14 @@ decode_1rank() {  # the decode path: correctness first (a failure skips the timi
     # look that fits one device call beside the tests; --shapes flash,v3 and every token count take minutes more)
     run_suite decode-1rank 1 python3 -m pytest tests/gpu/test_moe_decode.py -v -rs "${limits[@]}" \
         --junitxml="$logs/decode-1rank.xml" || { status=1; return; }
+    decode_bench "$logs/decode.log" || status=1
+}
+decode_bench() {  # log: benchmarks/bench_decode.py (DECODE_ARGS, DECODE_LIMIT_S) of the current directory's tree, its
+    # record named by CHUNKRING_COMMIT
     # shellcheck disable=SC2086
     timeout "${DECODE_LIMIT_S:-180}" python3 -m benchmarks.bench_decode ${DECODE_ARGS:---shapes flash --tokens 1,8,32,128} \
-        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode.json" 2>&1 | tee "$logs/decode.log"
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode.json" 2>&1 | tee "$1"
+    return "${PIPESTATUS[0]}"
 }
 call_kernels() {  # CALL_KERNELS_ARGS override the probe's arguments (default: flash at 1, 8 and 128 tokens)
     # shellcheck disable=SC2086

@@ -19,16 +19,16 @@
 # heap, green contexts and device memory flat, output exact).
 # decode_1rank runs the decode path's GPU tests, then benchmarks/bench_decode.py (decode vs DeepGEMM vs MegaMoE;
 # DECODE_ARGS, default flash at 1-128 tokens); decode_ncu records the decode kernels' achieved DRAM bandwidth with
-# Nsight Compute, then decode_stalls where one L1 and one L2 launch at 8 tokens stall, after a one-kernel probe that ncu can profile
-# here (producer_ncu likewise). smoke_1rank runs the newest device paths' tests first and stops at the first failure:
-# a short first call of a session. quick_1rank runs the GPU tests but the input fuzzer. call_kernels lists every
-# kernel of a small layer call's graph replay, as the GPU ran it (benchmarks/probe_call_kernels.py: where a decode-
-# sized call's time goes). megamoe_1rank runs benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and the torch
-# peer, graph with graph; MEGAMOE_ARGS); breakdown_1rank benchmarks/bench_consumer_breakdown.py (a batch-ready call's
-# steps timed alone). bisect_1rank runs the GPU tests BISECT_TESTS names (pytest arguments) on each earlier tree
-# scripts/carry_trees.sh put in .carry/trees, in its order, until one passes: the commit after that tree broke them
-# (one summary per tree, named by its commit). decode_trees runs the decode benchmark on each such tree: an earlier
-# commit's kernels against this tree's on the same card.
+# Nsight Compute, then decode_stalls where one L1 and one L2 launch at 8 tokens stall, after a one-kernel probe that
+# ncu can profile here (producer_ncu likewise). smoke_1rank runs the newest device paths' tests first and stops at the
+# first failure: a short first call of a session. quick_1rank runs the GPU tests but the input fuzzer. call_kernels
+# lists every kernel of a small layer call's graph replay, as the GPU ran it (benchmarks/probe_call_kernels.py: where
+# a decode-sized call's time goes). megamoe_1rank runs benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and
+# the torch peer, graph with graph; MEGAMOE_ARGS); breakdown_1rank benchmarks/bench_consumer_breakdown.py (a
+# batch-ready call's steps timed alone). bisect_1rank runs the GPU tests BISECT_TESTS names (pytest arguments) on each
+# earlier tree scripts/carry_trees.sh put in .carry/trees, in its order, until one passes: the commit after that tree
+# broke them (one summary per tree, named by its commit). decode_trees runs the decode benchmark on each such tree: an
+# earlier commit's kernels against this tree's on the same card.
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -39,7 +39,8 @@ ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
-           decode_1rank decode_trees decode_ncu decode_stalls quick_1rank call_kernels megamoe_1rank breakdown_1rank bisect_1rank)
+           decode_1rank decode_trees decode_ncu decode_stalls quick_1rank call_kernels megamoe_1rank breakdown_1rank
+           bisect_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -99,20 +100,26 @@ smoke_1rank() {  # the layer's newest device paths first, stopping at the first 
         tests/gpu/test_moe_reduce.py -x -v -rs \
         --durations=8 "${limits[@]}" --junitxml="$logs/smoke-1rank.xml" || status=1
 }
+unpack_tree() {  # tree: that carried tree (scripts/carry_trees.sh), unpacked afresh under /tmp/trees
+    rm -rf "/tmp/trees/$1" && mkdir -p "/tmp/trees/$1" && tar -C "/tmp/trees/$1" -xzf ".carry/trees/$1.tgz"
+}
+in_tree() {  # tree command...: the command inside that unpacked tree - its package and kernels ahead of the editable
+    # install of this one, its own tests, benchmarks and scripts, its records named by its commit
+    local tree=$1 dir=/tmp/trees/$1
+    shift
+    (cd "$dir" && export PYTHONPATH="$dir/runtime:$dir/launcher:$PYTHONPATH" CHUNKRING_COMMIT=$tree \
+        CHUNKRING_TREE_MODIFIED=0 && "$@")
+}
 bisect_1rank() {
     if [ -z "${BISECT_TESTS:-}" ] || [ ! -f .carry/trees/ORDER ]; then
         echo "bisect_1rank: set BISECT_TESTS and carry the trees of scripts/carry_trees.sh"; status=1; return
     fi
-    local tree dir
+    local tree
     while read -r tree; do
-        dir=/tmp/trees/$tree
-        rm -rf "$dir" && mkdir -p "$dir" && tar -C "$dir" -xzf ".carry/trees/$tree.tgz" || { status=1; return; }
-        # That tree's package and kernels ahead of the editable install of this one; its own tests and scripts; its
-        # summary named by its commit.
+        unpack_tree "$tree" || { status=1; return; }
         # shellcheck disable=SC2086  # BISECT_TESTS: several pytest arguments
-        (cd "$dir" && export PYTHONPATH="$dir/runtime:$dir/launcher:$PYTHONPATH" CHUNKRING_COMMIT=$tree \
-            CHUNKRING_TREE_MODIFIED=0 && run_suite bisect-1rank 1 python3 -m pytest $BISECT_TESTS -x -v -rs \
-            "${limits[@]}" --junitxml="$logs/bisect-1rank.xml")
+        in_tree "$tree" run_suite bisect-1rank 1 python3 -m pytest $BISECT_TESTS -x -v -rs "${limits[@]}" \
+            --junitxml="$logs/bisect-1rank.xml"
         local rc=$?
         mv "$logs/bisect-1rank.log" "$logs/bisect-1rank-$tree.log"
         if [ "$rc" = 0 ]; then
@@ -125,12 +132,10 @@ bisect_1rank() {
 decode_trees() {  # benchmarks/bench_decode.py of each tree in .carry/trees (DECODE_ARGS as decode_1rank's): an earlier
     # commit's decode kernels timed on the same card in the same call as this tree's, its record named by its commit
     [ -f .carry/trees/ORDER ] || { echo "decode_trees: carry the trees of scripts/carry_trees.sh"; status=1; return; }
-    local tree dir
+    local tree
     while read -r tree; do
-        dir=/tmp/trees/$tree
-        rm -rf "$dir" && mkdir -p "$dir" && tar -C "$dir" -xzf ".carry/trees/$tree.tgz" || { status=1; return; }
-        (cd "$dir" && export PYTHONPATH="$dir/runtime:$dir/launcher:$PYTHONPATH" CHUNKRING_COMMIT=$tree \
-            CHUNKRING_TREE_MODIFIED=0 && decode_bench "$logs/decode-$tree.log") || status=1
+        unpack_tree "$tree" || { status=1; return; }
+        in_tree "$tree" decode_bench "$logs/decode-$tree.log" || status=1
     done < .carry/trees/ORDER
 }
 quick_1rank() {  # the GPU tests but the input fuzzer (its ~90 s), for a short device call after a host change
@@ -262,15 +267,15 @@ breakdown_1rank() {  # BREAKDOWN_ARGS override the bench's arguments (default: f
 }
 decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and achieved DRAM bandwidth per launch,
     # 1/8/32/128 tokens at the flash shape (--profile-once also runs DeepGEMM's path, which the filter leaves out)
-    local ncu out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode-ncu.csv
+    local ncu tokens=1,8,32,128 out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode-ncu.csv
     ncu=$(ncu_ready) || { echo "decode_ncu: $ncu"; status=1; return; }
     timeout 300 "$ncu" --clock-control none -k regex:moe_decode_l --csv --page raw \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_read.sum.per_second,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
-        --log-file "$out" python3 -m benchmarks.bench_decode --profile-once --shapes flash --tokens 1,8,32,128 \
+        --log-file "$out" python3 -m benchmarks.bench_decode --profile-once --shapes flash --tokens "$tokens" \
         2>&1 | tee "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     grep -q moe_decode_l "$out" 2>/dev/null || { echo "decode_ncu: no moe_decode_l* row in $out"; status=1; }
-    python3 scripts/decode_ncu_summary.py "$out" --tokens 1,8,32,128 --shape flash --json "${out%.csv}.json" \
+    python3 scripts/decode_ncu_summary.py "$out" --tokens "$tokens" --shape flash --json "${out%.csv}.json" \
         2>&1 | tee -a "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     decode_stalls

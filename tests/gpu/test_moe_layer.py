@@ -218,9 +218,9 @@ def _rank_outputs_wrong(runtime, variant: int) -> list:
     if rank == W - 1:
         experts = layer.resources.compute.experts
 
-        def delayed_experts(*args):
+        def delayed_experts(*args, **kwargs):
             torch.cuda._sleep(EXPERTS_DELAY_CYCLES)
-            return experts(*args)
+            return experts(*args, **kwargs)
 
         layer.resources.compute.experts = delayed_experts
     wrong = []

@@ -7,6 +7,8 @@ set -uo pipefail
 commit=$1 modified=$2 limit=$3; shift 3
 export CHUNKRING_COMMIT=$commit CHUNKRING_TREE_MODIFIED=$modified
 export RESULTS=/tmp/res/gpu BENCH_RESULTS=/tmp/res/bench LOGS=/tmp/res/logs CHUNKRING_CACHE_DIR=/tmp/chunkring-cache
+# A machine may come with an earlier call's /tmp: pack only this call's results.
+rm -rf /tmp/res
 mkdir -p "$RESULTS" "$BENCH_RESULTS" "$LOGS" "$CHUNKRING_CACHE_DIR"
 [ -f .carry/cache.tgz ] && tar -C "$CHUNKRING_CACHE_DIR" -xzf .carry/cache.tgz
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$LOGS/nvidia-smi.log"

@@ -48,10 +48,10 @@ for part in "${parts[@]}"; do
 done
 results=${RESULTS:-tests/gpu_results}
 logs=${LOGS:-/tmp/chunkring-logs}
-mkdir -p "$results" "$logs" "${BENCH_RESULTS:-benchmarks/results}"
+BENCH_RESULTS=${BENCH_RESULTS:-benchmarks/results}
+mkdir -p "$results" "$logs" "$BENCH_RESULTS"
 # Absolute: the parts that run an earlier tree (bisect_1rank, decode_trees) write their records from inside it.
-results=$(cd "$results" && pwd) logs=$(cd "$logs" && pwd)
-BENCH_RESULTS=$(cd "${BENCH_RESULTS:-benchmarks/results}" && pwd)
+results=$(cd "$results" && pwd) logs=$(cd "$logs" && pwd) BENCH_RESULTS=$(cd "$BENCH_RESULTS" && pwd)
 export BENCH_RESULTS
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -190,7 +190,7 @@ stress_mps() { mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q
 bench() {  # ranks name script args...: one benchmark under mpirun, its JSON named <commit>-<name>.json
     local n=$1 name=$2; shift 2
     "${mpi[@]}" -np "$n" --timeout 120 python3 "$@" \
-        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-$name.json" 2>&1 |
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT:-unknown}-$name.json" 2>&1 |
         tee -a "$logs/bench.log" || status=1
 }
 bench_mps() {
@@ -203,14 +203,14 @@ bench_mps() {
 overlap_1rank() {  # OVERLAP_ARGS / OVERLAP_LIMIT_S override the bench's arguments and time limit; the first call per
     # shape compiles DeepGEMM's kernels, outside the timings (printed). The JSON is rewritten after each shape, so
     # a run the limit cuts keeps the shapes it finished.
-    local out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-overlap.json
+    local out=$BENCH_RESULTS/${CHUNKRING_COMMIT:-unknown}-overlap.json
     # shellcheck disable=SC2086
     timeout "${OVERLAP_LIMIT_S:-240}" python3 -m benchmarks.bench_overlap ${OVERLAP_ARGS:-} \
         --json "$out" 2>&1 | tee "$logs/overlap.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 overlap_mps() {  # the same at $ranks ranks sharing the GPU under MPS
-    local out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT:-unknown}-overlap-${ranks}rank-mps.json
+    local out=$BENCH_RESULTS/${CHUNKRING_COMMIT:-unknown}-overlap-${ranks}rank-mps.json
     # shellcheck disable=SC2086
     "${mpi[@]}" -np "$ranks" --timeout "${OVERLAP_LIMIT_S:-240}" python3 -m benchmarks.bench_overlap \
         ${OVERLAP_ARGS:-} --json "$out" 2>&1 | tee "$logs/overlap-mps.log"
@@ -218,7 +218,7 @@ overlap_mps() {  # the same at $ranks ranks sharing the GPU under MPS
 }
 producer_probe() {  # where a streamed chunk's production time goes (router GEMM, fused kernel, back-pressure)
     timeout 90 python3 -m benchmarks.probe_producer \
-        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-producer-probe.json" 2>&1 | tee "$logs/probe.log"
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-producer-probe.json" 2>&1 | tee "$logs/probe.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 producer_ncu() {  # Nsight Compute on the fused producer kernel (no timing: where its ~28 us per 128-token chunk go)
@@ -243,31 +243,31 @@ decode_bench() {  # log: benchmarks/bench_decode.py (DECODE_ARGS, DECODE_LIMIT_S
     # record named by CHUNKRING_COMMIT
     # shellcheck disable=SC2086
     timeout "${DECODE_LIMIT_S:-180}" python3 -m benchmarks.bench_decode ${DECODE_ARGS:---shapes flash --tokens 1,8,32,128} \
-        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode.json" 2>&1 | tee "$1"
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-decode.json" 2>&1 | tee "$1"
     return "${PIPESTATUS[0]}"
 }
 call_kernels() {  # CALL_KERNELS_ARGS override the probe's arguments (default: flash at 1, 8 and 128 tokens)
     # shellcheck disable=SC2086
     timeout 180 python3 -m benchmarks.probe_call_kernels ${CALL_KERNELS_ARGS:-} \
-        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-call-kernels.json" 2>&1 | tee "$logs/call_kernels.log"
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-call-kernels.json" 2>&1 | tee "$logs/call_kernels.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 megamoe_1rank() {  # MEGAMOE_ARGS / MEGAMOE_LIMIT_S override the bench's arguments (default: both shapes, 1-8,192
     # tokens) and its time limit; the JSON is rewritten after each shape (a run the limit cuts keeps those it finished)
     # shellcheck disable=SC2086
     timeout "${MEGAMOE_LIMIT_S:-400}" python3 -m benchmarks.bench_vs_megamoe ${MEGAMOE_ARGS:-} \
-        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-vs-megamoe.json" 2>&1 | tee "$logs/megamoe.log"
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-vs-megamoe.json" 2>&1 | tee "$logs/megamoe.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 breakdown_1rank() {  # BREAKDOWN_ARGS override the bench's arguments (default: flash at 8, 1,024 and 8,192 tokens)
     # shellcheck disable=SC2086
     timeout 300 python3 -m benchmarks.bench_consumer_breakdown ${BREAKDOWN_ARGS:-} \
-        --json "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-breakdown.json" 2>&1 | tee "$logs/breakdown.log"
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-breakdown.json" 2>&1 | tee "$logs/breakdown.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and achieved DRAM bandwidth per launch,
     # 1/8/32/128 tokens at the flash shape (--profile-once also runs DeepGEMM's path, which the filter leaves out)
-    local ncu tokens=1,8,32,128 out=${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode-ncu.csv
+    local ncu tokens=1,8,32,128 out=$BENCH_RESULTS/${CHUNKRING_COMMIT}-decode-ncu.csv
     ncu=$(ncu_ready) || { echo "decode_ncu: $ncu"; status=1; return; }
     timeout 300 "$ncu" --clock-control none -k regex:moe_decode_l --csv --page raw \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_read.sum.per_second,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
@@ -287,7 +287,7 @@ decode_stalls() {  # where the warps of one L1 and one L2 launch at 8 tokens wai
     timeout 200 "$ncu" --clock-control none -k regex:moe_decode_l -c 2 --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         --section MemoryWorkloadAnalysis_Tables --section SourceCounters --section Occupancy --section LaunchStats \
-        --log-file "${BENCH_RESULTS:-benchmarks/results}/${CHUNKRING_COMMIT}-decode-ncu-stalls.txt" \
+        --log-file "$BENCH_RESULTS/${CHUNKRING_COMMIT}-decode-ncu-stalls.txt" \
         python3 -m benchmarks.bench_decode --profile-once --shapes flash --tokens 8 2>&1 | tee -a "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }

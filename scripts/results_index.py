@@ -49,7 +49,8 @@ WALL_KEYS = ("suite_seconds", "suite_seconds_max_rank", "job_seconds", "rank0_wa
 
 FLAGS = """Newest commit first. Flags:
 - `tree: modified`: the record says the tree that ran differed from its commit.
-- `commit: not in repository`: `git cat-file -e <commit>^{commit}` fails here (a tree no branch keeps).
+- `commit: not in this history`: the commit is not an ancestor of the indexed commit (a measured branch that did
+  not land, or a tree no branch keeps); its note says which.
 - `cold build: cache hit`: every "cold" kernel build found its cubin in the cache; its seconds time a lookup.
 - `build cache_hit: not recorded`: the record predates `builds`; its cold build seconds may be lookups (0 s ones are).
 - `incomplete`: the run was cut before its end.
@@ -64,13 +65,18 @@ INDEXES = {"benchmarks/results": PREAMBLES / "benchmarks_results.md",
 
 
 def git_commit_time(repo: Path = REPO) -> Callable[[str], int | None]:
-    """``commit -> committer time``, or None when ``git cat-file -e <commit>^{commit}`` fails in ``repo``."""
+    """``commit -> committer time``, or None when the commit is not an ancestor of ``repo``'s HEAD.
+
+    Only HEAD's history counts, so that the index is the same in every clone of one commit: a clean clone
+    holds no other branch, and a record of a measured branch must read the same there as here.
+    """
     cache: dict[str, int | None] = {}
 
     def commit_time(commit: str) -> int | None:
         if commit not in cache:
             ref = f"{commit}^{{commit}}"
-            known = subprocess.run(["git", "cat-file", "-e", ref], cwd=repo, capture_output=True).returncode == 0
+            known = subprocess.run(["git", "merge-base", "--is-ancestor", ref, "HEAD"], cwd=repo,
+                                   capture_output=True).returncode == 0
             out = subprocess.run(["git", "show", "-s", "--format=%ct", ref], cwd=repo, capture_output=True,
                                  text=True) if known else None
             cache[commit] = int(out.stdout.strip()) if out is not None and out.returncode == 0 else None
@@ -116,7 +122,7 @@ def flags(record: dict, commit_known: bool) -> list[str]:
     elif "tree_modified" not in record:
         out.append("tree: not recorded")  # written before records kept it: the commit alone may not be the tree
     if not commit_known:
-        out.append("commit: not in repository")
+        out.append("commit: not in this history")
     cold = [info.get("cache_hit") for tag, kernels in record.get("builds", {}).items() if "cold" in tag
             for info in kernels.values()]
     if cold and all(hit is True for hit in cold):

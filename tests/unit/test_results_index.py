@@ -4,6 +4,7 @@ committed READMEs are exactly what scripts/results_index.py writes now, so they 
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -72,10 +73,10 @@ def test_a_row_holds_counts_wall_time_headline_figures_and_flags(folder):
     assert (gpu[6], gpu[8]) == ("12", "cold build: cache hit")  # a tree the record says was its commit: no flag
 
 
-def test_a_commit_the_repository_lacks_and_an_old_build_record_are_flagged(folder):
+def test_a_commit_outside_the_history_and_an_old_build_record_are_flagged(folder):
     by_name = {row.split("`")[1]: row for row in rows(index.render(folder, "# T\n\nP\n", HISTORY.get))}
     flags = by_name["ccccccc-gpu-4rank-mps.json"].strip("|").split("|")[-1].strip()
-    assert flags == "tree: not recorded, commit: not in repository, build cache_hit: not recorded, see note"
+    assert flags == "tree: not recorded, commit: not in this history, build cache_hit: not recorded, see note"
 
 
 def test_flags_of_partly_cached_builds_and_incomplete_runs():
@@ -95,6 +96,29 @@ def test_git_says_which_commits_the_repository_holds():
     commit_time = index.git_commit_time(REPO)
     assert isinstance(commit_time(head.stdout.strip()), int)
     assert commit_time("0000000") is None and commit_time("0000000+bench") is None
+
+
+def test_a_commit_on_another_branch_counts_as_outside_the_history(tmp_path):
+    """A clean clone of main holds no side branch, so the index must not depend on one being here."""
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+
+    def git(*args: str) -> str:
+        env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+        return subprocess.run(["git", *args], cwd=tmp_path, env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q", "-b", "main")
+    git("commit", "-q", "--allow-empty", "-m", "root")
+    root = git("rev-parse", "--short", "HEAD")
+    git("checkout", "-q", "-b", "measured")
+    git("commit", "-q", "--allow-empty", "-m", "a measured candidate")
+    candidate = git("rev-parse", "--short", "HEAD")
+    git("checkout", "-q", "main")
+    commit_time = index.git_commit_time(tmp_path)
+    assert isinstance(commit_time(root), int)
+    assert commit_time(candidate) is None  # present in this repository, but not in main's history
 
 
 @pytest.mark.parametrize("folder_name", sorted(index.INDEXES))

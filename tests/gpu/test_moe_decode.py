@@ -3,15 +3,16 @@
 * on one plan, its expert outputs match the fp32 reference of the recipe within the tolerance the DeepGEMM
   path is held to (tests/gpu/test_moe_experts.py: 1e-2 relative), and match the DeepGEMM path's outputs
   within it, at 1, 8, 32 and 128 tokens, hidden 4096 and 7168 - with experts that have no rows (never
-  routed to) and, from 32 tokens, experts with more rows than one pass (16);
+  routed to) and experts with more rows than one pass (DECODE_PASS_ROWS);
 * a row's output does not depend on its place in the plan (the plan places rows by atomic cursor), and
   two runs are bitwise equal;
 * through the layer (``MoELayer(..., decode=True)``): streamed equals batch-ready bit for bit and both
   match the layer's fp32 reference; CUDA-graph replays equal eager calls bit for bit; with ``decode="auto"`` each
   call takes the engine its size does (decode_fits), either way matching the reference.
 
-The per-call ``"auto"`` test is written without a GPU and has not run on one yet; the others pass on the H200
-(tests/gpu_results/*-decode-1rank.json)."""
+Records: tests/gpu_results/*-decode-1rank.json."""
+
+import functools
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 
 from chunkring import MoEConfig, MoELayer
 from chunkring.jit import library_for
-from chunkring.moe.decode import DECODE_PASS_ROWS, DecodeGemm
+from chunkring.moe import resources
+from chunkring.moe.decode import DECODE_PASS_ROWS, DecodeGemm, decode_fits
 from chunkring.moe.experts import ExpertCompute
 from chunkring.moe.stage import Stage
 from chunkring.moe.weights import quantize_weight_fp8
@@ -165,7 +167,10 @@ def test_layer_on_the_decode_path_streamed_equals_batch_ready(runtime, n):
 
 def test_auto_runs_each_call_on_the_engine_its_size_takes(runtime, monkeypatch):
     """decode="auto": a call within decode_fits' bound runs its expert GEMMs on the decode path, a larger one on
-    DeepGEMM's; each matches the reference, and streamed equals batch-ready at each size."""
+    DeepGEMM's; each matches the reference, and streamed equals batch-ready at each size. The default bound
+    (DECODE_MAX_ROWS) follows the newest measurement and may send every call to DeepGEMM's, so the choice runs
+    with a bound of 8 rows per expert: its first value, which puts the crossover inside this layer's capacity."""
+    monkeypatch.setattr(resources, "decode_fits", functools.partial(decode_fits, max_rows=8))
     cfg = layer_config(runtime.world_size)
     layer = MoELayer(runtime, cfg, timeout_s=60, decode="auto")
     calls = []

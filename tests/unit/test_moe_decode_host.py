@@ -12,6 +12,7 @@ moe_decode.cu, chunkring/moe/decode_gemm.cuh), without a GPU:
 
 What only a GPU can show (tests/gpu/test_moe_decode.py): that the kernels do what the emulation does."""
 
+import functools
 import re
 from pathlib import Path
 
@@ -173,26 +174,37 @@ def config(**changes):
 
 def test_the_rule_picks_decode_while_mean_rows_per_expert_are_at_most_the_bound():
     assert mean_rows_per_expert(config(), 1) == 8 * 6 / 32
-    assert decode_fits(config(), 1)
-    bound_tokens = DECODE_MAX_ROWS * 32 // 6  # 42 tokens: 7.9 rows per expert
-    assert decode_fits(config(max_tokens_per_rank=bound_tokens), 1)
-    assert not decode_fits(config(max_tokens_per_rank=bound_tokens + 1), 1)
-    assert not decode_fits(config(max_tokens_per_rank=64), 8)  # 8 ranks' tokens reach every rank's experts
+    assert decode_fits(config(), 1, max_rows=8)
+    bound_tokens = 8 * 32 // 6  # 42 tokens: 7.9 rows per expert
+    assert decode_fits(config(max_tokens_per_rank=bound_tokens), 1, max_rows=8)
+    assert not decode_fits(config(max_tokens_per_rank=bound_tokens + 1), 1, max_rows=8)
+    assert not decode_fits(config(max_tokens_per_rank=64), 8, max_rows=8)  # 8 ranks' tokens reach every rank's experts
     assert decode_fits(config(max_tokens_per_rank=64), 8, max_rows=96)
     assert decode_fits(config(max_tokens_per_rank=16), 1, max_rows=3)
     assert not decode_fits(config(max_tokens_per_rank=17), 1, max_rows=3)
+
+
+def test_the_default_bound_sends_every_call_with_tokens_to_deepgemm():
+    """DECODE_MAX_ROWS is 0 while DeepGEMM's path measures faster at every size on the H200: "auto" takes the
+    decode path only for a call without tokens (nothing to compute either way)."""
+    assert DECODE_MAX_ROWS == 0
+    big = config(max_tokens_per_rank=8192)
+    assert decode_fits(big, 1, tokens=0)
+    assert not any(decode_fits(big, world, tokens=n) for world in (1, 8) for n in (1, 2, 8, 8192))
+    assert not decode_fits(config(max_tokens_per_rank=1, num_experts=256, topk=1), 1)  # 1/256 rows per expert
 
 
 def test_per_call_the_rule_counts_the_calls_tokens_not_the_layers_capacity():
     """decode="auto" asks per call (LayerResources.decode_for): a layer sized for 8,192 tokens per rank still
     takes the decode path for a call of a few tokens, and DeepGEMM's for a call past the bound."""
     big = config(max_tokens_per_rank=8192)
-    bound_tokens = DECODE_MAX_ROWS * 32 // 6
-    assert not decode_fits(big, 1)
+    bound_tokens = 8 * 32 // 6
+    fits = functools.partial(decode_fits, max_rows=8)
+    assert not fits(big, 1)
     assert mean_rows_per_expert(big, 4, tokens=2) == 2 * 4 * 6 / 32
-    assert decode_fits(big, 1, tokens=1) and decode_fits(big, 1, tokens=bound_tokens) and decode_fits(big, 1, tokens=0)
-    assert not decode_fits(big, 1, tokens=bound_tokens + 1)
-    assert decode_fits(big, 4, tokens=bound_tokens // 4) and not decode_fits(big, 4, tokens=bound_tokens // 4 + 1)
+    assert fits(big, 1, tokens=1) and fits(big, 1, tokens=bound_tokens) and fits(big, 1, tokens=0)
+    assert not fits(big, 1, tokens=bound_tokens + 1)
+    assert fits(big, 4, tokens=bound_tokens // 4) and not fits(big, 4, tokens=bound_tokens // 4 + 1)
 
 
 @pytest.mark.parametrize("tokens", [-1, True, 1.5])
@@ -212,7 +224,7 @@ def test_the_rule_declines_what_the_kernels_cannot_run(changes):
     assert info.value.field == next(iter(changes))
 
 
-@pytest.mark.parametrize("max_rows", [0, -1, True, 2.5])
+@pytest.mark.parametrize("max_rows", [-1, True, 2.5])
 def test_the_rule_refuses_a_bad_bound(max_rows):
     with pytest.raises(ChunkringUsageError) as info:
         decode_fits(config(), 1, max_rows=max_rows)

@@ -8,12 +8,13 @@ from HBM (docs/PERFORMANCE.md). The decode kernels put 16 weight rows on the MMA
 tokens on its narrow side, so an expert's weights are streamed once per pass of up to
 :data:`DECODE_PASS_ROWS` of its rows, and an expert with no rows reads nothing.
 
-Which calls take it: a layer built with ``decode=True`` runs every call on it; ``decode="auto"`` chooses per
-call, by the call's token count (:func:`decode_fits` with ``tokens``): the decode path while an expert's mean
-rows are at most :data:`DECODE_MAX_ROWS`, DeepGEMM's above. Both engines are fixed grids that loop over
-whatever rows a call brought, so either is correct at any routing and captures into a CUDA graph; only the
-speed depends on the rows per expert. Each rank chooses for its own consumer - the choice changes how it
-computes its rows, not what the ranks exchange - and a streamed call chooses as the batch-ready call of its
+Which calls take it: a layer built with ``decode=True`` runs every call on it; ``decode="auto"`` chooses per call,
+by the call's token count (:func:`decode_fits` with ``tokens``): the decode path while an expert's mean rows are
+at most :data:`DECODE_MAX_ROWS`, DeepGEMM's above. The bound follows the newest H200 measurement of these kernels
+against DeepGEMM's; today it sends every call with tokens to DeepGEMM's (see the constant). Both engines are fixed
+grids that loop over whatever rows a call brought, so either is correct at any routing and captures into a CUDA
+graph; only the speed depends on the rows per expert. Each rank chooses for its own consumer - the choice changes
+how it computes its rows, not what the ranks exchange - and a streamed call chooses as the batch-ready call of its
 size does, so the two stay equal bit for bit. The engines round differently in their last bits, so a token's
 output can differ between a call of 8 tokens and one of 4,096.
 
@@ -48,12 +49,13 @@ DECODE_THREADS = 256
 DECODE_SHARED_BYTES = 8 * 6 * 4096
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
-#: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most
-#: this. Measured on the H200 when a pass held 16 rows (benchmarks/bench_decode.py, flash shape): the decode
-#: layer was 0.92x the DeepGEMM path's at a mean of 6 rows per expert (at most 10), and 1.59x at a mean of 24
-#: (at most 32: two passes, every weight read twice). Passes of 32 rows read those weights once; the bound
-#: stays where it was measured until the crossover is measured again.
-DECODE_MAX_ROWS = 8
+#: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most this.
+#: It follows the newest H200 measurement of these kernels (benchmarks/bench_decode.py, flash shape, both
+#: engines timed as graph replays in one call; docs/PERFORMANCE.md, "The decode path"): DeepGEMM's path was
+#: the faster at every size measured, 1 to 128 tokens (the decode kernels 1.06-1.35x its layer time), so no
+#: call with tokens takes the decode path by default. When the kernels first measured faster (passes of 16
+#: rows, a register pipeline) the bound was 8: 0.92x DeepGEMM's layer at a mean of 6 rows per expert.
+DECODE_MAX_ROWS = 0
 
 
 class PlanTensors(Protocol):
@@ -104,9 +106,10 @@ def decode_fits(config: MoEConfig, world_size: int, *, tokens: int | None = None
     """Whether a call of ``tokens`` tokens per rank (None: a full batch) of a layer of ``config`` on ``world_size``
     ranks should take the decode path: the FP8 payload, shapes the kernels take (:func:`check_decode_config`),
     and at most ``max_rows`` rows per expert on average (:func:`mean_rows_per_expert`). A call may still bring
-    an expert many more rows (a hot expert): it is computed correctly, in more passes."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise ChunkringUsageError(f"expected a positive int, got {max_rows!r}", field="max_rows")
+    an expert many more rows (a hot expert): it is computed correctly, in more passes. ``max_rows=0``: only a
+    call without tokens."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+        raise ChunkringUsageError(f"expected an int >= 0, got {max_rows!r}", field="max_rows")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
         raise ChunkringUsageError(f"expected an int >= 0 or None, got {tokens!r}", field="tokens")
     try:

@@ -69,7 +69,8 @@ class MoELayer:
             deliberately broken ones).
         decode: run the FP8 expert GEMMs on the decode path (:class:`chunkring.moe.decode.DecodeGemm`, for few
             rows per expert) instead of DeepGEMM's: ``True``: every call; ``"auto"``: each call whose size
-            :func:`chunkring.moe.decode.decode_fits` says suits it (at most 8 rows per expert on average), the
+            :func:`chunkring.moe.decode.decode_fits` says suits it (at most
+            :data:`chunkring.moe.decode.DECODE_MAX_ROWS` rows per expert on average: today none, as measured), the
             others on DeepGEMM's; ``False`` (the default): never. Streamed and batch-ready calls of one size choose
             alike, so they stay equal bit for bit; calls of different sizes may round differently.
 

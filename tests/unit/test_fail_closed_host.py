@@ -221,6 +221,8 @@ BAD_ARGUMENTS = {
     "x": dict(x=torch.zeros(N + 1, H, dtype=torch.bfloat16)),
     "out": dict(out=torch.zeros(4, H, dtype=torch.bfloat16)),
     "chunk": dict(chunk=9),  # past the 8-token slot
+    # a view one element in: the GEMMs load 16 bytes at a time
+    "w13": dict(w13=torch.zeros(E * 2 * INTER * H + 1, dtype=torch.bfloat16)[1:].view(E, 2 * INTER, H)),
 }
 
 
@@ -310,3 +312,40 @@ def test_a_layer_reset_zeroes_its_arrival_counts_after_every_rings_reset(monkeyp
     layer = host_layer(monkeypatch, config(streaming=True))
     layer.reset()
     assert layer.runtime.resets == ["ring", "ring", "counts"]
+
+
+def test_a_rank_whose_own_check_fails_abandons_the_layers_first_barrier(monkeypatch):
+    """The environment (lazy module loading) may differ between ranks: a rank whose own check of it fails before
+    the layer's first collective tells its peers it will not come, so they raise at once. An argument check fails
+    alike on every rank given the same arguments, and abandons nothing."""
+    monkeypatch.setattr(chunkring.moe.layer, "module_loading_is_eager", lambda: False)
+    runtime = SimpleNamespace(rank=1, world_size=2, torch_device=torch.device("cpu"), abandoned=0,
+                              allgather_object=lambda value: pytest.fail("the failed rank came to the barrier"))
+    runtime.abandon_barrier = lambda: setattr(runtime, "abandoned", runtime.abandoned + 1)
+    with pytest.raises(ChunkringUsageError) as info:
+        MoELayer(runtime, config())
+    assert info.value.field == "CUDA_MODULE_LOADING" and runtime.abandoned == 1
+    with pytest.raises(ChunkringUsageError) as info:
+        MoELayer(runtime, config(), decode="sometimes")
+    assert info.value.field == "decode" and runtime.abandoned == 1
+
+
+def test_run_publishes_a_misaligned_batch_from_an_aligned_copy(monkeypatch):
+    """A view of x at an odd offset is legal input: run() copies it once, as forward() does, since the publish
+    copies rows 16 bytes at a time."""
+    layer = host_layer(monkeypatch, config())
+    published = []
+    monkeypatch.setattr(chunkring.moe.layer, "enqueue_publish", lambda ring, x, *args: published.append(x))
+
+    def enqueue(mode, n, publish, *args, **kwargs):
+        publish(layer.rings[mode], 0, n, True, None, None, None, False)
+        return torch.zeros(n, H, dtype=torch.bfloat16)
+
+    layer.schedule.enqueue = enqueue
+    gen = torch.Generator().manual_seed(4)
+    _, w13, w2 = weights(gen)
+    batch = routed(gen)
+    x = torch.zeros(5 * H + 1, dtype=torch.bfloat16)[1:].view(5, H)
+    x.copy_(batch.pop("x"))
+    layer.run(x=x, **batch, w13=w13, w2=w2)
+    assert x.data_ptr() % 16 and published[0].data_ptr() % 16 == 0 and torch.equal(published[0], x)

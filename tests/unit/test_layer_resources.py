@@ -5,9 +5,13 @@ never waits in an allocation its peers left - every rank raises, naming each fai
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from chunkring import ChunkringRuntimeError, ChunkringUsageError
-from chunkring.moe.resources import agree
+from chunkring import ChunkringRuntimeError, ChunkringUsageError, MoEConfig, PayloadFormat
+from chunkring.errors import ChunkringError
+from chunkring.moe import resources
+from chunkring.moe.resources import LayerResources, agree
+from chunkring.ring.transport import Transport
 
 
 def runtime_seeing(outcomes):
@@ -46,3 +50,64 @@ def test_usage_errors_everywhere_stay_usage_errors_and_name_every_rank():
     mixed = [("ChunkringUsageError", "a"), ("RuntimeError", "b")]
     with pytest.raises(ChunkringRuntimeError):
         agree(runtime_seeing(mixed), fail)
+
+
+# -- construction over stand-ins: which collectives each rank makes when one rank's own allocation fails --------
+
+CONFIG = MoEConfig(num_experts=8, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=16,
+                   payload=PayloadFormat.BF16)
+
+
+class RecordingRing:
+    """A ring that records its collective construction and teardown (Ring's are collectives on every rank)."""
+
+    def __init__(self, runtime, spec, *, timeout_s, transport):
+        self.runtime, self.transports, self.rma_anywhere = runtime, (Transport.DIRECT,) * 2, False
+        runtime.collectives.append("ring")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.runtime.collectives.append("ring destroyed")
+
+
+def build_at(monkeypatch, rank: int, failing_rank: int) -> tuple[list[str], BaseException]:
+    """Construct LayerResources as rank ``rank`` of two, where rank ``failing_rank`` runs out of memory allocating
+    its stage (ordinary memory: no peer is reached by RMA); the collectives it made, in order, and its error."""
+    failure = ("OutOfMemoryError", "CUDA out of memory")
+    peer_outcomes = iter([None, failure if failing_rank != rank else None])  # the peer's, at each agreement
+
+    def allgather_object(mine):
+        return [mine, next(peer_outcomes)] if rank == 0 else [next(peer_outcomes), mine]
+
+    runtime = SimpleNamespace(rank=rank, world_size=2, gpu_ranks=1, torch_device=torch.device("cpu"), collectives=[],
+                              allgather_object=allgather_object, peer_address=lambda tensor, pe: 0)
+    runtime.alloc = lambda shape, dtype: runtime.collectives.append("alloc") or torch.zeros(shape, dtype=dtype)
+    runtime.free = lambda tensor: runtime.collectives.append("free")
+
+    def allocate_stage(*args, alloc=None, **kwargs):
+        if rank == failing_rank:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return object()
+
+    monkeypatch.setattr(resources, "Ring", RecordingRing)
+    monkeypatch.setattr(resources, "Stage", SimpleNamespace(allocate=allocate_stage))
+    monkeypatch.setattr(resources, "ExpertCompute", lambda *args, **kwargs: SimpleNamespace(capacity=64))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
+    kernels = SimpleNamespace(stream=SimpleNamespace(resident_blocks_per_sm=lambda name, block: 4), experts=None)
+    with pytest.raises((ChunkringError, torch.OutOfMemoryError)) as info:
+        LayerResources(runtime, CONFIG, partition="none", kernels=kernels)
+    return runtime.collectives, info.value
+
+
+def test_a_rank_out_of_memory_in_its_own_buffers_fails_every_rank_through_the_same_collectives(monkeypatch):
+    """The rank's own buffers come after its collective allocations, and the ranks agree on them: the rank that ran
+    out of memory and the rank that did not raise alike and free their rings and symmetric buffers in the same
+    order - neither frees while the other allocates."""
+    failed, failed_error = build_at(monkeypatch, rank=1, failing_rank=1)
+    peer, peer_error = build_at(monkeypatch, rank=0, failing_rank=1)
+    assert failed == peer == ["ring", "alloc", "free", "ring destroyed"]
+    assert isinstance(failed_error, torch.OutOfMemoryError)  # its own error, unchanged
+    assert isinstance(peer_error, ChunkringRuntimeError) and "rank 1: OutOfMemoryError" in str(peer_error)

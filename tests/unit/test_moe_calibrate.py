@@ -37,6 +37,23 @@ def test_figures_must_cover_the_same_counts():
         StreamingCalibration({16: 1.0}, {16: {}})
 
 
+@pytest.mark.parametrize(("batch", "streamed", "tolerance", "field"), [
+    ({16: 1.0}, {16: {0: 1.0}}, 0.01, "streamed_ms"),       # a chunk of 0: range() fails inside the schedule
+    ({16: 1.0}, {16: {-8: 1.0}}, 0.01, "streamed_ms"),      # a negative chunk: nothing would be published
+    ({16: 1.0}, {16: {"8": 1.0}}, 0.01, "streamed_ms"),     # keys as JSON leaves them
+    ({"16": 1.0}, {"16": {8: 1.0}}, 0.01, "batch_ms"),
+    ({16: float("nan")}, {16: {8: 1.0}}, 0.01, "batch_ms"),
+    ({16: 1.0}, {16: {8: 0.0}}, 0.01, "streamed_ms"),
+    ({16: 1.0}, {16: [1.0]}, 0.01, "streamed_ms"),
+    ({16: 1.0}, {16: {8: 1.0}}, 1.5, "tolerance"),
+    ({16: 1.0}, {16: {8: 1.0}}, True, "tolerance"),
+])
+def test_figures_a_call_could_not_follow_are_refused(batch, streamed, tolerance, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        StreamingCalibration(batch, streamed, tolerance)
+    assert info.value.field == field
+
+
 def test_each_option_takes_its_slowest_ranks_figure():
     everyone = [({16: 1.0, 2048: 9.0}, {16: {16: 1.2}, 2048: {512: 9.0}}),   # rank 0: slow streaming at 16
                 ({16: 2.0, 2048: 8.0}, {16: {16: 2.1}, 2048: {512: 9.9}})]   # rank 1: slow at 2048

@@ -30,6 +30,7 @@ def good(n=3):
     ({"x": torch.zeros(3, 256, dtype=torch.bfloat16)}, "x"),
     ({"x": torch.zeros(3, 128, dtype=torch.float8_e4m3fn)}, "x"),
     ({"x": torch.zeros(256, dtype=torch.float8_e4m3fn)}, "x"),
+    ({"x": torch.zeros(3 * 256 + 1, dtype=torch.float8_e4m3fn)[1:].view(3, 256)}, "x"),  # off a 16-byte boundary
     ({"x_sf": None}, "x_sf"),
     ({"x_sf": torch.zeros(3, 2, dtype=torch.float64)}, "x_sf"),
     ({"topk_idx": torch.zeros(3, 4, dtype=torch.int64)}, "topk_idx"),

@@ -14,6 +14,7 @@ Two choices, made differently because different things must agree:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from chunkring.errors import ChunkringUsageError
@@ -39,6 +40,24 @@ class StreamingCalibration:
     tolerance: float = DEFAULT_TOLERANCE
 
     def __post_init__(self) -> None:
+        # Figures may come from anywhere (saved, rebuilt, edited): a chunk size the layer would publish in must be
+        # a positive int, or a streamed call would publish nothing, or fail inside its schedule.
+        if not isinstance(self.batch_ms, dict) or not isinstance(self.streamed_ms, dict):
+            raise ChunkringUsageError("batch_ms and streamed_ms must be dicts", field="streamed_ms")
+        for count, ms in self.batch_ms.items():
+            _check_count(count, "batch_ms")
+            _check_ms(ms, "batch_ms")
+        for count, chunks in self.streamed_ms.items():
+            _check_count(count, "streamed_ms")
+            if not isinstance(chunks, dict):
+                raise ChunkringUsageError(f"expected {{chunk size: ms}} at {count} tokens, got {chunks!r}",
+                                          field="streamed_ms")
+            for chunk, ms in chunks.items():
+                _check_count(chunk, "streamed_ms")
+                _check_ms(ms, "streamed_ms")
+        if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, int | float) or \
+                not 0 <= self.tolerance < 1:
+            raise ChunkringUsageError(f"expected a number in [0, 1), got {self.tolerance!r}", field="tolerance")
         if not self.batch_ms or set(self.batch_ms) != set(self.streamed_ms):
             raise ChunkringUsageError("needs figures for the same, non-empty set of token counts in both modes",
                                       field="streamed_ms")
@@ -73,3 +92,15 @@ class StreamingCalibration:
         verdict = "stream" if self.streams else "run batch-ready"
         return (f'streaming="auto" calls {verdict}: best streamed / batch-ready {", ".join(parts)} '
                 f"(tolerance {self.tolerance:.0%})")
+
+
+def _check_count(value: object, field: str) -> None:
+    """A token count or chunk size: an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ChunkringUsageError(f"token counts and chunk sizes must be ints >= 1, got {value!r}", field=field)
+
+
+def _check_ms(value: object, field: str) -> None:
+    """A measured time: a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ChunkringUsageError(f"times must be finite numbers > 0, got {value!r}", field=field)

@@ -37,7 +37,7 @@ from chunkring.moe.blocks import BlockPool
 from chunkring.moe.decode import DecodeGemm
 from chunkring.moe.dispatch import padded_rows_bound
 from chunkring.moe.weights import Fp8Weight
-from chunkring.ring.io import check_tensor
+from chunkring.ring.io import check_row_aligned, check_tensor
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
 if TYPE_CHECKING:
@@ -123,7 +123,8 @@ class OwnRows:
 
 def check_expert_weights(config, experts_per_rank: int, device, w13, w2) -> None:
     """The weights this payload's GEMMs take: FP8 -> :class:`Fp8Weight` w13 [E_local, 2I, H] and w2
-    [E_local, H, I]; bf16 -> bfloat16 tensors of those shapes. A ``ChunkringUsageError`` otherwise."""
+    [E_local, H, I]; bf16 -> bfloat16 tensors of those shapes; contiguous, starting on a 16-byte boundary. A
+    ``ChunkringUsageError`` otherwise."""
     E, H, inter = experts_per_rank, config.hidden, config.intermediate
     for name, w, shape in (("w13", w13, (E, 2 * inter, H)), ("w2", w2, (E, H, inter))):
         if config.payload.has_scales:
@@ -132,9 +133,11 @@ def check_expert_weights(config, experts_per_rank: int, device, w13, w2) -> None
                     "the FP8 payload runs FP8 expert GEMMs: pass a chunkring.moe.Fp8Weight (quantise bf16 weights "
                     f"once with chunkring.expert_weights or quantize_weight_fp8), got {type(w).__name__}", field=name)
             check_tensor(name, w.data, shape, torch.float8_e4m3fn, device)
+            check_row_aligned(name, w.data)  # DeepGEMM's TMA and the decode kernels load 16 bytes at a time
             check_tensor(f"{name}.scale", w.scale, tuple(w.scale.shape), torch.float32, device)
         else:
             check_tensor(name, w, shape, torch.bfloat16, device)
+            check_row_aligned(name, w)  # torch's grouped GEMM reads 16-byte aligned rows
 
 
 class ExpertCompute:

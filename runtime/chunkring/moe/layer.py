@@ -35,10 +35,11 @@ from chunkring.moe.timeline import Timeline
 from chunkring.moe.weights import Fp8Weight
 from chunkring.partition import DEFAULT_PARTITION, SmPartition, check_partition_arg
 from chunkring.ring.failure import capturing
-from chunkring.ring.io import enqueue_publish, raise_abort
+from chunkring.ring.io import ROW_ALIGN, enqueue_publish, raise_abort
 from chunkring.ring.ring import Ring, check_identical
 from chunkring.ring.status import ErrorCode
 from chunkring.ring.transport import Transport
+from chunkring.rollcall import abandoning_on_failure
 
 if TYPE_CHECKING:
     from chunkring.moe.auto import StreamingCalibration
@@ -77,7 +78,8 @@ class MoELayer:
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly
             over the ranks, a bad ``partition``, lazy CUDA module loading, ranks passing different configs,
-            ``waves > 1`` with a peer reached by RMA. Raised on every rank alike, with nothing left allocated.
+            ``waves > 1`` with a peer reached by RMA. Raised on every rank alike, with nothing left allocated
+            (lazy loading on one rank alone: its peers raise ``ChunkringHostTimeoutError`` at once, naming it).
         ChunkringRuntimeError: a kernel build, the GEMM engine (DeepGEMM for the FP8 payload) or the SM
             partition failed on some rank: every rank raises, naming each failed rank and why.
 
@@ -86,30 +88,31 @@ class MoELayer:
     bfloat16 [n, H] and is stream-ordered after torch's current stream; neither waits on the host. An error
     found on the device (a timeout, a peer's abort) fails the layer closed: every later call raises it
     (:meth:`raise_if_failed`, at each call's entry) until :meth:`reset`; :meth:`check` raises it at once,
-    masked input too. For a model that
-    ``torch.compile`` traces, :func:`chunkring.moe.op.moe_forward` / ``moe_run`` make the same calls as one
-    PyTorch operator each.
+    masked input too. For a model that ``torch.compile`` traces, :func:`chunkring.moe.op.moe_forward` /
+    ``moe_run`` make the same calls as one PyTorch operator each.
     """
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
                  timeout_s: float | None = None, kernels: LayerKernels | None = None,
                  decode: bool | str = False) -> None:
+        # Given the same arguments these checks fail alike on every rank. The environment may differ: a rank with
+        # lazy module loading abandons the first collective's barrier, so its peers raise at once, naming it.
         if not isinstance(config, MoEConfig):
             raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")
         check_partition_arg(partition)
         if not (isinstance(decode, bool) or decode == "auto"):
             raise ChunkringUsageError(f"expected True, False or 'auto', got {decode!r}", field="decode")
         if decode is True:
-            check_decode_config(config)  # before anything is built, alike on every rank (configs are identical)
-        world = runtime.world_size
-        config.check_world_size(world)  # every ring rule at this world size, the experts' split among them
+            check_decode_config(config)
         if kernels is not None and not isinstance(kernels, LayerKernels):
             raise ChunkringUsageError(f"expected LayerKernels or None, got {type(kernels).__name__}", field="kernels")
-        if not module_loading_is_eager():
-            raise ChunkringUsageError(
-                "CUDA loads modules lazily in this process, which can deadlock a producer and a consumer "
-                "that spin on each other; set CUDA_MODULE_LOADING=EAGER before CUDA initialises (import "
-                "chunkring before torch touches the GPU, or use chunkring-launch)", field="CUDA_MODULE_LOADING")
+        config.check_world_size(runtime.world_size)  # every ring rule at this world size, the experts' split
+        with abandoning_on_failure(runtime):
+            if not module_loading_is_eager():
+                raise ChunkringUsageError(
+                    "CUDA loads modules lazily in this process, which can deadlock a producer and a consumer "
+                    "that spin on each other; set CUDA_MODULE_LOADING=EAGER before CUDA initialises (import "
+                    "chunkring before torch touches the GPU, or use chunkring-launch)", field="CUDA_MODULE_LOADING")
         check_identical(runtime, config)
         self.runtime, self.config = runtime, config
         #: Everything the layer holds at this rank (:class:`LayerResources`): rings, stage, buffers, kernels,
@@ -247,6 +250,7 @@ class MoELayer:
                                      streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
             chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
             self.raise_if_failed()
+        x = x.clone() if x.data_ptr() % ROW_ALIGN else x  # the publish copies rows 16 bytes at a time
 
         def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
                     stream: torch.cuda.Stream, may_wait: bool) -> None:
@@ -281,8 +285,7 @@ class MoELayer:
                                          streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
             chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
             self.raise_if_failed()
-        if hidden.data_ptr() % 16:
-            hidden = hidden.clone()  # the fused producer loads rows in 8-byte pieces
+        hidden = hidden.clone() if hidden.data_ptr() % 16 else hidden  # the fused producer loads 8-byte pieces
         res = self.resources
         arrivals = res.produce_arrivals[mode]
 

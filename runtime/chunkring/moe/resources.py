@@ -6,7 +6,9 @@ writes into, the combine buffer consumers push into, the expert work's buffers, 
 and the SM partition with its streams - and frees them in reverse order. Construction is all or nothing, on
 every rank alike: the steps that can fail on one rank only (a kernel build, DeepGEMM's import, a green
 context, a grid that does not fit) run first and the ranks agree on their outcome before any collective
-allocation, so a rank never waits in an allocation its peers left; whatever was made is freed again.
+allocation; the rank's own buffers and streams (which can run out of memory on one rank) come after the last
+collective allocation, and the ranks agree on them too. So a rank never waits in an allocation its peers left,
+and every rank frees what was made in the same order.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from chunkring.runtime import TEARDOWN_WAIT_S
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelLibrary
+    from chunkring.ring.spec import RingSpec
     from chunkring.runtime import Runtime
 
 __all__ = ["PULL_BLOCK", "PULL_GRID", "LayerKernels", "LayerResources",
@@ -131,7 +134,6 @@ class LayerResources:
         try:
             agree(runtime, lambda: self._prepare(kernels, partition))
             self._allocate(timeout_s)
-            self._streams_for_modes()
         except BaseException:
             self._owned.close()
             raise
@@ -176,9 +178,11 @@ class LayerResources:
             runtime.gpu_ranks)
 
     def _allocate(self, timeout_s: float | None) -> None:
-        """The collective allocations, in the same order on every rank."""
+        """The collective allocations, in the same order on every rank; then this rank's own buffers and streams,
+        whose outcome the ranks agree on, so that a rank out of memory there fails every rank alike (each frees
+        its collective allocations in the same order) instead of freeing them while its peers allocate."""
         runtime, config = self.runtime, self.config
-        world, device = runtime.world_size, runtime.torch_device
+        world = runtime.world_size
         specs = {CallMode.BATCH_READY: config.ring_spec(world, streamed=False)}
         if config.streaming:
             specs[CallMode.STREAMED] = config.ring_spec(world, streamed=True)
@@ -196,24 +200,38 @@ class LayerResources:
             # has the same verdict, so every rank raises here.
             raise ChunkringUsageError("waves > 1 (incremental expert blocks) needs every peer DIRECT for now",
                                       field="waves")
-        self.stage = Stage.allocate(config, world, device, expert_lo=self.first_expert,
-                                    expert_hi=self.first_expert + self.experts_per_rank,
-                                    alloc=self._symmetric if rma_anywhere else None)
-        self.arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
-                         for mode, spec in specs.items()}
-        self.produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
+        if rma_anywhere:
+            self.stage = self._new_stage(self._symmetric)
         # One bf16 row per (token, k) of this rank's batch; consumers write into it from their GPUs, and the
         # reduction over k accumulates in fp32 (bf16 is the output's precision: a wider row buys nothing).
         self.combine = self._symmetric((config.max_tokens_per_rank * config.topk, config.hidden), torch.bfloat16)
-        direct = [runtime.peer_address(self.combine, pe) if t is Transport.DIRECT else 0
-                  for pe, t in enumerate(self.transports)]
-        self.peer_combine = torch.tensor(direct, dtype=torch.int64, device=device)
         if rma_anywhere:
             self.compute.rma_out = self._symmetric((self.compute.capacity, config.hidden), torch.bfloat16)
+        agree(runtime, lambda: self._allocate_own(specs, rma_anywhere))
+
+    def _allocate_own(self, specs: dict[CallMode, RingSpec], rma_anywhere: bool) -> None:
+        """This rank's own buffers (no collective): the stage where no peer is reached by RMA, the arrival counts,
+        the peers' combine addresses, the block pool, the streams."""
+        config, device = self.config, self.runtime.torch_device
+        world = self.runtime.world_size
+        if not rma_anywhere:
+            self.stage = self._new_stage(None)
+        self.arrivals = {mode: torch.zeros((world, spec.num_slots), dtype=torch.int32, device=device)
+                         for mode, spec in specs.items()}
+        self.produce_arrivals = {mode: torch.zeros(1, dtype=torch.int32, device=device) for mode in specs}
+        direct = [self.runtime.peer_address(self.combine, pe) if t is Transport.DIRECT else 0
+                  for pe, t in enumerate(self.transports)]
+        self.peer_combine = torch.tensor(direct, dtype=torch.int64, device=device)
         self.pool: BlockPool | None = None
         if config.incremental:
             self.pool = BlockPool(pool_shape(config.max_tokens_per_rank, config.topk, world, self.experts_per_rank,
                                              GROUP_ALIGN), config.hidden, config.payload.has_scales, device)
+        self._streams_for_modes()
+
+    def _new_stage(self, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None) -> Stage:
+        return Stage.allocate(self.config, self.runtime.world_size, self.runtime.torch_device,
+                              expert_lo=self.first_expert, expert_hi=self.first_expert + self.experts_per_rank,
+                              alloc=alloc)
 
     def _symmetric(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled symmetric tensor (a collective), freed with the layer."""

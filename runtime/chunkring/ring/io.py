@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from chunkring.ring.ring import Ring
     from chunkring.runtime import Runtime
 
-__all__ = ["publish_chunk", "enqueue_publish", "publish_grid", "gather", "gather_grid_limit",
-           "GatherOutputs", "kernel_library", "raise_abort"]
+__all__ = ["ROW_ALIGN", "GatherOutputs", "check_row_aligned", "enqueue_publish", "gather", "gather_grid_limit",
+           "kernel_library", "publish_chunk", "publish_grid", "raise_abort"]
 
 _GATHER_BLOCK = 512
 
@@ -55,6 +55,19 @@ def check_tensor(name: str, tensor: object, shape: Sequence[int], dtype: torch.d
         raise ChunkringUsageError("tensor must be contiguous", field=name)
 
 
+#: The alignment of a payload row's first byte that the copy kernels need: they move rows 16 bytes at a time.
+ROW_ALIGN = 16
+
+
+def check_row_aligned(name: str, tensor: torch.Tensor) -> None:
+    """A typed error naming ``name`` unless ``tensor`` starts on a :data:`ROW_ALIGN`-byte boundary (a view at an
+    odd offset into another tensor does not: ``.clone()`` it). Rows of H bytes from there stay aligned, since
+    H is a multiple of 128."""
+    if tensor.data_ptr() % ROW_ALIGN:
+        raise ChunkringUsageError(f"must start on a {ROW_ALIGN}-byte boundary, got address {tensor.data_ptr():#x} "
+                                  "(a view at an odd offset: pass .clone())", field=name)
+
+
 def publish_chunk(ring: Ring, *, x: torch.Tensor, x_sf: torch.Tensor | None, topk_idx: torch.Tensor,
                   topk_weights: torch.Tensor, token_base: int, end_of_stream: bool,
                   valid_tokens: torch.Tensor | None = None, batch_rows: int | None = None,
@@ -80,9 +93,10 @@ def publish_chunk(ring: Ring, *, x: torch.Tensor, x_sf: torch.Tensor | None, top
         stream: a torch stream (default: the current one).
 
     Raises:
-        ChunkringUsageError: a tensor of another shape, dtype or device, ``n`` past the slot, a destroyed ring,
-            before anything is enqueued. Malformed values the consumers mask (an expert id out of range, a
-            NaN scale, a clamped count) are reported later by ``ring.check()`` as ``ChunkringInputError``.
+        ChunkringUsageError: a tensor of another shape, dtype or device, ``x`` off a 16-byte boundary, ``n``
+            past the slot, a destroyed ring, before anything is enqueued. Malformed values the consumers mask
+            (an expert id out of range, a NaN scale, a clamped count) are reported later by ``ring.check()`` as
+            ``ChunkringInputError``.
     """
     ring.check_alive()
     spec, device = ring.spec, ring.runtime.torch_device
@@ -92,6 +106,7 @@ def publish_chunk(ring: Ring, *, x: torch.Tensor, x_sf: torch.Tensor | None, top
     if n > spec.tokens_per_slot:
         raise ChunkringUsageError(f"{n} rows exceed tokens_per_slot={spec.tokens_per_slot}", field="x")
     check_tensor("x", x, (n, spec.hidden), _x_dtype(spec), device)
+    check_row_aligned("x", x)
     if spec.payload.has_scales:
         check_tensor("x_sf", x_sf, (n, spec.hidden // FP8_SCALE_BLOCK), torch.float32, device)
     elif x_sf is not None:

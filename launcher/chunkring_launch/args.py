@@ -51,7 +51,8 @@ def _parser(*, add_help: bool = True, job_help: str = "") -> argparse.ArgumentPa
                              epilog=f"{job_help}\n\n{EPILOG}" if job_help else EPILOG)
     parser.add_argument("job", choices=sorted(JOBS) + ["doctor"], help="what to run ('doctor' checks this machine)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="override keys of the job's config (TOML values, checked before any rank starts)")
+                        help="override keys of the job's config (TOML values; a str key takes the text as written; "
+                             "checked before any rank starts)")
     parser.add_argument("--config", default=None,
                         help="preset name in configs/ or a .toml path (default: the job's name)")
     parser.add_argument("--np", type=int, default=None, help="number of ranks (default: number of local GPUs)")

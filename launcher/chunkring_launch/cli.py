@@ -48,8 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_doctor()
         # Check the config once here, so a bad key is reported once, not by every rank.
-        config = from_table(JOBS[args.job].CONFIG,
-                            {**load_table(args.config or args.job), **parse_overrides(args.overrides)}, job=args.job)
+        cls = JOBS[args.job].CONFIG
+        config = from_table(cls, {**load_table(args.config or args.job), **parse_overrides(args.overrides, cls)},
+                            job=args.job)
         if _under_mpi():
             check_world_size(config, RankInfo.from_env().world_size)
             if _needs_gpu(args.job) and _gpu_count() == 0:

@@ -23,15 +23,18 @@ def load_table(name_or_path: str) -> dict[str, Any]:
     if path.suffix == ".toml":
         if not path.is_file():
             raise ChunkringUsageError(f"no such config file: {path}", field="config")
-        text = path.read_text()
+        source: Any = path
     else:
         presets = resources.files("chunkring_launch") / "configs"
-        preset = presets / f"{name_or_path}.toml"
-        if not preset.is_file():
+        source = presets / f"{name_or_path}.toml"
+        if not source.is_file():
             known = sorted(p.name[:-5] for p in presets.iterdir()
                            if p.name.endswith(".toml"))
             raise ChunkringUsageError(f"unknown preset {name_or_path!r}; presets: {known}", field="config")
-        text = preset.read_text()
+    try:  # an unreadable file is bad usage (status 2), not a crash with a traceback
+        text = source.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChunkringUsageError(f"cannot read {name_or_path}: {exc}", field="config") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -63,8 +66,9 @@ def from_table(cls: type[T], table: Mapping[str, Any], *, job: str) -> T:
     every one of them listed in one ``ChunkringUsageError``."""
     table = dict(table)
     problems = UsageProblems()
-    if table.pop("job", job) != job:
-        problems.add(f"config is for job {table.get('job')!r}, not {job!r}", field="job")
+    named = table.pop("job", job)
+    if named != job:
+        problems.add(f"config is for job {named!r}, not {job!r}", field="job")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(table) - set(fields))
     if unknown:
@@ -90,10 +94,13 @@ def from_table(cls: type[T], table: Mapping[str, Any], *, job: str) -> T:
     return config
 
 
-def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+def parse_overrides(items: Iterable[str], config: type | None = None) -> dict[str, Any]:
     """``["rounds=32", "name=x"]`` -> ``{"rounds": 32, "name": "x"}``, values read as TOML values
-    (ints, floats, booleans, quoted strings) with bare words taken as strings. Types are checked later,
-    by :func:`from_table`, against the job's config."""
+    (ints, floats, booleans, quoted strings) with bare words taken as strings. A key that ``config`` (the
+    job's config class) declares ``str`` takes the text as written unless it is a quoted TOML string, so
+    ``tokens=512`` is ``"512"``. Types are checked later, by :func:`from_table`, against the job's config."""
+    # The shell strips quotes (`tokens="512"` arrives as tokens=512), so a str key cannot rely on them.
+    text_keys = {f.name for f in dataclasses.fields(config) if f.type in ("str", str)} if config else set()
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -102,5 +109,7 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         try:
             out[key] = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
+            out[key] = raw
+        if key in text_keys and not isinstance(out[key], str):
             out[key] = raw
     return out

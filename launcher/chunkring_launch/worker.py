@@ -50,7 +50,8 @@ def run_job(job: str, config_name: str, overrides: Sequence[str] = (), *, json_p
     """Run ``job`` in this process (one rank); rank 0 prints the table. Returns the exit status."""
     module = JOBS[job]
     try:
-        config = from_table(module.CONFIG, {**load_table(config_name), **parse_overrides(overrides)}, job=job)
+        config = from_table(module.CONFIG, {**load_table(config_name), **parse_overrides(overrides, module.CONFIG)},
+                            job=job)
     except ChunkringUsageError as exc:
         print("\n".join(f"chunkring-launch: bad config: {line}" for line in str(exc).splitlines()), file=sys.stderr)
         return exitcodes.USAGE

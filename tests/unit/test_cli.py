@@ -176,3 +176,26 @@ def test_every_bad_value_of_a_config_is_reported_at_once(capsys):
     assert fields == ["config", "seed", "tolerance", "hidden", "topk", "iterations"], lines
     assert "tolerance: must be in (0, 1), got 2.0" in lines[2]
     assert "topk: must be in [1, 15], got 100" in lines[4]
+
+
+def test_a_config_file_that_is_not_utf8_is_status_2(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'job = "bringup"\n# caf\xe9\n')
+    proc = run_cli("--dry-run", "--config", str(path), "bringup")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"chunkring-launch: config: cannot read {path}") and "Traceback" not in proc.stderr
+
+
+def test_the_jobs_examples_of_the_docs_pass_as_dry_runs():
+    """Each example of docs/LAUNCHER.md's jobs table, split as the shell would (quotes stripped)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "LAUNCHER.md").read_text()
+    examples = re.findall(r"^\| `\w+` \|.*\| `chunkring-launch (.+)` \|$", doc, re.MULTILINE)
+    assert len(examples) == 5, examples
+    for example in examples:
+        if example != "doctor":
+            proc = run_cli("--dry-run", *shlex.split(example))
+            assert proc.returncode == 0, (example, proc.stderr)

@@ -155,3 +155,51 @@ def test_wrong_types_and_bad_values_together():
         from_table(JOBS["bringup"].CONFIG, {"rounds": "8", "words_per_pe": 0, "colour": 1}, job="bringup")
     assert [field for field, _ in info.value.problems] == ["config", "rounds", "words_per_pe"]
     assert "got 0" in str(info.value).splitlines()[2]
+
+
+def test_a_config_for_another_job_names_that_job():
+    with pytest.raises(ChunkringUsageError) as info:
+        from_table(JOBS["bringup"].CONFIG, {"job": "stress"}, job="bringup")
+    assert "config is for job 'stress', not 'bringup'" in str(info.value)
+
+
+def test_a_config_that_is_not_utf8_is_a_usage_error(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'job = "bringup"\n# caf\xe9\n')
+    with pytest.raises(ChunkringUsageError) as info:
+        load_table(str(path))
+    assert info.value.field == "config" and "cannot read" in str(info.value)
+
+
+def test_a_config_that_cannot_be_read_is_a_usage_error(tmp_path, monkeypatch):
+    import pathlib
+
+    path = tmp_path / "locked.toml"
+    path.write_text('job = "bringup"\n')
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "read_text", refuse)  # as root, chmod 000 would not stop the read
+    with pytest.raises(ChunkringUsageError) as info:
+        load_table(str(path))
+    assert info.value.field == "config" and "Permission denied" in str(info.value)
+
+
+@pytest.mark.parametrize("item", ["tokens=512", 'tokens="512"'])  # what the shell passes for tokens="512" / '...'
+def test_a_str_key_takes_the_text_as_written(item):
+    from chunkring_launch.config import parse_overrides
+
+    cls = JOBS["bench"].CONFIG
+    overrides = parse_overrides([item, "chunks=64", "trace=512:64"], cls)
+    assert overrides == {"tokens": "512", "chunks": "64", "trace": "512:64"}
+    assert from_table(cls, {**load_table("bench"), **overrides}, job="bench").tokens == "512"
+
+
+def test_a_typed_key_still_takes_a_toml_value():
+    from chunkring_launch.config import parse_overrides
+
+    cls = JOBS["run"].CONFIG
+    assert parse_overrides(["topk=8", "producer_sms=16", "tolerance=0.1", "payload=bf16"], cls) == {
+        "topk": 8, "producer_sms": 16, "tolerance": 0.1, "payload": "bf16"}
+    assert parse_overrides(["seed=x"], cls) == {"seed": "x"}  # refused later, by from_table

@@ -133,7 +133,8 @@ def _launch(args: argparse.Namespace, config: Any) -> int:
             cmd, deadline_s = worker_command(args, progress=progress), args.timeout
         outcome = supervise(cmd, environ, deadline_s=deadline_s, grace_s=GRACE_S, catcher=catcher,
                             show_progress=progress)
-        status, lines, keep_dir = conclude(outcome, job_dir=job_dir, timeout_s=args.timeout)
+        status, lines, keep_dir = conclude(outcome, job_dir=job_dir, timeout_s=args.timeout,
+                                           single_worker=not through_mpirun)
         for line in lines:
             print(line, file=sys.stderr)
         if not keep_dir:

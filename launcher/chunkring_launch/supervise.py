@@ -184,8 +184,10 @@ class _Relay(threading.Thread):
         return "".join(self._tail)
 
 
-def conclude(outcome: Outcome, *, job_dir: str, timeout_s: float) -> tuple[int, list[str], bool]:
-    """Exit status, the lines to print, and whether ``job_dir`` holds something the lines point at."""
+def conclude(outcome: Outcome, *, job_dir: str, timeout_s: float,
+             single_worker: bool = False) -> tuple[int, list[str], bool]:
+    """Exit status, the lines to print, and whether ``job_dir`` holds something the lines point at;
+    ``single_worker``: the job was one worker process, without mpirun."""
     first, failed = first_failure(job_dir), failed_ranks(job_dir)
     if outcome.signal is not None:
         name = signal.Signals(outcome.signal).name
@@ -204,7 +206,7 @@ def conclude(outcome: Outcome, *, job_dir: str, timeout_s: float) -> tuple[int, 
         return exitcodes.TIMED_OUT, lines, bool(stacks)
     if first is not None:
         return exitcodes.FAILED, *_failure_lines(outcome, job_dir, first, failed)
-    dead = dead_rank(outcome)
+    dead = dead_rank(outcome, single_worker=single_worker)
     if dead is not None:
         return exitcodes.RANK_DIED, [f"{PREFIX}rank {dead[0]} {dead[1]}; the job was ended"], False
     return exitcodes.FAILED, [f"{PREFIX}the job exited with status {outcome.returncode} and no rank said why"], False
@@ -221,7 +223,7 @@ def _failure_lines(outcome: Outcome, job_dir: str, first: int, failed: list[int]
     return lines, bool(others)
 
 
-def dead_rank(outcome: Outcome) -> tuple[int, str] | None:
+def dead_rank(outcome: Outcome, *, single_worker: bool = False) -> tuple[int, str] | None:
     """(rank, what happened to it) for a rank that died without a diagnostic, from Open MPI's report or,
     for a single worker, from its own exit status."""
     text = " ".join(outcome.stderr_tail.split())
@@ -235,6 +237,10 @@ def dead_rank(outcome: Outcome) -> tuple[int, str] | None:
     if outcome.returncode is not None and outcome.returncode < 0:
         signum = -outcome.returncode
         return 0, f"was killed by signal {signum} ({_signal_name(signum)}) without reporting an error"
+    if single_worker and outcome.returncode:
+        # The worker itself exited without a diagnostic: what Open MPI reports as "exited with non-zero
+        # status" under mpirun, so the same status 5 with or without it.
+        return 0, f"exited with status {outcome.returncode} without reporting an error"
     return None
 
 

@@ -83,6 +83,13 @@ def test_a_rank_exiting_without_a_word_is_named(tmp_path):
     assert elapsed < 30
 
 
+@pytest.mark.parametrize("np", [1, 2])
+def test_a_rank_exiting_without_a_word_is_status_5_with_or_without_mpirun(tmp_path, np):
+    proc, _ = launch(tmp_path, "behaviour=exit", "rank=0", np=np)
+    assert proc.returncode == exitcodes.RANK_DIED, proc.stderr
+    assert proc.stderr.count("chunkring-launch: rank 0 exited with status 3") == 1, proc.stderr
+
+
 def test_ctrl_c_ends_every_rank(tmp_path):
     proc = subprocess.Popen(_argv(tmp_path, "behaviour=hang", "rank=-1", "iterations=0"), env=_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -64,3 +64,10 @@ def test_a_dead_rank_is_named(tmp_path):
 def test_unexplained_failure(tmp_path):
     status, lines, _ = conclude(Outcome(7, 1.0), job_dir=tmp_path, timeout_s=5)
     assert status == exitcodes.FAILED and "status 7" in lines[0]
+
+
+def test_a_single_worker_exiting_without_a_word_is_a_dead_rank(tmp_path):
+    # Under mpirun Open MPI's notice names the rank (status 5); a lone worker's own status must give the same.
+    status, lines, _ = conclude(Outcome(3, 1.0), job_dir=tmp_path, timeout_s=5, single_worker=True)
+    assert status == exitcodes.RANK_DIED
+    assert lines == ["chunkring-launch: rank 0 exited with status 3 without reporting an error; the job was ended"]

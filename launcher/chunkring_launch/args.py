@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from chunkring.errors import ChunkringError
@@ -69,7 +71,8 @@ def _parser(*, add_help: bool = True, job_help: str = "") -> argparse.ArgumentPa
     parser.add_argument("--timeout", type=int, default=600,
                         help="wall-clock limit of the whole job in seconds (mpirun --timeout; default 600); "
                              "past it every rank is ended and the status is 4")
-    parser.add_argument("--json", default=None, help="write rank 0's results to this JSON file")
+    parser.add_argument("--json", default=None,
+                        help="write rank 0's results to this JSON file (its folder must exist and be writable)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is drawn only when stderr is a terminal)")
     parser.add_argument("--dry-run", action="store_true", help="print the mpirun command and environment, run nothing")
@@ -120,7 +123,22 @@ def _option_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--npernode places ranks on the nodes of --hostfile or --host; give one")
     if args.npernode is not None and not 1 <= args.npernode <= 64:
         problems.append(f"--npernode must be in [1, 64], got {args.npernode}")
+    if args.json:
+        problems.append(_json_problem(args.json))
     return problems
+
+
+def _json_problem(path: str) -> str:
+    """Why rank 0 could not write ``--json PATH`` ('' if it can): found now, not after the whole job ran,
+    when the write would fail and take the results with it."""
+    target, folder = Path(path), Path(path).parent
+    if target.is_dir():
+        return f"--json {path} is a directory"
+    if not folder.is_dir():
+        return f"--json {path}: no such directory {folder}"
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return f"--json {path}: not writable"
+    return ""
 
 
 def job_keys_help(job: str, config: str | None = None) -> str:

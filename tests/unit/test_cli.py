@@ -199,3 +199,22 @@ def test_the_jobs_examples_of_the_docs_pass_as_dry_runs():
         if example != "doctor":
             proc = run_cli("--dry-run", *shlex.split(example))
             assert proc.returncode == 0, (example, proc.stderr)
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_job(tmp_path, monkeypatch, capsys):
+    import os
+
+    from chunkring_launch import cli
+
+    locked, real_access = tmp_path / "locked", os.access
+    locked.mkdir()
+    # As root every folder is writable, so stand in for a folder of someone else's.
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(locked) and real_access(path, mode))
+    for path, needle in ((tmp_path / "absent" / "r.json", f"no such directory {tmp_path / 'absent'}"),
+                         (tmp_path, "is a directory"), (locked / "r.json", "not writable")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["--dry-run", "--json", str(path), "bringup"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--json {path}" in err and needle in err, err
+    assert cli.main(["--dry-run", "--json", str(tmp_path / "r.json"), "bringup"]) == 0

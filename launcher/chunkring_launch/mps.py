@@ -21,7 +21,8 @@ __all__ = ["private_mps"]
 def private_mps(environ: dict[str, str], *, dry_run: bool) -> Iterator[None]:
     """Run an MPS control daemon in private directories for the job's lifetime (no GPU setting changes).
     It serves this node's ranks; on other nodes of a multi-node job start one there the same way.
-    The daemon is told to quit however the job ends (the launcher catches SIGINT/SIGTERM meanwhile)."""
+    The daemon is told to quit however the job ends (the launcher catches SIGINT/SIGTERM meanwhile), and its
+    directories are removed, but for the log of a daemon that failed (named on stderr)."""
     if dry_run:
         environ.update(CUDA_MPS_PIPE_DIRECTORY="<private temp dir>", CUDA_MPS_LOG_DIRECTORY="<private temp dir>")
         yield
@@ -34,16 +35,27 @@ def private_mps(environ: dict[str, str], *, dry_run: bool) -> Iterator[None]:
     try:
         subprocess.run([control, "-d"], env=environ, check=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
+        shutil.rmtree(pipe, ignore_errors=True)  # the log stays: it says why the daemon failed
         raise ChunkringUsageError(f"the MPS daemon did not start ({exc}); its log: {logs}", field="--mps") from None
     try:
         yield
     finally:
-        _stop_mps(control, environ)
+        quit_status = _stop_mps(control, environ)
+        if quit_status is not None:  # None: still running, and its pipe directory is how to stop it
+            shutil.rmtree(pipe, ignore_errors=True)
+            if quit_status == 0:
+                shutil.rmtree(logs, ignore_errors=True)
+            else:
+                print(f"{PREFIX}the MPS daemon was gone at the end of the job (it failed?); its log: {logs}",
+                      file=sys.stderr)
 
 
-def _stop_mps(control: str, environ: dict[str, str]) -> None:
+def _stop_mps(control: str, environ: dict[str, str]) -> int | None:
+    """Tell the daemon to quit: the control command's status, or None if it did not answer in time."""
     try:
-        subprocess.run([control], input=b"quit\n", env=environ, check=False, timeout=60)
+        return subprocess.run([control], input=b"quit\n", env=environ, check=False, timeout=60).returncode
     except subprocess.TimeoutExpired:
         print(f"{PREFIX}the MPS daemon did not quit within 60 s; stop it with: "
-              f"CUDA_MPS_PIPE_DIRECTORY={environ['CUDA_MPS_PIPE_DIRECTORY']} {control} <<< quit", file=sys.stderr)
+              f"CUDA_MPS_PIPE_DIRECTORY={environ['CUDA_MPS_PIPE_DIRECTORY']} {control} <<< quit; "
+              f"its log: {environ['CUDA_MPS_LOG_DIRECTORY']}", file=sys.stderr)
+        return None

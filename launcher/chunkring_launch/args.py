@@ -37,11 +37,12 @@ timed), stress (many randomised calls, each checked; optional delays and chaos),
 Inside an existing MPI job (``mpirun ... chunkring-launch JOB``) it runs the job directly in each rank.
 
 A failing rank's diagnostic is printed once (the first rank to fail; the others' are kept in a job
-directory the launcher names). Ctrl-C (or SIGTERM) is forwarded to every rank; after a grace period
-what is left is killed; a --mps daemon is always stopped. Exit status: 0 passed, 1 a rank failed (its
-diagnostic printed), 2 bad usage, config or setup (no mpirun, no MPS daemon; reported once, before any
-rank starts), 3 no GPU, 4 the job ran past --timeout, 5 a rank died without reporting (killed by a
-signal, e.g. SIGKILL, or exited on its own), 130 interrupted by SIGINT (143 by SIGTERM). doctor: 0 every
+directory the launcher names). Ctrl-C (or SIGTERM) is forwarded to every rank, SIGHUP (the terminal
+closed) and SIGQUIT as SIGTERM; after a grace period what is left is killed; a --mps daemon is always
+stopped. Exit status: 0 passed, 1 a rank failed (its diagnostic printed), 2 bad usage, config or setup
+(no mpirun, no MPS daemon; reported once, before any rank starts), 3 no GPU, 4 the job ran past --timeout,
+5 a rank died without reporting (killed by a signal, e.g. SIGKILL, or exited on its own), 130 interrupted
+by SIGINT (143 by SIGTERM, 129 SIGHUP, 131 SIGQUIT). doctor: 0 every
 check passed or was skipped, 3 no GPU visible (every other check still runs), 1 another check failed.
 """
 

@@ -21,8 +21,8 @@ __all__ = ["private_mps"]
 def private_mps(environ: dict[str, str], *, dry_run: bool) -> Iterator[None]:
     """Run an MPS control daemon in private directories for the job's lifetime (no GPU setting changes).
     It serves this node's ranks; on other nodes of a multi-node job start one there the same way.
-    The daemon is told to quit however the job ends (the launcher catches SIGINT/SIGTERM meanwhile), and its
-    directories are removed, but for the log of a daemon that failed (named on stderr)."""
+    The daemon is told to quit however the job ends (the launcher catches SIGINT, SIGTERM, SIGHUP and SIGQUIT
+    meanwhile), and its directories are removed, but for the log of a daemon that failed (named on stderr)."""
     if dry_run:
         environ.update(CUDA_MPS_PIPE_DIRECTORY="<private temp dir>", CUDA_MPS_LOG_DIRECTORY="<private temp dir>")
         yield

@@ -4,8 +4,9 @@ one clear message.
 * Output: the ranks' stdout goes straight to ours; their stderr is relayed line by line (Open MPI
   forwards whole lines), so progress marker lines can be drawn as a bar and the tail read afterwards.
 * Signals: the processes run in their own session, so a Ctrl-C at the terminal reaches only the
-  launcher, which forwards SIGINT/SIGTERM to mpirun (Open MPI then sends SIGTERM to every rank and
-  kills what is left), waits ``grace_s``, then SIGKILLs every process of that session.
+  launcher, which forwards SIGINT/SIGTERM to mpirun (SIGHUP and SIGQUIT as SIGTERM; Open MPI then sends
+  SIGTERM to every rank and kills what is left), waits ``grace_s``, then SIGKILLs every process of that
+  session.
 * Deadline: mpirun enforces ``--timeout`` itself; ours is a backstop ``grace_s`` later (and the only
   one for a single worker).
 """
@@ -39,9 +40,14 @@ _OMPI_EXITED = re.compile(r"Process name:\s*\[[^\]]*,(\d+)\]\s+Exit code:\s+(\d+
 
 
 class SignalCatcher:
-    """While active, SIGINT and SIGTERM are recorded (the first one wins) instead of ending the launcher."""
+    """While active, SIGINT, SIGTERM, SIGHUP and SIGQUIT are recorded (the first one wins) instead of ending
+    the launcher, so its cleanup runs: a closed terminal (SIGHUP) must not leave mpirun, the ranks or an MPS
+    daemon running."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    #: What the job's processes are sent for a signal the launcher received: a rank knows SIGINT and SIGTERM
+    #: (SIGTERM dumps its stack); SIGQUIT would dump its core.
+    FORWARD_AS = {signal.SIGHUP: signal.SIGTERM, signal.SIGQUIT: signal.SIGTERM}
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -99,7 +105,7 @@ def supervise(cmd: list[str], env: Mapping[str, str], *, deadline_s: float, grac
         now = time.monotonic()
         if catcher.received is not None and outcome.signal is None:
             outcome.signal = catcher.received
-            _send(proc, catcher.received)
+            _send(proc, catcher.FORWARD_AS.get(catcher.received, catcher.received))
             stop_by = now + grace_s
         elif stop_by is None and now - start > deadline_s:
             outcome.deadline_hit = True

@@ -2,6 +2,7 @@
 raises, hangs past --timeout, is SIGKILLed, or the launcher's Ctrl-C each end the whole job within a
 bound, with the documented exit status and its diagnostic printed exactly once."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -101,6 +102,25 @@ def test_ctrl_c_ends_every_rank(tmp_path):
     assert stderr.count("interrupted by SIGINT") == 1, stderr
     assert time.monotonic() - start < 12  # the grace period is 10 s; Open MPI needs about 1
     assert _processes_of(tmp_path) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_closed_terminal_or_sigquit_ends_every_rank(tmp_path, signum):
+    # SIGHUP comes when the terminal closes: the launcher must end the job, not die and leave it running.
+    # stdout to /dev/null: only the launcher holds the stderr pipe, so reading it ends when the launcher does.
+    proc = subprocess.Popen(_argv(tmp_path, "behaviour=hang", "rank=-1", "iterations=0"), env=_env(tmp_path),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_ranks(tmp_path, 2)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signum, stderr
+        assert stderr.count(f"interrupted by {signal.Signals(signum).name}") == 1, stderr
+        assert _processes_of(tmp_path) == []
+    finally:  # what a launcher that died left behind (the test failed) is not left running
+        for pid in _processes_of(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _wait_for_ranks(tmp_path, ranks: int, limit_s: float = 60) -> None:

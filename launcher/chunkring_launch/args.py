@@ -18,7 +18,12 @@ from chunkring.errors import ChunkringError
 from .config import load_table
 from .jobs import JOBS
 
-__all__ = ["DESCRIPTION", "EPILOG", "job_keys_help", "parse_args"]
+__all__ = ["DESCRIPTION", "EPILOG", "job_keys_help", "parse_args", "under_mpi"]
+
+#: --timeout when not given (seconds).
+DEFAULT_TIMEOUT_S = 600
+#: Options of the launch itself (mpirun, MPS, the deadline): inside an MPI job there is none to shape.
+LAUNCH_OPTIONS = ("--np", "--mps", "--hostfile", "--host", "--npernode", "--ifname", "--timeout", "--dry-run")
 
 DESCRIPTION = "Start a chunkring job on the local GPUs, one process per rank, through mpirun."
 
@@ -34,7 +39,9 @@ EPILOG = """\
 Jobs: bringup (NVSHMEM signals/atomics check), run (the MoE layer, batch-ready and streamed, checked and
 timed), stress (many randomised calls, each checked; optional delays and chaos), doctor (this machine).
 `chunkring-launch JOB --help` lists the job's keys with their preset values; docs/LAUNCHER.md explains them.
-Inside an existing MPI job (``mpirun ... chunkring-launch JOB``) it runs the job directly in each rank.
+Inside an existing MPI job (``mpirun ... chunkring-launch JOB``) it runs the job directly in each rank;
+the launch options (--np, --mps, --hostfile, --host, --npernode, --ifname, --timeout, --dry-run) are refused
+there (status 2): give mpirun its own.
 
 A failing rank's diagnostic is printed once (the first rank to fail; the others' are kept in a job
 directory the launcher names). Ctrl-C (or SIGTERM) is forwarded to every rank, SIGHUP (the terminal
@@ -69,7 +76,7 @@ def _parser(*, add_help: bool = True, job_help: str = "") -> argparse.ArgumentPa
     parser.add_argument("--ifname", default=None,
                         help="network interface NVSHMEM's UID bootstrap uses between nodes "
                              "(NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME), e.g. eth0")
-    parser.add_argument("--timeout", type=int, default=600,
+    parser.add_argument("--timeout", type=int, default=None,  # None: not given (refused inside an MPI job)
                         help="wall-clock limit of the whole job in seconds (mpirun --timeout; default 600); "
                              "past it every rank is ended and the status is 4")
     parser.add_argument("--json", default=None,
@@ -108,7 +115,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     problems = [problem for problem in _option_problems(args) if problem]
     if problems:
         parser.error("; ".join(problems))
+    if args.timeout is None:
+        args.timeout = DEFAULT_TIMEOUT_S
     return args
+
+
+def under_mpi() -> bool:
+    """Whether this process is already a rank of an MPI job (started by the user's own mpirun)."""
+    return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
 
 
 def _option_problems(args: argparse.Namespace) -> list[str]:
@@ -116,7 +130,7 @@ def _option_problems(args: argparse.Namespace) -> list[str]:
     problems = []
     if args.np is not None and not 1 <= args.np <= 1024:
         problems.append(f"--np must be in [1, 1024], got {args.np}")
-    if args.timeout <= 0:
+    if args.timeout is not None and args.timeout <= 0:
         problems.append(f"--timeout must be positive, got {args.timeout}")
     if args.hostfile and args.host:
         problems.append("give --hostfile or --host, not both")
@@ -126,6 +140,12 @@ def _option_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--npernode must be in [1, 64], got {args.npernode}")
     if args.json:
         problems.append(_json_problem(args.json))
+    if under_mpi():  # the ranks are started already: these would silently do nothing
+        given = [option for option in LAUNCH_OPTIONS
+                 if getattr(args, option[2:].replace("-", "_")) not in (None, False)]
+        if given:
+            problems.append(f"{', '.join(given)}: not taken inside an MPI job (your mpirun started the ranks); "
+                            "leave out, or give mpirun its own options")
     return problems
 
 

@@ -23,7 +23,7 @@ from chunkring.errors import ChunkringError, ChunkringUsageError
 from chunkring.ranks import RankInfo
 
 from . import exitcodes
-from .args import parse_args
+from .args import parse_args, under_mpi
 from .config import from_table, load_table, parse_overrides
 from .gpus import driver_gpu_count, torch_gpu_count
 from .jobdir import JOB_DIR_VAR
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cls = JOBS[args.job].CONFIG
         config = from_table(cls, {**load_table(args.config or args.job), **parse_overrides(args.overrides, cls)},
                             job=args.job)
-        if _under_mpi():
+        if under_mpi():
             check_world_size(config, RankInfo.from_env().world_size)
             if _needs_gpu(args.job) and _gpu_count() == 0:
                 return _no_gpu(args.job)
@@ -65,10 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the job's processes started (the launch itself catches it)
         print(f"{PREFIX}interrupted by SIGINT", file=sys.stderr)
         return exitcodes.INTERRUPTED
-
-
-def _under_mpi() -> bool:
-    return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
 
 
 def _gpu_count() -> int:

@@ -218,3 +218,26 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_job(tmp_path, 
         err = capsys.readouterr().err
         assert f"--json {path}" in err and needle in err, err
     assert cli.main(["--dry-run", "--json", str(tmp_path / "r.json"), "bringup"]) == 0
+
+
+@pytest.mark.parametrize("options", [["--dry-run"], ["--np", "2"], ["--timeout", "600"], ["--mps"],
+                                     ["--hostfile", "hosts"], ["--host", "a:2", "--npernode", "2", "--ifname", "eth0"]])
+def test_launch_options_are_refused_inside_an_mpi_job(options, monkeypatch, capsys):
+    # Under the user's own mpirun the ranks already run: these options would be silently ignored.
+    from chunkring_launch import cli
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as info:
+        cli.main([*options, "bringup"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    named = [option for option in options if option.startswith("--")]
+    assert f"{', '.join(named)}: not taken inside an MPI job" in err, err
+
+
+def test_inside_an_mpi_job_the_job_options_are_taken(monkeypatch):
+    from chunkring_launch import cli
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    args = cli.parse_args(["--config", "bringup", "--no-progress", "bringup", "rounds=3"])
+    assert (args.config, args.overrides, args.timeout) == ("bringup", ["rounds=3"], 600)

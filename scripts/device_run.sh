@@ -14,10 +14,13 @@ mkdir -p "$RESULTS" "$BENCH_RESULTS" "$LOGS" "$CHUNKRING_CACHE_DIR"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$LOGS/nvidia-smi.log"
 start=$SECONDS
 timeout "$limit" scripts/gpu_suite.sh .whl 4 "$@"
-echo "gpu_suite exit $? after $((SECONDS - start)) s" | tee -a "$LOGS/driver.log"
+rc=$?
+echo "gpu_suite exit $rc after $((SECONDS - start)) s" | tee -a "$LOGS/driver.log"
 # A suite that timeout cut short leaves its MPS daemon (private pipe directory, so `quit` cannot reach it from
 # here): end it by name. The device machine is this session's alone.
 pkill -f nvidia-cuda-mps 2>/dev/null
 tar -C /tmp/res -czf "$OUT/res.tgz" .
 tar -C "$CHUNKRING_CACHE_DIR" -czf "$OUT/cache.tgz" --exclude='*.lock' . 2>/dev/null
 ls -la "$OUT"
+# The call's status is the suite's (124: cut by the limit), not the packing's.
+exit $rc

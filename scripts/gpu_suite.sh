@@ -71,12 +71,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 
-python3 scripts/build_kernels.py --json "$logs/build_cold.json" 2>&1 | tee "$logs/build.log"
-python3 scripts/build_kernels.py --json "$logs/build_warm.json" 2>&1 | tee -a "$logs/build.log"
+status=0
+# A kernel that does not build fails the run (the suites would fail on it anyway, less clearly).
+python3 scripts/build_kernels.py --json "$logs/build_cold.json" 2>&1 | tee "$logs/build.log" || status=1
+python3 scripts/build_kernels.py --json "$logs/build_warm.json" 2>&1 | tee -a "$logs/build.log" || status=1
 
 run_suite() {  # name ranks command...
     local name=$1 n=$2; shift 2
     local start=$SECONDS
+    # A report left by an earlier run of this name (bisect_1rank reuses one per tree) must not stand in for a
+    # run that died before writing its own.
+    rm -f "$logs/$name".xml*
     "$@" 2>&1 | tee "$logs/$name.log"
     local rc=${PIPESTATUS[0]}
     python3 scripts/gpu_summary.py --suite "$name" --ranks "$n" --rc "$rc" --seconds $((SECONDS - start)) \
@@ -84,7 +89,6 @@ run_suite() {  # name ranks command...
         --command "$*" --out "$results/${CHUNKRING_COMMIT:-unknown}-$name.json"
     return "$rc"
 }
-status=0
 # faulthandler dumps every thread's stack if a test outlives the limit, naming where it waits.
 limits=(--timeout 240 -o faulthandler_timeout=200)
 # Parts: 1-rank ones run without an MPS daemon; *_mps ones share one daemon, started by the first of them.

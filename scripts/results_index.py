@@ -64,6 +64,12 @@ INDEXES = {"benchmarks/results": PREAMBLES / "benchmarks_results.md",
            "tests/gpu_results": PREAMBLES / "tests_gpu_results.md"}
 
 
+def is_shallow(repo: Path = REPO) -> bool:
+    """Whether ``repo`` is a shallow clone: it lacks the history that says which records' commits are HEAD's."""
+    out = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=repo, capture_output=True, text=True)
+    return out.returncode == 0 and out.stdout.strip() == "true"
+
+
 def git_commit_time(repo: Path = REPO) -> Callable[[str], int | None]:
     """``commit -> committer time``, or None when the commit is not an ancestor of ``repo``'s HEAD.
 
@@ -169,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if an index is stale")
     args = parser.parse_args(argv)
+    if is_shallow():
+        print("results_index: a shallow clone cannot tell which commits are in HEAD's history; fetch the whole "
+              "history (git fetch --unshallow) and run again", file=sys.stderr)
+        return 2
     commit_time = git_commit_time()
     stale = []
     for folder, preamble in INDEXES.items():

@@ -3,13 +3,24 @@ target is then the documented CPU fallback, sm_90), and the on-disk cache is key
 input - source, header, macro, any other option, architecture - recompiles and an unchanged one does not."""
 
 import dataclasses
+import shutil
 import struct
+from pathlib import Path
 
 import pytest
 
+from chunkring.env import cache_dir
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit import arch_of, build, default_arch, kernel_sources, nvshmem_version
-from chunkring.jit.compiler import CPU_FALLBACK_ARCH, KERNEL_DIR, cache_key, program_options
+from chunkring.jit.compiler import (
+    CCCL_VERSION_HEADER,
+    CPU_FALLBACK_ARCH,
+    KERNEL_DIR,
+    cache_key,
+    headers_digest,
+    include_path,
+    program_options,
+)
 from chunkring.testing.stress import (
     ARRIVE_BEFORE_ROWS,
     MUTANTS,
@@ -127,6 +138,46 @@ def test_the_key_covers_the_architecture_and_every_option():
     assert cache_key("selftest", source, program_options("selftest", arch="sm_90")) == key
     assert cache_key("selftest", source, program_options("selftest", arch="sm_100")) != key
     assert cache_key("selftest", source, dataclasses.replace(options, lineinfo=True)) != key  # not a macro
+
+
+def test_the_key_covers_the_cuda_headers_beside_ours(tmp_path):
+    """A CUDA runtime header (cuda_bf16.h, ...) or a CCCL release changes the key: NVRTC compiles them in."""
+    ours, nvshmem, cccl, cudart = include_path()
+
+    def copies(name: str, changed: Path | None) -> tuple[str, ...]:
+        """The CUDA runtime's top-level headers and CCCL's version header copied, ``changed`` (relative to the
+        copies' folder) edited."""
+        copy_cudart, copy_cccl = tmp_path / name / "cudart", tmp_path / name / "cccl"
+        shutil.copytree(cudart, copy_cudart, ignore=lambda folder, names: [n for n in names
+                                                                          if (Path(folder) / n).is_dir()])
+        (copy_cccl / CCCL_VERSION_HEADER).parent.mkdir(parents=True)
+        shutil.copy(Path(cccl) / CCCL_VERSION_HEADER, copy_cccl / CCCL_VERSION_HEADER)
+        if changed is not None:
+            with (tmp_path / name / changed).open("a") as header:
+                header.write("// changed\n")
+        return ours, nvshmem, str(copy_cccl), str(copy_cudart)
+
+    same = headers_digest(copies("same", None))
+    assert same == headers_digest((ours, nvshmem, cccl, cudart))  # the copies hash as the originals
+    runtime_changed = headers_digest(copies("runtime", Path("cudart/cuda_bf16.h")))
+    cccl_changed = headers_digest(copies("cccl", "cccl" / CCCL_VERSION_HEADER))
+    assert len({same, runtime_changed, cccl_changed}) == 3
+
+
+def test_cached_cubins_are_readable_by_others_and_an_unreadable_one_is_rebuilt(monkeypatch):
+    first = build("selftest")
+    cubin = next(p for p in cache_dir().glob("selftest-*.cubin") if first.cache_key in p.name)
+    assert cubin.stat().st_mode & 0o777 == 0o644  # a shared cache directory serves every user
+    real_read = Path.read_bytes
+
+    def unreadable(path):
+        if path == cubin:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path)
+
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    again = build("selftest")
+    assert not again.cache_hit and again.object_code.code[:4] == b"\x7fELF"
 
 
 def test_the_target_is_the_gpus_own_or_the_cpu_fallback(monkeypatch):

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from cuda.core import Device, ObjectCode, ProgramOptions
 
 __all__ = ["CPU_FALLBACK_ARCH", "KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "arch_of", "build", "default_arch",
-           "include_path", "nvrtc_version",
+           "headers_digest", "include_path", "nvrtc_version",
            "cache_key", "kernel_sources", "nvshmem_version", "program_options"]
 
 #: The CUDA sources: the repository's top-level ``device/`` (headers and kernels only), which the package
@@ -108,10 +108,11 @@ def include_path() -> tuple[str, ...]:
     from cuda.pathfinder import find_nvidia_header_directory
 
     dirs = [str(INCLUDE_DIR), str(_nvshmem_include())]
-    for lib in ("cccl", "cudart"):
+    for lib, wheel in (("cccl", "nvidia-cuda-cccl"), ("cudart", "nvidia-cuda-runtime")):
         found = find_nvidia_header_directory(lib)
         if not found:
-            raise ChunkringRuntimeError(f"CUDA {lib} headers not found (needed by NVRTC)")
+            raise ChunkringRuntimeError(f"CUDA {lib} headers not found (needed by NVRTC): install a CUDA 13 "
+                                        f"toolkit, or the {wheel} wheel")
         dirs.append(found)
     return tuple(dirs)
 
@@ -126,18 +127,41 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-def _tree_digest(root: Path, patterns: tuple[str, ...]) -> str:
+@lru_cache(maxsize=1)
+def _nvrtc_identity() -> str:
+    """NVRTC's version and the size of the library that answers: nvrtcVersion says nothing of a patch release,
+    whose compiler can still emit another cubin (hashing the 140 MB library at every build would cost more)."""
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    library = load_nvidia_dynamic_lib("nvrtc").abs_path
+    size = os.path.getsize(library) if library is not None and os.path.isfile(library) else 0
+    return f"{nvrtc_version()} ({size} bytes)"
+
+
+def _tree_digest(root: Path, patterns: tuple[str, ...], *, recursive: bool = True) -> str:
     digest = hashlib.sha256()
     for pattern in patterns:
-        for path in sorted(root.rglob(pattern)):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+        for path in sorted(root.rglob(pattern) if recursive else root.glob(pattern)):
+            if path.is_file():
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
-@lru_cache(maxsize=1)
-def _headers_digest() -> str:
-    return _tree_digest(INCLUDE_DIR, ("*.cuh",)) + _tree_digest(_nvshmem_include(), ("*.h", "*.cuh"))
+#: CCCL's version header, relative to its include directory: a CCCL release changes it (its whole tree is
+#: thousands of headers, too many to hash at every build).
+CCCL_VERSION_HEADER = Path("cuda/std/__cccl/version.h")
+
+
+@lru_cache(maxsize=4)
+def headers_digest(include_dirs: tuple[str, ...]) -> str:
+    """A hash of every header NVRTC may read from ``include_dirs`` (:func:`include_path`: ours, NVSHMEM's, CCCL's,
+    the CUDA runtime's) that can change a cubin: ours and NVSHMEM's whole, the CUDA runtime's top-level ones
+    (cuda_bf16.h, cuda_fp8.h, ...) and CCCL's version header."""
+    ours, nvshmem, cccl, cudart = (Path(d) for d in include_dirs)
+    return (_tree_digest(ours, ("*.cuh",)) + _tree_digest(nvshmem, ("*.h", "*.cuh"))
+            + _tree_digest(cudart, ("*.h", "*.hpp"), recursive=False)
+            + hashlib.sha256((cccl / CCCL_VERSION_HEADER).read_bytes()).hexdigest())
 
 
 def _check_defines(defines: dict[str, int | str]) -> None:
@@ -185,10 +209,9 @@ def build(name: str, *, defines: dict[str, int | str] | None = None, arch: str |
     from cuda.core import ObjectCode
 
     start = time.perf_counter()
-    hit = path.exists()
-    if hit:
-        cubin = path.read_bytes()
-    else:
+    cubin = _read_cached(path)
+    hit = cubin is not None
+    if cubin is None:
         cubin = _compile(source, options)
         _write_atomically(path, cubin)
     return BuildResult(name, ObjectCode.from_cubin(cubin), key, hit, time.perf_counter() - start, options.arch,
@@ -197,9 +220,9 @@ def build(name: str, *, defines: dict[str, int | str] | None = None, arch: str |
 
 def cache_key(name: str, source: str, options: ProgramOptions) -> str:
     """The cache key of kernel ``name`` compiled from ``source`` with ``options`` (what :func:`build` names
-    its cubin by): a hash of the name, the source, every header's contents, the NVSHMEM and NVRTC versions
-    and every option as NVRTC receives it, so nothing that can change the cubin leaves the key unchanged."""
-    material = [name, source, _headers_digest(), nvshmem_version(), nvrtc_version(),
+    its cubin by): a hash of the name, the source, the headers' contents (:func:`headers_digest`), the NVSHMEM
+    version, NVRTC's (:func:`_nvrtc_identity`) and every option as NVRTC receives it."""
+    material = [name, source, headers_digest(include_path()), nvshmem_version(), _nvrtc_identity(),
                 *(flag.decode() for flag in options.as_bytes("nvrtc"))]
     return hashlib.sha256("\n".join(material).encode()).hexdigest()[:32]
 
@@ -214,12 +237,22 @@ def _compile(source: str, options: ProgramOptions) -> bytes:
     return bytes(code.code)
 
 
+def _read_cached(path: Path) -> bytes | None:
+    """The cached cubin at ``path``, or None: absent, or unreadable here (another user's cache directory, say) -
+    then this process compiles its own."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     # Several ranks compile the same kernel at once; each writes a private temp file and renames it
     # into place, so a reader never sees a partial cubin and the last writer wins harmlessly.
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it 0600: others sharing the cache directory read it, not write it
         with os.fdopen(fd, "wb") as out:
             out.write(data)
         os.replace(tmp, path)

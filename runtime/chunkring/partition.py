@@ -13,6 +13,7 @@ give the consumer its own stream, and enqueue producer work before the consumer.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -97,12 +98,17 @@ def default_producer_sms(total_sms: int, min_partition: int, alignment: int, con
     return producer
 
 
-def check_partition_arg(partition: object) -> str | SmPartition:
-    """``MoELayer``'s ``partition`` argument as given, or ``ChunkringUsageError``: an :class:`SmPartition`,
-    ``"auto"`` (:data:`DEFAULT_PARTITION`) or ``"none"`` (:data:`NO_PARTITION`). ``None`` is refused rather
-    than guessed at: it read as "no partition" before the default became one."""
-    if isinstance(partition, SmPartition) or (isinstance(partition, str)
-                                              and partition in (DEFAULT_PARTITION, NO_PARTITION)):
+def check_partition_arg(partition: object, runtime: Runtime | None = None) -> str | SmPartition:
+    """``MoELayer``'s ``partition`` argument as given, or ``ChunkringUsageError``: an open :class:`SmPartition`
+    (of ``runtime``, if given), ``"auto"`` (:data:`DEFAULT_PARTITION`) or ``"none"`` (:data:`NO_PARTITION`).
+    ``None`` is refused rather than guessed at: it read as "no partition" before the default became one."""
+    if isinstance(partition, SmPartition):
+        if partition.closed:
+            raise ChunkringUsageError("this SmPartition is closed: its streams are gone", field="partition")
+        if runtime is not None and partition.runtime is not runtime:
+            raise ChunkringUsageError("this SmPartition belongs to another runtime", field="partition")
+        return partition
+    if isinstance(partition, str) and partition in (DEFAULT_PARTITION, NO_PARTITION):
         return partition
     raise ChunkringUsageError(f'expected an SmPartition, "{DEFAULT_PARTITION}" or "{NO_PARTITION}", got '
                               f"{partition!r}", field="partition")
@@ -139,24 +145,23 @@ class SmPartition:
             if len(groups) != 1 or groups[0].sm_count != producer_sms:
                 raise ChunkringRuntimeError(f"asked for {producer_sms} producer SMs, the driver gave "
                                             f"{[g.sm_count for g in groups]}")
-            streams = []
             for resource, count in ((groups[0], 1), (remainder, 2)):
                 context = device.create_context(ContextOptions(resources=[resource]))  # not made current
                 self._contexts.append(context)
-                streams += [context.create_stream() for _ in range(count)]
-            self._streams = streams
+                for _ in range(count):  # each kept as soon as made, so that a failure closes it too
+                    self._streams.append(context.create_stream())
+            import torch
+
+            self.producer_stream, self.consumer_stream, self.consumer_side_stream = (
+                torch.cuda.ExternalStream(int(s.handle), device=runtime.torch_device) for s in self._streams)
         except ChunkringRuntimeError:
-            self._destroy()
+            self._destroy_quietly()
             raise
         except Exception as exc:
-            self._destroy()
+            self._destroy_quietly()
             raise ChunkringRuntimeError(f"could not create the SM partitions: {exc}") from exc
         finally:
             device.set_current()  # the primary context stays current for torch and NVSHMEM
-        import torch
-
-        self.producer_stream, self.consumer_stream, self.consumer_side_stream = (
-            torch.cuda.ExternalStream(int(s.handle), device=runtime.torch_device) for s in self._streams)
         self.consumer_sms = remainder.sm_count
 
     @classmethod
@@ -200,12 +205,24 @@ class SmPartition:
         self._destroy()
 
     def _destroy(self) -> None:
-        for stream in self._streams:
-            stream.sync()
-            stream.close()
-        for context in self._contexts:
-            context.close()
+        """Synchronise and close every stream, then close every green context - each one whatever failed before
+        it, so that one failure leaks nothing - and raise the first failure as ``ChunkringRuntimeError``."""
+        streams, contexts = self._streams, self._contexts
         self._streams, self._contexts = [], []
+        failures: list[Exception] = []
+        for step in [step for s in streams for step in (s.sync, s.close)] + [c.close for c in contexts]:
+            try:
+                step()
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise ChunkringRuntimeError(f"could not destroy the SM partitions cleanly ({len(failures)} failures; "
+                                        f"the first: {failures[0]})") from failures[0]
+
+    def _destroy_quietly(self) -> None:
+        """:meth:`_destroy` on a construction's way out: the construction's own error is the one to raise."""
+        with contextlib.suppress(ChunkringRuntimeError):
+            self._destroy()
 
     def __enter__(self) -> SmPartition:
         return self
@@ -219,8 +236,15 @@ _SHARED: weakref.WeakKeyDictionary[Runtime, dict[int, SmPartition]] = weakref.We
 
 
 def _destroy_shared(runtime: Runtime) -> None:
+    """Destroy each of ``runtime``'s shared partitions, every one even if an earlier one fails; raise the first."""
+    failure: ChunkringRuntimeError | None = None
     for partition in _SHARED.pop(runtime).values():
-        partition._destroy()
+        try:
+            partition._destroy()
+        except ChunkringRuntimeError as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def _sm_resource(runtime: Runtime) -> Any:  # cuda.core's SMResource

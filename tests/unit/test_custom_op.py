@@ -210,6 +210,21 @@ def op_calls(gm, op):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
 
 
+@pytest.mark.parametrize("recalibrated", [0.5, 1.0, 2.5])
+def test_a_new_calibration_recompiles_without_a_graph_break(recalibrated):
+    """Calibrating again (or a second layer's calibration) gives other figures: the recompile must still trace
+    "auto" to a constant mode, without comparing the figures (a recompile may make them symbolic)."""
+    module = meta_module(config(PayloadFormat.BF16), StreamingCalibration({8: 1.0}, {8: {8: 2.0}}))
+    backend = Recorder()
+    compiled = torch.compile(module, fullgraph=True, backend=backend)
+    hidden = torch.empty(8, H, dtype=torch.bfloat16, device="meta")
+    compiled(hidden, streaming="auto")
+    module.layer.streaming_calibration = StreamingCalibration({8: 1.0}, {8: {8: recalibrated}}, tolerance=0.03)
+    compiled(hidden, streaming="auto")
+    modes = [op_calls(graph, torch.ops.chunkring.moe_forward)[0].args[-2] for graph in backend.dynamo]
+    assert modes[0] is False and modes[-1] is (recalibrated <= 1.03)
+
+
 @pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
 @pytest.mark.parametrize("streaming", [False, True, "auto"])
 def test_chunked_moe_compiles_to_one_op_without_a_graph_break(payload, streaming):

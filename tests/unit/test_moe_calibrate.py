@@ -198,3 +198,29 @@ def test_interleaved_bursts_time_each_call_per_replay_and_rotate_the_order(monke
     with pytest.raises(ChunkringUsageError) as info:
         calibration.replay_medians_ms({"a": lambda: "a"}, iterations=1, warmup=0, burst=0)
     assert info.value.field == "burst"
+
+
+def test_every_graph_is_released_before_the_pools_go_back(monkeypatch):
+    """empty_cache returns only the pools of graphs nothing references: none may outlive the timing."""
+    import weakref
+
+    from chunkring.moe import calibration
+
+    class Graph:
+        def replay(self):
+            pass
+
+    alive = weakref.WeakSet()
+
+    def capture(call, load=None):
+        graph = Graph()
+        alive.add(graph)
+        return graph
+
+    seen_at_release = []
+    monkeypatch.setattr(calibration, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "Event", _Clock().event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen_at_release.append(len(alive)))
+    calibration.replay_medians_ms({"a": lambda: None, "b": lambda: None}, iterations=2, warmup=1)
+    assert seen_at_release == [0]

@@ -1,10 +1,11 @@
 """Partition sizes are checked against the device's rules before any green context exists."""
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkring.errors import ChunkringUsageError
+from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 from chunkring.partition import (
     DEFAULT_PARTITION,
     NO_PARTITION,
@@ -227,3 +228,45 @@ def test_a_callers_partition_is_its_own_to_close(monkeypatch):
     with SmPartition(runtime, 16) as part:
         assert not part.closed and not runtime.releases
     assert part.closed and not any(handle.open for handle in made)
+
+
+def test_a_closed_partition_or_another_runtimes_is_refused(monkeypatch):
+    from chunkring import MoEConfig, MoELayer, SmPartition
+
+    runtime, _ = _fake_runtime(monkeypatch)
+    cfg = MoEConfig(num_experts=4, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64)
+    part = SmPartition(runtime, 16)
+    other, _ = _fake_runtime(monkeypatch)
+    with pytest.raises(ChunkringUsageError, match="another runtime") as info:
+        MoELayer(other, cfg, partition=part)
+    assert info.value.field == "partition"
+    part.close()
+    with pytest.raises(ChunkringUsageError, match="closed") as info:
+        check_partition_arg(part)
+    assert info.value.field == "partition"
+
+
+def test_teardown_closes_every_handle_when_one_fails_and_says_so(monkeypatch):
+    from chunkring import SmPartition
+
+    runtime, made = _fake_runtime(monkeypatch)
+    part = SmPartition.shared(runtime, 16, 8, share=None)
+    producer_stream = made[1]  # made in order: a green context, its stream, the other context, its two streams
+
+    def faulted():
+        raise RuntimeError("cudaErrorLaunchFailure")
+
+    monkeypatch.setattr(producer_stream, "sync", faulted)
+    with pytest.raises(ChunkringRuntimeError, match="cudaErrorLaunchFailure"):
+        runtime.close()
+    assert part.closed and not any(handle.open for handle in made)
+
+
+def test_a_failed_construction_closes_what_it_made(monkeypatch):
+    from chunkring import SmPartition
+
+    runtime, made = _fake_runtime(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: (_ for _ in ()).throw(RuntimeError("x")))
+    with pytest.raises(ChunkringRuntimeError, match="could not create"):
+        SmPartition(runtime, 16)
+    assert len(made) == 5 and not any(h.open for h in made)

@@ -15,7 +15,7 @@ Two choices, made differently because different things must agree:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from chunkring.errors import ChunkringUsageError
 
@@ -38,6 +38,11 @@ class StreamingCalibration:
     batch_ms: dict[int, float]
     streamed_ms: dict[int, dict[int, float]]
     tolerance: float = DEFAULT_TOLERANCE
+    #: Decided once from the figures, so that a call - traced by torch.compile too - reads an int and a bool,
+    #: never compares the measured floats (which a recompile may treat as symbolic): per calibrated count, the
+    #: chunk size that streamed fastest (the smaller on a tie); whether ``streaming="auto"`` calls stream.
+    best_chunks: dict[int, int] = field(init=False, repr=False, compare=False)
+    streams: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Figures may come from anywhere (saved, rebuilt, edited): a chunk size the layer would publish in must be
@@ -63,6 +68,11 @@ class StreamingCalibration:
                                       field="streamed_ms")
         if any(not chunks for chunks in self.streamed_ms.values()):
             raise ChunkringUsageError("needs at least one chunk size measured at each count", field="streamed_ms")
+        best = {count: min(sorted(chunks), key=lambda chunk, c=chunks: c[chunk])  # type: ignore[misc]
+                for count, chunks in self.streamed_ms.items()}
+        object.__setattr__(self, "best_chunks", best)  # frozen: set once, here
+        object.__setattr__(self, "streams", all(self.streamed_ms[n][best[n]] <= (1 + self.tolerance) * batch
+                                                for n, batch in self.batch_ms.items()))
 
     def governing_count(self, n: int) -> int:
         """The calibrated count whose figures decide a call of ``n`` tokens."""
@@ -71,14 +81,7 @@ class StreamingCalibration:
 
     def best_chunk(self, count: int) -> int:
         """The chunk size that streamed fastest at calibrated ``count`` (the smaller on a tie)."""
-        options = self.streamed_ms[count]
-        return min(sorted(options), key=lambda chunk: options[chunk])
-
-    @property
-    def streams(self) -> bool:
-        """Whether ``streaming="auto"`` calls stream."""
-        return all(self.streamed_ms[n][self.best_chunk(n)] <= (1 + self.tolerance) * batch
-                   for n, batch in self.batch_ms.items())
+        return self.best_chunks[count]
 
     def chunk_for(self, n: int) -> int:
         """The chunk size a streamed call of ``n`` tokens publishes in (the caller caps it at its slot)."""

@@ -70,6 +70,16 @@ def replay_medians_ms(calls: Mapping[K, Callable[[], object]], *, iterations: in
     if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
         raise ChunkringUsageError(f"must be an int >= 1, got {burst!r}", field="burst")
     graphs = [(key, capture_graph(call)) for key, call in calls.items()]
+    times = _timed_rounds(graphs, iterations=iterations, warmup=warmup, burst=burst, barrier=barrier)
+    del graphs  # the last reference: _timed_rounds' own went with its frame
+    # The graphs' private pools back to the device: ranks sharing a GPU under MPS allocate from one memory.
+    torch.cuda.empty_cache()
+    return {key: statistics.median(samples) for key, samples in times.items()}
+
+
+def _timed_rounds(graphs: list[tuple[K, torch.cuda.CUDAGraph]], *, iterations: int, warmup: int, burst: int,
+                  barrier: Callable[[], object] | None) -> dict[K, list[float]]:
+    """Each graph's samples after ``warmup`` rounds, as :func:`replay_medians_ms` describes the rounds."""
     times: dict[K, list[float]] = {key: [] for key, _ in graphs}
     for round_ in range(warmup + iterations):
         for offset in range(len(graphs)):
@@ -77,10 +87,7 @@ def replay_medians_ms(calls: Mapping[K, Callable[[], object]], *, iterations: in
             ms = _sample_ms(graph, burst, barrier)
             if round_ >= warmup:
                 times[key].append(ms)
-    del graphs
-    # The graphs' private pools back to the device: ranks sharing a GPU under MPS allocate from one memory.
-    torch.cuda.empty_cache()
-    return {key: statistics.median(samples) for key, samples in times.items()}
+    return times
 
 
 def replay_median_ms(call: Callable[[], object], load: Callable[[int], object] | None = None, *, iterations: int,

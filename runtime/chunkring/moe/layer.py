@@ -99,7 +99,7 @@ class MoELayer:
         # lazy module loading abandons the first collective's barrier, so its peers raise at once, naming it.
         if not isinstance(config, MoEConfig):
             raise ChunkringUsageError(f"expected a MoEConfig, got {type(config).__name__}", field="config")
-        check_partition_arg(partition)
+        check_partition_arg(partition, runtime)
         if not (isinstance(decode, bool) or decode == "auto"):
             raise ChunkringUsageError(f"expected True, False or 'auto', got {decode!r}", field="decode")
         if decode is True:

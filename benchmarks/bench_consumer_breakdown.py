@@ -1,5 +1,6 @@
 """Where a batch-ready call of the MoE layer spends its time, on one GPU: the call's device timeline
-(each event's offset from the call's start) and the consumer's steps timed alone as CUDA-graph replays.
+(each event's offset from the call's start, in a graph replay) and the consumer's steps timed alone as CUDA-graph
+replays.
 
     python benchmarks/bench_consumer_breakdown.py [--shape flash] [--tokens 8,1024,8192] [--json PATH]
 
@@ -25,7 +26,7 @@ import chunkring
 from benchmarks.bench_vs_megamoe import SHAPES, draw_weights, routed_batch
 from chunkring import MoEConfig, MoELayer, Timeline
 from chunkring.jit import library_for
-from chunkring.moe.calibration import replay_median_ms
+from chunkring.moe.calibration import capture_graph, replay_median_ms
 from chunkring.moe.experts import ExpertCompute, OwnRows
 from chunkring.moe.stage import Stage
 from chunkring.moe.timeline import Event
@@ -34,12 +35,15 @@ from chunkring.testing import records
 
 
 def timeline_offsets_us(layer, args, calls: int = 3) -> dict[str, float]:
-    """Median over ``calls`` eager calls of each event's offset from CALL_BEGIN, in µs (first of a kind)."""
-    device = layer.runtime.torch_device
+    """Median over ``calls`` graph replays of the call of each event's offset from CALL_BEGIN, in µs (first of a
+    kind): replays, as the steps beside them are timed, so that no offset holds a host launch gap."""
+    timeline = Timeline(layer.runtime.torch_device)
+    graph = capture_graph(lambda: layer.run(*args, timeline=timeline))
     per_call = []
     for _ in range(calls):
-        timeline = Timeline(device)
-        layer.run(*args, timeline=timeline)
+        timeline.clear()
+        torch.cuda.synchronize()
+        graph.replay()
         torch.cuda.synchronize()
         records = timeline.records()
         begin = min(int(r[3]) for r in records if int(r[0]) == Event.CALL_BEGIN)

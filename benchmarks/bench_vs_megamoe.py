@@ -14,8 +14,9 @@ top-6; ``v3``: hidden 7168, top-8, 32 local experts, intermediate 2048) and toke
 * ``megamoe_ms``: ``deep_gemm.fp8_mega_moe`` on a one-rank process group, its symmetric buffer staged
   with the same FP8 rows, scales and routing (the staging copies timed with the call, as a caller must),
   as CUDA-graph replays timed with the layer's (``megamoe_eager_ms`` beside it: with launch overhead);
-* ``torch_bf16_ms``: the plain-torch peer (:func:`chunkring.testing.peer_moe.torch_moe`: route, sort,
-  two ``torch._grouped_mm``) on the bf16 hidden states and bf16 weights, timed with the others;
+* ``torch_bf16_ms``: the plain-torch peer on the same routed batch
+  (:func:`chunkring.testing.peer_moe.torch_moe_routed`: sort, two ``torch._grouped_mm``) with the bf16 hidden
+  states and bf16 weights, timed with the others - routed as the layer's ``run`` is, so neither side routes;
 * ``chunkring_rel_err`` / ``megamoe_rel_err``: ``||out - ref|| / ||ref||`` against an fp64 reference on
   the dequantised operands (the FP8 rows and the FP8 weights both paths read);
 * ``weight_bytes``: the FP8 weights (with their scales) of the experts the batch routes to, what a call must
@@ -45,7 +46,7 @@ from chunkring.moe.experts import load_deep_gemm
 from chunkring.moe.producer import quantize_rows_fp8, route
 from chunkring.moe.weights import Fp8Weight, expert_weights
 from chunkring.testing import records
-from chunkring.testing.peer_moe import torch_moe
+from chunkring.testing.peer_moe import torch_moe_routed
 
 SHAPES = {"flash": dict(experts=32, hidden=4096, intermediate=2048, topk=6),
           "v3": dict(experts=32, hidden=7168, intermediate=2048, topk=8)}
@@ -106,7 +107,7 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
             # Every side the same way, interleaved: graph replays in bursts (replay_medians_ms).
             ms = replay_medians_ms({"chunkring_ms": partial(call, False), "chunkring_streamed_ms": partial(call, True),
                                     "megamoe_ms": staged,
-                                    "torch_bf16_ms": partial(torch_moe, hidden, router, w13_bf16, w2_bf16, K)},
+                                    "torch_bf16_ms": partial(torch_moe_routed, hidden, idx, w, w13_bf16, w2_bf16)},
                                    iterations=args.iterations, warmup=3, burst=burst_for(t))
             torch.cuda.synchronize()
             layer.check()

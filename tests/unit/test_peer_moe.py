@@ -3,7 +3,7 @@
 import torch
 
 from chunkring.moe.producer import route
-from chunkring.testing.peer_moe import torch_moe
+from chunkring.testing.peer_moe import torch_moe, torch_moe_routed
 from chunkring.testing.reference import moe_reference
 
 E, H, INTER, K = 8, 256, 64, 2
@@ -64,3 +64,10 @@ def test_no_host_reads():
     out = torch_moe(meta(37, H), meta(E, H), meta(E, 2 * INTER, H), meta(E, H, INTER), K)
     assert out.shape == (37, H)
     assert out.dtype == torch.bfloat16
+
+
+def test_the_routed_peer_is_the_peer_after_its_routing():
+    """bench_vs_megamoe times torch on the batch the layer's run() takes: the same work as torch_moe, less routing."""
+    hidden, router, w13, w2 = _draw(29, seed=3)
+    idx, weights = route(hidden, router, K)
+    assert torch.equal(torch_moe_routed(hidden, idx, weights, w13, w2), torch_moe(hidden, router, w13, w2, K))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from chunkring.moe.producer import route
 
-__all__ = ["torch_moe"]
+__all__ = ["torch_moe", "torch_moe_routed"]
 
 
 def torch_moe(hidden: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -33,10 +33,19 @@ def torch_moe(hidden: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tens
     first, then up).  w2: bfloat16 [E, H, I].  Every expert is local (single rank).  On the GPU
     ``torch._grouped_mm`` (CUTLASS, sm90) wants 16-byte-aligned rows: H and I multiples of 8.
     """
+    topk_idx, topk_weights = route(hidden, router_weight, topk)  # int32 [n, K], fp32 [n, K]
+    return torch_moe_routed(hidden, topk_idx, topk_weights, w13, w2)
+
+
+def torch_moe_routed(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor) -> torch.Tensor:
+    """:func:`torch_moe` after its routing, on a routed batch (int32 ``topk_idx`` [n, K] in [0, E), fp32
+    ``topk_weights`` [n, K]): the peer of :meth:`chunkring.MoELayer.run`, as :func:`torch_moe` is of
+    :meth:`~chunkring.MoELayer.forward`."""
     n, h = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
-    topk_idx, topk_weights = route(hidden, router_weight, topk)  # int32 [n, K], fp32 [n, K]
+    topk = topk_idx.shape[1]
 
     # Sort the n * K choices by expert: each expert's rows become one contiguous group. Stable, so a
     # group keeps (token, k) order. Choice t * K + k is token t's.

@@ -26,9 +26,10 @@
  *   Pull(b), b < NPULL (= 2): moe_pull's blocks.  For each of its rows
  *     (sources interleaved in any order), RESERVE: r = atomicAdd(reserve[e], 1),
  *     block j = r / BM, offset r % BM; the row whose offset is 0 ALLOCATES a
- *     pool block (id = atomicAdd(pool_next, 1), labels it with e, publishes
- *     block_of[e][j] = id + 1 [release]); any other row WAITS for
- *     block_of[e][j] [acquire]; then STORES its payload (one abstract value:
+ *     pool block (id = atomicAdd(pool_next, 1), publishes block_of[e][j] =
+ *     id + 1 and labels it with e, both relaxed: modelled in the order no
+ *     fence keeps, label last); any other row WAITS for block_of[e][j]
+ *     (relaxed: it needs only the id); then STORES its payload (one abstract value:
  *     x, x_sf and the row's source/token/k/weight) into pool row
  *     id * BM + offset, then LANDS [release]: old = atomicAdd(landed[id], 1);
  *     the lander that makes it BM [acquire] SEALS the block (state := SEALED,
@@ -52,8 +53,8 @@
  * Spin interleaves sequentially consistently: "[release]" is the program
  * order "payload store before the landed increment" (a __syncwarp and
  * fence.acq_rel.gpu on the GPU) and "[acquire]" the order "state observed
- * before the rows are read" (fence.acq_rel.gpu after the CAS; plus
- * fence.proxy.async before TMA reads).  Every atomic / d_step is one device
+ * before the rows are read" (fence.acq_rel.gpu after the CAS; the GEMMs
+ * read the claimed rows in a later kernel, ordered by the stream).  Every atomic / d_step is one device
  * operation (an atomicAdd with its returned value, a CAS, one store, one
  * load) plus ghost bookkeeping and the assertions on what was observed; the
  * consumer's read of a whole block is one step (a read of every row at one
@@ -214,8 +215,9 @@ proctype Pull(byte b) {
         :: off == 0 ->                                     /* ALLOCATE */
            d_step { id = pool_next; pool_next++ }
            CHECK(NO_OVERFLOW, id < POOL_CAP);
-           bexp[id] = e;
-           block_of[e * JMAX + j] = id + 1                 /* [release] */
+           block_of[e * JMAX + j] = id + 1;                /* relaxed */
+           bexp[id] = e      /* the label after the id: no fence orders them (blocks.cuh); it reaches the
+                                claimant through this lane's LAND of row 0, not through block_of */
         :: else ->
            d_step { block_of[e * JMAX + j] != 0 -> id = block_of[e * JMAX + j] - 1 }
         fi;

@@ -1,6 +1,6 @@
 // The ring protocol's device API: what a producer calls to fill and publish a slot, and what a
-// consumer calls to wait for it and give it back. Every ordering rule of docs/PROTOCOL.md is here
-// and nowhere else. All functions are block-level: every thread of the block calls them together.
+// consumer calls to wait for it and give it back. Every ordering rule of the ring in docs/PROTOCOL.md is
+// here and nowhere else (the MoE layer's own edges live beside their kernels, as PROTOCOL.md names them). All functions are block-level: every thread of the block calls them together.
 //
 // Ownership (who writes which word):
 //   slot payload + meta of source r ........ r's producer (local stores), read by every consumer

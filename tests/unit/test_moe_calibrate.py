@@ -178,7 +178,10 @@ def test_interleaved_bursts_time_each_call_per_replay_and_rotate_the_order(monke
 
     clock = _Clock()
     cost = {"a": 1.0, "b": 3.0, "c": 2.0}
-    drift = iter([0.0] * 200)
+    # Per replay, by round (4 replays a sample, 3 calls a round): a warm-up round far off (not counted), then
+    # rounds off by +8, 0 and +2 per replay: each call's samples are cost + 8, cost, cost + 2 - whose median
+    # is cost + 2, not the minimum, the maximum, the first or the last sample.
+    drift = iter([100.0] * 12 + [8.0] * 12 + [0.0] * 12 + [2.0] * 12)
 
     def capture(call, load=None):
         key = call()
@@ -191,7 +194,7 @@ def test_interleaved_bursts_time_each_call_per_replay_and_rotate_the_order(monke
     barriers = []
     got = calibration.replay_medians_ms({k: (lambda k=k: k) for k in cost}, iterations=3, warmup=1, burst=4,
                                         barrier=lambda: barriers.append(1))
-    assert got == cost  # the span of a burst over its replays
+    assert got == {key: ms + 2.0 for key, ms in cost.items()}  # the median sample: a burst's span over its replays
     assert len(clock.order) == 4 * 3 * 4 and len(barriers) == 4 * 3  # (warm-up + timed rounds) x calls x burst
     rounds = [clock.order[i:i + 12:4] for i in range(0, len(clock.order), 12)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]  # each first in turn

@@ -23,6 +23,11 @@ def test_the_host_mirrors_the_kernels_constants():
     assert ROUTER_SLICE % 16 == 0  # whole MMA k-steps
 
 
+def test_the_split_takes_a_slice_per_512_columns_up_to_16():
+    """The sizes the emulation's cases are named by (1, 3 and 16 slices), and V3's 7,168 (14)."""
+    assert [router_slices(h) for h in (128, 512, 513, 1040, 7168, 8192, 8208, 65536)] == [1, 1, 2, 3, 14, 16, 16, 16]
+
+
 @given(st.integers(1, 64).map(lambda blocks: 128 * blocks))
 def test_every_hidden_column_falls_in_one_slice_of_a_fixed_split(hidden):
     slices = router_slices(hidden)

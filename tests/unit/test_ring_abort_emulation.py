@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import pytest
 
+import chunkring.ring.io
 from chunkring import PayloadFormat
 from chunkring.errors import ChunkringDeviceError, ChunkringPeerAbortedError, ChunkringTimeoutError
 from chunkring.ring.io import publish_chunk, raise_abort
 from chunkring.ring.layout import STATUS
 from chunkring.ring.status import AbortRecord, ErrorCode, Site
+from tests.helpers.emulation import pull as pull_emu
+from tests.helpers.emulation.machine import EmulatedMemoryError
 from tests.helpers.emulation.pull_reference import Expected
-from tests.helpers.emulation.ring import Clock, HeapRank
+from tests.helpers.emulation.ring import CONTROL, Clock, HeapRank
 from tests.helpers.emulation.waves import EmulatedWaitBlocks
 from tests.helpers.emulation.world import E, World
 
@@ -182,3 +185,42 @@ def test_a_reset_clears_every_abort_and_the_next_call_runs_clean(monkeypatch):
     w.expected.check(w.masked)
     assert w.clock.now == now, "no watchdog fired"
     assert all(abort_words(ring) == (0, 0, 0) for ring in w.rings)
+
+
+def ungated_copy(ring, a, part, parts):
+    """Mutant: ring_publish_copy without the error gate - it copies even after the split publish's open failed."""
+    e = pull_emu.chunk_extent(ring, a, False)
+    if ring.rank.check_descriptor() and e.publish:
+        pull_emu.copy_rows(ring, pull_emu.next_seq(ring), a, e.n, part, parts)
+    yield from ()
+
+
+def split_stall(monkeypatch, mutants: dict | None = None) -> World:
+    """The stalled call with every chunk published in three kernels (open, copy, close): rank 1's third publish is
+    stopped in its open, its slot still holding the chunk it waits to be acknowledged."""
+    monkeypatch.setattr(chunkring.ring.io, "PUBLISH_BYTES_PER_BLOCK", 256)  # every chunk: open, copy x n, close
+    w = World(monkeypatch, 2, PayloadFormat.BF16, clock=Clock(), mutants=mutants)
+    w.rings[0].set_timeout(ORIGIN_WATCHDOG_NS / 1e9)
+    publish(w, 0, [2], end=True)
+    publish(w, 1, [2, 2, 2], end=False)
+    w.pull(0)
+    return w
+
+
+def test_after_a_failed_open_the_split_publish_writes_nothing(monkeypatch):
+    """The open records the failure; the copy and the close see it (has_error) and leave the slot - still another
+    lap's, unacknowledged - and the cursor as they were: no peer reads a half-written chunk."""
+    w = split_stall(monkeypatch)
+    launched = {name for name, *_ in w.library.launches}
+    assert {"ring_publish_open", "ring_publish_copy", "ring_publish_close"} <= launched
+    w.streams.run()
+    peer = w.rings[1].status()
+    assert (peer.code, peer.site) == (ErrorCode.PEER_ABORTED, Site.WAIT_REUSABLE)
+    assert w.rings[1].views["meta"][0].tolist()[:2] == [0, 2]  # slot 0 still holds chunk 0: rows 0-1, not 4-5
+    assert int(w.rings[1].views["control"][CONTROL["kControlNextSeq"]]) == 2  # the third chunk: never published
+
+
+def test_a_copy_without_the_error_gate_is_caught(monkeypatch):
+    w = split_stall(monkeypatch, mutants={"ring_publish_copy": ungated_copy})
+    with pytest.raises(EmulatedMemoryError, match="before every destination acknowledged"):
+        w.streams.run()

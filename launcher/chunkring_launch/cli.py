@@ -24,7 +24,7 @@ from chunkring.ranks import RankInfo
 
 from . import exitcodes
 from .args import parse_args, under_mpi
-from .config import from_table, load_table, parse_overrides
+from .config import job_config
 from .gpus import driver_gpu_count, torch_gpu_count
 from .jobdir import JOB_DIR_VAR
 from .jobs import JOBS
@@ -48,9 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_doctor()
         # Check the config once here, so a bad key is reported once, not by every rank.
-        cls = JOBS[args.job].CONFIG
-        config = from_table(cls, {**load_table(args.config or args.job), **parse_overrides(args.overrides, cls)},
-                            job=args.job)
+        config = job_config(JOBS[args.job].CONFIG, args.config or args.job, args.overrides, job=args.job)
         if under_mpi():
             check_world_size(config, RankInfo.from_env().world_size)
             if _needs_gpu(args.job) and _gpu_count() == 0:

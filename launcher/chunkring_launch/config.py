@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from chunkring.errors import ChunkringUsageError, UsageProblems
 
-__all__ = ["CheckedConfig", "check_range", "from_table", "load_table", "parse_overrides"]
+__all__ = ["CheckedConfig", "check_range", "from_table", "job_config", "load_table", "parse_overrides"]
 
 T = TypeVar("T")
 
@@ -92,6 +92,12 @@ def from_table(cls: type[T], table: Mapping[str, Any], *, job: str) -> T:
         config = cls(**checked)
     problems.raise_if_any()
     return config
+
+
+def job_config(cls: type[T], name_or_path: str, overrides: Iterable[str], *, job: str) -> T:
+    """``job``'s config: the preset or file ``name_or_path`` with ``overrides`` (``key=value``) applied, checked
+    against ``cls`` (:func:`load_table`, :func:`parse_overrides`, :func:`from_table`)."""
+    return from_table(cls, {**load_table(name_or_path), **parse_overrides(overrides, cls)}, job=job)
 
 
 def parse_overrides(items: Iterable[str], config: type | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from chunkring.errors import ChunkringError, ChunkringUsageError
 from chunkring.hostcomm import HostComm
 
 from . import exitcodes, progress
-from .config import from_table, load_table, parse_overrides
+from .config import job_config
 from .jobdir import JOB_DIR_VAR, record_failure, stack_path
 from .jobs import JOBS
 
@@ -50,8 +50,7 @@ def run_job(job: str, config_name: str, overrides: Sequence[str] = (), *, json_p
     """Run ``job`` in this process (one rank); rank 0 prints the table. Returns the exit status."""
     module = JOBS[job]
     try:
-        config = from_table(module.CONFIG, {**load_table(config_name), **parse_overrides(overrides, module.CONFIG)},
-                            job=job)
+        config = job_config(module.CONFIG, config_name, overrides, job=job)
     except ChunkringUsageError as exc:
         print("\n".join(f"chunkring-launch: bad config: {line}" for line in str(exc).splitlines()), file=sys.stderr)
         return exitcodes.USAGE

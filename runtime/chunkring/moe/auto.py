@@ -68,8 +68,7 @@ class StreamingCalibration:
                                       field="streamed_ms")
         if any(not chunks for chunks in self.streamed_ms.values()):
             raise ChunkringUsageError("needs at least one chunk size measured at each count", field="streamed_ms")
-        best = {count: min(sorted(chunks), key=lambda chunk, c=chunks: c[chunk])  # type: ignore[misc]
-                for count, chunks in self.streamed_ms.items()}
+        best = {count: min(sorted(chunks), key=chunks.__getitem__) for count, chunks in self.streamed_ms.items()}
         object.__setattr__(self, "best_chunks", best)  # frozen: set once, here
         object.__setattr__(self, "streams", all(self.streamed_ms[n][best[n]] <= (1 + self.tolerance) * batch
                                                 for n, batch in self.batch_ms.items()))

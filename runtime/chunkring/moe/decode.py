@@ -31,6 +31,7 @@ import torch
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.weights import WEIGHT_BLOCK, Fp8Weight
+from chunkring.ring.io import check_row_aligned
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelLibrary
@@ -159,8 +160,7 @@ class DecodeGemm:
                 raise ChunkringUsageError(f"expected data {list(shape)}, got {list(w.data.shape)}", field=name)
             if not w.data.is_contiguous() or not w.scale.is_contiguous():
                 raise ChunkringUsageError("data and scale must be contiguous", field=name)
-            if w.data.data_ptr() % 16:  # the kernels load 16 bytes at a time
-                raise ChunkringUsageError("data must start on a 16-byte boundary", field=name)
+            check_row_aligned(name, w.data)  # the kernels load 16 bytes at a time
         P = plan.rows.shape[0]
         if tuple(plan.rows.shape) != (P, H) or tuple(plan.rows_sf.shape) != (H // WEIGHT_BLOCK, P):
             raise ChunkringUsageError(f"expected FP8 rows [P, {H}] and scales [{H // WEIGHT_BLOCK}, P], got "

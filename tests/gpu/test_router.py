@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chunkring import ChunkedMoE, MoEConfig, MoELayer
-from chunkring.moe.producer import router_logits
+from chunkring.moe.producer import quantize_rows_fp8, route, router_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -32,6 +32,32 @@ def test_an_empty_batch_gives_no_logits(runtime):
     x = torch.empty(0, 256, dtype=torch.bfloat16, device=runtime.torch_device)
     router = torch.ones(8, 256, dtype=torch.bfloat16, device=runtime.torch_device)
     assert router_logits(x, router).shape == (0, 8)
+
+
+def test_routing_and_row_quantisation_capture_into_a_cuda_graph(runtime):
+    """route() and quantize_rows_fp8 copy nothing from the host, so a caller may capture them (serving code that
+    routes and quantises its own rows, and chunkring-launch bench, do): a replay on new rows gives the bits an
+    eager call gives. A host-to-device copy inside them failed the capture with cudaErrorStreamCaptureUnjoined."""
+    device = runtime.torch_device
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 1024, generator=gen).to(torch.bfloat16).to(device)
+    router = (torch.randn(40, 1024, generator=gen) / 32).to(torch.bfloat16).to(device)
+
+    def producers():
+        return (*route(x, router, 6), *quantize_rows_fp8(x))
+
+    producers()  # loads the router kernel's module outside the capture
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = producers()
+    x.copy_((torch.randn(300, 1024, generator=gen) * 3).to(torch.bfloat16))
+    graph.replay()
+    eager = producers()
+    torch.cuda.synchronize(device)
+    for got, want in zip(captured, eager, strict=True):
+        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                           want.view(torch.uint8) if want.element_size() == 1 else want)
 
 
 def test_forward_streamed_equals_batch_ready_bit_for_bit_at_every_size(runtime):

@@ -19,8 +19,8 @@ from chunkring.moe import HF_EXPERT_KEYS, ExpertKeys, Fp8Weight, init_weights, l
 
 PREFIX = "model.layers.3.mlp."
 FP8 = MoEConfig(num_experts=8, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=16)
-# Partial 128-blocks in both dimensions: the bf16 payload takes any multiple of 8.
-BF16 = MoEConfig(num_experts=8, hidden=200, intermediate=136, topk=2, max_tokens_per_rank=16,
+# Partial 128-blocks in each weight's one dimension: the bf16 payload's intermediate may be any multiple of 8.
+BF16 = MoEConfig(num_experts=8, hidden=256, intermediate=136, topk=2, max_tokens_per_rank=16,
                  payload=PayloadFormat.BF16)
 # Where each check must fail first: a CUDA device on a CPU-only build (or a real one on the GPU host), so
 # an error raised after an allocation would be torch's, not ours.
@@ -106,7 +106,7 @@ def shares(sd, config, world, **kwargs):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_bf16_checkpoint_bf16_payload(world):
-    config = MoEConfig(**{**BF16.__dict__, "hidden": 64, "intermediate": 48})
+    config = MoEConfig(**{**BF16.__dict__, "hidden": 128, "intermediate": 48})
     sd, w13, w2 = bf16_checkpoint(config)
     out = shares(sd, config, world)
     E = config.num_experts // world

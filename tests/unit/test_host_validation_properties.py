@@ -132,6 +132,7 @@ def test_moe_config_is_valid_or_names_a_field(values, use):
         assert type(value) is int and value >= 1, name
     assert isinstance(cfg.payload, PayloadFormat)
     assert cfg.intermediate % (128 if cfg.payload.has_scales else 8) == 0
+    assert cfg.hidden % 128 == 0  # either payload: the producers move 128-column blocks
     given_payload = kwargs.get("payload", PayloadFormat.FP8_E4M3)
     assert type(given_payload) in (int, PayloadFormat), f"payload {given_payload!r} accepted"  # not True, not 1.0
     assert (cfg.front_num_slots is None) == (cfg.front_tokens_per_slot is None)

@@ -51,8 +51,6 @@ def test_ring_specs():
     (dict(hidden=100), "hidden", "must be a multiple of 128 (the FP8 scale block"),  # in channels, not bytes
     (dict(hidden=144), "hidden", "must be a multiple of 128 (the FP8 scale block: one fp32 scale per 128 channels), "
                                  "got 144"),
-    (dict(hidden=100, payload=PayloadFormat.BF16), "hidden", "must be a multiple of 8 (rows move in 16-byte vectors "
-                                                             "of 2-byte channels), got 100"),
     (dict(hidden=1 << 17), "hidden", "65536"),
     (dict(num_experts=1 << 16), "num_experts", "32768"),
     (dict(max_tokens_per_rank=70_000), "max_tokens_per_rank", "batch-ready ring's tokens_per_slot"),
@@ -64,8 +62,15 @@ def test_ring_rules_are_config_rules(change, field, needle):
     assert info.value.field == field and needle in str(info.value), str(info.value)
 
 
-def test_bf16_rows_need_only_16_bytes():
-    MoEConfig(**{**GOOD, "hidden": 200, "payload": PayloadFormat.BF16})
+@pytest.mark.parametrize("hidden", [100, 200, 136])
+def test_a_bf16_layer_takes_whole_128_column_blocks(hidden):
+    """The ring carries a bf16 row of any multiple of 8 channels (test_ring_spec.py), but the layer's producers move
+    rows 128 columns at a time: a bf16 hidden size they cannot carry fails at the config, not in the kernels (the
+    fused producer published whole blocks only, and the router left logits unwritten below 16 columns)."""
+    with pytest.raises(ChunkringUsageError) as info:
+        MoEConfig(**{**GOOD, "hidden": hidden, "payload": PayloadFormat.BF16})
+    assert info.value.field == "hidden" and "multiple of 128 (the layer's producers" in str(info.value)
+    MoEConfig(**{**GOOD, "hidden": 256, "payload": PayloadFormat.BF16})
 
 
 def test_ring_specs_and_the_world_size():
@@ -88,7 +93,8 @@ def test_ring_specs_and_the_world_size():
        tokens=st.integers(1, 1 << 17), slots=st.one_of(st.none(), st.integers(1, 1 << 17)),
        payload=st.sampled_from(list(PayloadFormat)))
 def test_a_config_is_valid_exactly_when_its_rings_are(num_experts, hidden, topk, tokens, slots, payload):
-    """MoEConfig accepts exactly the shapes whose ring specs RingSpec itself accepts (one rank)."""
+    """MoEConfig accepts exactly the shapes whose ring specs RingSpec itself accepts (one rank) and whose rows its
+    producers can move (whole 128-column blocks)."""
     front = dict(front_num_slots=slots, front_tokens_per_slot=max(1, tokens // 8)) if slots else {}
     shared = dict(hidden=hidden, payload=payload, topk=topk, num_experts=num_experts, world_size=1)
     rings = [dict(num_slots=1, tokens_per_slot=tokens)]
@@ -97,7 +103,7 @@ def test_a_config_is_valid_exactly_when_its_rings_are(num_experts, hidden, topk,
     try:
         for ring in rings:
             RingSpec(**shared, **ring)
-        rings_ok = True
+        rings_ok = hidden % 128 == 0
     except ChunkringUsageError:
         rings_ok = False
     try:

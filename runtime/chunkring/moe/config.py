@@ -34,9 +34,10 @@ class MoEConfig:
 
     Args:
         num_experts, topk: routed experts (over all ranks) and choices per token.
-        hidden, intermediate: H and I: the experts' w13 is [2I, H], w2 is [H, I]. The FP8 payload's activations
-            carry one scale per 1x128, so its ``intermediate`` is a multiple of 128 (the bf16 payload's, of 8:
-            16-byte rows for the grouped GEMMs).
+        hidden, intermediate: H and I: the experts' w13 is [2I, H], w2 is [H, I]. ``hidden`` is a multiple of 128
+            (the producers move rows in 128-column blocks). The FP8 payload's activations carry one scale per
+            1x128, so its ``intermediate`` is a multiple of 128 (the bf16 payload's, of 8: 16-byte rows for the
+            grouped GEMMs).
         max_tokens_per_rank: the capacity of one call's batch per rank.
         payload: what travels between ranks: FP8 e4m3 with per-128 fp32 scales (the default), or bf16.
         front_num_slots, front_tokens_per_slot: the streaming ring (both or neither; neither = batch-ready only;
@@ -80,6 +81,11 @@ class MoEConfig:
             if self.intermediate % multiple:
                 problems.add(f"must be a multiple of {multiple} for the {self.payload.name} payload ({why}), got "
                              f"{self.intermediate}", field="intermediate")
+        if not problems.reported("hidden", "payload") and not self.payload.has_scales and self.hidden % FP8_SCALE_BLOCK:
+            # The layer's producers route, quantise and copy a row 128 columns at a time, whatever the payload; the
+            # ring alone takes a bf16 row of any multiple of 8 (an FP8 row's rule is the ring's own, checked below).
+            problems.add(f"must be a multiple of {FP8_SCALE_BLOCK} (the layer's producers move rows in blocks of "
+                         f"{FP8_SCALE_BLOCK} columns), got {self.hidden}", field="hidden")
         self._check_front_ring(problems)
         if self.transport is not None and self.transport not in TRANSPORT_MODES:
             problems.add(f"must be one of {TRANSPORT_MODES} or None, got {self.transport!r}", field="transport")

@@ -88,8 +88,9 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = blocks.abs().amax(dim=-1)
     # A tensor divisor, not a Python number: torch's CUDA division by a CPU scalar multiplies by its
     # reciprocal, an ulp off the quotient at times; this is an IEEE division on every device, as the fused
-    # producer's (device/kernels/moe_produce.cu).
-    scale = amax / amax.new_tensor(E4M3_MAX)
+    # producer's (device/kernels/moe_produce.cu). Filled on the device (full_like), not copied from the host:
+    # a host-to-device copy is illegal inside a CUDA graph capture, where serving code quantises too.
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     # fp32 division can land the absmax element a hair above 448 (448.00003). torch's CPU cast saturates,
     # but a non-saturating cast (cvt without .satfinite) gives NaN; the clamp keeps the result

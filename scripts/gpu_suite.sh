@@ -28,7 +28,8 @@
 # batch-ready call's steps timed alone). bisect_1rank runs the GPU tests BISECT_TESTS names (pytest arguments) on each
 # earlier tree scripts/carry_trees.sh put in .carry/trees, in its order, until one passes: the commit after that tree
 # broke them (one summary per tree, named by its commit). decode_trees runs the decode benchmark on each such tree: an
-# earlier commit's kernels against this tree's on the same card.
+# earlier commit's kernels against this tree's on the same card. eager_1rank / eager_mps run benchmarks/bench_eager.py
+# (an eager MoELayer.run's host issue, eager, pipelined and graph times against MegaMoE's; EAGER_ARGS, EAGER_LIMIT_S).
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -40,7 +41,7 @@ default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mp
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
            decode_1rank decode_trees decode_ncu decode_stalls quick_1rank call_kernels megamoe_1rank breakdown_1rank
-           bisect_1rank)
+           bisect_1rank eager_1rank eager_mps)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -261,6 +262,19 @@ megamoe_1rank() {  # MEGAMOE_ARGS / MEGAMOE_LIMIT_S override the bench's argumen
     # shellcheck disable=SC2086
     timeout "${MEGAMOE_LIMIT_S:-400}" python3 -m benchmarks.bench_vs_megamoe ${MEGAMOE_ARGS:-} \
         --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-vs-megamoe.json" 2>&1 | tee "$logs/megamoe.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+eager_1rank() {  # EAGER_ARGS / EAGER_LIMIT_S override the bench's arguments (default: flash, 1-8,192 tokens) and its
+    # time limit; the JSON is rewritten after each token count (a run the limit cuts keeps those it finished)
+    # shellcheck disable=SC2086
+    timeout "${EAGER_LIMIT_S:-400}" python3 -m benchmarks.bench_eager ${EAGER_ARGS:-} \
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-eager.json" 2>&1 | tee "$logs/eager.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+eager_mps() {  # the same at $ranks ranks sharing the GPU under MPS (MegaMoE: a one-rank instance in each rank)
+    # shellcheck disable=SC2086
+    "${mpi[@]}" -np "$ranks" --timeout "${EAGER_LIMIT_S:-400}" python3 -m benchmarks.bench_eager ${EAGER_ARGS:-} \
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-eager-${ranks}rank-mps.json" 2>&1 | tee "$logs/eager-mps.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 breakdown_1rank() {  # BREAKDOWN_ARGS override the bench's arguments (default: flash at 8, 1,024 and 8,192 tokens)

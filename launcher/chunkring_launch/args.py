@@ -22,6 +22,8 @@ __all__ = ["DESCRIPTION", "EPILOG", "job_keys_help", "parse_args", "under_mpi"]
 
 #: --timeout when not given (seconds).
 DEFAULT_TIMEOUT_S = 600
+#: The job of a command line that names none (scripts/main.sh's, README's "main job").
+DEFAULT_JOB = "run"
 #: Options of the launch itself (mpirun, MPS, the deadline): inside an MPI job there is none to shape.
 LAUNCH_OPTIONS = ("--np", "--mps", "--hostfile", "--host", "--npernode", "--ifname", "--timeout", "--dry-run")
 
@@ -37,7 +39,8 @@ EPILOG = """\
     chunkring-launch doctor                           # check GPUs, driver, packages, compiler, MPI, MPS
 
 Jobs: bringup (NVSHMEM signals/atomics check), run (the MoE layer, batch-ready and streamed, checked and
-timed), stress (many randomised calls, each checked; optional delays and chaos), doctor (this machine).
+timed; the job of a command line that names none), stress (many randomised calls, each checked; optional
+delays and chaos), doctor (this machine).
 `chunkring-launch JOB --help` lists the job's keys with their preset values; docs/LAUNCHER.md explains them.
 Inside an existing MPI job (``mpirun ... chunkring-launch JOB``) it runs the job directly in each rank;
 the launch options (--np, --mps, --hostfile, --host, --npernode, --ifname, --timeout, --dry-run) are refused
@@ -47,10 +50,12 @@ A failing rank's diagnostic is printed once (the first rank to fail; the others'
 directory the launcher names). Ctrl-C (or SIGTERM) is forwarded to every rank, SIGHUP (the terminal
 closed) and SIGQUIT as SIGTERM; after a grace period what is left is killed; a --mps daemon is always
 stopped. Exit status: 0 passed, 1 a rank failed (its diagnostic printed), 2 bad usage, config or setup
-(no mpirun, no MPS daemon; reported once, before any rank starts), 3 no GPU, 4 the job ran past --timeout,
-5 a rank died without reporting (killed by a signal, e.g. SIGKILL, or exited on its own), 130 interrupted
-by SIGINT (143 by SIGTERM, 129 SIGHUP, 131 SIGQUIT). doctor: 0 every
-check passed or was skipped, 3 no GPU visible (every other check still runs), 1 another check failed.
+(no mpirun, no MPS daemon, no --hostfile; reported once, before any rank starts), 3 no GPU, 4 the job ran
+past --timeout, 5 a rank died without reporting (killed by a signal, e.g. SIGKILL, or exited on its own), 130
+interrupted by SIGINT (143 by SIGTERM, 129 SIGHUP, 131 SIGQUIT). --dry-run makes a launch's checks and exits
+with its status (3 without a GPU, after showing the command when --np gives the rank count). doctor: 0 every
+check passed or was skipped, 3 no GPU visible and nothing else failed (every other check still runs), 1
+another check failed.
 """
 
 
@@ -59,7 +64,10 @@ def _parser(*, add_help: bool = True, job_help: str = "") -> argparse.ArgumentPa
     parser = _ArgumentParser(prog="chunkring-launch", description=DESCRIPTION, add_help=add_help,
                              formatter_class=argparse.RawDescriptionHelpFormatter,
                              epilog=f"{job_help}\n\n{EPILOG}" if job_help else EPILOG)
-    parser.add_argument("job", choices=sorted(JOBS) + ["doctor"], help="what to run ('doctor' checks this machine)")
+    # Optional (the main job, `run`, when none is named); its choices are checked in parse_args, where a first
+    # key=value (`chunkring-launch topk=8`) is taken as run's override instead.
+    parser.add_argument("job", nargs="?", default=None, metavar="{" + ",".join(_job_names()) + "}",
+                        help=f"what to run (default: {DEFAULT_JOB}; 'doctor' checks this machine)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="override keys of the job's config (TOML values; a str key takes the text as written; "
                              "checked before any rank starts)")
@@ -83,7 +91,9 @@ def _parser(*, add_help: bool = True, job_help: str = "") -> argparse.ArgumentPa
                         help="write rank 0's results to this JSON file (its folder must exist and be writable)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is drawn only when stderr is a terminal)")
-    parser.add_argument("--dry-run", action="store_true", help="print the mpirun command and environment, run nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the mpirun command and environment, run nothing (a launch's checks and exit "
+                             "status)")
     return parser
 
 
@@ -107,17 +117,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if "-h" in argv or "--help" in argv:
         try:  # `chunkring-launch stress --help`: that job's keys too
             known, _ = _parser(add_help=False).parse_known_intermixed_args(argv)
-            job_help = job_keys_help(known.job, known.config)
+            if known.job in _job_names():  # a job named (the general help alone otherwise)
+                job_help = job_keys_help(known.job, known.config)
         except _NoJob:
             pass
     parser = _parser(job_help=job_help)
     args = parser.parse_intermixed_args(argv)  # key=value may come before or after the options
+    if args.job is None or "=" in args.job:  # no job named: the main job, a first key=value its override
+        args.overrides[:0] = [args.job] if args.job else []
+        args.job = DEFAULT_JOB
+    if args.job not in _job_names():
+        parser.error(f"argument job: invalid choice: {args.job!r} (choose from {', '.join(_job_names())})")
     problems = [problem for problem in _option_problems(args) if problem]
     if problems:
         parser.error("; ".join(problems))
     if args.timeout is None:
         args.timeout = DEFAULT_TIMEOUT_S
     return args
+
+
+def _job_names() -> list[str]:
+    return sorted(JOBS) + ["doctor"]
 
 
 def under_mpi() -> bool:
@@ -134,6 +154,8 @@ def _option_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--timeout must be positive, got {args.timeout}")
     if args.hostfile and args.host:
         problems.append("give --hostfile or --host, not both")
+    if args.hostfile and not under_mpi() and not Path(args.hostfile).is_file():  # else mpirun fails, less clearly
+        problems.append(f"--hostfile {args.hostfile}: no such file")
     if args.npernode is not None and not (args.hostfile or args.host):
         problems.append("--npernode places ranks on the nodes of --hostfile or --host; give one")
     if args.npernode is not None and not 1 <= args.npernode <= 64:

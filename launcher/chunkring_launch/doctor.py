@@ -1,8 +1,9 @@
 """``chunkring-launch doctor``: check this machine for what chunkring needs, one line per check.
 
 Each line says PASS, FAIL (with what to do) or SKIP (not applicable here). Exit status (the launcher's
-codes): 0 when nothing failed, 3 when no GPU is visible (every other check still runs and prints), 1
-when another check failed. Runs in one process, without MPI or NVSHMEM initialisation.
+codes): 0 when nothing failed, 3 when no GPU is visible and nothing else failed (every other check still runs
+and prints), 1 when another check failed (the last line then also says when no GPU is visible). Runs in one
+process, without MPI or NVSHMEM initialisation.
 """
 
 from __future__ import annotations
@@ -215,11 +216,17 @@ def run_doctor(print_fn: Callable[[str], object] = print) -> int:
 
 
 def summarize(checks: list[Check], print_fn: Callable[[str], object] = print) -> int:
-    """Print the summary line; the exit status: 3 (no GPU) when no GPU is visible, else 1 if any check
-    failed, else 0."""
-    failed = [c.name for c in checks if c.status == "FAIL"]
-    print_fn(f"chunkring doctor: {len(checks) - len(failed)} of {len(checks)} checks passed or skipped"
-             + (f"; failed: {', '.join(failed)}" if failed else ""))
-    if any(c.name == "GPUs" and c.status == "FAIL" and c.detail == NO_GPU_DETAIL for c in checks):
-        return exitcodes.NO_GPU
-    return exitcodes.FAILED if failed else exitcodes.PASSED
+    """Print the summary line; the exit status: 3 (no GPU) when the missing GPU is the only failure, else 1 if
+    any check failed (the line then says when no GPU is visible either), else 0."""
+    failed = [c for c in checks if c.status == "FAIL"]
+    no_gpu = [c for c in failed if c.name == "GPUs" and c.detail == NO_GPU_DETAIL]
+    others = [c.name for c in failed if c not in no_gpu]
+    line = f"chunkring doctor: {len(checks) - len(failed)} of {len(checks)} checks passed or skipped"
+    if others:
+        line += f"; failed: {', '.join(others)}" + ("; and no GPU is visible either" if no_gpu else "")
+    elif no_gpu:
+        line += "; failed: GPUs (no GPU visible)"
+    print_fn(line)
+    if others:
+        return exitcodes.FAILED
+    return exitcodes.NO_GPU if no_gpu else exitcodes.PASSED

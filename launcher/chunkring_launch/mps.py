@@ -22,14 +22,16 @@ def private_mps(environ: dict[str, str], *, dry_run: bool) -> Iterator[None]:
     """Run an MPS control daemon in private directories for the job's lifetime (no GPU setting changes).
     It serves this node's ranks; on other nodes of a multi-node job start one there the same way.
     The daemon is told to quit however the job ends (the launcher catches SIGINT, SIGTERM, SIGHUP and SIGQUIT
-    meanwhile), and its directories are removed, but for the log of a daemon that failed (named on stderr)."""
+    meanwhile), and its directories are removed, but for the log of a daemon that failed (named on stderr).
+    A dry run refuses the same (no control command: ``ChunkringUsageError``) and starts nothing."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        raise ChunkringUsageError("needs nvidia-cuda-mps-control on PATH (part of the NVIDIA driver)",
+                                  field="--mps")
     if dry_run:
         environ.update(CUDA_MPS_PIPE_DIRECTORY="<private temp dir>", CUDA_MPS_LOG_DIRECTORY="<private temp dir>")
         yield
         return
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        raise ChunkringUsageError("--mps needs nvidia-cuda-mps-control on PATH", field="--mps")
     pipe, logs = tempfile.mkdtemp(prefix="chunkring-mps-pipe-"), tempfile.mkdtemp(prefix="chunkring-mps-log-")
     environ.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=logs)
     try:

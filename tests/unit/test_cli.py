@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.helpers.devices import HAVE_GPU
+from tests.helpers.launch_machine import stand_in_machine
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="checks the no-GPU path")
@@ -61,9 +62,10 @@ def test_a_layer_the_ring_cannot_carry_is_a_config_error(argv, needle, capsys):
     assert out == "" and "Traceback" not in err
 
 
-def test_the_dry_run_of_a_fitting_rank_count_passes(capsys):
+def test_the_dry_run_of_a_fitting_rank_count_passes(tmp_path, monkeypatch, capsys):
     from chunkring_launch import cli
 
+    stand_in_machine(monkeypatch, tmp_path, gpus=1)
     assert cli.main(["--np", "4", "--dry-run", "run"]) == 0
     assert "mpirun -np 4" in capsys.readouterr().out
 
@@ -72,8 +74,9 @@ def test_the_dry_run_of_a_fitting_rank_count_passes(capsys):
 def test_doctor_without_a_gpu_is_status_3(monkeypatch, capsys):
     from chunkring_launch import cli, doctor
 
-    # The kernel build is checked elsewhere (test_launcher); here only the status matters.
+    # The kernel build and MPI are checked elsewhere (test_launcher); here only the status matters.
     monkeypatch.setattr(doctor, "check_compiler", lambda: doctor.Check("kernel build (NVRTC)", "PASS", "skipped here"))
+    monkeypatch.setattr(doctor, "check_mpi", lambda: [doctor.Check("mpirun", "PASS", "skipped here")])
     assert cli.main(["doctor"]) == 3
     lines = capsys.readouterr().out.strip().splitlines()
     assert "[FAIL] GPUs: no CUDA GPU visible (torch.cuda.device_count() == 0)" in lines
@@ -89,8 +92,23 @@ def test_doctor_status_follows_the_checks():
     assert summarize([ok, skip], quiet) == 0
     assert summarize([bad, skip], quiet) == 1
     assert summarize([ok, no_gpu], quiet) == 3
-    assert summarize([bad, no_gpu], quiet) == 3  # no GPU decides; every failure is still printed
     assert summarize([Check("GPUs", "FAIL", "torch is not importable")], quiet) == 1
+
+
+def test_doctor_is_status_1_when_more_than_the_gpu_failed():
+    """Status 3 says "only the GPU is missing" (issue 45: 3 with 8 other checks failed); the last line names the
+    other failures and the missing GPU."""
+    from chunkring_launch.doctor import NO_GPU_DETAIL, Check, summarize
+
+    lines: list[str] = []
+    checks = [Check("mpirun", "FAIL", "missing"), Check("package cuda-core", "FAIL", "not installed"),
+              Check("GPUs", "FAIL", NO_GPU_DETAIL), Check("MPS", "SKIP", "not found")]
+    assert summarize(checks, lines.append) == 1
+    assert lines == ["chunkring doctor: 1 of 4 checks passed or skipped; failed: mpirun, package cuda-core; "
+                     "and no GPU is visible either"]
+    lines.clear()
+    assert summarize(checks[2:], lines.append) == 3
+    assert lines == ["chunkring doctor: 1 of 2 checks passed or skipped; failed: GPUs (no GPU visible)"]
 
 
 def test_doctor_takes_no_keys(capsys):
@@ -144,13 +162,21 @@ def test_help_without_a_job_and_the_doctors_help(capsys):
     assert "The doctor job takes no keys." in _help(["doctor", "--help"], capsys)
 
 
-def test_help_dry_run_and_config_errors_import_no_torch():
+def test_help_dry_run_and_config_errors_import_no_torch(tmp_path):
     """`chunkring-launch --help`, `JOB --help`, `--dry-run` and a config error answer without importing torch,
     CUDA, NVSHMEM or MPI (each costs seconds): what makes them answer in well under a second."""
     from tests.helpers.imports import heavy_modules_after
+    from tests.helpers.launch_machine import TOOLS
 
-    code = ("import contextlib, io\n"
+    bin_dir = tmp_path / "bin"  # a dry run looks these up, as a launch does
+    bin_dir.mkdir()
+    for tool in TOOLS:
+        (bin_dir / tool).write_text("#!/bin/sh\nexit 99\n")
+        (bin_dir / tool).chmod(0o755)
+    code = ("import contextlib, io, os\n"
             "from chunkring_launch import cli\n"
+            f"os.environ['PATH'] = {str(bin_dir)!r}\n"
+            "cli.driver_gpu_count = lambda: 4  # a dry run counts GPUs from the driver's files, not torch\n"
             "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
             "    for argv in (['--help'], ['run', '--help'], ['stress', '--help']):\n"
             "        try:\n"
@@ -186,19 +212,21 @@ def test_a_config_file_that_is_not_utf8_is_status_2(tmp_path):
     assert proc.stderr.startswith(f"chunkring-launch: config: cannot read {path}") and "Traceback" not in proc.stderr
 
 
-def test_the_jobs_examples_of_the_docs_pass_as_dry_runs():
+def test_the_jobs_examples_of_the_docs_pass_as_dry_runs(tmp_path, monkeypatch, capsys):
     """Each example of docs/LAUNCHER.md's jobs table, split as the shell would (quotes stripped)."""
     import re
     import shlex
     from pathlib import Path
 
+    from chunkring_launch import cli
+
     doc = (Path(__file__).resolve().parents[2] / "docs" / "LAUNCHER.md").read_text()
     examples = re.findall(r"^\| `\w+` \|.*\| `chunkring-launch (.+)` \|$", doc, re.MULTILINE)
     assert len(examples) == 5, examples
+    stand_in_machine(monkeypatch, tmp_path, gpus=1)
     for example in examples:
         if example != "doctor":
-            proc = run_cli("--dry-run", *shlex.split(example))
-            assert proc.returncode == 0, (example, proc.stderr)
+            assert cli.main(["--dry-run", *shlex.split(example)]) == 0, (example, capsys.readouterr().err)
 
 
 def test_a_json_path_that_cannot_be_written_is_refused_before_the_job(tmp_path, monkeypatch, capsys):
@@ -206,6 +234,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_job(tmp_path, 
 
     from chunkring_launch import cli
 
+    stand_in_machine(monkeypatch, tmp_path / "machine", gpus=1)
     locked, real_access = tmp_path / "locked", os.access
     locked.mkdir()
     # As root every folder is writable, so stand in for a folder of someone else's.

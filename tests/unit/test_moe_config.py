@@ -151,3 +151,23 @@ def test_a_world_size_check_lists_both_rings():
         cfg.check_world_size(65)
     assert info.value.problems == (
         ("world_size", "must be in [1, 64], got 65 (a consumer's source mask holds 64 ranks)"),)
+
+
+def test_an_unknown_key_is_a_usage_error_naming_it():
+    """Issue 45: MoEConfig(nosuch=1) raised a bare TypeError from the generated __init__."""
+    with pytest.raises(ChunkringUsageError) as info:
+        MoEConfig(**GOOD, nosuch=1, colour="red")
+    assert info.value.field == "colour"
+    lines = str(info.value).splitlines()
+    assert lines[:2] == ["colour: not a key of MoEConfig", "nosuch: not a key of MoEConfig"]
+    assert lines[2].startswith("MoEConfig's keys: num_experts, hidden, intermediate, topk, max_tokens_per_rank")
+
+
+def test_copies_and_replacements_still_build():
+    import copy
+    import dataclasses
+    import pickle
+
+    cfg = MoEConfig(**GOOD).with_default_ring()
+    assert copy.deepcopy(cfg) == cfg == pickle.loads(pickle.dumps(cfg))
+    assert dataclasses.replace(cfg, topk=2).topk == 2 and MoEConfig(16, 256, 128, 4, 64) == MoEConfig(**GOOD)

@@ -9,7 +9,8 @@ the layer. :meth:`MoEConfig.check_world_size` adds the rules that depend on the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Self
 
 from chunkring.errors import ChunkringUsageError, Problem, UsageProblems
 from chunkring.ring.layout import RingLayout
@@ -64,6 +65,18 @@ class MoEConfig:
     front_tokens_per_slot: int | None = None
     transport: str | None = None
     waves: int = 1
+
+    def __new__(cls, *args: object, **kwargs: object) -> Self:
+        # An unknown key is a usage error naming it, raised before the generated __init__ refuses it with a bare
+        # TypeError (copy, pickle and dataclasses.replace pass known keys or none).
+        keys = [f.name for f in fields(cls)]
+        problems = UsageProblems()
+        for key in sorted(set(kwargs) - set(keys)):
+            problems.add("not a key of MoEConfig", field=key)
+        if problems:
+            problems.add(f"MoEConfig's keys: {', '.join(keys)}")
+        problems.raise_if_any()
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         # Every bad field at once (UsageProblems), each with its value and what it must be; .field is the first.

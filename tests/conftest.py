@@ -1,6 +1,6 @@
 """Shared test plumbing: GPU skipping, the per-process runtime, the transport property, the MPI abort-on-failure
-hook, the SPIN checks started in the background (tests/model/spin_driver.py) and the terminal summary's last
-words. Fixtures and hooks only: what test modules import lives in tests/helpers/."""
+hook, pytest-mpi's banner as one line, the SPIN checks started in the background (tests/model/spin_driver.py) and
+the terminal summary's last words. Fixtures and hooks only: what test modules import lives in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -28,10 +28,39 @@ def pytest_addoption(parser):
                           "rma: NVSHMEM gets/puts for every peer, self included)")
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-mpi's own pytest_configure has registered its plugin
 def pytest_configure(config):
     transport = config.getoption("--transport")
     if transport is not None:
         os.environ["CHUNKRING_TRANSPORT"] = transport  # read by every Ring built afterwards
+    _one_line_mpi_banner(config)
+
+
+def _one_line_mpi_banner(config) -> None:
+    """pytest-mpi's end-of-run "MPI Information" section prints mpi4py 4's ``rc`` and ``get_config()`` as empty
+    fields and the library version with its C terminator (a raw NUL): replace it by one line saying the same, the
+    plugin's markers and options kept."""
+    try:
+        from pytest_mpi import WITH_MPI_ARG, MPIPlugin
+    except ImportError:  # no pytest-mpi: no --with-mpi either
+        return
+
+    class OneLineBanner(MPIPlugin):
+        def pytest_terminal_summary(self, terminalreporter, exitstatus, *args):
+            if not terminalreporter.config.getoption(WITH_MPI_ARG):
+                return
+            import mpi4py
+            from mpi4py import MPI
+
+            vendor, version = MPI.get_vendor()
+            standard = ".".join(map(str, MPI.Get_version()))
+            terminalreporter.write_line(f"MPI: rank {MPI.COMM_WORLD.rank} of {MPI.COMM_WORLD.size}, {vendor} "
+                                        f"{'.'.join(map(str, version))} (MPI {standard}, mpi4py {mpi4py.__version__})")
+
+    for plugin in config.pluginmanager.get_plugins():
+        if type(plugin) is MPIPlugin:
+            config.pluginmanager.unregister(plugin)
+            config.pluginmanager.register(OneLineBanner())
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -67,17 +96,9 @@ def pytest_sessionfinish(session):
     BACKGROUND.stop()
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter):
-    """Summaries without NUL bytes: pytest-mpi's "MPI library version" line prints MPI_Get_library_version's
-    string as MPI returns it, its C terminator included, which shows as a raw NUL in logs and terminals. Then
-    the SPIN searches' times."""
-    write = terminalreporter.write
-    terminalreporter.write = lambda content, **markup: write(content.replace("\x00", ""), **markup)
-    try:
-        yield
-    finally:
-        del terminalreporter.write  # the instance attribute: the class's method again
+    """The SPIN searches' times, last."""
     _spin_summary(terminalreporter)
 
 

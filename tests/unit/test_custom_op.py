@@ -47,6 +47,12 @@ H, INTER, E, K = 256, 128, 4, 2
 UNKNOWN = 2**62  # no layer ever gets this handle: they count up from 1
 
 
+# torch notes that force_disable_caches (fresh_dynamo, below) turns off its profile-guided recompiles, once per
+# compile after a reset; torch's own TODO makes it a log line, not a warning (torch/_dynamo/pgo.py).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:dynamo_pgo force disabled by torch.compiler.config.force_disable_caches:UserWarning")
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Each test compiles afresh: no Dynamo cache, and no compiled artifact from an earlier run (a cached

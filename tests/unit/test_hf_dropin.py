@@ -61,6 +61,7 @@ def localise(idx: torch.Tensor, first: int, count: int) -> torch.Tensor:
     return torch.where(mine, idx - first, torch.full_like(idx, -1))
 
 
+@torch.no_grad()  # reference math: the blocks' parameters require grad, which no comparison needs
 def chunkring_math(bf16_block, fp32_block, x: torch.Tensor, config: MoEConfig, world: int) -> torch.Tensor:
     """fp32 [n, H]: what the drop-in computes for ``x`` [n, H] fp32, its experts split over ``world``
     ranks (each rank's share loaded from the bf16 model's block), plus the shared experts."""

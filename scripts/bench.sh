@@ -2,7 +2,8 @@
 # Issue 8's benchmark matrix on the local GPU(s): `chunkring-launch bench` at both realistic shapes, FP8
 # and bf16 payloads, with and without an SM partition, one rank and several under MPS; the input-check
 # cost; one timeline (Chrome trace JSON, plotted to PNG where matplotlib is installed).
-#   CHUNKRING_COMMIT=<sha> CHUNKRING_TREE_MODIFIED=<0|1> scripts/bench.sh [RANKS]
+#   CHUNKRING_COMMIT=<sha> CHUNKRING_TREE_MODIFIED=<0|1> [BENCH_KEYS='tokens=128 ...'] scripts/bench.sh [RANKS]
+# BENCH_KEYS: keys every chunkring-launch bench run takes last (the gpu_suite `commands` part's small preset).
 # Results: $BENCH_RESULTS (default benchmarks/results); in a checkout the commit and whether the tree differs from
 # it come from git. Every figure is a CUDA-graph replay median (chunkring.testing.bench_moe);
 # scripts/results_index.py lists the result files in benchmarks/results/README.md.
@@ -24,10 +25,11 @@ if ! python3 -c "import chunkring.testing.bench_moe" 2>/dev/null; then  # an ins
     exit 2
 fi
 status=0
-bench() {  # name launcher-args...
+bench() {  # name launcher-args...: BENCH_KEYS (key=value words) follow and so win, e.g. a small preset for a quick run
     local name=$1; shift
-    echo "== bench $name: chunkring-launch $*"
-    chunkring-launch "$@" --json "$prefix-bench-$name.json" || status=1
+    echo "== bench $name: chunkring-launch $* ${BENCH_KEYS:-}"
+    # shellcheck disable=SC2086  # BENCH_KEYS: several words
+    chunkring-launch "$@" ${BENCH_KEYS:-} --json "$prefix-bench-$name.json" || status=1
 }
 # The handshake-vs-chunk-size sweep and the decode-to-prefill range, DeepSeek-V4-Flash-like, FP8, with the
 # timeline of 2,048 tokens in 256-token chunks.

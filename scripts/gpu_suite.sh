@@ -30,6 +30,10 @@
 # broke them (one summary per tree, named by its commit). decode_trees runs the decode benchmark on each such tree: an
 # earlier commit's kernels against this tree's on the same card. eager_1rank / eager_mps run benchmarks/bench_eager.py
 # (an eager MoELayer.run's host issue, eager, pipelined and graph times against MegaMoE's; EAGER_ARGS, EAGER_LIMIT_S).
+# commands runs every command README.md and docs/LAUNCHER.md show (tests/helpers/doc_commands.py lists them) at a
+# small preset, at 1 rank and at 4 ranks under the launcher's own MPS daemon, each ending with the status the docs
+# give it: one record; commands_1rank / commands_4rank split it over two device calls (records commands-1rank and
+# commands-4rank-mps). Run it whenever device, runtime or launcher code changes.
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -41,7 +45,7 @@ default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mp
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
            decode_1rank decode_trees decode_ncu decode_stalls quick_1rank call_kernels megamoe_1rank breakdown_1rank
-           bisect_1rank eager_1rank eager_mps)
+           bisect_1rank eager_1rank eager_mps commands commands_1rank commands_4rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -357,6 +361,15 @@ lifetime_mps() {  # LIFETIME_CYCLES create/call/destroy cycles at 2 ranks; the r
         -o faulthandler_timeout=400 --lifetime-cycles "${LIFETIME_CYCLES:-1000}" \
         --lifetime-seconds "${LIFETIME_SECONDS:-300}" || status=1
 }
+commands_part() {  # name ranks [pytest -k expression]: tests/commands (each documented command), one record. Not
+    # named *_mps: the commands start their own MPS daemon (--mps), and none may be running then.
+    local name=$1 n=$2 select=${3:-}
+    run_suite "$name" "$n" python3 -m pytest tests/commands -v -rs --timeout 1000 ${select:+-k "$select"} \
+        --junitxml="$logs/$name.xml" || status=1
+}
+commands() { commands_part commands 4; }
+commands_1rank() { commands_part commands-1rank 1 "not 4rank"; }  # and those run once (doctor, bench.sh)
+commands_4rank() { commands_part commands-4rank-mps 4 "4rank"; }
 # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
 mps_daemon=0
 mps_up() {

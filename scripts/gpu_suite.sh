@@ -21,7 +21,8 @@
 # DECODE_ARGS, default flash at 1-128 tokens); decode_ncu records the decode kernels' achieved DRAM bandwidth with
 # Nsight Compute, then decode_stalls where one L1 and one L2 launch at 8 tokens stall, after a one-kernel probe that
 # ncu can profile here (producer_ncu likewise). smoke_1rank runs the newest device paths' tests first and stops at the
-# first failure: a short first call of a session. quick_1rank runs the GPU tests but the input fuzzer. call_kernels
+# first failure: a short first call of a session; smoke_mps runs them at $ranks ranks under MPS. quick_1rank runs the
+# GPU tests but the input fuzzer. call_kernels
 # lists every kernel of a small layer call's graph replay, as the GPU ran it (benchmarks/probe_call_kernels.py: where
 # a decode-sized call's time goes). megamoe_1rank runs benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and
 # the torch peer, graph with graph; MEGAMOE_ARGS); breakdown_1rank benchmarks/bench_consumer_breakdown.py (a
@@ -44,7 +45,7 @@ ranks=${2:-4}
 default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mps bench_mps jobs_mps launcher)
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
-           decode_1rank decode_trees decode_ncu decode_stalls quick_1rank call_kernels megamoe_1rank breakdown_1rank
+           decode_1rank decode_trees decode_ncu decode_stalls quick_1rank smoke_mps call_kernels megamoe_1rank breakdown_1rank
            bisect_1rank eager_1rank eager_mps commands commands_1rank commands_4rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
@@ -101,12 +102,13 @@ gpu_1rank() {  # the CPU suite (kernel compilation included) is CI's job; the GP
     run_suite gpu-1rank 1 python3 -m pytest tests/gpu tests/mpi --ignore=tests/mpi/test_launcher_mpi.py -v -rs \
         --durations=8 "${limits[@]}" --junitxml="$logs/gpu-1rank.xml" || status=1
 }
-smoke_1rank() {  # the layer's newest device paths first, stopping at the first failure (a few minutes): the MoE
-    # descriptors (plan, pull into blocks, waves), the failure word, the decode kernels, the reduction over the
-    # routed choices - before the whole suite
-    run_suite smoke-1rank 1 python3 -m pytest tests/gpu/test_moe_experts.py tests/gpu/test_wave_claim.py \
-        tests/gpu/test_moe_blocks.py tests/gpu/test_fail_closed.py tests/gpu/test_moe_decode.py \
-        tests/gpu/test_moe_reduce.py -x -v -rs \
+# The layer's newest device paths: the MoE descriptors (plan, pull into blocks, waves), failing closed (the failure
+# word, a failed call's zeros, the abort), the decode kernels, the reduction, routing captured into a graph.
+smoke_tests=(tests/gpu/test_moe_experts.py tests/gpu/test_wave_claim.py tests/gpu/test_moe_blocks.py
+             tests/gpu/test_fail_closed.py tests/gpu/test_abort.py tests/gpu/test_moe_decode.py
+             tests/gpu/test_moe_reduce.py tests/gpu/test_router.py)
+smoke_1rank() {  # the newest device paths first, stopping at the first failure (a few minutes), before the whole suite
+    run_suite smoke-1rank 1 python3 -m pytest "${smoke_tests[@]}" -x -v -rs \
         --durations=8 "${limits[@]}" --junitxml="$logs/smoke-1rank.xml" || status=1
 }
 unpack_tree() {  # tree: that carried tree (scripts/carry_trees.sh), unpacked afresh under /tmp/trees
@@ -194,6 +196,9 @@ serving_1rank() {
 }
 serving_mps() {  # at $ranks (moe_2rank_mps runs the drop-in at 2)
     mpi_pytest "serving-${ranks}rank-mps" "$ranks" 400 "${serving_tests[*]}" -q -rs "${limits[*]}" || status=1
+}
+smoke_mps() {  # the same at $ranks ranks under MPS (a failed call's zeros and the abort need peers)
+    mpi_pytest "smoke-${ranks}rank-mps" "$ranks" 400 "${smoke_tests[*]}" -x -q -rs "${limits[*]}" || status=1
 }
 stress_mps() { mpi_pytest "stress-${ranks}rank-mps" "$ranks" 400 tests/stress -q -rA "${limits[*]}" || status=1; }
 bench() {  # ranks name script args...: one benchmark under mpirun, its JSON named <commit>-<name>.json

@@ -326,7 +326,12 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
 // rows for this rank landed), and - on this rank's own streams - after its own held acks, which follow its L2, so
 // every row read here is complete. Eight values per thread and step (one 16-byte load per k) where hidden % 8 == 0
 // and the buffers are 16-byte aligned (a caller's `out` may be a view at any element offset), else one.
-extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, const int* routing, const float* weights,
+// desc (nullable: a reduction outside a ring's call, tests and benchmarks): the call's ring. Where this rank recorded
+// an error in it - the drain gave up (a watchdog, a peer's abort) or an earlier kernel of the call did - some
+// combine rows may be another call's, so `out` is zeros instead: a failed call never returns stale rows
+// (docs/INTEGRATION.md, "Failing closed"). The record was made by a kernel ahead of this one in stream order.
+extern "C" __global__ void moe_combine_reduce(CHUNKRING_NULLABLE const RingDesc* desc, const __nv_bfloat16* combine,
+                                              const int* routing, const float* weights,
                                               CHUNKRING_NULLABLE const int* own_row,
                                               CHUNKRING_NULLABLE const __nv_bfloat16* own_out, __nv_bfloat16* out,
                                               long long tokens, int topk, long long hidden) {
@@ -335,6 +340,12 @@ extern "C" __global__ void moe_combine_reduce(const __nv_bfloat16* combine, cons
     const u64 n = static_cast<u64>(tokens), K = static_cast<u64>(topk), H = static_cast<u64>(hidden);
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
     const u64 first = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    // NOTES: relaxed - the record's store is ordered before this launch by the kernel boundary.
+    if (kMutant != Mutant::kReduceAfterError && desc != nullptr &&
+        (!chunkring::protocol::check_descriptor(*desc) || chunkring::protocol::has_error(*desc))) {
+        for (u64 i = first; i < n * H; i += stride) out[i] = __float2bfloat16_rn(0.0f);
+        return;
+    }
     // The plan row of choice i if it is one of this rank's own (left in own_out by the push), else -1.
     auto own_at = [&](u64 i) { return own_row != nullptr ? own_row[i] : -1; };
     using ::cuda::std::uintptr_t;

@@ -16,7 +16,10 @@ What every other rank must see (the kill of a rank ends the job instead: test_fa
   origin within the configured limit, with nothing zeroed or freed; a device error (a kernel of the origin failing
   while the reset or destroy is called) is waited for: no error, nothing zeroed or freed under it.
 
-Then every rank rejoins and recovers: ``reset()`` restores the exact output (bit for bit the output of a clean
+The failing call's own output, on every rank that made it, is the clean output bit for bit (its call completed) or
+zeros (its kernels gave up) - never rows an earlier call left, which the cell would see: it fills the combine buffer
+with NaN before the call. The reset and destroy cells go through the layer (``MoELayer.reset`` / ``destroy`` with a
+bound). Then every rank rejoins and recovers: ``reset()`` restores the exact output (bit for bit the output of a clean
 layer), or the destroy completes and the NVSHMEM heap is back where it was before the layer. Every rank records
 what it saw as plain data; the assertions run on everyone's record after the allgather, so the ranks' collectives
 stay in step whatever a cell finds. scripts/gpu_suite.sh runs it in its ``faults_mps`` part."""
@@ -116,14 +119,14 @@ def test_fault_cell(runtime, clean, monkeypatch, fault, phase, record_testsuite_
 def run_cell(runtime, cell, fault, phase, origin, expected, heap_before, monkeypatch):
     """The cell's sequence on this rank, the same collectives on every rank whatever happens; what it saw."""
     me = runtime.rank == origin
-    seen = {"rank": runtime.rank, "error": None, "recovered": None, "setup": None}
+    seen = {"rank": runtime.rank, "error": None, "recovered": None, "setup": None, "output": None}
     seen["setup"] = attempt(lambda: prepare(cell, phase))
     runtime.host_barrier(timeout_s=60, what="the cell's start")
     seen["started"] = time.time()
     with monkeypatch.context() as patch:
         # A first call's warm-up barrier waits this long (not 15 minutes) for a rank that never comes.
         patch.setattr(schedule, "FIRST_CALL_BARRIER_S", LIMIT_S)
-        seen["error"] = attempt(lambda: strike(cell, fault, phase, me))
+        seen["error"] = attempt(lambda: strike(cell, fault, phase, me, expected, seen))
     if me and fault == "hang":
         time.sleep(HANG_S)
     seen["rejoin"] = attempt(lambda: rejoin(runtime))
@@ -142,9 +145,10 @@ def prepare(cell, phase):
         cell.layer.check()
 
 
-def strike(cell, fault, phase, me):
-    """The phase's action on every rank, the fault on the origin. Raises what this rank sees."""
-    layer, rings = cell.layer, list(cell.layer.rings.values())
+def strike(cell, fault, phase, me, expected, seen):
+    """The phase's action on every rank, the fault on the origin. Raises what this rank sees; the output of a call
+    it made goes into ``seen["output"]`` (:func:`output_kind`), read before the error is."""
+    layer = cell.layer
     if fault == "device" and me:
         layer.set_timeout(1e-6)
     if phase in CALL_PHASES:
@@ -152,23 +156,38 @@ def strike(cell, fault, phase, me):
             return
         if fault == "device" and not me:
             torch.cuda._sleep(DELAY_CYCLES)
+        # What no call writes: a row of this buffer that a failed call's output took would show.
+        layer.resources.combine.fill_(float("nan"))
         if me and fault == "usage":
             cell.enqueue(bad=True)
-        elif phase == "graph_replay":
+        out = cell.graph_out if phase == "graph_replay" else None
+        if phase == "graph_replay":
             cell.graph.replay()
         else:
-            cell.enqueue()
+            out = cell.enqueue()
         torch.cuda.synchronize()
+        seen["output"] = output_kind(out, expected)
         layer.check()
         return
     if fault == "device" and me:
         cell.enqueue()  # a kernel that fails on the device while the reset or destroy waits for it
     if me and fault == "hang":
         return
-    act = (lambda ring, limit: ring.reset(timeout_s=limit)) if phase == "reset" else (
-        lambda ring, limit: ring.destroy(timeout_s=limit))
-    for ring in rings:
-        act(ring, -1.0 if me and fault == "usage" else LIMIT_S)
+    limit = -1.0 if me and fault == "usage" else LIMIT_S
+    if phase == "reset":
+        layer.reset(timeout_s=limit)
+    else:
+        layer.destroy(timeout_s=limit)
+
+
+def output_kind(out, expected) -> str:
+    """A call's output as the docs allow it (docs/INTEGRATION.md, "Failing closed"): "exact" (the clean layer's, bit
+    for bit: the call completed), "zeros" (its kernels gave up), or "wrong" - anything else, such as rows an
+    earlier call left."""
+    out = out.cpu()
+    if torch.equal(out, expected):
+        return "exact"
+    return "zeros" if not bool(out.any()) else "wrong"
 
 
 def recover(runtime, cell, fault, phase, me, expected, heap_before):
@@ -199,6 +218,8 @@ def check_cell(everyone, fault, phase, origin):
     mine = everyone[origin]
     assert all(seen["setup"] is None for seen in everyone), [seen["setup"] for seen in everyone]
     assert all(seen["rejoin"] is None for seen in everyone), [seen["rejoin"] for seen in everyone]
+    wrong = [seen["rank"] for seen in everyone if seen["output"] == "wrong"]
+    assert not wrong, f"rank(s) {wrong}: the failing call returned rows that are neither the exact output nor zeros"
     for seen in everyone:
         outcome = seen["recovered"]
         assert outcome["error"] is None, (seen["rank"], outcome["error"])

@@ -110,9 +110,9 @@ def test_a_faulting_rank_stops_every_waiting_peer_within_a_second(runtime, recor
         run_again_after_reset(runtime, ring)
 
 
-def test_an_idle_rank_learns_of_a_peer_failure_from_its_abort_word(runtime):
+def test_an_idle_rank_learns_of_a_peer_failure_from_its_abort_notice(runtime):
     """No kernel of the other ranks runs while the last rank fails: their next check() still names it, because
-    the abort's remote swaps landed before the faulty rank's kernel ended."""
+    the abort's notices landed (its quiet) before the faulty rank's kernel ended."""
     W, rank = runtime.world_size, runtime.rank
     if W < 2:
         pytest.skip("a peer's abort needs two ranks")

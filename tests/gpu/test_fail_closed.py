@@ -37,10 +37,10 @@ WORD_SET_WITHIN_S = 10.0
 REPORT_WITHIN_S = 1.0
 
 
-def inject_device_error(layer) -> None:
-    """A watchdog on the layer's batch-ready ring, then wait (bounded, without synchronising) until this rank's
+def inject_device_error(layer, mode: CallMode = CallMode.BATCH_READY) -> None:
+    """A watchdog on the layer's ring of ``mode``, then wait (bounded, without synchronising) until this rank's
     failure word says so."""
-    ring = layer.rings[CallMode.BATCH_READY]
+    ring = layer.rings[mode]
     ring.set_timeout(INJECTED_TIMEOUT_S)
     gather(ring, GatherOutputs(ring, 1))
     ring.set_timeout(WATCHDOG_S)
@@ -95,13 +95,16 @@ def test_a_replay_leaves_it_to_raise_if_failed(runtime):
         torch.cuda.synchronize()
 
         # run's entry check reads a host word: it must not synchronise inside the capture (strict_capture raises)
-        graph, _ = strict_capture(lambda: layer.run(*batch.args(), *experts, streaming=True, num_tokens=batch.count))
+        graph, out = strict_capture(lambda: layer.run(*batch.args(), *experts, streaming=True,
+                                                      num_tokens=batch.count))
         graph.replay()
         torch.cuda.synchronize()
         layer.raise_if_failed()
-        inject_device_error(layer)
-        graph.replay()  # runs no Python: it returns whatever the bailing kernels left
+        assert bool(out.any())
+        inject_device_error(layer, CallMode.STREAMED)  # the ring the replay's kernels wait in
+        graph.replay()  # runs no Python, and its kernels give up: zeros, never the rows the replay before left
         torch.cuda.synchronize()
+        assert not bool(out.any()), "a replay whose drain gave up returned rows"
         assert_raises_for_this_rank(runtime, layer.raise_if_failed, "raise_if_failed")
         layer.reset()
         graph.replay()

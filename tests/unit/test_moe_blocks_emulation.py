@@ -38,6 +38,7 @@ from chunkring.moe.experts import GROUP_ALIGN
 from chunkring.moe.resources import PULL_BLOCK
 from chunkring.moe.stage import Stage
 from chunkring.ring.io import publish_chunk
+from chunkring.ring.layout import STATUS
 from chunkring.ring.status import ErrorCode, Site
 from tests.helpers.emulation import blocks as blocks_emu
 from tests.helpers.emulation import decode as decode_emu
@@ -86,7 +87,7 @@ class World:
             self.weights.append(layer_weights(self.memory, EL, H, INTER, seed=1 + r))
         self.arrivals = torch.zeros((world, world, S), dtype=torch.int32)  # per rank, LayerResources.arrivals
         self.gen = torch.Generator().manual_seed(seed)
-        self.reduced: dict[int, torch.Tensor] = {}
+        self.reduced: dict[int | str, torch.Tensor] = {}
 
     def stage(self, r: int) -> Stage:
         W = self.W
@@ -157,7 +158,8 @@ class World:
         self.library.stream = ("publish", self.rings[r].desc.data_ptr())
         self.library.launch("moe_drain", desc=self.rings[r].desc, block=32, stream=None)
         self.reduced[r] = torch.empty((n, H), dtype=torch.bfloat16)
-        self.computes[r].reduce(self.combine[r], self.stages[r].idx[r], self.stages[r].w[r], self.reduced[r])
+        self.computes[r].reduce(self.combine[r], self.stages[r].idx[r], self.stages[r].w[r], self.reduced[r],
+                                desc=self.rings[r].desc)
 
 
 def local_choices(batches, r: int) -> dict[tuple[int, int, int], int]:
@@ -299,3 +301,23 @@ def test_two_ranks_pull_each_other_into_blocks_and_drain_complete(monkeypatch, s
     w = World(monkeypatch, 2, seed)
     batches = w.call(sizes)
     check_call(w, batches, sizes)
+
+
+def test_a_reduction_after_a_recorded_error_returns_zeros_not_the_rows_it_finds(monkeypatch):
+    """A call whose drain gave up (its error recorded in the call's ring) may find another call's rows in its combine
+    buffer: its reduction, given the ring (as the schedule gives it), writes zeros instead. The same reduction
+    without the error sums the rows the call left."""
+    w = World(monkeypatch, 2, 0)
+    sizes = [N, 100]
+    batches = w.call(sizes)
+    check_call(w, batches, sizes)
+    r = 1
+    complete = w.reduced[r].clone()
+    w.rings[r].views["status"][STATUS["code"]] = int(ErrorCode.TIMEOUT)  # as record_error leaves it
+    for desc, name in ((w.rings[r].desc, "failed"), (None, "no ring")):
+        w.reduced[name] = torch.full_like(complete, float("nan"))
+        w.library.stream = ("publish", w.rings[r].desc.data_ptr())
+        w.computes[r].reduce(w.combine[r], w.stages[r].idx[r], w.stages[r].w[r], w.reduced[name], desc=desc)
+        w.streams.run()
+    assert complete.any() and not w.reduced["failed"].any(), "zeros, never the rows found"
+    assert torch.equal(w.reduced["no ring"], complete)

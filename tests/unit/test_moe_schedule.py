@@ -65,9 +65,9 @@ class Compute:
         self.launched.append(("empty_plan", self.device.current.name))
         return "empty plan"
 
-    def reduce(self, combine, routing, weights, out, own):
+    def reduce(self, combine, routing, weights, out, own, *, desc):
         self.launched.append(("reduce", self.device.current.name))
-        self.routing, self.weights, self.own = routing, weights, own
+        self.routing, self.weights, self.own, self.reduce_desc = routing, weights, own, desc
 
     def wave(self, *args, **kwargs):
         self.launched.append(("wave", self.device.current.name))
@@ -183,6 +183,7 @@ def test_the_reduction_reads_this_ranks_own_routing_and_nothing_clears_the_combi
         routing, weights = res.compute.routing, res.compute.weights
         assert routing.data_ptr() == res.stage.idx[1].data_ptr() and routing.shape == (N, K)
         assert weights.data_ptr() == res.stage.w[1].data_ptr() and weights.shape == (N, K)
+        assert res.compute.reduce_desc is res.rings[mode].desc  # zeros where the call's ring recorded an error
     assert res.combine.isnan().all()
 
 

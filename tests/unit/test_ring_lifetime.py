@@ -96,3 +96,39 @@ def test_a_reset_whose_peers_do_not_come_zeroes_nothing(monkeypatch):
     with pytest.raises(ChunkringHostTimeoutError):
         ring.reset(timeout_s=1.0)
     assert int(ring.views["control"][CONTROL["epoch"]]) == 1 and bool(ring.views["ack"].eq(5).all())
+
+
+@pytest.mark.parametrize("step", ["views", "transports", "descriptor", "allgather", "reset"])
+def test_a_construction_that_fails_after_the_allocation_frees_the_buffer(monkeypatch, step):
+    """Each step after the symmetric allocation - the views, the transports, the descriptor, the all-gather, the
+    first reset - fails here in turn: the constructor frees the buffer (a collective every rank reaches alike) and
+    raises the step's error; nothing stays allocated. A rank's own step abandons the all-gather's barrier first."""
+    import chunkring.ring.ring as ring_module
+
+    runtime = HostOnlyRuntime(HostComm(RankInfo(0, 1, 0, 1)))
+    spec = RingSpec(world_size=1, num_slots=2, tokens_per_slot=4, hidden=128, payload=PayloadFormat.FP8_E4M3,
+                    topk=2, num_experts=4)
+
+    def fail(*args, **kwargs):
+        raise MemoryError(f"injected: {step}")
+
+    if step == "views":
+        monkeypatch.setattr(ring_module.RingLayout, "views", fail)
+    elif step == "transports":
+        monkeypatch.setattr(ring_module, "choose_transports", fail)
+    elif step == "descriptor":
+        monkeypatch.setattr(ring_module.RingLayout, "descriptor", fail)
+    elif step == "allgather":
+        real = runtime.allgather_object
+        monkeypatch.setattr(runtime, "allgather_object",
+                            lambda obj, **kw: fail() if isinstance(obj, bool) else real(obj, **kw))
+    else:
+        monkeypatch.setattr(ring_module.Ring, "reset", fail)
+    with pytest.raises(MemoryError, match=f"injected: {step}"):
+        Ring(runtime, spec, timeout_s=WATCHDOG_S, transport="auto")
+    assert not runtime.live, "the ring's buffer stays allocated"
+    allocs = [e for e in runtime.events if e[0] == "alloc"]
+    frees = [e for e in runtime.events if e[0] == "free"]
+    assert len(allocs) == 1 and frees == [("free", allocs[0][1])]
+    abandoned = ("abandon",) in runtime.events
+    assert abandoned == (step in ("views", "transports", "descriptor")), runtime.events

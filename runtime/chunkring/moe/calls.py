@@ -15,7 +15,7 @@ import torch
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe.experts import check_expert_weights
 from chunkring.moe.timeline import Timeline
-from chunkring.ring.io import check_tensor
+from chunkring.ring.io import check_row_aligned, check_tensor
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ def check_forward_args(config: MoEConfig, experts_per_rank: int, device: torch.d
     """:meth:`MoELayer.forward`'s arguments, as :func:`check_run_args`."""
     n = _check_batch(config, device, "hidden", hidden, torch.bfloat16)
     check_tensor("router_weight", router_weight, (config.num_experts, config.hidden), torch.bfloat16, device)
+    check_row_aligned("router_weight", router_weight)  # the router GEMM loads bf16 pairs as 4-byte words
     return _check_common(config, experts_per_rank, device, calibration, n, w13, w2, streaming, out, num_tokens,
                          timeline), n
 

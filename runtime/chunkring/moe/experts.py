@@ -359,16 +359,18 @@ class ExpertCompute:
                      **plan.group_args())
 
     def reduce(self, combine: torch.Tensor, routing: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-               own: OwnRows | None = None) -> None:
+               own: OwnRows | None = None, *, desc: torch.Tensor | None = None) -> None:
         """``out`` [n, H] bf16 = the sum over k of each routed choice's row (``routing``, int32 [>= n, K]: this
         rank's own stage rows as its pull checked them, -1 masked), in fp32 in k order, on the current stream
         (``moe_combine_reduce``): the owner's last step, after its drain. A choice's row is ``combine``'s row
         t * K + k (bf16 [>= n * K, H]), or, for a choice ``own`` names, its row of ``own.out`` times ``weights``
         (fp32 [>= n, K]: this rank's own stage weights), rounded as the push rounds. A masked choice's row is never
-        read (no rank wrote it), so nothing zeroes the combine buffer."""
+        read (no rank wrote it), so nothing zeroes the combine buffer. ``desc``: the call's ring descriptor - where
+        this rank recorded an error in that ring (its drain gave up), ``out`` is zeros, never rows another call
+        left; None: no ring (a reduction timed alone)."""
         n, H = out.shape
         grid = max(1, min(self._grid, -(-n * H // (8 * _BLOCK))))  # eight values a thread (grid-stride past it)
-        self.kernels.launch("moe_combine_reduce", combine=combine, routing=routing, weights=weights,
+        self.kernels.launch("moe_combine_reduce", desc=desc, combine=combine, routing=routing, weights=weights,
                             own_row=None if own is None else own.row, own_out=None if own is None else own.out,
                             out=out, tokens=n, topk=self.config.topk, hidden=H, grid=grid, block=_BLOCK, pdl=True,
                             stream=torch.cuda.current_stream(self.device))

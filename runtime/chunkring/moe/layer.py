@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chunkring.env import module_loading_is_eager
+from chunkring.env import check_timeout_s, module_loading_is_eager
 from chunkring.errors import ChunkringError, ChunkringUsageError
 from chunkring.moe import handles
 from chunkring.moe.calls import CallMode, call_chunk, check_forward_args, check_run_args, resolve_streaming
@@ -40,6 +40,7 @@ from chunkring.ring.ring import Ring, check_identical
 from chunkring.ring.status import ErrorCode
 from chunkring.ring.transport import Transport
 from chunkring.rollcall import abandoning_on_failure
+from chunkring.runtime import TEARDOWN_WAIT_S
 
 if TYPE_CHECKING:
     from chunkring.moe.auto import StreamingCalibration
@@ -123,8 +124,7 @@ class MoELayer:
         self.experts_per_rank, self.first_expert = self.resources.experts_per_rank, self.resources.first_expert
         #: Enqueues the layer's calls on :attr:`resources`.
         self.schedule = CallSchedule(self.resources)
-        #: What ``streaming="auto"`` calls follow (:func:`chunkring.moe.calibration.calibrate` sets it); None:
-        #: batch-ready.
+        #: What ``streaming="auto"`` calls follow (set by :func:`chunkring.calibrate`; None: batch-ready).
         self.streaming_calibration: StreamingCalibration | None = None
         self._destroyed = False
         self._handle = handles.register(self)
@@ -244,20 +244,20 @@ class MoELayer:
                 subclasses ``ChunkringTimeoutError`` and ``ChunkringPeerAbortedError`` as :meth:`check` says.
         """
         self._check_alive()
-        with self._entering(streaming):
+        with self._collective_call(streaming):
             mode, n = check_run_args(self.config, self.experts_per_rank, self.runtime.torch_device,
                                      self.streaming_calibration, x, x_sf, topk_idx, topk_weights, w13, w2,
                                      streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
             chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
             self.raise_if_failed()
-        x = x.clone() if x.data_ptr() % ROW_ALIGN else x  # the publish copies rows 16 bytes at a time
+            x = x.clone() if x.data_ptr() % ROW_ALIGN else x  # the publish copies rows 16 bytes at a time
 
-        def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
-                    stream: torch.cuda.Stream, may_wait: bool) -> None:
-            enqueue_publish(ring, x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end],
-                            topk_weights[start:end], start, eos, valid, rows, stream)
+            def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
+                        stream: torch.cuda.Stream, may_wait: bool) -> None:
+                enqueue_publish(ring, x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end],
+                                topk_weights[start:end], start, eos, valid, rows, stream)
 
-        return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
+            return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
 
     def forward(self, hidden: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight,
                 w2: torch.Tensor | Fp8Weight, *, streaming: bool | str = False, out: torch.Tensor | None = None,
@@ -279,27 +279,27 @@ class MoELayer:
             ChunkringUsageError, ChunkringDeviceError: as :meth:`run` raises them.
         """
         self._check_alive()
-        with self._entering(streaming):
+        with self._collective_call(streaming):
             mode, n = check_forward_args(self.config, self.experts_per_rank, self.runtime.torch_device,
                                          self.streaming_calibration, hidden, router_weight, w13, w2,
                                          streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
             chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
             self.raise_if_failed()
-        hidden = hidden.clone() if hidden.data_ptr() % 16 else hidden  # the fused producer loads 8-byte pieces
-        res = self.resources
-        arrivals = res.produce_arrivals[mode]
+            hidden = hidden.clone() if hidden.data_ptr() % 16 else hidden  # the fused producer loads 8-byte pieces
+            res = self.resources
+            arrivals = res.produce_arrivals[mode]
 
-        def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
-                    stream: torch.cuda.Stream, may_wait: bool) -> None:
-            chunk = hidden[start:end]
-            logits = router_logits(chunk, router_weight, kernels=res.kernels.produce)  # what route() computes
-            # Only a producer that may wait for a slot spins, so only its grid is sized for residency beside the
-            # other ranks' spinning kernels (docs/PROTOCOL.md, "Progress" 8); the ring's first S chunks - a
-            # batch-ready call's one chunk among them - keep the full grid.
-            enqueue_produce(ring, res.kernels.produce, logits, chunk, start, eos, valid, rows, arrivals, stream,
-                            res.spinning_produce_blocks if may_wait else PRODUCE_MAX_BLOCKS)
+            def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
+                        stream: torch.cuda.Stream, may_wait: bool) -> None:
+                chunk = hidden[start:end]
+                logits = router_logits(chunk, router_weight, kernels=res.kernels.produce)  # what route() computes
+                # Only a producer that may wait for a slot spins, so only its grid is sized for residency beside the
+                # other ranks' spinning kernels (docs/PROTOCOL.md, "Progress" 8); the ring's first S chunks - a
+                # batch-ready call's one chunk among them - keep the full grid.
+                enqueue_produce(ring, res.kernels.produce, logits, chunk, start, eos, valid, rows, arrivals, stream,
+                                res.spinning_produce_blocks if may_wait else PRODUCE_MAX_BLOCKS)
 
-        return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
+            return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
 
     # ------------------------------------------------------------------ errors and lifetime
 
@@ -318,32 +318,28 @@ class MoELayer:
         self._on_every_ring("raise_if_failed", "; reset() to continue")
 
     @contextlib.contextmanager
-    def _entering(self, streaming: bool | str) -> Iterator[None]:
-        """A call's entry: its argument checks and :meth:`raise_if_failed`, before anything is enqueued. When one
-        of them raises, the peers - whose entries passed, and who go on into the collective - must learn that
-        this rank will not come, or they would wait for it until a limit:
-
-        * at a mode's first call (:meth:`CallSchedule.is_warm`) they wait on the host, at its warm-up barrier,
-          before any kernel: this rank abandons that barrier, so they raise at once, naming it;
-        * later they wait on the device, for this rank's chunks: the failure aborts the ring the call would use
-          (``HOST_USAGE``, :func:`chunkring.ring.io.raise_abort`) - a bad argument, or an error recorded on
-          either ring (a kernel's error aborted only its own ring; where it already aborted this one, the swap
-          finds the word taken and changes nothing). A check inside a graph capture aborts nothing: its peers
-          capture too, and wait in nothing yet.
-
-        ``streaming`` is resolved first, outside: ranks agree on a call's mode (each mode has its own ring), so a
-        bad one fails every rank alike, as a destroyed layer does."""
+    def _collective_call(self, streaming: bool | str) -> Iterator[None]:
+        """A whole call - its checks, :meth:`raise_if_failed` and everything it enqueues - as this rank's part of a
+        collective. When any of it raises here (a bad argument, a recorded device error, out of memory while
+        enqueuing), the peers must learn that this rank will not come, or they would wait for it until a limit:
+        before a mode's first call reached its warm-up barrier (:meth:`CallSchedule.owes_first_barrier`) they wait
+        there, on the host: this rank abandons it, so they raise at once, naming it; after it, they wait on the
+        device: the failure aborts the call's ring (``HOST_USAGE``, :func:`chunkring.ring.io.raise_abort`, which
+        sets this rank's failure word at once, so its next call raises). Inside a graph capture nothing is aborted:
+        the peers capture too, and wait in nothing yet. ``streaming`` is resolved first, outside: ranks agree on a
+        call's mode, so a bad one fails every rank alike, as a destroyed layer does."""
         mode = CallMode.STREAMED if resolve_streaming(self.config, self.streaming_calibration, streaming) \
             else CallMode.BATCH_READY
+        self.schedule.begin_call()
         try:
             yield
         except Exception as error:
-            if not self.schedule.is_warm(mode):
+            if self.schedule.owes_first_barrier(mode):
                 self.runtime.abandon_barrier()
-            elif not capturing():
+            elif self.schedule.is_warm(mode) and not capturing():
                 try:
                     raise_abort(self.rings[mode], ErrorCode.HOST_USAGE)
-                except Exception as failed:  # the entry's error is the one to report; say why peers may wait
+                except Exception as failed:  # the call's error is the one to report; say why peers may wait
                     error.add_note(f"the ring's abort could not be raised ({failed!r}): peers may wait until the "
                                    "watchdog")
             raise
@@ -370,12 +366,13 @@ class MoELayer:
                 error.add_note(f"(the layer's {mode.name.lower().replace('_', '-')} ring{advice})")
                 raise
 
-    def reset(self) -> None:
+    def reset(self, *, timeout_s: float | None = None) -> None:
         """Start a new epoch on every ring and zero the layer's arrival counts: after an error, before calling
-        again. A collective."""
+        again. A collective; each ring's waits for the other ranks bounded by ``timeout_s`` (None: the ring's
+        watchdog limit plus a margin, :meth:`chunkring.Ring.reset`)."""
         self._check_alive()
         for ring in self.rings.values():
-            ring.reset()
+            ring.reset(timeout_s=timeout_s)
         self.resources.zero_counts()  # after the rings' quiesce: no kernel of the failed call still arrives
 
     def set_timeout(self, seconds: float) -> None:
@@ -386,13 +383,16 @@ class MoELayer:
         for ring in self.rings.values():
             ring.set_timeout(seconds)
 
-    def destroy(self) -> None:
+    def destroy(self, *, timeout_s: float = TEARDOWN_WAIT_S) -> None:
         """Free the layer's buffers and close the partition it made (:meth:`LayerResources.free`). A
-        collective; safe at any moment (it waits for this rank's kernels and, at a bounded barrier, for every
-        rank's); a second call does nothing."""
+        collective; safe at any moment (it waits for this rank's kernels and, at a barrier bounded by ``timeout_s``,
+        for every rank's; a rank that does not come makes the others raise ``ChunkringHostTimeoutError`` naming
+        it, with nothing freed); a second call does nothing."""
         if self._destroyed:
             return
-        self.resources.free()
+        with abandoning_on_failure(self.runtime):  # a bad bound is this rank's own: its peers raise at once
+            timeout_s = check_timeout_s(timeout_s, field="timeout_s")
+        self.resources.free(timeout_s)
         self._destroyed = True
 
     def _check_alive(self) -> None:

@@ -266,16 +266,16 @@ class LayerResources:
 
     # ------------------------------------------------------------------ teardown
 
-    def free(self) -> None:
+    def free(self, timeout_s: float = TEARDOWN_WAIT_S) -> None:
         """Free everything (a collective), by the rule of :meth:`Runtime.quiesce`: wait until no kernel of any
         rank runs and none of their NVSHMEM operations is outstanding (a peer's combine push may still be
         writing into this rank's buffer), then free in reverse order of allocation (the partition is the
-        runtime's or the caller's: it stays). A rank that does not come within
-        :data:`chunkring.runtime.TEARDOWN_WAIT_S` makes the others raise
+        runtime's or the caller's: it stays). A rank that does not come within ``timeout_s`` (default
+        :data:`chunkring.runtime.TEARDOWN_WAIT_S`) makes the others raise
         :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing freed: the symmetric frees are
         collectives too, which that rank would never join."""
         try:
-            self.runtime.quiesce(TEARDOWN_WAIT_S, what="the layer's destroy()")
+            self.runtime.quiesce(timeout_s, what="the layer's destroy()")
         except ChunkringError as exc:
             exc.add_note("nothing was freed: every rank must call destroy() (end the job to reclaim the memory)")
             raise

@@ -34,7 +34,6 @@ from chunkring.moe.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
 from chunkring.ring.ring import Ring
-from chunkring.rollcall import abandoning_on_failure
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelArgs
@@ -77,6 +76,7 @@ class CallSchedule:
     def __init__(self, resources: LayerResources) -> None:
         self.res = resources
         self._warm_modes: set[CallMode] = set()  # modes whose first call ran (warm-up, then the ranks' barrier)
+        self._met_barrier = False  # whether the call now being made reached its warm-up barrier (passed or not)
 
     def enqueue(self, mode: CallMode, n: int, publish: Publish, w13: Weight, w2: Weight, out: torch.Tensor | None,
                 num_tokens: torch.Tensor | None, timeline: Timeline | None, chunk: int | None = None) -> torch.Tensor:
@@ -103,7 +103,7 @@ class CallSchedule:
         compute = res.compute_streams[placed]
         for stream in {early, producer, consumer}:
             stream.wait_stream(caller)
-        self._warm_up(mode, consumer, w13, w2)
+        self.warm_up(mode, consumer, w13, w2)
         decode = res.decode_for(n)  # this rank's engine for the call's expert GEMMs, by its size
         # No record_stream on the caller's tensors: the caller's stream waits for every stream of the call at its
         # end, so its frees (stream-ordered on it) already come after our last use. That also keeps
@@ -149,14 +149,25 @@ class CallSchedule:
         """Whether ``mode``'s first call ran: until then, a call of it meets every rank at its warm-up barrier."""
         return mode in self._warm_modes
 
-    def _warm_up(self, mode: CallMode, consumer: torch.cuda.Stream, w13: Weight, w2: Weight) -> None:
+    def begin_call(self) -> None:
+        """A new call starts (the layer's entry, before its checks): it has not reached a warm-up barrier yet."""
+        self._met_barrier = False
+
+    def owes_first_barrier(self, mode: CallMode) -> bool:
+        """Whether the call being made is ``mode``'s first and has not reached its warm-up barrier: its peers wait
+        there for this rank, which must abandon it if the call fails (once reached, the barrier's own verdict -
+        passed, or raised on every rank - settles it)."""
+        return mode not in self._warm_modes and not self._met_barrier
+
+    def warm_up(self, mode: CallMode, consumer: torch.cuda.Stream, w13: Weight, w2: Weight) -> None:
         """The first call of ``mode``: load the GEMM engine's kernels before anything of this call spins
         (:meth:`ExpertCompute.warm_up`: for the whole GPU, and for the consumer's SMs where waves run there),
         then wait at a host barrier for every rank's."""
         if mode in self._warm_modes:
             return
-        # A build that fails here only (a compile error, out of memory) abandons the barrier the peers wait at below.
-        with abandoning_on_failure(self.res.runtime), torch.cuda.stream(consumer):
+        # A build that fails here only (a compile error, out of memory) raises before the barrier: the layer's call
+        # then abandons it (MoELayer._collective_call, owes_first_barrier), so the peers waiting there raise at once.
+        with torch.cuda.stream(consumer):
             self.res.compute.warm_up(w13, w2, sms=None)
             if self.res.pool is not None and mode is CallMode.STREAMED:
                 self.res.compute.warm_up(w13, w2, sms=self.res.consumer_sms[mode])
@@ -164,6 +175,7 @@ class CallSchedule:
         # peer's first compile takes seconds to minutes (longer than the watchdog under CPU contention), and a
         # module load can wait for kernels already running on the GPU. Every rank makes its first call of a
         # mode at the same call (calls are collective), so this host barrier runs once per mode.
+        self._met_barrier = True
         self.res.runtime.host_barrier(timeout_s=FIRST_CALL_BARRIER_S, what=f"the first {mode.value} call's warm-up")
         self._warm_modes.add(mode)
 
@@ -262,10 +274,11 @@ class CallSchedule:
         producer.wait_stream(consumed)
         res.kernels.stream.launch("moe_drain", desc=res.rings[mode].desc, block=32, stream=producer)
         mark(Event.DRAINED)
-        # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank computed a row. The routing
+        # Over k in a fixed order, fp32 accumulation: bitwise reproducible, whichever rank computed a row; zeros where
+        # the drain gave up (its error recorded in the ring), since rows may then be another call's. The routing
         # and weights are this rank's own stage rows, which its pull wrote and checked: the held acks (``consumed``)
         # come after the pull in stream order - and after the L2 that wrote the own rows - and the next call's
         # refill of the stage after this reduction.
         rank = res.runtime.rank
-        res.compute.reduce(res.combine, res.stage.idx[rank], res.stage.w[rank], out, own)
+        res.compute.reduce(res.combine, res.stage.idx[rank], res.stage.w[rank], out, own, desc=res.rings[mode].desc)
         mark(Event.OUTPUT_DONE)

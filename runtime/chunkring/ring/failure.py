@@ -48,6 +48,12 @@ class FailureWord:
         """The word: 0, or the abort word of the first error the ring's kernels recorded since the last reset."""
         return int(self._words[0])
 
+    def set_if_clear(self, word: int) -> None:
+        """Set the word to ``word`` (non-zero) unless an error is there already: what the host itself knows of a
+        failure it raised (:func:`chunkring.ring.io.raise_abort`), before any kernel could record it."""
+        if self._words[0] == 0:
+            self._words[0] = word
+
     def clear(self) -> None:
         """Zero the word (the ring's reset, once no kernel of the old epoch runs)."""
         self._words[0] = 0

@@ -14,7 +14,7 @@ import torch
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
-from chunkring.ring.status import ErrorCode
+from chunkring.ring.status import AbortRecord, ErrorCode
 from chunkring.runtime import TEARDOWN_WAIT_S
 
 if TYPE_CHECKING:
@@ -296,9 +296,13 @@ def raise_abort(ring: Ring, code: ErrorCode, *, stream: torch.cuda.Stream | None
     """Record ``code`` as this rank's error in ``ring`` and abort the ring at every rank, from the host: one
     one-thread kernel (``ring_raise_abort``) on ``stream`` (default: the current one), so after the work enqueued
     there before it. Peers waiting in the ring stop within microseconds with ``ChunkringPeerAbortedError`` naming
-    this rank; this rank's next call raises ``ChunkringDeviceError``. Every rank then needs ``ring.reset()``.
+    this rank; this rank's next call raises ``ChunkringDeviceError`` (its failure word is set here, at once). Every
+    rank then needs ``ring.reset()``.
 
     For a collective call this rank will not make while its peers may already wait in it: one whose argument
     checks failed here (``ErrorCode.HOST_USAGE``, :meth:`chunkring.MoELayer.run`)."""
     ring.check_alive()
     kernel_library(ring.runtime).launch("ring_raise_abort", desc=ring.desc, code=int(code), block=32, stream=stream)
+    # The kernel's record reaches this rank's failure word only when it runs, which may come after this rank's next
+    # call enters (its stream busy with the failed call's kernels): the host sets the word itself, so that call raises.
+    ring.failure.set_if_clear(AbortRecord.make(ring.host_epoch, ring.runtime.rank, code).word)

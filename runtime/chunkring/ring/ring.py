@@ -77,22 +77,26 @@ class Ring:
             self.layout = RingLayout(spec)
             self.failure = FailureWord(*runtime.mapped_host_word())
         self.buffer = runtime.alloc(self.layout.total_bytes, torch.uint8)
-        with abandoning_on_failure(runtime):  # before the reset's first
-            self.views = self.layout.views(self.buffer)
-            # Decided once, here: a peer NVSHMEM maps into this GPU is read with loads, any other by RMA.
-            self.transports: tuple[Transport, ...] = choose_transports(
-                lambda pe: runtime.peer_address(self.buffer, pe), spec.world_size, self.transport_mode)
-            log.info("chunkring Ring: %s", self.describe_transport())
-            desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(),
-                                          timeout_ns=int(timeout_s * 1e9), rma_peers=rma_mask(self.transports),
-                                          failure_word=self.failure.device_address)
-            self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
-            self._destroyed = False
-        #: Whether any rank reaches a peer by RMA. Then the local ends of the gets and puts on this ring's rows (the
-        #: layer's stage and experts' output, GatherOutputs) must be NVSHMEM-registered memory off-node: symmetric
-        #: allocations, which are collectives, so every rank decides alike, once, here.
-        self.rma_anywhere: bool = any(runtime.allgather_object(Transport.RMA in self.transports))
-        self.reset()
+        try:
+            with abandoning_on_failure(runtime):  # before the all-gather's barrier
+                self.views = self.layout.views(self.buffer)
+                # Decided once, here: a peer NVSHMEM maps into this GPU is read with loads, any other by RMA.
+                self.transports: tuple[Transport, ...] = choose_transports(
+                    lambda pe: runtime.peer_address(self.buffer, pe), spec.world_size, self.transport_mode)
+                log.info("chunkring Ring: %s", self.describe_transport())
+                desc = self.layout.descriptor(my_pe=runtime.rank, base=self.buffer.data_ptr(),
+                                              timeout_ns=int(timeout_s * 1e9), rma_peers=rma_mask(self.transports),
+                                              failure_word=self.failure.device_address)
+                self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
+                self._destroyed = False
+            #: Whether any rank reaches a peer by RMA. Then the local ends of the gets and puts on this ring's rows
+            #: (the layer's stage and experts' output, GatherOutputs) must be NVSHMEM-registered memory off-node:
+            #: symmetric allocations, which are collectives, so every rank decides alike, once, here.
+            self.rma_anywhere: bool = any(runtime.allgather_object(Transport.RMA in self.transports))
+            self.reset()
+        except BaseException as error:
+            self._free_after_failed_construction(error)
+            raise
 
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else f"epoch {self.epoch}"
@@ -131,7 +135,7 @@ class Ring:
         """
         self.check_alive()
         limit = self.timeout_s + RESET_MARGIN_S if timeout_s is None else self._peer_wait_limit(timeout_s)
-        # Every rank's kernels of the old epoch have ended, and their aborts (remote swaps) have landed.
+        # Every rank's kernels of the old epoch have ended, and their aborts (notices, quieted) have landed.
         self.runtime.quiesce(limit, what="the reset's first barrier")
         epoch = int(self.views["control"][CONTROL["epoch"]].item()) + 1
         # The same list everywhere, so the same verdict everywhere.
@@ -142,6 +146,9 @@ class Ring:
             self.views[name].zero_()
         self.failure.clear()  # no kernel of the old epoch runs (synchronised above) to write it again
         self.views["control"][CONTROL["epoch"]] = epoch
+        #: The epoch as the host last set it (the device's copy is ``views["control"]``): what an abort raised from
+        #: the host names without reading the device.
+        self.host_epoch = epoch
         # Nobody publishes into the new epoch before everyone has zeroed.
         self.runtime.quiesce(limit, what="the reset's second barrier")
 
@@ -165,9 +172,9 @@ class Ring:
         return InputRecord.from_words(self.views["status"].tolist(), self.runtime.rank)
 
     def abort_status(self) -> AbortRecord:
-        """This rank's abort word: which rank of the ring failed first in this epoch, with which error, if
-        any did - or where no abort word landed, the abort notice a failed rank sent before it (synchronises the
-        device)."""
+        """This rank's abort word: the first failed rank of the ring that this rank learned of in this epoch, with
+        its error, if any - or, where no kernel of this rank read a notice yet, the notice a failed rank sent
+        (synchronises the device)."""
         self.check_alive()
         words = self.views["status"]
         return AbortRecord.from_word(int(words[STATUS["abort"]].item()) or int(words[STATUS["abort_notice"]].item()))
@@ -230,6 +237,18 @@ class Ring:
             exc.add_note("nothing was freed: every rank must call destroy() (end the job to reclaim the memory)")
             raise
         self.runtime.free(self.buffer)
+        self._destroyed = True
+
+    def _free_after_failed_construction(self, error: BaseException) -> None:
+        """Return the buffer of a ring whose construction failed after its allocation. Each step there fails on
+        every rank alike: a rank's own work abandons the all-gather's barrier, so its peers raise at that barrier;
+        the all-gather and the reset are collectives that raise everywhere. So every rank comes here, and the free
+        - a collective - meets them all. No kernel used the buffer yet. If the free fails too (a peer that never
+        comes), the error says so."""
+        try:
+            self.runtime.free(self.buffer)
+        except Exception as failed:
+            error.add_note(f"the ring's symmetric buffer could not be freed ({failed!r}): end the job to reclaim it")
         self._destroyed = True
 
     def _peer_wait_limit(self, timeout_s: float) -> float:

@@ -200,9 +200,9 @@ ABORT_ORIGIN_BITS = 8
 
 @dataclass(frozen=True)
 class AbortRecord:
-    """The abort word of a ring at one rank: the first error any rank of the ring recorded in the epoch
-    (``word == 0``: none). Layout, as protocol/status.cuh ``make_abort``: [63:16] epoch, [15:8] origin
-    rank, [7:0] error code."""
+    """The abort word of a ring at one rank: the first error of a rank of the ring that this rank learned of in the
+    epoch - its own, or the first peer's notice one of its kernels read (``word == 0``: none). Layout, as
+    protocol/status.cuh ``make_abort``: [63:16] epoch, [15:8] origin rank, [7:0] error code."""
 
     word: int
 
@@ -250,7 +250,8 @@ def status_error(words: Iterable[int], *, rank: int, epoch_bits: int = 16) -> Ch
     saw it; then the first masked input - ``ChunkringInputError``."""
     w = _unsigned(words)
     record, masked = StatusRecord.from_words(w), InputRecord.from_words(w, rank)
-    # The abort word holds the epoch's first error; the notice stands in where no swap landed (status.cuh).
+    # The abort word holds the first abort this rank's kernels saw; the notice (the latest to land) stands in where
+    # none of them looked (status.cuh abort_word).
     abort = AbortRecord.from_word(w[STATUS["abort"]] or w[STATUS["abort_notice"]])
     also = f"; also {masked.describe()}" if not masked.ok else ""
     if not record.ok and record.code != ErrorCode.PEER_ABORTED:  # this rank failed

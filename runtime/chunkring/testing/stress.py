@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from chunkring.runtime import Runtime
 
 __all__ = ["ARRIVE_BEFORE_ROWS", "LITMUS_DIRECTIONS", "MUTANTS", "NO_HELD_ACK", "NO_INPUT_CHECKS", "NO_PUSH_RELEASE",
-           "REDUCE_EVERY_CHOICE", "SEAL_ON_RESERVE", "StressLibrary", "StressPlan"]
+           "REDUCE_AFTER_ERROR", "REDUCE_EVERY_CHOICE", "SEAL_ON_RESERVE", "StressLibrary", "StressPlan"]
 
 #: protocol/mutants.cuh Mutant values (append-only): the protocol's, which the stress suite must catch.
 MUTANTS = {"none": 0, "no_release_fence": 1, "no_acquire_fence": 2, "no_ack_wait": 3, "ignore_epoch": 4,
@@ -46,6 +46,9 @@ ARRIVE_BEFORE_ROWS = 14
 #: nothing writes or zeroes a masked choice's row, so it adds whatever the buffer held (caught by
 #: tests/gpu/test_moe_reduce.py).
 REDUCE_EVERY_CHOICE = 15
+#: protocol/mutants.cuh kReduceAfterError: a call whose drain gave up still sums the combine rows it finds, some of them
+#: another call's, instead of returning zeros (caught by tests/gpu/test_moe_reduce.py).
+REDUCE_AFTER_ERROR = 16
 #: The message-passing litmus kernels of ring_stress.cu: "push", the writer stores into the reader's memory
 #: (litmus_mp); "pull", the ring's own direction: the writer stores into its own memory and SETs the
 #: reader's flag, the reader loads through nvshmem_ptr (litmus_mp_pull).

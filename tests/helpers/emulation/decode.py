@@ -34,9 +34,12 @@ from tests.helpers.emulation.decode_gemm import (
 from tests.helpers.emulation.machine import (
     WARP,
     EmulatedMemoryError,
+    Pointer,
     Threads,
     bf16_bits,
     e4m3_bits,
+    header_constant,
+    header_enum,
     header_structs,
     read_struct,
     round_bf16,
@@ -47,6 +50,8 @@ __all__ = ["kernels"]
 
 E4M3_MAX = np.float32(448.0)
 RING_FIELDS = header_structs("chunkring/layout/ring_desc.cuh")["RingDesc"]
+RING_VERSION = header_constant("chunkring/layout/ring_desc.cuh", "kRingLayoutVersion")
+STATUS = header_enum("chunkring/layout/ring_desc.cuh", "StatusWord")
 
 
 def bf16_values(bits) -> np.ndarray:
@@ -303,8 +308,17 @@ def moe_combine_reduce(memory, grid, block, shared_bytes, a) -> None:
     """out[t] = the sum over k of choice t K + k's row where routing[t K + k] >= 0, in fp32 in k order, rounded once
     to bf16: own_out's row own_row[t K + k] times weights[t K + k] (as the push weights) where own_row is given and
     names one, else combine row t K + k. The rows of masked choices are never loaded, so an unwritten
-    (uninitialised) row there is never read."""
+    (uninitialised) row there is never read. A ring descriptor (``desc``) whose status holds an error (or does not
+    check): ``out`` zeros instead."""
     n, K, H = a.tokens, a.topk, a.hidden
+    if a.desc is not None:
+        d = read_struct(a.desc, RING_FIELDS, "RingDesc")
+        status = Pointer(memory, d.base + d.off_status, "status words")
+        described = d.layout_version == RING_VERSION and d.desc_bytes == 8 * len(RING_FIELDS)
+        if not described or int(status.load_as(np.uint64, STATUS["kStatusCode"], "status code")) != 0:
+            for t in range(n):  # (a descriptor that does not check also records kBadDescriptor: not emulated)
+                a.out.store(t * H * 2 + np.arange(0, 2 * H, 2), np.zeros((H, 2), np.uint8), "out row")
+            return
     if H % 8:
         raise NotImplementedError("the scalar path (hidden % 8 != 0, or unaligned buffers) is not emulated")
     vectors = np.arange(0, 2 * H, 16)  # the row's 16-byte vectors, eight values each

@@ -22,8 +22,9 @@ slot is written only once every destination acknowledged its previous lap). Wher
 itself, timing, lanes inside a block (warps only where rma.py orders operations).
 
 Aborts (status.cuh raise_abort) reach every rank's words through the heap (:class:`HeapRank`): the notice by a
-signal SET, the abort word by a CAS; a fetching operation to a PE in ``SymmetricHeap.fetch_hangs`` never returns
-(:class:`EmulatedStuck`: the block then waits for ever). Timeouts, with a :class:`Clock` on the Streams: the
+signal SET; each rank's abort word only by its own local CAS (adopting a notice, or its own error); a fetching
+operation to a PE in ``SymmetricHeap.fetch_hangs`` never returns (:class:`EmulatedStuck`: the block then waits for
+ever). Timeouts, with a :class:`Clock` on the Streams: the
 globaltimer stands still while any block progresses and, when every block waits, jumps just past the earliest
 deadline of a wait, so exactly the wait with the soonest deadline times out (deterministically); without one, a
 pass without progress is EmulatedWaitBlocks. A HeapRuntime with ``host_word`` gives each Ring a failure word the
@@ -154,20 +155,20 @@ class HeapRank(Rank):
         target = self.status_word(name, pe)
         target.cas_as(np.uint64, 0, target.load_as(np.uint64, 0, name), word, name)
 
-    def atomic_cas(self, name: str, compare: int, word: int, pe: int) -> int:
-        """A fetching CAS: it returns once PE ``pe`` answers - never, for a PE in the heap's fetch_hangs."""
+    def fetching_cas(self, name: str, compare: int, word: int, pe: int) -> int:
+        """A fetching CAS on PE ``pe``'s word: it returns once ``pe`` answers - never, for a PE in the heap's
+        fetch_hangs. No kernel of ours issues one; the tests' mutants do, to show what it would cost."""
         if pe != self.d.my_pe and pe in self.heap.fetch_hangs:
             raise EmulatedStuck(f"PE {self.d.my_pe} waits for ever for PE {pe}'s answer to its CAS of {name}")
         return int(self.status_word(name, pe).cas_as(np.uint64, 0, compare, word, name))
 
     def raise_abort(self, word: int) -> None:
-        """Pass 1: the notice at every rank; pass 2: the abort word's CAS from 0 at every rank, this one's first
-        (quiet: nothing)."""
-        W, me = self.d.world_size, self.d.my_pe
-        for pe in range(W):
+        """This rank's abort word (a landed notice adopted, else ``word``: local CASes), then the notice at every
+        rank by non-fetching SETs through the heap (quiet: nothing). No fetching operation on a peer."""
+        if not self.abort_word():
+            self.status_word("kStatusAbort", self.d.my_pe).cas_as(np.uint64, 0, 0, word, "kStatusAbort")
+        for pe in range(self.d.world_size):
             self.signal_set("kStatusAbortNotice", word, pe)
-        for i in range(W):
-            self.atomic_cas("kStatusAbort", 0, word, (me + i) % W)
 
 
 class Streams:

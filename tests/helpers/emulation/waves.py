@@ -132,14 +132,27 @@ class Rank:
         self.report_to_host(word)
         self.raise_abort(word)
 
+    def abort_word(self) -> int:
+        """abort_word: this rank's abort word, a landed notice adopted into it by a local CAS from 0."""
+        adopted = self.word("kStatusAbort")
+        if adopted:
+            return adopted
+        notice = self.word("kStatusAbortNotice")
+        if not notice:
+            return 0
+        held = int(self.status.cas_as(np.uint64, STATUS["kStatusAbort"], 0, notice, "abort word"))
+        return held or notice
+
     def raise_abort(self, word: int) -> None:
-        """raise_abort: the notice, then the abort word's CAS, at every rank - this rank's own words here (a signal
-        SET is an atomic store: a CAS from what it holds), the others' listed."""
+        """raise_abort: this rank's abort word (a landed notice adopted, else ``word``: local CASes), then the notice
+        at every rank - this rank's own here (a signal SET is an atomic store: a CAS from what it holds), the others'
+        listed. No fetching operation on a peer."""
+        if not self.abort_word():
+            self.status.cas_as(np.uint64, STATUS["kStatusAbort"], 0, word, "abort word")
         for pe in range(self.d.world_size):
             if pe == self.d.my_pe:
                 notice = self.word("kStatusAbortNotice")
                 self.status.cas_as(np.uint64, STATUS["kStatusAbortNotice"], notice, word, "abort notice")
-                self.status.cas_as(np.uint64, STATUS["kStatusAbort"], 0, word, "abort word")
             else:
                 self.aborts_sent.append((pe, word))
 
@@ -160,7 +173,7 @@ class Rank:
                 return verdict > 0
             if self.word("kStatusCode") != 0:
                 return False
-            abort = self.word("kStatusAbort") or self.word("kStatusAbortNotice")
+            abort = self.abort_word()
             if abort:
                 self.record_error("kPeerAborted", site, peer, slot, expected, abort)
                 return False

@@ -3,8 +3,7 @@
 // nvshmemi_common_device.cuh; the wait and the AMOs in device/nvshmem_defines.h): signal SET is a plain
 // volatile store and ADD a relaxed atomicAdd_system — neither fences; signal_wait_until is a volatile
 // spin with no acquire after it (NVIDIA/nvshmem#75); atomic_or is a relaxed atomicOr_system, atomic_swap
-// a relaxed atomicExch_system, atomic_compare_swap a relaxed atomicCAS_system (device/nvshmem_defines.h, the
-// P2P path). Callers
+// a relaxed atomicExch_system (device/nvshmem_defines.h, the P2P path). Callers
 // add the fences; see protocol/.
 #pragma once
 
@@ -34,12 +33,6 @@ __device__ __forceinline__ void atomic_or_relaxed(u64* word, u64 bits, int pe) {
 // `pe` when it returns). NOTES: a release fence must precede it.
 __device__ __forceinline__ u64 atomic_swap_relaxed(u64* word, u64 value, int pe) {
     return nvshmem_uint64_atomic_swap(word, value, pe);
-}
-
-// Relaxed remote compare-and-swap: stores `value` into `word` on `pe` if it holds `compare`; returns what
-// it held (fetching: complete at `pe` when it returns). NOTES: orders nothing; a release needs a fence first.
-__device__ __forceinline__ u64 atomic_cas_relaxed(u64* word, u64 compare, u64 value, int pe) {
-    return nvshmem_uint64_atomic_compare_swap(word, compare, value, pe);
 }
 
 }  // namespace chunkring::comm

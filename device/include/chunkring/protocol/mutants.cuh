@@ -1,7 +1,7 @@
 // Deliberately broken protocol variants, for negative controls only. Each removes exactly one rule, and
 // a GPU test must catch every one: 1-4, 7 and 9-12 (ring.cuh, rules.cuh) tests/stress/test_mutants.py; 11
 // and 14 in the fused producer tests/stress/test_fused_producer_mutants.py; 5, 6, 8, 13 and 15 the tests of the
-// kernels that rely on those rules (runtime/chunkring/testing/stress.py names them). A fence mutant may
+// kernels that rely on those rules, 16 the fault matrix (runtime/chunkring/testing/stress.py names them). A fence mutant may
 // escape where every rank shares one GPU; its test says so (docs/PROTOCOL.md, "Evidence").
 // Values are append-only; production builds never define the macro.
 #pragma once
@@ -33,6 +33,8 @@ enum class Mutant : unsigned {
                              // publishes while rows are still being written (moe_produce.cu)
     kReduceEveryChoice = 15,  // reduction: every choice's combine row is added, routed or not, so a masked
                               // choice adds whatever its row held, which no rank wrote (moe_combine_reduce)
+    kReduceAfterError = 16,   // reduction: a call whose drain gave up still sums its combine rows, some of them
+                              // another call's, instead of returning zeros (moe_combine_reduce)
 };
 
 constexpr Mutant kMutant = static_cast<Mutant>(CHUNKRING_MUTANT);

@@ -76,36 +76,37 @@ __device__ __forceinline__ bool claim_first_record(const RingDesc& d, layout::St
     return atomicCAS(reinterpret_cast<unsigned long long*>(layout::status_word(d, code_word)), 0ull, code) == 0ull;
 }
 
-// This rank's abort word, or where none has landed its abort notice: non-zero once some rank of the ring
-// (this one included) recorded an error. The word is preferred because it holds the epoch's first error
-// (raise_abort). NOTES: relaxed, local - peers write both with remote atomics; a wait needs only to see
-// one eventually, and reads nothing of the failed rank because of it.
+// This rank's abort word: the first abort this rank learned of in the epoch (its own error's, or a peer's notice),
+// non-zero once some rank of the ring (this one included) recorded an error. Only this rank's kernels write it: a
+// notice that has landed and is not yet adopted is adopted here, by a local compare-and-swap from 0, so the word
+// and every record this rank makes from it name the same abort even if a later rank's notice overwrites the notice.
+// NOTES: relaxed, local - peers write only the notice, by remote sets; a wait needs only to see one eventually, and
+// reads nothing of the failed rank because of it.
 __device__ __forceinline__ u64 abort_word(const RingDesc& d) {
-    const u64 first = ptx::ld_relaxed_sys(layout::status_word(d, layout::kStatusAbort));
-    return first != 0 ? first : ptx::ld_relaxed_sys(layout::status_word(d, layout::kStatusAbortNotice));
+    u64* first = layout::status_word(d, layout::kStatusAbort);
+    const u64 adopted = ptx::ld_relaxed_sys(first);
+    if (adopted != 0) return adopted;
+    const u64 notice = ptx::ld_relaxed_sys(layout::status_word(d, layout::kStatusAbortNotice));
+    if (notice == 0) return 0;
+    const u64 held = atomicCAS(reinterpret_cast<unsigned long long*>(first), 0ull, notice);
+    return held != 0 ? held : notice;
 }
 
-// Tell every rank of the ring, this one too, that this rank failed (`word`: make_abort's), in two passes
-// that each visit every rank:
-//  1. the notice: a non-fetching atomic set into each rank's notice word. Issued, not awaited, so a rank
-//     that never answers (a fetching operation to it would never return) holds back no later rank.
-//  2. the abort word: a fetching compare-and-swap from 0 into each rank's, so at every rank the first error
-//     of the epoch wins. Each waits for its rank's reply: a rank after an unreachable one may never get its
-//     swap, but the notice of pass 1 already stops its waits (abort_word falls back to it). This rank's own
-//     word first - a local swap always returns - so its record of which error came first holds even when a
-//     peer never answers (a later rank's notice may overwrite the notice here, never the abort word).
-// Then a quiet: every notice has landed before the kernel ends, hence before a reset can zero the words
-// (the swaps are fetching, so they landed on return). NOTES: relaxed, no fence - an abort carries no
-// payload (a peer only stops waiting; it reads nothing of ours because of it), so eventual visibility is
-// all it needs (docs/PROTOCOL.md).
+// Tell every rank of the ring, this one too, that this rank failed (`word`: make_abort's). This rank's own abort
+// word first: a notice that reached it earlier is adopted (abort_word), else its own error is, by a local
+// compare-and-swap from 0 - so its record of which error came first holds. Then the notice into every rank's
+// notice word: a non-fetching atomic set, issued and not awaited, so a rank that never answers holds back
+// neither a later rank nor this kernel (a fetching operation to it would never return, and with it neither would
+// this kernel, the device's synchronisation, Ring.check or Runtime.close). Each peer adopts the notice into its
+// own abort word when one of its waits reads it. Then a quiet: every notice has landed before the kernel ends,
+// hence before a reset can zero the words. NOTES: relaxed, no fence - an abort carries no payload (a peer only
+// stops waiting; it reads nothing of ours because of it), so eventual visibility is all it needs
+// (docs/PROTOCOL.md).
 __device__ __noinline__ void raise_abort(const RingDesc& d, u64 word) {
     u64* notice = layout::status_word(d, layout::kStatusAbortNotice);
-    u64* first = layout::status_word(d, layout::kStatusAbort);
+    if (abort_word(d) == 0)
+        atomicCAS(reinterpret_cast<unsigned long long*>(layout::status_word(d, layout::kStatusAbort)), 0ull, word);
     for (u64 pe = 0; pe < d.world_size; ++pe) comm::signal_set_relaxed(notice, word, static_cast<int>(pe));
-    for (u64 i = 0; i < d.world_size; ++i) {
-        const u64 pe = (d.my_pe + i) % d.world_size;  // this rank first, then the next ones
-        comm::atomic_cas_relaxed(first, 0, word, static_cast<int>(pe));
-    }
     comm::quiet();
 }
 

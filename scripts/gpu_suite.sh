@@ -31,6 +31,8 @@
 # broke them (one summary per tree, named by its commit). decode_trees runs the decode benchmark on each such tree: an
 # earlier commit's kernels against this tree's on the same card. eager_1rank / eager_mps run benchmarks/bench_eager.py
 # (an eager MoELayer.run's host issue, eager, pipelined and graph times against MegaMoE's; EAGER_ARGS, EAGER_LIMIT_S).
+# weight_read_1rank runs benchmarks/probe_weight_read.py: how fast the card reads the experts' FP8 weights against bytes
+# in flight (the persistent decode consumer's weight loader alone, swept; WEIGHT_READ_ARGS, WEIGHT_READ_LIMIT_S).
 # commands runs every command README.md and docs/LAUNCHER.md show (tests/helpers/doc_commands.py lists them) at a
 # small preset, at 1 rank and at 4 ranks under the launcher's own MPS daemon, each ending with the status the docs
 # give it: one record; commands_1rank / commands_4rank split it over two device calls (records commands-1rank and
@@ -46,7 +48,7 @@ default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mp
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
            decode_1rank decode_trees decode_ncu decode_stalls quick_1rank smoke_mps call_kernels megamoe_1rank breakdown_1rank
-           bisect_1rank eager_1rank eager_mps commands commands_1rank commands_4rank)
+           bisect_1rank eager_1rank eager_mps commands commands_1rank commands_4rank weight_read_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -290,6 +292,24 @@ breakdown_1rank() {  # BREAKDOWN_ARGS override the bench's arguments (default: f
     # shellcheck disable=SC2086
     timeout 300 python3 -m benchmarks.bench_consumer_breakdown ${BREAKDOWN_ARGS:-} \
         --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-breakdown.json" 2>&1 | tee "$logs/breakdown.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+weight_read_1rank() {  # WEIGHT_READ_ARGS / WEIGHT_READ_LIMIT_S override the probe's arguments (default: its default
+    # sweep, about a minute) and its time limit; first the probe kernel's SASS, counted by instruction (the tensor-map
+    # and bulk copies, barriers, register hand-over), so that its table prints last
+    local cubin
+    cubin=$(python3 -c 'from chunkring.env import cache_dir; from chunkring.jit import build
+r = build("probe_weight_read"); print(cache_dir() / f"{r.name}-{r.arch}-{r.cache_key}.cubin")')
+    if command -v cuobjdump >/dev/null && [ -f "$cubin" ]; then
+        cuobjdump --dump-sass "$cubin" >"$logs/probe_weight_read.sass" &&
+            grep -oE '\b(UTMALDG|UTMAPF|UBLKCP|SYNCS\.[A-Z.]+|USETMAXREG|LDS\.[0-9A-Z.]+|LDG\.[0-9A-Z.]+|LDL|STL)\b' \
+                "$logs/probe_weight_read.sass" | sort | uniq -c | tee "$logs/weight_read.log"
+    else
+        echo "weight_read_1rank: no cuobjdump or no cubin ($cubin): SASS not counted" | tee "$logs/weight_read.log"
+    fi
+    # shellcheck disable=SC2086
+    timeout "${WEIGHT_READ_LIMIT_S:-240}" python3 -m benchmarks.probe_weight_read ${WEIGHT_READ_ARGS:-} \
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-weight-read.json" 2>&1 | tee -a "$logs/weight_read.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and achieved DRAM bandwidth per launch,

@@ -43,6 +43,8 @@ HEADLINES = [
     # against MegaMoE, the consumer's breakdown
     r"flash_1024_chunkring_over_megamoe", r"flash_8192_chunkring_over_megamoe", r"flash_8192_chunkring_ms",
     r"flash_8192_megamoe_ms", r"8192_call_ms", r"8192_experts_ms", r"8192_plan_ms",
+    # the weight-read probe (its best case at 6 and 26 experts, and the plain loads beside it)
+    r"e6_best_tbps", r"e26_best_tbps", r"e26_best_pct_peak", r"e26_plain_tbps",
 ]
 MAX_HEADLINES = 4
 WALL_KEYS = ("suite_seconds", "suite_seconds_max_rank", "job_seconds", "rank0_wall_s")

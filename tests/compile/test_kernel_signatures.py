@@ -17,7 +17,10 @@ from tests.helpers.launch_sites import launch_calls
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = kernel_sources()
 #: Bytes each parameter kind takes in the kernel's parameter buffer.
-WIDTH = {"ptr": 8, "i64": 8, "u64": 8, "i32": 4, "u32": 4}
+WIDTH = {"ptr": 8, "i64": 8, "u64": 8, "i32": 4, "u32": 4, "tensormap": 128}
+#: One parameter of a PTX entry: its element width in bits and, for a by-value array (a tensor map's
+#: `.param .align 64 .b8 name[128]`), its element count.
+PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.[bsuf](\d+)\s+\w+(?:\[(\d+)\])?")
 #: A kernel launched by name (``lib.launch("moe_pull", ...)``, occupancy queries) and a library loaded by name.
 LAUNCHED = re.compile(r"""\.(?:launch|resident_blocks_per_sm)\(\s*["'](\w+)["']""")
 LOADED = re.compile(r"""library_for\(\s*[\w.]+\s*,\s*["'](\w+)["']""")
@@ -32,7 +35,8 @@ def ptx_entries(name: str) -> dict[str, list[int]]:
     virtual target, no ptxas) because its ``.entry`` lines spell each parameter's width out."""
     from cuda.bindings import nvrtc
 
-    options = dataclasses.replace(program_options(name, arch="sm_90"), arch="compute_90", ptxas_options=None)
+    options = program_options(name, arch="sm_90")  # sm_90a for an architecture-specific source
+    options = dataclasses.replace(options, arch=options.arch.replace("sm_", "compute_"), ptxas_options=None)
     flags = options.as_bytes("nvrtc")
     err, program = nvrtc.nvrtcCreateProgram((KERNEL_DIR / f"{name}.cu").read_bytes(), f"{name}.cu".encode(), 0, [], [])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
@@ -48,7 +52,7 @@ def ptx_entries(name: str) -> dict[str, list[int]]:
         nvrtc.nvrtcGetPTX(program, ptx)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
-    return {entry.group(1): [int(bits) // 8 for bits in re.findall(r"\.param\s+\.[bsuf](\d+)", entry.group(2))]
+    return {entry.group(1): [int(bits) // 8 * int(count or 1) for bits, count in PTX_PARAM.findall(entry.group(2))]
             for entry in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx.decode(errors="replace"), re.S)}
 
 

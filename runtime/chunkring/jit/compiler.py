@@ -6,8 +6,9 @@ compiles exactly what the GPU host will load.
 
 The cache key covers everything that can change the cubin: the kernel source, every chunkring header,
 the NVSHMEM version and headers, the NVRTC version, and every compiler option as NVRTC receives it
-(the target architecture and the macros among them). The target is the GPU's own architecture; where
-no GPU is visible (CI compiles on CPUs) it is :data:`CPU_FALLBACK_ARCH` unless ``arch=`` names one.
+(the target architecture and the macros among them). The target is the GPU's own architecture (its ``a``
+variant for the sources in :data:`ARCH_SPECIFIC_SOURCES`); where no GPU is visible (CI compiles on CPUs) it is
+:data:`CPU_FALLBACK_ARCH` unless ``arch=`` names one.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from chunkring.jit.signatures import Param, parse_kernels
 if TYPE_CHECKING:
     from cuda.core import Device, ObjectCode, ProgramOptions
 
-__all__ = ["CPU_FALLBACK_ARCH", "KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "arch_of", "build", "default_arch",
-           "headers_digest", "include_path", "nvrtc_version",
-           "cache_key", "kernel_sources", "nvshmem_version", "program_options"]
+__all__ = ["ARCH_SPECIFIC_SOURCES", "CPU_FALLBACK_ARCH", "KERNEL_DIR", "INCLUDE_DIR", "BuildResult", "arch_of", "build",
+           "default_arch", "headers_digest", "include_path", "nvrtc_version",
+           "cache_key", "kernel_sources", "nvshmem_version", "program_options", "target_arch"]
 
 #: The CUDA sources: the repository's top-level ``device/`` (headers and kernels only), which the package
 #: reaches through its ``device`` link and a wheel carries as package data.
@@ -39,6 +40,10 @@ KERNEL_DIR = DEVICE_DIR / "kernels"
 INCLUDE_DIR = DEVICE_DIR / "include"
 #: The target where no GPU is visible: the GPU host's H200 (CPU-only builds, e.g. CI, tests/compile/).
 CPU_FALLBACK_ARCH = "sm_90"
+#: Kernel sources that use architecture-specific instructions (wgmma, setmaxnreg): built for the ``a`` variant of
+#: the GPU's architecture (``sm_90a``), whose cubin runs on that architecture only. Every other source is built for
+#: the plain one.
+ARCH_SPECIFIC_SOURCES = frozenset({"probe_weight_read"})
 
 
 @dataclass(frozen=True)
@@ -57,10 +62,18 @@ class BuildResult:
 
 
 def arch_of(device: Device) -> str:
-    """NVRTC's target for a ``cuda.core.Device``: ``sm_XY`` from its compute capability. No kernel uses
-    architecture-specific instructions (wgmma, setmaxnreg), so never the ``a`` variant."""
+    """NVRTC's target for a ``cuda.core.Device``: ``sm_XY`` from its compute capability (a source in
+    :data:`ARCH_SPECIFIC_SOURCES` gets its ``a`` variant from :func:`target_arch`)."""
     major, minor = device.compute_capability
     return f"sm_{major}{minor}"
+
+
+def target_arch(name: str, arch: str) -> str:
+    """The target kernel source ``name`` is built for on ``arch``: its architecture-specific variant
+    (``sm_90`` -> ``sm_90a``) if the source is in :data:`ARCH_SPECIFIC_SOURCES`, else ``arch`` itself."""
+    if name in ARCH_SPECIFIC_SOURCES and not arch.endswith("a"):
+        return f"{arch}a"
+    return arch
 
 
 def default_arch() -> str:
@@ -174,12 +187,14 @@ def _check_defines(defines: dict[str, int | str]) -> None:
 
 def program_options(name: str, *, defines: dict[str, int | str] | None = None,
                     arch: str | None = None) -> ProgramOptions:
-    """The ``cuda.core.ProgramOptions`` that :func:`build` compiles ``<name>.cu`` with."""
+    """The ``cuda.core.ProgramOptions`` that :func:`build` compiles ``<name>.cu`` with, for ``arch`` (by default
+    :func:`default_arch`) or its architecture-specific variant (:func:`target_arch`)."""
     from cuda.core import ProgramOptions
 
     arch = default_arch() if arch is None else arch
-    if not arch.startswith("sm_") or not arch[3:].rstrip("a").isdigit():
-        raise ChunkringUsageError(f"arch must look like 'sm_90', got {arch!r}", field="arch")
+    if not arch.startswith("sm_") or not arch[3:].removesuffix("a").isdigit():
+        raise ChunkringUsageError(f"arch must look like 'sm_90' or 'sm_90a', got {arch!r}", field="arch")
+    arch = target_arch(name, arch)
     defines = dict(sorted((defines or {}).items()))
     _check_defines(defines)
     return ProgramOptions(
@@ -196,7 +211,8 @@ def program_options(name: str, *, defines: dict[str, int | str] | None = None,
 
 def build(name: str, *, defines: dict[str, int | str] | None = None, arch: str | None = None) -> BuildResult:
     """Compile ``device/kernels/<name>.cu`` (or load it from the cache) and return its cubin, for
-    ``arch`` (``"sm_90"``; by default :func:`default_arch`: the current GPU's)."""
+    ``arch`` (``"sm_90"``; by default :func:`default_arch`: the current GPU's), or its ``a`` variant for a source in
+    :data:`ARCH_SPECIFIC_SOURCES` (the result's ``arch`` says which)."""
     if name not in kernel_sources():
         raise ChunkringUsageError(f"unknown kernel source {name!r}; have {kernel_sources()}", field="name")
     options = program_options(name, defines=defines, arch=arch)

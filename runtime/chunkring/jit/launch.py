@@ -4,18 +4,22 @@ the kernel's ``extern "C"`` signature in the .cu declares the parameters once
 
 A missing or unknown name, a wrong dtype, a CPU tensor, a non-contiguous view or an out-of-range integer is a
 ``ChunkringUsageError`` before anything is enqueued. Scalars are converted to the exact NumPy type the
-kernel expects (cuda.core would pass a bare Python int as a pointer).
+kernel expects (cuda.core would pass a bare Python int as a pointer). A kernel that takes a tensor map by value
+(``const __grid_constant__ TensorMap``, 128 bytes, which cuda.core's launch cannot pass) is launched through the
+driver's ``cuLaunchKernel`` with a parameter buffer built here, every other one through cuda.core.
 """
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
-from chunkring.jit.signatures import Param
+from chunkring.jit.signatures import TENSOR_MAP, Param
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
     from cuda.core import Kernel, ObjectCode
 
@@ -24,7 +28,7 @@ if TYPE_CHECKING:
 
 # Param lives with the signatures that make it.
 __all__ = ["LAUNCH_KEYWORDS", "KernelArgs", "KernelLibrary", "Param", "allow_dynamic_shared", "check_argument_names",
-           "library_for"]
+           "launch_by_driver", "library_for"]
 
 #: Dynamic shared memory a block may take without its kernel opting in to more (CUDA's default limit).
 _DEFAULT_SHARED_BYTES = 48 * 1024
@@ -56,6 +60,8 @@ class KernelLibrary:
         for name, kernel in self._kernels.items():
             _load_now(name, kernel)
         self._shared_allowed: dict[str, int] = {}  # kernels opted in to more dynamic shared memory, and how much
+        self._by_driver = {name for name, params in self._signatures.items()
+                           if any(param.kind == TENSOR_MAP for param in params)}
 
     def __repr__(self) -> str:
         return f"KernelLibrary({self.build.name!r}, kernels={sorted(self._signatures)})"
@@ -90,6 +96,13 @@ class KernelLibrary:
         if shared_bytes > self._shared_allowed.get(name, _DEFAULT_SHARED_BYTES):
             allow_dynamic_shared(self._kernels[name], shared_bytes, self.runtime.ordinal, name)
             self._shared_allowed[name] = shared_bytes
+        if name in self._by_driver:
+            if pdl:
+                raise ChunkringUsageError(f"{name} takes a tensor map: launched by the driver, without pdl",
+                                          field="pdl")
+            launch_by_driver(self._kernels[name], name, params, values, grid=grid, block=block,
+                             shared_bytes=shared_bytes, stream_handle=int(torch_stream.cuda_stream))
+            return
         stream_obj = self.runtime.device.create_stream(torch_stream)
         try:
             config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes,
@@ -97,6 +110,49 @@ class KernelLibrary:
             launch(stream_obj, config, self._kernels[name], *values)
         except Exception as exc:
             raise ChunkringRuntimeError(f"launch of {name} failed: {exc}") from exc
+
+#: A scalar parameter's kind -> its C type, for the driver's parameter buffer.
+_SCALAR_CTYPES = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64}
+_TENSOR_MAP_ALIGN = 64
+
+
+def _dims(value: int | tuple[int, ...], what: str) -> list[int]:
+    """A grid or block as the driver's three extents (x, y, z), the missing ones 1."""
+    dims = [value] if isinstance(value, int) else list(value)
+    if not 1 <= len(dims) <= 3 or any(not isinstance(d, int) or d < 1 for d in dims):
+        raise ChunkringUsageError(f"expected 1 to 3 positive ints, got {value!r}", field=what)
+    return dims + [1] * (3 - len(dims))
+
+
+def launch_by_driver(kernel: Kernel, name: str, params: tuple[Param, ...], values: list[int | np.integer | bytes], *,
+                     grid: int | tuple[int, ...], block: int | tuple[int, ...], shared_bytes: int,
+                     stream_handle: int) -> None:
+    """Enqueue ``kernel`` with ``cuLaunchKernel``: each of ``values`` (``Param.convert``'s: a pointer as an int, a
+    scalar as its NumPy type, a tensor map as its 128 bytes) copied into a buffer of its own, the driver given their
+    addresses. The driver copies the parameters at the call, so the buffers need not outlive it."""
+    from cuda.bindings import driver
+
+    storage: list[ctypes._CData] = []
+    addresses = (ctypes.c_void_p * len(params))()
+    for i, (param, value) in enumerate(zip(params, values, strict=True)):
+        if isinstance(value, bytes):  # a tensor map, at a 64-byte boundary as CUtensorMap is aligned
+            buffer = (ctypes.c_uint8 * (len(value) + _TENSOR_MAP_ALIGN))()
+            at = -ctypes.addressof(buffer) % _TENSOR_MAP_ALIGN
+            ctypes.memmove(ctypes.addressof(buffer) + at, value, len(value))
+            storage.append(buffer)
+            addresses[i] = ctypes.addressof(buffer) + at
+            continue
+        item = ctypes.c_uint64(int(value)) if param.kind == "ptr" else _SCALAR_CTYPES[param.kind](int(value))
+        storage.append(item)
+        addresses[i] = ctypes.addressof(item)
+    # A library's CUkernel passed as a CUfunction: the driver launches it in the stream's context, with the
+    # attributes cuKernelSetAttribute gave it (allow_dynamic_shared), as cuda.core's launches do.
+    function = driver.CUfunction(int(kernel.handle))
+    (err,) = driver.cuLaunchKernel(function, *_dims(grid, "grid"), *_dims(block, "block"), shared_bytes,
+                                   driver.CUstream(stream_handle), ctypes.addressof(addresses), 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ChunkringRuntimeError(f"launch of {name} failed: {err}")
+
 
 #: Some of a kernel's arguments by parameter name, for a launch to expand (``**args``); each value is checked
 #: against its parameter there.

@@ -4,7 +4,10 @@ kernel's list of them, read from its ``extern "C" __global__`` signature in devi
 The signature in the .cu is the only declaration of a kernel's parameters. Each parameter's C type
 becomes a :class:`Param` through one explicit table, :data:`C_TYPES`; a type the table does not name
 is an error, never a guess. A pointer that may be null carries
-``CHUNKRING_NULLABLE`` before its type (an empty macro, chunkring/util/kernel_params.cuh).
+``CHUNKRING_NULLABLE`` before its type (an empty macro, chunkring/util/kernel_params.cuh). A tensor map
+(``TensorMap``, chunkring/ptx/bulk_copy.cuh) is taken by value as ``const __grid_constant__ TensorMap name``,
+so that the copy engine reads it where the launch put it; its argument is a
+:class:`chunkring.jit.tensor_map.TensorMap`.
 
 The parser reads the source's own text with comments removed, not the preprocessor's output: a
 signature must not depend on a macro, and every ``__global__`` function of a .cu must be declared
@@ -25,9 +28,12 @@ from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["C_TYPES", "NULLABLE", "Param", "parse_kernels"]
+__all__ = ["C_TYPES", "GRID_CONSTANT", "NULLABLE", "Param", "parse_kernels"]
 
 NULLABLE = "CHUNKRING_NULLABLE"
+GRID_CONSTANT = "__grid_constant__"
+#: The kind of a tensor-map parameter: 128 bytes passed by value (chunkring.jit.tensor_map.TensorMap).
+TENSOR_MAP = "tensormap"
 
 _SCALARS: dict[str, type[np.integer]] = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64}
 
@@ -35,7 +41,8 @@ _SCALARS: dict[str, type[np.integer]] = {"i32": np.int32, "u32": np.uint32, "i64
 @dataclass(frozen=True)
 class Param:
     """One kernel parameter: ``kind`` is ``"ptr"`` (a CUDA tensor of ``dtype``; ``None`` passes a null
-    pointer if ``nullable``) or a scalar kind."""
+    pointer if ``nullable``), ``"tensormap"`` (a :class:`chunkring.jit.tensor_map.TensorMap` of the launch's GPU,
+    passed by value) or a scalar kind."""
 
     name: str
     kind: str
@@ -43,16 +50,25 @@ class Param:
     nullable: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind != "ptr" and self.kind not in _SCALARS:
+        if self.kind not in ("ptr", TENSOR_MAP) and self.kind not in _SCALARS:
             raise ChunkringUsageError(f"unknown parameter kind {self.kind!r}", field=self.name)
         if self.kind == "ptr" and self.dtype is None:
             raise ChunkringUsageError("a pointer parameter needs its dtype", field=self.name)
         if self.nullable and self.kind != "ptr":
             raise ChunkringUsageError("only a pointer parameter can be nullable", field=self.name)
 
-    def convert(self, value: object, device: torch.device) -> int | np.integer:
+    def convert(self, value: object, device: torch.device) -> int | np.integer | bytes:
         import torch
 
+        if self.kind == TENSOR_MAP:
+            from chunkring.jit.tensor_map import TensorMap
+
+            if not isinstance(value, TensorMap):
+                raise ChunkringUsageError(f"expected a chunkring.jit.tensor_map.TensorMap, got {type(value).__name__}",
+                                          field=self.name)
+            if value.device != device:
+                raise ChunkringUsageError(f"tensor map is of {value.device}, kernel runs on {device}", field=self.name)
+            return value.data
         if self.kind == "ptr":
             if value is None and self.nullable:
                 return 0  # cuda.core passes a Python int as intptr_t: the null pointer
@@ -97,6 +113,7 @@ C_TYPES: dict[str, tuple[str, str | None]] = {
     "long long": ("i64", None),
     "unsigned long long": ("u64", None),
     "u64": ("u64", None),
+    "TensorMap": (TENSOR_MAP, None),  # only as `const __grid_constant__ TensorMap`
 }
 
 # Comments, and the string and character literals a comment marker may hide in (kept as they are).
@@ -130,8 +147,8 @@ def _param(text: str, where: str) -> Param:
     import torch
 
     tokens = _TOKEN.findall(text)
-    nullable = NULLABLE in tokens
-    tokens = [t for t in tokens if t != NULLABLE and t not in _DROPPED]
+    nullable, grid_constant, const = NULLABLE in tokens, GRID_CONSTANT in tokens, "const" in tokens
+    tokens = [t for t in tokens if t not in (NULLABLE, GRID_CONSTANT) and t not in _DROPPED]
     if len(tokens) < 2 or not _IDENTIFIER.fullmatch(tokens[-1]) or tokens[-1] in _TYPE_WORDS:
         raise ChunkringRuntimeError(f"{where}: parameter {text.strip()!r} needs a type and a name")
     name, ctype = tokens[-1], " ".join(tokens[:-1]).replace(" *", "*")
@@ -141,6 +158,9 @@ def _param(text: str, where: str) -> Param:
     kind, dtype = C_TYPES[ctype]
     if nullable and kind != "ptr":
         raise ChunkringRuntimeError(f"{where}: parameter {name!r} is {NULLABLE} but not a pointer")
+    if (kind == TENSOR_MAP) != (grid_constant and const):
+        raise ChunkringRuntimeError(f"{where}: parameter {name!r}: a TensorMap, and only a TensorMap, is taken as "
+                                    f"`const {GRID_CONSTANT} TensorMap`")
     return Param(name, kind, getattr(torch, dtype) if dtype else None, nullable)
 
 

@@ -1,8 +1,7 @@
 // Programmatic dependent launch (Hopper, PTX `griddepcontrol`). A kernel launched with programmatic stream
 // serialization (chunkring.jit's launch(..., pdl=True)) may start before the kernel ahead of it in its stream has
 // finished - once every block of that kernel released its dependents or exited - so its launch and the scheduling
-// of its blocks overlap that kernel's tail instead of following it. With ordering.cuh, mma.cuh and load.cuh, the
-// only `asm`.
+// of its blocks overlap that kernel's tail instead of following it. Every `asm` of chunkring lives in ptx/.
 //
 // The rules (tests/compile/test_dependent_launches.py checks them in the source):
 // * A kernel launched with pdl calls wait_prior_grid before it touches anything the kernels of its call write or

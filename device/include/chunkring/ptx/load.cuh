@@ -1,5 +1,5 @@
-// Asynchronous copies into shared memory (PTX `cp.async`). With ordering.cuh, mma.cuh and
-// dependent_launch.cuh, the only `asm`.
+// Asynchronous copies into shared memory (PTX `cp.async`), per thread (bulk_copy.cuh: the copy engine's). Every
+// `asm` of chunkring lives in ptx/.
 #pragma once
 
 #include <cuda/std/cstdint>

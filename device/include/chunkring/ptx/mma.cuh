@@ -1,5 +1,4 @@
-// Tensor-core matrix multiply-accumulate, warp-wide (PTX `mma.sync`). With ordering.cuh, load.cuh and
-// dependent_launch.cuh, the only `asm`.
+// Tensor-core matrix multiply-accumulate, warp-wide (PTX `mma.sync`). Every `asm` of chunkring lives in ptx/.
 #pragma once
 
 #include <cuda/std/cstdint>

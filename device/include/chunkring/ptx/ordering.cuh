@@ -1,5 +1,4 @@
-// Memory-ordering primitives, named <operation>_<order>_<scope>. With mma.cuh, load.cuh and dependent_launch.cuh, the
-// only `asm`.
+// Memory-ordering primitives, named <operation>_<order>_<scope>. Every `asm` of chunkring lives in ptx/.
 //
 // Scope: every word chunkring's protocol touches is written by one GPU (or process) and read by
 // another, so the protocol uses `.sys` scope throughout; the PTX memory model only pairs a release

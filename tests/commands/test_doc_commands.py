@@ -68,4 +68,7 @@ def test_a_documented_command_ends_as_the_docs_say(command, variant, tmp_path, r
     print(out)
     assert proc.returncode == command.status, (f"{shlex.join(argv)} ended with status {proc.returncode}; the docs "
                                                f"say {command.status}:\n{tail(out)}")
+    deadline = time.monotonic() + 10  # a daemon told to quit may take a moment to exit
+    while live_mps_daemons() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert live_mps_daemons() == [], f"an MPS daemon outlived {shlex.join(argv)}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,7 @@ def facade_tables(facade: str) -> tuple[dict[str, str], dict[str, str]]:
     ``_EXPORTS`` (name -> defining module, what chunkring._lazy imports at first use) and the names its
     ``if TYPE_CHECKING:`` block imports (what mypy reads), each name -> module."""
     package = importlib.import_module(facade)
-    tree = ast.parse(open(package.__file__).read())
+    tree = ast.parse(Path(package.__file__).read_text())
     (table,) = [n.value for n in tree.body if isinstance(n, ast.Assign)
                 and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in n.targets)]
     exports = eval(compile(ast.Expression(table), package.__file__, "eval"), {"dict": dict})

@@ -392,7 +392,7 @@ commands_part() {  # name ranks [pytest -k expression]: tests/commands (each doc
     run_suite "$name" "$n" python3 -m pytest tests/commands -v -rs --timeout 1000 ${select:+-k "$select"} \
         --junitxml="$logs/$name.xml" || status=1
 }
-commands() { commands_part commands 4; }
+commands() { commands_part commands 4 "${COMMANDS_SELECT:-}"; }  # COMMANDS_SELECT (pytest -k): a rest of them
 commands_1rank() { commands_part commands-1rank 1 "not 4rank"; }  # and those run once (doctor, bench.sh)
 commands_4rank() { commands_part commands-4rank-mps 4 "4rank"; }
 # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.

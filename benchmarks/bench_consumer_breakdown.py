@@ -26,9 +26,9 @@ import chunkring
 from benchmarks.bench_vs_megamoe import SHAPES, draw_weights, routed_batch
 from chunkring import MoEConfig, MoELayer, Timeline
 from chunkring.jit import library_for
+from chunkring.moe._engine.experts import ExpertCompute, OwnRows
+from chunkring.moe._engine.stage import Stage
 from chunkring.moe.calibration import capture_graph, replay_median_ms
-from chunkring.moe.experts import ExpertCompute, OwnRows
-from chunkring.moe.stage import Stage
 from chunkring.moe.timeline import Event
 from chunkring.moe.weights import expert_weights
 from chunkring.testing import records

@@ -1,4 +1,4 @@
-"""The FP8 decode path (chunkring.moe.decode: swap-AB GEMMs, device/kernels/moe_decode.cu) against the DeepGEMM
+"""The FP8 decode path (chunkring.moe._engine.decode: swap-AB GEMMs, device/kernels/moe_decode.cu) against the DeepGEMM
 path and DeepGEMM's own SM90 MegaMoE at decode sizes, on one GPU, same inputs.
 
     python -m benchmarks.bench_decode [--shapes flash,v3] [--tokens 1,2,4,8,16,32,64,128,256,512]
@@ -41,10 +41,11 @@ from benchmarks.bench_vs_megamoe import SHAPES, draw_weights, rel_err, routed_ba
 from benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_group
 from chunkring import MoEConfig, MoELayer
 from chunkring.jit import library_for
+from chunkring.moe._engine.decode import DecodeGemm
+from chunkring.moe._engine.experts import ExpertCompute
+from chunkring.moe._engine.stage import Stage
 from chunkring.moe.calibration import burst_for, replay_medians_ms
-from chunkring.moe.decode import DecodeGemm
-from chunkring.moe.experts import ExpertCompute, load_deep_gemm
-from chunkring.moe.stage import Stage
+from chunkring.moe.gemm import load_deep_gemm
 from chunkring.moe.weights import Fp8Weight, expert_weights
 from chunkring.testing import records
 

@@ -22,9 +22,9 @@ import torch
 import chunkring
 from chunkring import MoEConfig, MoELayer
 from chunkring.jit import library_for
-from chunkring.moe.calls import CallMode
-from chunkring.moe.producer import quantize_rows_fp8, route
-from chunkring.moe.resources import PULL_BLOCK
+from chunkring.moe import CallMode
+from chunkring.moe._engine.resources import PULL_BLOCK
+from chunkring.moe.routing import quantize_rows_fp8, route
 from chunkring.ring.io import publish_chunk
 from chunkring.testing import records
 from chunkring.testing.stress import NO_INPUT_CHECKS

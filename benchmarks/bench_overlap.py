@@ -1,4 +1,4 @@
-"""Does streaming pay? ``ChunkedMoE`` batch-ready, streamed and ``streaming="auto"`` on the default config,
+"""Does streaming pay? ``MoEModule`` batch-ready, streamed and ``streaming="auto"`` on the default config,
 beside the overlap bound, at decode to prefill sizes.
 
     python -m benchmarks.bench_overlap [--shapes flash,v3] [--tokens 1,8,128,1024,2048,4096,8192]
@@ -11,7 +11,7 @@ width and top-k (hidden 7168, intermediate 2048, top-8; 32 experts per rank: ove
 
 Per shape, one layer is built as a serving caller builds it: ``MoEConfig(...).with_default_ring()`` for the largest
 token count, ``MoELayer(runtime, config)`` (streamed calls on the default partition; ``--partition none``: on
-ordinary streams, each record's ``partition`` says which), and a ``ChunkedMoE`` over it holding this rank's weights.
+ordinary streams, each record's ``partition`` says which), and a ``MoEModule`` over it holding this rank's weights.
 :func:`chunkring.calibrate` then times the layer at every token count - batch-ready, and streamed in every chunk
 size up to the slot (``--chunks``, and the largest that fits) - and sets what ``streaming="auto"`` does. Per token
 count two records, ``chunk_kind`` "default" (the slot size: a streamed call with no calibration) and "best" (the
@@ -20,10 +20,10 @@ rounds, ``burst_for(n)`` replays back to back per sample - :func:`chunkring.moe.
 median of ``--iterations`` rounds, ranks started together; the slowest rank's figure where several ranks run; where
 both kinds name one chunk size one measurement serves both):
 
-* ``batch_ms``: ``ChunkedMoE.forward(streaming=False)``;
+* ``batch_ms``: ``MoEModule.forward(streaming=False)``;
 * ``streamed_ms``: the same call streamed in chunks of ``chunk`` tokens (``MoELayer.forward(chunk=)``, the call
-  ChunkedMoE's operator makes);
-* ``auto_ms``: ``ChunkedMoE.forward(streaming="auto")`` after calibration, ``auto_over_faster`` its ratio to the
+  MoEModule's operator makes);
+* ``auto_ms``: ``MoEModule.forward(streaming="auto")`` after calibration, ``auto_over_faster`` its ratio to the
   faster of the two modes;
 * ``P_ms``, the producers alone (each chunk's router GEMM and fused producer, into a scratch ring a trivial
   consumer drains), and ``Q_ms``, the consumer alone (batch-ready ``MoELayer.run`` on the routed batch);
@@ -135,13 +135,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 class Shape:
     """One shape's layer (the default config for ``max_tokens`` tokens per rank), this rank's weights drawn on
-    the GPU, and the ``ChunkedMoE`` over them."""
+    the GPU, and the ``MoEModule`` over them."""
 
     def __init__(self, name: str, runtime, max_tokens: int, seed: int = 0, slot: int | None = None,
                  partition: str = "auto"):
         import torch
 
-        from chunkring import ChunkedMoE, MoEConfig, MoELayer, expert_weights
+        from chunkring import MoEConfig, MoELayer, MoEModule, expert_weights
 
         self.name, self.runtime, spec = name, runtime, SHAPES[name]
         self.config = MoEConfig(num_experts=spec["experts"] * runtime.world_size, hidden=spec["hidden"],
@@ -157,7 +157,7 @@ class Shape:
         weights = expert_weights(self.config, w13, w2)
         self.w13, self.w2 = weights[0], weights[1]
         self.layer = MoELayer(runtime, self.config, partition=partition)
-        self.module = ChunkedMoE(self.layer, weights=(self.router, self.w13, self.w2))
+        self.module = MoEModule(self.layer, weights=(self.router, self.w13, self.w2))
 
     @property
     def slot(self) -> int:
@@ -169,7 +169,7 @@ class Shape:
         """(hidden bf16 [n, H], the routed FP8 batch MoELayer.run takes) for ``n`` tokens."""
         import torch
 
-        from chunkring.moe.producer import quantize_rows_fp8, route
+        from chunkring.moe.routing import quantize_rows_fp8, route
 
         hidden = torch.randn(n, self.config.hidden, generator=self.gen, device=self.runtime.torch_device).bfloat16()
         idx, w = route(hidden, self.router, self.config.topk)
@@ -177,7 +177,7 @@ class Shape:
         return hidden, (x, x_sf, idx, w)
 
     def forward(self, hidden, chunk: int):
-        """The layer streamed in chunks of ``chunk`` tokens (what ChunkedMoE's operator calls)."""
+        """The layer streamed in chunks of ``chunk`` tokens (what MoEModule's operator calls)."""
         return self.layer.forward(hidden, self.router, self.w13, self.w2, streaming=True, chunk=chunk)
 
     def destroy(self) -> None:
@@ -195,7 +195,7 @@ class ProducersAlone:
         import torch
 
         from chunkring import Ring
-        from chunkring.moe.calls import CallMode
+        from chunkring.moe import CallMode
         from chunkring.ring.io import GatherOutputs, gather_grid_limit
 
         self.layer, self.mode, self.drain = layer, CallMode.STREAMED, drain
@@ -217,7 +217,8 @@ class ProducersAlone:
     def __call__(self, hidden, router_weight, chunk: int | None = None) -> None:
         import torch
 
-        from chunkring.moe.producer import enqueue_produce, router_logits
+        from chunkring.moe._engine.producer import enqueue_produce
+        from chunkring.moe.routing import router_logits
         from chunkring.ring.io import gather
 
         layer, n = self.layer, hidden.shape[0]

@@ -42,8 +42,8 @@ import chunkring
 from benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_group, time_eager
 from chunkring import MoEConfig, MoELayer
 from chunkring.moe.calibration import burst_for, replay_medians_ms
-from chunkring.moe.experts import load_deep_gemm
-from chunkring.moe.producer import quantize_rows_fp8, route
+from chunkring.moe.gemm import load_deep_gemm
+from chunkring.moe.routing import quantize_rows_fp8, route
 from chunkring.moe.weights import Fp8Weight, expert_weights
 from chunkring.testing import records
 from chunkring.testing.peer_moe import torch_moe_routed

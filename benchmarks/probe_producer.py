@@ -8,7 +8,7 @@ For each chunk size (tokens per chunk) it times, as CUDA-graph replays of a whol
 10), on the producer partition of a streaming layer built as bench_overlap.py builds it:
 
 * ``gemm_fp32_us``: per chunk, ``chunk.float() @ router.float().T`` (two kernels: the copy and an fp32 GEMM);
-* ``gemm_bf16_us``: per chunk, :func:`chunkring.moe.producer.router_logits` (one bf16 tensor-core GEMM, fp32
+* ``gemm_bf16_us``: per chunk, :func:`chunkring.moe.routing.router_logits` (one bf16 tensor-core GEMM, fp32
   out);
 * ``produce_us[e]``: per chunk, the router GEMM (bf16) and the fused kernel with ``e`` hidden elements per
   block (``PRODUCE_ELEMENTS_PER_BLOCK``), publishing into a scratch ring that ``ring_gather`` drains on the
@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import chunkring
-    from chunkring.moe import producer
+    from chunkring.moe._engine import producer
     from chunkring.moe.calibration import replay_median_ms
+    from chunkring.moe.routing import router_logits
 
     runtime = chunkring.init()
     shape = Shape(args.shape, runtime, args.tokens, slot=max(chunks))
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec["gemm_fp32_us"] = 1e3 * replay_median_ms(
                     lambda: gemms(lambda c: c.float() @ router.float().T), **timed) / pieces
                 rec["gemm_bf16_us"] = 1e3 * replay_median_ms(
-                    lambda: gemms(lambda c: producer.router_logits(c, router)), **timed) / pieces
+                    lambda: gemms(lambda c: router_logits(c, router)), **timed) / pieces
                 saved = producer.PRODUCE_ELEMENTS_PER_BLOCK
                 try:
                     for e in elements:

@@ -1,4 +1,4 @@
-// The decode path of the consumer's expert work (runtime/chunkring/moe/decode.py drives it): for few rows per
+// The decode path of the consumer's expert work (runtime/chunkring/moe/_engine/decode.py drives it): for few rows per
 // expert, two kernels replace DeepGEMM's L1, moe_swiglu_fp8 and DeepGEMM's L2 (moe_experts.cu) on the same
 // plan (moe_plan_scatter's groups), and moe_combine_push runs after them unchanged:
 //

@@ -1,4 +1,4 @@
-// The MoE consumer's expert work at one destination rank (runtime/chunkring/moe/experts.py drives it), after
+// The MoE consumer's expert work at one destination rank (runtime/chunkring/moe/_engine/experts.py drives it), after
 // moe_pull (moe_stream.cu) staged every source's rows at their token index:
 //
 //   moe_plan_reset     a plan with nothing planned: its counters 0, every row's source -1

@@ -14,7 +14,7 @@
 // last block's publish, whose system-scope release fence is cumulative over them. A block whose
 // begin_chunk fails (an error recorded) never arrives, so nothing is published over a slot still in use.
 //
-// What it computes matches chunkring.moe.producer's torch reference (route, quantize_rows_fp8):
+// What it computes matches chunkring.moe._engine.producer's torch reference (route, quantize_rows_fp8):
 //   - routing: the K largest logits (a NaN ranks above everything, as torch.topk ranks it; equal logits:
 //     the lower expert first); weight_k = exp(l_k - l_max) / sum_j exp(l_j - l_max) over the K chosen -
 //     softmax renormalised over the chosen, whose full-row denominator cancels. A few ulps from torch's
@@ -37,7 +37,7 @@ namespace {
 constexpr u32 kWarp = 32;
 constexpr u64 kScaleBlock = 128;     // columns per FP8 scale (runtime/chunkring/ring/spec.py FP8_SCALE_BLOCK)
 
-// The router GEMM's tiling (runtime/chunkring/moe/producer.py router_slices mirrors kRouterSlice and
+// The router GEMM's tiling (runtime/chunkring/moe/_engine/producer.py router_slices mirrors kRouterSlice and
 // kRouterMaxSlices): a block computes 16 tokens x 32 experts; its warps split the hidden columns into
 // slices of a fixed length, each summed by the tensor cores in one fixed order, and the slices' sums are
 // added in slice order. Every choice depends on the hidden size alone, never on the token count.

@@ -72,7 +72,7 @@
  *                          pool holds exactly sum_e ceil(c_e / BM) blocks
  *   NO_OVERFLOW            every block index j < JMAX = ceil(R / BM) and pool
  *                          id < POOL_CAP = g + (R - g) / BM, g = min(E, R)
- *                          (runtime/chunkring/moe/dispatch.py padded_rows_bound / BM)
+ *                          (runtime/chunkring/moe/_engine/dispatch.py padded_rows_bound / BM)
  *   COMPLETION             pan's invalid-end-state check: no process is left
  *                          waiting.  Every loop is bounded, so every maximal
  *                          run ends; with no invalid end state and

@@ -141,7 +141,7 @@ def check_expert_gemms() -> Check:
         found = _version("sgl-deep-gemm")
         return Check(name, "SKIP", f"sgl-deep-gemm {found or 'not installed'}; compiling needs a GPU")
     try:
-        from chunkring.moe.experts import GROUP_ALIGN, load_deep_gemm
+        from chunkring.moe.gemm import GROUP_ALIGN, load_deep_gemm
 
         start = time.perf_counter()
         dg = load_deep_gemm()

@@ -36,11 +36,11 @@ if TYPE_CHECKING:
         NoGpuError,
     )
     from chunkring.moe import (
-        ChunkedMoE,
         Event,
         ExpertKeys,
         MoEConfig,
         MoELayer,
+        MoEModule,
         StreamingCalibration,
         Timeline,
         calibrate,
@@ -60,7 +60,7 @@ _EXPORTS = {
                      "ChunkringOutOfStepError", "ChunkringPeerAbortedError", "ChunkringRuntimeError",
                      "ChunkringTimeoutError", "ChunkringUsageError", "NoGpuError"),
                     "chunkring.errors"),
-    **dict.fromkeys(("ChunkedMoE", "Event", "ExpertKeys", "MoEConfig", "MoELayer", "StreamingCalibration", "Timeline",
+    **dict.fromkeys(("MoEModule", "Event", "ExpertKeys", "MoEConfig", "MoELayer", "StreamingCalibration", "Timeline",
                      "calibrate", "expert_weights", "load_experts"), "chunkring.moe"),
     "SmPartition": "chunkring.partition",
     "RankInfo": "chunkring.ranks",
@@ -71,7 +71,7 @@ _EXPORTS = {
 
 __all__ = [
     "__version__",
-    "ChunkedMoE",
+    "MoEModule",
     "ChunkringDeviceError",
     "ChunkringError",
     "ChunkringHostTimeoutError",

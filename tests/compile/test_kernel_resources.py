@@ -16,7 +16,7 @@ import pytest
 
 from chunkring.jit import kernel_sources, parse_kernels
 from chunkring.jit.compiler import KERNEL_DIR, program_options
-from chunkring.moe.producer import ROUTER_MAX_SLICES
+from chunkring.moe.routing import ROUTER_MAX_SLICES
 from tests.helpers.launch_sites import launch_calls
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,8 +25,8 @@ REGISTERS_PER_SM = 65536
 REGISTER_UNIT = 8
 #: The largest block of a kernel whose launch computes it: the router GEMM's warps are its hidden size's slices.
 COMPUTED_BLOCK = {"moe_router_logits": 32 * ROUTER_MAX_SLICES}
-#: Where ExpertCompute._launch (chunkring.moe.experts) takes its block size: every launch through it.
-WRAPPER_BLOCK = {"_launch": ("runtime/chunkring/moe/experts.py", "_BLOCK")}
+#: Where ExpertCompute._launch (chunkring.moe._engine.experts) takes its block size: every launch through it.
+WRAPPER_BLOCK = {"_launch": ("runtime/chunkring/moe/_engine/experts.py", "_BLOCK")}
 
 
 @dataclasses.dataclass(frozen=True)

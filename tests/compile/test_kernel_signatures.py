@@ -91,7 +91,7 @@ def test_every_kernel_launched_from_python_exists_in_its_source():
 
 
 #: What a launch takes besides the kernel's parameters: KernelLibrary.launch's own keywords; the ``_launch``
-#: of chunkring.moe.experts.ExpertCompute takes a ``shared`` flag instead and forwards the rest.
+#: of chunkring.moe._engine.experts.ExpertCompute takes a ``shared`` flag instead and forwards the rest.
 LAUNCH_OPTIONS = {"launch": {"grid", "block", "stream", "shared_bytes", "pdl"}, "_launch": {"shared", "pdl"}}
 
 

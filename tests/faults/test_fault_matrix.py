@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from chunkring import MoELayer
-from chunkring.moe import schedule
+from chunkring.moe._engine import schedule
 from tests.helpers.layer_cells import Inputs, attempt, layer_config, rejoin
 
 pytestmark = pytest.mark.gpu

@@ -1,5 +1,5 @@
 """The MoE layer's operators (chunkring.moe.op) in compiled models on the GPU: ``torch.compile(fullgraph=True)``
-of a two-layer model around :class:`ChunkedMoE` (an FP8 layer, then a bf16 one, with elementwise work
+of a two-layer model around :class:`MoEModule` (an FP8 layer, then a bf16 one, with elementwise work
 and a residual around them), captured into a CUDA graph under the layer's capture rules
 (test_moe_graph.py: one call before the capture, no host synchronisation inside it, the real token
 count in a device int32 rewritten before each replay) and replayed with fresh inputs - each replay
@@ -20,7 +20,7 @@ the tracing of this same model on meta tensors.
 import pytest
 import torch
 
-from chunkring import ChunkedMoE, MoEConfig, MoELayer, PayloadFormat
+from chunkring import MoEConfig, MoELayer, MoEModule, PayloadFormat
 from chunkring.moe.op import moe_run
 from tests.gpu.graph_helpers import Batch, check_replay, strict_capture
 from tests.gpu.graph_helpers import make_layer as make_graph_layer
@@ -52,7 +52,7 @@ def make_model(runtime):
         cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
                         payload=payload, front_num_slots=SLOTS, front_tokens_per_slot=C)
         layers.append(MoELayer(runtime, cfg, timeout_s=TIMEOUT_S))
-    model = TwoLayers(*(ChunkedMoE(layer, generator=torch.Generator().manual_seed(i + 1))
+    model = TwoLayers(*(MoEModule(layer, generator=torch.Generator().manual_seed(i + 1))
                         for i, layer in enumerate(layers)))
     return model, layers
 

@@ -1,6 +1,6 @@
 """Fail closed on the GPU (docs/INTEGRATION.md, "Failing closed"): once a kernel of a layer's ring recorded an error,
 the next call of every entry point - ``MoELayer.run`` and ``forward``, the ``chunkring::moe_run`` and
-``moe_forward`` operators, ``ChunkedMoE``, the transformers drop-in - raises the typed error naming this rank,
+``moe_forward`` operators, ``MoEModule``, the transformers drop-in - raises the typed error naming this rank,
 without anyone calling ``check()``; a CUDA graph replay runs no Python, and ``raise_if_failed()`` between
 replays raises it instead (it reads a host word, so it may sit inside a capture, where any synchronisation
 raises); a reset clears it and calls compute again. And a collective call that fails its argument checks on one
@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
-from chunkring import ChunkedMoE, ChunkringDeviceError, ChunkringPeerAbortedError, ChunkringUsageError
-from chunkring.moe.calls import CallMode
+from chunkring import ChunkringDeviceError, ChunkringPeerAbortedError, ChunkringUsageError, MoEModule
+from chunkring.moe import CallMode
 from chunkring.moe.op import moe_forward, moe_run
 from chunkring.ring.io import GatherOutputs, gather
 from chunkring.ring.status import ErrorCode
@@ -63,14 +63,14 @@ def test_every_entry_point_raises_on_the_call_after_a_device_error(runtime):
     batch = Batch(runtime, layer.config)
     batch.fill(1)
     hidden = torch.randn(n, H, generator=gen).to(torch.bfloat16).to(device)
-    module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(3))
+    module = MoEModule(layer, generator=torch.Generator().manual_seed(3))
     router = module.router_weight
     calls = {
         "run": lambda: layer.run(*batch.args(), *experts),
         "forward": lambda: layer.forward(hidden, router, *experts, streaming=True),
         "moe_run": lambda: moe_run(layer, *batch.args(), *experts, streaming=True),
         "moe_forward": lambda: moe_forward(layer, hidden, router, *experts),
-        "ChunkedMoE": lambda: module(hidden),
+        "MoEModule": lambda: module(hidden),
     }
     try:
         for name, call in calls.items():

@@ -1,4 +1,4 @@
-"""The MoE layer's fused producer (device/kernels/moe_produce.cu, chunkring.moe.producer.enqueue_produce)
+"""The MoE layer's fused producer (device/kernels/moe_produce.cu, chunkring.moe._engine.producer.enqueue_produce)
 against its torch reference (route, quantize_rows_fp8): every rank publishes chunks it routes and
 quantises in one kernel, every rank gathers every source's chunks through the ring, and each row must
 equal the reference computed from the same logits - FP8 rows and scales bitwise, the chosen experts
@@ -14,15 +14,8 @@ import torch
 
 from chunkring import ChunkringPeerAbortedError, ChunkringTimeoutError, Ring, RingSpec
 from chunkring.jit import library_for
-from chunkring.moe.producer import (
-    PRODUCE_MAX_BLOCKS,
-    enqueue_produce,
-    produce_grid,
-    produce_grid_limit,
-    quantize_rows_fp8,
-    route,
-    router_logits,
-)
+from chunkring.moe._engine.producer import PRODUCE_MAX_BLOCKS, enqueue_produce, produce_grid, produce_grid_limit
+from chunkring.moe.routing import quantize_rows_fp8, route, router_logits
 from chunkring.ring.io import GatherOutputs, gather
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import ErrorCode, Site

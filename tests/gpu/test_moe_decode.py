@@ -1,4 +1,4 @@
-"""The decode path of the FP8 expert work (chunkring.moe.decode, device/kernels/moe_decode.cu) on the GPU:
+"""The decode path of the FP8 expert work (chunkring.moe._engine.decode, device/kernels/moe_decode.cu) on the GPU:
 
 * on one plan, its expert outputs match the fp32 reference of the recipe within the tolerance the DeepGEMM
   path is held to (tests/gpu/test_moe_experts.py: 1e-2 relative), and match the DeepGEMM path's outputs
@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from chunkring import MoEConfig, MoELayer
 from chunkring.jit import library_for
-from chunkring.moe import resources
-from chunkring.moe.decode import DECODE_PASS_ROWS, DecodeGemm, decode_fits
-from chunkring.moe.experts import ExpertCompute
-from chunkring.moe.stage import Stage
+from chunkring.moe._engine import resources
+from chunkring.moe._engine.decode import DECODE_PASS_ROWS, DecodeGemm, decode_fits
+from chunkring.moe._engine.experts import ExpertCompute
+from chunkring.moe._engine.stage import Stage
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.graph_helpers import MAX_TOKENS, SLOTS, Batch, check_replay, strict_capture

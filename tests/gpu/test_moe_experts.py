@@ -1,4 +1,4 @@
-"""The consumer's expert work (chunkring.moe.experts, device/kernels/moe_experts.cu) on a staged call,
+"""The consumer's expert work (chunkring.moe._engine.experts, device/kernels/moe_experts.cu) on a staged call,
 without the ring: the device plan against the host planner (chunkring.testing.plan.plan_batch), group by
 group as sets (a group's rows take places by an atomic cursor), with every row's payload and scales
 copied bit for bit into the GEMM layout; and the expert outputs of every planned row against the fp32
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from chunkring import MoEConfig, PayloadFormat
 from chunkring.jit import library_for
-from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
-from chunkring.moe.stage import Stage
+from chunkring.moe._engine.experts import ExpertCompute
+from chunkring.moe._engine.stage import Stage
+from chunkring.moe.gemm import GROUP_ALIGN
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.plan import plan_batch
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128

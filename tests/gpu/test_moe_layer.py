@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from chunkring import ChunkedMoE, MoEConfig, MoELayer, calibrate, load_experts
-from chunkring.moe.producer import route
+from chunkring import MoEConfig, MoELayer, MoEModule, calibrate, load_experts
+from chunkring.moe.routing import route
 from chunkring.moe.weights import expert_weights, init_weights, quantize_weight_fp8
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
@@ -128,7 +128,7 @@ def test_module_with_its_own_producers(runtime, payload):
                     front_num_slots=2, front_tokens_per_slot=16)
     layer = MoELayer(runtime, cfg, timeout_s=60)
     try:
-        module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(11))
+        module = MoEModule(layer, generator=torch.Generator().manual_seed(11))
         router, w13, w2 = init_weights(cfg, torch.Generator().manual_seed(11))  # every expert: the reference's
         assert torch.equal(module.router_weight.cpu(), router)
         for n in (0, 1, 16, 61):
@@ -283,7 +283,7 @@ def test_negative_control_combine_push_without_its_release(runtime):
 
 
 def fp8_reference_of(module, seed, hidden):
-    """The fp32 reference of ``module`` (a ChunkedMoE drawn with ``seed``, FP8 payload) on ``hidden``."""
+    """The fp32 reference of ``module`` (a MoEModule drawn with ``seed``, FP8 payload) on ``hidden``."""
     _, w13, w2 = init_weights(module.layer.config, torch.Generator().manual_seed(seed))  # every expert
     idx, w = route(hidden, module.router_weight, module.layer.config.topk)
     return layer_reference(module.layer, dequantize_fp8_per128(*quantize_fp8_per128(hidden.float())), idx, w, w13, w2)
@@ -299,7 +299,7 @@ def test_eager_call_of_more_producer_launches_than_the_launch_queue_holds(runtim
                     front_num_slots=2, front_tokens_per_slot=2)
     layer = MoELayer(runtime, cfg, timeout_s=30)
     try:
-        module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(13))
+        module = MoEModule(layer, generator=torch.Generator().manual_seed(13))
         hidden = torch.randn(512, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
         ref = fp8_reference_of(module, 13, hidden)
         out = module(hidden, streaming=True)
@@ -318,7 +318,7 @@ def test_calibrated_auto_calls_take_the_agreed_mode_and_match_the_reference(runt
                     front_num_slots=2, front_tokens_per_slot=16)
     layer = MoELayer(runtime, cfg, timeout_s=60)
     try:
-        module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(17))
+        module = MoEModule(layer, generator=torch.Generator().manual_seed(17))
         result = calibrate(layer, module.router_weight, module.w13, module.w2, [8, 64], iterations=3, warmup=1)
         assert layer.streaming_calibration is result
         # Each count batch-ready and in every chunk size up to the 16-token slot (chunk_candidates).

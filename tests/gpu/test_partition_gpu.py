@@ -39,9 +39,9 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
     batch-ready calls on whole-GPU streams; both modes give the same output; the partition outlives the layer
     (the runtime's: shared with the next layer of that size, refused to a caller's close())."""
     from chunkring import MoELayer
-    from chunkring.moe.calls import CallMode
-    from chunkring.moe.producer import PRODUCE_MAX_BLOCKS
-    from chunkring.moe.resources import PULL_GRID
+    from chunkring.moe import CallMode
+    from chunkring.moe._engine.producer import PRODUCE_MAX_BLOCKS
+    from chunkring.moe._engine.resources import PULL_GRID
     from chunkring.testing.reference import quantize_fp8_per128
     from tests.gpu.moe_helpers import local_weights, routing, weights
 
@@ -99,7 +99,7 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
 
 def test_no_partition_on_request_or_without_a_streaming_ring(runtime):
     from chunkring import MoELayer
-    from chunkring.moe.calls import CallMode
+    from chunkring.moe import CallMode
 
     for cfg, partition in ((_layer_config(runtime), "none"), (_layer_config(runtime, streaming=False), "auto")):
         layer = MoELayer(runtime, cfg, partition=partition)

@@ -1,5 +1,5 @@
 """Batch-invariant routing (docs/INTEGRATION.md, "Batch-ready or streamed, per batch"): the router GEMM
-(``moe_router_logits``, chunkring.moe.producer.router_logits) gives a token the same logits, bit for bit,
+(``moe_router_logits``, chunkring.moe.routing.router_logits) gives a token the same logits, bit for bit,
 whichever tokens share its launch - alone, in a chunk, in the whole batch - and those logits are the fp32
 GEMM's within fp32 rounding. So ``MoELayer.forward`` streamed equals batch-ready bit for bit at every size:
 checked at 1, 1,024, 4,096 and 8,192 tokens per rank, where a cuBLAS router GEMM changed its kernel with the
@@ -8,8 +8,8 @@ token count and routed a chunk's tokens differently from the whole batch's."""
 import pytest
 import torch
 
-from chunkring import ChunkedMoE, MoEConfig, MoELayer
-from chunkring.moe.producer import quantize_rows_fp8, route, router_logits
+from chunkring import MoEConfig, MoELayer, MoEModule
+from chunkring.moe.routing import quantize_rows_fp8, route, router_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ def test_forward_streamed_equals_batch_ready_bit_for_bit_at_every_size(runtime):
                     front_num_slots=2, front_tokens_per_slot=1024)
     layer = MoELayer(runtime, cfg, timeout_s=120)
     try:
-        module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(3))
+        module = MoEModule(layer, generator=torch.Generator().manual_seed(3))
         for n in (1, 1024, 4096, 8192):
             gen = torch.Generator().manual_seed(n + 31 * rank)
             hidden = (torch.randn(n, cfg.hidden, generator=gen) * 3).to(torch.bfloat16).to(device)

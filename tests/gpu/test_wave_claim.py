@@ -12,7 +12,7 @@ import torch
 
 from chunkring import Ring, RingSpec
 from chunkring.jit import library_for
-from chunkring.moe.blocks import HEADER_WORDS, BlockPool, pool_shape
+from chunkring.moe._engine.blocks import HEADER_WORDS, BlockPool, pool_shape
 from chunkring.ring.spec import PayloadFormat
 from chunkring.ring.status import ErrorCode, Site
 

@@ -12,8 +12,8 @@ import torch
 
 import chunkring.moe.layer
 import chunkring.ring.io
-from chunkring import ChunkedMoE, MoEConfig, MoELayer, PayloadFormat
-from chunkring.moe.calls import CallMode
+from chunkring import MoEConfig, MoELayer, MoEModule, PayloadFormat
+from chunkring.moe import CallMode
 from chunkring.moe.op import moe_forward, moe_run
 from chunkring.ring.failure import FailureWord, raise_recorded_failure
 from chunkring.ring.layout import DESC_FIELDS, STATUS
@@ -139,14 +139,14 @@ def entry_points(layer: MoELayer) -> dict:
     gen = torch.Generator().manual_seed(0)
     router, w13, w2 = weights(gen)
     batch, hidden = routed(gen), torch.randn(5, H, generator=gen).to(torch.bfloat16)
-    module = ChunkedMoE(layer, weights=(router, w13, w2))
+    module = MoEModule(layer, weights=(router, w13, w2))
     return {
         "run": lambda: layer.run(**batch, w13=w13, w2=w2),
         "forward": lambda: layer.forward(hidden, router, w13, w2, streaming=True),
         "moe_run": lambda: moe_run(layer, **batch, w13=w13, w2=w2, streaming=True),
         "moe_forward": lambda: moe_forward(layer, hidden, router, w13, w2),
-        "ChunkedMoE": lambda: module(hidden),
+        "MoEModule": lambda: module(hidden),
     }
 
 
-ENTRY_POINTS = ("run", "forward", "moe_run", "moe_forward", "ChunkedMoE")
+ENTRY_POINTS = ("run", "forward", "moe_run", "moe_forward", "MoEModule")

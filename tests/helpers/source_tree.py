@@ -16,6 +16,19 @@ ROOTS = {"chunkring": REPO / "runtime", "chunkring_launch": REPO / "launcher", "
          "scripts": REPO}
 
 
+#: The MoE layer's private engine, and who besides :mod:`chunkring.moe` itself may import it: the engine's own tests
+#: (everything under tests/, which test its parts as units) and the benchmarks that time one of its parts alone,
+#: which no public call isolates - each with that part.
+ENGINE = "chunkring.moe._engine"
+ENGINE_BENCHMARKS = {
+    "benchmarks.bench_decode": "the decode kernels alone, against DeepGEMM's GEMMs on the same plan",
+    "benchmarks.bench_consumer_breakdown": "a batch-ready call's consumer steps (plan, GEMMs, push, reduce) alone",
+    "benchmarks.probe_producer": "the fused producer kernel alone, per chunk and grid",
+    "benchmarks.bench_input_checks": "the pull kernel alone, with and without its input checks",
+    "benchmarks.bench_overlap": "the producers alone (P): the router GEMM and the fused producer per chunk",
+}
+
+
 def module_files() -> dict[str, Path]:
     """Every module (``a.b`` for a/b.py, ``a`` for a/__init__.py) of each tree of :data:`ROOTS`, with its file."""
     modules: dict[str, Path] = {}
@@ -31,7 +44,6 @@ def import_statements(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     """Every import statement, wherever it stands: inside functions, and under ``if TYPE_CHECKING:`` (an
     import for annotations is still an edge a reader and every import-graph tool follow)."""
     return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
-
 
 
 def from_module(node: ast.ImportFrom, module: str, is_package: bool) -> str:

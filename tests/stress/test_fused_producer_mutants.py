@@ -5,7 +5,7 @@ The scenario: a one-slot ring, four 512-row chunks of hidden 7,168 per rank and 
 the full 128-block producer grid (at one rank; each rank's share where ranks share the GPU) and every chunk
 after the first waits for the previous one's acks - so the gathers (launched beside the producers, two
 blocks each) are already waiting when it is published and read it at once. Each gathered FP8 row must equal
-torch's quantisation of the source's row (chunkring.moe.producer.quantize_rows_fp8), bit for bit.
+torch's quantisation of the source's row (chunkring.moe.routing.quantize_rows_fp8), bit for bit.
 
 - the real build: every row right (the control);
 - `ARRIVE_BEFORE_ROWS` (protocol/mutants.cuh kArriveBeforeRows): each block arrives before storing its rows,
@@ -22,7 +22,8 @@ import torch
 
 from chunkring import Ring, RingSpec
 from chunkring.jit import library_for
-from chunkring.moe.producer import enqueue_produce, produce_grid, produce_grid_limit, quantize_rows_fp8, router_logits
+from chunkring.moe._engine.producer import enqueue_produce, produce_grid, produce_grid_limit
+from chunkring.moe.routing import quantize_rows_fp8, router_logits
 from chunkring.ring.io import GatherOutputs, gather
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.stress import ARRIVE_BEFORE_ROWS, MUTANTS

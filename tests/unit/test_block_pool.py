@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from chunkring import ChunkringUsageError, MoEConfig
-from chunkring.moe.blocks import HEADER_WORDS, BlockPool, pool_shape
+from chunkring.moe._engine.blocks import HEADER_WORDS, BlockPool, pool_shape
+from chunkring.moe._engine.descriptors import MOE_LAYOUT_VERSION, POOL_FIELDS
 from chunkring.moe.config import MAX_WAVES
-from chunkring.moe.descriptors import MOE_LAYOUT_VERSION, POOL_FIELDS
-from chunkring.moe.dispatch import padded_rows_bound
+from chunkring.moe.gemm import padded_rows_bound
 
 GOOD = dict(num_experts=16, hidden=256, intermediate=128, topk=4, max_tokens_per_rank=64)
 BLOCKS_CUH = Path(__file__).resolve().parents[2] / "device/include/chunkring/moe/blocks.cuh"

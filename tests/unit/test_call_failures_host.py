@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import chunkring.errors
-from chunkring.moe.calls import CallMode
+from chunkring.moe import CallMode
 from chunkring.ring.status import AbortRecord, ErrorCode
 from tests.helpers.host_layer import EPOCH, Launches, config, entry_points, host_layer, record_launches
 
@@ -74,7 +74,7 @@ def test_a_first_call_that_fails_abandons_the_warm_up_barrier_once_and_only_befo
 def test_the_schedule_owes_the_first_barrier_until_it_reaches_it():
     """CallSchedule.owes_first_barrier, on the real schedule: owed at a mode's first call until the warm-up reaches
     the barrier (a failing warm-up leaves it owed; the barrier raising does not), never once the mode is warm."""
-    from chunkring.moe.schedule import CallSchedule
+    from chunkring.moe._engine.schedule import CallSchedule
 
     events = []
 

@@ -8,7 +8,7 @@
   unknown-handle error; a negative control (the same op without the effect) shows both drops happen;
 * the fake implementation gives bfloat16 [n, H] on the input's device from shapes alone: it runs under
   FakeTensorMode (where reading a value raises) and on meta tensors, with a handle no layer has;
-* ``torch.compile(fullgraph=True)`` traces :class:`ChunkedMoE`'s real ``forward`` (through
+* ``torch.compile(fullgraph=True)`` traces :class:`MoEModule`'s real ``forward`` (through
   :func:`moe_forward`: Fp8Weight split into its tensors, ``"auto"`` resolved to a constant bool, the
   layer's handle read) into one graph holding exactly one ``chunkring.moe_forward`` call, and
   AOTAutograd threads its effect token; run on meta tensors, so the fake implementation answers;
@@ -21,7 +21,7 @@ look-up, the layer's argument checks, the call), Inductor's code around it on CU
 captured into a CUDA graph and replayed, outputs bitwise equal to eager calls, and several ranks (a
 rank with zero tokens still joins the collective).
 
-The ChunkedMoE here is built around a MoELayer object that was never constructed (no GPU, no buffers,
+The MoEModule here is built around a MoELayer object that was never constructed (no GPU, no buffers,
 not in the registry): it carries only the config, calibration and handle its forward reads while
 tracing, and the real implementation never runs on it - meta tensors dispatch to the fake one.
 """
@@ -36,8 +36,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import chunkring  # noqa: F401  (registers the operators)
-from chunkring import ChunkedMoE, ChunkringUsageError, MoEConfig, PayloadFormat
-from chunkring.moe import handles
+from chunkring import ChunkringUsageError, MoEConfig, MoEModule, PayloadFormat
+from chunkring.moe._engine import handles
 from chunkring.moe.auto import StreamingCalibration
 from chunkring.moe.op import MOE_FORWARD_SCHEMA, MOE_RUN_SCHEMA, layer_for_handle, moe_forward
 from chunkring.moe.weights import Fp8Weight
@@ -178,8 +178,8 @@ def unconstructed_layer(cfg, calibration=None):
 
 
 def meta_module(cfg, calibration=None):
-    """ChunkedMoE with meta weights around :func:`unconstructed_layer`."""
-    module = object.__new__(ChunkedMoE)
+    """MoEModule with meta weights around :func:`unconstructed_layer`."""
+    module = object.__new__(MoEModule)
     torch.nn.Module.__init__(module)
     module.layer = unconstructed_layer(cfg, calibration)
     module.register_buffer("router_weight", torch.empty(E, H, dtype=torch.bfloat16, device="meta"))
@@ -338,7 +338,7 @@ def _(x, k):
 
 
 class Mix(torch.nn.Module):
-    """In place of a ChunkedMoE: an opaque op with a bf16 output, as the layer's."""
+    """In place of a MoEModule: an opaque op with a bf16 output, as the layer's."""
 
     def __init__(self, k):
         super().__init__()

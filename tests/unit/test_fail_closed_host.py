@@ -4,7 +4,7 @@
   record, and the abort word of the error into the ring's pinned failure word - the next call of every entry
   point raises the typed error ``check()`` raises (the rank, the cause; the origin rank for a peer's abort),
   before anything of the call is enqueued: ``MoELayer.run`` and ``forward``, the ``chunkring::moe_run`` and
-  ``chunkring::moe_forward`` operators, ``ChunkedMoE`` and the transformers drop-in; after a reset calls go on;
+  ``chunkring::moe_forward`` operators, ``MoEModule`` and the transformers drop-in; after a reset calls go on;
 * the drop-in reaches the layer through the ``chunkring::moe_run`` operator (the operator's look-up of the
   layer's handle sees every call);
 * a bad argument of this rank's own in a collective call aborts the ring that call would wait in (one
@@ -28,7 +28,7 @@ import chunkring.moe.layer
 import chunkring.moe.op
 from chunkring import MoELayer
 from chunkring.errors import ChunkringPeerAbortedError, ChunkringTimeoutError, ChunkringUsageError
-from chunkring.moe.calls import CallMode
+from chunkring.moe import CallMode
 from chunkring.ring.status import AbortRecord, ErrorCode, Site
 from tests.helpers.host_layer import (
     ENTRY_POINTS,

@@ -1,4 +1,4 @@
-"""The host's FP8 quantisers (chunkring.moe.producer, chunkring.moe.weights, the fp64 reference) and the kernels'
+"""The host's FP8 quantisers (chunkring.moe.routing, chunkring.moe.weights, the fp64 reference) and the kernels'
 (device/include/chunkring/moe/fp8.cuh) share e4m3's range and the 1x128 scale block: a row quantised on either
 side has the same scales."""
 

@@ -17,7 +17,7 @@ from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat, RingSpec
 from chunkring.jit import parse_kernels
 from chunkring.jit.compiler import KERNEL_DIR
 from chunkring.jit.launch import check_argument_names
-from chunkring.moe.calls import CallMode, check_run_args
+from chunkring.moe._engine.call import CallMode, check_run_args
 from chunkring.moe.weights import Fp8Weight
 
 CPU = torch.device("cpu")

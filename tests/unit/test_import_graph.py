@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.source_tree import ROOTS, from_module, import_statements, module_files
+from tests.helpers.source_tree import ENGINE, ENGINE_BENCHMARKS, ROOTS, from_module, import_statements, module_files
 
 #: Layers, lowest first: a module may import (directly or through others) only its own layer and those below.
 LAYERS = [
@@ -219,6 +219,45 @@ def test_named_rules(graph, low, high):
     for module in (m for m in graph if inside(m, low)):
         path = _path(graph, module, lambda m: inside(m, high))
         assert path is None, " -> ".join(path)
+
+
+def engine_importers(graph: dict[str, set[str]]) -> set[str]:
+    """Every module outside :mod:`chunkring.moe` that imports a module of the MoE engine."""
+    def engine(m):
+        return m == ENGINE or m.startswith(ENGINE + ".")
+
+    return {m for m, edges in graph.items()
+            if not (m == "chunkring.moe" or m.startswith("chunkring.moe.")) and any(engine(e) for e in edges)}
+
+
+def test_the_moe_engine_is_private(graph):
+    """Nothing outside chunkring.moe imports its engine - the integrations, the launcher, chunkring.testing and the
+    package facade use the public face (the layer, routing, gemm, kernels, calibration) - but the benchmarks that
+    time one of its parts alone (tests/helpers/source_tree.py names each with that part)."""
+    assert engine_importers(graph) <= set(ENGINE_BENCHMARKS), sorted(engine_importers(graph) - set(ENGINE_BENCHMARKS))
+    assert set(ENGINE_BENCHMARKS) <= set(graph), "a listed benchmark is gone: take it off the list"
+
+
+#: Inside chunkring.moe, lowest first: the engine builds on the first floor and never reaches the public modules
+#: above it (the layer and what is built on the layer).
+MOE_FLOORS = [
+    ("base", ("chunkring.moe.config", "chunkring.moe.weights", "chunkring.moe.routing", "chunkring.moe.gemm",
+              "chunkring.moe.kernels", "chunkring.moe.timeline", "chunkring.moe.auto", "chunkring.moe.checkpoint")),
+    ("engine", (ENGINE,)),
+    ("layer", ("chunkring.moe.layer",)),
+    ("on the layer", ("chunkring.moe.module", "chunkring.moe.op", "chunkring.moe.calibration")),
+]
+
+
+def test_the_moe_package_has_floors(graph):
+    def floor(m):
+        return next((i for i, (_, prefixes) in enumerate(MOE_FLOORS)
+                     if any(m == p or m.startswith(p + ".") for p in prefixes)), None)
+
+    moe = [m for m in graph if m.startswith("chunkring.moe.")]
+    assert all(floor(m) is not None for m in moe), sorted(m for m in moe if floor(m) is None)
+    bad = [f"{m} -> {e}" for m in moe for e in graph[m] if floor(e) is not None and floor(e) > floor(m)]
+    assert not bad, "an upward import inside chunkring.moe:\n" + "\n".join(bad)
 
 
 def test_the_checker_finds_circles_and_layer_breaks():

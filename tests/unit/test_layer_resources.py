@@ -1,4 +1,4 @@
-"""A layer's construction is all or nothing on every rank (chunkring.moe.resources.agree): a step that can fail
+"""A layer's construction is all or nothing on every rank (chunkring.moe._engine.resources.agree): a step that can fail
 on one rank only is run everywhere, then the ranks compare outcomes before any collective allocation, so a rank
 never waits in an allocation its peers left - every rank raises, naming each failed rank and why."""
 
@@ -9,8 +9,8 @@ import torch
 
 from chunkring import ChunkringRuntimeError, ChunkringUsageError, MoEConfig, PayloadFormat
 from chunkring.errors import ChunkringError
-from chunkring.moe import resources
-from chunkring.moe.resources import LayerResources, agree
+from chunkring.moe._engine import resources
+from chunkring.moe._engine.resources import LayerResources, agree
 from chunkring.ring.transport import Transport
 
 

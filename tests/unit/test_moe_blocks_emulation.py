@@ -33,10 +33,10 @@ import torch
 
 import chunkring.ring.io
 from chunkring import MoEConfig, PayloadFormat, Ring
-from chunkring.moe.blocks import BlockPool, pool_shape
-from chunkring.moe.experts import GROUP_ALIGN
-from chunkring.moe.resources import PULL_BLOCK
-from chunkring.moe.stage import Stage
+from chunkring.moe._engine.blocks import BlockPool, pool_shape
+from chunkring.moe._engine.resources import PULL_BLOCK
+from chunkring.moe._engine.stage import Stage
+from chunkring.moe.gemm import GROUP_ALIGN
 from chunkring.ring.io import publish_chunk
 from chunkring.ring.layout import STATUS
 from chunkring.ring.status import ErrorCode, Site

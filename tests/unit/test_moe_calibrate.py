@@ -1,4 +1,4 @@
-"""The streaming="auto" decision (chunkring.moe.auto, measured by chunkring.moe.calibration): stream only where
+"""The streaming="auto" decision (chunkring.moe.calibration, measured by chunkring.moe.calibration): stream only where
 some chunking streamed within the tolerance of batch-ready at every measured count; each call chunked as the
 count governing its size measured fastest; one decision for every rank, from each option's slowest rank; bad
 calibration settings refused before any GPU work; an uncalibrated or calibrated layer's "auto" calls take
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from chunkring import ChunkringUsageError, MoEConfig, StreamingCalibration
+from chunkring.moe._engine.call import CallMode, call_chunk, check_run_args
 from chunkring.moe.calibration import calibrate, chunk_candidates, slowest_rank
-from chunkring.moe.calls import CallMode, call_chunk, check_run_args
 from chunkring.moe.weights import quantize_weight_fp8
 
 

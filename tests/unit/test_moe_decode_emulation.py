@@ -29,8 +29,9 @@ import pytest
 import torch
 
 from chunkring import MoEConfig, PayloadFormat
-from chunkring.moe.decode import DecodeGemm
-from chunkring.moe.experts import GROUP_ALIGN, DevicePlan, ExpertCompute
+from chunkring.moe._engine.decode import DecodeGemm
+from chunkring.moe._engine.experts import DevicePlan, ExpertCompute
+from chunkring.moe.gemm import GROUP_ALIGN
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.plan import padded_rows_bound, plan_batch
 from tests.helpers.emulation import decode as decode_emu

@@ -1,4 +1,4 @@
-"""The decode path's host side (chunkring.moe.decode) and the design of its kernels (device/kernels/
+"""The decode path's host side (chunkring.moe._engine.decode) and the design of its kernels (device/kernels/
 moe_decode.cu, chunkring/moe/decode_gemm.cuh), without a GPU:
 
 * the fragment k order is a permutation of each 128-wide k block, and the Python mirror agrees with the
@@ -24,7 +24,7 @@ from chunkring import MoEConfig, MoELayer, PayloadFormat
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit import parse_kernels
 from chunkring.jit.launch import check_argument_names
-from chunkring.moe.decode import (
+from chunkring.moe._engine.decode import (
     DECODE_MAX_ROWS,
     DECODE_PASS_ROWS,
     DECODE_SHARED_BYTES,
@@ -35,7 +35,7 @@ from chunkring.moe.decode import (
     fragment_k,
     mean_rows_per_expert,
 )
-from chunkring.moe.experts import DevicePlan, ExpertCompute
+from chunkring.moe._engine.experts import DevicePlan, ExpertCompute
 from chunkring.moe.weights import Fp8Weight, quantize_weight_fp8
 
 DEVICE = Path(__file__).resolve().parents[2] / "device"

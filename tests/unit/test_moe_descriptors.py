@@ -1,4 +1,4 @@
-"""The MoE layer's descriptors (chunkring.moe.descriptors) mirrored field for field by
+"""The MoE layer's descriptors (chunkring.moe._engine.descriptors) mirrored field for field by
 device/include/chunkring/layout/moe_desc.cuh, and the stage's descriptor holding its tensors' addresses."""
 
 import re
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat
-from chunkring.moe.descriptors import MOE_LAYOUT_VERSION, POOL_FIELDS, STAGE_FIELDS, descriptor_words
-from chunkring.moe.stage import Stage
+from chunkring.moe._engine.descriptors import MOE_LAYOUT_VERSION, POOL_FIELDS, STAGE_FIELDS, descriptor_words
+from chunkring.moe._engine.stage import Stage
 
 HEADER = Path(__file__).resolve().parents[2] / "device/include/chunkring/layout/moe_desc.cuh"
 

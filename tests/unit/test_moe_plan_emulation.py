@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from chunkring import MoEConfig, PayloadFormat
-from chunkring.moe.experts import OwnRows
-from chunkring.moe.stage import Stage
+from chunkring.moe._engine.experts import OwnRows
+from chunkring.moe._engine.stage import Stage
 from tests.helpers.emulation import decode as decode_emu
 from tests.helpers.emulation import plan as plan_emu
 from tests.helpers.emulation.machine import EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory

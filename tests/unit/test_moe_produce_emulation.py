@@ -1,11 +1,11 @@
-"""The MoE layer's producers run whole on the CPU: ``chunkring.moe.producer.router_logits`` launches
+"""The MoE layer's producers run whole on the CPU: ``chunkring.moe.routing.router_logits`` launches
 ``moe_router_logits`` and ``enqueue_produce`` launches ``moe_produce_chunk`` (both emulated as written,
 tests/helpers/emulation/produce.py) on a real :class:`chunkring.Ring` over the stand-in runtime, and the layer's
 ``moe_pull`` (tests/helpers/emulation/pull.py) reads the chunks into a stage, concurrently, blocks in a seeded order.
 
 What it pins: the router's logits within the fp32 bound of a float64 GEMM and bit for bit batch-invariant (a chunk's
 rows equal the whole batch's, for several token counts and hidden sizes of 1, 3 and 16 slices); the pulled stage's
-routing equal to chunkring.moe.producer.route on the same logits (ties: the lower expert; NaN above every logit,
+routing equal to chunkring.moe.routing.route on the same logits (ties: the lower expert; NaN above every logit,
 +inf included, as torch.topk ranks it),
 weights within 4 ulps, FP8 rows and scales bit for bit quantize_rows_fp8, bf16 rows as given; grids of one block
 and of one block per row (arrivals, left zero), a ring of 2 slots wrapping over 4 chunks, end of stream (the last
@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-import chunkring.moe.producer as producer
+import chunkring.moe._engine.producer as producer
+import chunkring.moe.routing as routing
 from chunkring import PayloadFormat, Ring, RingSpec
-from chunkring.moe.producer import enqueue_produce, quantize_rows_fp8, route, router_logits, router_slices
-from chunkring.moe.resources import PULL_BLOCK
-from chunkring.moe.stage import Stage
+from chunkring.moe._engine.producer import enqueue_produce
+from chunkring.moe._engine.resources import PULL_BLOCK
+from chunkring.moe._engine.stage import Stage
+from chunkring.moe.routing import quantize_rows_fp8, route, router_logits, router_slices
 from tests.helpers.emulation import produce as produce_emu
 from tests.helpers.emulation.machine import DEVICE, EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
 from tests.helpers.emulation.ring import HeapRuntime, Streams, SymmetricHeap
@@ -132,7 +134,7 @@ def expected_order(logits: torch.Tensor) -> torch.Tensor:
 def check_stage(monkeypatch, p: Producer, hidden: torch.Tensor, logits: torch.Tensor, host_rows) -> None:
     """The pulled stage against the host reference on the same logits; ``host_rows``: rows whose choice is
     route()'s (torch.topk's order of equal logits is its own)."""
-    monkeypatch.setattr(producer, "router_logits", lambda h, w: logits)
+    monkeypatch.setattr(routing, "router_logits", lambda h, w: logits)
     idx, w = route(hidden, torch.zeros(E, H, dtype=torch.bfloat16), K)
     got_idx, got_w = p.stage.idx[0], p.stage.w[0]
     assert torch.equal(got_idx, expected_order(logits))

@@ -1,4 +1,4 @@
-"""Where a call's work runs (chunkring.moe.schedule, docs/PROTOCOL.md "Progress" 9), on the host alone: a
+"""Where a call's work runs (chunkring.moe._engine.schedule, docs/PROTOCOL.md "Progress" 9), on the host alone: a
 streamed call of at most S chunks at this rank runs on the whole GPU's streams as a batch-ready call does; one of
 more chunks runs its pull on the partition's consumer stream and its later chunks and drain on the partition's
 producer stream; only a chunk past the ring's first S is published with ``may_wait`` (its producer may spin, so
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chunkring.moe.calls import CallMode
-from chunkring.moe.schedule import CallSchedule
+from chunkring.moe import CallMode
+from chunkring.moe._engine.schedule import CallSchedule
 
 N, H, K = 64, 8, 2
 DECODE_TOKENS = 8  # the fake layer's decode_for: the decode path for calls of at most this many tokens

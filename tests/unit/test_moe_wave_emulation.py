@@ -28,8 +28,9 @@ import pytest
 import torch
 
 from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat
-from chunkring.moe.blocks import HEADER_WORDS, BlockPool, pool_shape
-from chunkring.moe.experts import GROUP_ALIGN, DevicePlan
+from chunkring.moe._engine.blocks import HEADER_WORDS, BlockPool, pool_shape
+from chunkring.moe._engine.experts import DevicePlan
+from chunkring.moe.gemm import GROUP_ALIGN
 from chunkring.ring.layout import RingLayout
 from chunkring.ring.status import ErrorCode, Site, StatusRecord
 from tests.helpers.emulation import decode as decode_emu

@@ -2,7 +2,7 @@
 
 import torch
 
-from chunkring.moe.producer import route
+from chunkring.moe.routing import route
 from chunkring.testing.peer_moe import torch_moe, torch_moe_routed
 from chunkring.testing.reference import moe_reference
 

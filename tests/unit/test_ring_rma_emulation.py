@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from chunkring import MoEConfig, PayloadFormat
-from chunkring.moe.experts import GROUP_ALIGN, DevicePlan
+from chunkring.moe._engine.experts import DevicePlan
+from chunkring.moe.gemm import GROUP_ALIGN
 from tests.helpers.emulation import blocks as blocks_emu
 from tests.helpers.emulation import pull as pull_emu
 from tests.helpers.emulation.machine import EmulatedMemoryError

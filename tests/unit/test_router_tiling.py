@@ -1,4 +1,4 @@
-"""The router GEMM's tiling on the host (chunkring.moe.producer.router_slices) mirrors moe_produce.cu's and
+"""The router GEMM's tiling on the host (chunkring.moe.routing.router_slices) mirrors moe_produce.cu's and
 depends on the hidden size alone - the precondition of batch-invariant routing, which tests/gpu/test_router.py
 checks on the device: every launch for one layer, whatever its token count, splits each logit's sum alike."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chunkring.moe.producer import ROUTER_MAX_SLICES, ROUTER_SLICE, ROUTER_TILE, router_slices
+from chunkring.moe.routing import ROUTER_MAX_SLICES, ROUTER_SLICE, ROUTER_TILE, router_slices
 
 SOURCE = (Path(__file__).resolve().parents[2] / "device" / "kernels" / "moe_produce.cu").read_text()
 

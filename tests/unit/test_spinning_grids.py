@@ -12,8 +12,13 @@ from hypothesis import strategies as st
 
 from chunkring.bringup import ranks_on_my_gpu
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe.producer import PRODUCE_ELEMENTS_PER_BLOCK, PRODUCE_MAX_BLOCKS, produce_grid, produce_grid_limit
-from chunkring.moe.resources import PULL_GRID, spinning_grids
+from chunkring.moe._engine.producer import (
+    PRODUCE_ELEMENTS_PER_BLOCK,
+    PRODUCE_MAX_BLOCKS,
+    produce_grid,
+    produce_grid_limit,
+)
+from chunkring.moe._engine.resources import PULL_GRID, spinning_grids
 from chunkring.ranks import RankInfo
 from chunkring.runtime import Runtime
 

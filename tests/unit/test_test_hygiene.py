@@ -6,9 +6,12 @@
   files pytest loads itself;
 * no file reaches a private name (``_single_underscore``, dunders aside): no ``x._name`` (the object's own
   ``self._name`` aside), no ``from m import _name``, no import of a ``_module``, no ``_name=`` keyword handed to a
-  stand-in, no ``"_name"`` or ``"m._name"`` given to getattr/setattr/monkeypatch/mock.patch. Tests reach our code
-  through public seams (an injectable kernel library, public properties); torch's own private API only where torch
-  has no public one, each listed in :data:`TORCH_PRIVATE` with its reason (and checked not to be ours);
+  stand-in, no ``"_name"`` or ``"m._name"`` given to getattr/setattr/monkeypatch/mock.patch - but the MoE engine
+  (``chunkring.moe._engine``), which its own tests and the benchmarks that time one of its parts alone import
+  (tests/helpers/source_tree.py lists those benchmarks; tests/unit/test_import_graph.py holds the rule for code).
+  Tests reach our code through public seams (an injectable kernel library, public properties); torch's own private API
+  only where torch has no public one, each listed in :data:`TORCH_PRIVATE` with its reason (and checked not to be
+  ours);
 * every file under tests/ opens with a docstring naming what it pins or holds (STYLE.md item 11).
 
 The checker is shown to catch each kind of offence in a fake file, so a clean run is not vacuous."""
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.source_tree import REPO, from_module, import_statements
+from tests.helpers.source_tree import ENGINE, ENGINE_BENCHMARKS, REPO, from_module, import_statements
 
 #: Where the rules hold.
 CHECKED = ("tests", "benchmarks")
@@ -101,6 +104,16 @@ def _private_in(dotted: str) -> bool:
     return any(is_private(part) for part in dotted.split("."))
 
 
+def may_import_the_engine(module: str) -> bool:
+    """Whether ``module`` (a file's dotted name) is one of the MoE engine's own tests or the benchmarks that time one
+    of its parts alone (tests/helpers/source_tree.py): they import :data:`ENGINE`'s modules by design."""
+    return module.partition(".")[0] == "tests" or module in ENGINE_BENCHMARKS
+
+
+def _engine(dotted: str) -> bool:
+    return dotted == ENGINE or dotted.startswith(ENGINE + ".")
+
+
 def violations(path: Path, root: Path = REPO) -> list[str]:
     """Every import of a test module or conftest and every reach for a private name in ``path``, in source
     order, as ``file:line: what``."""
@@ -116,11 +129,13 @@ def violations(path: Path, root: Path = REPO) -> list[str]:
         for target, _ in targets:
             if is_test_module(target):
                 report(node, f"imports the test module or conftest {target}")
-        if isinstance(node, ast.ImportFrom) and _private_in(first) and not allowed(first, parent=True):
+        engine_ok = may_import_the_engine(module)
+        if isinstance(node, ast.ImportFrom) and _private_in(first) and not allowed(first, parent=True) \
+                and not (engine_ok and _engine(first)):
             report(node, f"imports the private {first}")  # and so every name it takes
             continue
         for target, _ in targets if isinstance(node, ast.Import) else names:
-            if _private_in(target) and not allowed(target):
+            if _private_in(target) and not allowed(target) and not (engine_ok and _engine(target)):
                 report(node, f"imports the private {target}")
     # Each private attribute is judged by its outermost chain, so that ``torch._dynamo.explain`` matches its entry.
     parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}

@@ -121,7 +121,7 @@ class Weights:
 
 
 def seeded_weights(layer: MoELayer, seed: int) -> Weights:
-    """The weights ``chunkring.ChunkedMoE`` draws from ``torch.Generator().manual_seed(seed)``, identical
+    """The weights ``chunkring.MoEModule`` draws from ``torch.Generator().manual_seed(seed)``, identical
     on every rank."""
     import torch
 
@@ -159,7 +159,7 @@ class RoutedBatch:
 
 def route_batch(hidden: torch.Tensor, router: torch.Tensor, topk: int, payload: str) -> RoutedBatch:
     """Route ``hidden`` bfloat16 [n, H] as the layer's producers do, and quantise it for the payload."""
-    from chunkring.moe.producer import route
+    from chunkring.moe.routing import route
     from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 
     idx, weights = route(hidden, router, topk)

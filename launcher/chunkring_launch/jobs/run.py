@@ -52,12 +52,12 @@ def run(runtime: Runtime, config: CONFIG) -> dict[str, float]:
     """Check and time the layer on this rank; returns this rank's figures."""
     import torch
 
-    from chunkring import ChunkedMoE
+    from chunkring import MoEModule
 
     cfg = config.layer_config()
     device = runtime.torch_device
     with open_layer(runtime, config, cfg) as layer:
-        module = ChunkedMoE(layer, generator=torch.Generator().manual_seed(config.seed))
+        module = MoEModule(layer, generator=torch.Generator().manual_seed(config.seed))
         weights = seeded_weights(layer, config.seed)
         hidden = seeded_hidden(config.tokens_per_rank, cfg.hidden, config.seed * 1000 + 1 + runtime.rank, device)
         ref = reference_output(route_batch(hidden, module.router_weight, cfg.topk, config.payload), weights)

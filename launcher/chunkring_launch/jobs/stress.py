@@ -194,7 +194,7 @@ def _one_call(runtime: Runtime, config: CONFIG, layer: MoELayer, weights: Weight
     """Build this rank's batch and reference, inject what the plan says, call, check."""
     import torch
 
-    from chunkring.moe.calls import CallMode
+    from chunkring.moe import CallMode
 
     rank, cfg = runtime.rank, layer.config
     n = plan.tokens[rank]

@@ -11,7 +11,7 @@ MoE block it knows, over one :class:`~chunkring.moe.layer.MoELayer` per distinct
   :meth:`MoELayer.run`, through the ``chunkring::moe_run`` operator (:func:`chunkring.moe.op.moe_run`) like any
   torch caller's, as int32 / float32 - the float32 weights are the router's values, widened exactly;
 * the hidden states go as bfloat16 rows (bf16 payload), or quantised per 1x128 to FP8 e4m3 with float32
-  scales (:func:`~chunkring.moe.producer.quantize_rows_fp8`, FP8 payload);
+  scales (:func:`~chunkring.moe.routing.quantize_rows_fp8`, FP8 payload);
 * this rank's experts (``[rank * E / W, (rank + 1) * E / W)``) are read from the block's own weights
   through :func:`chunkring.load_experts`, Hugging Face's per-expert names (:func:`expert_state_dict`): in
   this transformers (5.x) the experts are fused 3-D parameters, ``experts.gate_up_proj`` [E, 2I, H]
@@ -48,7 +48,7 @@ from chunkring.moe.checkpoint import load_experts
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.layer import MoELayer
 from chunkring.moe.op import moe_run
-from chunkring.moe.producer import quantize_rows_fp8
+from chunkring.moe.routing import quantize_rows_fp8
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat
 

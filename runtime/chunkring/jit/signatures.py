@@ -95,8 +95,8 @@ class Param:
 #: for ``cuda::std::uint32_t``/``uint64_t``.
 C_TYPES: dict[str, tuple[str, str | None]] = {
     "RingDesc*": ("ptr", "int64"),  # Ring.desc: the descriptor's u64 words as an int64 tensor
-    "StageDesc*": ("ptr", "int64"),  # chunkring.moe.stage.Stage.desc, likewise
-    "PoolDesc*": ("ptr", "int64"),  # chunkring.moe.blocks.BlockPool.desc, likewise
+    "StageDesc*": ("ptr", "int64"),  # chunkring.moe._engine.stage.Stage.desc, likewise
+    "PoolDesc*": ("ptr", "int64"),  # chunkring.moe._engine.blocks.BlockPool.desc, likewise
     "int*": ("ptr", "int32"),
     "unsigned*": ("ptr", "int32"),
     "u32*": ("ptr", "int32"),

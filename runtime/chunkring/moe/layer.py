@@ -1,9 +1,9 @@
 """The expert-parallel MoE layer: batch-ready by default, streamed on request.
 
 Every rank owns ``num_experts / world_size`` experts and a batch of up to ``max_tokens_per_rank`` tokens.
-:class:`MoELayer` checks a call's arguments (:mod:`chunkring.moe.calls`) and hands it to its
-:class:`~chunkring.moe.schedule.CallSchedule`, which enqueues it on the layer's
-:class:`~chunkring.moe.resources.LayerResources`; nothing here waits on the host.
+:class:`MoELayer` checks a call's arguments (:mod:`chunkring.moe._engine.call`) and hands it to its
+:class:`~chunkring.moe._engine.schedule.CallSchedule`, which enqueues it on the layer's
+:class:`~chunkring.moe._engine.resources.LayerResources`; nothing here waits on the host.
 
 Expert work happens once per call, after every source's stream ended, however many chunks arrived:
 chunk-local expert groups (computing each chunk as it lands) re-read every active expert's weights per
@@ -24,13 +24,15 @@ import torch
 
 from chunkring.env import check_timeout_s, module_loading_is_eager
 from chunkring.errors import ChunkringError, ChunkringUsageError
-from chunkring.moe import handles
-from chunkring.moe.calls import CallMode, call_chunk, check_forward_args, check_run_args, resolve_streaming
+from chunkring.moe._engine import handles
+from chunkring.moe._engine.call import CallMode, call_chunk, check_forward_args, check_run_args, resolve_streaming
+from chunkring.moe._engine.decode import check_decode_config
+from chunkring.moe._engine.producer import PRODUCE_MAX_BLOCKS, enqueue_produce
+from chunkring.moe._engine.resources import LayerResources
+from chunkring.moe._engine.schedule import CallSchedule
 from chunkring.moe.config import MoEConfig
-from chunkring.moe.decode import check_decode_config
-from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, enqueue_produce, router_logits
-from chunkring.moe.resources import LayerKernels, LayerResources
-from chunkring.moe.schedule import CallSchedule
+from chunkring.moe.kernels import LayerKernels
+from chunkring.moe.routing import router_logits
 from chunkring.moe.timeline import Timeline
 from chunkring.moe.weights import Fp8Weight
 from chunkring.partition import DEFAULT_PARTITION, SmPartition, check_partition_arg
@@ -69,12 +71,11 @@ class MoELayer:
         timeout_s: the rings' watchdog limit (None: ``CHUNKRING_TIMEOUT_S``, default 100 s).
         kernels: the kernel libraries (None: built for this GPU; :mod:`chunkring.testing.variants` passes
             deliberately broken ones).
-        decode: run the FP8 expert GEMMs on the decode path (:class:`chunkring.moe.decode.DecodeGemm`, for few
-            rows per expert) instead of DeepGEMM's: ``True``: every call; ``"auto"``: each call whose size
-            :func:`chunkring.moe.decode.decode_fits` says suits it (at most
-            :data:`chunkring.moe.decode.DECODE_MAX_ROWS` rows per expert on average: today none, as measured), the
-            others on DeepGEMM's; ``False`` (the default): never. Streamed and batch-ready calls of one size choose
-            alike, so they stay equal bit for bit; calls of different sizes may round differently.
+        decode: run the FP8 expert GEMMs on the decode path (the engine's own kernels, for few rows per expert)
+            instead of DeepGEMM's: ``True``: every call; ``"auto"``: each call whose size suits it (at most
+            ``DECODE_MAX_ROWS`` rows per expert on average: today none, as measured), the others on DeepGEMM's;
+            ``False`` (the default): never. Streamed and batch-ready calls of one size choose alike, so they stay
+            equal bit for bit; calls of different sizes may round differently.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly
@@ -174,8 +175,7 @@ class MoELayer:
         return f"MoELayer({self.config}, rank {self.runtime.rank} of {self.runtime.world_size}{state})"
 
     def describe_transport(self) -> str:
-        """One line: which sources this rank pulls from (and pushes combine rows to) with loads and stores,
-        which by RMA (:attr:`transports`)."""
+        """One line: which sources this rank pulls from and pushes combine rows to by loads and stores, which by RMA."""
         return self.rings[CallMode.BATCH_READY].describe_transport()
 
     def memory(self) -> dict[str, int]:
@@ -264,8 +264,8 @@ class MoELayer:
                 num_tokens: torch.Tensor | None = None, timeline: Timeline | None = None,
                 chunk: int | None = None) -> torch.Tensor:
         """The layer with its own producers: per chunk (streamed) or for the whole batch, the router GEMM
-        (:func:`chunkring.moe.producer.router_logits`) then one fused kernel: top-k softmax weights, FP8
-        quantisation (FP8 payload), publish (:func:`chunkring.moe.producer.enqueue_produce`). A collective.
+        (:func:`chunkring.moe.routing.router_logits`) then one fused kernel: top-k softmax weights, FP8
+        quantisation (FP8 payload), publish (:func:`chunkring.moe._engine.producer.enqueue_produce`). A collective.
 
         Args:
             hidden: bfloat16 [n, H].
@@ -307,7 +307,7 @@ class MoELayer:
         """Raise the error an earlier call recorded on the device, if one did: what :meth:`check` raises, at the
         cost of one read of a pinned host word per ring when none did (it synchronises only when one did).
 
-        :meth:`run` and :meth:`forward` - so the operators, :class:`chunkring.ChunkedMoE` and the transformers
+        :meth:`run` and :meth:`forward` - so the operators, :class:`chunkring.MoEModule` and the transformers
         drop-in - call it at every entry: an error surfaces at the first call after the failing kernel recorded
         it (:mod:`chunkring.ring.failure`). A CUDA graph replay runs no Python: call this between replays.
 

@@ -9,7 +9,7 @@ Two operators, one per call of :class:`~chunkring.moe.layer.MoELayer`::
                        Tensor? w13_scale, Tensor w2, Tensor? w2_scale, bool streaming, Tensor? num_tokens) -> Tensor
 
 An operator's arguments are tensors and scalars only, so the layer travels as ``handle``, the integer
-:attr:`MoELayer.handle` (:mod:`chunkring.moe.handles` maps it back; a handle of no live layer is a
+:attr:`MoELayer.handle` (:mod:`chunkring.moe._engine.handles` maps it back; a handle of no live layer is a
 ``ChunkringUsageError``), and an :class:`~chunkring.moe.weights.Fp8Weight` as its ``data`` and ``scale``
 (``*_scale`` None: bfloat16 weights). ``streaming`` is a plain bool, a constant of the traced graph
 (:func:`moe_forward` resolves ``"auto"`` while tracing). Call them through :func:`moe_forward` and
@@ -27,7 +27,7 @@ What they declare:
   collective its peers wait in (measured with torch 2.13 on the CPU; tests/unit/test_custom_op.py).
 * A fake (meta) implementation: bfloat16 [n, H] on the input's device, from the inputs' shapes alone -
   no handle look-up, no device work, no tensor value read. The arguments are checked (shapes, dtypes,
-  devices, the layer's config: :mod:`chunkring.moe.calls`) by the real implementation, on the host,
+  devices, the layer's config: :mod:`chunkring.moe._engine.call`) by the real implementation, on the host,
   when the call runs - the same checks as an eager call, before anything is enqueued.
 * No autograd formula: the layer is an inference kernel.
 
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe import handles
-from chunkring.moe.calls import resolve_streaming
+from chunkring.moe._engine import handles
+from chunkring.moe._engine.call import resolve_streaming
 from chunkring.moe.weights import Fp8Weight
 
 if TYPE_CHECKING:

@@ -216,7 +216,7 @@ class _Inputs:
     def __init__(self, model: _Model, n: int) -> None:
         import torch
 
-        from chunkring.moe.producer import quantize_rows_fp8, route
+        from chunkring.moe.routing import quantize_rows_fp8, route
 
         cfg, device = model.layer.config, model.layer.runtime.torch_device
         self.n, self.fp8, self.router, self.topk = n, cfg.payload.has_scales, model.router, cfg.topk
@@ -240,7 +240,7 @@ class _Inputs:
 
     def producers(self) -> None:
         """The producers alone: router GEMM, top-k and (FP8) quantisation of the whole batch."""
-        from chunkring.moe.producer import quantize_rows_fp8, route
+        from chunkring.moe.routing import quantize_rows_fp8, route
 
         route(self.hidden, self.router, self.topk)
         if self.fp8:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chunkring.moe.producer import route
+from chunkring.moe.routing import route
 
 __all__ = ["torch_moe", "torch_moe_routed"]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe.dispatch import padded_rows_bound
+from chunkring.moe.gemm import padded_rows_bound
 
 __all__ = ["DispatchPlan", "padded_rows_bound", "plan_batch"]
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe.producer import E4M3_MAX, quantize_rows_fp8
+from chunkring.moe.routing import E4M3_MAX, quantize_rows_fp8
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit import library_for
+from chunkring.moe.kernels import LayerKernels
 from chunkring.moe.layer import MoELayer
-from chunkring.moe.resources import LayerKernels
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelLibrary

@@ -1,6 +1,6 @@
-"""What a filled DevicePlan must hold (chunkring.moe.experts.DevicePlan's docstring), checked against the choices it
-should carry, and the float64 layer the expert work on it must compute: shared by the emulation tests of the kernels
-that fill a plan (moe_plan_scatter: tests/unit/test_moe_plan_emulation.py; moe_wave_gather:
+"""What a filled DevicePlan must hold (the docstring of chunkring.moe._engine.experts.DevicePlan), checked against the
+choices it should carry, and the float64 layer the expert work on it must compute: shared by the emulation tests of the
+kernels that fill a plan (moe_plan_scatter: tests/unit/test_moe_plan_emulation.py; moe_wave_gather:
 tests/unit/test_moe_wave_emulation.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import types
 import numpy as np
 import torch
 
-from chunkring.moe.decode import DecodeGemm
-from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
+from chunkring.moe._engine.decode import DecodeGemm
+from chunkring.moe._engine.experts import ExpertCompute
+from chunkring.moe.gemm import GROUP_ALIGN
 from chunkring.moe.weights import quantize_weight_fp8
 from tests.helpers.emulation.machine import E4M3_VALUES
 

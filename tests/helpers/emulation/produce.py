@@ -1,9 +1,9 @@
 """The MoE layer's producers of device/kernels/moe_produce.cu run on the CPU as written (tests/unit/
-test_moe_produce_emulation.py drives them through chunkring.moe.producer): ``moe_router_logits`` on the PTX ISA's
-mma.m16n8k16 bf16 fragments, each warp's slice of hidden columns summed step by step in fp32 and the slices added in
-order; ``moe_produce_chunk`` per block - begin_chunk, its share of the rows (route_token's K rounds and butterfly
-sum, quantize_block or the bf16 copy) stored into the ring slot, last_block_to_arrive on ``arrivals``, the last
-block's close_chunk - on tests/helpers/emulation/ring.py's heap and streams, consumed by pull.py's moe_pull.
+test_moe_produce_emulation.py drives them through chunkring.moe._engine.producer): ``moe_router_logits`` on the PTX
+ISA's mma.m16n8k16 bf16 fragments, each warp's slice of hidden columns summed step by step in fp32 and the slices added
+in order; ``moe_produce_chunk`` per block - begin_chunk, its share of the rows (route_token's K rounds and butterfly
+sum, quantize_block or the bf16 copy) stored into the ring slot, last_block_to_arrive on ``arrivals``, the last block's
+close_chunk - on tests/helpers/emulation/ring.py's heap and streams, consumed by pull.py's moe_pull.
 
 Two checks the producer adds to the ring emulation's: a slot's bytes count as unwritten from its chunk's first
 begin_chunk until a block stores them (a consumer that reads one reads a value the chunk never wrote: the

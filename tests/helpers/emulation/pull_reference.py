@@ -39,7 +39,7 @@ class Expected:
     """The predicted ring buffers (one per rank, from a snapshot) and stages, updated chunk by chunk."""
 
     rings: list  # chunkring Rings
-    stages: list  # chunkring.moe.stage.Stage per rank
+    stages: list  # chunkring.moe._engine.stage.Stage per rank
     num_experts: int
     buffers: list = field(init=False)
     stage_x: list = field(init=False)

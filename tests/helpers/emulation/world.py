@@ -9,8 +9,8 @@ import torch
 
 import chunkring.ring.io
 from chunkring import PayloadFormat, Ring, RingSpec
-from chunkring.moe.resources import PULL_BLOCK
-from chunkring.moe.stage import Stage
+from chunkring.moe._engine.resources import PULL_BLOCK
+from chunkring.moe._engine.stage import Stage
 from chunkring.ring.io import publish_chunk
 from tests.helpers.emulation import pull as pull_emu
 from tests.helpers.emulation.machine import Memory

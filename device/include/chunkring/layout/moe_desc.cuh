@@ -1,5 +1,5 @@
 // The MoE layer's descriptors: where one rank's stage and block pool live and how they are shaped. Built
-// once per layer by the host (runtime/chunkring/moe/descriptors.py: STAGE_FIELDS, POOL_FIELDS, in this order;
+// once per layer by the host (runtime/chunkring/moe/_engine/descriptors.py: STAGE_FIELDS, POOL_FIELDS, in this order;
 // tests/unit/test_moe_descriptors.py compares them); kernels take a pointer to one instead of a dozen loose
 // arguments, and check its version and size before reading anything else.
 #pragma once
@@ -10,9 +10,9 @@ namespace chunkring::layout {
 
 using u64 = ::cuda::std::uint64_t;
 
-constexpr u64 kMoeLayoutVersion = 1;  // == runtime/chunkring/moe/descriptors.py MOE_LAYOUT_VERSION
+constexpr u64 kMoeLayoutVersion = 1;  // == runtime/chunkring/moe/_engine/descriptors.py MOE_LAYOUT_VERSION
 
-// What one rank's consumer pulls in a call (runtime/chunkring/moe/stage.py Stage): every source's rows
+// What one rank's consumer pulls in a call (runtime/chunkring/moe/_engine/stage.py Stage): every source's rows
 // at their token index, sources * token_capacity of them.
 struct StageDesc {
     u64 layout_version;  // kMoeLayoutVersion
@@ -30,9 +30,9 @@ struct StageDesc {
     u64 w;               // float [W, N, K]
     u64 held;            // unsigned long long [W]: per source, the seq of the chunk whose ack waits for the combine
 };
-static_assert(sizeof(StageDesc) == 14 * sizeof(u64), "StageDesc must match runtime/chunkring/moe/descriptors.py");
+static_assert(sizeof(StageDesc) == 14 * sizeof(u64), "StageDesc must match runtime/chunkring/moe/_engine/descriptors.py");
 
-// One rank's pool of incremental expert blocks (runtime/chunkring/moe/blocks.py BlockPool; the words'
+// One rank's pool of incremental expert blocks (runtime/chunkring/moe/_engine/blocks.py BlockPool; the words'
 // layout is moe/blocks.cuh's).
 struct PoolDesc {
     u64 layout_version;     // kMoeLayoutVersion
@@ -52,7 +52,7 @@ struct PoolDesc {
     u64 k;                  // int [P * bm]
     u64 weight;             // float [P * bm]
 };
-static_assert(sizeof(PoolDesc) == 16 * sizeof(u64), "PoolDesc must match runtime/chunkring/moe/descriptors.py");
+static_assert(sizeof(PoolDesc) == 16 * sizeof(u64), "PoolDesc must match runtime/chunkring/moe/_engine/descriptors.py");
 
 template <typename T>
 __device__ __forceinline__ T* address(u64 pointer) { return reinterpret_cast<T*>(pointer); }

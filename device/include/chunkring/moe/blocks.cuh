@@ -23,7 +23,7 @@ using layout::RingDesc;
 using protocol::ErrorCode;
 using protocol::Site;
 
-// The words of one rank's pool, one u32 array (runtime/chunkring/moe/blocks.py BlockWords mirrors it):
+// The words of one rank's pool, one u32 array (runtime/chunkring/moe/_engine/blocks.py BlockWords mirrors it):
 //   [0, kHeader): the counters below
 //   reserve[E]        rows reserved per local expert (RESERVE)
 //   block_of[E * J]   pool id + 1 of expert e's block j (0: not yet allocated)

@@ -1,4 +1,4 @@
-// The decode path's warp engine (device/kernels/moe_decode.cu; runtime/chunkring/moe/decode.py drives it):
+// The decode path's warp engine (device/kernels/moe_decode.cu; runtime/chunkring/moe/_engine/decode.py drives it):
 // an FP8 block-scaled GEMM for few rows per expert, "swap AB" - the expert's weight rows on the MMA's wide
 // side (A: 16 rows per m16n8k32) and the tokens on its narrow side (B: 8 per MMA) - so that one token
 // costs one MMA per 512 weight bytes instead of a 64- or 128-row tile of padding.
@@ -56,7 +56,7 @@ static_assert(kSharedBytes <= 227 * 1024 - 1024, "the ring and the epilogue's st
 
 // The k (0..127) of a block that a fragment byte holds: MMA step `step` (0..3), lane t = lane % 4, register
 // half `half` (0: a[0], a[1], b[0]; 1: a[2], a[3], b[1]), byte `byte` (0..3) of that register word.
-// runtime/chunkring/moe/decode.py mirrors it (fragment_k), tested there.
+// runtime/chunkring/moe/_engine/decode.py mirrors it (fragment_k), tested there.
 constexpr __host__ __device__ u32 fragment_k(u32 step, u32 t, u32 half, u32 byte) {
     return (step / 2) * 64 + t * 16 + (step % 2) * 8 + half * 4 + byte;
 }

@@ -1,6 +1,6 @@
 """The FP8 decode path of the consumer's expert work: for few rows per expert, two "swap AB" GEMM kernels
 (device/kernels/moe_decode.cu) in place of DeepGEMM's L1, ``moe_swiglu_fp8`` and DeepGEMM's L2, on the
-same plan (:class:`~chunkring.moe.experts.DevicePlan`); the combine push after them is unchanged.
+same plan (:class:`~chunkring.moe._engine.experts.DevicePlan`); the combine push after them is unchanged.
 
 Why: at decode sizes (a few rows per expert) DeepGEMM's grouped GEMMs pad every expert to a 128-row
 block, and the layer measured ~2x above the time it takes to read the active experts' weights once
@@ -60,8 +60,8 @@ DECODE_MAX_ROWS = 0
 
 
 class PlanTensors(Protocol):
-    """What the decode kernels read of a plan: :class:`chunkring.moe.experts.DevicePlan` is one (a protocol, so
-    that this module, which :mod:`chunkring.moe.experts` imports, need not import it back)."""
+    """What the decode kernels read of a plan: :class:`chunkring.moe._engine.experts.DevicePlan` is one (a protocol, so
+    that this module, which :mod:`chunkring.moe._engine.experts` imports, need not import it back)."""
 
     @property
     def counts(self) -> torch.Tensor: ...

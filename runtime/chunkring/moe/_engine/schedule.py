@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chunkring.moe.calls import CallMode
-from chunkring.moe.experts import OwnRows
-from chunkring.moe.resources import PULL_BLOCK, LayerResources
+from chunkring.moe._engine.call import CallMode
+from chunkring.moe._engine.experts import OwnRows
+from chunkring.moe._engine.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
 from chunkring.ring.ring import Ring

@@ -3,7 +3,7 @@ device side: device/include/chunkring/moe/blocks.cuh).
 
 With ``MoEConfig.waves > 1`` the consumer's pull (``moe_pull_blocks``) writes each (token, k) row of a
 local expert straight into a block of ``block_m`` rows of that expert in this pool, and seals each block
-once its rows landed; ``waves`` fixed launches of expert work (:meth:`chunkring.moe.experts.ExpertCompute.
+once its rows landed; ``waves`` fixed launches of expert work (:meth:`chunkring.moe._engine.experts.ExpertCompute.
 wave`) each claim the blocks sealed by then. Every size here depends only on the layer's configuration,
 never on a call's routing, so the calls stay graph-capturable.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from chunkring.moe.descriptors import POOL_FIELDS, descriptor_tensor
-from chunkring.moe.dispatch import padded_rows_bound
+from chunkring.moe._engine.descriptors import POOL_FIELDS, descriptor_tensor
+from chunkring.moe.gemm import padded_rows_bound
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
 __all__ = ["HEADER_WORDS", "BlockPool", "PoolShape", "pool_shape"]
@@ -66,7 +66,7 @@ class BlockPool:
     [rows, row bytes]: FP8 or bf16 bytes), ``sf`` fp32 [rows, H/128] (row-major, as published; FP8 only),
     ``src``, ``token``, ``k`` int32 and ``weight`` fp32 [rows]. The rows are never zeroed: a stale row is
     never read, because no block is sealed before its rows of this call landed. ``desc``: the ``PoolDesc``
-    the kernels take (:mod:`chunkring.moe.descriptors`), built once: the buffers are never reallocated.
+    the kernels take (:mod:`chunkring.moe._engine.descriptors`), built once: the buffers are never reallocated.
     """
 
     def __init__(self, shape: PoolShape, hidden: int, fp8: bool, device: torch.device | str) -> None:

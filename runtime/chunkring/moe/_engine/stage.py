@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe.descriptors import STAGE_FIELDS, descriptor_tensor
+from chunkring.moe._engine.descriptors import STAGE_FIELDS, descriptor_tensor
 from chunkring.ring.io import check_tensor
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
@@ -27,7 +27,7 @@ class Stage:
     ``x`` [W, N, H] (FP8 or bf16), ``sf`` fp32 [W, N, H/128] (empty for bf16), ``idx`` int32 [W, N, K] (-1:
     planned nowhere), ``w`` fp32 [W, N, K]; ``held`` int64 [W]: per source, the seq of its last chunk, whose
     acknowledgement waits for the combine (-1: none); this rank's experts are ``[expert_lo, expert_hi)``.
-    ``desc``: the ``StageDesc`` the kernels take (:mod:`chunkring.moe.descriptors`), built once: the tensors
+    ``desc``: the ``StageDesc`` the kernels take (:mod:`chunkring.moe._engine.descriptors`), built once: the tensors
     are never reallocated.
     """
 

@@ -22,13 +22,13 @@ MOE_LAYOUT_VERSION = 1
 
 WORD = 8
 
-#: ``StageDesc``'s fields: shapes, then the stage's tensors' addresses (chunkring.moe.stage.Stage).
+#: ``StageDesc``'s fields: shapes, then the stage's tensors' addresses (chunkring.moe._engine.stage.Stage).
 STAGE_FIELDS = (
     "layout_version", "desc_bytes", "sources", "token_capacity", "topk", "row_bytes", "sf_per_row",
     "expert_lo", "expert_hi", "x", "sf", "idx", "w", "held",
 )
 
-#: ``PoolDesc``'s fields: the pool's shape, then its tensors' addresses (chunkring.moe.blocks.BlockPool).
+#: ``PoolDesc``'s fields: the pool's shape, then its tensors' addresses (chunkring.moe._engine.blocks.BlockPool).
 POOL_FIELDS = (
     "layout_version", "desc_bytes", "experts", "blocks_per_expert", "blocks", "block_m", "row_bytes",
     "sf_per_row", "words", "pos", "x", "sf", "src", "token", "k", "weight",

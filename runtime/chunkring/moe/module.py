@@ -1,4 +1,4 @@
-"""``ChunkedMoE``: an ``nn.Module`` over a :class:`~chunkring.moe.layer.MoELayer` that owns the router and this
+"""``MoEModule``: an ``nn.Module`` over a :class:`~chunkring.moe.layer.MoELayer` that owns the router and this
 rank's experts, and calls the layer through its PyTorch operator."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from chunkring.moe.layer import MoELayer
 from chunkring.moe.op import moe_forward
 from chunkring.moe.weights import Weight, expert_weights, init_weights
 
-__all__ = ["ChunkedMoE"]
+__all__ = ["MoEModule"]
 
 
-class ChunkedMoE(torch.nn.Module):
+class MoEModule(torch.nn.Module):
     """The router (bfloat16 [E, H], a registered buffer) and this rank's expert weights, in the format the
     layer's GEMMs take (:func:`chunkring.moe.weights.expert_weights`: FP8 with 128x128 block scales for the
     FP8 payload, bfloat16 otherwise), over ``layer``.

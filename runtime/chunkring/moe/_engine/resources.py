@@ -15,55 +15,36 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from chunkring.errors import ChunkringError, ChunkringRuntimeError, ChunkringUsageError
 from chunkring.jit import library_for
-from chunkring.moe.blocks import BlockPool, pool_shape
-from chunkring.moe.calls import CallMode
+from chunkring.moe._engine.blocks import BlockPool, pool_shape
+from chunkring.moe._engine.call import CallMode
+from chunkring.moe._engine.decode import DecodeGemm, check_decode_config, decode_fits
+from chunkring.moe._engine.experts import ExpertCompute
+from chunkring.moe._engine.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
+from chunkring.moe._engine.stage import Stage
 from chunkring.moe.config import MoEConfig
-from chunkring.moe.decode import DecodeGemm, check_decode_config, decode_fits
-from chunkring.moe.experts import GROUP_ALIGN, ExpertCompute
-from chunkring.moe.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
-from chunkring.moe.stage import Stage
+from chunkring.moe.gemm import GROUP_ALIGN
+from chunkring.moe.kernels import LayerKernels
 from chunkring.partition import DEFAULT_PARTITION, PRODUCER_SM_SHARE, SmPartition
 from chunkring.ring.ring import Ring
 from chunkring.ring.transport import Transport
 from chunkring.runtime import TEARDOWN_WAIT_S
 
 if TYPE_CHECKING:
-    from chunkring.jit import KernelLibrary
     from chunkring.ring.spec import RingSpec
     from chunkring.runtime import Runtime
 
-__all__ = ["PULL_BLOCK", "PULL_GRID", "LayerKernels", "LayerResources",
-           "agree", "spinning_grids"]
+__all__ = ["PULL_BLOCK", "PULL_GRID", "LayerResources", "agree", "spinning_grids"]
 
 #: Blocks of the pull kernel at most: each copies a share of every chunk. A few suffice to keep up with
 #: the producers; more would only spin, waiting for chunks, on SMs the producers could use.
 PULL_GRID = 16
 PULL_BLOCK = 256
-
-
-@dataclass(frozen=True)
-class LayerKernels:
-    """The layer's kernel libraries: ``stream`` (device/kernels/moe_stream.cu: pull, held acks, drain,
-    timeline marks), ``produce`` (moe_produce.cu: the fused producer) and ``experts`` (moe_experts.cu:
-    plan, SwiGLU, combine push, waves)."""
-
-    stream: KernelLibrary
-    produce: KernelLibrary
-    experts: KernelLibrary
-
-    @classmethod
-    def build(cls, runtime: Runtime, *, defines: dict[str, int | str] | None = None) -> LayerKernels:
-        """The libraries for ``runtime``'s GPU, compiled with ``defines`` (None: the real protocol; the
-        testing package passes a ``CHUNKRING_MUTANT`` to build a deliberately broken variant)."""
-        return cls(*(library_for(runtime, source, defines=defines)
-                     for source in ("moe_stream", "moe_produce", "moe_experts")))
 
 
 def spinning_grids(consumer_sms: int, pull_blocks_per_sm: int, producer_sms: int | None,
@@ -140,7 +121,7 @@ class LayerResources:
 
     def decode_for(self, tokens: int) -> bool:
         """Whether this rank's call of ``tokens`` tokens runs its FP8 expert GEMMs on the decode path: as
-        :attr:`decode` says, and for "auto" as :func:`chunkring.moe.decode.decode_fits` says of the call's
+        :attr:`decode` says, and for "auto" as :func:`chunkring.moe._engine.decode.decode_fits` says of the call's
         size (this rank's count, as if every rank brought as many: each rank chooses for its own consumer)."""
         if self.decode == "auto":
             return decode_fits(self.config, self.runtime.world_size, tokens=tokens)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.errors import ChunkringUsageError
-from chunkring.moe.experts import check_expert_weights
+from chunkring.moe._engine.experts import check_expert_weights
 from chunkring.moe.timeline import Timeline
 from chunkring.ring.io import check_row_aligned, check_tensor
 from chunkring.ring.spec import FP8_SCALE_BLOCK

@@ -24,53 +24,30 @@ call captures into a CUDA graph.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chunkring.env import cache_dir
-from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
-from chunkring.moe.blocks import BlockPool
-from chunkring.moe.decode import DecodeGemm
-from chunkring.moe.dispatch import padded_rows_bound
+from chunkring.errors import ChunkringUsageError
+from chunkring.moe._engine.blocks import BlockPool
+from chunkring.moe._engine.decode import DecodeGemm
+from chunkring.moe.gemm import GROUP_ALIGN, load_deep_gemm, padded_rows_bound
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.io import check_row_aligned, check_tensor
 from chunkring.ring.spec import FP8_SCALE_BLOCK
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelArgs
-    from chunkring.moe.stage import Stage
+    from chunkring.moe._engine.stage import Stage
 
-__all__ = ["GROUP_ALIGN", "DevicePlan", "ExpertCompute", "OwnRows", "check_expert_weights", "load_deep_gemm"]
-
-#: Rows each expert group is padded to: DeepGEMM's M alignment for the contiguous layout (checked
-#: against the library when it loads). The bf16 path plans alike, so both paths share one plan.
-GROUP_ALIGN = 128
+__all__ = ["DevicePlan", "ExpertCompute", "OwnRows", "check_expert_weights"]
 
 #: Threads per block of the expert kernels; their grids fill every SM (8 x 256 threads) and loop over rows:
 #: each row is a short dependent chain (load, compute, store), so latency hiding needs many rows in flight.
 _BLOCK = 256
 _BLOCKS_PER_SM = 8
-
-
-def load_deep_gemm():
-    """Import DeepGEMM, with its JIT cache under chunkring's (``CHUNKRING_CACHE_DIR``/deep_gemm) unless
-    ``DG_JIT_CACHE_DIR`` says otherwise. Raises ``ChunkringRuntimeError`` saying what to install."""
-    os.environ.setdefault("DG_JIT_CACHE_DIR", str(cache_dir() / "deep_gemm"))
-    try:
-        import deep_gemm
-    except Exception as exc:  # ImportError, or a build that does not match this torch
-        raise ChunkringRuntimeError(
-            "the FP8 expert GEMMs need DeepGEMM: pip install 'chunkring[fp8]' (sgl-deep-gemm 0.1.5 with "
-            f"apache-tvm-ffi 0.1.11 for torch 2.11 and CUDA 13; README.md, 'Requirements'): {exc}") from exc
-    align = deep_gemm.get_mk_alignment_for_contiguous_layout()
-    if align != GROUP_ALIGN:
-        raise ChunkringRuntimeError(f"DeepGEMM pads contiguous groups to {align} rows; chunkring plans for "
-                                    f"{GROUP_ALIGN}")
-    return deep_gemm
 
 
 @dataclass(frozen=True)
@@ -144,8 +121,8 @@ class ExpertCompute:
     """The expert work of one layer at one rank, enqueued on the current stream by :meth:`__call__`.
 
     ``capacity`` (P): the most planned rows one call can produce here, every source's full batch
-    routed to this rank's experts (:func:`~chunkring.moe.dispatch.padded_rows_bound`). ``decode``: a
-    :class:`~chunkring.moe.decode.DecodeGemm` to run the FP8 expert GEMMs (L1, SwiGLU, L2) instead of
+    routed to this rank's experts (:func:`~chunkring.moe.gemm.padded_rows_bound`). ``decode``: a
+    :class:`~chunkring.moe._engine.decode.DecodeGemm` to run the FP8 expert GEMMs (L1, SwiGLU, L2) instead of
     DeepGEMM's, or None (DeepGEMM's only). ``deep_gemm_too``: with ``decode``, DeepGEMM's engine as well, each
     call choosing (the ``decode=`` of :meth:`experts`; the layer's ``decode="auto"``); without it, every call
     of an FP8 layer given ``decode`` takes the decode path.
@@ -323,7 +300,7 @@ class ExpertCompute:
 
     def wave(self, pool: BlockPool, w13, w2, peer_combine: torch.Tensor, *, last: bool, desc: torch.Tensor,
              combine: torch.Tensor | None = None, sms: int | None = None, decode: bool | None = None) -> None:
-        """One wave of incremental expert blocks (:mod:`chunkring.moe.blocks`), on the current stream:
+        """One wave of incremental expert blocks (:mod:`chunkring.moe._engine.blocks`), on the current stream:
         ``moe_wave_claim`` waits (bounded, on ``desc``'s watchdog) until :attr:`wave_min_blocks` sealed blocks
         are unclaimed or, for the ``last`` wave, until every block is sealed, and claims every sealed one;
         ``moe_wave_gather`` copies their rows into a fresh plan; then the batch path's GEMMs, SwiGLU and

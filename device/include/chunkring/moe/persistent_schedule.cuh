@@ -1,0 +1,229 @@
+// The persistent decode consumer's work and where it lives (device/kernels/moe_persistent.cu runs it;
+// runtime/chunkring/moe/persistent.py launches it and mirrors the shared-memory layout below).
+//
+// The work of one call: for every local expert with rows (the plan's groups, moe_plan_scatter), L1 + SwiGLU + FP8
+// quantisation and L2, as "units" of 128 x K weight bytes per 16 KB stage row-block:
+//   L1 unit (expert, chunk)     intermediate columns [128 chunk, 128 chunk + 128): their 128 gate and 128 up rows of
+//                               w13, in two halves of 64 columns; one 1x128 scale block of the activation, so the
+//                               unit quantises its own rows' activations (no other unit holds part of the block)
+//   L2 unit (expert, row block) output columns [128 rb, 128 rb + 128): 128 rows of w2
+// A unit runs over its expert's rows in passes of at most `tile_cap` rows, each pass one token tile of N = 8, 16, 32,
+// 64 or 128 (the smallest that holds its rows); a pass streams the unit's weights again (the unit's passes run back
+// to back on one block, so a second pass finds them in the L2 cache).
+//
+// A pass is a sequence of steps, each one weight tile of 128 rows x 128 k (16 KB, one k block) and the pass's token
+// tile for the same k block: L1 passes take 2 halves x H / 128 steps, L2 passes I / 128. Three roles walk the same
+// steps in the same order, each from this header alone: the weight loader (bulk tensor copies into a ring of
+// `stages` weight stages), the token loader (the token rows and their scales into a ring of `token_stages` token
+// stages) and the two math warpgroups, which consume both rings in step.
+//
+// The units of a call form one list, every L1 unit before every L2 unit (an L2 unit waits for its expert's L1 units:
+// persistent.cuh's counters), and each block takes its units from it in list order (`claim`): so the smallest
+// unfinished unit of the call never waits for one after it, and the call finishes as long as every block is
+// resident at once (one block per SM, at most the SMs' count of blocks).
+#pragma once
+
+#include <cuda/std/cstdint>
+
+#include "chunkring/ptx/mbarrier.cuh"
+#include "chunkring/ptx/ordering.cuh"
+
+namespace chunkring::moe::persistent {
+
+using u32 = ::cuda::std::uint32_t;
+using u64 = ::cuda::std::uint64_t;
+
+constexpr u32 kWarp = 32;
+constexpr u32 kMathWarps = 8;                       // two warpgroups
+constexpr u32 kMathThreads = kMathWarps * kWarp;
+constexpr u32 kThreads = kMathThreads + 128;        // + the loaders' warpgroup
+constexpr u32 kWeightLoaderWarp = kMathWarps;       // its first warp: the weight loader
+constexpr u32 kTokenLoaderWarp = kMathWarps + 1;    // its second: the token loader (the other two idle)
+// Registers per thread after the warpgroups trade (as the weight-read probe): 128 x 40 + 256 x 232 = 384 x 168.
+constexpr int kLoaderRegisters = 40, kMathRegisters = 232;
+static_assert(128 * kLoaderRegisters + kMathThreads * kMathRegisters <= 65536, "one block per SM");
+
+constexpr u32 kKBlock = 128;                        // k per step: one 128x128 weight scale block, one 1x128 row scale
+constexpr u32 kTileRows = 128;                      // weight rows per step (64 per math warpgroup)
+constexpr u32 kWeightStageBytes = kTileRows * kKBlock;  // 16 KB
+constexpr u32 kTokenBoxRows = 8;                    // token rows per bulk tensor copy (one 1 KB swizzle atom)
+constexpr u32 kMaxTile = 128;                       // the widest token tile (wgmma N)
+constexpr u32 kMaxExperts = 256;                    // local experts a call may have (the active list's room)
+constexpr u32 kMaxTokenStages = 8;
+constexpr u32 kStageAlign = 1024;                   // a 128-byte-swizzled copy's destination boundary
+
+// Variants chosen at run time (append-only codes, persistent.py mirrors them).
+constexpr int kStridedExperts = 0;  // claim: units u = block, block + grid, ...; each expert's units consecutive
+constexpr int kStridedBlocks = 1;   // claim: strided; consecutive units are different experts' (block-major)
+constexpr int kBlocked = 2;         // claim: one contiguous share of the list per block, expert-major
+constexpr int kPhaseL1 = 1, kPhaseL2 = 2, kPhaseBoth = 3;  // phases: bit 0 the L1 units, bit 1 the L2 units
+constexpr u32 kL1 = 0, kL2 = 1;     // a unit's GEMM
+
+// The token tile of a pass of `rows` rows (1 .. kMaxTile): the smallest wgmma N that holds them.
+constexpr __host__ __device__ u32 tile_for(u32 rows) {
+    return rows <= 8 ? 8 : rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128;
+}
+static_assert(tile_for(1) == 8 && tile_for(8) == 8 && tile_for(9) == 16 && tile_for(33) == 64 && tile_for(128) == 128,
+              "token tiles");
+
+// The block's dynamic shared memory, from a kStageAlign boundary (the launch adds kStageAlign bytes of slack):
+// weight stages, token tiles, token scales, the L1 epilogue's per-warp absmax; offsets in bytes.
+struct SharedLayout {
+    u32 weights, tokens, token_scales, amax, bytes;
+};
+
+constexpr __host__ __device__ SharedLayout shared_layout(u32 stages, u32 token_stages, u32 tile_cap) {
+    const u32 tokens = stages * kWeightStageBytes;
+    const u32 token_scales = tokens + token_stages * tile_cap * kKBlock;  // tiles of whole 1 KB atoms
+    const u32 amax = token_scales + token_stages * tile_cap * 4;
+    return SharedLayout{0, tokens, token_scales, amax, amax + kMathWarps * tile_cap * 4};
+}
+
+// The bytes a launch gives: the layout and its alignment slack (persistent.py shared_bytes mirrors it).
+constexpr __host__ __device__ u32 launch_shared_bytes(u32 stages, u32 token_stages, u32 tile_cap) {
+    return shared_layout(stages, token_stages, tile_cap).bytes + kStageAlign;
+}
+static_assert(launch_shared_bytes(8, 4, 64) == 131072 + 32768 + 1024 + 2048 + 1024, "pinned: persistent.py");
+static_assert(launch_shared_bytes(8, 4, 128) == 203776 && launch_shared_bytes(12, 3, 32) == 211328,
+              "pinned: persistent.py");
+
+// Faults. Every wait of the kernel is bounded, and a block that gives up - or finds its arguments out of range - leaves
+// a record of what it waited for, then traps. The record goes to host memory (the launch's `fault_record`: a pinned
+// host buffer's address, 0 for none), which a trap does not take away with the context; persistent.py decodes it.
+// NOTES: no printf - ptxas serialises every WGMMA of a kernel that holds a call anywhere (warning C7510), and
+// printf is one; so the record instead, as DeepGEMM's WGMMA kernels trap without printing.
+constexpr u32 kFaultWords = 8;
+constexpr u32 kFaultMarkWord = 0, kFaultKind = 1, kFaultBlock = 2, kFaultThread = 3, kFaultWhat = 4, kFaultParity = 5,
+              kFaultSeen = 6, kFaultLimitNs = 7;
+constexpr u64 kFaultMark = 0x7065727369737421ull;  // written last: the record is whole
+// What a block waited for (append-only, persistent.py FAULT_KINDS): kFaultWhat names the stage, or the expert.
+constexpr u32 kFaultArguments = 1, kFaultGroupStart = 2, kFaultWeightSlot = 3, kFaultTokenSlot = 4,
+              kFaultWeightStage = 5, kFaultTokenStage = 6, kFaultL1Units = 7;
+
+struct Watch {
+    u64 record;    // the fault record's address, 0 for none
+    u64 limit_ns;  // how long a wait may take
+};
+
+// Writes the record (system scope: the host reads it) and traps. NOTES: relaxed stores ordered by the fences - the
+// mark last, so a record with its mark is whole; blocks that fault together may each write one, any is true.
+__device__ __forceinline__ void raise_fault(const Watch& w, u32 kind, u64 what, u64 parity, u64 seen) {
+    if (w.record != 0) {
+        u64* r = reinterpret_cast<u64*>(w.record);
+        ptx::st_relaxed_sys(r + kFaultKind, kind);
+        ptx::st_relaxed_sys(r + kFaultBlock, blockIdx.x);
+        ptx::st_relaxed_sys(r + kFaultThread, threadIdx.x);
+        ptx::st_relaxed_sys(r + kFaultWhat, what);
+        ptx::st_relaxed_sys(r + kFaultParity, parity);
+        ptx::st_relaxed_sys(r + kFaultSeen, seen);
+        ptx::st_relaxed_sys(r + kFaultLimitNs, w.limit_ns);
+        ptx::fence_acq_rel_sys();
+        ptx::st_relaxed_sys(r + kFaultMarkWord, kFaultMark);
+        ptx::fence_acq_rel_sys();
+    }
+    __trap();
+}
+
+// Waits for the phase of parity `parity` of barrier `bar` (stage `stage` of a ring) for at most w.limit_ns.
+__device__ __forceinline__ void wait_phase(u64* bar, u32 parity, const Watch& w, u32 kind, u32 stage) {
+    if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
+    const u64 start = ptx::globaltimer_ns();
+    while (!ptx::mbarrier_try_wait_parity(bar, parity))
+        if (ptx::globaltimer_ns() - start > w.limit_ns) raise_fault(w, kind, stage, parity, 0);
+}
+
+// The experts with rows, ascending, with their groups (in static shared memory; built once per block).
+struct Active {
+    u32 count;
+    u32 expert[kMaxExperts];
+    u32 first[kMaxExperts];  // the group's first row of the plan
+    u32 rows[kMaxExperts];
+};
+
+// Warp-wide (every lane of one warp): `active` from the plan's counts and group ends (group e is rows
+// [group_end[e] - counts[e], group_end[e])). The counts are final: the plan's kernels ran before this one.
+__device__ __forceinline__ void build_active(Active& active, const unsigned* counts, const int* group_end,
+                                             u32 experts, const Watch& w) {
+    const u32 lane = threadIdx.x % kWarp;
+    u32 found = 0;
+    for (u32 base = 0; base < experts; base += kWarp) {
+        const u32 e = base + lane;
+        const u32 rows = e < experts ? counts[e] : 0;
+        const u32 mask = __ballot_sync(0xffffffffu, rows > 0);
+        if (rows > 0) {
+            const u32 at = found + __popc(mask & ((1u << lane) - 1)), first = static_cast<u32>(group_end[e]) - rows;
+            // the token loader copies whole 8-row boxes and their scales
+            if (first % kTokenBoxRows != 0) raise_fault(w, kFaultGroupStart, e, 0, first);
+            active.expert[at] = e;
+            active.rows[at] = rows;
+            active.first[at] = first;
+        }
+        found += __popc(mask);
+    }
+    if (lane == 0) active.count = found;
+}
+
+// One unit of the list, resolved.
+struct Unit {
+    u32 gemm;    // kL1 or kL2
+    u32 expert;  // its local expert
+    u32 block;   // L1: the 128-column chunk of the intermediate; L2: the 128-row block of w2 (output columns)
+    u32 first;   // the expert's first plan row
+    u32 rows;    // and its row count
+};
+
+// One pass of a unit: plan rows [row0, row0 + rows), token tile `tile`.
+struct Pass {
+    u32 row0, rows, tile;
+};
+
+// The call's shapes and the list's order, the same in every role of every block.
+struct Schedule {
+    u32 hidden, inter;
+    u32 tile_cap;
+    u32 l1_units, total;  // L1 units first, then L2 units
+    u32 active;
+    int claim;
+
+    __device__ __forceinline__ u32 chunks() const { return inter / kKBlock; }        // L1 units an expert
+    __device__ __forceinline__ u32 row_blocks() const { return hidden / kTileRows; }  // L2 units an expert
+    __device__ __forceinline__ u32 kblocks(u32 gemm) const { return (gemm == kL1 ? hidden : inter) / kKBlock; }
+    __device__ __forceinline__ u32 halves(u32 gemm) const { return gemm == kL1 ? 2 : 1; }
+    __device__ __forceinline__ u32 passes(const Unit& u) const { return (u.rows + tile_cap - 1) / tile_cap; }
+
+    __device__ __forceinline__ Pass pass(const Unit& u, u32 p) const {
+        const u32 done = p * tile_cap, rows = min(u.rows - done, tile_cap);
+        return Pass{u.first + done, rows, tile_for(rows)};
+    }
+
+    // This block's first unit and the one after `u` (`total` past its last).
+    __device__ __forceinline__ u32 blocked_begin(u32 block) const {
+        return static_cast<u32>(static_cast<u64>(total) * block / gridDim.x);
+    }
+    __device__ __forceinline__ u32 first_unit() const {
+        return claim == kBlocked ? blocked_begin(blockIdx.x) : blockIdx.x;
+    }
+    __device__ __forceinline__ u32 next_unit(u32 u) const {
+        if (claim != kBlocked) return u + gridDim.x;
+        return u + 1 < blocked_begin(blockIdx.x + 1) ? u + 1 : total;
+    }
+
+    // Unit `u` (< total) of the list.
+    __device__ __forceinline__ Unit unit(u32 u, const Active& a) const {
+        const u32 gemm = u < l1_units ? kL1 : kL2, within = gemm == kL1 ? u : u - l1_units;
+        const u32 per = gemm == kL1 ? chunks() : row_blocks();
+        const u32 slot = claim == kStridedBlocks ? within % active : within / per;
+        const u32 block = claim == kStridedBlocks ? within / active : within % per;
+        return Unit{gemm, a.expert[slot], block, a.first[slot], a.rows[slot]};
+    }
+};
+
+__device__ __forceinline__ Schedule make_schedule(const Active& a, u64 hidden, u64 inter, u32 tile_cap, int claim,
+                                                  int phases) {
+    Schedule s{static_cast<u32>(hidden), static_cast<u32>(inter), tile_cap, 0, 0, a.count, claim};
+    s.l1_units = (phases & kPhaseL1) ? a.count * s.chunks() : 0;
+    s.total = s.l1_units + ((phases & kPhaseL2) ? a.count * s.row_blocks() : 0);
+    return s;
+}
+
+}  // namespace chunkring::moe::persistent

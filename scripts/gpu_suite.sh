@@ -33,6 +33,8 @@
 # (an eager MoELayer.run's host issue, eager, pipelined and graph times against MegaMoE's; EAGER_ARGS, EAGER_LIMIT_S).
 # weight_read_1rank runs benchmarks/probe_weight_read.py: how fast the card reads the experts' FP8 weights against bytes
 # in flight (the persistent decode consumer's weight loader alone, swept; WEIGHT_READ_ARGS, WEIGHT_READ_LIMIT_S).
+# model_1rank / model_mps run benchmarks/bench_model.py: a transformers MoE model's prefill and decode steps, eager and
+# compiled, its own experts against the drop-in batch-ready and streamed (MODEL_ARGS, MODEL_LIMIT_S).
 # commands runs every command README.md and docs/LAUNCHER.md show (tests/helpers/doc_commands.py lists them) at a
 # small preset, at 1 rank and at 4 ranks under the launcher's own MPS daemon, each ending with the status the docs
 # give it: one record; commands_1rank / commands_4rank split it over two device calls (records commands-1rank and
@@ -48,7 +50,8 @@ default_parts=(gpu_1rank stress_1rank jobs_1rank gpu_mps moe_2rank_mps stress_mp
 all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps_rma overlap_1rank overlap_mps producer_probe
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
            decode_1rank decode_trees decode_ncu decode_stalls quick_1rank smoke_mps call_kernels megamoe_1rank breakdown_1rank
-           bisect_1rank eager_1rank eager_mps commands commands_1rank commands_4rank weight_read_1rank)
+           bisect_1rank eager_1rank eager_mps commands commands_1rank commands_4rank weight_read_1rank model_1rank
+           model_mps)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -286,6 +289,22 @@ eager_mps() {  # the same at $ranks ranks sharing the GPU under MPS (MegaMoE: a 
     # shellcheck disable=SC2086
     "${mpi[@]}" -np "$ranks" --timeout "${EAGER_LIMIT_S:-400}" python3 -m benchmarks.bench_eager ${EAGER_ARGS:-} \
         --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-eager-${ranks}rank-mps.json" 2>&1 | tee "$logs/eager-mps.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+model_1rank() {  # MODEL_ARGS / MODEL_LIMIT_S override the bench's arguments (default: a 4-layer model of Qwen3-30B-A3B's
+    # layers, FP8 drop-in; prefill 1x2048 and 8x512, decode 1/8/64 eager, prefill_1x2048 and decode_8 compiled too) and
+    # its time limit; the JSON is rewritten after each step and compiled side (a run the limit cuts keeps those)
+    # shellcheck disable=SC2086
+    timeout "${MODEL_LIMIT_S:-420}" python3 -m benchmarks.bench_model ${MODEL_ARGS:-} \
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-model.json" 2>&1 | tee "$logs/model.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+model_mps() {  # the same at $ranks ranks sharing the GPU under MPS (each rank its own tokens; the own side a replica
+    # per rank, the drop-in's experts split); by default only prefill_1x2048 compiled: the ranks compile at once
+    # shellcheck disable=SC2086
+    "${mpi[@]}" -np "$ranks" --timeout "${MODEL_LIMIT_S:-540}" python3 -m benchmarks.bench_model \
+        ${MODEL_ARGS:---compile-steps prefill_1x2048} \
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-model-${ranks}rank-mps.json" 2>&1 | tee "$logs/model-mps.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 breakdown_1rank() {  # BREAKDOWN_ARGS override the bench's arguments (default: flash at 8, 1,024 and 8,192 tokens)

@@ -1,11 +1,14 @@
 """Tiny random Hugging Face MoE models for the drop-in block's tests (no download: configs built here).
 
-Both have H = 256, I = 128 (``moe_intermediate_size``), 8 routed experts, top-2, a 128-token vocabulary:
-shapes every payload takes (multiples of 128) and whose experts split over 1, 2, 4 and 8 ranks.
+Unless overridden, both have H = 256, I = 128 (``moe_intermediate_size``), 8 routed experts, top-2, a 128-token
+vocabulary: shapes every payload takes (multiples of 128) and whose experts split over 1, 2, 4 and 8 ranks.
 Qwen3-MoE: 2 layers, both MoE. DeepSeek-V3: 3 layers, the first dense (``first_k_dense_replace`` = 1),
 then 2 MoE layers with group-limited routing (4 groups, 2 chosen), one shared expert and a routed scaling
 factor of 2.5. Every router, and DeepSeek-V3's score-correction bias, is drawn from the seed (transformers
 may leave a router at zero), scaled so that top-k choices are clear-cut rather than near-ties.
+
+The same builders make a benchmark's model of real shapes (``overrides``, ``device=``: built on the GPU in bf16,
+benchmarks/bench_model.py), and :func:`block_reference` is chunkring's fp32 reference of a drop-in block.
 """
 
 from __future__ import annotations
@@ -15,7 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ARCHITECTURES", "tiny_config", "tiny_model"]
+from chunkring.integrations.transformers import route
+from chunkring.ring.spec import PayloadFormat
+from chunkring.testing.reference import (
+    dequantize_fp8_per128,
+    layer_weights_reference,
+    moe_reference,
+    quantize_fp8_per128,
+)
+
+__all__ = ["ARCHITECTURES", "block_reference", "tiny_config", "tiny_model"]
 
 ARCHITECTURES = ("qwen3_moe", "deepseek_v3")
 
@@ -45,16 +57,28 @@ def tiny_config(architecture: str, **overrides: Any) -> Any:
 
 
 def tiny_model(architecture: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-               **overrides: Any) -> nn.Module:
-    """A ``*ForCausalLM`` of :func:`tiny_config` in eval mode, on the CPU, in ``dtype``, its weights drawn
-    from ``seed`` (routers and DeepSeek-V3's correction bias redrawn here, see the module docstring)."""
+               device: torch.device | str | None = None, **overrides: Any) -> nn.Module:
+    """A ``*ForCausalLM`` of :func:`tiny_config` in eval mode, in ``dtype``, its weights drawn from ``seed``
+    (routers and DeepSeek-V3's correction bias redrawn here, see the module docstring). By default on the CPU,
+    drawn in float32 and cast; with ``device``, built there in ``dtype`` from the start (no float32 copy: a
+    model of several GB), its draws from that device's generator - the same model on every rank of one GPU
+    type."""
     config = tiny_config(architecture, **overrides)
     if architecture == "qwen3_moe":
         from transformers import Qwen3MoeForCausalLM as model_class
     else:
         from transformers import DeepseekV3ForCausalLM as model_class
     torch.manual_seed(seed)
-    model = model_class(config)
+    if device is None:
+        model = model_class(config)
+    else:
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = model_class(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -65,3 +89,24 @@ def tiny_model(architecture: str, *, seed: int = 0, dtype: torch.dtype = torch.b
                 if bias is not None:
                     bias.copy_(torch.rand(bias.shape, generator=gen) * 0.1)
     return model.to(dtype).eval()
+
+
+def block_reference(block: nn.Module, hidden: torch.Tensor, payload: PayloadFormat) -> torch.Tensor:
+    """float32 [n, H]: chunkring's fp32 reference of what the drop-in block computes in the place of the
+    transformers MoE ``block`` from ``hidden`` [..., H] (n rows): the block's own routing (:func:`route`), its
+    experts' weights as ``payload`` carries them (:func:`layer_weights_reference`), the rows likewise (FP8: per
+    1x128, dequantised), the FP8 recipe's roundings (:func:`moe_reference`), plus the block's shared experts
+    (DeepSeek-V3) as it adds them. Runs where the block lives; the layer's output is held to
+    :func:`~chunkring.testing.reference.reference_tolerance` of it."""
+    fp8 = payload.has_scales
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    topk_idx, topk_weights = route(block, rows)
+    experts = block.get_submodule("experts")
+    w13, w2 = layer_weights_reference(experts.get_parameter("gate_up_proj").detach(),
+                                      experts.get_parameter("down_proj").detach(), payload)
+    x = dequantize_fp8_per128(*quantize_fp8_per128(rows.float())) if fp8 else rows.float()
+    out = moe_reference(x, topk_idx, topk_weights, w13, w2, fp8_recipe=fp8)
+    shared = getattr(block, "shared_experts", None)
+    if shared is not None:
+        out = out + shared(hidden).reshape(-1, hidden.shape[-1]).float()
+    return out

@@ -4,14 +4,13 @@ decode consumer alone, trades registers between warpgroups with ``setmaxnreg``, 
 Its PTX holds the copy engine's tensor-map and bulk copies and the transaction barriers they complete on, and ptxas
 gives it the whole register file at 384 threads (the premise of setmaxnreg), without spills. No GPU needed."""
 
-import dataclasses
-import io
 import re
 
 import pytest
 
 from chunkring.jit import build
-from chunkring.jit.compiler import ARCH_SPECIFIC_SOURCES, KERNEL_DIR, program_options, target_arch
+from chunkring.jit.compiler import ARCH_SPECIFIC_SOURCES, program_options, target_arch
+from tests.helpers.nvrtc import ptx_of, ptxas_report
 
 PROBE = "probe_weight_read"
 
@@ -21,34 +20,13 @@ def private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("CHUNKRING_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
 
 
-def compile_probe(arch: str, ptxas_options: list[str] | None = None) -> str:
-    """The probe's cubin for ``arch`` built with ``ptxas_options``; returns the compiler's log."""
-    from cuda.core import Program
-
-    options = dataclasses.replace(program_options(PROBE, arch="sm_90"), arch=arch, ptxas_options=ptxas_options)
-    log = io.StringIO()
-    Program((KERNEL_DIR / f"{PROBE}.cu").read_text(), "c++", options).compile("cubin", logs=log)
-    return log.getvalue()
+def compile_probe(arch: str) -> str:
+    """The probe's cubin for ``arch``, ptxas's report on; returns the compiler's log."""
+    return ptxas_report(PROBE, arch)
 
 
 def probe_ptx() -> str:
-    """The probe's PTX for compute_90a, through NVRTC directly (cuda.core's PTX route asks for a driver)."""
-    from cuda.bindings import nvrtc
-
-    options = dataclasses.replace(program_options(PROBE, arch="sm_90"), arch="compute_90a", ptxas_options=None)
-    flags = options.as_bytes("nvrtc")
-    err, program = nvrtc.nvrtcCreateProgram((KERNEL_DIR / f"{PROBE}.cu").read_bytes(), f"{PROBE}.cu".encode(), 0, [],
-                                            [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-        _, size = nvrtc.nvrtcGetPTXSize(program)
-        ptx = b" " * size
-        nvrtc.nvrtcGetPTX(program, ptx)
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
-    return ptx.decode(errors="replace")
+    return ptx_of(PROBE)
 
 
 def test_an_arch_specific_source_gets_the_a_target():
@@ -77,7 +55,7 @@ def test_the_probe_streams_with_the_copy_engine():
 
 
 def test_the_probe_holds_the_register_file_without_spilling():
-    log = compile_probe("sm_90a", ["-O3", "-v"])
+    log = compile_probe("sm_90a")
     found = {}
     for kernel in ("probe_weight_read", "probe_plain_read"):
         section = log[log.index(f"Function properties for {kernel}"):]

@@ -43,7 +43,7 @@ CPU_FALLBACK_ARCH = "sm_90"
 #: Kernel sources that use architecture-specific instructions (wgmma, setmaxnreg): built for the ``a`` variant of
 #: the GPU's architecture (``sm_90a``), whose cubin runs on that architecture only. Every other source is built for
 #: the plain one.
-ARCH_SPECIFIC_SOURCES = frozenset({"probe_weight_read"})
+ARCH_SPECIFIC_SOURCES = frozenset({"moe_persistent", "probe_weight_read"})
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 // The persistent decode consumer's math warpgroups (device/kernels/moe_persistent.cu): "swap AB" FP8 WGMMA - each
-// step's 128 weight rows on the M side, 64 per warpgroup, and the pass's tokens as N (8 to 128) - with DeepGEMM's
+// step's 128 weight rows on the M side, 64 per warpgroup, and the pass's tokens as N (8 to 64) - with DeepGEMM's
 // per-128 scale promotion, and the two epilogues.
 //
 // One step (mma_step): the four k32 WGMMAs of a k block into a fresh fp32 tile (`raw`), then, once they complete, the
@@ -67,45 +67,35 @@ __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(_
 
 // One step: waits for the weight and token stages under the cursors, acc += their k block x the scales (`lo` for
 // fragment rows g, `hi` for rows g + 8: L1's gate and up block scales; L2's one scale twice), releases both stages.
-// A tile of N tokens runs as N / kSub WGMMA batches of kSub = min(N, 64) tokens, one after the other, each promoted
-// as soon as it completes: a fresh fp32 tile for all 128 tokens beside the running totals and L1's first half would
-// leave the math warpgroups too few registers (ptxas spilled).
 template <u32 N>
 __device__ __forceinline__ void mma_step(const MathArgs& m, u32 tile_cap, util::Cursor& wc, util::Cursor& tc, float lo,
                                          float hi, float (&acc)[N / 2]) {
-    constexpr u32 kSub = N < 64 ? N : 64;
     const MathLane l = math_lane();
     wait_phase(&m.weight_pipe->full[wc.stage], wc.parity, m.watch, kFaultWeightStage, wc.stage);
     wait_phase(&m.token_pipe->full[tc.stage], tc.parity, m.watch, kFaultTokenStage, tc.stage);
     const u64 a = ptx::smem_desc_k_major_sw128(
         ptx::shared_address(m.weights + wc.stage * kWeightStageBytes + l.wg * (kWeightStageBytes / 2)));
-    const unsigned char* tokens = m.tokens + tc.stage * tile_cap * kKBlock;
+    const u64 b = ptx::smem_desc_k_major_sw128(ptx::shared_address(m.tokens + tc.stage * tile_cap * kKBlock));
+    // Zeros, though the first WGMMA overwrites them: the asm reads its accumulators ("+f"), and a value left from the
+    // last step would otherwise be live across the waits above.
+    float raw[N / 2];
+#pragma unroll
+    for (u32 i = 0; i < N / 2; ++i) raw[i] = 0.0f;
+    ptx::wgmma_fence();
+#pragma unroll
+    for (u32 k = 0; k < kKBlock / 32; ++k)
+        ptx::wgmma_m64k32_e4m3_f32<N>(raw, ptx::smem_desc_advance(a, 32 * k), ptx::smem_desc_advance(b, 32 * k), k > 0);
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(raw);
     const float* x_scale = m.token_scales + tc.stage * tile_cap;
 #pragma unroll
-    for (u32 sub = 0; sub < N / kSub; ++sub) {
-        const u64 b = ptx::smem_desc_k_major_sw128(ptx::shared_address(tokens + sub * kSub * kKBlock));
-        // Zeros, though the first WGMMA overwrites them: the asm reads its accumulators ("+f"), and a value left from
-        // the last step would otherwise be live across the waits above.
-        float raw[kSub / 2];
-#pragma unroll
-        for (u32 i = 0; i < kSub / 2; ++i) raw[i] = 0.0f;
-        ptx::wgmma_fence();
-#pragma unroll
-        for (u32 k = 0; k < kKBlock / 32; ++k)
-            ptx::wgmma_m64k32_e4m3_f32<kSub>(raw, ptx::smem_desc_advance(a, 32 * k), ptx::smem_desc_advance(b, 32 * k),
-                                             k > 0);
-        ptx::wgmma_commit_group();
-        ptx::wgmma_wait_group<0>();
-        ptx::wgmma_fence_operands(raw);
-#pragma unroll
-        for (u32 j = 0; j < kSub / 8; ++j) {  // each token scale used as it is read
-            const u32 chunk = sub * (kSub / 8) + j;  // the 8-token chunk of the whole tile
-            const float x0 = x_scale[8 * chunk + 2 * l.t], x1 = x_scale[8 * chunk + 2 * l.t + 1];
-            acc[4 * chunk + 0] = fmaf(raw[4 * j + 0], lo * x0, acc[4 * chunk + 0]);
-            acc[4 * chunk + 1] = fmaf(raw[4 * j + 1], lo * x1, acc[4 * chunk + 1]);
-            acc[4 * chunk + 2] = fmaf(raw[4 * j + 2], hi * x0, acc[4 * chunk + 2]);
-            acc[4 * chunk + 3] = fmaf(raw[4 * j + 3], hi * x1, acc[4 * chunk + 3]);
-        }
+    for (u32 j = 0; j < N / 8; ++j) {  // each token scale used as it is read
+        const float x0 = x_scale[8 * j + 2 * l.t], x1 = x_scale[8 * j + 2 * l.t + 1];
+        acc[4 * j + 0] = fmaf(raw[4 * j + 0], lo * x0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(raw[4 * j + 1], lo * x1, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(raw[4 * j + 2], hi * x0, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(raw[4 * j + 3], hi * x1, acc[4 * j + 3]);
     }
     __syncwarp();  // every lane's wgmma reads and scale loads are done before the warp releases the stages
     if (threadIdx.x % kWarp == 0) {
@@ -139,50 +129,30 @@ template <u32 N>
 __device__ __forceinline__ void quantise(const MathArgs& m, const Schedule& s, const Unit& u, const Pass& p,
                                          const float (&v)[2][N / 4]) {
     const MathLane l = math_lane();
-    float amax[N / 4];
 #pragma unroll
-    for (u32 i = 0; i < N / 4; ++i) {
-        amax[i] = fmaxf(fabsf(v[0][i]), fabsf(v[1][i]));
+    for (u32 i = 0; i < N / 4; ++i) {  // token 8 (i / 2) + 2t + i % 2: its absmax over the warp's 16 values
+        float amax = fmaxf(fabsf(v[0][i]), fabsf(v[1][i]));
 #pragma unroll
         for (u32 offset = 4; offset < kWarp; offset *= 2)  // over g: the lanes of one t hold the same tokens
-            amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], offset));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        if (l.g == 0) m.amax[l.warp * s.tile_cap + 8 * (i / 2) + 2 * l.t + i % 2] = amax;
     }
-    if (l.g == 0)
-#pragma unroll
-        for (u32 j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (u32 c = 0; c < 2; ++c) m.amax[l.warp * s.tile_cap + 8 * j + 2 * l.t + c] = amax[2 * j + c];
     ptx::named_barrier_sync(kMathBarrier, kMathThreads);
-    float scale[N / 4];
-#pragma unroll
-    for (u32 j = 0; j < N / 8; ++j)
-#pragma unroll
-        for (u32 c = 0; c < 2; ++c) {
-            float most = 0.0f;
-#pragma unroll
-            for (u32 w = 0; w < kMathWarps; ++w) most = fmaxf(most, m.amax[w * s.tile_cap + 8 * j + 2 * l.t + c]);
-            scale[2 * j + c] = e4m3_scale(most);
-        }
     const u64 col = static_cast<u64>(u.block) * kKBlock + 32 * l.wg + 8 * l.in_wg + l.g;
 #pragma unroll
-    for (u32 h = 0; h < 2; ++h)
+    for (u32 i = 0; i < N / 4; ++i) {
+        const u32 token = 8 * (i / 2) + 2 * l.t + i % 2;
+        float most = 0.0f;
 #pragma unroll
-        for (u32 j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (u32 c = 0; c < 2; ++c) {
-                const u32 token = 8 * j + 2 * l.t + c;
-                if (token < p.rows)
-                    m.act[(static_cast<u64>(p.row0) + token) * s.inter + col + 64 * h] =
-                        __nv_fp8_e4m3(clamp_e4m3(v[h][2 * j + c] / scale[2 * j + c]));
-            }
-    if (l.warp == 0 && l.g == 0)
-#pragma unroll
-        for (u32 j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (u32 c = 0; c < 2; ++c) {
-                const u32 token = 8 * j + 2 * l.t + c;
-                if (token < p.rows) m.act_sf[u.block * m.sf_stride + p.row0 + token] = scale[2 * j + c];
-            }
+        for (u32 w = 0; w < kMathWarps; ++w) most = fmaxf(most, m.amax[w * s.tile_cap + token]);
+        const float scale = e4m3_scale(most);
+        if (token < p.rows) {
+            __nv_fp8_e4m3* row = m.act + (static_cast<u64>(p.row0) + token) * s.inter + col;
+            row[0] = __nv_fp8_e4m3(clamp_e4m3(v[0][i] / scale));
+            row[64] = __nv_fp8_e4m3(clamp_e4m3(v[1][i] / scale));
+            if (l.warp == 0 && l.g == 0) m.act_sf[u.block * m.sf_stride + p.row0 + token] = scale;
+        }
+    }
     ptx::named_barrier_sync(kMathBarrier, kMathThreads);  // every warp read `amax` before the next pass rewrites it
 }
 
@@ -238,23 +208,21 @@ __device__ __forceinline__ void run_pass_of_tile(const MathArgs& m, const Schedu
         case 8: run_pass<kGemm, 8>(m, s, u, p, wc, tc); break;
         case 16: run_pass<kGemm, 16>(m, s, u, p, wc, tc); break;
         case 32: run_pass<kGemm, 32>(m, s, u, p, wc, tc); break;
-        case 64: run_pass<kGemm, 64>(m, s, u, p, wc, tc); break;
-        default: run_pass<kGemm, 128>(m, s, u, p, wc, tc); break;
+        default: run_pass<kGemm, 64>(m, s, u, p, wc, tc); break;
     }
 }
 
-// Device times a block's math records (global-timer ns; 0: none).
+// Device times a block's math records (global-timer ns; 0: none), in shared memory: registers kept for the math.
 struct MathTimes {
-    u64 first_step, last_l1, last_l2;  // the first weight stage landed; the last L1 / L2 unit done
-    u32 l1_units, l2_units;
+    u64 start, first_step, last_l1, last_l2;  // the block started; the first weight stage landed; the last L1 / L2
+    u32 l1_units, l2_units;                   // unit done
 };
 
-// The math warpgroups' whole work: every unit of this block in list order. After an L1 unit's last pass, its
-// activation rows are released to whichever block runs its expert's L2 units: every thread's stores fenced for the
-// copy engine (which reads them) and for the GPU, the warpgroups' barrier, then one add with release to the expert's
-// counter (the token loader's wait_l1 acquires it).
-__device__ __forceinline__ MathTimes run_math(const MathArgs& m, const Schedule& s, const Active& a) {
-    MathTimes times{};
+// The math warpgroups' whole work: every unit of this block in list order (thread 0 keeps `times`, zeroed by the
+// caller). After an L1 unit's last pass, its activation rows are released to whichever block runs its expert's L2
+// units: every thread's stores fenced for the copy engine (which reads them) and for the GPU, the warpgroups'
+// barrier, then one add with release to the expert's counter (the token loader's wait_l1 acquires it).
+__device__ __forceinline__ void run_math(const MathArgs& m, const Schedule& s, const Active& a, MathTimes& times) {
     util::Cursor wc, tc;
     if (threadIdx.x == 0 && s.first_unit() < s.total) {  // the first weight stage landed (the step's own wait
         wait_phase(&m.weight_pipe->full[0], 0, m.watch, kFaultWeightStage, 0);  // returns at once: no warp releases
@@ -273,15 +241,16 @@ __device__ __forceinline__ MathTimes run_math(const MathArgs& m, const Schedule&
             ptx::fence_proxy_async_global();
             ptx::fence_acq_rel_gpu();
             ptx::named_barrier_sync(kMathBarrier, kMathThreads);
-            if (threadIdx.x == 0) ptx::red_add_release_gpu(m.done + u.expert, 1);
-            times.last_l1 = ptx::globaltimer_ns();
-            ++times.l1_units;
-        } else {
+            if (threadIdx.x == 0) {
+                ptx::red_add_release_gpu(m.done + u.expert, 1);
+                times.last_l1 = ptx::globaltimer_ns();
+                ++times.l1_units;
+            }
+        } else if (threadIdx.x == 0) {
             times.last_l2 = ptx::globaltimer_ns();
             ++times.l2_units;
         }
     }
-    return times;
 }
 
 }  // namespace chunkring::moe::persistent

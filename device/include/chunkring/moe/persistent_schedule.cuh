@@ -7,8 +7,8 @@
 //                               w13, in two halves of 64 columns; one 1x128 scale block of the activation, so the
 //                               unit quantises its own rows' activations (no other unit holds part of the block)
 //   L2 unit (expert, row block) output columns [128 rb, 128 rb + 128): 128 rows of w2
-// A unit runs over its expert's rows in passes of at most `tile_cap` rows, each pass one token tile of N = 8, 16, 32,
-// 64 or 128 (the smallest that holds its rows); a pass streams the unit's weights again (the unit's passes run back
+// A unit runs over its expert's rows in passes of at most `tile_cap` rows, each pass one token tile of N = 8, 16, 32
+// or 64 (the smallest that holds its rows); a pass streams the unit's weights again (the unit's passes run back
 // to back on one block, so a second pass finds them in the L2 cache).
 //
 // A pass is a sequence of steps, each one weight tile of 128 rows x 128 k (16 KB, one k block) and the pass's token
@@ -39,15 +39,16 @@ constexpr u32 kMathThreads = kMathWarps * kWarp;
 constexpr u32 kThreads = kMathThreads + 128;        // + the loaders' warpgroup
 constexpr u32 kWeightLoaderWarp = kMathWarps;       // its first warp: the weight loader
 constexpr u32 kTokenLoaderWarp = kMathWarps + 1;    // its second: the token loader (the other two idle)
-// Registers per thread after the warpgroups trade (as the weight-read probe): 128 x 40 + 256 x 232 = 384 x 168.
-constexpr int kLoaderRegisters = 40, kMathRegisters = 232;
+// Registers per thread after the warpgroups trade: 128 x 56 + 256 x 224 <= 384 x 168. The loaders need 56 (at the
+// weight-read probe's 40 they spilled); the math fits 224 without spills with token tiles of at most 64.
+constexpr int kLoaderRegisters = 56, kMathRegisters = 224;
 static_assert(128 * kLoaderRegisters + kMathThreads * kMathRegisters <= 65536, "one block per SM");
 
 constexpr u32 kKBlock = 128;                        // k per step: one 128x128 weight scale block, one 1x128 row scale
 constexpr u32 kTileRows = 128;                      // weight rows per step (64 per math warpgroup)
 constexpr u32 kWeightStageBytes = kTileRows * kKBlock;  // 16 KB
 constexpr u32 kTokenBoxRows = 8;                    // token rows per bulk tensor copy (one 1 KB swizzle atom)
-constexpr u32 kMaxTile = 128;                       // the widest token tile (wgmma N)
+constexpr u32 kMaxTile = 64;                        // the widest token tile (wgmma N): more rows take more passes
 constexpr u32 kMaxExperts = 256;                    // local experts a call may have (the active list's room)
 constexpr u32 kMaxTokenStages = 8;
 constexpr u32 kStageAlign = 1024;                   // a 128-byte-swizzled copy's destination boundary
@@ -60,10 +61,8 @@ constexpr int kPhaseL1 = 1, kPhaseL2 = 2, kPhaseBoth = 3;  // phases: bit 0 the 
 constexpr u32 kL1 = 0, kL2 = 1;     // a unit's GEMM
 
 // The token tile of a pass of `rows` rows (1 .. kMaxTile): the smallest wgmma N that holds them.
-constexpr __host__ __device__ u32 tile_for(u32 rows) {
-    return rows <= 8 ? 8 : rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128;
-}
-static_assert(tile_for(1) == 8 && tile_for(8) == 8 && tile_for(9) == 16 && tile_for(33) == 64 && tile_for(128) == 128,
+constexpr __host__ __device__ u32 tile_for(u32 rows) { return rows <= 8 ? 8 : rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }
+static_assert(tile_for(1) == 8 && tile_for(8) == 8 && tile_for(9) == 16 && tile_for(33) == 64 && tile_for(64) == 64,
               "token tiles");
 
 // The block's dynamic shared memory, from a kStageAlign boundary (the launch adds kStageAlign bytes of slack):
@@ -83,42 +82,39 @@ constexpr __host__ __device__ SharedLayout shared_layout(u32 stages, u32 token_s
 constexpr __host__ __device__ u32 launch_shared_bytes(u32 stages, u32 token_stages, u32 tile_cap) {
     return shared_layout(stages, token_stages, tile_cap).bytes + kStageAlign;
 }
-static_assert(launch_shared_bytes(8, 4, 64) == 131072 + 32768 + 1024 + 2048 + 1024, "pinned: persistent.py");
-static_assert(launch_shared_bytes(8, 4, 128) == 203776 && launch_shared_bytes(12, 3, 32) == 211328,
+static_assert(launch_shared_bytes(8, 4, 64) == 167936, "pinned: persistent.py");
+static_assert(launch_shared_bytes(10, 4, 64) == 200704 && launch_shared_bytes(12, 3, 32) == 211328,
               "pinned: persistent.py");
 
-// Faults. Every wait of the kernel is bounded, and a block that gives up - or finds its arguments out of range - leaves
-// a record of what it waited for, then traps. The record goes to host memory (the launch's `fault_record`: a pinned
-// host buffer's address, 0 for none), which a trap does not take away with the context; persistent.py decodes it.
-// NOTES: no printf - ptxas serialises every WGMMA of a kernel that holds a call anywhere (warning C7510), and
-// printf is one; so the record instead, as DeepGEMM's WGMMA kernels trap without printing.
-constexpr u32 kFaultWords = 8;
-constexpr u32 kFaultMarkWord = 0, kFaultKind = 1, kFaultBlock = 2, kFaultThread = 3, kFaultWhat = 4, kFaultParity = 5,
-              kFaultSeen = 6, kFaultLimitNs = 7;
-constexpr u64 kFaultMark = 0x7065727369737421ull;  // written last: the record is whole
-// What a block waited for (append-only, persistent.py FAULT_KINDS): kFaultWhat names the stage, or the expert.
+// Faults. Every wait of the kernel is bounded, and a block that gives up - or finds its arguments out of range -
+// leaves one word saying what it waited for, then traps. The word goes to host memory (the launch's `fault_record`:
+// a pinned host buffer's address, 0 for none), which a trap does not take away with the context; persistent.py
+// decodes it (fault_of). NOTES: no printf - ptxas serialises every WGMMA of a kernel that holds a call anywhere
+// (warning C7510), and printf is one; DeepGEMM's WGMMA kernels trap without printing too. One packed word, not a
+// record of several: each wait site inlines the write, and wider ones cost the math warpgroups registers (spills).
+//   bits 0-7 kind, 8-19 block, 20-29 thread, 30 parity, 31-46 what (a stage, or an expert), 47-62 seen (a count)
+constexpr u32 kFaultKindBits = 8, kFaultBlockBits = 12, kFaultThreadBits = 10, kFaultWhatBits = 16;
+// What a block waited for (append-only, persistent.py FAULT_KINDS); never 0, so a written word is never 0.
 constexpr u32 kFaultArguments = 1, kFaultGroupStart = 2, kFaultWeightSlot = 3, kFaultTokenSlot = 4,
               kFaultWeightStage = 5, kFaultTokenStage = 6, kFaultL1Units = 7;
 
+constexpr __host__ __device__ u64 fault_word(u32 kind, u32 block, u32 thread, u32 parity, u32 what, u32 seen) {
+    return static_cast<u64>(kind & 0xffu) | static_cast<u64>(block & 0xfffu) << 8 |
+           static_cast<u64>(thread & 0x3ffu) << 20 | static_cast<u64>(parity & 1u) << 30 |
+           static_cast<u64>(what & 0xffffu) << 31 | static_cast<u64>(seen & 0xffffu) << 47;
+}
+static_assert(fault_word(5, 131, 200, 1, 7, 0) == 0x3cc808305ull && fault_word(7, 0, 0, 0, 31, 15) == 0x7800f80000007ull,
+              "pinned: persistent.py fault_of");
+
 struct Watch {
-    u64 record;    // the fault record's address, 0 for none
+    u64 record;    // the fault word's address, 0 for none
     u64 limit_ns;  // how long a wait may take
 };
 
-// Writes the record (system scope: the host reads it) and traps. NOTES: relaxed stores ordered by the fences - the
-// mark last, so a record with its mark is whole; blocks that fault together may each write one, any is true.
-__device__ __forceinline__ void raise_fault(const Watch& w, u32 kind, u64 what, u64 parity, u64 seen) {
+// Writes the fault word (system scope: the host reads it) and traps.
+__device__ __forceinline__ void raise_fault(const Watch& w, u32 kind, u32 what, u32 parity, u32 seen) {
     if (w.record != 0) {
-        u64* r = reinterpret_cast<u64*>(w.record);
-        ptx::st_relaxed_sys(r + kFaultKind, kind);
-        ptx::st_relaxed_sys(r + kFaultBlock, blockIdx.x);
-        ptx::st_relaxed_sys(r + kFaultThread, threadIdx.x);
-        ptx::st_relaxed_sys(r + kFaultWhat, what);
-        ptx::st_relaxed_sys(r + kFaultParity, parity);
-        ptx::st_relaxed_sys(r + kFaultSeen, seen);
-        ptx::st_relaxed_sys(r + kFaultLimitNs, w.limit_ns);
-        ptx::fence_acq_rel_sys();
-        ptx::st_relaxed_sys(r + kFaultMarkWord, kFaultMark);
+        ptx::st_relaxed_sys(reinterpret_cast<u64*>(w.record), fault_word(kind, blockIdx.x, threadIdx.x, parity, what, seen));
         ptx::fence_acq_rel_sys();
     }
     __trap();

@@ -32,6 +32,19 @@ __device__ __forceinline__ void copy_tile_2d(void* dst, const TensorMap* map, in
         : "memory");
 }
 
+// The box at (c0, c1, c2, c3, c4) - in elements, c0 the contiguous dimension - of a 5-D tensor map, into `dst`
+// (aligned as copy_tile_2d's), completing on `bar`. The box lands in shared memory innermost dimension first, so a
+// map whose dimensions are not in the order of their strides rearranges rows on the way: the persistent decode
+// consumer interleaves each expert's gate and up rows by 8 so (chunkring/moe/persistent_schedule.cuh).
+__device__ __forceinline__ void copy_tile_5d(void* dst, const TensorMap* map, int c0, int c1, int c2, int c3, int c4,
+                                             u64* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], "
+        "[%7];" ::"r"(shared_address(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+        "r"(c4), "r"(shared_address(bar))
+        : "memory");
+}
+
 // `bytes` contiguous bytes of global memory at `src` into `dst`, completing on `bar`: both addresses and the size
 // multiples of 16.
 __device__ __forceinline__ void copy_bulk(void* dst, const void* src, u32 bytes, u64* bar) {

@@ -52,6 +52,24 @@ __device__ __forceinline__ void st_release_gpu(u32* ptr, u32 value) {
     asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }
 
+// Adds to a 32-bit word of one GPU's memory, with release semantics at GPU scope: whoever acquires the sum sees what
+// this thread wrote, or saw, before it (the persistent decode consumer's L1 -> L2 counters).
+__device__ __forceinline__ void red_add_release_gpu(u32* ptr, u32 value) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+// Adds and returns the word's value before, acquire and release at GPU scope.
+__device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* ptr, u32 value) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+    return old;
+}
+
+// Orders this thread's accesses to global memory through the generic proxy (ordinary loads and stores) with those
+// of the async proxy (the copy engine's bulk copies): a row written with ordinary stores that a bulk copy reads
+// next needs it on the writer's side before the release, and on the reader's after the acquire.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 // Nanoseconds from the global timer. Watchdogs use it rather than clock64(), whose rate varies.
 __device__ __forceinline__ u64 globaltimer_ns() {
     u64 ns;

@@ -19,6 +19,13 @@ __device__ __forceinline__ ::cuda::std::uint32_t sm_id() {
     return id;
 }
 
+// Waits until `threads` threads (a multiple of 32, whole warps) have arrived at named barrier `id` (1-15; 0 is
+// __syncthreads'): a barrier among some warps of a block - the persistent decode consumer's two math warpgroups -
+// that the others never join. It orders their shared-memory accesses as __syncthreads does.
+__device__ __forceinline__ void named_barrier_sync(::cuda::std::uint32_t id, ::cuda::std::uint32_t threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 template <int kRegisters>
 __device__ __forceinline__ void setmaxnreg_dec() {
     static_assert(kRegisters % 8 == 0 && kRegisters >= 24 && kRegisters <= 256, "setmaxnreg's range");

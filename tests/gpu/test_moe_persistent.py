@@ -1,0 +1,216 @@
+"""The persistent decode consumer (chunkring.moe.persistent, device/kernels/moe_persistent.cu) on the GPU, on the plans
+the layer builds (moe_plan_scatter through ExpertCompute.plan):
+
+* its bf16 rows match the fp32 reference of the recipe within the tolerance the decode path is held to (1e-2
+  relative), and today's decode kernels' rows within it, at 1, 8, 32 and 128 tokens, hidden 4096 and 7168 - with
+  experts that have no rows and experts that take several passes; its activation (act, act_sf) matches the
+  reference's quantised one; the plan's other rows are left as they were;
+* every variant - fused or an L1 and an L2 launch, each claim order, shallow rings, fewer blocks - gives the same
+  bits, and narrower token tiles (more passes) the same rows within the tolerance; a second run gives the same bits,
+  and a CUDA-graph replay the eager call's;
+* the device timeline: every block wrote its record on its own SM, ran the units the schedule's mirror gives it, in
+  time order;
+* a wait that gives up leaves its fault word in host memory and fails the process (in a child: a trap ends the
+  context).
+
+Records: tests/gpu_results/*-persistent-1rank.json (scripts/gpu_suite.sh part persistent_1rank)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkring import MoEConfig
+from chunkring.jit import library_for
+from chunkring.moe._engine.decode import DecodeGemm
+from chunkring.moe._engine.experts import ExpertCompute
+from chunkring.moe._engine.stage import Stage
+from chunkring.moe.persistent import TIMELINE_WORDS, PersistentGemm, block_units
+from chunkring.moe.weights import quantize_weight_fp8
+from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
+from tests.gpu.moe_helpers import rel_error
+
+pytestmark = pytest.mark.gpu
+
+E_LOCAL, TOPK, INTER = 8, 4, 2048
+ACTIVE = 6  # tokens choose among experts 0..5: experts 6 and 7 never have rows
+TOLERANCE = 1e-2  # the decode path's bound against the same reference (tests/gpu/test_moe_decode.py)
+
+
+def staged(n, hidden, device, seed):
+    """What moe_pull leaves for one rank of one: n tokens' FP8 rows and routing; and their dequantised rows."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.rand(n, ACTIVE, generator=gen).argsort(dim=1)[:, :TOPK].to(torch.int32)
+    w = torch.rand(n, TOPK, generator=gen) + 0.1
+    xq, sf = quantize_fp8_per128(torch.randn(n, hidden, generator=gen) * 3)
+    stage = Stage(xq[None].to(device), sf[None].to(device), idx[None].to(device), w[None].to(device), expert_lo=0,
+                  expert_hi=E_LOCAL)
+    return stage, dequantize_fp8_per128(xq, sf).to(device)
+
+
+def expert_weights(hidden, device, seed):
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    w13 = torch.randn(E_LOCAL, 2 * INTER, hidden, generator=gen, device=device) / hidden**0.5
+    w2 = torch.randn(E_LOCAL, hidden, INTER, generator=gen, device=device) / INTER**0.5
+    return quantize_weight_fp8(w13), quantize_weight_fp8(w2)
+
+
+def dequantized(q, e):
+    scale = q.scale[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return q.data[e].float() * scale[:q.data.shape[1], :q.data.shape[2]]
+
+
+def reference(plan, x_in, q13, q2):
+    """The plan's real rows (in plan order), and for them fp32 outputs and the dequantised activation: L1's output
+    rounded to bf16, SwiGLU, e4m3 per 1x128, one expert at a time."""
+    ends, counts = plan.group_end.tolist(), plan.counts.tolist()
+    rows, outs, acts = [], [], []
+    for e in range(E_LOCAL):
+        if counts[e]:
+            real = torch.arange(ends[e] - counts[e], ends[e], device=x_in.device)
+            gate_up = (x_in[plan.token[real].long()] @ dequantized(q13, e).t()).to(torch.bfloat16).float()
+            act = dequantize_fp8_per128(*quantize_fp8_per128(F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]))
+            rows.append(real)
+            acts.append(act)
+            outs.append(act @ dequantized(q2, e).t())
+    return torch.cat(rows), torch.cat(outs), torch.cat(acts)
+
+
+def setup(runtime, hidden, n, seed=0):
+    """The layer's plan of n staged tokens, the weights, today's decode path and the persistent consumer."""
+    device = runtime.torch_device
+    cfg = MoEConfig(num_experts=E_LOCAL, hidden=hidden, intermediate=INTER, topk=TOPK, max_tokens_per_rank=n)
+    decode = ExpertCompute(cfg, 1, 0, E_LOCAL, library_for(runtime, "moe_experts"), device,
+                           decode=DecodeGemm(library_for(runtime, "moe_decode"), cfg, E_LOCAL))
+    stage, x_in = staged(n, hidden, device, seed=n + hidden + seed)
+    q13, q2 = expert_weights(hidden, device, seed=hidden)
+    plan = decode.plan(stage)
+    return plan, x_in, q13, q2, decode, PersistentGemm(library_for(runtime, "moe_persistent"), cfg, E_LOCAL)
+
+
+def run(gemm, plan, q13, q2, **kwargs):
+    """The persistent consumer's rows on a NaN-filled output (untouched rows stay NaN), and its activation."""
+    out = torch.full((plan.rows.shape[0], gemm.config.hidden), float("nan"), dtype=torch.bfloat16,
+                     device=plan.rows.device)
+    act, act_sf = gemm(plan, q13, q2, out, **kwargs)
+    torch.cuda.synchronize()
+    return out, act, act_sf
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168])
+@pytest.mark.parametrize("n", [1, 8, 32, 128])
+def test_rows_and_activation_match_the_reference_and_the_decode_path(runtime, hidden, n):
+    plan, x_in, q13, q2, decode, gemm = setup(runtime, hidden, n)
+    out, act, act_sf = run(gemm, plan, q13, q2)
+    out_decode = decode.experts(plan, q13, q2)
+    torch.cuda.synchronize()
+    counts = plan.counts.tolist()
+    assert counts[ACTIVE:] == [0] * (E_LOCAL - ACTIVE), "the idle experts must have no rows"
+    if n >= 128:
+        assert max(counts) > gemm.variant.tile_cap, "an expert must take more than one pass"
+    real, ref, ref_act = reference(plan, x_in, q13, q2)
+    got = out[real].float()
+    err, between = rel_error(got, ref), rel_error(got, out_decode[real].float())
+    scales = act_sf[:, real].t().repeat_interleave(128, 1)
+    err_act = rel_error(act[real].float() * scales, ref_act)
+    print(f"hidden {hidden}, {n} tokens: persistent {err:.2e}, against the decode path {between:.2e}, "
+          f"activation {err_act:.2e}")
+    assert err <= TOLERANCE and between <= TOLERANCE and err_act <= TOLERANCE
+    others = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+    others[real] = False
+    assert bool(torch.isnan(out[others].float()).all()), "a row outside the plan's groups was written"
+
+
+#: Variants whose arithmetic is the default's, step for step: the same bits.
+SAME_BITS = [dict(fused=False), dict(claim="strided_blocks"), dict(claim="blocked"), dict(stages=2, token_stages=1),
+             dict(stages=12, token_stages=3), dict(sms=33)]
+
+
+def test_every_variant_gives_the_same_rows(runtime):
+    plan, x_in, q13, q2, _, gemm = setup(runtime, 4096, 40)
+    base, base_act, _ = run(gemm, plan, q13, q2)
+    real, ref, _ = reference(plan, x_in, q13, q2)
+    again, _, _ = run(gemm, plan, q13, q2)
+    assert torch.equal(again[real], base[real]), "a rerun on the same plan differs"
+    for change in SAME_BITS:
+        out, act, _ = run(gemm, plan, q13, q2, variant=gemm.with_variant(**change))
+        assert torch.equal(out[real], base[real]) and torch.equal(act[real], base_act[real]), change
+    for cap in (8, 16):  # passes of 8 or 16 rows: other token tiles
+        out, _, _ = run(gemm, plan, q13, q2, variant=gemm.with_variant(tile_cap=cap))
+        assert rel_error(out[real].float(), base[real].float()) <= TOLERANCE / 10, cap
+        assert rel_error(out[real].float(), ref) <= TOLERANCE, cap
+
+
+def test_a_graph_replay_gives_the_eager_calls_rows(runtime):
+    plan, _, q13, q2, _, gemm = setup(runtime, 4096, 24)
+    eager, _, _ = run(gemm, plan, q13, q2)
+    out = torch.zeros_like(eager)
+    gemm(plan, q13, q2, out)  # warm: the maps are encoded before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(plan, q13, q2, out)
+    real = torch.nonzero(plan.src >= 0).flatten()
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[real], eager[real])
+
+
+def test_the_timeline_holds_each_blocks_units(runtime):
+    plan, _, q13, q2, _, gemm = setup(runtime, 4096, 32)
+    for variant in (gemm.variant, gemm.with_variant(claim="blocked", sms=40)):
+        grid = gemm.grid(variant)
+        timeline = torch.zeros((grid, TIMELINE_WORDS), dtype=torch.int64, device=plan.rows.device)
+        run(gemm, plan, q13, q2, variant=variant, timeline=timeline)
+        rec = timeline.cpu()
+        blocks = block_units(plan.counts.tolist(), hidden=4096, inter=INTER, claim=variant.claim, grid=grid)
+        assert [int(r[5]) for r in rec] == [sum(g == "L1" for g, _, _ in units) for units in blocks]
+        assert [int(r[6]) for r in rec] == [sum(g == "L2" for g, _, _ in units) for units in blocks]
+        assert len(set(rec[:, 7].tolist())) == grid, "one block per SM"
+        for r, units in zip(rec.tolist(), blocks, strict=True):
+            start, first, last_l1, last_l2, end = r[:5]
+            assert start <= end and all(start <= t <= end for t in (first, last_l1, last_l2) if t)
+            if units:
+                assert first > 0 and (last_l2 if units[-1][0] == "L2" else last_l1) > 0
+
+
+CHILD = textwrap.dedent("""
+    import sys, torch, chunkring
+    from chunkring import MoEConfig
+    from chunkring.jit import library_for
+    from chunkring.moe.persistent import PersistentGemm
+    from chunkring.moe.weights import quantize_weight_fp8
+    runtime = chunkring.init()
+    device = runtime.torch_device
+    E, H, I, P = 2, 256, 128, 128
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, topk=1, max_tokens_per_rank=8)
+    gemm = PersistentGemm(library_for(runtime, "moe_persistent"), cfg, E, wait_limit_ns=1)
+    class Plan:
+        counts = torch.tensor([8, 0], dtype=torch.int32, device=device)
+        group_end = torch.tensor([8, 128], dtype=torch.int32, device=device)
+        rows = torch.zeros((P, H), dtype=torch.uint8, device=device)
+        rows_sf = torch.ones((H // 128, P), device=device)
+    w13 = quantize_weight_fp8(torch.randn(E, 2 * I, H, device=device))
+    w2 = quantize_weight_fp8(torch.randn(E, H, I, device=device))
+    try:
+        for _ in range(20):  # a 1 ns limit: some wait gives up, at the latest when the weights come from HBM
+            gemm(Plan, w13, w2, torch.empty((P, H), dtype=torch.bfloat16, device=device))
+            torch.cuda.synchronize()
+    except Exception as exc:
+        print("launch failed:", type(exc).__name__)
+        print("fault:", gemm.fault())
+        sys.exit(3)
+    print("no fault")
+""")
+
+
+def test_a_wait_that_gives_up_leaves_its_fault_and_fails():
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "fault: block" in done.stdout, done.stdout + done.stderr

@@ -1,0 +1,279 @@
+"""The persistent decode consumer's host side (chunkring.moe.persistent) and what it shares with its kernel
+(device/kernels/moe_persistent.cu, chunkring/moe/persistent_schedule.cuh), without a GPU:
+
+* the shared-memory layout, the fault word, the variants' codes and the kernel's limits are the header's (its pinned
+  static_asserts and constants read from the source);
+* w13's 5-D view lands a box as the kernel's math reads it: 8 groups of 8 gate rows then the same columns' 8 up rows;
+* the schedule's mirror gives every unit to exactly one block, L1 units before L2 units in every block's order (the
+  rule that keeps a launch's waits finite), each claim order as the header defines it;
+* the launches name every kernel parameter with a value its signature takes (one fused launch, or L1 then L2), their
+  tensor maps describe the tensors as the kernel indexes them, a second call with the same tensors encodes no map;
+* a bad variant, config or argument is refused, naming the field, before anything is launched.
+
+What only a GPU can show (tests/gpu/test_moe_persistent.py): that the kernel computes what the reference does."""
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from chunkring import MoEConfig, PayloadFormat
+from chunkring.errors import ChunkringUsageError
+from chunkring.jit import parse_kernels
+from chunkring.jit.launch import check_argument_names
+from chunkring.moe import persistent
+from chunkring.moe.persistent import (
+    CLAIMS,
+    FAULT_KINDS,
+    MAX_EXPERTS,
+    MAX_STAGES,
+    MAX_TOKEN_STAGES,
+    PERSISTENT_THREADS,
+    TILE_TOKENS,
+    TIMELINE_WORDS,
+    PersistentGemm,
+    PersistentVariant,
+    block_units,
+    fault_of,
+    shared_bytes,
+    w13_view,
+)
+from chunkring.moe.weights import Fp8Weight, quantize_weight_fp8
+
+DEVICE = Path(__file__).resolve().parents[2] / "device"
+SCHEDULE = (DEVICE / "include/chunkring/moe/persistent_schedule.cuh").read_text()
+KERNEL = (DEVICE / "kernels/moe_persistent.cu").read_text()
+H100 = dict(multiprocessor_count=132, max_shared_memory_per_block_optin=232448)
+
+
+def constant(name, text=SCHEDULE):
+    return int(re.search(rf"constexpr (?:u32|int) (?:\w+ = \w+,\s*)*{name} = (\d+)", text).group(1))
+
+
+def test_the_layout_is_the_headers():
+    pinned = re.findall(r"launch_shared_bytes\((\d+), (\d+), (\d+)\) == (\d+)", SCHEDULE)
+    assert len(pinned) == 3
+    for stages, token_stages, cap, value in pinned:
+        assert shared_bytes(int(stages), int(token_stages), int(cap)) == int(value)
+    assert PersistentVariant().shared_bytes() + 4096 <= H100["max_shared_memory_per_block_optin"]
+
+
+def test_the_constants_are_the_headers():
+    assert PERSISTENT_THREADS == constant("kMathWarps") * 32 + 128
+    assert (MAX_TOKEN_STAGES, MAX_EXPERTS) == (constant("kMaxTokenStages"), constant("kMaxExperts"))
+    assert MAX_STAGES == constant("kMaxStages", (DEVICE / "include/chunkring/util/stage_pipeline.cuh").read_text())
+    assert max(TILE_TOKENS) == constant("kMaxTile") and TILE_TOKENS == (8, 16, 32, 64)
+    assert CLAIMS == {"strided_experts": constant("kStridedExperts"), "strided_blocks": constant("kStridedBlocks"),
+                      "blocked": constant("kBlocked")}
+    assert TIMELINE_WORDS == constant("kTimelineWords", KERNEL)
+    kinds = {"kFaultArguments": 1, "kFaultGroupStart": 2, "kFaultWeightSlot": 3, "kFaultTokenSlot": 4,
+             "kFaultWeightStage": 5, "kFaultTokenStage": 6, "kFaultL1Units": 7}
+    assert {name: constant(name) for name in kinds} == kinds and set(FAULT_KINDS) == set(kinds.values())
+
+
+def test_the_fault_word_decodes_as_the_header_packs_it():
+    (a, want_a), (b, want_b) = [((int(k), int(blk), int(th), int(par), int(what), int(seen)), int(value, 16))
+                                for k, blk, th, par, what, seen, value in re.findall(
+                                    r"fault_word\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\) == 0x([0-9a-f]+)ull",
+                                    SCHEDULE)]
+    assert a == (5, 131, 200, 1, 7, 0) and b == (7, 0, 0, 0, 31, 15)
+    assert fault_of(want_a) == "block 131 thread 200: math: a weight stage (stage or expert 7, parity 1, seen 0)"
+    assert fault_of(want_b) == ("block 0 thread 0: token loader: the expert's L1 units (stage or expert 31, parity 0, "
+                                "seen 15)")
+    assert fault_of(0) is None
+
+
+def test_the_w13_view_interleaves_gate_and_up_rows_by_8():
+    E, inter, H = 2, 128, 256
+    w13 = torch.randint(0, 256, (E, 2 * inter, H), dtype=torch.uint8)
+    view = w13_view(w13.view(torch.float8_e4m3fn))
+    assert tuple(view.shape) == (E, inter // 8, 2, 8, H)
+    assert tuple(view.stride()) == (2 * inter * H, 8 * H, inter * H, H, 1)
+    # The box at (k, 0, 0, group, e), 1 x 8 x 2 x 8 x 128, innermost first: tile row 16q + 8h + r holds column
+    # 8 (group + q) + r of gate (h = 0) or up (h = 1).
+    e, group, k = 1, 0, 128
+    tile = view[e, group:group + 8, :, :, k:k + 128].reshape(128, 128)
+    for row in range(128):
+        q, h, r = row // 16, row // 8 % 2, row % 8
+        assert torch.equal(tile[row], w13[e, h * inter + 8 * (group + q) + r, k:k + 128])
+
+
+@pytest.mark.parametrize("claim", sorted(CLAIMS))
+@pytest.mark.parametrize("phases", [1, 2, 3])
+def test_every_unit_goes_to_one_block_and_l1_units_come_first(claim, phases):
+    counts, hidden, inter, grid = [3, 0, 70, 1, 0, 9], 512, 384, 5
+    blocks = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=grid, phases=phases)
+    assert len(blocks) == grid
+    taken = [unit for units in blocks for unit in units]
+    active = [e for e, c in enumerate(counts) if c]
+    want = {("L1", e, c) for e in active for c in range(inter // 128)} if phases & 1 else set()
+    want |= {("L2", e, b) for e in active for b in range(hidden // 128)} if phases & 2 else set()
+    assert len(taken) == len(set(taken)) and set(taken) == want
+    for units in blocks:
+        gemms = [g for g, _, _ in units]
+        assert gemms == sorted(gemms), "a block runs every L1 unit of its list before any L2 unit"
+    assert max(map(len, blocks)) - min(map(len, blocks)) <= 1, "unit counts differ by one at most"
+
+
+def test_the_claim_orders_are_the_headers():
+    counts = [1, 1, 1]
+    expert_major = block_units(counts, hidden=256, inter=256, claim="strided_experts", grid=2, phases=1)
+    assert expert_major == [[("L1", 0, 0), ("L1", 1, 0), ("L1", 2, 0)], [("L1", 0, 1), ("L1", 1, 1), ("L1", 2, 1)]]
+    block_major = block_units(counts, hidden=256, inter=256, claim="strided_blocks", grid=2, phases=1)
+    assert block_major == [[("L1", 0, 0), ("L1", 2, 0), ("L1", 1, 1)], [("L1", 1, 0), ("L1", 0, 1), ("L1", 2, 1)]]
+    blocked = block_units(counts, hidden=256, inter=256, claim="blocked", grid=2, phases=1)
+    assert blocked == [[("L1", 0, 0), ("L1", 0, 1), ("L1", 1, 0)], [("L1", 1, 1), ("L1", 2, 0), ("L1", 2, 1)]]
+
+
+class RecordingLibrary:
+    """A KernelLibrary stand-in on an H100's figures: checks each launch against the kernel parsed from
+    moe_persistent.cu (every parameter named once, each value of the kind its C type takes) and records it."""
+
+    def __init__(self):
+        self.signatures = parse_kernels(KERNEL, "moe_persistent.cu")
+        self.runtime = SimpleNamespace(device=SimpleNamespace(properties=SimpleNamespace(**H100)),
+                                       torch_device=torch.device("cpu"))
+        self.launches = []
+
+    def launch(self, name, /, *, grid, block, stream, shared_bytes=0, pdl=False, **args):
+        params = self.signatures[name]
+        check_argument_names(name, params, args)
+        for param in params:
+            param.convert(args[param.name], torch.device("cpu"))
+        self.launches.append(dict(args, name=name, grid=grid, block=block, shared_bytes=shared_bytes, pdl=pdl))
+
+
+@pytest.fixture
+def encoded(monkeypatch):
+    """The tensor maps the launcher encodes (no driver here): their arguments, in order."""
+    seen = []
+
+    def encode(args):
+        seen.append(args)
+        return bytes(128)
+
+    monkeypatch.setattr(persistent, "encode_arguments", encode)
+    return seen
+
+
+def config(**changes):
+    base = dict(num_experts=4, hidden=512, intermediate=256, topk=2, max_tokens_per_rank=8,
+                payload=PayloadFormat.FP8_E4M3)
+    return MoEConfig(**{**base, **changes})
+
+
+def cpu_plan(P, E, H):
+    return SimpleNamespace(counts=torch.zeros(E, dtype=torch.int32), group_end=torch.zeros(E, dtype=torch.int32),
+                           rows=torch.zeros((P, H), dtype=torch.uint8), rows_sf=torch.ones((H // 128, P)))
+
+
+def small_weights(E, H, inter):
+    return quantize_weight_fp8(torch.randn(E, 2 * inter, H)), quantize_weight_fp8(torch.randn(E, H, inter))
+
+
+E, H, INTER = 4, 512, 256
+
+
+def call_parts(P):
+    """A recording library, a PersistentGemm on it, weights, a plan of P rows and an output."""
+    library = RecordingLibrary()
+    w13, w2 = small_weights(E, H, INTER)
+    return (library, PersistentGemm(library, config(), E), w13, w2, cpu_plan(P, E, H),
+            torch.empty((P, H), dtype=torch.bfloat16))
+
+
+def test_a_fused_launch_names_every_parameter_and_maps_the_tensors_as_the_kernel_reads_them(encoded):
+    P, inter = 384, INTER
+    library, gemm, w13, w2, plan, out = call_parts(P)
+    act, act_sf = gemm(plan, w13, w2, out)
+    (launch,) = library.launches
+    assert (launch["name"], launch["grid"], launch["block"]) == ("moe_persistent_gemm", 132, PERSISTENT_THREADS)
+    assert launch["shared_bytes"] == PersistentVariant().shared_bytes() and not launch["pdl"]
+    assert int(launch["phases"]) == 3 and launch["act"] is act and launch["act_sf"] is act_sf
+    assert tuple(act.shape) == (P, inter) and tuple(act_sf.shape) == (inter // 128, P) and launch["out"] is out
+    assert int(launch["sf_stride"]) == P and int(launch["fault_record"]) == gemm.fault_word.data_ptr()
+    w13_map, w2_map, rows_map, act_map = encoded
+    assert (w13_map.dims, w13_map.box) == ((H, 8, 2, inter // 8, E), (128, 8, 2, 8, 1))
+    assert w13_map.strides == (H, inter * H, 8 * H, 2 * inter * H) and w13_map.address == w13.data.data_ptr()
+    assert (w2_map.dims, w2_map.box, w2_map.strides) == ((inter, E * H), (128, 128), (inter,))
+    assert (rows_map.dims, rows_map.box, rows_map.address) == ((H, P), (128, 8), plan.rows.data_ptr())
+    assert (act_map.dims, act_map.box, act_map.address) == ((inter, P), (128, 8), act.data_ptr())
+    assert {m.swizzle for m in encoded} == {"CU_TENSOR_MAP_SWIZZLE_128B"}
+    gemm(plan, w13, w2, out)
+    assert len(encoded) in (4, 5), "the weights' and the plan's maps come from the cache (act's may move)"
+    assert "PersistentGemm(" in repr(gemm)
+
+
+def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
+    P = 256
+    library, gemm, w13, w2, plan, out = call_parts(P)
+    variant = gemm.with_variant(fused=False, stages=3, token_stages=2, tile_cap=16, claim="blocked", sms=66)
+    timeline = torch.zeros((66, TIMELINE_WORDS), dtype=torch.int64)
+    gemm(plan, w13, w2, out, variant=variant, timeline=timeline)
+    first, second = library.launches
+    assert [int(first["phases"]), int(second["phases"])] == [1, 2]
+    for launch in (first, second):
+        assert launch["grid"] == 66 and launch["shared_bytes"] == shared_bytes(3, 2, 16)
+        assert (int(launch["stages"]), int(launch["token_stages"]), int(launch["tile_cap"]), int(launch["claim"])) \
+            == (3, 2, 16, CLAIMS["blocked"])
+        assert launch["timeline"] is timeline
+    assert first["act"] is second["act"], "L2 reads what L1 wrote"
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(stages=0), "stages"), (dict(stages=MAX_STAGES + 1), "stages"), (dict(stages=True), "stages"),
+    (dict(token_stages=9), "token_stages"), (dict(tile_cap=128), "tile_cap"), (dict(tile_cap=12), "tile_cap"),
+    (dict(claim="atomic"), "claim"), (dict(fused=1), "fused"), (dict(sms=133), "sms"), (dict(sms=0), "sms"),
+    (dict(stages=14), "stages"),  # 14 x 16 KB + the token stages: over the H100's 227 KB
+])
+def test_a_bad_variant_is_refused(change, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        PersistentVariant(**change).check(H100["multiprocessor_count"], H100["max_shared_memory_per_block_optin"])
+    assert info.value.field == field
+
+
+def test_bad_arguments_are_refused_before_any_launch(encoded):
+    P = 256
+    library, gemm, w13, w2, plan, out = call_parts(P)
+    wrong = [
+        (dict(w13=torch.zeros(E, 2 * INTER, H, dtype=torch.bfloat16)), "w13"),
+        (dict(w2=w13), "w2"),
+        (dict(w2=Fp8Weight(w2.data[:, :, :128], w2.scale[:, :, :1])), "w2"),
+        (dict(out=out.float()), "out"),
+        (dict(out=out[:-1]), "out"),
+        (dict(plan=cpu_plan(P, E + 1, H)), "plan"),
+        (dict(plan=cpu_plan(P, E, 2 * H)), "plan"),
+        (dict(plan=cpu_plan(P + 2, E, H)), "plan"),  # P % 4: the scales' rows would not start on 16 bytes
+        (dict(timeline=torch.zeros((4, TIMELINE_WORDS), dtype=torch.int64)), "timeline"),
+        (dict(variant=PersistentVariant(tile_cap=7)), "tile_cap"),
+    ]
+    for change, field in wrong:
+        args = {"plan": plan, "w13": w13, "w2": w2, "out": out, **change}
+        extra = {k: args[k] for k in ("timeline", "variant") if k in args}
+        with pytest.raises(ChunkringUsageError) as info:
+            gemm(args["plan"], args["w13"], args["w2"], args["out"], **extra)
+        assert info.value.field == field, change
+    assert library.launches == []
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda lib: PersistentGemm(lib, config(payload=PayloadFormat.BF16), 4), "payload"),
+    (lambda lib: PersistentGemm(lib, config(), MAX_EXPERTS + 1), "experts_per_rank"),
+    (lambda lib: PersistentGemm(lib, config(), 0), "experts_per_rank"),
+    (lambda lib: PersistentGemm(lib, config(), 4, wait_limit_ns=0), "wait_limit_ns"),
+    (lambda lib: PersistentGemm(lib, config(), 4, variant=PersistentVariant(stages=40)), "stages"),
+])
+def test_a_config_the_kernel_cannot_run_is_refused(make, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        make(RecordingLibrary())
+    assert info.value.field == field
+
+
+def test_a_recorded_fault_is_read_back():
+    gemm = PersistentGemm(RecordingLibrary(), config(), 4)
+    assert gemm.fault() is None
+    gemm.fault_word[0] = np.int64(0x3CC808305)
+    assert gemm.fault() == fault_of(0x3CC808305)

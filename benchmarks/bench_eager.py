@@ -8,8 +8,10 @@ Keep NVLink multicast off (``NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYM
 scripts/gpu_suite.sh sets them). The shape is one rank's share (:data:`benchmarks.bench_overlap.SHAPES`; ``flash``:
 DeepGEMM's per-rank shape, 32 local experts, hidden 4096, intermediate 2048, top-6, FP8), its layer built as a
 caller builds it (:class:`benchmarks.bench_overlap.Shape`: ``MoEConfig(...).with_default_ring()`` for the largest
-token count, default partition). Per token count, three sides on one routed FP8 batch: ``batch`` and
-``streamed`` (``MoELayer.run(..., streaming=False / True)``, the streamed call in the slot's chunks) and ``megamoe``
+token count, default partition). Per token count, five sides on one routed FP8 batch: ``batch`` and
+``streamed`` (``MoELayer.run(..., streaming=False / True)``, the streamed call in the slot's chunks; eager calls
+replayed from CUDA graphs, the layer's default), ``batch_launched`` and ``streamed_launched`` (the same calls of a
+layer built with ``eager_graphs=False``, every kernel launched from Python: the other way to issue them) and ``megamoe``
 (``deep_gemm.fp8_mega_moe`` with its input staging, as benchmarks/bench_vs_megamoe.py calls it), each timed four ways:
 
 * ``host_issue_ms``: host wall time from the call to its return, no sync; each sample's call is enqueued behind a
@@ -51,8 +53,11 @@ from benchmarks.bench_overlap import SHAPES, Shape
 T = TypeVar("T")
 
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
-#: The layer's two call modes, then the peer.
+#: The layer's two call modes (its eager calls replayed from CUDA graphs, the default), the same calls of a layer
+#: that launches every kernel of every call (``MoELayer(eager_graphs=False)``: what an eager call cost before), then
+#: the peer.
 MODES = ("batch", "streamed")
+LAUNCHED = ("batch_launched", "streamed_launched")
 PEER = "megamoe"
 #: How each side is timed, in the order the table prints them.
 FIGURES = ("host_issue_ms", "eager_ms", "pipelined_ms", "graph_ms")
@@ -185,7 +190,7 @@ def tokens_record(shape: str, tokens: int, ranks: int, chunk: int, measured: Map
     record = {"shape": shape, "tokens": tokens, "ranks": ranks, "chunk": chunk, "chunks": -(-tokens // chunk),
               **measured}
     peer = f"{PEER}_eager_ms" in measured
-    for side in (*MODES, PEER):
+    for side in (*MODES, *LAUNCHED, PEER):
         if f"{side}_eager_ms" in measured:
             record[f"{side}_eager_over_graph"] = measured[f"{side}_eager_ms"] / measured[f"{side}_graph_ms"]
     for mode in MODES:
@@ -219,15 +224,16 @@ def figures_of(records: list[dict[str, Any]]) -> dict[str, float]:
 
 def table(records: list[dict[str, Any]]) -> str:
     """The figures per token count and side, the ratios to the targets, and whether each target is met."""
-    lines = ["tokens | side     | host issue ms | eager ms | pipelined ms | graph ms | eager/graph | eager/MegaMoE"]
+    lines = ["tokens | side              | host issue ms | eager ms | pipelined ms | graph ms | eager/graph | "
+             "eager/MegaMoE"]
     for r in records:
-        for side in (*MODES, PEER):
+        for side in (*MODES, *LAUNCHED, PEER):
             if f"{side}_eager_ms" not in r:
                 continue
             cells = " | ".join(f"{r[f'{side}_{f}']:{len(h)}.3f}" for f, h in
                                zip(FIGURES, ("host issue ms", "eager ms", "pipelined ms", "graph ms"), strict=True))
             versus = r.get(f"{side}_eager_over_megamoe_eager")
-            lines.append(f"{r['tokens']:6d} | {side:8s} | {cells} | {r[f'{side}_eager_over_graph']:11.2f} | "
+            lines.append(f"{r['tokens']:6d} | {side:17s} | {cells} | {r[f'{side}_eager_over_graph']:11.2f} | "
                          + (f"{versus:13.2f}" if versus is not None else f"{'-':>13s}"))
     summary = targets(records)
     for name, what in (("host_issue_ms", "host issue (ms)"), ("eager_over_graph", "eager / graph"),
@@ -336,8 +342,8 @@ def open_megamoe(shape: Shape, max_tokens: int) -> tuple[MegaMoE | None, str]:
     return mine, "1 rank" if ranks == 1 else f"a 1-rank group in each of the {ranks} ranks' processes"
 
 
-def measure_tokens(shape: Shape, t: int, args: argparse.Namespace, gate: Gate, megamoe: MegaMoE | None,
-                   megamoe_setup: str) -> dict[str, Any]:
+def measure_tokens(shape: Shape, launched: Any, t: int, args: argparse.Namespace, gate: Gate,
+                   megamoe: MegaMoE | None, megamoe_setup: str) -> dict[str, Any]:
     """One token count's record (the module says what is measured and how)."""
     import torch
 
@@ -348,6 +354,8 @@ def measure_tokens(shape: Shape, t: int, args: argparse.Namespace, gate: Gate, m
     x, x_sf, idx, w = batch
     modes = {mode: partial(layer.run, x, x_sf, idx, w, shape.w13, shape.w2, streaming=mode == "streamed")
              for mode in MODES}
+    modes.update({side: partial(launched.run, x, x_sf, idx, w, shape.w13, shape.w2, streaming=side.startswith("s"))
+                  for side in LAUNCHED})
     sides: dict[str, Callable[[], object]] = dict(modes)
     if megamoe is not None:
         sides[PEER] = megamoe.staged(t, hidden, batch)
@@ -357,7 +365,7 @@ def measure_tokens(shape: Shape, t: int, args: argparse.Namespace, gate: Gate, m
         call()
     torch.cuda.synchronize()
     layer.check()
-    mine: dict[str, Any] = {"bitwise": bool(torch.equal(outputs["batch"], outputs["streamed"]))}
+    mine: dict[str, Any] = {"bitwise": all(torch.equal(outputs["batch"], out) for out in outputs.values())}
 
     def settle() -> None:  # the device idle and the ranks met before each sample
         torch.cuda.synchronize()
@@ -372,6 +380,7 @@ def measure_tokens(shape: Shape, t: int, args: argparse.Namespace, gate: Gate, m
     graph = replay_medians_ms(sides, iterations=args.iterations, warmup=args.warmup, barrier=runtime.barrier)
     torch.cuda.synchronize()
     layer.check()
+    launched.check()
     mine.update(medians(host, eager, pipelined, graph))
     measured = {**across_ranks(runtime.allgather_object(mine)), PEER: megamoe_setup}
     return tokens_record(shape.name, t, runtime.world_size, min(t, shape.slot), measured)
@@ -380,7 +389,8 @@ def measure_tokens(shape: Shape, t: int, args: argparse.Namespace, gate: Gate, m
 def progress(r: dict[str, Any]) -> str:
     return f"{r['tokens']:6d} tokens | " + " | ".join(
         f"{side} " + " / ".join(f"{r[f'{side}_{f}']:.3f}" for f in FIGURES)
-        for side in (*MODES, PEER) if f"{side}_eager_ms" in r) + " ms (host issue / eager / pipelined / graph)"
+        for side in (*MODES, *LAUNCHED, PEER)
+        if f"{side}_eager_ms" in r) + " ms (host issue / eager / pipelined / graph)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     try:
         shape = Shape(args.shape, runtime, max(args.tokens), partition=args.partition)
+        from chunkring import MoELayer
+
+        launched = MoELayer(runtime, shape.config, partition=args.partition, eager_graphs=False)
         megamoe: MegaMoE | None = None
         try:
             megamoe, setup = (None, "left out (--no-megamoe)") if args.no_megamoe else \
@@ -400,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             gate = Gate(args.gate_ms)
             for done, t in enumerate(args.tokens, 1):
-                records.append(measure_tokens(shape, t, args, gate, megamoe, setup))
+                records.append(measure_tokens(shape, launched, t, args, gate, megamoe, setup))
                 if runtime.rank == 0:
                     print(progress(records[-1]), flush=True)
                     if args.json:
@@ -408,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if megamoe is not None:
                 megamoe.close()
+            launched.destroy()
             shape.destroy()
     finally:
         runtime.close()

@@ -102,8 +102,9 @@ def host_layer(monkeypatch, cfg: MoEConfig, *, rank: int = 0) -> MoELayer:
     modes = (CallMode.BATCH_READY, CallMode.STREAMED) if cfg.streaming else (CallMode.BATCH_READY,)
     rings = {mode: HostRing(runtime) for mode in modes}
     resources = SimpleNamespace(rings=rings, experts_per_rank=E, first_expert=0, transports=(), free=lambda limit: None,
-                                kernels=None, produce_arrivals=dict.fromkeys(modes),
-                                spinning_produce_blocks=None, zero_counts=lambda: runtime.resets.append("counts"))
+                                kernels=SimpleNamespace(produce=None), produce_arrivals=dict.fromkeys(modes),
+                                spinning_produce_blocks=None, zero_counts=lambda: runtime.resets.append("counts"),
+                                decode_for=lambda n: False, config=cfg)
     monkeypatch.setattr(chunkring.moe.layer, "LayerResources", lambda *args, **kwargs: resources)
     monkeypatch.setattr(chunkring.moe.layer, "module_loading_is_eager", lambda: True)
     layer = MoELayer(runtime, cfg)
@@ -112,9 +113,9 @@ def host_layer(monkeypatch, cfg: MoEConfig, *, rank: int = 0) -> MoELayer:
     schedule.begin_call = lambda: setattr(schedule, "met_barrier", False)
     schedule.owes_first_barrier = lambda mode: mode not in schedule.warm and not schedule.met_barrier
 
-    def enqueue(mode, n, *args, **kwargs):
+    def enqueue(call):
         schedule.calls += 1
-        return torch.zeros(n, H, dtype=torch.bfloat16)
+        return torch.zeros(call.n, H, dtype=torch.bfloat16)
 
     schedule.enqueue = enqueue
     layer.schedule = schedule

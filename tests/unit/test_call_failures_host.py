@@ -37,7 +37,7 @@ def test_a_host_failure_after_the_pull_is_enqueued_aborts_the_ring_and_the_next_
     layer.schedule.warm.update(CallMode)
     calls = entry_points(layer)
 
-    def enqueue_then_fail(mode, n, *args, **kwargs):
+    def enqueue_then_fail(call):
         layer.schedule.calls += 1
         raise OutOfExpertMemory("CUDA out of memory (gate_up)")
 
@@ -60,7 +60,7 @@ def test_a_first_call_that_fails_abandons_the_warm_up_barrier_once_and_only_befo
     itself raised on every rank) abandons nothing more: a second abandon would skip the ranks' next barrier."""
     layer = host_layer(monkeypatch, config())
 
-    def enqueue_then_fail(mode, n, *args, **kwargs):
+    def enqueue_then_fail(call):
         layer.schedule.met_barrier = reached_barrier
         raise RuntimeError("the GEMM engine's first compile failed")
 

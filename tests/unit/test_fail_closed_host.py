@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import chunkring.moe._engine.call
 import chunkring.moe.layer
 import chunkring.moe.op
 from chunkring import MoELayer
@@ -239,11 +240,11 @@ def test_run_publishes_a_misaligned_batch_from_an_aligned_copy(monkeypatch):
     copies rows 16 bytes at a time."""
     layer = host_layer(monkeypatch, config())
     published = []
-    monkeypatch.setattr(chunkring.moe.layer, "enqueue_publish", lambda ring, x, *args: published.append(x))
+    monkeypatch.setattr(chunkring.moe._engine.call, "enqueue_publish", lambda ring, x, *args: published.append(x))
 
-    def enqueue(mode, n, publish, *args, **kwargs):
-        publish(layer.rings[mode], 0, n, True, None, None, None, False)
-        return torch.zeros(n, H, dtype=torch.bfloat16)
+    def enqueue(call):
+        call.batch.publish(layer.rings[call.mode], 0, call.n, True, None, None, None, False)
+        return torch.zeros(call.n, H, dtype=torch.bfloat16)
 
     layer.schedule.enqueue = enqueue
     gen = torch.Generator().manual_seed(4)

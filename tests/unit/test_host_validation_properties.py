@@ -17,7 +17,7 @@ from chunkring import ChunkringUsageError, MoEConfig, PayloadFormat, RingSpec
 from chunkring.jit import parse_kernels
 from chunkring.jit.compiler import KERNEL_DIR
 from chunkring.jit.launch import check_argument_names
-from chunkring.moe._engine.call import CallMode, check_run_args
+from chunkring.moe._engine.call import CallMode, Layer, resolve_mode, resolve_run
 from chunkring.moe.weights import Fp8Weight
 
 CPU = torch.device("cpu")
@@ -177,12 +177,17 @@ def test_layer_run_accepts_exactly_the_valid_arguments(n, data):
     if not isinstance(streaming, bool) and streaming != "auto":
         wrong.add("streaming")
     w13, w2 = fp8_weight(args.pop("w13")), fp8_weight(args.pop("w2"))
-    kwargs = dict(streaming=streaming, out=args.pop("out"), num_tokens=args.pop("num_tokens"), timeline=None)
+    kwargs = dict(out=args.pop("out"), num_tokens=args.pop("num_tokens"), timeline=None, chunk=None)
+    context = Layer(cfg, El, CPU, None, lambda n: False)
+
+    def resolve():  # as MoELayer.run: the mode first, then the rest
+        return resolve_run(context, resolve_mode(cfg, None, streaming), *args.values(), w13, w2, **kwargs)
+
     if wrong:
         with pytest.raises(ChunkringUsageError) as info:
-            check_run_args(cfg, El, CPU, None, *args.values(), w13, w2, **kwargs)
+            resolve()
         assert info.value.field in wrong, (info.value.field, wrong)
     else:
-        mode, count = check_run_args(cfg, El, CPU, None, *args.values(), w13, w2, **kwargs)
+        call = resolve()
         # "auto" uncalibrated: batch-ready
-        assert (mode, count) == (CallMode.STREAMED if streaming is True else CallMode.BATCH_READY, rows)
+        assert (call.mode, call.n) == (CallMode.STREAMED if streaming is True else CallMode.BATCH_READY, rows)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chunkring import ChunkringUsageError, MoEConfig, StreamingCalibration
-from chunkring.moe._engine.call import CallMode, call_chunk, check_run_args
+from chunkring.moe._engine.call import CallMode, call_chunk, resolve_mode
 from chunkring.moe.calibration import calibrate, chunk_candidates, slowest_rank
 from chunkring.moe.weights import quantize_weight_fp8
 
@@ -113,9 +113,7 @@ def test_auto_calls_follow_the_calibration():
     modes = []
     for calibration in (None, StreamingCalibration({16: 1.0}, {16: {16: 1.01}}, 0.03),
                         StreamingCalibration({16: 1.0}, {16: {16: 1.2}}, 0.03)):
-        mode, _ = check_run_args(lay.config, 2, lay.runtime.torch_device, calibration, *args, streaming="auto",
-                                 out=None, num_tokens=None, timeline=None)
-        modes.append(mode)
+        modes.append(resolve_mode(lay.config, calibration, "auto"))
     assert modes == [CallMode.BATCH_READY, CallMode.STREAMED, CallMode.BATCH_READY]
 
 

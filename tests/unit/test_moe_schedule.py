@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from chunkring.moe import CallMode
+from chunkring.moe._engine.call import Call
 from chunkring.moe._engine.schedule import CallSchedule
 
 N, H, K = 64, 8, 2
@@ -110,12 +111,15 @@ def schedule_on(monkeypatch, *, slots, waves=1, partition=True):
 
 
 def call(schedule, mode, n, chunk=None):
+    """One call of ``n`` rows through the schedule, resolved as the layer resolves it (the engine by its size); the
+    chunks its batch published: (start, end, stream, may_wait)."""
     published = []
 
     def publish(ring, start, end, eos, valid, rows, stream, may_wait):
         published.append((start, end, stream.name, may_wait))
 
-    schedule.enqueue(mode, n, publish, None, None, None, None, None, chunk)
+    schedule.enqueue(Call(mode, SimpleNamespace(publish=publish), n, chunk, None, None, None, None, None,
+                          schedule.res.decode_for(n)))
     return published
 
 

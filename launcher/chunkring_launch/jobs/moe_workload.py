@@ -73,10 +73,12 @@ class LayerFields(CheckedConfig):
 
 
 @contextlib.contextmanager
-def open_layer(runtime: Runtime, fields: LayerFields, config: MoEConfig | None = None) -> Iterator[MoELayer]:
+def open_layer(runtime: Runtime, fields: LayerFields, config: MoEConfig | None = None, *,
+               eager_graphs: bool = True) -> Iterator[MoELayer]:
     """The job's ``MoELayer`` (``config``: a MoEConfig, default ``fields.layer_config()``), its streamed
     calls on the partition ``fields.producer_sms`` names (an ``SmPartition`` of N producer SMs, the layer's
-    own with "auto", none with "none"); destroyed (a collective, after every rank's work ended) and the
+    own with "auto", none with "none"), its eager calls replayed from CUDA graphs unless ``eager_graphs`` is False;
+    destroyed (a collective, after every rank's work ended) and the
     partition closed on exit."""
     import torch
 
@@ -85,7 +87,8 @@ def open_layer(runtime: Runtime, fields: LayerFields, config: MoEConfig | None =
     sms = fields.producer_sms
     partition = SmPartition(runtime, sms) if isinstance(sms, int) else None
     try:
-        layer = MoELayer(runtime, config or fields.layer_config(), partition=partition or str(sms))
+        layer = MoELayer(runtime, config or fields.layer_config(), partition=partition or str(sms),
+                         eager_graphs=eager_graphs)
         try:
             yield layer
         finally:

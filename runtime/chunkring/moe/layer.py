@@ -1,16 +1,11 @@
 """The expert-parallel MoE layer: batch-ready by default, streamed on request.
 
 Every rank owns ``num_experts / world_size`` experts and a batch of up to ``max_tokens_per_rank`` tokens.
-:class:`MoELayer` checks a call's arguments (:mod:`chunkring.moe._engine.call`) and hands it to its
-:class:`~chunkring.moe._engine.schedule.CallSchedule`, which enqueues it on the layer's
-:class:`~chunkring.moe._engine.resources.LayerResources`; nothing here waits on the host.
-
-Expert work happens once per call, after every source's stream ended, however many chunks arrived:
-chunk-local expert groups (computing each chunk as it lands) re-read every active expert's weights per
-chunk, which costs far more than it overlaps at DeepSeek-like shapes (docs/PERFORMANCE.md). What streaming
-overlaps is the producers' work with the pull of the chunks already published. With ``MoEConfig.waves > 1``
-(opt-in: incremental expert blocks, docs/PROTOCOL.md) streamed calls instead compute the blocks sealed by
-each of ``waves`` fixed launches of expert work.
+:class:`MoELayer` resolves each call once (its checks and choices: :mod:`chunkring.moe._engine.call`), then replays
+it from a CUDA graph or enqueues it (:mod:`~chunkring.moe._engine.replay`, :mod:`~chunkring.moe._engine.schedule`);
+nothing here waits on the host. Expert work happens once per call, after every source's stream ended (with
+``MoEConfig.waves > 1``, streamed calls compute in waves instead): what streaming overlaps is the producers' work with
+the pull of the chunks already published (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -25,19 +20,18 @@ import torch
 from chunkring.env import check_timeout_s, module_loading_is_eager
 from chunkring.errors import ChunkringError, ChunkringUsageError
 from chunkring.moe._engine import handles
-from chunkring.moe._engine.call import CallMode, call_chunk, check_forward_args, check_run_args, resolve_streaming
+from chunkring.moe._engine.call import Call, CallMode, Layer, resolve_forward, resolve_mode, resolve_run
 from chunkring.moe._engine.decode import check_decode_config
-from chunkring.moe._engine.producer import PRODUCE_MAX_BLOCKS, enqueue_produce
+from chunkring.moe._engine.replay import CallGraphs
 from chunkring.moe._engine.resources import LayerResources
 from chunkring.moe._engine.schedule import CallSchedule
 from chunkring.moe.config import MoEConfig
 from chunkring.moe.kernels import LayerKernels
-from chunkring.moe.routing import router_logits
 from chunkring.moe.timeline import Timeline
 from chunkring.moe.weights import Fp8Weight
 from chunkring.partition import DEFAULT_PARTITION, SmPartition, check_partition_arg
 from chunkring.ring.failure import capturing
-from chunkring.ring.io import ROW_ALIGN, enqueue_publish, raise_abort
+from chunkring.ring.io import raise_abort
 from chunkring.ring.ring import Ring, check_identical
 from chunkring.ring.status import ErrorCode
 from chunkring.ring.transport import Transport
@@ -76,6 +70,9 @@ class MoELayer:
             ``DECODE_MAX_ROWS`` rows per expert on average: today none, as measured), the others on DeepGEMM's;
             ``False`` (the default): never. Streamed and batch-ready calls of one size choose alike, so they stay
             equal bit for bit; calls of different sizes may round differently.
+        eager_graphs: replay eager calls from CUDA graphs, one captured per kind of call at its first (the module
+            :mod:`chunkring.moe._engine.replay` says which calls and why): an eager call then costs the host about
+            what a graph replay does, not a launch of every kernel. False: every call launches its kernels.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly
@@ -96,7 +93,7 @@ class MoELayer:
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
                  timeout_s: float | None = None, kernels: LayerKernels | None = None,
-                 decode: bool | str = False) -> None:
+                 decode: bool | str = False, eager_graphs: bool = True) -> None:
         # Given the same arguments these checks fail alike on every rank. The environment may differ: a rank with
         # lazy module loading abandons the first collective's barrier, so its peers raise at once, naming it.
         if not isinstance(config, MoEConfig):
@@ -106,6 +103,8 @@ class MoELayer:
             raise ChunkringUsageError(f"expected True, False or 'auto', got {decode!r}", field="decode")
         if decode is True:
             check_decode_config(config)
+        if not isinstance(eager_graphs, bool):
+            raise ChunkringUsageError(f"expected a bool, got {eager_graphs!r}", field="eager_graphs")
         if kernels is not None and not isinstance(kernels, LayerKernels):
             raise ChunkringUsageError(f"expected LayerKernels or None, got {type(kernels).__name__}", field="kernels")
         config.check_world_size(runtime.world_size)  # every ring rule at this world size, the experts' split
@@ -125,6 +124,8 @@ class MoELayer:
         self.experts_per_rank, self.first_expert = self.resources.experts_per_rank, self.resources.first_expert
         #: Enqueues the layer's calls on :attr:`resources`.
         self.schedule = CallSchedule(self.resources)
+        #: Eager calls replayed from CUDA graphs, one per kind of call (:mod:`chunkring.moe._engine.replay`).
+        self._graphs = CallGraphs(self.resources, self.schedule, enabled=eager_graphs)
         #: What ``streaming="auto"`` calls follow (set by :func:`chunkring.calibrate`; None: batch-ready).
         self.streaming_calibration: StreamingCalibration | None = None
         self._destroyed = False
@@ -194,12 +195,12 @@ class MoELayer:
         (``plan_rows``), the streaming ring's chunk size and slots (0 without one), the SMs of a streamed
         call's producer and consumer partitions (0 without one), the waves of expert work per call
         (``waves``) and the incremental block pool's device bytes (``block_pool_bytes``, 0 with ``waves=1``),
-        and :meth:`memory`'s symmetric bytes."""
+        the graphs its eager calls replay (``call_graphs``) and :meth:`memory`'s symmetric bytes."""
         res = self.resources
         streamed = res.rings.get(CallMode.STREAMED)
         part = res.partition
         return {"pull_grid": res.pull_grid, "producer_grid_max": res.spinning_produce_blocks,
-                "plan_rows": res.compute.capacity,
+                "plan_rows": res.compute.capacity, "call_graphs": len(self._graphs),
                 "producer_sms": part.plan.producer_sms if part else 0, "consumer_sms": part.consumer_sms if part else 0,
                 "chunk_tokens": streamed.spec.tokens_per_slot if streamed else 0,
                 "ring_slots": streamed.spec.num_slots if streamed else 0, "waves": self.config.waves,
@@ -243,21 +244,11 @@ class MoELayer:
             ChunkringDeviceError: an earlier call failed on the device (:meth:`raise_if_failed`); its
                 subclasses ``ChunkringTimeoutError`` and ``ChunkringPeerAbortedError`` as :meth:`check` says.
         """
-        self._check_alive()
-        with self._collective_call(streaming):
-            mode, n = check_run_args(self.config, self.experts_per_rank, self.runtime.torch_device,
-                                     self.streaming_calibration, x, x_sf, topk_idx, topk_weights, w13, w2,
-                                     streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
-            chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
-            self.raise_if_failed()
-            x = x.clone() if x.data_ptr() % ROW_ALIGN else x  # the publish copies rows 16 bytes at a time
-
-            def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
-                        stream: torch.cuda.Stream, may_wait: bool) -> None:
-                enqueue_publish(ring, x[start:end], None if x_sf is None else x_sf[start:end], topk_idx[start:end],
-                                topk_weights[start:end], start, eos, valid, rows, stream)
-
-            return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
+        mode = self._mode(streaming)
+        with self._collective_call(mode):
+            call = resolve_run(self._call_context, mode, x, x_sf, topk_idx, topk_weights, w13, w2, out=out,
+                               num_tokens=num_tokens, timeline=timeline, chunk=chunk)
+            return self._issue(call)
 
     def forward(self, hidden: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor | Fp8Weight,
                 w2: torch.Tensor | Fp8Weight, *, streaming: bool | str = False, out: torch.Tensor | None = None,
@@ -278,28 +269,35 @@ class MoELayer:
         Raises:
             ChunkringUsageError, ChunkringDeviceError: as :meth:`run` raises them.
         """
+        mode = self._mode(streaming)
+        res = self.resources
+        with self._collective_call(mode):
+            call = resolve_forward(self._call_context, mode, hidden, router_weight, w13, w2, out=out,
+                                   num_tokens=num_tokens, timeline=timeline, chunk=chunk, produce=res.kernels.produce,
+                                   arrivals=res.produce_arrivals[mode], spinning_blocks=res.spinning_produce_blocks)
+            return self._issue(call)
+
+    @property
+    def _call_context(self) -> Layer:
+        res = self.resources
+        return Layer(self.config, self.experts_per_rank, self.runtime.torch_device, self.streaming_calibration,
+                     res.decode_for)
+
+    def _mode(self, streaming: object) -> CallMode:
+        """A call's mode, resolved once, before its collective part: the ranks agree on it (each mode has its own
+        ring), so a bad ``streaming`` fails every rank alike, as a destroyed layer does, and aborts nothing."""
         self._check_alive()
-        with self._collective_call(streaming):
-            mode, n = check_forward_args(self.config, self.experts_per_rank, self.runtime.torch_device,
-                                         self.streaming_calibration, hidden, router_weight, w13, w2,
-                                         streaming=streaming, out=out, num_tokens=num_tokens, timeline=timeline)
-            chunk = call_chunk(self.config, self.streaming_calibration, mode, n, chunk)
-            self.raise_if_failed()
-            hidden = hidden.clone() if hidden.data_ptr() % 16 else hidden  # the fused producer loads 8-byte pieces
-            res = self.resources
-            arrivals = res.produce_arrivals[mode]
+        return resolve_mode(self.config, self.streaming_calibration, streaming)
 
-            def publish(ring: Ring, start: int, end: int, eos: bool, valid: torch.Tensor | None, rows: int | None,
-                        stream: torch.cuda.Stream, may_wait: bool) -> None:
-                chunk = hidden[start:end]
-                logits = router_logits(chunk, router_weight, kernels=res.kernels.produce)  # what route() computes
-                # Only a producer that may wait for a slot spins, so only its grid is sized for residency beside the
-                # other ranks' spinning kernels (docs/PROTOCOL.md, "Progress" 8); the ring's first S chunks - a
-                # batch-ready call's one chunk among them - keep the full grid.
-                enqueue_produce(ring, res.kernels.produce, logits, chunk, start, eos, valid, rows, arrivals, stream,
-                                res.spinning_produce_blocks if may_wait else PRODUCE_MAX_BLOCKS)
-
-            return self.schedule.enqueue(mode, n, publish, w13, w2, out, num_tokens, timeline, chunk)
+    def _issue(self, call: Call) -> torch.Tensor:
+        """Enqueue a resolved call: after :meth:`raise_if_failed`, replayed from its kind's graph where it has one,
+        else directly - and then its graph captured for the next call of its kind (:mod:`._engine.replay`)."""
+        self.raise_if_failed()
+        out = self._graphs.replay(call)
+        if out is None:
+            out = self.schedule.enqueue(call)
+            self._graphs.capture(call)
+        return out
 
     # ------------------------------------------------------------------ errors and lifetime
 
@@ -318,18 +316,15 @@ class MoELayer:
         self._on_every_ring("raise_if_failed", "; reset() to continue")
 
     @contextlib.contextmanager
-    def _collective_call(self, streaming: bool | str) -> Iterator[None]:
-        """A whole call - its checks, :meth:`raise_if_failed` and everything it enqueues - as this rank's part of a
-        collective. When any of it raises here (a bad argument, a recorded device error, out of memory while
-        enqueuing), the peers must learn that this rank will not come, or they would wait for it until a limit:
-        before a mode's first call reached its warm-up barrier (:meth:`CallSchedule.owes_first_barrier`) they wait
-        there, on the host: this rank abandons it, so they raise at once, naming it; after it, they wait on the
-        device: the failure aborts the call's ring (``HOST_USAGE``, :func:`chunkring.ring.io.raise_abort`, which
+    def _collective_call(self, mode: CallMode) -> Iterator[None]:
+        """A whole call of ``mode`` - its checks, :meth:`raise_if_failed` and everything it enqueues - as this rank's
+        part of a collective. When any of it raises here (a bad argument, a recorded device error, out of memory
+        while enqueuing), the peers must learn that this rank will not come, or they would wait for it until a
+        limit: before a mode's first call reached its warm-up barrier (:meth:`CallSchedule.owes_first_barrier`)
+        they wait there, on the host: this rank abandons it, so they raise at once, naming it; after it, they wait on
+        the device: the failure aborts the call's ring (``HOST_USAGE``, :func:`chunkring.ring.io.raise_abort`, which
         sets this rank's failure word at once, so its next call raises). Inside a graph capture nothing is aborted:
-        the peers capture too, and wait in nothing yet. ``streaming`` is resolved first, outside: ranks agree on a
-        call's mode, so a bad one fails every rank alike, as a destroyed layer does."""
-        mode = CallMode.STREAMED if resolve_streaming(self.config, self.streaming_calibration, streaming) \
-            else CallMode.BATCH_READY
+        the peers capture too, and wait in nothing yet."""
         self.schedule.begin_call()
         try:
             yield
@@ -392,6 +387,7 @@ class MoELayer:
             return
         with abandoning_on_failure(self.runtime):  # a bad bound is this rank's own: its peers raise at once
             timeout_s = check_timeout_s(timeout_s, field="timeout_s")
+        self._graphs.clear()  # they read the buffers freed next
         self.resources.free(timeout_s)
         self._destroyed = True
 

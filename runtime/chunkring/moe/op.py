@@ -43,7 +43,7 @@ import torch
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe._engine import handles
-from chunkring.moe._engine.call import resolve_streaming
+from chunkring.moe._engine.call import CallMode, resolve_mode
 from chunkring.moe.weights import Fp8Weight
 
 if TYPE_CHECKING:
@@ -158,9 +158,9 @@ def moe_forward(layer: MoELayer, hidden: torch.Tensor, router_weight: torch.Tens
     """
     w13_data, w13_scale = _split(w13)
     w2_data, w2_scale = _split(w2)
-    mode = resolve_streaming(layer.config, layer.streaming_calibration, streaming)
+    streamed = resolve_mode(layer.config, layer.streaming_calibration, streaming) is CallMode.STREAMED
     return torch.ops.chunkring.moe_forward(layer.handle, hidden, router_weight, w13_data, w13_scale, w2_data, w2_scale,
-                                           mode, num_tokens)
+                                           streamed, num_tokens)
 
 
 def moe_run(layer: MoELayer, x: torch.Tensor, x_sf: torch.Tensor | None, topk_idx: torch.Tensor,
@@ -182,6 +182,6 @@ def moe_run(layer: MoELayer, x: torch.Tensor, x_sf: torch.Tensor | None, topk_id
     """
     w13_data, w13_scale = _split(w13)
     w2_data, w2_scale = _split(w2)
-    mode = resolve_streaming(layer.config, layer.streaming_calibration, streaming)
+    streamed = resolve_mode(layer.config, layer.streaming_calibration, streaming) is CallMode.STREAMED
     return torch.ops.chunkring.moe_run(layer.handle, x, x_sf, topk_idx, topk_weights, w13_data, w13_scale, w2_data,
-                                       w2_scale, mode, num_tokens)
+                                       w2_scale, streamed, num_tokens)

@@ -23,27 +23,21 @@ is fixed, so a call captures into a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from chunkring.moe._engine.call import CallMode
+from chunkring.moe._engine.call import Call, CallMode
 from chunkring.moe._engine.experts import OwnRows
 from chunkring.moe._engine.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
-from chunkring.ring.ring import Ring
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelArgs
 
-__all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule", "Publish"]
-
-#: Enqueues rows [start, end) of a call's batch as the ring's next chunk on the producer stream:
-#: (ring, start, end, end_of_stream, valid_tokens, batch_rows, stream, may_wait). ``may_wait``: the chunk comes
-#: after the ring's first S of the call, so its publish may wait for a slot's acks (its producer spins).
-Publish = Callable[[Ring, int, int, bool, torch.Tensor | None, int | None, torch.cuda.Stream, bool], None]
+__all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule"]
 
 #: The most blocks of ``moe_call_reset`` (eight words a thread below that; a grid-stride loop past it).
 _RESET_MAX_GRID = 1024
@@ -78,17 +72,16 @@ class CallSchedule:
         self._warm_modes: set[CallMode] = set()  # modes whose first call ran (warm-up, then the ranks' barrier)
         self._met_barrier = False  # whether the call now being made reached its warm-up barrier (passed or not)
 
-    def enqueue(self, mode: CallMode, n: int, publish: Publish, w13: Weight, w2: Weight, out: torch.Tensor | None,
-                num_tokens: torch.Tensor | None, timeline: Timeline | None, chunk: int | None = None) -> torch.Tensor:
-        """Enqueue one call of ``mode`` on ``n`` rows (its arguments checked) in chunks of ``chunk`` rows (at most
-        the ring's slot size; None: the slot size), stream-ordered after torch's current stream, which waits for
-        it; returns the output, bfloat16 [n, H]."""
-        res = self.res
+    def enqueue(self, call: Call) -> torch.Tensor:
+        """Enqueue ``call`` (resolved and checked) in chunks of ``call.chunk`` rows (None: one chunk), stream-ordered
+        after torch's current stream, which waits for it; returns the output, bfloat16 [n, H]."""
+        res, mode, n, num_tokens = self.res, call.mode, call.n, call.num_tokens
         ring = res.rings[mode]
+        out = call.out
         if out is None:
             out = torch.empty((n, res.config.hidden), dtype=torch.bfloat16, device=res.runtime.torch_device)
         caller = torch.cuda.current_stream(res.runtime.torch_device)
-        T = chunk if chunk is not None else ring.spec.tokens_per_slot
+        T = call.chunk if call.chunk is not None else ring.spec.tokens_per_slot
         starts = list(range(0, n, T)) if n else [0]
         waves = res.config.waves if res.pool is not None and mode is CallMode.STREAMED else 1
         # The chunks that fit the ring never wait for a slot, so nothing of theirs spins: they and the call's
@@ -103,13 +96,12 @@ class CallSchedule:
         compute = res.compute_streams[placed]
         for stream in {early, producer, consumer}:
             stream.wait_stream(caller)
-        self.warm_up(mode, consumer, w13, w2)
-        decode = res.decode_for(n)  # this rank's engine for the call's expert GEMMs, by its size
+        self.warm_up(mode, consumer, call.w13, call.w2)
         # No record_stream on the caller's tensors: the caller's stream waits for every stream of the call at its
         # end, so its frees (stream-ordered on it) already come after our last use. That also keeps
         # the allocator from ever recording events on a partition's streams, which may be closed before those
         # tensors are freed.
-        mark = _Marks(res, timeline)
+        mark = _Marks(res, call.timeline)
 
         def produce_chunks(chunks: Iterable[int], stream: torch.cuda.Stream, *, may_wait: bool) -> None:
             with torch.cuda.stream(stream):
@@ -117,8 +109,8 @@ class CallSchedule:
                     start = starts[index]
                     end = min(start + T, n)
                     mark(Event.PRODUCE_BEGIN, index)
-                    publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n, stream,
-                            may_wait)
+                    call.batch.publish(ring, start, end, end == n, num_tokens, None if num_tokens is None else n,
+                                       stream, may_wait)
                     mark(Event.PUBLISHED, index)
 
         # Enqueue order (docs/PROTOCOL.md, "Progress"): the chunks that fit the ring first - their publishes
@@ -133,7 +125,7 @@ class CallSchedule:
         if producer is not early:
             producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish
         with torch.cuda.stream(consumer):
-            last, own = self._consume(mode, w13, w2, mark, waves, compute, decode)
+            last, own = self._consume(mode, call.w13, call.w2, mark, waves, compute, call.decode)
         produce_chunks(range(first, len(starts)), producer, may_wait=True)
         with torch.cuda.stream(producer):
             self._drain_and_reduce(mode, out, mark, last, own)

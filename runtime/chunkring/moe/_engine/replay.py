@@ -1,0 +1,188 @@
+"""Eager calls replayed from CUDA graphs (:class:`CallGraphs`): what makes an eager call cost about what its graph
+replay costs.
+
+Issuing a call's dozen kernels, its DeepGEMM calls and its stream joins from Python takes the host about a
+millisecond at any size, several times a decode call's device time. A CUDA graph replays the same work in one
+launch. So an eager call that can be replayed is: the first call of each kind runs directly (and is the call's
+output), then its graph is captured once; later calls of that kind copy their inputs into the graph's fixed
+buffers, write their token count to the device, replay, and copy the output out. The kernels already read the count
+from the device (``num_tokens``), so one graph serves every size up to its bucket: token counts round up to a power of
+two. What makes a kind: the batch (routed rows or hidden states), the mode, the bucket, the chunk size, the GEMM
+engine and the weights' (and router's) addresses - the graph reads them where they were at its capture.
+
+A call replays only where nothing it asks for needs the host inside it: no timeline, no device count of the
+caller's (``num_tokens``: the caller manages its own graphs), not inside a caller's capture, not a mode's first call
+(its warm-up and barrier run directly), a batch of at least one row. A capture that fails leaves its kind on the
+direct path, logged: the call it followed has already run.
+
+The graphs of one layer share one memory pool: they never run at once (each replays on the caller's stream after the
+previous call), and their inputs and output live outside the pool, in buffers of ``max_tokens_per_rank`` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from chunkring.moe._engine.call import Call, HiddenBatch, RoutedBatch
+from chunkring.moe.weights import Fp8Weight
+from chunkring.ring.failure import capturing
+from chunkring.ring.spec import FP8_SCALE_BLOCK
+
+if TYPE_CHECKING:
+    from chunkring.moe._engine.resources import LayerResources
+    from chunkring.moe._engine.schedule import CallSchedule
+    from chunkring.moe.weights import Weight
+
+__all__ = ["MAX_GRAPHS", "CallGraphs", "bucket"]
+
+log = logging.getLogger("chunkring")
+
+#: Graphs a layer keeps at most; the least recently replayed goes first. A model that calls one layer object for
+#: several of its layers (each with its own weights) needs one graph per layer and size bucket it uses.
+MAX_GRAPHS = 256
+
+Key = tuple[object, ...]
+
+
+def bucket(n: int, capacity: int) -> int:
+    """The rows of the graph that serves a call of ``n`` >= 1 rows: the next power of two, at most ``capacity``."""
+    return min(capacity, 1 << (n - 1).bit_length())
+
+
+def _tensors(weight: Weight) -> tuple[torch.Tensor, ...]:
+    return (weight.data, weight.scale) if isinstance(weight, Fp8Weight) else (weight,)
+
+
+class CallGraphs:
+    """The replayed eager calls of one layer (see the module's docstring). ``enabled`` False: every call runs
+    directly."""
+
+    def __init__(self, resources: LayerResources, schedule: CallSchedule, *, enabled: bool = True) -> None:
+        self.res, self.schedule, self.enabled = resources, schedule, enabled
+        self._graphs: OrderedDict[Key, torch.cuda.CUDAGraph] = OrderedDict()
+        self._direct: set[Key] = set()  # kinds whose capture failed
+        self._inputs: dict[str, tuple[torch.Tensor, ...]] = {}  # per batch kind, the graphs' fixed input buffers
+        self._out: torch.Tensor | None = None
+        self._count: torch.Tensor | None = None  # int32 [1]: the replayed call's token count
+        self._pool: Any = None  # torch.cuda.graph_pool_handle(): made at the first capture
+        self._stream: torch.cuda.Stream | None = None  # where the last replay ran
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def eligible(self, call: Call) -> bool:
+        """Whether ``call`` may be replayed from a graph (the module's docstring says when)."""
+        return (self.enabled and call.n > 0 and call.timeline is None and call.num_tokens is None
+                and self.schedule.is_warm(call.mode) and not capturing())
+
+    def key(self, call: Call) -> Key:
+        """What a graph of ``call`` depends on besides its inputs' values."""
+        batch = call.batch
+        kind = "routed" if isinstance(batch, RoutedBatch) else "hidden"
+        router = 0 if isinstance(batch, RoutedBatch) else batch.router_weight.data_ptr()
+        weights = tuple(t.data_ptr() for w in (call.w13, call.w2) for t in _tensors(w))
+        return (kind, call.mode, bucket(call.n, self.res.config.max_tokens_per_rank), call.chunk, call.decode,
+                weights, router)
+
+    def replay(self, call: Call) -> torch.Tensor | None:
+        """``call``'s output from its kind's graph, enqueued on the current stream; None where it has none (not
+        eligible, or not captured yet: run it directly, then :meth:`capture`)."""
+        if not self.eligible(call):
+            return None
+        key = self.key(call)
+        graph = self._graphs.get(key)
+        if graph is None:
+            return None
+        self._graphs.move_to_end(key)
+        stream = torch.cuda.current_stream(self.res.runtime.torch_device)
+        if self._stream is not None and stream != self._stream:
+            stream.wait_stream(self._stream)  # the last replay read the fixed buffers this call overwrites
+        self._stream = stream
+        assert self._out is not None and self._count is not None  # made by the capture
+        n = call.n
+        self._load(call)
+        self._count.fill_(n)
+        graph.replay()
+        out = call.out if call.out is not None else torch.empty_like(self._out[:n])
+        return out.copy_(self._out[:n])
+
+    def capture(self, call: Call) -> None:
+        """After ``call`` ran directly: capture its kind's graph, for the next call of that kind (nothing when it is
+        not eligible or has one already). Nothing runs on the device: the capture only records."""
+        if not self.eligible(call):
+            return
+        key = self.key(call)
+        if key in self._graphs or key in self._direct:
+            return
+        staged = self._staged(call, bucket(call.n, self.res.config.max_tokens_per_rank))
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self.schedule.enqueue(staged)
+        except Exception as exc:  # the call it followed ran directly; so will the next of its kind
+            self._direct.add(key)
+            log.warning("chunkring: a %s call of %d rows could not be captured for replay (%r); calls of its kind "
+                        "run directly", call.mode.value, call.n, exc)
+            return
+        self._graphs[key] = graph
+        while len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drop every graph (before the layer's buffers, which they read, are freed)."""
+        self._graphs.clear()
+        self._direct.clear()
+
+    def _staged(self, call: Call, rows: int) -> Call:
+        """``call`` over the fixed buffers: its batch's first ``rows`` rows, its count read from the device, its
+        output written into the fixed output."""
+        cfg, device = self.res.config, self.res.runtime.torch_device
+        if self._out is None:
+            N = cfg.max_tokens_per_rank
+            self._out = torch.zeros((N, cfg.hidden), dtype=torch.bfloat16, device=device)
+            self._count = torch.zeros(1, dtype=torch.int32, device=device)
+        batch = call.batch
+        inputs = self._buffers(call)
+        if isinstance(batch, RoutedBatch):
+            x, x_sf, idx, w = inputs
+            staged_batch: RoutedBatch | HiddenBatch = RoutedBatch(x[:rows], None if batch.x_sf is None else x_sf[:rows],
+                                                                  idx[:rows], w[:rows])
+        else:
+            staged_batch = dataclasses.replace(batch, hidden=inputs[0][:rows])
+        return dataclasses.replace(call, batch=staged_batch, n=rows, out=self._out[:rows], num_tokens=self._count)
+
+    def _buffers(self, call: Call) -> tuple[torch.Tensor, ...]:
+        """The fixed input buffers of ``call``'s batch kind, ``max_tokens_per_rank`` rows each (made once)."""
+        batch = call.batch
+        kind = "routed" if isinstance(batch, RoutedBatch) else "hidden"
+        if kind not in self._inputs:
+            cfg, device = self.res.config, self.res.runtime.torch_device
+            N, H, K = cfg.max_tokens_per_rank, cfg.hidden, cfg.topk
+            if isinstance(batch, RoutedBatch):
+                self._inputs[kind] = (torch.zeros((N, H), dtype=batch.x.dtype, device=device),
+                                      torch.zeros((N, H // FP8_SCALE_BLOCK), dtype=torch.float32, device=device),
+                                      torch.full((N, K), -1, dtype=torch.int32, device=device),
+                                      torch.zeros((N, K), dtype=torch.float32, device=device))
+            else:
+                self._inputs[kind] = (torch.zeros((N, H), dtype=torch.bfloat16, device=device),)
+        return self._inputs[kind]
+
+    def _load(self, call: Call) -> None:
+        """``call``'s batch into the fixed buffers' first ``n`` rows (rows past them the graph's count excludes)."""
+        n, batch = call.n, call.batch
+        inputs = self._buffers(call)
+        if isinstance(batch, RoutedBatch):
+            inputs[0][:n].copy_(batch.x)
+            if batch.x_sf is not None:
+                inputs[1][:n].copy_(batch.x_sf)
+            inputs[2][:n].copy_(batch.topk_idx)
+            inputs[3][:n].copy_(batch.topk_weights)
+        else:
+            inputs[0][:n].copy_(batch.hidden)

@@ -1,0 +1,52 @@
+"""Eager calls replayed from CUDA graphs (chunkring.moe._engine.replay) compute exactly what the same calls launched
+kernel by kernel compute: two layers of one config - one replaying its eager calls (the default), one with
+``eager_graphs=False`` - called alike, every output equal bit for bit, batch-ready and streamed, through ``run()``
+and ``forward()``, at sizes inside one bucket and across buckets, ranks bringing different sizes, a call with a
+timeline (which runs directly) in between, and the replayed layer holding one graph per kind of call it saw.
+tests/unit/test_call_replay.py pins the bookkeeping on the CPU."""
+
+import pytest
+import torch
+
+from chunkring import MoEConfig, MoELayer, Timeline
+from tests.gpu.moe_helpers import INTER, H, case_inputs, local_weights, weights
+
+pytestmark = pytest.mark.gpu
+
+#: Per step, rank r brings SIZES[(step + r) % len]: buckets 1, 4, 8, 64, 128, 256, some met twice.
+SIZES = [1, 3, 4, 5, 33, 64, 100, 256, 7, 2]
+
+
+@pytest.mark.parametrize("payload", ["fp8", "bf16"])
+def test_replayed_eager_calls_equal_launched_calls_bit_for_bit(runtime, payload):
+    W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
+    cfg = MoEConfig(num_experts=8 * W, hidden=H, intermediate=INTER, topk=4, max_tokens_per_rank=256,
+                    payload=payload, front_num_slots=2, front_tokens_per_slot=32)
+    replayed, launched = MoELayer(runtime, cfg), MoELayer(runtime, cfg, eager_graphs=False)
+    try:
+        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(21))
+        experts = {layer: local_weights(layer, w13, w2) for layer in (replayed, launched)}
+        router = (torch.randn(cfg.num_experts, H, generator=torch.Generator().manual_seed(22)) / 16).to(
+            torch.bfloat16).to(device)
+        for step in range(2 * len(SIZES)):
+            n = SIZES[(step + rank) % len(SIZES)]
+            streaming = step % 2 == 1
+            _, _, _, args = case_inputs(payload, n, cfg.num_experts, cfg.topk, "uniform", 100 * step + rank, device)
+            hidden = torch.randn(n, H, generator=torch.Generator().manual_seed(step), device="cpu").to(
+                torch.bfloat16).to(device)
+            timeline = Timeline(device) if step == 7 else None  # runs directly: the replays around it still match
+            outs = {}
+            for layer in (replayed, launched):
+                ran = layer.run(*args, *experts[layer], streaming=streaming, timeline=timeline)
+                forwarded = layer.forward(hidden, router, *experts[layer], streaming=streaming)
+                outs[layer] = (ran, forwarded)
+            torch.cuda.synchronize()
+            for layer in (replayed, launched):
+                layer.check()
+            for got, want in zip(outs[replayed], outs[launched], strict=True):
+                assert got.shape == (n, H) and torch.equal(got, want), f"step {step}, {n} rows"
+        # One graph per kind seen: run and forward, both modes, each bucket this rank met.
+        assert replayed.stats()["call_graphs"] >= 4 and launched.stats()["call_graphs"] == 0
+    finally:
+        replayed.destroy()
+        launched.destroy()

@@ -35,6 +35,10 @@
 # in flight (the persistent decode consumer's weight loader alone, swept; WEIGHT_READ_ARGS, WEIGHT_READ_LIMIT_S).
 # model_1rank / model_mps run benchmarks/bench_model.py: a transformers MoE model's prefill and decode steps, eager and
 # compiled, its own experts against the drop-in batch-ready and streamed (MODEL_ARGS, MODEL_LIMIT_S).
+# persistent_1rank runs the persistent decode consumer's GPU tests (tests/gpu/test_moe_persistent.py), then
+# benchmarks/bench_persistent.py (against the decode kernels and DeepGEMM's path at 1-512 tokens, its variants swept;
+# PERSISTENT_ARGS, PERSISTENT_LIMIT_S), after its kernel's SASS counted by instruction; the bench runs even when a test
+# fails (each is a process of its own), so that one device call brings both.
 # commands runs every command README.md and docs/LAUNCHER.md show (tests/helpers/doc_commands.py lists them) at a
 # small preset, at 1 rank and at 4 ranks under the launcher's own MPS daemon, each ending with the status the docs
 # give it: one record; commands_1rank / commands_4rank split it over two device calls (records commands-1rank and
@@ -51,7 +55,7 @@ all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
            decode_1rank decode_trees decode_ncu decode_stalls quick_1rank smoke_mps call_kernels megamoe_1rank breakdown_1rank
            bisect_1rank eager_1rank eager_mps commands commands_1rank commands_4rank weight_read_1rank model_1rank
-           model_mps)
+           model_mps persistent_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -313,22 +317,37 @@ breakdown_1rank() {  # BREAKDOWN_ARGS override the bench's arguments (default: f
         --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-breakdown.json" 2>&1 | tee "$logs/breakdown.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
+count_sass() {  # source log: that kernel source's cubin (built here, or from the cache) disassembled, and the
+    # instructions that show how it moves data counted into log - the copy engine's copies and prefetches, barriers,
+    # register hand-over, tensor-core MMAs, shared and global loads, local memory (spills), calls
+    local cubin
+    cubin=$(python3 -c "from chunkring.env import cache_dir; from chunkring.jit import build
+r = build('$1'); print(cache_dir() / f'{r.name}-{r.arch}-{r.cache_key}.cubin')")
+    if command -v cuobjdump >/dev/null && [ -f "$cubin" ]; then
+        cuobjdump --dump-sass "$cubin" >"$logs/$1.sass" &&
+            grep -oE '\b(UTMALDG|UTMAPF|UBLKCP|SYNCS\.[A-Z.]+|USETMAXREG|QGMMA\.[0-9A-Zx.]+|LDS\.[0-9A-Z.]+|LDG\.[0-9A-Z.]+|LDL|STL|CALL)\b' \
+                "$logs/$1.sass" | sort | uniq -c | tee "$2"
+    else
+        echo "$1: no cuobjdump or no cubin ($cubin): SASS not counted" | tee "$2"
+    fi
+}
 weight_read_1rank() {  # WEIGHT_READ_ARGS / WEIGHT_READ_LIMIT_S override the probe's arguments (default: its default
     # sweep, about a minute) and its time limit; first the probe kernel's SASS, counted by instruction (the tensor-map
     # and bulk copies, barriers, register hand-over), so that its table prints last
-    local cubin
-    cubin=$(python3 -c 'from chunkring.env import cache_dir; from chunkring.jit import build
-r = build("probe_weight_read"); print(cache_dir() / f"{r.name}-{r.arch}-{r.cache_key}.cubin")')
-    if command -v cuobjdump >/dev/null && [ -f "$cubin" ]; then
-        cuobjdump --dump-sass "$cubin" >"$logs/probe_weight_read.sass" &&
-            grep -oE '\b(UTMALDG|UTMAPF|UBLKCP|SYNCS\.[A-Z.]+|USETMAXREG|LDS\.[0-9A-Z.]+|LDG\.[0-9A-Z.]+|LDL|STL)\b' \
-                "$logs/probe_weight_read.sass" | sort | uniq -c | tee "$logs/weight_read.log"
-    else
-        echo "weight_read_1rank: no cuobjdump or no cubin ($cubin): SASS not counted" | tee "$logs/weight_read.log"
-    fi
+    count_sass probe_weight_read "$logs/weight_read.log"
     # shellcheck disable=SC2086
     timeout "${WEIGHT_READ_LIMIT_S:-240}" python3 -m benchmarks.probe_weight_read ${WEIGHT_READ_ARGS:-} \
         --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-weight-read.json" 2>&1 | tee -a "$logs/weight_read.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+persistent_1rank() {  # PERSISTENT_ARGS / PERSISTENT_LIMIT_S override the bench's arguments (default: 1-512 tokens,
+    # the default sweep, a few minutes) and its time limit
+    count_sass moe_persistent "$logs/persistent.log"
+    run_suite persistent-1rank 1 python3 -m pytest tests/gpu/test_moe_persistent.py -v -rs "${limits[@]}" \
+        --junitxml="$logs/persistent-1rank.xml" || status=1
+    # shellcheck disable=SC2086
+    timeout "${PERSISTENT_LIMIT_S:-300}" python3 -m benchmarks.bench_persistent ${PERSISTENT_ARGS:-} \
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-persistent.json" 2>&1 | tee -a "$logs/persistent.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and achieved DRAM bandwidth per launch,

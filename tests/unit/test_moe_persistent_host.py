@@ -4,6 +4,8 @@
 * the shared-memory layout, the fault word, the variants' codes and the kernel's limits are the header's (its pinned
   static_asserts and constants read from the source);
 * w13's 5-D view lands a box as the kernel's math reads it: 8 groups of 8 gate rows then the same columns' 8 up rows;
+  through the WGMMA fragment layout, each thread then holds the gate and the up value of the intermediate column
+  the L1 epilogue writes (and L2's fragments are the output columns its epilogue writes);
 * the schedule's mirror gives every unit to exactly one block, L1 units before L2 units in every block's order (the
   rule that keeps a launch's waits finite), each claim order as the header defines it;
 * the launches name every kernel parameter with a value its signature takes (one fused launch, or L1 then L2), their
@@ -99,6 +101,52 @@ def test_the_w13_view_interleaves_gate_and_up_rows_by_8():
     for row in range(128):
         q, h, r = row // 16, row // 8 % 2, row % 8
         assert torch.equal(tile[row], w13[e, h * inter + 8 * (group + q) + r, k:k + 128])
+
+
+def fragments():
+    """Every math thread's accumulator fragment of a step (ptx/wgmma.cuh): (warpgroup, warp in it, g, t, j, c) and
+    the tile row and token column it holds - 64 rows a warpgroup, 16 a warp."""
+    for wg in range(2):
+        for in_wg in range(4):
+            for g in range(8):
+                for t in range(4):
+                    for j in range(TOKENS // 8):
+                        for c in range(4):
+                            row, token = 64 * wg + 16 * in_wg + g + 8 * (c // 2), 8 * j + 2 * t + c % 2
+                            yield (wg, in_wg, g, t, j, c), row, token
+
+
+TOKENS = 16
+
+
+def test_the_l1_fragments_pair_each_columns_gate_and_up_as_the_epilogue_reads_them():
+    """The step's tile (the 5-D box of w13_view) times the tokens, read through the WGMMA fragment layout: a thread's
+    c < 2 values are the gate, its c >= 2 values the up projection of intermediate column 128 chunk + 64 h + 32 wg +
+    8 in_wg + g for token 8j + 2t + c % 2 - the column quantise writes and the pairing SwiGLU takes."""
+    gen = torch.Generator().manual_seed(3)
+    E, inter, hidden, e, chunk = 2, 256, 128, 1, 1
+    w13 = torch.randn(E, 2 * inter, hidden, generator=gen, dtype=torch.float64)
+    x = torch.randn(TOKENS, hidden, generator=gen, dtype=torch.float64)
+    view = w13.view(E, 2, inter // 8, 8, hidden).permute(0, 2, 1, 3, 4)  # w13_view's shape, on values
+    for h in range(2):
+        group = (chunk * 128 + h * 64) // 8
+        tile = view[e, group:group + 8].reshape(128, hidden)  # the box, innermost dimension first
+        step = tile @ x.t()
+        for (wg, in_wg, g, t, j, c), row, token in fragments():
+            column = chunk * 128 + 64 * h + 32 * wg + 8 * in_wg + g
+            weight_row = column if c < 2 else inter + column
+            assert torch.isclose(step[row, token], w13[e, weight_row] @ x[token]), (h, wg, in_wg, g, t, j, c)
+
+
+def test_the_l2_fragments_are_the_output_columns_store_rows_writes():
+    gen = torch.Generator().manual_seed(4)
+    E, hidden, inter, e, block = 2, 256, 128, 0, 1
+    w2 = torch.randn(E, hidden, inter, generator=gen, dtype=torch.float64)
+    act = torch.randn(TOKENS, inter, generator=gen, dtype=torch.float64)
+    step = w2.view(E * hidden, inter)[e * hidden + block * 128:][:128] @ act.t()  # w2_map's box
+    for (wg, in_wg, g, t, j, c), row, token in fragments():
+        column = block * 128 + 64 * wg + 16 * in_wg + g + 8 * (c // 2)
+        assert torch.isclose(step[row, token], w2[e, column] @ act[8 * j + 2 * t + c % 2])
 
 
 @pytest.mark.parametrize("claim", sorted(CLAIMS))

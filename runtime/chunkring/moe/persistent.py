@@ -169,6 +169,8 @@ class PersistentGemm:
             traps; the L2 units' waits for other blocks' L1 units need every block resident, so nothing else may hold
             the SMs the launch counts on.
 
+    Launches of one PersistentGemm must not overlap (they share its L1 -> L2 counters): enqueue them on one stream.
+
     Raises:
         ChunkringUsageError: a config or variant the kernel cannot run.
     """

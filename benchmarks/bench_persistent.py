@@ -39,6 +39,7 @@ import chunkring
 from benchmarks.bench_decode import Shape
 from benchmarks.bench_vs_megamoe import rel_err, routed_batch
 from benchmarks.probe_weight_read import DELAY_CYCLES, PEAK_TBPS
+from chunkring.errors import ChunkringRuntimeError
 from chunkring.jit import library_for
 from chunkring.moe.gemm import load_deep_gemm
 from chunkring.moe.persistent import TIMELINE_WORDS, PersistentGemm, PersistentVariant
@@ -50,7 +51,7 @@ SWEEPS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "default": [("s8t4c64", {}), ("s4t4c64", dict(stages=4)), ("s12t3c64", dict(stages=12, token_stages=3)),
                 ("s8t2c64", dict(token_stages=2)), ("s8t4c32", dict(tile_cap=32)), ("s8t4c16", dict(tile_cap=16)),
                 ("blocks", dict(claim="strided_blocks")), ("blocked", dict(claim="blocked")),
-                ("split", dict(fused=False))],
+                ("split", dict(fused=False)), ("w13x16", dict(w13_boxes=16))],
     "quick": [("s8t4c64", {}), ("split", dict(fused=False))],
 }
 TOLERANCE = 1e-2
@@ -176,14 +177,19 @@ def measure(s: Shape, gemm: PersistentGemm, timer: Timer, t: int, variants: list
 
         calls[path] = path_call
     out = torch.empty((plan.rows.shape[0], H), dtype=torch.bfloat16, device=device)
-    checked = {}
+    checked, refused = {}, []
     for name, fields in variants:
         variant = gemm.with_variant(**fields)
+
         def variant_call(v: PersistentVariant = variant) -> None:
             gemm(plan, s.w13, s.w2, out, variant=v)
 
+        try:
+            variant_call()
+        except ChunkringRuntimeError as exc:  # a tensor map the driver refuses: recorded, the others measured
+            refused.append({**common, "path": "persistent", "variant": name, "error": str(exc), "verified": False})
+            continue
         calls[name] = variant_call
-        variant_call()
         torch.cuda.synchronize()
         checked[name] = out[real].clone()
     ms = timer.medians_ms(calls, reps)
@@ -198,9 +204,10 @@ def measure(s: Shape, gemm: PersistentGemm, timer: Timer, t: int, variants: list
         if name in checked:
             row["variant_fields"] = asdict(gemm.with_variant(**dict(variants)[name]))
         rows.append(row)
-    default = next(r for r in rows if r["variant"] == variants[0][0])  # the sweep's first: the default variant
-    default.update(timeline_us(gemm, timer, plan, s.w13, s.w2, out))
-    return rows
+    default = next((r for r in rows if r["variant"] == variants[0][0]), None)  # the sweep's first: the default
+    if default is not None:
+        default.update(timeline_us(gemm, timer, plan, s.w13, s.w2, out))
+    return rows + refused
 
 
 def figures(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -209,7 +216,7 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, float]:
     for t in sorted({r["tokens"] for r in rows}):
         mine = [r for r in rows if r["tokens"] == t]
         by = {r["path"]: r for r in mine if r["path"] != "persistent"}
-        persistent = [r for r in mine if r["path"] == "persistent" and r["verified"]]
+        persistent = [r for r in mine if r["path"] == "persistent" and r["verified"] and "ms" in r]
         for path, r in by.items():
             found[f"{t}_{path}_ms"], found[f"{t}_{path}_tbps"] = r["ms"], r["tbps"]
         if persistent:
@@ -227,6 +234,9 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, float]:
 def report(rows: list[dict[str, Any]]) -> None:
     print("\ntokens | path       variant    |     ms |  TB/s |  % peak | rel err | vs decode | ok")
     for r in rows:
+        if "error" in r:
+            print(f"{r['tokens']:6d} | {r['path']:10s} {r['variant']:10s} | refused: {r['error']}")
+            continue
         pct = f"{r['pct_peak']:7.1f}" if r["pct_peak"] is not None else "      -"
         print(f"{r['tokens']:6d} | {r['path']:10s} {r['variant']:10s} | {r['ms']:6.3f} | {r['tbps']:5.2f} | {pct} | "
               f"{r['rel_err']:.2e} | {r['vs_decode']:.2e} | {'yes' if r['verified'] else 'NO'}")
@@ -250,14 +260,15 @@ def main(argv: list[str] | None = None) -> int:
             timer = Timer(runtime.torch_device)
             for t in args.tokens:
                 rows += measure(shape, gemm, timer, t, args.variants, args.reps, peak)
-                print(", ".join(f"{r['variant']} {r['ms']:.3f} ms" for r in rows if r["tokens"] == t), flush=True)
+                print(", ".join(f"{r['variant']} {r['ms']:.3f} ms" for r in rows if r["tokens"] == t and "ms" in r),
+                      flush=True)
                 if args.json:  # what a time limit cuts short survives
                     records.write(args.json, suite="persistent", world_size=1, figures=figures(rows), records=rows,
                                   incomplete=True, passed=sum(r["verified"] for r in rows),
                                   failed=sum(not r["verified"] for r in rows))
                 torch.cuda.empty_cache()
         finally:
-            shape.destroy()
+            shape.close()
     finally:
         runtime.close()
     failed = sum(not r["verified"] for r in rows)

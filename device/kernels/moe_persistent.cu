@@ -54,13 +54,14 @@ constexpr u32 kStartNs = 0, kFirstStageNs = 1, kLastL1Ns = 2, kLastL2Ns = 3, kEn
 // The launch's variants are in range (persistent.py checks them first; a kernel that indexed past its shared memory
 // would fail far from the cause).
 __device__ __forceinline__ bool arguments_fit(int experts, long long hidden, long long inter, int stages,
-                                              int token_stages, int tile_cap, int claim, int phases) {
+                                              int token_stages, int tile_cap, int claim, int phases, int w13_boxes) {
     const bool tile = tile_cap == 8 || tile_cap == 16 || tile_cap == 32 || tile_cap == 64;
     return experts >= 1 && experts <= static_cast<int>(pc::kMaxExperts) && hidden > 0 && inter > 0 &&
            hidden % pc::kKBlock == 0 && inter % pc::kKBlock == 0 && stages >= 1 &&
            stages <= static_cast<int>(util::kMaxStages) && token_stages >= 1 &&
            token_stages <= static_cast<int>(pc::kMaxTokenStages) && tile && claim >= pc::kStridedExperts &&
-           claim <= pc::kBlocked && phases >= pc::kPhaseL1 && phases <= pc::kPhaseBoth;
+           claim <= pc::kBlocked && phases >= pc::kPhaseL1 && phases <= pc::kPhaseBoth &&
+           (w13_boxes == 1 || w13_boxes == pc::kW13Groups);
 }
 
 // A loader's wait for its ring's next stage to be free: every math warp released it on its last lap (at once on the
@@ -70,10 +71,12 @@ __device__ __forceinline__ void acquire(util::StagePipeline& pipe, const util::C
     pc::wait_phase(&pipe.empty[c.stage], c.parity ^ 1, watch, kind, c.stage);
 }
 
-// The weight loader (one thread): every step's weight tile, in the schedule's order.
+// The weight loader (one thread): every step's weight tile, in the schedule's order. An L1 tile is one copy of the
+// interleaving 5-D map (w13_boxes 1) or 16 copies of 8 rows from a map in w13's own dimension order (w13_boxes 16):
+// the same 16 KB either way.
 __device__ void load_weights(util::StagePipeline& pipe, unsigned char* ring, const pc::Schedule& s,
                              const pc::Active& a, const TensorMap* w13_map, const TensorMap* w2_map, u32 stages,
-                             const pc::Watch& watch) {
+                             u32 w13_boxes, const pc::Watch& watch) {
     ptx::prefetch_tensormap(w13_map);
     ptx::prefetch_tensormap(w2_map);
     util::Cursor c;
@@ -87,10 +90,18 @@ __device__ void load_weights(util::StagePipeline& pipe, unsigned char* ring, con
                     pipe.commit(c, pc::kWeightStageBytes);
                     unsigned char* dst = ring + c.stage * pc::kWeightStageBytes;
                     const int k = static_cast<int>(kb * pc::kKBlock);
-                    if (u.gemm == pc::kL1) {
-                        // w13 as [E][I / 8 groups][gate, up][8 rows][H]: 8 groups from column 128 block + 64 h
-                        const int group = static_cast<int>((u.block * pc::kKBlock + h * 64) / 8);
+                    // L1: the tile's 8 groups of 8 columns start at column 128 block + 64 h
+                    const int group = static_cast<int>((u.block * pc::kKBlock + h * 64) / 8);
+                    if (u.gemm == pc::kL1 && w13_boxes == 1) {
+                        // w13 as [E][I / 8 groups][gate, up][8 rows][H]: the 8 groups' 16 KB in one copy
                         ptx::copy_tile_5d(dst, w13_map, k, 0, 0, group, static_cast<int>(u.expert), pipe.full_of(c));
+                    } else if (u.gemm == pc::kL1) {
+                        // w13 as [E][gate, up][I / 8 groups][8 rows][H]: box 2q + gu (group + q, gate or up) at 1 KB
+                        // 2q + gu, the interleaved tile's rows 16q + 8gu .. + 7
+                        for (u32 box = 0; box < pc::kW13Groups; ++box)
+                            ptx::copy_tile_5d(dst + box * pc::kTokenBoxRows * pc::kKBlock, w13_map, k, 0,
+                                              group + static_cast<int>(box / 2), static_cast<int>(box % 2),
+                                              static_cast<int>(u.expert), pipe.full_of(c));
                     } else {
                         // w2 as [E * H][I]
                         const int row = static_cast<int>(u.expert * s.hidden + u.block * pc::kTileRows);
@@ -181,7 +192,8 @@ __device__ void finish(unsigned* sync, u32 experts) {
 
 // The expert work of one call at one rank, as moe_decode_l1 + moe_decode_l2 do it, in one persistent kernel.
 //   w13_map: w13 [E, 2I, H] e4m3 as the 5-D uint8 map [E][I / 8][2][8][H] (strides 2IH, 8H, IH, H, 1), box
-//     1 x 8 x 2 x 8 x 128, 128-byte swizzle; w2_map: w2 [E, H, I] as [E * H][I], box 128 x 128, 128-byte swizzle
+//     1 x 8 x 2 x 8 x 128 (w13_boxes 1), or as [E][2][I / 8][8][H] (its own order), box 1 x 1 x 1 x 8 x 128
+//     (w13_boxes 16); 128-byte swizzle; w2_map: w2 [E, H, I] as [E * H][I], box 128 x 128, 128-byte swizzle
 //   rows_map: the plan's rows [P, H] uint8, box 8 x 128, 128-byte swizzle; act_map: act [P, I] likewise
 //   w13_sf [E, 2I / 128, H / 128], w2_sf [E, H / 128, I / 128] fp32 (chunkring.moe.Fp8Weight)
 //   rows_sf [H / 128, P], act_sf [I / 128, P]: scale j of row p at j * sf_stride + p (sf_stride = P, a multiple of 4)
@@ -189,7 +201,7 @@ __device__ void finish(unsigned* sync, u32 experts) {
 //   act [P, I] e4m3, out [P, H] bf16: the groups' real rows written, others untouched
 //   sync [E + 1]: zeros before the first launch (see the top); timeline [grid, kTimelineWords] u64 or null
 //   wait_limit_ns: how long any wait may take; fault_record: where a block that gives up leaves its record (above)
-//   stages, token_stages, tile_cap, claim, phases: the variants (persistent_schedule.cuh)
+//   stages, token_stages, tile_cap, claim, phases, w13_boxes: the variants (persistent_schedule.cuh)
 // Launch: grid <= the SM count, block pc::kThreads (384), pc::launch_shared_bytes(stages, token_stages, tile_cap)
 // bytes of dynamic shared memory; hidden % 128 == 0, inter % 128 == 0, E <= pc::kMaxExperts.
 extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
@@ -199,6 +211,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
                         const unsigned* counts, const int* group_end, int experts, long long hidden,
                         long long inter, long long sf_stride, __nv_fp8_e4m3* act, __nv_bfloat16* out,
                         unsigned* sync, int stages, int token_stages, int tile_cap, int claim, int phases,
+                        int w13_boxes,
                         long long wait_limit_ns, unsigned long long fault_record,
                         CHUNKRING_NULLABLE unsigned long long* timeline) {
     __shared__ util::StagePipeline weight_pipe;
@@ -207,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     __shared__ pc::MathTimes times;
     extern __shared__ unsigned char dynamic_shared[];
     const pc::Watch watch{fault_record, static_cast<u64>(wait_limit_ns)};
-    if (!arguments_fit(experts, hidden, inter, stages, token_stages, tile_cap, claim, phases))
+    if (!arguments_fit(experts, hidden, inter, stages, token_stages, tile_cap, claim, phases, w13_boxes))
         pc::raise_fault(watch, pc::kFaultArguments, 0, 0, 0);
     const u32 warp = threadIdx.x / pc::kWarp, lane = threadIdx.x % pc::kWarp;
     const u32 depth = static_cast<u32>(stages), token_depth = static_cast<u32>(token_stages),
@@ -228,7 +241,8 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     if (warp >= pc::kMathWarps) {
         ptx::setmaxnreg_dec<pc::kLoaderRegisters>();
         if (warp == pc::kWeightLoaderWarp && lane == 0)
-            load_weights(weight_pipe, smem + layout.weights, s, active, &w13_map, &w2_map, depth, watch);
+            load_weights(weight_pipe, smem + layout.weights, s, active, &w13_map, &w2_map, depth,
+                         static_cast<u32>(w13_boxes), watch);
         if (warp == pc::kTokenLoaderWarp)
             load_tokens(token_pipe, smem + layout.tokens, reinterpret_cast<float*>(smem + layout.token_scales), s,
                         active,

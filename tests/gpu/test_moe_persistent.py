@@ -5,9 +5,9 @@ the layer builds (moe_plan_scatter through ExpertCompute.plan):
   relative), and today's decode kernels' rows within it, at 1, 8, 32 and 128 tokens, hidden 4096 and 7168 - with
   experts that have no rows and experts that take several passes; its activation (act, act_sf) matches the
   reference's quantised one; the plan's other rows are left as they were;
-* every variant - fused or an L1 and an L2 launch, each claim order, shallow rings, fewer blocks - gives the same
-  bits, and narrower token tiles (more passes) the same rows within the tolerance; a second run gives the same bits,
-  and a CUDA-graph replay the eager call's;
+* every variant - fused or an L1 and an L2 launch, each claim order, shallow rings, fewer blocks, w13 in 16 boxes -
+  gives the same bits, and narrower token tiles (more passes) the same rows within the tolerance; a second run gives
+  the same bits, and a CUDA-graph replay the eager call's; w13 in 16 boxes matches the reference on its own;
 * the device timeline: every block wrote its record on its own SM, ran the units the schedule's mirror gives it, in
   time order;
 * a wait that gives up leaves its fault word in host memory and fails the process (in a child: a trap ends the
@@ -125,9 +125,17 @@ def test_rows_and_activation_match_the_reference_and_the_decode_path(runtime, hi
     assert bool(torch.isnan(out[others].float()).all()), "a row outside the plan's groups was written"
 
 
+def test_sixteen_boxes_an_l1_tile_match_the_reference(runtime):
+    """w13_boxes 16 (w13's map in its own dimension order, 8-row boxes) on its own: the reference, not the default."""
+    plan, x_in, q13, q2, _, gemm = setup(runtime, 7168, 32, seed=1)
+    out, _, _ = run(gemm, plan, q13, q2, variant=gemm.with_variant(w13_boxes=16))
+    real, ref, _ = reference(plan, x_in, q13, q2)
+    assert rel_error(out[real].float(), ref) <= TOLERANCE
+
+
 #: Variants whose arithmetic is the default's, step for step: the same bits.
 SAME_BITS = [dict(fused=False), dict(claim="strided_blocks"), dict(claim="blocked"), dict(stages=2, token_stages=1),
-             dict(stages=12, token_stages=3), dict(sms=33)]
+             dict(stages=12, token_stages=3), dict(sms=33), dict(w13_boxes=16)]
 
 
 def test_every_variant_gives_the_same_rows(runtime):

@@ -41,7 +41,8 @@ def rows():
             dict(base, tokens=128, path="persistent", variant="s8t4c64", ms=0.30, tbps=2.7, first_stage_us=3.0,
                  last_l1_us=180.0, last_l2_us=290.0, span_us=295.0),
             dict(base, tokens=128, path="persistent", variant="split", ms=0.28, tbps=2.9),
-            dict(base, tokens=128, path="persistent", variant="s4t4c64", ms=0.20, tbps=4.0, verified=False)]
+            dict(base, tokens=128, path="persistent", variant="s4t4c64", ms=0.20, tbps=4.0, verified=False),
+            dict(shape="flash", tokens=128, path="persistent", variant="w13x16", error="refused", verified=False)]
 
 
 def test_the_figures_keep_the_fastest_verified_variant():
@@ -55,4 +56,5 @@ def test_the_figures_keep_the_fastest_verified_variant():
 def test_the_table_prints_every_row_and_the_timeline(capsys):
     bench.report(rows())
     out = capsys.readouterr().out
-    assert out.count("\n   128 |") == 5 and "NO" in out and "last L2 unit 290.0 us" in out
+    assert out.count("\n   128 |") == 6 and "NO" in out and "last L2 unit 290.0 us" in out
+    assert "w13x16     | refused: refused" in out

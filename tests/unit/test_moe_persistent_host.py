@@ -103,6 +103,20 @@ def test_the_w13_view_interleaves_gate_and_up_rows_by_8():
         assert torch.equal(tile[row], w13[e, h * inter + 8 * (group + q) + r, k:k + 128])
 
 
+def test_sixteen_boxes_of_w13_in_its_own_order_land_as_the_one_box_does():
+    """w13_boxes 16: box 2q + gu of the map in w13's own dimension order (monotone strides), 8 rows each, placed at
+    1 KB 2q + gu, gives the tile the interleaving map's one box gives."""
+    E, inter, H = 2, 128, 256
+    w13 = torch.randint(0, 256, (E, 2 * inter, H), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    one, own = w13_view(w13, 1), w13_view(w13, 16)
+    assert tuple(own.shape) == (E, 2, inter // 8, 8, H)
+    assert tuple(own.stride()) == (2 * inter * H, inter * H, 8 * H, H, 1)
+    e, group, k = 0, 8, 0
+    tile = one[e, group:group + 8, :, :, k:k + 128].reshape(128, 128)
+    boxes = torch.cat([own[e, box % 2, group + box // 2, :, k:k + 128] for box in range(16)])
+    assert torch.equal(boxes, tile)
+
+
 def fragments():
     """Every math thread's accumulator fragment of a step (ptx/wgmma.cuh): (warpgroup, warp in it, g, t, j, c) and
     the tile row and token column it holds - 64 rows a warpgroup, 16 a warp."""
@@ -240,7 +254,8 @@ def test_a_fused_launch_names_every_parameter_and_maps_the_tensors_as_the_kernel
     (launch,) = library.launches
     assert (launch["name"], launch["grid"], launch["block"]) == ("moe_persistent_gemm", 132, PERSISTENT_THREADS)
     assert launch["shared_bytes"] == PersistentVariant().shared_bytes() and not launch["pdl"]
-    assert int(launch["phases"]) == 3 and launch["act"] is act and launch["act_sf"] is act_sf
+    assert int(launch["phases"]) == 3 and int(launch["w13_boxes"]) == 1 and launch["act"] is act
+    assert launch["act_sf"] is act_sf
     assert tuple(act.shape) == (P, inter) and tuple(act_sf.shape) == (inter // 128, P) and launch["out"] is out
     assert int(launch["sf_stride"]) == P and int(launch["fault_record"]) == gemm.fault_word.data_ptr()
     w13_map, w2_map, rows_map, act_map = encoded
@@ -269,12 +284,17 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
             == (3, 2, 16, CLAIMS["blocked"])
         assert launch["timeline"] is timeline
     assert first["act"] is second["act"], "L2 reads what L1 wrote"
+    gemm(plan, w13, w2, out, variant=gemm.with_variant(w13_boxes=16))
+    assert int(library.launches[-1]["w13_boxes"]) == 16
+    w13_map = next(m for m in encoded if m.box == (128, 8, 1, 1, 1))
+    assert w13_map.dims == (H, 8, INTER // 8, 2, E) and w13_map.strides == (H, 8 * H, INTER * H, 2 * INTER * H)
 
 
 @pytest.mark.parametrize("change,field", [
     (dict(stages=0), "stages"), (dict(stages=MAX_STAGES + 1), "stages"), (dict(stages=True), "stages"),
     (dict(token_stages=9), "token_stages"), (dict(tile_cap=128), "tile_cap"), (dict(tile_cap=12), "tile_cap"),
     (dict(claim="atomic"), "claim"), (dict(fused=1), "fused"), (dict(sms=133), "sms"), (dict(sms=0), "sms"),
+    (dict(w13_boxes=2), "w13_boxes"), (dict(w13_boxes=True), "w13_boxes"),
     (dict(stages=14), "stages"),  # 14 x 16 KB + the token stages: over the H100's 227 KB
 ])
 def test_a_bad_variant_is_refused(change, field):

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from chunkring.moe.config import MoEConfig
 
 __all__ = ["CLAIMS", "FAULT_KINDS", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES", "PERSISTENT_THREADS",
-           "TILE_TOKENS", "TIMELINE_WORDS", "PersistentGemm", "PersistentVariant", "block_units", "fault_of",
-           "shared_bytes", "w13_view"]
+           "TILE_TOKENS", "TIMELINE_WORDS", "W13_BOXES", "PersistentGemm", "PersistentVariant", "block_units",
+           "fault_of", "shared_bytes", "w13_view"]
 
 #: Threads per block: two math warpgroups and the loaders' (persistent_schedule.cuh kThreads).
 PERSISTENT_THREADS = 384
@@ -75,19 +75,26 @@ def fault_of(word: int) -> str | None:
             f"parity {parity}, seen {seen})")
 
 
-def w13_view(w13: torch.Tensor) -> torch.Tensor:
-    """w13's bytes [E, 2I, H] as [E][I / 8][gate, up][8][H] (strides 2IH, 8H, IH, H, 1): the 5-D tensor map whose
-    1 x 8 x 2 x 8 x 128 box lands as 8 groups of 8 gate rows then the 8 up rows of the same intermediate columns."""
+#: The box of w13's map for each way of loading an L1 tile (``PersistentVariant.w13_boxes``), outermost first.
+W13_BOXES = {1: (1, 8, 2, 8, 128), 16: (1, 1, 1, 8, 128)}
+
+
+def w13_view(w13: torch.Tensor, boxes: int = 1) -> torch.Tensor:
+    """w13's bytes [E, 2I, H] as the kernel's 5-D tensor map sees them. ``boxes`` 1: [E][I / 8][gate, up][8][H]
+    (strides 2IH, 8H, IH, H, 1), whose 1 x 8 x 2 x 8 x 128 box lands as 8 groups of 8 gate rows then the 8 up rows of
+    the same intermediate columns - one copy an L1 tile, if the driver takes strides out of their dimensions' order;
+    16: [E][gate, up][I / 8][8][H] (w13's own order), 16 boxes of 8 rows that the kernel places alike."""
     E, two_i, H = w13.shape
-    return w13.view(torch.uint8).view(E, 2, two_i // 16, 8, H).permute(0, 2, 1, 3, 4)
+    view = w13.view(torch.uint8).view(E, 2, two_i // 16, 8, H)
+    return view.permute(0, 2, 1, 3, 4) if boxes == 1 else view
 
 
 @dataclass(frozen=True)
 class PersistentVariant:
     """One launch configuration: ``stages`` weight stages of 16 KB in flight per SM, ``token_stages`` token stages,
     passes of at most ``tile_cap`` rows (one of :data:`TILE_TOKENS`), the ``claim`` order (:data:`CLAIMS`), ``fused``
-    (one launch whose L2 units wait for their expert's L1 units) or an L1 launch then an L2 launch, and ``sms`` blocks
-    (None: one per SM)."""
+    (one launch whose L2 units wait for their expert's L1 units) or an L1 launch then an L2 launch, ``sms`` blocks
+    (None: one per SM), and ``w13_boxes`` copies per L1 tile (1 or 16: :func:`w13_view`)."""
 
     stages: int = 8
     token_stages: int = 4
@@ -95,6 +102,7 @@ class PersistentVariant:
     claim: str = "strided_experts"
     fused: bool = True
     sms: int | None = None
+    w13_boxes: int = 1
 
     def shared_bytes(self) -> int:
         return shared_bytes(self.stages, self.token_stages, self.tile_cap)
@@ -112,6 +120,8 @@ class PersistentVariant:
             raise ChunkringUsageError(f"expected one of {sorted(CLAIMS)}, got {self.claim!r}", field="claim")
         if not isinstance(self.fused, bool):
             raise ChunkringUsageError(f"expected a bool, got {self.fused!r}", field="fused")
+        if self.w13_boxes not in W13_BOXES or isinstance(self.w13_boxes, bool):
+            raise ChunkringUsageError(f"expected one of {sorted(W13_BOXES)}, got {self.w13_boxes!r}", field="w13_boxes")
         if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int)
                                      or not 1 <= self.sms <= sm_count):
             raise ChunkringUsageError(f"expected None or an int in [1, {sm_count}] (one block per SM, every block "
@@ -284,7 +294,7 @@ class PersistentGemm:
         P = plan.rows.shape[0]
         act = torch.empty((P, inter), dtype=torch.float8_e4m3fn, device=out.device)
         act_sf = torch.empty((inter // WEIGHT_BLOCK, P), dtype=torch.float32, device=out.device)
-        w13_map = self.tensor_map(w13_view(w13.data), (1, 8, 2, 8, _KBLOCK))
+        w13_map = self.tensor_map(w13_view(w13.data, v.w13_boxes), W13_BOXES[v.w13_boxes])
         w2_map = self.tensor_map(w2.data.view(torch.uint8).view(E * H, inter), (WEIGHT_BLOCK, _KBLOCK))
         rows_map = self.tensor_map(plan.rows, (8, _KBLOCK))
         act_map = self.tensor_map(act.view(torch.uint8), (8, _KBLOCK))
@@ -295,7 +305,8 @@ class PersistentGemm:
                 counts=plan.counts, group_end=plan.group_end, experts=np.int32(E), hidden=np.int64(H),
                 inter=np.int64(inter), sf_stride=np.int64(P), act=act, out=out, sync=self.sync,
                 stages=np.int32(v.stages), token_stages=np.int32(v.token_stages), tile_cap=np.int32(v.tile_cap),
-                claim=np.int32(CLAIMS[v.claim]), phases=np.int32(phases), wait_limit_ns=np.int64(self.wait_limit_ns),
+                claim=np.int32(CLAIMS[v.claim]), phases=np.int32(phases), w13_boxes=np.int32(v.w13_boxes),
+                wait_limit_ns=np.int64(self.wait_limit_ns),
                 fault_record=np.uint64(self.fault_word.data_ptr()), timeline=timeline, grid=grid,
                 block=PERSISTENT_THREADS, shared_bytes=v.shared_bytes(), stream=stream)
         return act, act_sf

@@ -118,7 +118,8 @@ __device__ __forceinline__ void store_rows(const MathArgs& m, const Schedule& s,
         for (u32 c = 0; c < 4; ++c) {
             const u32 token = 8 * j + 2 * l.t + c % 2;
             if (token < p.rows)
-                m.out[(static_cast<u64>(p.row0) + token) * s.hidden + col + 8 * (c / 2)] = __float2bfloat16_rn(acc[4 * j + c]);
+                m.out[(static_cast<u64>(p.row0) + token) * s.hidden + col + 8 * (c / 2)] =
+                    __float2bfloat16_rn(acc[4 * j + c]);
         }
 }
 

@@ -48,6 +48,7 @@ constexpr u32 kKBlock = 128;                        // k per step: one 128x128 w
 constexpr u32 kTileRows = 128;                      // weight rows per step (64 per math warpgroup)
 constexpr u32 kWeightStageBytes = kTileRows * kKBlock;  // 16 KB
 constexpr u32 kTokenBoxRows = 8;                    // token rows per bulk tensor copy (one 1 KB swizzle atom)
+constexpr u32 kW13Groups = 16;                      // an L1 tile's 8-row groups (w13_boxes 16: one copy each)
 constexpr u32 kMaxTile = 64;                        // the widest token tile (wgmma N): more rows take more passes
 constexpr u32 kMaxExperts = 256;                    // local experts a call may have (the active list's room)
 constexpr u32 kMaxTokenStages = 8;
@@ -103,7 +104,8 @@ constexpr __host__ __device__ u64 fault_word(u32 kind, u32 block, u32 thread, u3
            static_cast<u64>(thread & 0x3ffu) << 20 | static_cast<u64>(parity & 1u) << 30 |
            static_cast<u64>(what & 0xffffu) << 31 | static_cast<u64>(seen & 0xffffu) << 47;
 }
-static_assert(fault_word(5, 131, 200, 1, 7, 0) == 0x3cc808305ull && fault_word(7, 0, 0, 0, 31, 15) == 0x7800f80000007ull,
+static_assert(fault_word(5, 131, 200, 1, 7, 0) == 0x3cc808305ull &&
+                  fault_word(7, 0, 0, 0, 31, 15) == 0x7800f80000007ull,
               "pinned: persistent.py fault_of");
 
 struct Watch {
@@ -114,7 +116,8 @@ struct Watch {
 // Writes the fault word (system scope: the host reads it) and traps.
 __device__ __forceinline__ void raise_fault(const Watch& w, u32 kind, u32 what, u32 parity, u32 seen) {
     if (w.record != 0) {
-        ptx::st_relaxed_sys(reinterpret_cast<u64*>(w.record), fault_word(kind, blockIdx.x, threadIdx.x, parity, what, seen));
+        ptx::st_relaxed_sys(reinterpret_cast<u64*>(w.record),
+                            fault_word(kind, blockIdx.x, threadIdx.x, parity, what, seen));
         ptx::fence_acq_rel_sys();
     }
     __trap();

@@ -101,7 +101,7 @@ def breakdown(name: str, tokens: list[int], runtime, iterations: int) -> list[di
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        layer.destroy()
+        layer.close()
     return rows
 
 

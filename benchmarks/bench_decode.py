@@ -79,11 +79,11 @@ class Shape:
             self.l1, self.l2 = dg.transform_weights_for_mega_moe_sm90((w13.data, w13.scale), (w2.data, w2.scale))
             self.buffer = dg.get_symm_buffer_for_mega_moe(group, E, max_tokens, K, H, inter)
 
-    def destroy(self) -> None:
+    def close(self) -> None:
         if self.buffer is not None:
-            self.buffer.destroy()
+            self.buffer.close()
         for layer in self.layers.values():
-            layer.destroy()
+            layer.close()
 
     def stage(self, t: int, xq: torch.Tensor, xsf: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> Stage:
         """What moe_pull leaves for this call at one rank: its rows at their token index, -1 past them."""
@@ -194,7 +194,7 @@ def main() -> int:
                     records.write_table(args.json, suite="decode", rows=rows, incomplete=True)
                     torch.cuda.empty_cache()
             finally:
-                shape.destroy()
+                shape.close()
     finally:
         runtime.close()
     if args.profile_once:

@@ -320,7 +320,7 @@ class MegaMoE:
         return mega_moe_calls(self.dg, self.buffer, inputs, t, y, self.l1, self.l2)[1]
 
     def close(self) -> None:
-        self.buffer.destroy()
+        self.buffer.close()
 
 
 def open_megamoe(shape: Shape, max_tokens: int) -> tuple[MegaMoE | None, str]:
@@ -421,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if megamoe is not None:
                 megamoe.close()
-            launched.destroy()
-            shape.destroy()
+            launched.close()
+            shape.close()
     finally:
         runtime.close()
     if runtime.rank == 0:

@@ -80,7 +80,7 @@ def main() -> int:
         runtime.barrier()
         layer.reset()  # the chunks were pulled but never acknowledged
     finally:
-        layer.destroy()
+        layer.close()
     if runtime.rank == 0:
         figures = {"pull_checked_us": checked_us, "pull_unchecked_us": unchecked_us,
                    "checks_us_per_step": checked_us - unchecked_us,

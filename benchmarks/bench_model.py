@@ -536,7 +536,7 @@ class Bench:
 
         torch.compiler.reset()
         for layer in self.layers:  # a collective; blocks of one shape share a layer
-            layer.destroy()
+            layer.close()
 
 
 def progress_eager(step: Step, m: Mapping[str, Any]) -> str:

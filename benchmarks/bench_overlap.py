@@ -180,8 +180,8 @@ class Shape:
         """The layer streamed in chunks of ``chunk`` tokens (what MoEModule's operator calls)."""
         return self.layer.forward(hidden, self.router, self.w13, self.w2, streaming=True, chunk=chunk)
 
-    def destroy(self) -> None:
-        self.layer.destroy()
+    def close(self) -> None:
+        self.layer.close()
 
 
 class ProducersAlone:
@@ -241,9 +241,9 @@ class ProducersAlone:
         caller.wait_stream(producer)
         caller.wait_stream(consumer)
 
-    def destroy(self) -> None:
-        self.out.free()  # a collective where the outputs are symmetric (a peer read by RMA)
-        self.ring.destroy()
+    def close(self) -> None:
+        self.out.close()  # a collective where the outputs are symmetric (a peer read by RMA)
+        self.ring.close()
 
 
 def measure_shape(shape: Shape, args) -> list[dict]:
@@ -298,7 +298,7 @@ def measure_shape(shape: Shape, args) -> list[dict]:
     finally:
         torch.cuda.synchronize()
         runtime.barrier()
-        producers.destroy()
+        producers.close()
     return records
 
 
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                     files += record_timeline(shape, best["tokens"], best["chunk"],
                                              f"{stem}-timeline-{name}-{best['tokens']}-c{best['chunk']}")
             finally:
-                shape.destroy()
+                shape.close()
             if args.json and runtime.rank == 0:  # after every shape: a run cut short keeps what it measured,
                 # marked incomplete until the last shape is in
                 write_results(args.json, runtime, records, files, incomplete=done < len(args.shapes))

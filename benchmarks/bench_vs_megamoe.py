@@ -132,8 +132,8 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
                   f"{row['megamoe_rel_err']:.2e}", flush=True)
             torch.cuda.empty_cache()
     finally:
-        buffer.destroy()
-        layer.destroy()
+        buffer.close()
+        layer.close()
     return rows
 
 

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                     for k in rec["kernels"]:
                         print(f"  {k['start_us']:8.1f} +{k['dur_us']:7.1f}  s{k['stream']}  {k['name']}")
             finally:
-                layer.destroy()
+                layer.close()
         if args.json:
             figures = {f"{r['shape']}_{r['tokens']}_{'decode' if r['decode'] else 'deepgemm'}_{key}": r[key]
                        for r in records for key in ("span_us", "busy_us", "launches")}

@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
             once(hidden, router, chunk)
             torch.cuda.synchronize()
             layer.check()
-            once.destroy()
+            once.close()
             print(f"profiled: {args.tokens} tokens in chunks of {chunk}", flush=True)
-        shape.destroy()
+        shape.close()
         runtime.close()
         return 0
     records = []
@@ -106,16 +106,16 @@ def main(argv: list[str] | None = None) -> int:
                         lambda: unbounded(hidden, router, chunk), **timed) / pieces
                 finally:
                     torch.cuda.synchronize()
-                    unbounded.destroy()
+                    unbounded.close()
                 layer.check()
                 records.append(rec)
                 print(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()),
                       flush=True)
             finally:
                 torch.cuda.synchronize()
-                producers.destroy()
+                producers.close()
     finally:
-        shape.destroy()
+        shape.close()
         if args.json:
             from chunkring.testing import records as result_file
 

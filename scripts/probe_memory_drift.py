@@ -54,7 +54,7 @@ def main() -> int:
             moe = MoELayer(runtime, layer_config(1), timeout_s=60, partition=partition)
             moe.run(*inputs.args, *inputs.experts(moe), streaming=True)
             torch.cuda.synchronize()
-            moe.destroy()
+            moe.close()
         return step
 
     def bare(run_kernel: bool):

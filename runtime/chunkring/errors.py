@@ -1,7 +1,7 @@
 """The two kinds of failure chunkring reports.
 
 ``ChunkringUsageError``: the caller asked for something impossible or unsafe (bad shape, bad config,
-wrong stream, a destroyed object). Raised before any GPU work starts.
+wrong stream, a closed object). Raised before any GPU work starts.
 
 ``ChunkringRuntimeError``: the machine failed us (CUDA, NVRTC, NVSHMEM, MPI). Its subclass
 ``ChunkringDeviceError`` carries the record a kernel wrote (a failed check, a bad peer value), and
@@ -168,7 +168,7 @@ class ChunkringHostTimeoutError(ChunkringRuntimeError):
 
 class ChunkringOutOfStepError(ChunkringRuntimeError):
     """The ranks met at a bounded barrier of different names: their host collectives fell out of step (one rank
-    skipped or added a collective the others made, e.g. one is in a ring's ``destroy()`` while another builds a
+    skipped or added a collective the others made, e.g. one is in a ring's ``close()`` while another builds a
     ring). ``what`` names this rank's barrier, ``elsewhere`` the others' (rank -> name). Nothing of the barrier's
     purpose happened on any rank; every rank raises alike. The job cannot go on: end it."""
 

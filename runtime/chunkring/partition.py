@@ -202,9 +202,9 @@ class SmPartition:
         if self._shared:
             raise ChunkringUsageError("this partition is shared by its runtime's layers (SmPartition.shared); "
                                       "Runtime.close() destroys it", field="partition")
-        self._destroy()
+        self._release()
 
-    def _destroy(self) -> None:
+    def _release(self) -> None:
         """Synchronise and close every stream, then close every green context - each one whatever failed before
         it, so that one failure leaks nothing - and raise the first failure as ``ChunkringRuntimeError``."""
         streams, contexts = self._streams, self._contexts
@@ -220,9 +220,9 @@ class SmPartition:
                                         f"the first: {failures[0]})") from failures[0]
 
     def _destroy_quietly(self) -> None:
-        """:meth:`_destroy` on a construction's way out: the construction's own error is the one to raise."""
+        """:meth:`_release` on a construction's way out: the construction's own error is the one to raise."""
         with contextlib.suppress(ChunkringRuntimeError):
-            self._destroy()
+            self._release()
 
     def __enter__(self) -> SmPartition:
         return self
@@ -240,7 +240,7 @@ def _destroy_shared(runtime: Runtime) -> None:
     failure: ChunkringRuntimeError | None = None
     for partition in _SHARED.pop(runtime).values():
         try:
-            partition._destroy()
+            partition._release()
         except ChunkringRuntimeError as exc:
             failure = failure or exc
     if failure is not None:

@@ -33,7 +33,7 @@ T = TypeVar("T")
 #: How long :meth:`Runtime.barrier` waits for every rank by default before it raises, naming the absent ones:
 #: far above any legitimate skew between ranks (a peer's first kernel builds take minutes), yet finite.
 PEER_WAIT_S = 900.0
-#: How long a teardown (a ring's or a layer's destroy, GatherOutputs.free) waits for every rank by default before
+#: How long a teardown (a ring's or a layer's close, GatherOutputs.close) waits for every rank by default before
 #: it raises with nothing freed, instead of hanging in the collective frees.
 TEARDOWN_WAIT_S = 300.0
 

@@ -64,7 +64,7 @@ def clean(runtime):
         expected = layer.call(streaming=True)
         layer.layer.check()
     finally:
-        layer.layer.destroy()
+        layer.layer.close()
     return inputs, before, expected.cpu()
 
 
@@ -177,7 +177,7 @@ def strike(cell, fault, phase, me, expected, seen):
     if phase == "reset":
         layer.reset(timeout_s=limit)
     else:
-        layer.destroy(timeout_s=limit)
+        layer.close(timeout_s=limit)
 
 
 def output_kind(out, expected) -> str:

@@ -68,7 +68,7 @@ def run_again_after_reset(runtime, ring):
     publish_all(runtime, ring, T, 2, torch.cuda.current_stream())
     gather(ring, out)
     check_gathered(runtime, ring, out, [T] * runtime.world_size, 2)
-    out.free()
+    out.close()
 
 
 def test_a_faulting_rank_stops_every_waiting_peer_within_a_second(runtime, record_testsuite_property):
@@ -80,7 +80,7 @@ def test_a_faulting_rank_stops_every_waiting_peer_within_a_second(runtime, recor
         gather(ring, out)
         check_gathered(runtime, ring, out, [T] * W, 0)
         runtime.barrier()
-        out.free()
+        out.close()
         ring.reset()
         arm_the_fault(runtime, ring, faulty)
 
@@ -106,7 +106,7 @@ def test_a_faulting_rank_stops_every_waiting_peer_within_a_second(runtime, recor
             record_testsuite_property("abort_report_ms_max", round(max(peers) * 1e3, 3))
         assert all(t < REPORT_WITHIN_S for t in peers), (
             f"peers reported {[round(t, 3) for t in peers]} s after the faulty rank's launch")
-        out.free()
+        out.close()
         run_again_after_reset(runtime, ring)
 
 
@@ -124,7 +124,7 @@ def test_an_idle_rank_learns_of_a_peer_failure_from_its_abort_notice(runtime):
             gather(ring, out)
             torch.cuda.synchronize()
         runtime.barrier()  # the faulty rank's kernel has ended
-        out.free()
+        out.close()
         error = raised_by_check(ring)
         assert_the_fault_is_reported(runtime, ring, error, faulty)
         if rank != faulty:

@@ -48,5 +48,5 @@ def test_replayed_eager_calls_equal_launched_calls_bit_for_bit(runtime, payload)
         # One graph per kind seen: run and forward, both modes, each bucket this rank met.
         assert replayed.stats()["call_graphs"] >= 4 and launched.stats()["call_graphs"] == 0
     finally:
-        replayed.destroy()
-        launched.destroy()
+        replayed.close()
+        launched.close()

@@ -132,7 +132,7 @@ def test_compiled_model_captures_and_replays_bitwise_like_eager(runtime, streami
     finally:
         torch.compiler.reset()
         for layer in layers:
-            layer.destroy()
+            layer.close()
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -167,7 +167,7 @@ def test_a_rank_with_zero_tokens_still_runs_both_calls(runtime, backend, monkeyp
     finally:
         torch.compiler.reset()
         for layer in layers:
-            layer.destroy()
+            layer.close()
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
@@ -189,7 +189,7 @@ def test_compiled_moe_run_captures_and_replays_like_run(runtime, streaming):
             check_replay(layer, batch, experts, graph, out, step, streaming=streaming)
     finally:
         torch.compiler.reset()
-        layer.destroy()
+        layer.close()
 
 
 def test_opcheck_of_the_real_implementation(runtime):
@@ -220,4 +220,4 @@ def test_opcheck_of_the_real_implementation(runtime):
         assert not written, f"moe_forward wrote its tensor arguments {written}, which its schema declares read-only"
     finally:
         for layer in layers:
-            layer.destroy()
+            layer.close()

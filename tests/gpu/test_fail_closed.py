@@ -83,7 +83,7 @@ def test_every_entry_point_raises_on_the_call_after_a_device_error(runtime):
             assert_raises_for_this_rank(runtime, call, name)  # and every call after, until the reset
             layer.reset()
     finally:
-        layer.destroy()
+        layer.close()
 
 
 def test_a_replay_leaves_it_to_raise_if_failed(runtime):
@@ -112,7 +112,7 @@ def test_a_replay_leaves_it_to_raise_if_failed(runtime):
         layer.raise_if_failed()
         layer.check()
     finally:
-        layer.destroy()
+        layer.close()
 
 
 def test_the_drop_in_raises_on_the_forward_after_a_device_error(runtime):
@@ -141,7 +141,7 @@ def test_the_drop_in_raises_on_the_forward_after_a_device_error(runtime):
             torch.cuda.synchronize()
     finally:
         for layer in layers.values():
-            layer.destroy()
+            layer.close()
 
 
 def test_one_ranks_bad_argument_stops_its_peers_within_a_second(runtime, record_testsuite_property):
@@ -185,4 +185,4 @@ def test_one_ranks_bad_argument_stops_its_peers_within_a_second(runtime, record_
         torch.cuda.synchronize()
         layer.check()
     finally:
-        layer.destroy()
+        layer.close()

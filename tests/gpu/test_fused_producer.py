@@ -112,7 +112,7 @@ def test_fused_producer_matches_the_torch_reference(runtime, payload, hidden, to
                     assert torch.equal(out.x[src, :sent].view(torch.uint8), rows.view(torch.uint8)), src
                 assert bool((out.topk_idx[src, sent:] == -7).all()), "rows past the count were sent"
             runtime.barrier()
-            out.free()
+            out.close()
 
 
 @pytest.mark.parametrize("grid", ["past the share", "within the share"])
@@ -153,7 +153,7 @@ def test_producers_spinning_past_their_share_of_a_shared_gpu_starve_the_gathers(
         if not broken:
             ring.check()
             assert out.counts.tolist() == [n] * W
-            out.free()
+            out.close()
             return
         with pytest.raises((ChunkringTimeoutError, ChunkringPeerAbortedError)):
             ring.check()
@@ -163,4 +163,4 @@ def test_producers_spinning_past_their_share_of_a_shared_gpu_starve_the_gathers(
         if record.code == ErrorCode.TIMEOUT:  # a producer waiting for the first chunk's acks, none ever written
             assert (record.site, record.slot, record.observed) == (Site.WAIT_REUSABLE, 0, 0), record
         runtime.barrier()
-        out.free()
+        out.close()

@@ -124,7 +124,7 @@ def test_layer_masks_and_reports_corrupted_inputs(runtime, record_testsuite_prop
         for field, number in counts.items():
             record_testsuite_property(f"fuzz_cases_{field.name.lower()}_rank{rank}", number)
     finally:
-        layer.destroy()
+        layer.close()
 
 
 def test_gather_masks_and_reports_corrupted_metadata(runtime, record_testsuite_property):
@@ -166,7 +166,7 @@ def test_gather_masks_and_reports_corrupted_metadata(runtime, record_testsuite_p
             # Every rank reads every source's metadata, so every rank masks and reports the bad chunk.
             expect_report(ring.check, {"field": field, "source": culprit, "slot": slot, "value": value})
             runtime.barrier()
-            out.free()
+            out.close()
     for field, number in counts.items():
         record_testsuite_property(f"fuzz_cases_{field.name.lower()}_rank{rank}", number)
 
@@ -190,4 +190,4 @@ def test_negative_control_without_the_checks_a_bad_expert_goes_unreported(runtim
         torch.cuda.synchronize()
         layer.check()  # nothing reported: the fuzz test above would fail against this build
     finally:
-        layer.destroy()
+        layer.close()

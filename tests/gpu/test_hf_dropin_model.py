@@ -108,7 +108,7 @@ def dropin(runtime, request):
         yield arch, payload, model.to(device), reference.to(device), {n: b.to(device) for n, b in replaced.items()}
     finally:
         for _, block in chunkring_blocks(model):
-            block.layer.destroy()
+            block.layer.close()
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["batch_ready", "streamed"])

@@ -90,8 +90,8 @@ def test_incremental_blocks_match_the_reference_and_the_batch_plan(runtime, case
             for streaming in (False, True):
                 assert torch.equal(outs["waves", streaming], outs["batch", streaming]), f"streaming={streaming}"
     finally:
-        incremental.destroy()
-        batch.destroy()
+        incremental.close()
+        batch.close()
 
 
 def _seal_on_reserve_caught(runtime, variant):
@@ -127,7 +127,7 @@ def _seal_on_reserve_caught(runtime, variant):
             caught.append(wrong)
             runtime.barrier()
     finally:
-        layer.destroy()
+        layer.close()
     return [any(c) for c in zip(*runtime.allgather_object(caught), strict=True)]  # caught on any rank
 
 
@@ -176,5 +176,5 @@ def test_waves_on_a_given_partition_and_batch_ready_calls_on_the_batch_plan(runt
             assert bool((words == 0x5A5A5A5A).all()), "a batch-ready call used the block pool"
             runtime.barrier()
         finally:
-            incremental.destroy()
-            batch.destroy()
+            incremental.close()
+            batch.close()

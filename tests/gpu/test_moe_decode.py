@@ -162,7 +162,7 @@ def test_layer_on_the_decode_path_streamed_equals_batch_ready(runtime, n):
     try:
         check_both_modes(layer, cfg, *weights(cfg.num_experts, torch.Generator().manual_seed(21)), n, 100)
     finally:
-        layer.destroy()
+        layer.close()
 
 
 def test_auto_runs_each_call_on_the_engine_its_size_takes(runtime, monkeypatch):
@@ -193,7 +193,7 @@ def test_auto_runs_each_call_on_the_engine_its_size_takes(runtime, monkeypatch):
             calls.clear()
             check_both_modes(layer, cfg, w13, w2, n, 200, after_call=engine_taken)
     finally:
-        layer.destroy()
+        layer.close()
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "batch_ready"])
@@ -216,4 +216,4 @@ def test_graph_replays_on_the_decode_path_match_eager_calls(runtime, streaming):
             check_replay(layer, batch, experts, graph, out, step, streaming=streaming,
                          reference=(w13, w2) if step % 10 == 0 else None)
     finally:
-        layer.destroy()
+        layer.close()

@@ -51,7 +51,7 @@ def test_replays_match_eager_calls(runtime, streaming):
         for step in range(replays, replays + 20):
             check_replay(layer, batch, experts, graph, out, step, streaming=streaming, reference=reference)
     finally:
-        layer.destroy()
+        layer.close()
 
 
 def test_capture_after_reset_and_no_allocation_during_replay(runtime):
@@ -91,7 +91,7 @@ def test_capture_after_reset_and_no_allocation_during_replay(runtime):
         for step in range(2, 12):
             check_replay(layer, batch, experts, graph, out, step, streaming=True, reference=reference)
     finally:
-        layer.destroy()
+        layer.close()
 
 
 def test_bad_count_is_clamped_and_reported(runtime):
@@ -119,4 +119,4 @@ def test_bad_count_is_clamped_and_reported(runtime):
                 ref = layer_reference(layer, batch.x_in.to(out.device), batch.idx, batch.w, *reference)
                 assert rel_error(out, ref) <= tolerance(layer)
     finally:
-        layer.destroy()
+        layer.close()

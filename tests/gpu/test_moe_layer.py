@@ -89,7 +89,7 @@ def test_layer_matches_reference(runtime, case):
                 assert err <= tolerance(layer), f"streaming={streaming} iteration {it}: relative error {err:.2e}"
             assert rel_error(outs[True], outs[False].float()) <= 1e-2
     finally:
-        layer.destroy()
+        layer.close()
 
 
 def test_batch_ready_is_bitwise_deterministic_and_streamed_call_never_syncs(runtime):
@@ -118,7 +118,7 @@ def test_batch_ready_is_bitwise_deterministic_and_streamed_call_never_syncs(runt
         layer.check()
         assert torch.equal(out, layer.run(*args, streaming=True))
     finally:
-        layer.destroy()
+        layer.close()
 
 
 @pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
@@ -146,7 +146,7 @@ def test_module_with_its_own_producers(runtime, payload):
                 layer.check()
                 assert rel_error(out, ref) <= tolerance(layer), (n, streaming)
     finally:
-        layer.destroy()
+        layer.close()
 
 
 def test_bad_input_is_refused_before_gpu_work(runtime):
@@ -195,7 +195,7 @@ def test_bad_input_is_refused_before_gpu_work(runtime):
         layer.reset()
         layer.check()
     finally:
-        layer.destroy()
+        layer.close()
 
 
 #: About 25 ms at the H200's clock: far longer than any rank's own consumer in _rank_outputs_wrong.
@@ -241,7 +241,7 @@ def _rank_outputs_wrong(runtime, variant: int) -> list:
             wrong.append(rel_error(out, ref) > tolerance(layer))
             runtime.barrier()
     finally:
-        layer.destroy()
+        layer.close()
     return [any(per_iteration) for per_iteration in zip(*runtime.allgather_object(wrong), strict=True)]
 
 
@@ -307,7 +307,7 @@ def test_eager_call_of_more_producer_launches_than_the_launch_queue_holds(runtim
         layer.check()
         assert rel_error(out, ref) <= tolerance(layer)
     finally:
-        layer.destroy()
+        layer.close()
 
 
 def test_calibrated_auto_calls_take_the_agreed_mode_and_match_the_reference(runtime):
@@ -337,7 +337,7 @@ def test_calibrated_auto_calls_take_the_agreed_mode_and_match_the_reference(runt
         layer.check()
         assert rel_error(out, ref) <= tolerance(layer)
     finally:
-        layer.destroy()
+        layer.close()
 
 
 @pytest.mark.parametrize("checkpoint", ["bf16", "fp8"])
@@ -373,4 +373,4 @@ def test_experts_loaded_from_a_checkpoint_run_like_the_weights_they_hold(runtime
         layer.check()
         assert rel_error(out, ref) <= tolerance(layer)
     finally:
-        layer.destroy()
+        layer.close()

@@ -37,7 +37,7 @@ def _masked_choices_read(runtime, variant: int) -> bool:
         ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
         wrong = not torch.isfinite(out).all() or rel_error(out, ref) > tolerance(layer)
     finally:
-        layer.destroy()
+        layer.close()
     return any(runtime.allgather_object(bool(wrong)))
 
 
@@ -81,7 +81,7 @@ def _failed_call_outputs(runtime, variant: int) -> list[str]:
         layer.reset()
         layer.set_timeout(60.0)
     finally:
-        layer.destroy()
+        layer.close()
     return runtime.allgather_object(verdict)
 
 

@@ -85,13 +85,13 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
         layer.check()
         assert torch.equal(outs[0], outs[1])
     finally:
-        layer.destroy()
+        layer.close()
     assert not part.closed  # the runtime's, not the layer's
     again = MoELayer(runtime, cfg)
     try:
         assert again.partition is part  # the same green contexts and streams: no new one per layer
     finally:
-        again.destroy()
+        again.close()
     with pytest.raises(ChunkringUsageError, match="Runtime.close"):
         part.close()
     assert not part.closed
@@ -107,4 +107,4 @@ def test_no_partition_on_request_or_without_a_streaming_ring(runtime):
             assert layer.partition is None and layer.stats()["producer_sms"] == 0
             assert layer.streams(CallMode.STREAMED) == layer.streams(CallMode.BATCH_READY)
         finally:
-            layer.destroy()
+            layer.close()

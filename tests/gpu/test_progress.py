@@ -45,7 +45,7 @@ def test_producers_complete_before_the_consumer_starts(runtime):
             gather(ring, out, grid=1)
             check_gathered(runtime, ring, out, counts, invocation)
             runtime.barrier()
-            out.free()
+            out.close()
 
 
 def test_consumer_first_with_the_smallest_grid(runtime):
@@ -59,7 +59,7 @@ def test_consumer_first_with_the_smallest_grid(runtime):
         time.sleep(SPIN_FIRST_S)
         publish_all(runtime, ring, counts[runtime.rank], 0, producer)
         check_gathered(runtime, ring, out, counts, 0)
-        out.free()
+        out.close()
 
 
 def test_consumer_first_filling_its_partition(runtime):
@@ -77,7 +77,7 @@ def test_consumer_first_filling_its_partition(runtime):
             time.sleep(SPIN_FIRST_S)
             publish_all(runtime, ring, counts[runtime.rank], invocation, part.producer_stream)
             check_gathered(runtime, ring, out, counts, invocation)
-            out.free()
+            out.close()
 
 
 def test_consumer_filling_the_gpu_without_a_partition_starves_the_producer(runtime):
@@ -99,13 +99,13 @@ def test_consumer_filling_the_gpu_without_a_partition_starves_the_producer(runti
         assert (record.site, record.peer, record.slot, record.observed) == (Site.WAIT_ROUTE, 0, 0, 0), record
         assert "TIMEOUT while waiting" in str(info.value)
         # The context survived (no trap): a reset and a normal call work.
-        out.free()
+        out.close()
         ring.reset()
         out = GatherOutputs(ring, T)
         publish_all(runtime, ring, T, 1, producer)
         gather(ring, out, stream=consumer)
         check_gathered(runtime, ring, out, [T], 1)
-        out.free()
+        out.close()
 
 
 def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
@@ -133,14 +133,14 @@ def test_a_silent_rank_times_out_every_consumer_with_its_name(runtime):
             assert record.observed == 0, record
         assert any(timed_out)
         runtime.barrier()
-        out.free()
+        out.close()
         ring.reset()
         ring.set_timeout(60.0)
         out = GatherOutputs(ring, T)
         publish_all(runtime, ring, T, 1, torch.cuda.current_stream())
         gather(ring, out)
         check_gathered(runtime, ring, out, [T] * W, 1)
-        out.free()
+        out.close()
 
 
 @pytest.mark.parametrize("which", ["given", "default"])
@@ -176,7 +176,7 @@ def test_layer_on_a_partition_with_a_delayed_producer_and_an_empty_rank(runtime,
                     assert torch.equal(out, plain)
                 plain = out
         finally:
-            layer.destroy()
+            layer.close()
 
 
 def test_a_first_call_waits_for_every_ranks_gemm_warm_up(runtime, monkeypatch):
@@ -218,4 +218,4 @@ def test_a_first_call_waits_for_every_ranks_gemm_warm_up(runtime, monkeypatch):
             assert rel_error(out, ref) <= tolerance(layer)
         assert len(barriers) == 2, f"{len(barriers)} host barriers in 4 calls of 2 modes"
     finally:
-        layer.destroy()
+        layer.close()

@@ -55,7 +55,7 @@ def test_publish_and_gather(runtime, payload, num_slots, grid):
                     assert torch.equal(out.x_sf[src, :m], rsf)
                 assert bool((out.topk_idx[src, m:] == -7).all()), "rows nobody sent were written"
             runtime.barrier()
-            out.free()
+            out.close()
 
 
 @pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
@@ -107,4 +107,4 @@ def test_a_chunk_too_large_for_one_block_is_published_by_several(runtime, payloa
                 assert torch.equal(out.x_sf[src, :m].cpu(), rsf[:m])
             assert bool((out.topk_idx[src, m:] == -7).all()), "rows past the count were written"
         runtime.barrier()
-        out.free()
+        out.close()

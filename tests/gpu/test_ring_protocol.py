@@ -56,14 +56,14 @@ def test_ten_thousand_chunks(runtime, stress, num_slots, payload):
         launches += 1
     assert int(ring.views["control"][CONTROL["next_seq"]].item()) == published
     assert launches >= 2, "ring wrap across launches (graph-replay-like) was not exercised"
-    ring.destroy()
+    ring.close()
 
 
 def test_every_rank_empty(runtime, stress):
     ring = make_ring(runtime, 1)
     plan = StressPlan(np.zeros((50, runtime.world_size), dtype=np.int32))
     assert run_and_check(runtime, ring, stress, plan, seed=5, max_delay_ns=0) == 50 * runtime.world_size
-    ring.destroy()
+    ring.close()
 
 
 def test_reset_then_run_again(runtime, stress):
@@ -76,7 +76,7 @@ def test_reset_then_run_again(runtime, stress):
         ring.reset()
         assert ring.epoch == epoch + 1
         assert int(ring.views["control"][CONTROL["next_seq"]].item()) == 0
-    ring.destroy()
+    ring.close()
 
 
 def test_stale_signal_of_an_old_epoch_is_reported_not_accepted(runtime, stress):
@@ -87,7 +87,7 @@ def test_stale_signal_of_an_old_epoch_is_reported_not_accepted(runtime, stress):
     with pytest.raises(ChunkringRuntimeError, match="STALE_EPOCH"):
         ring.check()
     runtime.barrier()
-    ring.destroy()
+    ring.close()
 
 
 def test_stale_ack_of_an_old_epoch_is_reported_not_counted(runtime, stress):
@@ -100,7 +100,7 @@ def test_stale_ack_of_an_old_epoch_is_reported_not_counted(runtime, stress):
     with pytest.raises(ChunkringRuntimeError, match="STALE_EPOCH|ACK_TAG_MISMATCH"):
         ring.check()
     runtime.barrier()
-    ring.destroy()
+    ring.close()
 
 
 @pytest.mark.parametrize("direction", ["push", "pull"])

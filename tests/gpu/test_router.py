@@ -77,4 +77,4 @@ def test_forward_streamed_equals_batch_ready_bit_for_bit_at_every_size(runtime):
             differ = int((batch != streamed).any(dim=1).sum())
             assert differ == 0, f"{n} tokens: {differ} rows differ between streamed and batch-ready"
     finally:
-        layer.destroy()
+        layer.close()

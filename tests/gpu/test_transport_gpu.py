@@ -62,4 +62,4 @@ def test_gather_over_rma_returns_the_published_bytes(runtime, grid):
         assert torch.equal(got.topk_weights[src, :n], rw)
         assert torch.equal(got.x[src].view(torch.uint8), outs["auto"].x[src].view(torch.uint8))
     for out in outs.values():
-        out.free()  # symmetric for the RMA ring: a collective
+        out.close()  # symmetric for the RMA ring: a collective

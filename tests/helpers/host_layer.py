@@ -101,7 +101,8 @@ def host_layer(monkeypatch, cfg: MoEConfig, *, rank: int = 0) -> MoELayer:
     runtime.abandon_barrier = lambda: setattr(runtime, "abandoned", runtime.abandoned + 1)
     modes = (CallMode.BATCH_READY, CallMode.STREAMED) if cfg.streaming else (CallMode.BATCH_READY,)
     rings = {mode: HostRing(runtime) for mode in modes}
-    resources = SimpleNamespace(rings=rings, experts_per_rank=E, first_expert=0, transports=(), free=lambda limit: None,
+    resources = SimpleNamespace(rings=rings, experts_per_rank=E, first_expert=0, transports=(),
+                                close=lambda limit: None,
                                 kernels=SimpleNamespace(produce=None), produce_arrivals=dict.fromkeys(modes),
                                 spinning_produce_blocks=None, zero_counts=lambda: runtime.resets.append("counts"),
                                 decode_for=lambda n: False, config=cfg)

@@ -54,7 +54,7 @@ def one_cycle(runtime, inputs, partitions):
     except Exception as exc:  # reported below, on every rank
         failure = exc
     failed = [rank for rank, bad in enumerate(runtime.allgather_object(failure is not None)) if bad]
-    layer.destroy()
+    layer.close()
     if failure is not None:
         raise failure
     if failed:

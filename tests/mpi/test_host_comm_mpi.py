@@ -84,10 +84,10 @@ def test_ranks_at_different_collectives_raise_on_every_rank_and_stay_in_step():
     ChunkringOutOfStepError naming what the others are at, and the barrier after it lines up."""
     comm, rank, size = _world()
     odd = size - 1
-    mine = "the ring's destroy()" if rank == odd else "an allgather"
+    mine = "the ring's close()" if rank == odd else "an allgather"
     with pytest.raises(ChunkringOutOfStepError) as info:
         comm.barrier(timeout_s=60, what=mine)
-    expected = {r: "an allgather" for r in range(odd)} if rank == odd else {odd: "the ring's destroy()"}
+    expected = {r: "an allgather" for r in range(odd)} if rank == odd else {odd: "the ring's close()"}
     assert info.value.what == mine and info.value.elsewhere == expected
     comm.barrier(timeout_s=60, what="the rejoin")
     assert comm.allgather_object(rank) == list(range(size))

@@ -42,7 +42,7 @@ def test_a_reset_one_rank_skips_names_it_on_every_other_rank():
     runtime.comm.barrier(timeout_s=60)
     ring.reset(timeout_s=60)  # every rank together: the reset works
     assert ring.epoch == 2 and not ring.views["ack"].any()
-    ring.destroy(timeout_s=60)
+    ring.close(timeout_s=60)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -52,16 +52,16 @@ def test_a_destroy_one_rank_is_late_for_frees_nothing_anywhere():
     if rank == late:
         time.sleep(3 * LIMIT_S)
         with pytest.raises(ChunkringHostTimeoutError) as info:
-            ring.destroy(timeout_s=60)
+            ring.close(timeout_s=60)
         assert info.value.gave_up_ranks and late not in info.value.gave_up_ranks
     else:
         with pytest.raises(ChunkringHostTimeoutError) as info:
-            ring.destroy(timeout_s=LIMIT_S)
+            ring.close(timeout_s=LIMIT_S)
         assert info.value.absent_ranks == (late,)
         assert any("nothing was freed" in note for note in info.value.__notes__)
     assert ring.buffer.data_ptr() in runtime.live
     runtime.comm.barrier(timeout_s=60)
-    ring.destroy(timeout_s=60)  # every rank together: freed
+    ring.close(timeout_s=60)  # every rank together: freed
     assert not runtime.live and ("free", ring.buffer.data_ptr()) in runtime.events
 
 
@@ -82,4 +82,4 @@ def test_a_reset_one_rank_refuses_is_named_at_once_on_every_other_rank():
     runtime.comm.barrier(timeout_s=60)
     ring.reset(timeout_s=60)  # every rank together: the barriers line up again
     assert ring.epoch == 2
-    ring.destroy(timeout_s=60)
+    ring.close(timeout_s=60)

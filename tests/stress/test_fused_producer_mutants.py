@@ -83,7 +83,7 @@ def wrong_rows(runtime, variant: int) -> int:
                 differs = (out.x[src].view(torch.uint8) != ref_x.view(torch.uint8)).any(dim=1)
                 wrong += int(differs.sum())
             runtime.barrier()
-            out.free()
+            out.close()
     return sum(runtime.allgather_object(wrong))
 
 

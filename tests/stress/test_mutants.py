@@ -70,7 +70,7 @@ def scenario(runtime, mutant: str) -> list:
         ring = _ring(runtime, 1)
         caught.append(_stress_fails(runtime, lib, ring, fast_reuse, seed=1, max_delay_ns=20_000))
         runtime.barrier()
-        ring.destroy()
+        ring.close()
     if mutant in ("no_arrival_fences", "none"):
         ring = _ring(runtime, 1)
         one_long_invocation = StressPlan(np.full((1, runtime.world_size), 150 * T, dtype=np.int32))
@@ -82,14 +82,14 @@ def scenario(runtime, mutant: str) -> list:
             if failures:  # every rank stops together: the next launch must pair across ranks
                 break
         runtime.barrier()
-        ring.destroy()
+        ring.close()
     if mutant in ("ignore_epoch", "none"):
         ring = _ring(runtime, 1)
         record = lib.run_stale_epoch(ring, T)
         caught.append(None if record.cause == ErrorCode.STALE_EPOCH  # here or, through its abort, at a peer
                       else f"stale value not rejected: {record.describe()}")
         runtime.barrier()
-        ring.destroy()
+        ring.close()
     if mutant in ("no_release_fence", "no_acquire_fence", "gpu_scope_fences", "none"):
         for num_slots in (1, 2):
             ring = _ring(runtime, num_slots)
@@ -101,7 +101,7 @@ def scenario(runtime, mutant: str) -> list:
                 if failures:  # every rank stops together: the next launch must pair across ranks
                     break
             runtime.barrier()
-            ring.destroy()
+            ring.close()
         if runtime.world_size >= 2:
             for direction in LITMUS_DIRECTIONS:
                 violations = lib.run_litmus(writer=0, reader=1, iters=50_000, direction=direction)

@@ -212,7 +212,7 @@ def test_the_result_file_holds_the_summary_fields_records_and_figures(tmp_path, 
 
 
 class StandInLayer:
-    """What the bench asks of a drop-in block's layer: its payload, check() and destroy()."""
+    """What the bench asks of a drop-in block's layer: its payload, check() and close()."""
 
     def __init__(self, destroyed: list) -> None:
         from chunkring.ring.spec import PayloadFormat
@@ -223,7 +223,7 @@ class StandInLayer:
     def check(self) -> None:
         pass
 
-    def destroy(self) -> None:
+    def close(self) -> None:
         self.destroyed.append(self)
 
 

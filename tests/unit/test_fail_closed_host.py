@@ -193,8 +193,8 @@ def test_what_every_rank_fails_alike_aborts_nothing(monkeypatch, launches):
         with pytest.raises(ChunkringUsageError) as info:
             layer.run(**batch, streaming=streaming)
         assert info.value.field == "streaming"
-    layer.destroy()
-    with pytest.raises(ChunkringUsageError, match="destroyed"):
+    layer.close()
+    with pytest.raises(ChunkringUsageError, match="closed"):
         layer.run(**batch)
     assert launches.calls == []
 

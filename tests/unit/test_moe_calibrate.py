@@ -12,7 +12,6 @@ import torch
 from chunkring import ChunkringUsageError, MoEConfig, StreamingCalibration
 from chunkring.moe._engine.call import CallMode, call_chunk, resolve_mode
 from chunkring.moe.calibration import calibrate, chunk_candidates, slowest_rank
-from chunkring.moe.weights import quantize_weight_fp8
 
 
 def test_streams_only_where_some_chunking_kept_up_everywhere():
@@ -104,16 +103,10 @@ def test_a_layer_without_a_streaming_ring_cannot_calibrate():
 
 
 def test_auto_calls_follow_the_calibration():
-    import torch
-
     lay = layer()
-    w13, w2 = (quantize_weight_fp8(torch.zeros(2, 256, 256)), quantize_weight_fp8(torch.zeros(2, 256, 128)))
-    args = (torch.zeros(3, 256, dtype=torch.float8_e4m3fn), torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32),
-            torch.ones(3, 2), w13, w2)
-    modes = []
-    for calibration in (None, StreamingCalibration({16: 1.0}, {16: {16: 1.01}}, 0.03),
-                        StreamingCalibration({16: 1.0}, {16: {16: 1.2}}, 0.03)):
-        modes.append(resolve_mode(lay.config, calibration, "auto"))
+    modes = [resolve_mode(lay.config, calibration, "auto")
+             for calibration in (None, StreamingCalibration({16: 1.0}, {16: {16: 1.01}}, 0.03),
+                                 StreamingCalibration({16: 1.0}, {16: {16: 1.2}}, 0.03))]
     assert modes == [CallMode.BATCH_READY, CallMode.STREAMED, CallMode.BATCH_READY]
 
 

@@ -131,13 +131,13 @@ def test_gather_rows_come_from_the_symmetric_heap_where_any_rank_reads_by_rma(mi
         assert allocated.pop(tensor.data_ptr()) == (tuple(tensor.shape), tensor.dtype), name
     assert allocated == {}, "only the rows a get writes are symmetric (counts and arrivals are local stores)"
     runtime.calls.clear()
-    out.free()
-    assert runtime.calls[0] == ("quiesce", TEARDOWN_WAIT_S, "GatherOutputs.free()")  # bounded, as a ring's destroy
+    out.close()
+    assert runtime.calls[0] == ("quiesce", TEARDOWN_WAIT_S, "GatherOutputs.close()")  # bounded, as a ring's destroy
     assert sorted(runtime.calls[1:]) == sorted(("free", getattr(out, name).data_ptr()) for name in ROWS)
     with pytest.raises(ChunkringUsageError) as info:
         gather(ring_on(runtime, mine), out)
     assert info.value.field == "out"
-    out.free()  # once only
+    out.close()  # once only
     assert len(runtime.calls) == 5
 
 
@@ -145,7 +145,7 @@ def test_gather_rows_stay_device_memory_where_every_peer_is_direct():
     runtime = FakeRuntime(lambda obj: obj)
     out = GatherOutputs(ring_on(runtime, DIRECT), 4)
     assert not out.symmetric and runtime.calls == []
-    out.free()  # nothing to free collectively: no barrier either
+    out.close()  # nothing to free collectively: no barrier either
     assert runtime.calls == []
 
 

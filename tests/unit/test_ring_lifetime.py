@@ -27,10 +27,10 @@ def make_ring(runtime=None):
 def test_destroy_waits_for_every_rank_with_a_bound_before_it_frees():
     ring, runtime = make_ring()
     runtime.events.clear()
-    ring.destroy()
-    assert runtime.events == [("quiesce", TEARDOWN_WAIT_S, "the ring's destroy()"), ("free", ring.buffer.data_ptr())]
+    ring.close()
+    assert runtime.events == [("quiesce", TEARDOWN_WAIT_S, "the ring's close()"), ("free", ring.buffer.data_ptr())]
     assert not runtime.live
-    ring.destroy()  # a second call does nothing: no wait, no free
+    ring.close()  # a second call does nothing: no wait, no free
     assert len(runtime.events) == 2
 
 
@@ -42,7 +42,7 @@ def test_a_destroy_whose_peers_do_not_come_frees_nothing_and_says_so(monkeypatch
 
     monkeypatch.setattr(runtime, "quiesce", absent_peer)
     with pytest.raises(ChunkringHostTimeoutError) as info:
-        ring.destroy(timeout_s=2.0)
+        ring.close(timeout_s=2.0)
     assert info.value.absent_ranks == (1,) and info.value.timeout_s == 2.0
     assert any("nothing was freed" in note for note in info.value.__notes__)
     assert ring.buffer.data_ptr() in runtime.live  # still allocated, and the ring still usable
@@ -80,7 +80,7 @@ def test_a_bad_bound_is_refused_before_any_wait_and_abandons_the_peers_barrier(b
         ring.reset(timeout_s=bad)
     assert info.value.field == "timeout_s"
     with pytest.raises(ChunkringUsageError):
-        ring.destroy(timeout_s=bad)
+        ring.close(timeout_s=bad)
     # No wait and nothing zeroed or freed here; the peers, at the barrier this rank will not come to, are told.
     assert runtime.events == [("abandon",), ("abandon",)]
 

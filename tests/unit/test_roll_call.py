@@ -180,10 +180,10 @@ def test_ranks_at_barriers_of_different_names_raise_on_every_rank_and_the_next_o
     calls = roll_calls(3)
     started = time.monotonic()
     results = run_ranks([lambda c=c: c.meet(30.0, "an allgather") for c in calls[:2]] +
-                        [lambda: calls[2].meet(30.0, "the ring's destroy()")])
+                        [lambda: calls[2].meet(30.0, "the ring's close()")])
     assert time.monotonic() - started < 5.0, "the ranks waited out their limit"
     assert all(isinstance(error, ChunkringOutOfStepError) for error in results), results
-    assert results[0].elsewhere == results[1].elsewhere == {2: "the ring's destroy()"}
+    assert results[0].elsewhere == results[1].elsewhere == {2: "the ring's close()"}
     assert results[2].elsewhere == {0: "an allgather", 1: "an allgather"}
-    assert "rank 0: at 'an allgather', but rank 2 at \"the ring's destroy()\"" in str(results[0])
+    assert "rank 0: at 'an allgather', but rank 2 at \"the ring's close()\"" in str(results[0])
     assert run_ranks([lambda c=c: c.meet(5.0, "the rejoin") for c in calls]) == [None] * 3

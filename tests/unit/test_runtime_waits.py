@@ -40,8 +40,8 @@ def recorded(monkeypatch):
 
 def test_quiesce_waits_for_the_device_then_quiets_then_meets_every_rank(recorded):
     rt, calls = recorded
-    rt.quiesce(12.5, what="the ring's destroy()")
-    assert calls == [("device sync", 3), "quiet", "stream sync", ("barrier", 12.5, "the ring's destroy()")]
+    rt.quiesce(12.5, what="the ring's close()")
+    assert calls == [("device sync", 3), "quiet", "stream sync", ("barrier", 12.5, "the ring's close()")]
 
 
 def test_barrier_quiets_the_current_stream_and_is_bounded_by_default(recorded):

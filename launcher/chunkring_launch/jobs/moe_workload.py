@@ -78,7 +78,7 @@ def open_layer(runtime: Runtime, fields: LayerFields, config: MoEConfig | None =
     """The job's ``MoELayer`` (``config``: a MoEConfig, default ``fields.layer_config()``), its streamed
     calls on the partition ``fields.producer_sms`` names (an ``SmPartition`` of N producer SMs, the layer's
     own with "auto", none with "none"), its eager calls replayed from CUDA graphs unless ``eager_graphs`` is False;
-    destroyed (a collective, after every rank's work ended) and the
+    closed (a collective, after every rank's work ended) and the
     partition closed on exit."""
     import torch
 
@@ -94,7 +94,7 @@ def open_layer(runtime: Runtime, fields: LayerFields, config: MoEConfig | None =
         finally:
             torch.cuda.synchronize()
             runtime.barrier()
-            layer.destroy()
+            layer.close()
     finally:
         if partition is not None:
             partition.close()

@@ -321,7 +321,7 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
             built.append((block.name, ChunkringMoEBlock(block, layers[config], streaming=streaming)))
     except BaseException:
         for layer in layers.values():
-            layer.destroy()
+            layer.close()
         raise
     replaced: dict[str, nn.Module] = {}
     for (block, _), (name, new) in zip(plan, built, strict=True):
@@ -333,7 +333,7 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
 
 def chunkring_blocks(model: nn.Module) -> Iterator[tuple[str, ChunkringMoEBlock]]:
     """The :class:`ChunkringMoEBlock` modules of ``model`` by name (e.g. to set ``streaming`` or destroy
-    their layers: ``block.layer.destroy()`` is a collective; blocks of one shape share a layer, and
+    their layers: ``block.layer.close()`` is a collective; blocks of one shape share a layer, and
     destroying it again does nothing)."""
     for name, module in model.named_modules():
         if isinstance(module, ChunkringMoEBlock):

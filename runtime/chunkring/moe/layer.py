@@ -48,20 +48,18 @@ log = logging.getLogger("chunkring")
 
 
 class MoELayer:
-    """The layer's symmetric buffers and its two call modes. A collective to construct and to destroy.
+    """The layer's symmetric buffers and its two call modes. A collective to construct and to :meth:`close`.
 
     Args:
         runtime: this process's :class:`chunkring.Runtime` (``chunkring.init()``).
         config: the layer's shapes; every rank passes an identical one (checked).
         partition: where streamed calls of more chunks than the ring's slots run their spinning kernels (a
             call of fewer never waits for a slot and runs on the whole GPU). ``"auto"`` (the default): on a
-            layer with a streaming ring, a green-context :class:`chunkring.SmPartition` of the runtime's
-            (:meth:`SmPartition.shared`: one per size, shared by the layers, destroyed by ``Runtime.close``), sized by
-            :func:`chunkring.partition.default_producer_sms` - the consumer runs beside its producers and is
-            the side confined (docs/PROTOCOL.md, "Progress"); an ``SmPartition``: that one (the caller closes
-            it, after :meth:`destroy`); ``"none"``: ordinary streams. Batch-ready calls always run on two
-            ordinary streams over the whole GPU, and always compute the batch plan (``waves`` applies to
-            streamed calls).
+            layer with a streaming ring, the runtime's shared green-context :class:`chunkring.SmPartition` of its
+            size (:meth:`SmPartition.shared`, :func:`chunkring.partition.default_producer_sms`): the consumer is
+            the side confined (docs/PROTOCOL.md, "Progress"); an ``SmPartition``: that one (the caller closes it,
+            after :meth:`close`); ``"none"``: ordinary streams. Batch-ready calls always run on two ordinary
+            streams over the whole GPU, and always compute the batch plan (``waves`` applies to streamed calls).
         timeout_s: the rings' watchdog limit (None: ``CHUNKRING_TIMEOUT_S``, default 100 s).
         kernels: the kernel libraries (None: built for this GPU; :mod:`chunkring.testing.variants` passes
             deliberately broken ones).
@@ -128,7 +126,7 @@ class MoELayer:
         self._graphs = CallGraphs(self.resources, self.schedule, enabled=eager_graphs)
         #: What ``streaming="auto"`` calls follow (set by :func:`chunkring.calibrate`; None: batch-ready).
         self.streaming_calibration: StreamingCalibration | None = None
-        self._destroyed = False
+        self._closed = False
         self._handle = handles.register(self)
         log.info("chunkring MoELayer: %s", self.describe_transport())
 
@@ -137,7 +135,7 @@ class MoELayer:
     @property
     def handle(self) -> int:
         """The integer that names this layer to the ``chunkring::moe_forward`` / ``chunkring::moe_run``
-        operators (:mod:`chunkring.moe.op`), unique in this process and never reused. After :meth:`destroy`
+        operators (:mod:`chunkring.moe.op`), unique in this process and never reused. After :meth:`close`
         the operators refuse it as the methods do."""
         return self._handle
 
@@ -172,7 +170,7 @@ class MoELayer:
         return self.resources.streams[CallMode.STREAMED][1]
 
     def __repr__(self) -> str:
-        state = ", destroyed" if self._destroyed else ""
+        state = ", closed" if self._closed else ""
         return f"MoELayer({self.config}, rank {self.runtime.rank} of {self.runtime.world_size}{state})"
 
     def describe_transport(self) -> str:
@@ -238,7 +236,7 @@ class MoELayer:
             bfloat16 [n, H] (``out`` if given), stream-ordered after torch's current stream.
 
         Raises:
-            ChunkringUsageError: a bad argument (named), before any of the call is enqueued; a destroyed layer.
+            ChunkringUsageError: a bad argument (named), before any of the call is enqueued; a closed layer.
                 A bad argument of this rank's own (a tensor, ``chunk``) also aborts the ring its peers may wait
                 in (docs/INTEGRATION.md, "Failing closed"): every rank then needs :meth:`reset`.
             ChunkringDeviceError: an earlier call failed on the device (:meth:`raise_if_failed`); its
@@ -285,7 +283,7 @@ class MoELayer:
 
     def _mode(self, streaming: object) -> CallMode:
         """A call's mode, resolved once, before its collective part: the ranks agree on it (each mode has its own
-        ring), so a bad ``streaming`` fails every rank alike, as a destroyed layer does, and aborts nothing."""
+        ring), so a bad ``streaming`` fails every rank alike, as a closed layer does, and aborts nothing."""
         self._check_alive()
         return resolve_mode(self.config, self.streaming_calibration, streaming)
 
@@ -378,19 +376,25 @@ class MoELayer:
         for ring in self.rings.values():
             ring.set_timeout(seconds)
 
-    def destroy(self, *, timeout_s: float = TEARDOWN_WAIT_S) -> None:
-        """Free the layer's buffers and close the partition it made (:meth:`LayerResources.free`). A
+    def close(self, *, timeout_s: float = TEARDOWN_WAIT_S) -> None:
+        """Free the layer's buffers and close the partition it made (:meth:`LayerResources.close`). A
         collective; safe at any moment (it waits for this rank's kernels and, at a barrier bounded by ``timeout_s``,
         for every rank's; a rank that does not come makes the others raise ``ChunkringHostTimeoutError`` naming
         it, with nothing freed); a second call does nothing."""
-        if self._destroyed:
+        if self._closed:
             return
         with abandoning_on_failure(self.runtime):  # a bad bound is this rank's own: its peers raise at once
             timeout_s = check_timeout_s(timeout_s, field="timeout_s")
         self._graphs.clear()  # they read the buffers freed next
-        self.resources.free(timeout_s)
-        self._destroyed = True
+        self.resources.close(timeout_s)
+        self._closed = True
+
+    def __enter__(self) -> MoELayer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _check_alive(self) -> None:
-        if self._destroyed:
-            raise ChunkringUsageError("this MoELayer was destroyed")
+        if self._closed:
+            raise ChunkringUsageError("this MoELayer was closed")

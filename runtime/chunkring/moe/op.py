@@ -60,7 +60,7 @@ MOE_RUN_SCHEMA = ("(int handle, Tensor x, Tensor? x_sf, Tensor topk_idx, Tensor 
 
 
 def layer_for_handle(handle: int) -> MoELayer:
-    """The live layer ``handle`` names, or a ``ChunkringUsageError``. A destroyed layer is still found
+    """The live layer ``handle`` names, or a ``ChunkringUsageError``. A closed layer is still found
     here; its own calls refuse it."""
     layer = handles.lookup(handle)
     if layer is None:

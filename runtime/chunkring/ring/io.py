@@ -94,7 +94,7 @@ def publish_chunk(ring: Ring, *, x: torch.Tensor, x_sf: torch.Tensor | None, top
 
     Raises:
         ChunkringUsageError: a tensor of another shape, dtype or device, ``x`` off a 16-byte boundary, ``n``
-            past the slot, a destroyed ring, before anything is enqueued. Malformed values the consumers mask
+            past the slot, a closed ring, before anything is enqueued. Malformed values the consumers mask
             (an expert id out of range, a NaN scale, a clamped count) are reported later by ``ring.check()`` as
             ``ChunkringInputError``.
     """
@@ -222,36 +222,36 @@ class GatherOutputs:
         self.counts = torch.zeros(W, dtype=torch.int64, device=device)
         # Per (source, slot): blocks of a multi-block gather done with the current chunk.
         self.arrivals = torch.zeros((W, spec.num_slots), dtype=torch.int32, device=device)
-        self._freed = False
+        self._closed = False
 
     def __repr__(self) -> str:
-        state = "freed" if self._freed else ("symmetric" if self.symmetric else "device memory")
+        state = "closed" if self._closed else ("symmetric" if self.symmetric else "device memory")
         return f"GatherOutputs(capacity={self.capacity}, {state})"
 
-    def free(self) -> None:
+    def close(self) -> None:
         """Release the rows. A collective where they are ``symmetric``: :meth:`chunkring.Runtime.quiesce` first
         (this rank's gathers' gets are the only writers of these rows), bounded by
         :data:`chunkring.runtime.TEARDOWN_WAIT_S` (a missing rank raises with nothing freed, instead of hanging in
         the collective frees), then the symmetric frees. The outputs are unusable afterwards."""
-        if self._freed:
+        if self._closed:
             return
         if self._owned:
-            self._runtime.quiesce(TEARDOWN_WAIT_S, what="GatherOutputs.free()")
+            self._runtime.quiesce(TEARDOWN_WAIT_S, what="GatherOutputs.close()")
             for tensor in self._owned:
                 self._runtime.free(tensor)
             self._owned.clear()
-        self._freed = True
+        self._closed = True
 
     def check_alive(self) -> None:
-        """Raise ``ChunkringUsageError`` if :meth:`free` ran (:func:`gather` checks this first)."""
-        if self._freed:
-            raise ChunkringUsageError("these GatherOutputs were freed", field="out")
+        """Raise ``ChunkringUsageError`` if :meth:`close` ran (:func:`gather` checks this first)."""
+        if self._closed:
+            raise ChunkringUsageError("these GatherOutputs were closed", field="out")
 
     def __enter__(self) -> GatherOutputs:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.free()
+        self.close()
 
 
 def gather(ring: Ring, out: GatherOutputs, *, grid: int = 1, stream: torch.cuda.Stream | None = None) -> None:

@@ -6,7 +6,7 @@ between runs (a collective that bumps the epoch) and reads the status record aft
 
 Every host-side wait on the other ranks is bounded and names who did not come
 (:class:`~chunkring.errors.ChunkringHostTimeoutError`), and symmetric memory is zeroed (reset) or freed
-(destroy) only once no kernel of any rank runs and none of their NVSHMEM operations is outstanding
+(close) only once no kernel of any rank runs and none of their NVSHMEM operations is outstanding
 (:meth:`chunkring.Runtime.quiesce`; docs/PROTOCOL.md, "Teardown and reset").
 """
 
@@ -88,7 +88,7 @@ class Ring:
                                               timeout_ns=int(timeout_s * 1e9), rma_peers=rma_mask(self.transports),
                                               failure_word=self.failure.device_address)
                 self.desc = torch.from_numpy(desc.view("int64")).to(runtime.torch_device)
-                self._destroyed = False
+                self._closed = False
             #: Whether any rank reaches a peer by RMA. Then the local ends of the gets and puts on this ring's rows
             #: (the layer's stage and experts' output, GatherOutputs) must be NVSHMEM-registered memory off-node:
             #: symmetric allocations, which are collectives, so every rank decides alike, once, here.
@@ -99,7 +99,7 @@ class Ring:
             raise
 
     def __repr__(self) -> str:
-        state = "destroyed" if self._destroyed else f"epoch {self.epoch}"
+        state = "closed" if self._closed else f"epoch {self.epoch}"
         return f"Ring({self.spec}, {self.layout.total_bytes} B/rank, {state})"
 
     def describe_transport(self) -> str:
@@ -107,10 +107,10 @@ class Ring:
         return describe_transports(self.runtime.rank, self.transports, self.transport_mode)
 
     def check_alive(self) -> None:
-        """Raise ``ChunkringUsageError`` if this ring was destroyed (every method,
+        """Raise ``ChunkringUsageError`` if this ring was closed (every method,
         :func:`chunkring.ring.io.publish_chunk` and :func:`chunkring.ring.io.gather` check this first)."""
-        if self._destroyed:
-            raise ChunkringUsageError("this Ring was destroyed")
+        if self._closed:
+            raise ChunkringUsageError("this Ring was closed")
 
     @property
     def epoch(self) -> int:
@@ -222,22 +222,22 @@ class Ring:
         return describe_words(words, num_slots=self.spec.num_slots, world_size=self.spec.world_size,
                               epoch_bits=self.spec.epoch_bits, abort=self.abort_status())
 
-    def destroy(self, *, timeout_s: float = TEARDOWN_WAIT_S) -> None:
+    def close(self, *, timeout_s: float = TEARDOWN_WAIT_S) -> None:
         """Free the ring's symmetric memory. A collective, safe at any moment: it first waits until no kernel
         of any rank runs and no NVSHMEM operation is outstanding (:meth:`Runtime.quiesce`: a peer's kernel may
         still read or write this rank's slots), bounded by ``timeout_s``. A rank that does not come makes the
         others raise :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing freed: the
         free is a collective too, which that rank would never join. A second call does nothing."""
-        if self._destroyed:
+        if self._closed:
             return
         timeout_s = self._peer_wait_limit(timeout_s)
         try:
-            self.runtime.quiesce(timeout_s, what="the ring's destroy()")
+            self.runtime.quiesce(timeout_s, what="the ring's close()")
         except ChunkringError as exc:
-            exc.add_note("nothing was freed: every rank must call destroy() (end the job to reclaim the memory)")
+            exc.add_note("nothing was freed: every rank must call close() (end the job to reclaim the memory)")
             raise
         self.runtime.free(self.buffer)
-        self._destroyed = True
+        self._closed = True
 
     def _free_after_failed_construction(self, error: BaseException) -> None:
         """Return the buffer of a ring whose construction failed after its allocation. Each step there fails on
@@ -249,10 +249,10 @@ class Ring:
             self.runtime.free(self.buffer)
         except Exception as failed:
             error.add_note(f"the ring's symmetric buffer could not be freed ({failed!r}): end the job to reclaim it")
-        self._destroyed = True
+        self._closed = True
 
     def _peer_wait_limit(self, timeout_s: float) -> float:
-        """``timeout_s`` checked, for a collective whose first step is a bounded barrier (reset, destroy). A bad
+        """``timeout_s`` checked, for a collective whose first step is a bounded barrier (reset, close). A bad
         value is this rank's own: before raising it, this rank abandons that barrier, so its peers, already
         there or on their way, raise at once naming it instead of waiting out their limit."""
         with abandoning_on_failure(self.runtime):
@@ -262,7 +262,7 @@ class Ring:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.destroy()
+        self.close()
 
 
 def check_epochs_agree(epochs: list[int]) -> None:

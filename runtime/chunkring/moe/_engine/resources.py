@@ -247,7 +247,7 @@ class LayerResources:
 
     # ------------------------------------------------------------------ teardown
 
-    def free(self, timeout_s: float = TEARDOWN_WAIT_S) -> None:
+    def close(self, timeout_s: float = TEARDOWN_WAIT_S) -> None:
         """Free everything (a collective), by the rule of :meth:`Runtime.quiesce`: wait until no kernel of any
         rank runs and none of their NVSHMEM operations is outstanding (a peer's combine push may still be
         writing into this rank's buffer), then free in reverse order of allocation (the partition is the
@@ -256,8 +256,8 @@ class LayerResources:
         :class:`~chunkring.errors.ChunkringHostTimeoutError` naming it, with nothing freed: the symmetric frees are
         collectives too, which that rank would never join."""
         try:
-            self.runtime.quiesce(timeout_s, what="the layer's destroy()")
+            self.runtime.quiesce(timeout_s, what="the layer's close()")
         except ChunkringError as exc:
-            exc.add_note("nothing was freed: every rank must call destroy() (end the job to reclaim the memory)")
+            exc.add_note("nothing was freed: every rank must call close() (end the job to reclaim the memory)")
             raise
         self._owned.close()

@@ -15,7 +15,7 @@ import pytest
 
 from chunkring.jit import build
 from chunkring.jit.compiler import ARCH_SPECIFIC_SOURCES
-from chunkring.moe.persistent import PersistentVariant
+from chunkring.moe.persistent import STATIC_SHARED, PersistentVariant
 from tests.helpers.nvrtc import ptx_of, ptxas_report
 
 SOURCE = "moe_persistent"
@@ -76,5 +76,5 @@ def test_it_holds_the_register_file_without_spills_or_serialised_wgmma():
     registers = int(re.search(r"Used (\d+) registers", section).group(1))
     static_shared = int(re.search(r"(\d+) bytes smem", section).group(1))
     assert (registers, frame, stores, loads) == (168, 0, 0, 0)  # 65,536 / 384 rounded down to 8: setmaxnreg's pool
-    assert static_shared <= 4096 + 128, "the barriers, the active-expert list and the math's times"
+    assert static_shared <= STATIC_SHARED, "the barriers, the active-expert list and the math's times"
     assert PersistentVariant().shared_bytes() + static_shared <= SHARED_LIMIT

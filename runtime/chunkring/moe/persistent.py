@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from chunkring.moe.config import MoEConfig
 
 __all__ = ["CLAIMS", "FAULT_KINDS", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES", "PERSISTENT_THREADS",
-           "TILE_TOKENS", "TIMELINE_WORDS", "W13_BOXES", "PersistentGemm", "PersistentVariant", "block_units",
-           "fault_of", "shared_bytes", "w13_view"]
+           "STATIC_SHARED", "TILE_TOKENS", "TIMELINE_WORDS", "W13_BOXES", "PersistentGemm", "PersistentVariant",
+           "block_units", "fault_of", "shared_bytes", "w13_view"]
 
 #: Threads per block: two math warpgroups and the loaders' (persistent_schedule.cuh kThreads).
 PERSISTENT_THREADS = 384
@@ -41,6 +41,10 @@ MAX_STAGES, MAX_TOKEN_STAGES, MAX_EXPERTS = 32, 8, 256
 #: The shared-memory layout's constants (persistent_schedule.cuh): a 16 KB weight stage, 128 bytes of k per token
 #: row, 8 math warps, the alignment slack.
 _WEIGHT_STAGE_BYTES, _KBLOCK, _MATH_WARPS, _STAGE_ALIGN = 16384, 128, 8, 1024
+#: An upper bound of the kernel's static shared memory (barriers, the active-expert list, the math's times: 4,144
+#: bytes as ptxas builds it, tests/compile/test_persistent_kernel.py), which counts against a block's limit with the
+#: dynamic.
+STATIC_SHARED = 4224
 #: How blocks take units from the list (append-only codes: kStridedExperts, kStridedBlocks, kBlocked).
 CLAIMS = {"strided_experts": 0, "strided_blocks": 1, "blocked": 2}
 _PHASE_L1, _PHASE_L2, _PHASE_BOTH = 1, 2, 3
@@ -109,7 +113,7 @@ class PersistentVariant:
 
     def check(self, sm_count: int, shared_limit: int) -> None:
         """``ChunkringUsageError`` naming the field the kernel cannot run with on a GPU of ``sm_count`` SMs and
-        ``shared_limit`` bytes of shared memory a block may opt in to (its static shared memory comes on top: 4 KB)."""
+        ``shared_limit`` bytes of shared memory a block may opt in to (:data:`STATIC_SHARED` comes on top)."""
         for name, value, top in (("stages", self.stages, MAX_STAGES), ("token_stages", self.token_stages,
                                                                           MAX_TOKEN_STAGES)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
@@ -126,10 +130,10 @@ class PersistentVariant:
                                      or not 1 <= self.sms <= sm_count):
             raise ChunkringUsageError(f"expected None or an int in [1, {sm_count}] (one block per SM, every block "
                                       f"resident at once), got {self.sms!r}", field="sms")
-        if self.shared_bytes() + 4096 > shared_limit:
+        if self.shared_bytes() + STATIC_SHARED > shared_limit:
             raise ChunkringUsageError(f"{self.stages} weight and {self.token_stages} token stages of {self.tile_cap} "
                                       f"rows need {self.shared_bytes()} bytes of shared memory, the block may have "
-                                      f"{shared_limit - 4096}", field="stages")
+                                      f"{shared_limit - STATIC_SHARED}", field="stages")
 
 
 def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid: int,

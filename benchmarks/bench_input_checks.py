@@ -50,7 +50,7 @@ def pull_us(layer, library, launches: int, repeats: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=256, help="rows per chunk (front_tokens_per_slot)")
+    parser.add_argument("--tokens", type=int, default=256, help="rows per chunk (stream_slot_tokens)")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--topk", type=int, default=6)
     parser.add_argument("--experts", type=int, default=256)
@@ -61,7 +61,7 @@ def main() -> int:
     runtime = chunkring.init()
     device = runtime.torch_device
     cfg = MoEConfig(num_experts=args.experts, hidden=args.hidden, intermediate=128, topk=args.topk,
-                    max_tokens_per_rank=args.tokens, front_num_slots=2, front_tokens_per_slot=args.tokens)
+                    max_tokens_per_rank=args.tokens, stream_slots=2, stream_slot_tokens=args.tokens)
     layer = MoELayer(runtime, cfg, timeout_s=60)
     try:
         gen = torch.Generator(device).manual_seed(runtime.rank)

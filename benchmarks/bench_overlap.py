@@ -148,7 +148,7 @@ class Shape:
                                 intermediate=spec["intermediate"], topk=spec["topk"],
                                 max_tokens_per_rank=max_tokens).with_default_ring()
         if slot is not None:  # a ring of other slots than the default's (the producer probe's chunks)
-            self.config = dataclasses.replace(self.config, front_tokens_per_slot=slot)
+            self.config = dataclasses.replace(self.config, stream_slot_tokens=slot)
         self.gen = torch.Generator(runtime.torch_device).manual_seed(seed * 7919 + runtime.rank)
         E, H, inter, device = spec["experts"], spec["hidden"], spec["intermediate"], runtime.torch_device
         self.router = (torch.randn(self.config.num_experts, H, generator=self.gen, device=device) / H**0.5).bfloat16()
@@ -161,7 +161,7 @@ class Shape:
 
     @property
     def slot(self) -> int:
-        slot = self.config.front_tokens_per_slot
+        slot = self.config.stream_slot_tokens
         assert slot is not None  # with_default_ring set it
         return slot
 

@@ -93,7 +93,7 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
             hidden, idx, w, xq, xsf = routed_batch(t, shape, router, gen, device)
             ref = moe_reference((xq.double().view(t, H // 128, 128) * xsf.double().unsqueeze(-1)).view(t, H),
                                 lambda e: w13_ref[e], lambda e: w2_ref[e], idx, w, E, inter)
-            row = {"shape": name, "tokens": t, "chunk": cfg.front_tokens_per_slot,
+            row = {"shape": name, "tokens": t, "chunk": cfg.stream_slot_tokens,
                    "engine": "decode" if layer.resources.decode_for(t) else "deepgemm"}
             out = {}
 

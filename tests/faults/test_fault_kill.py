@@ -26,7 +26,7 @@ RANKS, KILLED = 4, 1
 KILL_ENDS_WITHIN_S = 120
 #: A small bf16 layer (no DeepGEMM): 2 experts per rank, five chunks of 8 through a two-slot ring.
 LAYER = ["payload=\"bf16\"", "num_experts=8", "hidden=256", "intermediate=128", "topk=2", "max_tokens_per_rank=40",
-         "front_num_slots=2", "front_tokens_per_slot=8", "tokens_per_rank=37"]
+         "stream_slots=2", "stream_slot_tokens=8", "tokens_per_rank=37"]
 
 
 @pytest.mark.parametrize("phase", PHASES)

@@ -45,7 +45,7 @@ class Batch:
 def make_layer(runtime):
     W = runtime.world_size
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
-                    front_num_slots=SLOTS, front_tokens_per_slot=C)
+                    stream_slots=SLOTS, stream_slot_tokens=C)
     layer = MoELayer(runtime, cfg, timeout_s=60)
     w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(5))
     return layer, local_weights(layer, w13, w2), (w13, w2)

@@ -21,7 +21,7 @@ SIZES = [1, 3, 4, 5, 33, 64, 100, 256, 7, 2]
 def test_replayed_eager_calls_equal_launched_calls_bit_for_bit(runtime, payload):
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=8 * W, hidden=H, intermediate=INTER, topk=4, max_tokens_per_rank=256,
-                    payload=payload, front_num_slots=2, front_tokens_per_slot=32)
+                    payload=payload, stream_slots=2, stream_slot_tokens=32)
     replayed, launched = MoELayer(runtime, cfg), MoELayer(runtime, cfg, eager_graphs=False)
     try:
         w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(21))

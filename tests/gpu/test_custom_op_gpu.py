@@ -50,7 +50,7 @@ def make_model(runtime):
     layers = []
     for payload in (PayloadFormat.FP8_E4M3, PayloadFormat.BF16):
         cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
-                        payload=payload, front_num_slots=SLOTS, front_tokens_per_slot=C)
+                        payload=payload, stream_slots=SLOTS, stream_slot_tokens=C)
         layers.append(MoELayer(runtime, cfg, timeout_s=TIMEOUT_S))
     model = TwoLayers(*(MoEModule(layer, generator=torch.Generator().manual_seed(i + 1))
                         for i, layer in enumerate(layers)))

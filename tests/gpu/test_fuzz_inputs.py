@@ -62,7 +62,7 @@ def expect_report(check, expected):
 def test_layer_masks_and_reports_corrupted_inputs(runtime, record_testsuite_property):
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
-                    front_num_slots=2, front_tokens_per_slot=C)
+                    stream_slots=2, stream_slot_tokens=C)
     layer = MoELayer(runtime, cfg, timeout_s=30)
     w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(2))
     experts = local_weights(layer, w13, w2)
@@ -178,7 +178,7 @@ def test_negative_control_without_the_checks_a_bad_expert_goes_unreported(runtim
 
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
-                    front_num_slots=2, front_tokens_per_slot=C)
+                    stream_slots=2, stream_slot_tokens=C)
     layer = mutant_layer(runtime, cfg, NO_INPUT_CHECKS, timeout_s=30)
     try:
         w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(2))

@@ -29,7 +29,7 @@ pytestmark = [
 
 H, INTER = 256, 128
 
-# (payload, topk, experts per rank, waves, C = front_tokens_per_slot, tokens, routing)
+# (payload, topk, experts per rank, waves, C = stream_slot_tokens, tokens, routing)
 CASES = [
     ("fp8", 2, 2, 2, 8, "many", "uniform"),
     ("fp8", 8, 2, 4, 8, "uneven", "masked"),
@@ -50,7 +50,7 @@ def _layers(runtime, case, **kwargs):
     payload, topk, per_rank, waves, C, pattern, _ = case
     per_rank = max(per_rank, math.ceil(topk / runtime.world_size))
     base = dict(num_experts=per_rank * runtime.world_size, hidden=H, intermediate=INTER, topk=topk,
-                max_tokens_per_rank=40 * C + 8, front_num_slots=2, front_tokens_per_slot=C,
+                max_tokens_per_rank=40 * C + 8, stream_slots=2, stream_slot_tokens=C,
                 payload=PayloadFormat.FP8_E4M3 if payload == "fp8" else PayloadFormat.BF16)
     return (MoELayer(runtime, MoEConfig(**base), timeout_s=60),
             MoELayer(runtime, MoEConfig(**base, waves=waves), timeout_s=60, **kwargs))
@@ -101,7 +101,7 @@ def _seal_on_reserve_caught(runtime, variant):
     device, rank, world = runtime.torch_device, runtime.rank, runtime.world_size
     n = 325  # 41 chunks of 8 tokens: two full blocks of 128 rows and a partial one per source
     cfg = dict(num_experts=2 * world, hidden=H, intermediate=INTER, topk=1, max_tokens_per_rank=n + 3,
-               front_num_slots=2, front_tokens_per_slot=8, waves=4)
+               stream_slots=2, stream_slot_tokens=8, waves=4)
     layer = mutant_layer(runtime, MoEConfig(**cfg), variant, timeout_s=20)
     caught = []
     try:
@@ -150,7 +150,7 @@ def test_waves_on_a_given_partition_and_batch_ready_calls_on_the_batch_plan(runt
     case = CASES[0]  # fp8, top-2, 2 experts per rank, 2 waves, 8-token chunks, 41 chunks per rank
     _, topk, per_rank, waves, C, _, _ = case
     cfg = dict(num_experts=per_rank * world, hidden=H, intermediate=INTER, topk=topk, max_tokens_per_rank=40 * C + 8,
-               front_num_slots=2, front_tokens_per_slot=C)
+               stream_slots=2, stream_slot_tokens=C)
     with SmPartition(runtime, producer_sms=16) as part:
         batch = MoELayer(runtime, MoEConfig(**cfg), partition=part, timeout_s=60)
         incremental = MoELayer(runtime, MoEConfig(**cfg, waves=waves), partition=part, timeout_s=60)

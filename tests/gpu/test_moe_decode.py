@@ -134,7 +134,7 @@ def test_a_rows_output_does_not_depend_on_its_place_and_repeats_bitwise(runtime)
 
 def layer_config(world):
     return MoEConfig(num_experts=2 * world, hidden=LAYER_H, intermediate=128, topk=GRAPH_TOPK,
-                     max_tokens_per_rank=MAX_TOKENS, front_num_slots=SLOTS, front_tokens_per_slot=GRAPH_C)
+                     max_tokens_per_rank=MAX_TOKENS, stream_slots=SLOTS, stream_slot_tokens=GRAPH_C)
 
 
 def check_both_modes(layer, cfg, w13, w2, n, seed, after_call=lambda streaming: None):

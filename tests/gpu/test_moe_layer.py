@@ -37,7 +37,7 @@ pytestmark = pytest.mark.gpu
 
 ITERATIONS = 3
 
-# (payload, topk, experts per rank, front_num_slots, C = front_tokens_per_slot, tokens, routing)
+# (payload, topk, experts per rank, stream_slots, C = stream_slot_tokens, tokens, routing)
 CASES = [
     ("fp8", 2, 1, 2, 8, "C", "uniform"),
     ("fp8", 2, 3, 1, 8, "many", "uniform"),
@@ -69,7 +69,7 @@ def test_layer_matches_reference(runtime, case):
     num_experts = per_rank * W
     cfg = MoEConfig(num_experts=num_experts, hidden=H, intermediate=INTER, topk=topk, max_tokens_per_rank=3 * C + 8,
                     payload=PayloadFormat.FP8_E4M3 if payload == "fp8" else PayloadFormat.BF16,
-                    front_num_slots=slots, front_tokens_per_slot=C)
+                    stream_slots=slots, stream_slot_tokens=C)
     layer = MoELayer(runtime, cfg, timeout_s=60)
     try:
         w13, w2 = weights(num_experts, torch.Generator().manual_seed(CASES.index(case)))
@@ -95,7 +95,7 @@ def test_layer_matches_reference(runtime, case):
 def test_batch_ready_is_bitwise_deterministic_and_streamed_call_never_syncs(runtime):
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=40,
-                    front_num_slots=2, front_tokens_per_slot=8)
+                    stream_slots=2, stream_slot_tokens=8)
     layer = MoELayer(runtime, cfg, timeout_s=60)
     try:
         gen = torch.Generator().manual_seed(7 + rank)
@@ -125,7 +125,7 @@ def test_batch_ready_is_bitwise_deterministic_and_streamed_call_never_syncs(runt
 def test_module_with_its_own_producers(runtime, payload):
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=4 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=64, payload=payload,
-                    front_num_slots=2, front_tokens_per_slot=16)
+                    stream_slots=2, stream_slot_tokens=16)
     layer = MoELayer(runtime, cfg, timeout_s=60)
     try:
         module = MoEModule(layer, generator=torch.Generator().manual_seed(11))
@@ -213,7 +213,7 @@ def _rank_outputs_wrong(runtime, variant: int) -> list:
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     hidden, inter, per_rank, n = 1024, 1024, 8, 256
     cfg = MoEConfig(num_experts=per_rank * W, hidden=hidden, intermediate=inter, topk=4, max_tokens_per_rank=n,
-                    front_num_slots=2, front_tokens_per_slot=64)
+                    stream_slots=2, stream_slot_tokens=64)
     layer = mutant_layer(runtime, cfg, variant, timeout_s=60)
     if rank == W - 1:
         experts = layer.resources.compute.experts
@@ -296,7 +296,7 @@ def test_eager_call_of_more_producer_launches_than_the_launch_queue_holds(runtim
     producer launch went first; docs/PROTOCOL.md, "Progress")."""
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=512,
-                    front_num_slots=2, front_tokens_per_slot=2)
+                    stream_slots=2, stream_slot_tokens=2)
     layer = MoELayer(runtime, cfg, timeout_s=30)
     try:
         module = MoEModule(layer, generator=torch.Generator().manual_seed(13))
@@ -315,7 +315,7 @@ def test_calibrated_auto_calls_take_the_agreed_mode_and_match_the_reference(runt
     then take that mode (and stay correct)."""
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=INTER, topk=2, max_tokens_per_rank=64,
-                    front_num_slots=2, front_tokens_per_slot=16)
+                    stream_slots=2, stream_slot_tokens=16)
     layer = MoELayer(runtime, cfg, timeout_s=60)
     try:
         module = MoEModule(layer, generator=torch.Generator().manual_seed(17))

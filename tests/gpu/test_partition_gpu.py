@@ -30,7 +30,7 @@ def _layer_config(runtime, streaming=True):
     from chunkring import MoEConfig
 
     W = runtime.world_size
-    ring = {"front_num_slots": 2, "front_tokens_per_slot": 16} if streaming else {}
+    ring = {"stream_slots": 2, "stream_slot_tokens": 16} if streaming else {}
     return MoEConfig(num_experts=2 * W, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64, **ring)
 
 

@@ -150,7 +150,7 @@ def test_layer_on_a_partition_with_a_delayed_producer_and_an_empty_rank(runtime,
     rank has no tokens."""
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=2, max_tokens_per_rank=64,
-                    front_num_slots=2, front_tokens_per_slot=16)
+                    stream_slots=2, stream_slot_tokens=16)
     w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(9))
     gen = torch.Generator().manual_seed(40 + rank)
     n = 0 if rank == 0 and W > 1 else 61
@@ -188,7 +188,7 @@ def test_a_first_call_waits_for_every_ranks_gemm_warm_up(runtime, monkeypatch):
     if W < 2:
         pytest.skip("a peer's warm-up outlasting the watchdog needs a peer")
     cfg = MoEConfig(num_experts=2 * W, hidden=H, intermediate=128, topk=2, max_tokens_per_rank=64,
-                    front_num_slots=2, front_tokens_per_slot=16)
+                    stream_slots=2, stream_slot_tokens=16)
     w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(9))
     gen = torch.Generator().manual_seed(70 + rank)
     xq, sf = quantize_fp8_per128(torch.randn(48, H, generator=gen))

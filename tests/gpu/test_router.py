@@ -63,7 +63,7 @@ def test_routing_and_row_quantisation_capture_into_a_cuda_graph(runtime):
 def test_forward_streamed_equals_batch_ready_bit_for_bit_at_every_size(runtime):
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=8 * W, hidden=512, intermediate=256, topk=2, max_tokens_per_rank=8192,
-                    front_num_slots=2, front_tokens_per_slot=1024)
+                    stream_slots=2, stream_slot_tokens=1024)
     layer = MoELayer(runtime, cfg, timeout_s=120)
     try:
         module = MoEModule(layer, generator=torch.Generator().manual_seed(3))

@@ -81,7 +81,7 @@ class Launches:
 
 
 def config(streaming: bool = True) -> MoEConfig:
-    ring = dict(front_num_slots=2, front_tokens_per_slot=8) if streaming else {}
+    ring = dict(stream_slots=2, stream_slot_tokens=8) if streaming else {}
     return MoEConfig(num_experts=E, hidden=H, intermediate=INTER, topk=K, max_tokens_per_rank=N,
                      payload=PayloadFormat.BF16, **ring)
 

@@ -17,7 +17,7 @@ TOKENS, CHUNK, SLOTS, TOPK = 37, 8, 2, 2
 
 def layer_config(world_size: int) -> MoEConfig:
     return MoEConfig(num_experts=2 * world_size, hidden=H, intermediate=INTER, topk=TOPK, max_tokens_per_rank=40,
-                     payload=PayloadFormat.BF16, front_num_slots=SLOTS, front_tokens_per_slot=CHUNK)
+                     payload=PayloadFormat.BF16, stream_slots=SLOTS, stream_slot_tokens=CHUNK)
 
 
 class Inputs:

@@ -82,7 +82,7 @@ def test_equivalent_spellings_agree_and_a_different_config_fails_every_rank():
     check_identical(runtime, mine)
     # The last rank streams through a different ring: every rank must refuse, none may hang.
     if rank == comm.Get_size() - 1:
-        mine = replace(mine, front_num_slots=mine.front_num_slots + 1)
+        mine = replace(mine, stream_slots=mine.stream_slots + 1)
     with pytest.raises(ChunkringUsageError, match="ranks disagree"):
         check_identical(runtime, mine)
     comm.Barrier()  # every rank refused alike; the world is still usable

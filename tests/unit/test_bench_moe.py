@@ -64,5 +64,5 @@ def test_the_job_hands_the_method_its_config(monkeypatch):
     assert seen["chunk_sizes"] == (32, 64) and seen["token_counts"] == (16, 64)
     assert seen["timing"] == Timing(iterations=7, warmup=2, rotate=3, seed=5)
     assert seen["trace"] == (64, 32) and seen["trace_out"] == config.trace_out
-    assert {c: cfg.front_tokens_per_slot for c, cfg in seen["layers"].items()} == {32: 32, 64: 64}
+    assert {c: cfg.stream_slot_tokens for c, cfg in seen["layers"].items()} == {32: 32, 64: 64}
     assert all(cfg.hidden == config.hidden and cfg.topk == config.topk for cfg in seen["layers"].values())

@@ -26,7 +26,7 @@ from chunkring.moe._engine.replay import CallGraphs, bucket
 
 H, K, N = 128, 2, 64
 CFG = MoEConfig(num_experts=4, hidden=H, intermediate=128, topk=K, max_tokens_per_rank=N, payload=PayloadFormat.BF16,
-                front_num_slots=2, front_tokens_per_slot=16)
+                stream_slots=2, stream_slot_tokens=16)
 
 
 def compute(call: Call) -> torch.Tensor:

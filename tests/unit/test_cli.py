@@ -48,7 +48,7 @@ def test_topk_past_the_experts_is_a_config_error_without_a_gpu():
                             "channels), got 144"),
     (["run", "max_tokens_per_rank=0"], "max_tokens_per_rank: must be a positive int, got 0"),
     (["run", "max_tokens_per_rank=70000"], "max_tokens_per_rank: must be in [1, 65536], got 70000"),
-    (["run", "front_num_slots=70000"], "front_num_slots: must be in [1, 65536], got 70000"),
+    (["run", "stream_slots=70000"], "stream_slots: must be in [1, 65536], got 70000"),
     (["--np", "3", "run"], "num_experts: 16 experts do not split evenly over 3 ranks"),
     (["--np", "3", "--dry-run", "run"], "num_experts: 16 experts do not split evenly over 3 ranks"),
     (["--np", "128", "run", "num_experts=128"], "--np: must be in [1, 64], got 128"),

@@ -50,7 +50,7 @@ def test_bringup_rejects(table, field):
     ({"iterations": 0}, "iterations"),
     ({"tolerance": 1.5}, "tolerance"),
     ({"intermediate": 100}, "intermediate"),  # the layer's own check, before any rank starts
-    ({"front_tokens_per_slot": 1024}, "front_tokens_per_slot"),
+    ({"stream_slot_tokens": 1024}, "stream_slot_tokens"),
     ({"topk": 1.0}, "topk"),
 ])
 def test_run_rejects(table, field):

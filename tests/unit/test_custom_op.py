@@ -64,7 +64,7 @@ def fresh_dynamo():
 
 
 def config(payload=PayloadFormat.FP8_E4M3, streaming=True):
-    ring = dict(front_num_slots=2, front_tokens_per_slot=16) if streaming else {}
+    ring = dict(stream_slots=2, stream_slot_tokens=16) if streaming else {}
     return MoEConfig(num_experts=E, hidden=H, intermediate=INTER, topk=K, max_tokens_per_rank=64, payload=payload,
                      **ring)
 

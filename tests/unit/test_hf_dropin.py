@@ -173,10 +173,10 @@ def test_streaming_configures_the_default_ring(models):
     _, bf16, _, _ = models
     (_, batch), *_ = plan_moe_blocks(bf16, world_size=2, max_tokens_per_rank=64)
     (_, streamed), *_ = plan_moe_blocks(bf16, world_size=2, max_tokens_per_rank=64, streaming=True)
-    (_, own), *_ = plan_moe_blocks(bf16, world_size=2, max_tokens_per_rank=64, front_num_slots=3,
-                                   front_tokens_per_slot=8)
+    (_, own), *_ = plan_moe_blocks(bf16, world_size=2, max_tokens_per_rank=64, stream_slots=3,
+                                   stream_slot_tokens=8)
     assert batch.payload == PayloadFormat.FP8_E4M3 and not batch.streaming
-    assert streamed == batch.with_default_ring() and (own.front_num_slots, own.front_tokens_per_slot) == (3, 8)
+    assert streamed == batch.with_default_ring() and (own.stream_slots, own.stream_slot_tokens) == (3, 8)
 
 
 # ------------------------------------------------------------------ what is refused

@@ -112,8 +112,8 @@ def monkeypatch_module():
         yield launches
 
 
-FIELDS = ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "payload", "front_num_slots",
-          "front_tokens_per_slot")
+FIELDS = ("num_experts", "hidden", "intermediate", "topk", "max_tokens_per_rank", "payload", "stream_slots",
+          "stream_slot_tokens")
 
 
 @settings(max_examples=400, deadline=None)
@@ -135,9 +135,9 @@ def test_moe_config_is_valid_or_names_a_field(values, use):
     assert cfg.hidden % 128 == 0  # either payload: the producers move 128-column blocks
     given_payload = kwargs.get("payload", PayloadFormat.FP8_E4M3)
     assert type(given_payload) in (int, PayloadFormat), f"payload {given_payload!r} accepted"  # not True, not 1.0
-    assert (cfg.front_num_slots is None) == (cfg.front_tokens_per_slot is None)
+    assert (cfg.stream_slots is None) == (cfg.stream_slot_tokens is None)
     if cfg.streaming:
-        assert 1 <= cfg.front_tokens_per_slot <= cfg.max_tokens_per_rank and cfg.front_num_slots >= 1
+        assert 1 <= cfg.stream_slot_tokens <= cfg.max_tokens_per_rank and cfg.stream_slots >= 1
 
 
 def fp8_weight(t):
@@ -152,7 +152,7 @@ def fp8_weight(t):
 @given(n=st.integers(0, 20), data=st.data())
 def test_layer_run_accepts_exactly_the_valid_arguments(n, data):
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=128, topk=K, max_tokens_per_rank=16,
-                    front_num_slots=2, front_tokens_per_slot=8)
+                    stream_slots=2, stream_slot_tokens=8)
     El = cfg.num_experts // 2
     good = {
         "x": ((n, H), torch.float8_e4m3fn), "x_sf": ((n, H // 128), torch.float32),

@@ -148,7 +148,7 @@ def test_progress_is_asked_of_the_worker_only_when_drawn():
     (["stress", "chaos=fire"], "chaos: must be one of"),
     (["stress", "iterations=0"], "iterations: set iterations > 0 or duration_s > 0"),
     (["--config", "chaos", "stress", "chaos_iteration=99"], "chaos_iteration: must be in [0, iterations=40)"),
-    (["stress", "front_num_slots=6"], "front_num_slots: a full call"),
+    (["stress", "stream_slots=6"], "stream_slots: a full call"),
 ])
 def test_bad_stress_config_is_reported_once_with_exit_2(argv, needle):
     proc = run_cli(*argv)

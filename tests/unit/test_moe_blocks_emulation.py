@@ -71,7 +71,7 @@ class World:
         self.library.initialised = tracker.initialised
         monkeypatch.setattr(chunkring.ring.io, "kernel_library", lambda runtime: self.library)
         self.config = MoEConfig(num_experts=EL * world, hidden=H, intermediate=INTER, topk=K, max_tokens_per_rank=N,
-                                payload=PayloadFormat.FP8_E4M3, front_num_slots=S, front_tokens_per_slot=T, waves=2)
+                                payload=PayloadFormat.FP8_E4M3, stream_slots=S, stream_slot_tokens=T, waves=2)
         spec = self.config.ring_spec(world, streamed=True)
         self.rings = [Ring(HeapRuntime(heap, r), spec, timeout_s=5.0, transport="auto") for r in range(world)]
         self.stages, self.pools, self.computes, self.weights = [], [], [], []

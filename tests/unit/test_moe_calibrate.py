@@ -76,7 +76,7 @@ def layer_on_cpu(config: MoEConfig, world: int = 2) -> SimpleNamespace:
 
 def layer(streaming=True):
     cfg = MoEConfig(num_experts=4, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64,
-                    **({"front_num_slots": 2, "front_tokens_per_slot": 16} if streaming else {}))
+                    **({"stream_slots": 2, "stream_slot_tokens": 16} if streaming else {}))
     return layer_on_cpu(cfg)
 
 
@@ -127,7 +127,7 @@ def test_a_streamed_calls_chunk_is_given_calibrated_or_the_slot():
 def test_default_ring_is_two_slots_of_a_quarter(max_tokens, chunk):
     cfg = MoEConfig(num_experts=4, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=max_tokens)
     ringed = cfg.with_default_ring()
-    assert (ringed.front_num_slots, ringed.front_tokens_per_slot) == (2, chunk)
+    assert (ringed.stream_slots, ringed.stream_slot_tokens) == (2, chunk)
     assert ringed.streaming and ringed.max_tokens_per_rank == max_tokens
     assert 2 * chunk * 2 <= max(max_tokens, 4)  # payload at most half the full region (where it can be)
 

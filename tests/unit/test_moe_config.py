@@ -19,10 +19,10 @@ GOOD = dict(num_experts=16, hidden=256, intermediate=128, topk=4, max_tokens_per
     (dict(payload="fp4"), "payload"),
     (dict(payload=True), "payload"),   # an IntEnum would take True for BF16
     (dict(payload=1.0), "payload"),
-    (dict(front_num_slots=2), "front_tokens_per_slot"),
-    (dict(front_tokens_per_slot=8), "front_num_slots"),
-    (dict(front_num_slots=0, front_tokens_per_slot=8), "front_num_slots"),
-    (dict(front_num_slots=2, front_tokens_per_slot=65), "front_tokens_per_slot"),
+    (dict(stream_slots=2), "stream_slot_tokens"),
+    (dict(stream_slot_tokens=8), "stream_slots"),
+    (dict(stream_slots=0, stream_slot_tokens=8), "stream_slots"),
+    (dict(stream_slots=2, stream_slot_tokens=65), "stream_slot_tokens"),
     (dict(intermediate=64), "intermediate"),  # the FP8 payload's activations carry one scale per 1x128
 ])
 def test_bad_config_names_the_field(change, field):
@@ -32,7 +32,7 @@ def test_bad_config_names_the_field(change, field):
 
 
 def test_ring_specs():
-    cfg = MoEConfig(**GOOD, payload=PayloadFormat.BF16, front_num_slots=2, front_tokens_per_slot=16)
+    cfg = MoEConfig(**GOOD, payload=PayloadFormat.BF16, stream_slots=2, stream_slot_tokens=16)
     assert cfg.streaming and not MoEConfig(**GOOD).streaming
     batch, streamed = cfg.ring_spec(4, streamed=False), cfg.ring_spec(4, streamed=True)
     assert (batch.num_slots, batch.tokens_per_slot) == (1, 64)
@@ -54,7 +54,7 @@ def test_ring_specs():
     (dict(hidden=1 << 17), "hidden", "65536"),
     (dict(num_experts=1 << 16), "num_experts", "32768"),
     (dict(max_tokens_per_rank=70_000), "max_tokens_per_rank", "batch-ready ring's tokens_per_slot"),
-    (dict(front_num_slots=70_000, front_tokens_per_slot=8), "front_num_slots", "streaming ring's num_slots"),
+    (dict(stream_slots=70_000, stream_slot_tokens=8), "stream_slots", "streaming ring's num_slots"),
 ])
 def test_ring_rules_are_config_rules(change, field, needle):
     with pytest.raises(ChunkringUsageError) as info:
@@ -95,11 +95,11 @@ def test_ring_specs_and_the_world_size():
 def test_a_config_is_valid_exactly_when_its_rings_are(num_experts, hidden, topk, tokens, slots, payload):
     """MoEConfig accepts exactly the shapes whose ring specs RingSpec itself accepts (one rank) and whose rows its
     producers can move (whole 128-column blocks)."""
-    front = dict(front_num_slots=slots, front_tokens_per_slot=max(1, tokens // 8)) if slots else {}
+    front = dict(stream_slots=slots, stream_slot_tokens=max(1, tokens // 8)) if slots else {}
     shared = dict(hidden=hidden, payload=payload, topk=topk, num_experts=num_experts, world_size=1)
     rings = [dict(num_slots=1, tokens_per_slot=tokens)]
     if slots:
-        rings.append(dict(num_slots=slots, tokens_per_slot=front["front_tokens_per_slot"]))
+        rings.append(dict(num_slots=slots, tokens_per_slot=front["stream_slot_tokens"]))
     try:
         for ring in rings:
             RingSpec(**shared, **ring)
@@ -123,19 +123,19 @@ def test_a_config_is_valid_exactly_when_its_rings_are(num_experts, hidden, topk,
     (dict(hidden=1000), "hidden",
      ["hidden: must be a multiple of 128 (the FP8 scale block: one fp32 scale per 128 channels), got 1000"]),
     (dict(max_tokens_per_rank=0), "max_tokens_per_rank", ["max_tokens_per_rank: must be a positive int, got 0"]),
-    (dict(front_tokens_per_slot=0), "front_tokens_per_slot",
-     ["front_tokens_per_slot: must be a positive int or None, got 0",
-      "front_num_slots: unset while front_tokens_per_slot=0 is set: set both for a streaming ring, or neither"]),
-    (dict(front_num_slots=2, front_tokens_per_slot=65), "front_tokens_per_slot",
-     ["front_tokens_per_slot: must be at most max_tokens_per_rank=64 (a chunk is part of a batch), got 65"]),
+    (dict(stream_slot_tokens=0), "stream_slot_tokens",
+     ["stream_slot_tokens: must be a positive int or None, got 0",
+      "stream_slots: unset while stream_slot_tokens=0 is set: set both for a streaming ring, or neither"]),
+    (dict(stream_slots=2, stream_slot_tokens=65), "stream_slot_tokens",
+     ["stream_slot_tokens: must be at most max_tokens_per_rank=64 (a chunk is part of a batch), got 65"]),
     (dict(hidden=1040, topk=100, num_experts=15, intermediate=100), "intermediate",
      ["intermediate: must be a multiple of 128 for the FP8_E4M3 payload (one activation scale per 1x128 block), "
       "got 100",
       "hidden: must be a multiple of 128 (the FP8 scale block: one fp32 scale per 128 channels), got 1040",
       "topk: must be in [1, 15], got 100 (at most num_experts=15)"]),
-    (dict(max_tokens_per_rank=70_000, front_num_slots=70_000, front_tokens_per_slot=8), "max_tokens_per_rank",
+    (dict(max_tokens_per_rank=70_000, stream_slots=70_000, stream_slot_tokens=8), "max_tokens_per_rank",
      ["max_tokens_per_rank: must be in [1, 65536], got 70000 (the batch-ready ring's tokens_per_slot)",
-      "front_num_slots: must be in [1, 65536], got 70000 (the streaming ring's num_slots)"]),
+      "stream_slots: must be in [1, 65536], got 70000 (the streaming ring's num_slots)"]),
 ])
 def test_every_bad_value_is_named_with_its_value(change, first, lines):
     with pytest.raises(ChunkringUsageError) as info:
@@ -146,7 +146,7 @@ def test_every_bad_value_is_named_with_its_value(change, first, lines):
 
 
 def test_a_world_size_check_lists_both_rings():
-    cfg = MoEConfig(**{**GOOD, "num_experts": 64, "topk": 2, "front_num_slots": 2, "front_tokens_per_slot": 8})
+    cfg = MoEConfig(**{**GOOD, "num_experts": 64, "topk": 2, "stream_slots": 2, "stream_slot_tokens": 8})
     with pytest.raises(ChunkringUsageError) as info:
         cfg.check_world_size(65)
     assert info.value.problems == (

@@ -135,7 +135,7 @@ def sources(gen: torch.Generator):
 def setup(monkeypatch, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     config = MoEConfig(num_experts=E * W, hidden=H, intermediate=INTER, topk=K, max_tokens_per_rank=N,
-                       payload=PayloadFormat.FP8_E4M3, front_num_slots=2, front_tokens_per_slot=N // 4, waves=2)
+                       payload=PayloadFormat.FP8_E4M3, stream_slots=2, stream_slot_tokens=N // 4, waves=2)
     memory, ranks, src_stores = Memory(), [], []
 
     def gather(memory, grid, block, shared_bytes, a):  # and the src stores it made (the plan's prefill aside)

@@ -22,11 +22,11 @@ def test_plan_is_a_function_of_seed_and_iteration():
 def test_token_counts_cover_the_edges():
     config = preset()
     counts = [n for i in range(400) for n in plan_iteration(config, i, 4).tokens]
-    per_slot, most = config.front_tokens_per_slot, config.max_tokens_per_rank
+    per_slot, most = config.stream_slot_tokens, config.max_tokens_per_rank
     assert all(0 <= n <= most for n in counts)
     assert 0 in counts and most in counts
     assert any(n % per_slot for n in counts) and any(n and n % per_slot == 0 for n in counts)
-    assert any(-(-n // per_slot) > config.front_num_slots for n in counts)  # calls that wrap the ring
+    assert any(-(-n // per_slot) > config.stream_slots for n in counts)  # calls that wrap the ring
 
 
 def test_every_kth_call_is_batch_ready_or_a_graph_replay():
@@ -60,8 +60,8 @@ def test_delays_stay_in_bounds():
     ({"chaos_rank": -1}, "chaos_rank"),
     ({"chaos_iteration": 200}, "chaos_iteration"),          # never reached in 200 iterations
     ({"chaos": "delay", "chaos_delay_s": 1000.0}, "chaos_delay_s"),  # past the device watchdog
-    ({"front_num_slots": 8}, "front_num_slots"),            # 6 chunks per call never wrap 8 slots
-    ({"front_tokens_per_slot": 600}, "front_tokens_per_slot"),
+    ({"stream_slots": 8}, "stream_slots"),            # 6 chunks per call never wrap 8 slots
+    ({"stream_slot_tokens": 600}, "stream_slot_tokens"),
     ({"payload": "fp4"}, "payload"),
     ({"iterations": 1.5}, "iterations"),
 ])

@@ -40,7 +40,7 @@ def _ints(text: str, field: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class CONFIG(LayerFields):
     tokens: str = "128,512,2048"   # tokens per rank to measure (comma-separated)
-    chunks: str = "64,256"         # front_tokens_per_slot values to measure (comma-separated)
+    chunks: str = "64,256"         # stream_slot_tokens values to measure (comma-separated)
     iterations: int = 20
     warmup: int = 3
     rotate: int = 4                # hidden-state buffers cycled through
@@ -98,7 +98,7 @@ def run(runtime: Runtime, config: CONFIG) -> dict[str, Any]:
 
     @contextlib.contextmanager
     def open_chunked(chunk: int) -> Iterator[MoELayer]:
-        with open_layer(runtime, config, replace(config.layer_config(), front_tokens_per_slot=chunk)) as layer:
+        with open_layer(runtime, config, replace(config.layer_config(), stream_slot_tokens=chunk)) as layer:
             used.update(transport_figures(layer))  # which data path the times are of
             yield layer
 

@@ -31,8 +31,8 @@ class LayerFields(CheckedConfig):
     topk: int = 4
     max_tokens_per_rank: int = 512
     payload: str = "fp8"
-    front_num_slots: int = 2
-    front_tokens_per_slot: int = 128
+    stream_slots: int = 2
+    stream_slot_tokens: int = 128
     tolerance: float = 4e-2  # the FP8 recipe's bound, chunkring.testing.reference.reference_tolerance
     seed: int = 0
     # Streamed calls' SM partition: "auto" (the layer sizes one: chunkring.partition.default_producer_sms),
@@ -68,7 +68,7 @@ class LayerFields(CheckedConfig):
 
         return MoEConfig(num_experts=self.num_experts, hidden=self.hidden, intermediate=self.intermediate,
                          topk=self.topk, max_tokens_per_rank=self.max_tokens_per_rank, payload=payload,
-                         front_num_slots=self.front_num_slots, front_tokens_per_slot=self.front_tokens_per_slot,
+                         stream_slots=self.stream_slots, stream_slot_tokens=self.stream_slot_tokens,
                          transport=self.transport or None)
 
 

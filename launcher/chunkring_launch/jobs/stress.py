@@ -6,7 +6,7 @@ Each iteration every rank calls ``MoELayer.run`` on its own routed batch: stream
 CUDA graph of a streamed call captured once at ``max_tokens_per_rank`` rows (the batch copied into the
 captured inputs, its token count into the device count the graph reads). Token counts are drawn per rank
 and iteration: 10 % of draws an empty rank (0 tokens), 10 % a full one (``max_tokens_per_rank``), 15 % a
-multiple of ``front_tokens_per_slot``, the rest anything in [1, max] (mostly not a multiple). The rings
+multiple of ``stream_slot_tokens``, the rest anything in [1, max] (mostly not a multiple). The rings
 persist across calls, so slots wrap; the config must allow more chunks per call than the ring has slots.
 
 With probability ``delay_probability`` an iteration also delays one side of one rank: that rank
@@ -84,12 +84,12 @@ class CONFIG(LayerFields):
         check_range(problems, self, "delay_probability", 0, 1)
         check_range(problems, self, "delay_cycles_max", 1, 2_000_000_000, "2e9 cycles ~ 1 s")
         self._check_chaos(problems)
-        ring = ("max_tokens_per_rank", "front_tokens_per_slot", "front_num_slots")
+        ring = ("max_tokens_per_rank", "stream_slot_tokens", "stream_slots")
         if not problems.reported(*ring) and \
-                -(-self.max_tokens_per_rank // self.front_tokens_per_slot) <= self.front_num_slots:
-            problems.add(f"a full call of {self.max_tokens_per_rank} tokens in {self.front_tokens_per_slot}-token "
-                         f"chunks never wraps a ring of {self.front_num_slots} slots; stress needs more chunks per "
-                         f"call than slots", field="front_num_slots")
+                -(-self.max_tokens_per_rank // self.stream_slot_tokens) <= self.stream_slots:
+            problems.add(f"a full call of {self.max_tokens_per_rank} tokens in {self.stream_slot_tokens}-token "
+                         f"chunks never wraps a ring of {self.stream_slots} slots; stress needs more chunks per "
+                         f"call than slots", field="stream_slots")
 
     def _check_chaos(self, problems: UsageProblems) -> None:
         from chunkring.env import watchdog_timeout_s
@@ -131,7 +131,7 @@ def plan_iteration(config: CONFIG, iteration: int, world_size: int) -> Iteration
         mode = "batch"
     elif config.graph_every and (iteration + 1) % config.graph_every == 0:
         mode = "graph"
-    tokens = tuple(_draw_tokens(rng, config.max_tokens_per_rank, config.front_tokens_per_slot)
+    tokens = tuple(_draw_tokens(rng, config.max_tokens_per_rank, config.stream_slot_tokens)
                    for _ in range(world_size))
     delay = None
     if rng.random() < config.delay_probability:

@@ -189,12 +189,12 @@ def route(block: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def plan_moe_blocks(model: nn.Module, *, world_size: int, max_tokens_per_rank: int,
                     payload: PayloadFormat | str = PayloadFormat.FP8_E4M3, streaming: bool | str = False,
-                    front_num_slots: int | None = None,
-                    front_tokens_per_slot: int | None = None) -> list[tuple[HfMoEBlock, MoEConfig]]:
+                    stream_slots: int | None = None,
+                    stream_slot_tokens: int | None = None) -> list[tuple[HfMoEBlock, MoEConfig]]:
     """Host-only, every check :func:`replace_moe_blocks` makes: each MoE block of ``model``
     (:func:`find_moe_blocks`) with the :class:`MoEConfig` of its layer on ``world_size`` ranks. A streaming
-    ring is configured when ``streaming`` is not False or ``front_*`` are given (the default ring,
-    :meth:`MoEConfig.with_default_ring`, unless both ``front_*`` are)."""
+    ring is configured when ``streaming`` is not False or ``stream_*`` are given (the default ring,
+    :meth:`MoEConfig.with_default_ring`, unless both ``stream_*`` are)."""
     payload = PayloadFormat.checked(payload)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ChunkringUsageError(f"must be a positive int, got {world_size!r}", field="world_size")
@@ -214,7 +214,7 @@ def plan_moe_blocks(model: nn.Module, *, world_size: int, max_tokens_per_rank: i
         try:
             config = MoEConfig(num_experts=block.num_experts, hidden=block.hidden, intermediate=block.intermediate,
                                topk=block.topk, max_tokens_per_rank=max_tokens_per_rank, payload=payload,
-                               front_num_slots=front_num_slots, front_tokens_per_slot=front_tokens_per_slot)
+                               stream_slots=stream_slots, stream_slot_tokens=stream_slot_tokens)
             if streaming is not False and not config.streaming:
                 config = config.with_default_ring()
             config.check_world_size(world_size)
@@ -282,7 +282,7 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_rank: int,
                        payload: PayloadFormat | str = PayloadFormat.FP8_E4M3, streaming: bool | str = False,
-                       front_num_slots: int | None = None, front_tokens_per_slot: int | None = None,
+                       stream_slots: int | None = None, stream_slot_tokens: int | None = None,
                        timeout_s: float | None = None) -> dict[str, nn.Module]:
     """Put a :class:`ChunkringMoEBlock` in the place of every sparse MoE block of ``model`` (Qwen3-MoE's
     ``Qwen3MoeSparseMoeBlock``, DeepSeek-V3's ``DeepseekV3MoE``), each over the :class:`MoELayer` of its
@@ -296,7 +296,7 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
         max_tokens_per_rank: tokens per rank and call, at most.
         payload: "fp8" / "bf16" or a :class:`PayloadFormat`.
         streaming: each block's call mode (False, True, "auto").
-        front_num_slots, front_tokens_per_slot: the streaming ring (as :func:`plan_moe_blocks` says).
+        stream_slots, stream_slot_tokens: the streaming ring (as :func:`plan_moe_blocks` says).
         timeout_s: the layers' watchdog limit.
 
     Returns:
@@ -308,8 +308,8 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
             host), on every rank, before any layer is built.
     """
     plan = plan_moe_blocks(model, world_size=runtime.world_size, max_tokens_per_rank=max_tokens_per_rank,
-                           payload=payload, streaming=streaming, front_num_slots=front_num_slots,
-                           front_tokens_per_slot=front_tokens_per_slot)
+                           payload=payload, streaming=streaming, stream_slots=stream_slots,
+                           stream_slot_tokens=stream_slot_tokens)
     # One layer per distinct shape, shared by the blocks of that shape: a layer holds no weights, and a
     # model's blocks run one after another on one stream, so their calls are ordered (docs/INTEGRATION.md).
     layers: dict[MoEConfig, MoELayer] = {}

@@ -160,9 +160,9 @@ def calibrate(layer: MoELayer, router_weight: torch.Tensor, w13: torch.Tensor | 
         ChunkringUsageError: a layer without a streaming ring, or a bad count, chunk size or setting.
     """
     cfg = layer.config
-    slot = cfg.front_tokens_per_slot
+    slot = cfg.stream_slot_tokens
     if slot is None:
-        raise ChunkringUsageError("needs a streaming ring (front_num_slots, front_tokens_per_slot)", field="config")
+        raise ChunkringUsageError("needs a streaming ring (stream_slots, stream_slot_tokens)", field="config")
     counts = tuple(token_counts)
     if not counts or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cfg.max_tokens_per_rank
                          for n in counts):

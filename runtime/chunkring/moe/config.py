@@ -41,7 +41,7 @@ class MoEConfig:
             grouped GEMMs).
         max_tokens_per_rank: the capacity of one call's batch per rank.
         payload: what travels between ranks: FP8 e4m3 with per-128 fp32 scales (the default), or bf16.
-        front_num_slots, front_tokens_per_slot: the streaming ring (both or neither; neither = batch-ready only;
+        stream_slots, stream_slot_tokens: the streaming ring (both or neither; neither = batch-ready only;
             :meth:`with_default_ring` picks them).
         transport: how each rank reaches its peers' slots and combine rows (:mod:`chunkring.ring.transport`):
             ``"auto"`` (loads and stores where NVSHMEM maps a peer, RMA elsewhere), ``"rma"`` (RMA for every
@@ -61,8 +61,8 @@ class MoEConfig:
     topk: int
     max_tokens_per_rank: int
     payload: PayloadFormat = PayloadFormat.FP8_E4M3
-    front_num_slots: int | None = None
-    front_tokens_per_slot: int | None = None
+    stream_slots: int | None = None
+    stream_slot_tokens: int | None = None
     transport: str | None = None
     waves: int = 1
 
@@ -99,7 +99,7 @@ class MoEConfig:
             # ring alone takes a bf16 row of any multiple of 8 (an FP8 row's rule is the ring's own, checked below).
             problems.add(f"must be a multiple of {FP8_SCALE_BLOCK} (the layer's producers move rows in blocks of "
                          f"{FP8_SCALE_BLOCK} columns), got {self.hidden}", field="hidden")
-        self._check_front_ring(problems)
+        self._check_stream_ring(problems)
         if self.transport is not None and self.transport not in TRANSPORT_MODES:
             problems.add(f"must be one of {TRANSPORT_MODES} or None, got {self.transport!r}", field="transport")
         if isinstance(self.waves, bool) or not isinstance(self.waves, int) or not 1 <= self.waves <= MAX_WAVES:
@@ -110,22 +110,22 @@ class MoEConfig:
             self.check_world_size(1)
         problems.raise_if_any()
 
-    def _check_front_ring(self, problems: UsageProblems) -> None:
+    def _check_stream_ring(self, problems: UsageProblems) -> None:
         """The streaming ring's two fields: each a positive int or None, both or neither, a slot within the batch."""
-        front = {"front_num_slots": self.front_num_slots, "front_tokens_per_slot": self.front_tokens_per_slot}
-        for name, value in front.items():
+        ring = {"stream_slots": self.stream_slots, "stream_slot_tokens": self.stream_slot_tokens}
+        for name, value in ring.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 problems.add(f"must be a positive int or None, got {value!r}", field=name)
-        unset = [name for name, value in front.items() if value is None]
+        unset = [name for name, value in ring.items() if value is None]
         if len(unset) == 1:
-            (given,) = set(front) - set(unset)
-            problems.add(f"unset while {given}={front[given]!r} is set: set both for a streaming ring, or neither",
+            (given,) = set(ring) - set(unset)
+            problems.add(f"unset while {given}={ring[given]!r} is set: set both for a streaming ring, or neither",
                          field=unset[0])
-        tokens = self.front_tokens_per_slot
-        if (not problems.reported("front_tokens_per_slot", "max_tokens_per_rank") and tokens is not None
+        tokens = self.stream_slot_tokens
+        if (not problems.reported("stream_slot_tokens", "max_tokens_per_rank") and tokens is not None
                 and tokens > self.max_tokens_per_rank):
             problems.add(f"must be at most max_tokens_per_rank={self.max_tokens_per_rank} (a chunk is part of a "
-                         f"batch), got {tokens}", field="front_tokens_per_slot")
+                         f"batch), got {tokens}", field="stream_slot_tokens")
 
     @property
     def incremental(self) -> bool:
@@ -135,27 +135,27 @@ class MoEConfig:
     @property
     def streaming(self) -> bool:
         """Whether the layer has a streaming ring (``streaming=True`` calls need one)."""
-        return self.front_num_slots is not None
+        return self.stream_slots is not None
 
     def with_default_ring(self) -> MoEConfig:
         """This config with the default streaming ring: 2 slots of ``max_tokens_per_rank / 4`` tokens (at least
         1), so the ring's payload is half the full per-rank input region. A streamed call chunks its batch in
         any size up to the slot (``chunk=``, or what calibration measured fastest), and large batches stream
         fastest in large chunks: docs/PERFORMANCE.md gives the measurements behind both numbers."""
-        return replace(self, front_num_slots=DEFAULT_FRONT_NUM_SLOTS,
-                       front_tokens_per_slot=max(1, self.max_tokens_per_rank // (2 * DEFAULT_FRONT_NUM_SLOTS)))
+        return replace(self, stream_slots=DEFAULT_FRONT_NUM_SLOTS,
+                       stream_slot_tokens=max(1, self.max_tokens_per_rank // (2 * DEFAULT_FRONT_NUM_SLOTS)))
 
     def ring_spec(self, world_size: int, *, streamed: bool) -> RingSpec:
         """The spec of the streaming ring, or of the one-slot batch-ready ring. Checks the shared fields;
         an error names the config's field (``max_tokens_per_rank`` for the batch-ready ring's slot size,
-        ``front_num_slots`` / ``front_tokens_per_slot`` for the streaming ring's)."""
+        ``stream_slots`` / ``stream_slot_tokens`` for the streaming ring's)."""
         if streamed:
-            slots, tokens = self.front_num_slots, self.front_tokens_per_slot
+            slots, tokens = self.stream_slots, self.stream_slot_tokens
         else:
             slots, tokens = 1, self.max_tokens_per_rank
         if slots is None or tokens is None:
-            raise ChunkringUsageError("this config has no streaming ring (set front_num_slots and "
-                                      "front_tokens_per_slot)", field="front_num_slots")
+            raise ChunkringUsageError("this config has no streaming ring (set stream_slots and "
+                                      "stream_slot_tokens)", field="stream_slots")
         try:
             return RingSpec(world_size=world_size, num_slots=slots, tokens_per_slot=tokens, hidden=self.hidden,
                             payload=self.payload, topk=self.topk, num_experts=self.num_experts)
@@ -174,7 +174,7 @@ class MoEConfig:
         at most ``chunkring.ring.MAX_WORLD_SIZE`` ranks), every broken rule of both rings listed at once.
         What a launcher checks before any rank starts."""
         problems = UsageProblems()
-        both = self.front_num_slots is not None and self.front_tokens_per_slot is not None
+        both = self.stream_slots is not None and self.stream_slot_tokens is not None
         for streamed in (False, True) if both else (False,):
             with problems.collect():
                 RingLayout(self.ring_spec(world_size, streamed=streamed))
@@ -183,7 +183,7 @@ class MoEConfig:
 
 #: The config field behind each RingSpec field that is not one of the config's own, per ring.
 _BATCH_FIELDS = {"tokens_per_slot": "max_tokens_per_rank"}
-_STREAMED_FIELDS = {"tokens_per_slot": "front_tokens_per_slot", "num_slots": "front_num_slots"}
+_STREAMED_FIELDS = {"tokens_per_slot": "stream_slot_tokens", "num_slots": "stream_slots"}
 
 
 def _as_config_problems(exc: ChunkringUsageError, *, streamed: bool) -> list[Problem]:

@@ -228,7 +228,7 @@ class MoELayer:
                 there first. Output rows past it are zero; a count outside [0, n] is reported by
                 :meth:`check` and clamped.
             timeline: a :class:`chunkring.Timeline` the call appends device timestamps of its chunk events to.
-            chunk: tokens per chunk of a streamed call, in [1, ``front_tokens_per_slot``] (None: what
+            chunk: tokens per chunk of a streamed call, in [1, ``stream_slot_tokens``] (None: what
                 :attr:`streaming_calibration` measured fastest for ``n`` tokens, else the slot size). Ranks may
                 chunk differently. Batch-ready calls publish one chunk whatever it says.
 

@@ -176,7 +176,7 @@ class _Model:
             if runtime.rank == 0:
                 write_chrome_trace(f"{prefix}-{name}.json", dict(enumerate(gathered)),
                                    metadata={"call": name, "tokens_per_rank": n,
-                                             "chunk": layer.config.front_tokens_per_slot,
+                                             "chunk": layer.config.stream_slot_tokens,
                                              "config": str(layer.config), "ranks": runtime.world_size})
 
     def _median_ms(self, load: Callable[[int], object], call: Callable[[], object]) -> float:

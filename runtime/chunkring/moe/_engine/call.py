@@ -41,7 +41,7 @@ class CallMode(enum.Enum):
     #: The whole batch as one chunk into a one-slot ring of ``max_tokens_per_rank`` rows: the full
     #: per-rank input region of today's MegaMoE contract. The default, and the correctness fallback.
     BATCH_READY = "batch_ready"
-    #: Chunk by chunk into the ``front_num_slots`` x ``front_tokens_per_slot`` ring, each chunk as soon
+    #: Chunk by chunk into the ``stream_slots`` x ``stream_slot_tokens`` ring, each chunk as soon
     #: as its producers finish.
     STREAMED = "streamed"
 
@@ -117,7 +117,7 @@ def resolve_mode(config: MoEConfig, calibration: StreamingCalibration | None, st
     if not isinstance(streaming, bool):
         raise ChunkringUsageError(f'must be True, False or "auto", got {streaming!r}', field="streaming")
     if streaming and not config.streaming:
-        raise ChunkringUsageError("streaming=True needs front_num_slots and front_tokens_per_slot in the MoEConfig",
+        raise ChunkringUsageError("streaming=True needs stream_slots and stream_slot_tokens in the MoEConfig",
                                   field="streaming")
     return CallMode.STREAMED if streaming else CallMode.BATCH_READY
 
@@ -174,13 +174,13 @@ def resolve_forward(layer: Layer, mode: CallMode, hidden: torch.Tensor, router_w
 def call_chunk(config: MoEConfig, calibration: StreamingCalibration | None, mode: CallMode, n: int,
                chunk: object) -> int | None:
     """The chunk size a call of ``mode`` on ``n`` tokens publishes in: None for batch-ready (its one chunk);
-    for a streamed call ``chunk`` if given (an int in [1, ``front_tokens_per_slot``]), else the size
+    for a streamed call ``chunk`` if given (an int in [1, ``stream_slot_tokens``]), else the size
     ``calibration`` measured fastest for ``n`` tokens, else the slot size. A ``ChunkringUsageError`` for a
     ``chunk`` out of range, whatever the mode."""
-    slot = config.front_tokens_per_slot
+    slot = config.stream_slot_tokens
     if chunk is not None:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or (slot is not None and chunk > slot):
-            raise ChunkringUsageError(f"must be an int in [1, front_tokens_per_slot={slot}], got {chunk!r}",
+            raise ChunkringUsageError(f"must be an int in [1, stream_slot_tokens={slot}], got {chunk!r}",
                                       field="chunk")
     if mode is CallMode.BATCH_READY or slot is None:
         return None

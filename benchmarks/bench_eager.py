@@ -83,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gate-ms", type=float, default=10.0,
                         help="the device-side delay each host_issue_ms sample's call is enqueued behind")
     parser.add_argument("--partition", default="auto", choices=("auto", "none"), help="the layer's partition=")
+    parser.add_argument("--call", default="run", choices=("run", "forward"),
+                        help="run: MoELayer.run on the routed batch (MegaMoE's contract); forward: the layer with its "
+                             "own producers (MoEModule, as the main job calls it; MegaMoE, which routes nothing, left "
+                             "out)")
     parser.add_argument("--no-megamoe", action="store_true", help="leave DeepGEMM's MegaMoE out")
     parser.add_argument("--json", default=None, help="the result file (rank 0 writes it)")
     args = parser.parse_args(argv)
@@ -352,10 +356,14 @@ def measure_tokens(shape: Shape, launched: Any, t: int, args: argparse.Namespace
     runtime, layer = shape.runtime, shape.layer
     hidden, batch = shape.inputs(t)
     x, x_sf, idx, w = batch
-    modes = {mode: partial(layer.run, x, x_sf, idx, w, shape.w13, shape.w2, streaming=mode == "streamed")
-             for mode in MODES}
-    modes.update({side: partial(launched.run, x, x_sf, idx, w, shape.w13, shape.w2, streaming=side.startswith("s"))
-                  for side in LAUNCHED})
+    if args.call == "forward":  # the layer with its own producers, as MoEModule (and the main job) call it
+        module = partial(layer.forward, hidden, shape.router, shape.w13, shape.w2)
+        module_launched = partial(launched.forward, hidden, shape.router, shape.w13, shape.w2)
+    else:
+        module = partial(layer.run, x, x_sf, idx, w, shape.w13, shape.w2)
+        module_launched = partial(launched.run, x, x_sf, idx, w, shape.w13, shape.w2)
+    modes = {mode: partial(module, streaming=mode == "streamed") for mode in MODES}
+    modes.update({side: partial(module_launched, streaming=side.startswith("s")) for side in LAUNCHED})
     sides: dict[str, Callable[[], object]] = dict(modes)
     if megamoe is not None:
         sides[PEER] = megamoe.staged(t, hidden, batch)
@@ -406,8 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         launched = MoELayer(runtime, shape.config, partition=args.partition, eager_graphs=False)
         megamoe: MegaMoE | None = None
         try:
-            megamoe, setup = (None, "left out (--no-megamoe)") if args.no_megamoe else \
-                open_megamoe(shape, max(args.tokens))
+            if args.no_megamoe or args.call == "forward":
+                megamoe, setup = None, "left out (--no-megamoe)" if args.no_megamoe else "left out (--call forward)"
+            else:
+                megamoe, setup = open_megamoe(shape, max(args.tokens))
             if runtime.rank == 0:
                 print(f"{args.shape}, {runtime.world_size} rank(s), slot {shape.slot} tokens; MegaMoE: {setup}",
                       flush=True)

@@ -27,7 +27,7 @@ MPS_RANKS = 4
 VARIANTS = {"1rank": ("--np", "1"), f"{MPS_RANKS}rank-mps": ("--np", str(MPS_RANKS), "--mps")}
 
 #: Small presets by job: each run takes seconds.
-RUN_KEYS = ("tokens_per_rank=128", "iterations=2", "warmup=1")
+RUN_KEYS = ("num_experts=16", "hidden=1024", "intermediate=512", "tokens_per_rank=128", "iterations=2", "warmup=1")
 BENCH_KEYS = ("tokens=128", "chunks=128", "trace=", "iterations=2", "warmup=1", "rotate=1")
 STRESS_KEYS = ("iterations=12",)  # past the preset's chaos_iteration (10), which the config checks
 SOAK_KEYS = ("duration_s=5",)  # the soaks' own iterations=0: a run of duration_s seconds

@@ -36,7 +36,7 @@ def run_cli(*argv, env=None):
 def test_topk_past_the_experts_is_a_config_error_without_a_gpu():
     proc = run_cli("run", "topk=100")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == "chunkring-launch: topk: must be in [1, 16], got 100 (at most num_experts=16)\n"
+    assert proc.stderr == "chunkring-launch: topk: must be in [1, 32], got 100 (at most num_experts=32)\n"
     assert proc.stdout == ""
 
 
@@ -49,8 +49,8 @@ def test_topk_past_the_experts_is_a_config_error_without_a_gpu():
     (["run", "max_tokens_per_rank=0"], "max_tokens_per_rank: must be a positive int, got 0"),
     (["run", "max_tokens_per_rank=70000"], "max_tokens_per_rank: must be in [1, 65536], got 70000"),
     (["run", "stream_slots=70000"], "stream_slots: must be in [1, 65536], got 70000"),
-    (["--np", "3", "run"], "num_experts: 16 experts do not split evenly over 3 ranks"),
-    (["--np", "3", "--dry-run", "run"], "num_experts: 16 experts do not split evenly over 3 ranks"),
+    (["--np", "3", "run"], "num_experts: 32 experts do not split evenly over 3 ranks"),
+    (["--np", "3", "--dry-run", "run"], "num_experts: 32 experts do not split evenly over 3 ranks"),
     (["--np", "128", "run", "num_experts=128"], "--np: must be in [1, 64], got 128"),
 ])
 def test_a_layer_the_ring_cannot_carry_is_a_config_error(argv, needle, capsys):

@@ -46,11 +46,11 @@ def test_bringup_rejects(table, field):
 
 @pytest.mark.parametrize("table,field", [
     ({"payload": "fp4"}, "payload"),
-    ({"tokens_per_rank": 600}, "tokens_per_rank"),
+    ({"tokens_per_rank": 2100}, "tokens_per_rank"),  # past max_tokens_per_rank (2,048)
     ({"iterations": 0}, "iterations"),
     ({"tolerance": 1.5}, "tolerance"),
     ({"intermediate": 100}, "intermediate"),  # the layer's own check, before any rank starts
-    ({"stream_slot_tokens": 1024}, "stream_slot_tokens"),
+    ({"stream_slot_tokens": 4096}, "stream_slot_tokens"),  # a slot past the batch
     ({"topk": 1.0}, "topk"),
 ])
 def test_run_rejects(table, field):

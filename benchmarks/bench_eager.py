@@ -10,8 +10,8 @@ DeepGEMM's per-rank shape, 32 local experts, hidden 4096, intermediate 2048, top
 caller builds it (:class:`benchmarks.bench_overlap.Shape`: ``MoEConfig(...).with_default_ring()`` for the largest
 token count, default partition). Per token count, five sides on one routed FP8 batch: ``batch`` and
 ``streamed`` (``MoELayer.run(..., streaming=False / True)``, the streamed call in the slot's chunks; eager calls
-replayed from CUDA graphs, the layer's default), ``batch_launched`` and ``streamed_launched`` (the same calls of a
-layer built with ``eager_graphs=False``, every kernel launched from Python: the other way to issue them) and ``megamoe``
+replayed from CUDA graphs: ``MoELayer(eager_graphs=True)``), ``batch_launched`` and ``streamed_launched`` (the same
+calls of a layer that launches every kernel from Python, the default: the other way to issue them) and ``megamoe``
 (``deep_gemm.fp8_mega_moe`` with its input staging, as benchmarks/bench_vs_megamoe.py calls it), each timed four ways:
 
 * ``host_issue_ms``: host wall time from the call to its return, no sync; each sample's call is enqueued behind a
@@ -53,9 +53,8 @@ from benchmarks.bench_overlap import SHAPES, Shape
 T = TypeVar("T")
 
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
-#: The layer's two call modes (its eager calls replayed from CUDA graphs, the default), the same calls of a layer
-#: that launches every kernel of every call (``MoELayer(eager_graphs=False)``: what an eager call cost before), then
-#: the peer.
+#: The layer's two call modes (its eager calls replayed from CUDA graphs: ``MoELayer(eager_graphs=True)``), the same
+#: calls of a layer that launches every kernel of every call (the default), then the peer.
 MODES = ("batch", "streamed")
 LAUNCHED = ("batch_launched", "streamed_launched")
 PEER = "megamoe"
@@ -408,10 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     runtime = chunkring.init()
     records: list[dict[str, Any]] = []
     try:
-        shape = Shape(args.shape, runtime, max(args.tokens), partition=args.partition)
+        shape = Shape(args.shape, runtime, max(args.tokens), partition=args.partition, eager_graphs=True)
         from chunkring import MoELayer
 
-        launched = MoELayer(runtime, shape.config, partition=args.partition, eager_graphs=False)
+        launched = MoELayer(runtime, shape.config, partition=args.partition)
         megamoe: MegaMoE | None = None
         try:
             if args.no_megamoe or args.call == "forward":

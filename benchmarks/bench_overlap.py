@@ -138,7 +138,7 @@ class Shape:
     the GPU, and the ``MoEModule`` over them."""
 
     def __init__(self, name: str, runtime, max_tokens: int, seed: int = 0, slot: int | None = None,
-                 partition: str = "auto"):
+                 partition: str = "auto", eager_graphs: bool = False):
         import torch
 
         from chunkring import MoEConfig, MoELayer, MoEModule, expert_weights
@@ -156,7 +156,7 @@ class Shape:
         w2 = (torch.randn(E, H, inter, generator=self.gen, device=device) / inter**0.5).bfloat16()
         weights = expert_weights(self.config, w13, w2)
         self.w13, self.w2 = weights[0], weights[1]
-        self.layer = MoELayer(runtime, self.config, partition=partition)
+        self.layer = MoELayer(runtime, self.config, partition=partition, eager_graphs=eager_graphs)
         self.module = MoEModule(self.layer, weights=(self.router, self.w13, self.w2))
 
     @property

@@ -5,8 +5,8 @@ Every rank routes its own ``tokens_per_rank`` tokens (seeded per rank) through t
 (router GEMM -> TopK -> FP8 quantisation -> publish: ``chunkring.MoEModule``). Fails when either mode's relative
 error against the reference exceeds ``tolerance``. Times each mode as CUDA-graph replays (``<mode>_graph_ms``: what a
 captured model pays; chunkring.moe.calibration.replay_medians_ms, one replay per sample, the modes interleaved) and
-as eager calls (``<mode>_eager_ms``: events around one call, the modes interleaved; eager calls replay from the
-layer's own graphs after their first), each the median of ``iterations`` samples after ``warmup``, ranks met before
+as eager calls (``<mode>_eager_ms``: events around one call, the modes interleaved; issued as the layer's default
+issues them, every kernel launched), each the median of ``iterations`` samples after ``warmup``, ranks met before
 each sample; ``streamed_over_batch`` compares the graph replays, ``streamed_over_batch_eager`` the eager calls. Also
 the symmetric memory of the full input region against the streaming ring. The preset is DeepGEMM's per-rank shape
 (configs/run.toml); benchmarks/bench_eager.py --call forward times the same calls.

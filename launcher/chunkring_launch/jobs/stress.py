@@ -156,8 +156,8 @@ def run(runtime: Runtime, config: CONFIG) -> dict[str, float]:
         raise ChunkringUsageError(f"rank {config.chaos_rank} does not exist in a world of {runtime.world_size}",
                                   field="chaos_rank")
     cfg = config.layer_config()
-    # A delay acts on the layer's own streams, which a call replayed from a CUDA graph does not use: with delays,
-    # every eager call launches its kernels there (the graph calls stay graph replays).
+    # Without delays the eager calls replay the layer's own graphs, stressing that path too. A delay acts on the
+    # layer's streams, which a replayed call does not use: with delays every eager call launches its kernels there.
     with open_layer(runtime, config, cfg, eager_graphs=config.delay_probability == 0) as layer:
         weights = seeded_weights(layer, config.seed)
         return _iterate(runtime, config, layer, weights)

@@ -70,7 +70,8 @@ class MoELayer:
             equal bit for bit; calls of different sizes may round differently.
         eager_graphs: replay eager calls from CUDA graphs, one captured per kind of call at its first (the module
             :mod:`chunkring.moe._engine.replay` says which calls and why): an eager call then costs the host about
-            what a graph replay does, not a launch of every kernel. False: every call launches its kernels.
+            what a graph replay does, not a launch of every kernel. False (the default): every call launches its
+            kernels.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly
@@ -91,7 +92,7 @@ class MoELayer:
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
                  timeout_s: float | None = None, kernels: LayerKernels | None = None,
-                 decode: bool | str = False, eager_graphs: bool = True) -> None:
+                 decode: bool | str = False, eager_graphs: bool = False) -> None:
         # Given the same arguments these checks fail alike on every rank. The environment may differ: a rank with
         # lazy module loading abandons the first collective's barrier, so its peers raise at once, naming it.
         if not isinstance(config, MoEConfig):

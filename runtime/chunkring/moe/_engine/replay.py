@@ -136,9 +136,11 @@ class CallGraphs:
             self._graphs.popitem(last=False)
 
     def clear(self) -> None:
-        """Drop every graph (before the layer's buffers, which they read, are freed)."""
+        """Drop every graph and the buffers they read (before the layer's own buffers are freed)."""
         self._graphs.clear()
         self._direct.clear()
+        self._inputs.clear()
+        self._out = self._count = self._pool = self._stream = None
 
     def _staged(self, call: Call, rows: int) -> Call:
         """``call`` over the fixed buffers: its batch's first ``rows`` rows, its count read from the device, its

@@ -34,6 +34,7 @@
 
 #include "chunkring/moe/decode_gemm.cuh"
 #include "chunkring/moe/fp8.cuh"
+#include "chunkring/moe/kernel_args.cuh"
 #include "chunkring/ptx/dependent_launch.cuh"
 #include "chunkring/ptx/ordering.cuh"
 #include "chunkring/util/kernel_params.cuh"
@@ -50,6 +51,10 @@ using decode::kTileRows;
 using decode::kTokenTiles;
 using decode::kWarp;
 using decode::kWarps;
+using chunkring::layout::arg;
+using chunkring::layout::require_args;
+using chunkring::moe::DecodeL1Args;
+using chunkring::moe::DecodeL2Args;
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
 
@@ -149,9 +154,14 @@ __device__ void swiglu_quantise(const float (&acc)[kMTiles][kTokenTiles][4], u64
 // Launch: grid E_local * inter / 128, block decode::kThreads, decode::kSharedBytes of dynamic shared memory (the
 // warps' weight rings); hidden % 128 == 0, inter % 128 == 0.
 extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
-    moe_decode_l1(const __nv_fp8_e4m3* w13, const float* w13_sf, const unsigned char* rows, const float* rows_sf,
-                  long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
-                  long long inter, __nv_fp8_e4m3* act, float* act_sf) {
+    moe_decode_l1(const __grid_constant__ DecodeL1Args args) {
+    require_args(args);
+    const auto* w13 = arg<const __nv_fp8_e4m3*>(args.w13);
+    const auto* w13_sf = arg<const float*>(args.w13_sf);
+    const long long sf_stride = arg<long long>(args.sf_stride);
+    const auto* counts = arg<const unsigned*>(args.counts);
+    const long long hidden = arg<long long>(args.hidden);
+    const long long inter = arg<long long>(args.inter);
     const u64 H = static_cast<u64>(hidden), I = static_cast<u64>(inter);
     const u32 chunks = static_cast<u32>(I / kScaleRows), e = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
     const u32 planned = rows_of(counts, e);
@@ -174,6 +184,11 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     decode::start_weights(warp_ring(warp), op, kblocks);  // the first pass's, while the kernel ahead finishes
     ptx::wait_prior_grid();
     ptx::release_dependents();
+    const auto* rows = arg<const unsigned char*>(args.rows);
+    const auto* rows_sf = arg<const float*>(args.rows_sf);
+    const auto* group_end = arg<const int*>(args.group_end);
+    auto* act = arg<__nv_fp8_e4m3*>(args.act);
+    auto* act_sf = arg<float*>(args.act_sf);
     const u64 first = first_row(group_end, e, planned);
     float acc[kMTiles][kTokenTiles][4];
     for (u32 done = 0; done < planned; done += kPassRows) {
@@ -193,9 +208,14 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
 // Launch: grid E_local * hidden / 256, block decode::kThreads, decode::kSharedBytes of dynamic shared memory;
 // hidden % 256 == 0, inter % 128 == 0.
 extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
-    moe_decode_l2(const __nv_fp8_e4m3* w2, const float* w2_sf, const __nv_fp8_e4m3* act, const float* act_sf,
-                  long long sf_stride, const unsigned* counts, const int* group_end, long long hidden,
-                  long long inter, __nv_bfloat16* out) {
+    moe_decode_l2(const __grid_constant__ DecodeL2Args args) {
+    require_args(args);
+    const auto* w2 = arg<const __nv_fp8_e4m3*>(args.w2);
+    const auto* w2_sf = arg<const float*>(args.w2_sf);
+    const long long sf_stride = arg<long long>(args.sf_stride);
+    const auto* counts = arg<const unsigned*>(args.counts);
+    const long long hidden = arg<long long>(args.hidden);
+    const long long inter = arg<long long>(args.inter);
     const u64 H = static_cast<u64>(hidden), I = static_cast<u64>(inter);
     const u32 chunks = static_cast<u32>(H / (kMTiles * kScaleRows)), e = blockIdx.x / chunks,
               chunk = blockIdx.x % chunks;
@@ -222,6 +242,10 @@ extern "C" __global__ void __launch_bounds__(decode::kThreads, 1)
     decode::start_weights(warp_ring(warp), op, kblocks);  // the first pass's, while L1 finishes
     ptx::wait_prior_grid();
     ptx::release_dependents();
+    const auto* act = arg<const __nv_fp8_e4m3*>(args.act);
+    const auto* act_sf = arg<const float*>(args.act_sf);
+    const auto* group_end = arg<const int*>(args.group_end);
+    auto* out = arg<__nv_bfloat16*>(args.out);
     const u64 group_first = first_row(group_end, e, planned);
     float acc[kMTiles][kTokenTiles][4];
     for (u32 done = 0; done < planned; done += kPassRows) {

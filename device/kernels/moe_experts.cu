@@ -35,6 +35,7 @@
 #include "chunkring/moe/blocks.cuh"
 #include "chunkring/moe/descriptors.cuh"
 #include "chunkring/moe/fp8.cuh"
+#include "chunkring/moe/kernel_args.cuh"
 #include "chunkring/protocol/mutants.cuh"
 #include "chunkring/ptx/dependent_launch.cuh"
 #include "chunkring/ptx/ordering.cuh"
@@ -51,8 +52,14 @@ using chunkring::protocol::kMutant;
 using chunkring::protocol::Mutant;
 using chunkring::layout::RingDesc;
 using chunkring::layout::address;
+using chunkring::layout::arg;
+using chunkring::layout::require_args;
+using chunkring::moe::CombinePushArgs;
+using chunkring::moe::CombineReduceArgs;
+using chunkring::moe::PlanScatterArgs;
 using chunkring::moe::PoolDesc;
 using chunkring::moe::StageDesc;
+using chunkring::moe::WaveGatherArgs;
 using chunkring::protocol::Site;
 using u32 = ::cuda::std::uint32_t;
 using u64 = ::cuda::std::uint64_t;
@@ -143,12 +150,25 @@ extern "C" __global__ void moe_plan_count(const StageDesc* stage, unsigned* coun
 //   "psum" grouped layout, with which its GEMMs visit only each expert's own row blocks
 //   own_row [N * K] int32: for each choice of source own_rank (this rank's own tokens), its row p at token * K + k
 //   (-1 elsewhere, prefilled by moe_plan_reset): where the reduction finds it, since the push skips those rows
-extern "C" __global__ void moe_plan_scatter(const StageDesc* stage, int block_m, const unsigned* counts,
-                                            unsigned* cursors, unsigned char* rows, float* rows_sf, long long sf_stride,
-                                            int* row_src, int* row_token, int* row_k, float* row_weight,
-                                            int* group_end, int own_rank, int* own_row) {
+//   (block_m: the groups' row multiple; counts [E_local] from moe_plan_count)
+extern "C" __global__ void moe_plan_scatter(const __grid_constant__ PlanScatterArgs args) {
     ptx::wait_prior_grid();
     ptx::release_dependents();
+    require_args(args);
+    const auto* stage = arg<const StageDesc*>(args.stage);
+    const int block_m = arg<int>(args.block_m);
+    const auto* counts = arg<const unsigned*>(args.counts);
+    auto* cursors = arg<unsigned*>(args.cursors);
+    auto* rows = arg<unsigned char*>(args.rows);
+    auto* rows_sf = arg<float*>(args.rows_sf);
+    const long long sf_stride = arg<long long>(args.sf_stride);
+    auto* row_src = arg<int*>(args.row_src);
+    auto* row_token = arg<int*>(args.row_token);
+    auto* row_k = arg<int*>(args.row_k);
+    auto* row_weight = arg<float*>(args.row_weight);
+    auto* group_end = arg<int*>(args.group_end);
+    const int own_rank = arg<int>(args.own_rank);
+    auto* own_row = arg<int*>(args.own_row);
     const StageDesc& s = *stage;
     chunkring::moe::require_descriptor(s);
     const auto* stage_x = address<const unsigned char>(s.x);
@@ -265,15 +285,25 @@ extern "C" __global__ void moe_swiglu_bf16(const __nv_bfloat16* gate_up, const i
 // delivered: put_done), adds 1; moe_ack_held (moe_stream.cu) acquires the count - every block's arrival -
 // before it acknowledges the held chunks, so each source's owner sees these rows once it sees the ack
 // (docs/PROTOCOL.md, "The MoE layer on the ring").
-extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_src, const int* row_token,
-                                            const int* row_k, const float* row_weight, const unsigned* counts,
-                                            int num_local, int block_m, long long hidden, int topk,
-                                            const unsigned long long* peer_combine,
-                                            CHUNKRING_NULLABLE const RingDesc* desc,
-                                            CHUNKRING_NULLABLE __nv_bfloat16* combine, int own_rank,
-                                            unsigned long long* pushed) {
+extern "C" __global__ void moe_combine_push(const __grid_constant__ CombinePushArgs args) {
     ptx::wait_prior_grid();
     ptx::release_dependents();
+    require_args(args);
+    auto* out = arg<__nv_bfloat16*>(args.out);
+    const auto* row_src = arg<const int*>(args.row_src);
+    const auto* row_token = arg<const int*>(args.row_token);
+    const auto* row_k = arg<const int*>(args.row_k);
+    const auto* row_weight = arg<const float*>(args.row_weight);
+    const auto* counts = arg<const unsigned*>(args.counts);
+    const int num_local = arg<int>(args.num_local);
+    const int block_m = arg<int>(args.block_m);
+    const long long hidden = arg<long long>(args.hidden);
+    const int topk = arg<int>(args.topk);
+    const auto* peer_combine = arg<const unsigned long long*>(args.peer_combine);
+    const auto* desc = arg<const RingDesc*>(args.desc);  // null: no ring, every source DIRECT
+    auto* combine = arg<__nv_bfloat16*>(args.combine);   // null without a ring
+    const int own_rank = arg<int>(args.own_rank);
+    auto* pushed = arg<unsigned long long*>(args.pushed);
     extern __shared__ unsigned offsets[];
     group_offsets(counts, num_local, block_m, offsets);
     const u64 used = offsets[num_local], H = static_cast<u64>(hidden);
@@ -330,12 +360,19 @@ extern "C" __global__ void moe_combine_push(__nv_bfloat16* out, const int* row_s
 // an error in it - the drain gave up (a watchdog, a peer's abort) or an earlier kernel of the call did - some
 // combine rows may be another call's, so `out` is zeros instead: a failed call never returns stale rows
 // (docs/INTEGRATION.md, "Failing closed"). The record was made by a kernel ahead of this one in stream order.
-extern "C" __global__ void moe_combine_reduce(CHUNKRING_NULLABLE const RingDesc* desc, const __nv_bfloat16* combine,
-                                              const int* routing, const float* weights,
-                                              CHUNKRING_NULLABLE const int* own_row,
-                                              CHUNKRING_NULLABLE const __nv_bfloat16* own_out, __nv_bfloat16* out,
-                                              long long tokens, int topk, long long hidden) {
+extern "C" __global__ void moe_combine_reduce(const __grid_constant__ CombineReduceArgs args) {
     ptx::wait_prior_grid();
+    require_args(args);
+    const auto* desc = arg<const RingDesc*>(args.desc);  // null: a reduction outside a ring's call
+    const auto* combine = arg<const __nv_bfloat16*>(args.combine);
+    const auto* routing = arg<const int*>(args.routing);
+    const auto* weights = arg<const float*>(args.weights);
+    const auto* own_row = arg<const int*>(args.own_row);  // null, with own_out: no own rows
+    const auto* own_out = arg<const __nv_bfloat16*>(args.own_out);
+    auto* out = arg<__nv_bfloat16*>(args.out);
+    const long long tokens = arg<long long>(args.tokens);
+    const int topk = arg<int>(args.topk);
+    const long long hidden = arg<long long>(args.hidden);
     constexpr bool kEveryChoice = kMutant == Mutant::kReduceEveryChoice;  // a negative control only
     const u64 n = static_cast<u64>(tokens), K = static_cast<u64>(topk), H = static_cast<u64>(hidden);
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
@@ -479,10 +516,20 @@ extern "C" __global__ void moe_wave_claim(const RingDesc* desc, const PoolDesc* 
 // after moe_wave_claim, whose claimants acquired every row (kernel boundary: their acquires order these
 // reads, in this later kernel of the same stream).
 //   pool: x [P * bm, row_bytes], sf [P * bm, sf_per_row] (row-major, as the pull stored them), src, token, k, weight
-extern "C" __global__ void moe_wave_gather(const PoolDesc* pool_desc, const unsigned* counts, unsigned* cursors,
-                                           unsigned char* rows, float* rows_sf, long long sf_stride, int* row_src,
-                                           int* row_token, int* row_k, float* row_weight, int* group_end) {
+extern "C" __global__ void moe_wave_gather(const __grid_constant__ WaveGatherArgs args) {
     namespace blk = chunkring::moe::blocks;
+    require_args(args);
+    const auto* pool_desc = arg<const PoolDesc*>(args.pool_desc);
+    const auto* counts = arg<const unsigned*>(args.counts);
+    auto* cursors = arg<unsigned*>(args.cursors);
+    auto* rows = arg<unsigned char*>(args.rows);
+    auto* rows_sf = arg<float*>(args.rows_sf);
+    const long long sf_stride = arg<long long>(args.sf_stride);
+    auto* row_src = arg<int*>(args.row_src);
+    auto* row_token = arg<int*>(args.row_token);
+    auto* row_k = arg<int*>(args.row_k);
+    auto* row_weight = arg<float*>(args.row_weight);
+    auto* group_end = arg<int*>(args.group_end);
     const PoolDesc& pd = *pool_desc;
     chunkring::moe::require_descriptor(pd);
     const blk::Pool pool = chunkring::moe::pool_of(pd);

@@ -17,6 +17,7 @@ from pathlib import Path
 from chunkring.jit import kernel_sources
 from chunkring.jit.compiler import KERNEL_DIR
 from chunkring.jit.signatures import parse_kernels
+from tests.helpers.kernel_args import kernel_bodies, mirrors
 from tests.helpers.launch_sites import launch_calls
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,29 +33,15 @@ EARLY_READS = {"moe_decode_l1": {"w13", "w13_sf", "counts", "hidden", "inter", "
 SPINS = re.compile(r"\b(spin_until|consume_invocation|begin_chunk|poll_acked|wait_chunk|drain)\s*\(")
 
 
-def kernel_bodies() -> dict[str, str]:
-    """Each ``extern "C"`` kernel's body (between its braces), by name, from every source."""
-    bodies = {}
-    for source in kernel_sources():
-        text = (KERNEL_DIR / f"{source}.cu").read_text()
-        for match in re.finditer(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\s*\(', text):
-            start = text.index("{", match.end())
-            depth, at = 0, start
-            while True:
-                depth += {"{": 1, "}": -1}.get(text[at], 0)
-                if depth == 0:
-                    break
-                at += 1
-            bodies[match.group(1)] = text[start + 1:at]
-    return bodies
-
-
 def kernel_params() -> dict[str, set[str]]:
-    """Each kernel's parameter names, as the launches check them."""
+    """Each kernel's parameter names, as the launches check them; an argument struct's fields in its place (the
+    kernel unpacks them into locals of their names, tests/unit/test_kernel_args.py)."""
+    fields = {name: {field.name for field in mirror.fields} for name, (_, mirror) in mirrors().items()}
     params = {}
     for source in kernel_sources():
         path = KERNEL_DIR / f"{source}.cu"
-        params.update({name: {p.name for p in ps} for name, ps in parse_kernels(path.read_text(), path.name).items()})
+        for name, ps in parse_kernels(path.read_text(), path.name).items():
+            params[name] = set().union(*(fields[p.struct] if p.struct else {p.name} for p in ps))
     return params
 
 

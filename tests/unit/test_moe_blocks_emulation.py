@@ -211,7 +211,8 @@ def check_blocks(w: World, r: int, rows: dict) -> None:
 def check_plans(w: World, r: int, batches) -> None:
     """The two waves' gathered plans: their rows together exactly the local choices, with their weights."""
     got = []
-    for name, _, _, a in w.library.launches:
+    for name, _, _, launched in w.library.launches:
+        a = launched.get("args")
         if name == "moe_wave_gather" and a["pool_desc"] is w.pools[r].desc:
             real = a["row_src"] >= 0
             got += zip(a["row_src"][real].tolist(), a["row_token"][real].tolist(), a["row_k"][real].tolist(),

@@ -36,7 +36,8 @@ from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.plan import padded_rows_bound, plan_batch
 from tests.helpers.emulation import decode as decode_emu
 from tests.helpers.emulation import decode_gemm as engine
-from tests.helpers.emulation.machine import E4M3_VALUES, EmulatedLibrary, EmulatedMemoryError, Memory, round_bf16
+from tests.helpers.emulation.library import EmulatedLibrary
+from tests.helpers.emulation.machine import E4M3_VALUES, EmulatedMemoryError, Memory, round_bf16
 
 U32 = 2.0**-24  # fp32's unit roundoff
 
@@ -240,7 +241,7 @@ def swiglu_fp8(r, gate_up_rows: np.ndarray):
 def check_act_is_moe_swiglu_fp8(r, sums: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """act / act_sf as L1 wrote them are, bit for bit and row for row, what moe_swiglu_fp8 (the DeepGEMM path's
     activation) makes of the same sums as bf16 gate_up."""
-    l1_args = r.library.launches[0][3]
+    l1_args = r.library.launches[0][3]["args"]
     act, act_sf = l1_args["act"], l1_args["act_sf"]
     want, want_sf, want_alloc = swiglu_fp8(r, sums)
     assert np.array_equal(r.memory.find(act).valid, want_alloc.valid)

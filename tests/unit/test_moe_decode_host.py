@@ -268,7 +268,8 @@ def test_the_launches_name_every_parameter_on_the_kernels_grids():
     w13, w2 = small_weights(E, H, inter)
     out = torch.empty((P, H), dtype=torch.bfloat16)
     gemm(cpu_plan(P, E, H), w13, w2, out)
-    (l1, g1, b1, a1), (l2, g2, b2, a2) = library.launches
+    (l1, g1, b1, launched1), (l2, g2, b2, launched2) = library.launches
+    a1, a2 = launched1["args"], launched2["args"]
     assert (l1, g1, b1) == ("moe_decode_l1", E * inter // 128, DECODE_THREADS)
     assert (l2, g2, b2) == ("moe_decode_l2", E * H // 256, DECODE_THREADS)
     assert gemm.grids() == (g1, g2)

@@ -33,7 +33,8 @@ from chunkring.moe._engine.experts import OwnRows
 from chunkring.moe._engine.stage import Stage
 from tests.helpers.emulation import decode as decode_emu
 from tests.helpers.emulation import plan as plan_emu
-from tests.helpers.emulation.machine import EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
+from tests.helpers.emulation.library import EmulatedLibrary
+from tests.helpers.emulation.machine import EmptyTracker, EmulatedMemoryError, Memory
 from tests.helpers.emulation.plan_layout import (
     check_layout,
     check_written,
@@ -169,7 +170,7 @@ def check_nothing_else_written(r, real: np.ndarray) -> None:
     check_written(r.memory, r.plan, real, r.memory.find(r.plan.src).stores)  # the scatter's: the last launch
     for name, t in r.before.items():
         assert torch.equal(getattr(r.stage, name), t), f"the plan kernels write no stage byte ({name})"
-    cursors = next(args for name, _, _, args in r.library.launches if name == "moe_plan_scatter")["cursors"]
+    cursors = next(args for name, _, _, args in r.library.launches if name == "moe_plan_scatter")["args"]["cursors"]
     assert cursors.tolist() == r.plan.counts.tolist(), "every cursor ends at its count"
 
 

@@ -28,7 +28,8 @@ from chunkring.moe._engine.resources import PULL_BLOCK
 from chunkring.moe._engine.stage import Stage
 from chunkring.moe.routing import quantize_rows_fp8, route, router_logits, router_slices
 from tests.helpers.emulation import produce as produce_emu
-from tests.helpers.emulation.machine import DEVICE, EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
+from tests.helpers.emulation.library import EmulatedLibrary
+from tests.helpers.emulation.machine import DEVICE, EmptyTracker, EmulatedMemoryError, Memory
 from tests.helpers.emulation.ring import HeapRuntime, Streams, SymmetricHeap
 
 S, T, H, K, E = 2, 5, 256, 3, 40  # slots, tokens per slot, hidden, topk, experts (two tiles of 32, padded)

@@ -35,7 +35,8 @@ from chunkring.ring.layout import RingLayout
 from chunkring.ring.status import ErrorCode, Site, StatusRecord
 from tests.helpers.emulation import decode as decode_emu
 from tests.helpers.emulation import waves as waves_emu
-from tests.helpers.emulation.machine import EmptyTracker, EmulatedLibrary, EmulatedMemoryError, Memory
+from tests.helpers.emulation.library import EmulatedLibrary
+from tests.helpers.emulation.machine import EmptyTracker, EmulatedMemoryError, Memory
 from tests.helpers.emulation.plan_layout import (
     check_layout,
     check_written,
@@ -166,7 +167,7 @@ def wave(r, last: bool):
     r.compute.wave(r.pull.pool, r.w13, r.w2, r.peer_combine, last=last, desc=r.desc)
     L, words = r.pull.L, r.pull.words
     claimed = words[L.wave_ids():L.wave_ids() + int(words[L.counter("kWaveCount")])].tolist()
-    args = [a for name, _, _, a in r.library.launches if name == "moe_wave_gather"][-1]
+    args = [a["args"] for name, _, _, a in r.library.launches if name == "moe_wave_gather"][-1]
     plan = DevicePlan(counts=args["counts"], group_end=args["group_end"], src=args["row_src"], token=args["row_token"],
                       k=args["row_k"], weight=args["row_weight"], rows=args["rows"], rows_sf=args["rows_sf"],
                       own_row=torch.empty(0, dtype=torch.int32))  # a wave's gather fills no own rows

@@ -1,8 +1,8 @@
 """Tensor maps (chunkring.jit.tensor_map) and the launches that pass them, without a GPU: every request the driver's
 cuTensorMapEncodeTiled would refuse is refused first, naming the field; the driver receives the dimensions innermost
 first and strides in bytes; a kernel parameter ``const __grid_constant__ TensorMap`` is read from the signature
-and nothing else passes for it; and the driver launch path (cuLaunchKernel, which takes the 128 bytes by value)
-lays out every parameter as the kernel reads it."""
+and nothing else passes for it; and the driver launch path (cuLaunchKernelEx, which takes the 128 bytes by value)
+lays out every parameter as the kernel reads it, and sets the dependent-launch attribute for pdl."""
 
 import ctypes
 import struct
@@ -126,24 +126,32 @@ def test_the_driver_launch_lays_out_every_parameter_as_the_kernel_reads_it(monke
     values = [bytes(range(128)), 0xDEAD_BEEF_0000, np.int32(-5), np.uint64((1 << 64) - 2), np.uint32(7)]
     seen = {}
 
-    def launcher(function, gx, gy, gz, bx, by, bz, shared, stream, kernel_params, extra):
+    def launcher(config, function, kernel_params, extra):
         at = (ctypes.c_void_p * len(params)).from_address(kernel_params)
-        seen.update(function=int(function), dims=(gx, gy, gz, bx, by, bz), shared=shared, stream=int(stream),
-                    extra=extra, map=ctypes.string_at(at[0], 128), map_aligned=at[0] % 64 == 0,
+        c = config
+        seen.update(function=int(function), shared=c.sharedMemBytes, stream=int(c.hStream), extra=extra,
+                    dims=(c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ),
+                    attributes=[(a.id, a.value.programmaticStreamSerializationAllowed) for a in c.attrs[:c.numAttrs]],
+                    map=ctypes.string_at(at[0], 128), map_aligned=at[0] % 64 == 0,
                     x=ctypes.c_uint64.from_address(at[1]).value, n=ctypes.c_int32.from_address(at[2]).value,
                     g=ctypes.c_uint64.from_address(at[3]).value, m=ctypes.c_uint32.from_address(at[4]).value)
         return (driver.CUresult.CUDA_SUCCESS,)
 
-    monkeypatch.setattr(driver, "cuLaunchKernel", launcher)
+    monkeypatch.setattr(driver, "cuLaunchKernelEx", launcher)
     launch_by_driver(SimpleNamespace(handle=0x1234), "k", params, values, grid=132, block=(384,), shared_bytes=99328,
                      stream_handle=0x77)
     assert seen == dict(function=0x1234, dims=(132, 1, 1, 384, 1, 1), shared=99328, stream=0x77, extra=0,
-                        map=bytes(range(128)), map_aligned=True, x=0xDEAD_BEEF_0000, n=-5, g=(1 << 64) - 2, m=7)
+                        attributes=[], map=bytes(range(128)), map_aligned=True, x=0xDEAD_BEEF_0000, n=-5,
+                        g=(1 << 64) - 2, m=7)
+    launch_by_driver(SimpleNamespace(handle=0x1234), "k", params, values, grid=(2, 3), block=64, shared_bytes=0,
+                     stream_handle=0x77, pdl=True)
+    pdl = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert seen["dims"] == (2, 3, 1, 64, 1, 1) and seen["attributes"] == [(pdl, 1)]
     with pytest.raises(ChunkringUsageError) as info:
         launch_by_driver(SimpleNamespace(handle=1), "k", params, values, grid=(1, 1, 1, 1), block=1, shared_bytes=0,
                          stream_handle=0)
     assert info.value.field == "grid"
-    monkeypatch.setattr(driver, "cuLaunchKernel", lambda *args: (driver.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    monkeypatch.setattr(driver, "cuLaunchKernelEx", lambda *args: (driver.CUresult.CUDA_ERROR_INVALID_VALUE,))
     with pytest.raises(ChunkringRuntimeError, match="launch of k failed"):
         launch_by_driver(SimpleNamespace(handle=1), "k", params, values, grid=1, block=1, shared_bytes=0,
                          stream_handle=0)

@@ -4,9 +4,10 @@ the kernel's ``extern "C"`` signature in the .cu declares the parameters once
 
 A missing or unknown name, a wrong dtype, a CPU tensor, a non-contiguous view or an out-of-range integer is a
 ``ChunkringUsageError`` before anything is enqueued. Scalars are converted to the exact NumPy type the
-kernel expects (cuda.core would pass a bare Python int as a pointer). A kernel that takes a tensor map by value
-(``const __grid_constant__ TensorMap``, 128 bytes, which cuda.core's launch cannot pass) is launched through the
-driver's ``cuLaunchKernel`` with a parameter buffer built here, every other one through cuda.core.
+kernel expects (cuda.core would pass a bare Python int as a pointer). A kernel that takes a struct by value - a
+tensor map (``const __grid_constant__ TensorMap``, 128 bytes) or an argument struct (``const __grid_constant__
+FooArgs``, :class:`chunkring.jit.signatures.ArgStruct`), which cuda.core's launch cannot pass - is launched through
+the driver's ``cuLaunchKernelEx`` with a parameter buffer built here, every other one through cuda.core.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from chunkring.errors import ChunkringRuntimeError, ChunkringUsageError
-from chunkring.jit.signatures import TENSOR_MAP, Param
+from chunkring.jit.signatures import STRUCT, TENSOR_MAP, Param, check_argument_names
 
 if TYPE_CHECKING:
     import numpy as np
@@ -61,7 +62,7 @@ class KernelLibrary:
             _load_now(name, kernel)
         self._shared_allowed: dict[str, int] = {}  # kernels opted in to more dynamic shared memory, and how much
         self._by_driver = {name for name, params in self._signatures.items()
-                           if any(param.kind == TENSOR_MAP for param in params)}
+                           if any(param.kind in (TENSOR_MAP, STRUCT) for param in params)}
 
     def __repr__(self) -> str:
         return f"KernelLibrary({self.build.name!r}, kernels={sorted(self._signatures)})"
@@ -97,11 +98,8 @@ class KernelLibrary:
             allow_dynamic_shared(self._kernels[name], shared_bytes, self.runtime.ordinal, name)
             self._shared_allowed[name] = shared_bytes
         if name in self._by_driver:
-            if pdl:
-                raise ChunkringUsageError(f"{name} takes a tensor map: launched by the driver, without pdl",
-                                          field="pdl")
             launch_by_driver(self._kernels[name], name, params, values, grid=grid, block=block,
-                             shared_bytes=shared_bytes, stream_handle=int(torch_stream.cuda_stream))
+                             shared_bytes=shared_bytes, stream_handle=int(torch_stream.cuda_stream), pdl=pdl)
             return
         stream_obj = self.runtime.device.create_stream(torch_stream)
         try:
@@ -113,7 +111,7 @@ class KernelLibrary:
 
 #: A scalar parameter's kind -> its C type, for the driver's parameter buffer.
 _SCALAR_CTYPES = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64, "u64": ctypes.c_uint64}
-_TENSOR_MAP_ALIGN = 64
+_BY_VALUE_ALIGN = 64  # a tensor map's (CUtensorMap); an argument struct's words need 8
 
 
 def _dims(value: int | tuple[int, ...], what: str) -> list[int]:
@@ -126,18 +124,19 @@ def _dims(value: int | tuple[int, ...], what: str) -> list[int]:
 
 def launch_by_driver(kernel: Kernel, name: str, params: tuple[Param, ...], values: list[int | np.integer | bytes], *,
                      grid: int | tuple[int, ...], block: int | tuple[int, ...], shared_bytes: int,
-                     stream_handle: int) -> None:
-    """Enqueue ``kernel`` with ``cuLaunchKernel``: each of ``values`` (``Param.convert``'s: a pointer as an int, a
-    scalar as its NumPy type, a tensor map as its 128 bytes) copied into a buffer of its own, the driver given their
-    addresses. The driver copies the parameters at the call, so the buffers need not outlive it."""
+                     stream_handle: int, pdl: bool = False) -> None:
+    """Enqueue ``kernel`` with ``cuLaunchKernelEx``: each of ``values`` (``Param.convert``'s: a pointer as an int, a
+    scalar as its NumPy type, a tensor map or an argument struct as its bytes) copied into a buffer of its own, the
+    driver given their addresses. The driver copies the parameters at the call, so the buffers need not outlive it.
+    ``pdl``: a programmatic dependent launch (the launch attribute cuda.core sets for it)."""
     from cuda.bindings import driver
 
     storage: list[ctypes._CData] = []
     addresses = (ctypes.c_void_p * len(params))()
     for i, (param, value) in enumerate(zip(params, values, strict=True)):
-        if isinstance(value, bytes):  # a tensor map, at a 64-byte boundary as CUtensorMap is aligned
-            buffer = (ctypes.c_uint8 * (len(value) + _TENSOR_MAP_ALIGN))()
-            at = -ctypes.addressof(buffer) % _TENSOR_MAP_ALIGN
+        if isinstance(value, bytes):  # a struct by value, at a 64-byte boundary as CUtensorMap is aligned
+            buffer = (ctypes.c_uint8 * (len(value) + _BY_VALUE_ALIGN))()
+            at = -ctypes.addressof(buffer) % _BY_VALUE_ALIGN
             ctypes.memmove(ctypes.addressof(buffer) + at, value, len(value))
             storage.append(buffer)
             addresses[i] = ctypes.addressof(buffer) + at
@@ -148,8 +147,17 @@ def launch_by_driver(kernel: Kernel, name: str, params: tuple[Param, ...], value
     # A library's CUkernel passed as a CUfunction: the driver launches it in the stream's context, with the
     # attributes cuKernelSetAttribute gave it (allow_dynamic_shared), as cuda.core's launches do.
     function = driver.CUfunction(int(kernel.handle))
-    (err,) = driver.cuLaunchKernel(function, *_dims(grid, "grid"), *_dims(block, "block"), shared_bytes,
-                                   driver.CUstream(stream_handle), ctypes.addressof(addresses), 0)
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = _dims(grid, "grid")
+    config.blockDimX, config.blockDimY, config.blockDimZ = _dims(block, "block")
+    config.sharedMemBytes = shared_bytes
+    config.hStream = driver.CUstream(stream_handle)
+    if pdl:
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attribute], 1
+    (err,) = driver.cuLaunchKernelEx(config, function, ctypes.addressof(addresses), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise ChunkringRuntimeError(f"launch of {name} failed: {err}")
 
@@ -160,17 +168,6 @@ KernelArgs = dict[str, Any]
 
 #: The launch's own keywords: no kernel parameter may take one of these names.
 LAUNCH_KEYWORDS = frozenset({"grid", "block", "stream", "shared_bytes", "pdl"})
-
-
-def check_argument_names(name: str, params: tuple[Param, ...], args: dict[str, object]) -> None:
-    """Raise ``ChunkringUsageError`` naming every parameter of kernel ``name`` that ``args`` lacks and every
-    argument that names no parameter."""
-    expected = [param.name for param in params]
-    missing = [p for p in expected if p not in args]
-    unknown = sorted(set(args) - set(expected))
-    if missing or unknown:
-        raise ChunkringUsageError(f"{name}({', '.join(expected)}): missing {missing}, unknown {unknown}",
-                                  field="args")
 
 
 def allow_dynamic_shared(kernel: Kernel, nbytes: int, ordinal: int, name: str) -> None:

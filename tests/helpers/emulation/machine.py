@@ -1,8 +1,8 @@
 """The machine underneath the CPU emulation of CUDA kernels (tests/helpers/emulation/decode.py runs the kernels on
 it): global memory as the bytes of the very torch tensors a launch names, addressed by their ``data_ptr()``; a
 thread block as numpy arrays over ``threadIdx.x``; the number formats (fp32 with fmaf, bf16 and e4m3 round to
-nearest even, e4m3 saturating); the mma.sync.m16n8k32 e4m3 fragment tables of the PTX ISA; and a stand-in
-:class:`EmulatedLibrary` that checks each launch against the kernels' parsed signatures as the real library does.
+nearest even, e4m3 saturating); the mma.sync.m16n8k32 e4m3 fragment tables of the PTX ISA. The stand-in kernel
+library that runs kernels on it is tests/helpers/emulation/library.py's.
 
 Every load and store names the allocation its base pointer came from and is checked there: in bounds, naturally
 aligned (the absolute address), only initialised bytes read (memory from ``torch.empty`` is uninitialised until a
@@ -14,7 +14,6 @@ share a word. A pointer read from memory (a descriptor's field) is a :class:`Poi
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,10 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from chunkring.jit import parse_kernels
-from chunkring.jit.launch import check_argument_names
-
-__all__ = ["E4M3_VALUES", "WARP", "Allocation", "EmptyTracker", "EmulatedLibrary", "EmulatedMemoryError", "Memory",
+__all__ = ["E4M3_VALUES", "WARP", "Allocation", "EmptyTracker", "EmulatedMemoryError", "EmulatedTrap", "Memory",
            "Pointer", "Threads", "bf16_bits", "e4m3_bits", "fmaf", "header_constant", "header_enum", "header_structs",
            "mma_m16n8k32_e4m3", "read_struct", "round_bf16", "shfl_xor"]
 
@@ -63,6 +59,11 @@ def read_struct(desc, fields: list[str], what: str) -> SimpleNamespace:
 
 class EmulatedMemoryError(AssertionError):
     """An access the hardware would make wrongly: out of bounds, misaligned, uninitialised, or a second store."""
+
+
+class EmulatedTrap(AssertionError):
+    """A kernel executed __trap() (require_descriptor on a descriptor, or require_args on an argument struct, of
+    another version or size)."""
 
 
 @dataclass(eq=False)
@@ -351,46 +352,3 @@ def mma_m16n8k32_e4m3(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray
     B[:, B_FRAGMENT[0], B_FRAGMENT[1]] = E4M3_VALUES[b].reshape(warps, WARP, 2, 4)
     d = (A @ B)[:, C_FRAGMENT[0], C_FRAGMENT[1]].reshape(-1, 4)
     return (c.astype(np.float64) + d).astype(np.float32)
-
-
-class EmulatedLibrary:
-    """A KernelLibrary stand-in that runs kernels on the CPU: each launch is checked as the real library checks it
-    (every parameter named once, each tensor's dtype and contiguity, each integer's range, against the signatures
-    parsed from the .cu files), recorded, and handed to ``kernels[name](memory, grid, block, shared_bytes, args)``
-    with every pointer as its :class:`Allocation` (None: null) and every scalar as an int. A tensor not yet in
-    ``memory`` is registered as ``initialised(tensor)`` says (default: uninitialised, the launches' own outputs
-    come from ``torch.empty``; :meth:`EmptyTracker.initialised` tells the host's torch.empty from its zeros)."""
-
-    def __init__(self, memory: Memory, kernels: dict[str, Callable], sources=("moe_decode.cu", "moe_experts.cu"),
-                 initialised: Callable[[torch.Tensor], bool] = lambda tensor: False):
-        self.memory, self.kernels, self.launches, self.initialised = memory, kernels, [], initialised
-        self.signatures = {}
-        for source in sources:
-            self.signatures.update(parse_kernels((DEVICE / "kernels" / source).read_text(), source))
-
-    def launch(self, name, /, *, grid, block, stream=None, shared_bytes=0, pdl=False, **args) -> None:
-        values = self.arguments(name, args)
-        self.launches.append((name, grid, block, args))
-        self.memory.begin_launch()
-        self.kernels[name](self.memory, int(grid), int(block), int(shared_bytes), values)
-
-    def arguments(self, name: str, args: dict) -> SimpleNamespace:
-        """The launch's arguments checked against the signature: pointers as Allocations, scalars as ints."""
-        params = self.signatures[name]
-        check_argument_names(name, params, args)
-        values = {}
-        for param in params:
-            param.convert(args[param.name], torch.device("cpu"))
-            value = args[param.name]
-            if param.kind == "ptr" and value is None:
-                pass
-            elif param.kind == "ptr":
-                what = f"{name}.{param.name}"
-                inside = self.memory.find(value) is None and self.memory.holding(value.data_ptr())
-                # A view into a registered tensor (a stage's rows of one source) is a pointer into its allocation.
-                value = Pointer(self.memory, value.data_ptr(), what) if inside else self.memory.add(
-                    value, what, initialised=self.initialised(value))
-            else:
-                value = int(value)
-            values[param.name] = value
-        return SimpleNamespace(**values)

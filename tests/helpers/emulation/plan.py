@@ -24,6 +24,7 @@ from tests.helpers.emulation.decode import group_offsets
 from tests.helpers.emulation.machine import (
     WARP,
     EmulatedMemoryError,
+    EmulatedTrap,
     Pointer,
     header_constant,
     header_structs,
@@ -35,10 +36,6 @@ __all__ = ["LAYOUT_VERSION", "STRUCTS", "EmulatedTrap", "descriptor", "kernels",
 #: The descriptors' fields in declaration order, from layout/moe_desc.cuh itself.
 STRUCTS = header_structs("chunkring/layout/moe_desc.cuh")
 LAYOUT_VERSION = header_constant("chunkring/layout/moe_desc.cuh", "kMoeLayoutVersion")
-
-
-class EmulatedTrap(AssertionError):
-    """A kernel executed __trap() (require_descriptor on a descriptor of another version or size)."""
 
 
 def descriptor(memory, desc, struct: str) -> SimpleNamespace:

@@ -38,7 +38,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from tests.helpers.emulation.machine import EmulatedLibrary, EmulatedMemoryError, Memory, Pointer, header_enum
+from tests.helpers.emulation.library import EmulatedLibrary
+from tests.helpers.emulation.machine import EmulatedMemoryError, Memory, Pointer, header_enum
 from tests.helpers.emulation.rma import RmaBlock
 from tests.helpers.emulation.waves import STATUS, EmulatedWaitBlocks, Rank
 
@@ -232,9 +233,8 @@ class StreamLibrary(EmulatedLibrary):
     def launch(self, name, /, *, grid=1, block, stream=None, shared_bytes=0, pdl=False, **args) -> None:
         values = self.arguments(name, args)
         self.launches.append((name, grid, block, args))
-        kind = "publish" if name.startswith("ring_publish") else name
-        self.streams.enqueue((kind, args["desc"].data_ptr()),
-                             self.kernels[name](self.memory, int(grid), int(block), values))
+        kind = "publish" if name.startswith("ring_publish") else name  # and the ring: its desc, loose or a field
+        self.streams.enqueue((kind, values.desc.base), self.kernels[name](self.memory, int(grid), int(block), values))
 
 
 def make_gen(epoch: int, lap: int, bits: int) -> int:

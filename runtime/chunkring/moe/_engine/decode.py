@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from chunkring.errors import ChunkringUsageError
+from chunkring.moe._engine.kernel_args import DecodeL1Args, DecodeL2Args
 from chunkring.moe.weights import WEIGHT_BLOCK, Fp8Weight
 from chunkring.ring.io import check_row_aligned
 
@@ -192,10 +193,11 @@ class DecodeGemm:
         act = torch.empty((P, inter), dtype=torch.float8_e4m3fn, device=out.device)
         act_sf = torch.empty((inter // WEIGHT_BLOCK, P), dtype=torch.float32, device=out.device)
         l1, l2 = self.grids()
-        self.kernels.launch("moe_decode_l1", w13=w13.data, w13_sf=w13.scale, rows=plan.rows, rows_sf=plan.rows_sf,
-                            sf_stride=P, counts=plan.counts, group_end=plan.group_end, hidden=H, inter=inter,
-                            act=act, act_sf=act_sf, grid=l1, block=DECODE_THREADS, shared_bytes=DECODE_SHARED_BYTES,
-                            pdl=True, stream=stream)
-        self.kernels.launch("moe_decode_l2", w2=w2.data, w2_sf=w2.scale, act=act, act_sf=act_sf, sf_stride=P,
-                            counts=plan.counts, group_end=plan.group_end, hidden=H, inter=inter, out=out,
-                            grid=l2, block=DECODE_THREADS, shared_bytes=DECODE_SHARED_BYTES, pdl=True, stream=stream)
+        self.kernels.launch("moe_decode_l1", args=DecodeL1Args(
+            w13=w13.data, w13_sf=w13.scale, sf_stride=P, counts=plan.counts, hidden=H, inter=inter, rows=plan.rows,
+            rows_sf=plan.rows_sf, group_end=plan.group_end, act=act, act_sf=act_sf),
+            grid=l1, block=DECODE_THREADS, shared_bytes=DECODE_SHARED_BYTES, pdl=True, stream=stream)
+        self.kernels.launch("moe_decode_l2", args=DecodeL2Args(
+            w2=w2.data, w2_sf=w2.scale, sf_stride=P, counts=plan.counts, hidden=H, inter=inter, act=act,
+            act_sf=act_sf, group_end=plan.group_end, out=out),
+            grid=l2, block=DECODE_THREADS, shared_bytes=DECODE_SHARED_BYTES, pdl=True, stream=stream)

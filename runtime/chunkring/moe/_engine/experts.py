@@ -33,6 +33,7 @@ import torch
 from chunkring.errors import ChunkringUsageError
 from chunkring.moe._engine.blocks import BlockPool
 from chunkring.moe._engine.decode import DecodeGemm
+from chunkring.moe._engine.kernel_args import CombinePushArgs, CombineReduceArgs, PlanScatterArgs, WaveGatherArgs
 from chunkring.moe.gemm import GROUP_ALIGN, load_deep_gemm, padded_rows_bound
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.io import check_row_aligned, check_tensor
@@ -75,7 +76,7 @@ class DevicePlan:
 
     def scatter_args(self) -> KernelArgs:
         """What the kernels that fill a plan (``moe_plan_scatter``, ``moe_wave_gather``) write into, by their
-        parameter names; ``sf_stride``: the GEMM's scale layout, scale j of row p at j * P + p."""
+        argument structs' field names; ``sf_stride``: the GEMM's scale layout, scale j of row p at j * P + p."""
         return {"counts": self.counts, "rows": self.rows, "rows_sf": self.rows_sf, "sf_stride": self.rows_sf.shape[1],
                 "row_src": self.src, "row_token": self.token, "row_k": self.k, "row_weight": self.weight,
                 "group_end": self.group_end}
@@ -214,8 +215,9 @@ class ExpertCompute:
             self._check_stage(stage, plan)
             self._checked_stage = stage
         self._launch("moe_plan_count", stage=stage.desc, counts=plan.counts)
-        self._launch("moe_plan_scatter", stage=stage.desc, block_m=GROUP_ALIGN, cursors=cursors, shared=True,
-                     pdl=True, own_rank=self.rank, own_row=plan.own_row, **plan.scatter_args())
+        self._launch("moe_plan_scatter", shared=True, pdl=True, args=PlanScatterArgs(
+            stage=stage.desc, block_m=GROUP_ALIGN, cursors=cursors, own_rank=self.rank, own_row=plan.own_row,
+            **plan.scatter_args()))
         return plan
 
     def _check_stage(self, stage: Stage, plan: DevicePlan) -> None:
@@ -313,7 +315,8 @@ class ExpertCompute:
         self.kernels.launch("moe_wave_claim", desc=desc, pool_desc=pool.desc, min_blocks=self.wave_min_blocks,
                             last=int(last), counts=plan.counts, grid=1, block=_BLOCK,
                             stream=torch.cuda.current_stream(self.device))
-        self._launch("moe_wave_gather", pool_desc=pool.desc, cursors=cursors, shared=True, **plan.scatter_args())
+        self._launch("moe_wave_gather", shared=True,
+                     args=WaveGatherArgs(pool_desc=pool.desc, cursors=cursors, **plan.scatter_args()))
         with self.gemm_sms(sms):
             out = self.experts(plan, w13, w2, decode=decode)
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
@@ -330,10 +333,10 @@ class ExpertCompute:
         Then :attr:`pushed` holds :attr:`push_blocks` more (the layer zeroes it once per call, before the call's
         first push)."""
         cfg = self.config
-        self._launch("moe_combine_push", out=out, row_token=plan.token, row_k=plan.k, row_weight=plan.weight,
-                     hidden=cfg.hidden, topk=cfg.topk, peer_combine=peer_combine, desc=desc, combine=combine,
-                     own_rank=self.rank if keep_own else -1, pushed=self.pushed, shared=True, pdl=True,
-                     **plan.group_args())
+        self._launch("moe_combine_push", shared=True, pdl=True, args=CombinePushArgs(
+            out=out, row_token=plan.token, row_k=plan.k, row_weight=plan.weight, hidden=cfg.hidden, topk=cfg.topk,
+            peer_combine=peer_combine, desc=desc, combine=combine, own_rank=self.rank if keep_own else -1,
+            pushed=self.pushed, **plan.group_args()))
 
     def reduce(self, combine: torch.Tensor, routing: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                own: OwnRows | None = None, *, desc: torch.Tensor | None = None) -> None:
@@ -347,10 +350,10 @@ class ExpertCompute:
         left; None: no ring (a reduction timed alone)."""
         n, H = out.shape
         grid = max(1, min(self._grid, -(-n * H // (8 * _BLOCK))))  # eight values a thread (grid-stride past it)
-        self.kernels.launch("moe_combine_reduce", desc=desc, combine=combine, routing=routing, weights=weights,
-                            own_row=None if own is None else own.row, own_out=None if own is None else own.out,
-                            out=out, tokens=n, topk=self.config.topk, hidden=H, grid=grid, block=_BLOCK, pdl=True,
-                            stream=torch.cuda.current_stream(self.device))
+        self.kernels.launch("moe_combine_reduce", args=CombineReduceArgs(
+            desc=desc, combine=combine, routing=routing, weights=weights, own_row=None if own is None else own.row,
+            own_out=None if own is None else own.out, out=out, tokens=n, topk=self.config.topk, hidden=H),
+            grid=grid, block=_BLOCK, pdl=True, stream=torch.cuda.current_stream(self.device))
 
     def _launch(self, name: str, *, shared: bool = False, pdl: bool = False, **args: Any) -> None:
         """Kernel ``name`` on the current stream, one block per SM slot of :attr:`_grid`; ``shared``: with

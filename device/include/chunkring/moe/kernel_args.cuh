@@ -1,0 +1,131 @@
+// The MoE kernels' argument structs (layout/kernel_args.cuh: 64-bit words, version and size first, each field read
+// as the type its comment names with arg<T>). Mirrored field for field by
+// runtime/chunkring/moe/_engine/kernel_args.py; what each field holds is told at its kernel.
+#pragma once
+
+#include "chunkring/layout/kernel_args.cuh"
+
+namespace chunkring::moe {
+
+using layout::u64;
+
+// moe_plan_scatter (moe_experts.cu).
+struct PlanScatterArgs {
+    u64 version;     // kKernelArgsVersion
+    u64 bytes;       // sizeof(PlanScatterArgs)
+    u64 stage;       // const StageDesc*
+    u64 block_m;     // int
+    u64 counts;      // const unsigned*
+    u64 cursors;     // unsigned*
+    u64 rows;        // unsigned char*
+    u64 rows_sf;     // float*
+    u64 sf_stride;   // long long
+    u64 row_src;     // int*
+    u64 row_token;   // int*
+    u64 row_k;       // int*
+    u64 row_weight;  // float*
+    u64 group_end;   // int*
+    u64 own_rank;    // int
+    u64 own_row;     // int*
+};
+static_assert(sizeof(PlanScatterArgs) == 16 * sizeof(u64),
+              "PlanScatterArgs: runtime/chunkring/moe/_engine/kernel_args.py");
+
+// moe_wave_gather (moe_experts.cu): moe_plan_scatter's outputs, filled from a pool's claimed blocks.
+struct WaveGatherArgs {
+    u64 version;     // kKernelArgsVersion
+    u64 bytes;       // sizeof(WaveGatherArgs)
+    u64 pool_desc;   // const PoolDesc*
+    u64 counts;      // const unsigned*
+    u64 cursors;     // unsigned*
+    u64 rows;        // unsigned char*
+    u64 rows_sf;     // float*
+    u64 sf_stride;   // long long
+    u64 row_src;     // int*
+    u64 row_token;   // int*
+    u64 row_k;       // int*
+    u64 row_weight;  // float*
+    u64 group_end;   // int*
+};
+static_assert(sizeof(WaveGatherArgs) == 13 * sizeof(u64),
+              "WaveGatherArgs: runtime/chunkring/moe/_engine/kernel_args.py");
+
+// moe_combine_push (moe_experts.cu).
+struct CombinePushArgs {
+    u64 version;       // kKernelArgsVersion
+    u64 bytes;         // sizeof(CombinePushArgs)
+    u64 out;           // __nv_bfloat16*
+    u64 row_src;       // const int*
+    u64 row_token;     // const int*
+    u64 row_k;         // const int*
+    u64 row_weight;    // const float*
+    u64 counts;        // const unsigned*
+    u64 num_local;     // int
+    u64 block_m;       // int
+    u64 hidden;        // long long
+    u64 topk;          // int
+    u64 peer_combine;  // const unsigned long long*
+    u64 desc;          // CHUNKRING_NULLABLE const RingDesc*
+    u64 combine;       // CHUNKRING_NULLABLE __nv_bfloat16*
+    u64 own_rank;      // int
+    u64 pushed;        // unsigned long long*
+};
+static_assert(sizeof(CombinePushArgs) == 17 * sizeof(u64),
+              "CombinePushArgs: runtime/chunkring/moe/_engine/kernel_args.py");
+
+// moe_combine_reduce (moe_experts.cu).
+struct CombineReduceArgs {
+    u64 version;  // kKernelArgsVersion
+    u64 bytes;    // sizeof(CombineReduceArgs)
+    u64 desc;     // CHUNKRING_NULLABLE const RingDesc*
+    u64 combine;  // const __nv_bfloat16*
+    u64 routing;  // const int*
+    u64 weights;  // const float*
+    u64 own_row;  // CHUNKRING_NULLABLE const int*
+    u64 own_out;  // CHUNKRING_NULLABLE const __nv_bfloat16*
+    u64 out;      // __nv_bfloat16*
+    u64 tokens;   // long long
+    u64 topk;     // int
+    u64 hidden;   // long long
+};
+static_assert(sizeof(CombineReduceArgs) == 12 * sizeof(u64),
+              "CombineReduceArgs: runtime/chunkring/moe/_engine/kernel_args.py");
+
+// moe_decode_l1 (moe_decode.cu). The fields a block reads before it waits for the kernel ahead come first.
+struct DecodeL1Args {
+    u64 version;    // kKernelArgsVersion
+    u64 bytes;      // sizeof(DecodeL1Args)
+    u64 w13;        // const __nv_fp8_e4m3*
+    u64 w13_sf;     // const float*
+    u64 sf_stride;  // long long
+    u64 counts;     // const unsigned*
+    u64 hidden;     // long long
+    u64 inter;      // long long
+    u64 rows;       // const unsigned char*
+    u64 rows_sf;    // const float*
+    u64 group_end;  // const int*
+    u64 act;        // __nv_fp8_e4m3*
+    u64 act_sf;     // float*
+};
+static_assert(sizeof(DecodeL1Args) == 13 * sizeof(u64),
+              "DecodeL1Args: runtime/chunkring/moe/_engine/kernel_args.py");
+
+// moe_decode_l2 (moe_decode.cu), ordered as DecodeL1Args.
+struct DecodeL2Args {
+    u64 version;    // kKernelArgsVersion
+    u64 bytes;      // sizeof(DecodeL2Args)
+    u64 w2;         // const __nv_fp8_e4m3*
+    u64 w2_sf;      // const float*
+    u64 sf_stride;  // long long
+    u64 counts;     // const unsigned*
+    u64 hidden;     // long long
+    u64 inter;      // long long
+    u64 act;        // const __nv_fp8_e4m3*
+    u64 act_sf;     // const float*
+    u64 group_end;  // const int*
+    u64 out;        // __nv_bfloat16*
+};
+static_assert(sizeof(DecodeL2Args) == 12 * sizeof(u64),
+              "DecodeL2Args: runtime/chunkring/moe/_engine/kernel_args.py");
+
+}  // namespace chunkring::moe

@@ -68,10 +68,9 @@ class MoELayer:
             ``DECODE_MAX_ROWS`` rows per expert on average: today none, as measured), the others on DeepGEMM's;
             ``False`` (the default): never. Streamed and batch-ready calls of one size choose alike, so they stay
             equal bit for bit; calls of different sizes may round differently.
-        eager_graphs: replay eager calls from CUDA graphs, one captured per kind of call at its first (the module
-            :mod:`chunkring.moe._engine.replay` says which calls and why): an eager call then costs the host about
-            what a graph replay does, not a launch of every kernel. False (the default): every call launches its
-            kernels.
+        eager_graphs: replay eager calls from CUDA graphs, one captured per kind of call at its first
+            (:mod:`chunkring.moe._engine.replay`): the host then pays about a graph replay, not a launch of every
+            kernel. False (the default): every call launches its kernels.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly

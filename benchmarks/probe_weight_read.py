@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from benchmarks.bench_vs_megamoe import SHAPES
+from chunkring.jit import ArgStruct
 from chunkring.testing import records
 
 #: The kernels' constants (device/kernels/probe_weight_read.cu): block sizes, the ring's alignment, stage limit,
@@ -61,6 +62,16 @@ PLAIN_TILE_BYTES = PLAIN_THREADS * 8 * 16
 PEAK_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 SXM": 3.35, "H100 NVL": 3.9, "H100 PCIe": 2.0}
 #: How long a stage wait may take before the kernel prints and traps (far beyond a launch).
 WAIT_LIMIT_NS = 2_000_000_000
+
+
+class ProbeWeightReadArgs(ArgStruct):
+    """probe_weight_read's arguments after its two tensor maps (device/include/chunkring/moe/probe_args.cuh, field for
+    field; tests/unit/test_kernel_args.py compares them)."""
+
+    FIELDS = """const __nv_fp8_e4m3* w13, const __nv_fp8_e4m3* w2, const int* experts, int num_read, long long hidden,
+                long long inter, int box_rows, int box_cols, int stages, int loader, int claim,
+                CHUNKRING_NULLABLE unsigned* claim_counter, long long wait_limit_ns, unsigned long long* out"""
+
 #: The device delay before each timed launch, in clock cycles (about 200 us at 2 GHz): the host enqueues the launch
 #: meanwhile, so the events time the kernel, not the host (each case records its longest enqueue to compare).
 DELAY_CYCLES = 400_000
@@ -290,16 +301,14 @@ class Probe:
 
     def launch(self, case: Case) -> None:
         w13_map, w2_map = self.tensor_maps(case)
-        self.lib.launch("probe_weight_read", w13_map=w13_map, w2_map=w2_map,
-                        w13=self.w13.view(torch.float8_e4m3fn), w2=self.w2.view(torch.float8_e4m3fn),
-                        experts=self.experts(case.experts), num_read=np.int32(case.experts),
-                        hidden=np.int64(self.shape["hidden"]), inter=np.int64(self.shape["intermediate"]),
-                        box_rows=np.int32(case.box_rows), box_cols=np.int32(case.box_cols),
-                        stages=np.int32(case.stages), loader=np.int32(LOADERS[case.loader]),
-                        claim=np.int32(CLAIMS[case.claim]),
-                        claim_counter=self.counter if case.claim == "atomic" else None,
-                        wait_limit_ns=np.int64(WAIT_LIMIT_NS), out=self.out, grid=case.sms, block=PROBE_THREADS,
-                        shared_bytes=case.shared_bytes)
+        self.lib.launch("probe_weight_read", w13_map=w13_map, w2_map=w2_map, args=ProbeWeightReadArgs(
+            w13=self.w13.view(torch.float8_e4m3fn), w2=self.w2.view(torch.float8_e4m3fn),
+            experts=self.experts(case.experts), num_read=np.int32(case.experts), hidden=np.int64(self.shape["hidden"]),
+            inter=np.int64(self.shape["intermediate"]), box_rows=np.int32(case.box_rows),
+            box_cols=np.int32(case.box_cols), stages=np.int32(case.stages), loader=np.int32(LOADERS[case.loader]),
+            claim=np.int32(CLAIMS[case.claim]), claim_counter=self.counter if case.claim == "atomic" else None,
+            wait_limit_ns=np.int64(WAIT_LIMIT_NS), out=self.out),
+            grid=case.sms, block=PROBE_THREADS, shared_bytes=case.shared_bytes)
 
     def plain_grid(self) -> int:
         return self.sm_count * self.lib.resident_blocks_per_sm("probe_plain_read", PLAIN_THREADS)

@@ -25,12 +25,16 @@
 #include <cuda_fp8.h>
 
 #include "chunkring/moe/fp8.cuh"
+#include "chunkring/moe/kernel_args.cuh"
 #include "chunkring/protocol/publish.cuh"
 #include "chunkring/ptx/mma.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;
+using chunkring::layout::arg;
+using chunkring::layout::require_args;
+using chunkring::moe::ProduceChunkArgs;
 
 namespace {
 
@@ -230,10 +234,18 @@ extern "C" __global__ void moe_router_logits(const __nv_bfloat16* hidden, const 
 // contiguous). valid_tokens / batch_rows: a device token count that may cut the chunk short (chunk_extent).
 // arrivals (nullable for a one-block grid): one counter, zero before the launch (the last block leaves it
 // zero; after a failed launch MoELayer.reset zeroes it).
-extern "C" __global__ void moe_produce_chunk(const RingDesc* desc, const float* logits, const __nv_bfloat16* hidden,
-                                             int num_experts, int n_tokens, long long token_base, int end_of_stream,
-                                             CHUNKRING_NULLABLE const int* valid_tokens, long long batch_rows,
-                                             CHUNKRING_NULLABLE unsigned* arrivals) {
+extern "C" __global__ void moe_produce_chunk(const __grid_constant__ ProduceChunkArgs args) {
+    require_args(args);
+    const auto* desc = arg<const RingDesc*>(args.desc);
+    const auto* logits = arg<const float*>(args.logits);
+    const auto* hidden = arg<const __nv_bfloat16*>(args.hidden);
+    const int num_experts = arg<int>(args.num_experts);
+    const int n_tokens = arg<int>(args.n_tokens);
+    const long long token_base = arg<long long>(args.token_base);
+    const int end_of_stream = arg<int>(args.end_of_stream);
+    const auto* valid_tokens = arg<const int*>(args.valid_tokens);  // null: no device token count
+    const long long batch_rows = arg<long long>(args.batch_rows);
+    auto* arrivals = arg<unsigned*>(args.arrivals);  // null for a one-block grid
     const RingDesc& d = *desc;
     if (!check_descriptor(d) || has_error(d)) return;
     const ChunkExtent e = chunk_extent(d, n_tokens, token_base, end_of_stream, valid_tokens, batch_rows,

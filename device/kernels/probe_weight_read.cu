@@ -27,6 +27,7 @@
 
 #include <cuda/std/cstdint>
 
+#include "chunkring/moe/probe_args.cuh"
 #include "chunkring/ptx/bulk_copy.cuh"
 #include "chunkring/ptx/mbarrier.cuh"
 #include "chunkring/ptx/ordering.cuh"
@@ -34,6 +35,9 @@
 #include "chunkring/util/kernel_params.cuh"
 #include "chunkring/util/stage_pipeline.cuh"
 
+using chunkring::layout::arg;
+using chunkring::layout::require_args;
+using chunkring::moe::ProbeWeightReadArgs;
 using chunkring::ptx::TensorMap;
 
 namespace {
@@ -219,7 +223,7 @@ __device__ __forceinline__ void write_record(unsigned long long* out, u32 checks
 // The weight loader alone. Launch: grid <= the SM count (one block per SM: the registers allow no second),
 // block kThreads (384), stages * box_rows * box_cols + kStageAlign bytes of dynamic shared memory.
 //   w13_map, w2_map: chunkring.jit.tensor_map tiled maps of w13 viewed as [E * 2I, H] and w2 as [E * H, I], uint8,
-//     box box_cols x box_rows (read only by kTensor2d, always passed)
+//     box box_cols x box_rows (read only by kTensor2d, always passed); the rest in args (moe/probe_args.cuh):
 //   w13 [E, 2I, H], w2 [E, H, I] e4m3; experts [num_read] int32, each in [0, E)
 //   box_rows, box_cols: box_rows divides 2I and H, box_cols divides H and I, box_cols % 16 == 0, box_rows <= 256;
 //     box_rows * box_cols a multiple of kStageAlign
@@ -229,10 +233,22 @@ __device__ __forceinline__ void write_record(unsigned long long* out, u32 checks
 //   out [grid, kRecordWords] uint64
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     probe_weight_read(const __grid_constant__ TensorMap w13_map, const __grid_constant__ TensorMap w2_map,
-                      const __nv_fp8_e4m3* w13, const __nv_fp8_e4m3* w2, const int* experts, int num_read,
-                      long long hidden, long long inter, int box_rows, int box_cols, int stages, int loader, int claim,
-                      CHUNKRING_NULLABLE unsigned* claim_counter, long long wait_limit_ns,
-                      unsigned long long* out) {
+                      const __grid_constant__ ProbeWeightReadArgs args) {
+    require_args(args);
+    const auto* w13 = arg<const __nv_fp8_e4m3*>(args.w13);
+    const auto* w2 = arg<const __nv_fp8_e4m3*>(args.w2);
+    const auto* experts = arg<const int*>(args.experts);
+    const int num_read = arg<int>(args.num_read);
+    const long long hidden = arg<long long>(args.hidden);
+    const long long inter = arg<long long>(args.inter);
+    const int box_rows = arg<int>(args.box_rows);
+    const int box_cols = arg<int>(args.box_cols);
+    const int stages = arg<int>(args.stages);
+    const int loader = arg<int>(args.loader);
+    const int claim = arg<int>(args.claim);
+    auto* claim_counter = arg<unsigned*>(args.claim_counter);  // null but for kAtomic
+    const long long wait_limit_ns = arg<long long>(args.wait_limit_ns);
+    auto* out = arg<unsigned long long*>(args.out);
     __shared__ util::StagePipeline pipe;
     __shared__ u32 stage_tile[util::kMaxStages];
     __shared__ u32 block_sum;

@@ -2,6 +2,7 @@
 // a torch producer fills tensors and publishes them as the next chunk, stream-ordered; a consumer
 // gathers every chunk of one invocation from every source into dense per-source outputs.
 // Both go through the device API of protocol/ring.cuh; neither takes a host-supplied generation.
+#include "chunkring/layout/ring_args.cuh"
 #include "chunkring/protocol/publish.cuh"
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/protocol/validate.cuh"
@@ -10,12 +11,16 @@
 
 using namespace chunkring;
 using namespace chunkring::protocol;
+using chunkring::layout::arg;
+using chunkring::layout::require_args;
+using chunkring::layout::RingPublishArgs;
 using chunkring::util::block_copy16;
 using chunkring::util::block_copy4;
 
 // Publish rows [0, n_tokens) of the given tensors as this rank's next chunk, rows
 // [token_base, token_base + n_tokens) of its batch.
-// x: [n, hidden] payload bytes; x_sf: [n, hidden/128] fp32 (FP8 only); topk_idx/topk_weights: [n, topk].
+// x: [n, hidden] payload bytes; x_sf: [n, hidden/128] fp32 (FP8 only); topk_idx/topk_weights: [n, topk]
+// (ring_publish_tensors and ring_publish_copy take them, with the extent, as a RingPublishArgs: layout/ring_args.cuh).
 //
 // valid_tokens (nullable) and batch_rows: a device token count that may cut the chunk short (chunk_extent,
 // protocol/publish.cuh).
@@ -32,8 +37,11 @@ using chunkring::util::block_copy4;
 namespace {
 
 // This block's share of the chunk's rows [lo, hi) (of `parts` equal shares), copied into `slot`.
-__device__ void copy_rows(const RingDesc& d, u64 slot, const unsigned char* x, const float* x_sf, const int* topk_idx,
-                          const float* topk_weights, u64 n, u64 part, u64 parts) {
+__device__ void copy_rows(const RingDesc& d, u64 slot, const RingPublishArgs& args, u64 n, u64 part, u64 parts) {
+    const auto* x = arg<const unsigned char*>(args.x);
+    const auto* x_sf = arg<const float*>(args.x_sf);
+    const auto* topk_idx = arg<const int*>(args.topk_idx);
+    const auto* topk_weights = arg<const float*>(args.topk_weights);
     const u64 lo = n * part / parts, hi = n * (part + 1) / parts, rows = hi - lo, K = d.topk;
     block_copy16(slot_x(d, slot) + lo * d.x_row_bytes, x + lo * d.x_row_bytes, rows * d.x_row_bytes);
     block_copy4(slot_x_sf(d, slot) + lo * d.x_sf_row_floats, x_sf + lo * d.x_sf_row_floats, rows * d.x_sf_row_floats);
@@ -41,21 +49,25 @@ __device__ void copy_rows(const RingDesc& d, u64 slot, const unsigned char* x, c
     block_copy4(slot_topk_weights(d, slot) + lo * K, topk_weights + lo * K, rows * K);
 }
 
+// The publish's extent (chunk_extent, protocol/publish.cuh); `report`: this block reports a clamped count.
+__device__ ChunkExtent extent_of(const RingDesc& d, const RingPublishArgs& args, bool report) {
+    return chunk_extent(d, arg<int>(args.n_tokens), arg<long long>(args.token_base), arg<int>(args.end_of_stream),
+                        arg<const int*>(args.valid_tokens), arg<long long>(args.batch_rows), report);
+}
+
 }  // namespace
 
 // The whole publish in one block.
-extern "C" __global__ void ring_publish_tensors(const RingDesc* desc, const unsigned char* x, const float* x_sf,
-                                                const int* topk_idx, const float* topk_weights, int n_tokens,
-                                                long long token_base, int end_of_stream,
-                                                CHUNKRING_NULLABLE const int* valid_tokens, long long batch_rows) {
-    const RingDesc& d = *desc;
+extern "C" __global__ void ring_publish_tensors(const __grid_constant__ RingPublishArgs args) {
+    require_args(args);
+    const RingDesc& d = *arg<const RingDesc*>(args.desc);
     if (!check_descriptor(d)) return;
-    const ChunkExtent e = chunk_extent(d, n_tokens, token_base, end_of_stream, valid_tokens, batch_rows, true);
+    const ChunkExtent e = extent_of(d, args, true);
     if (!e.publish) return;  // block-uniform
     const u64 epoch = current_epoch(d), seq = next_seq(d);
     if (!begin_chunk(d, epoch, seq)) return;
-    copy_rows(d, slot_of(seq, d.num_slots), x, x_sf, topk_idx, topk_weights, e.n, 0, 1);
-    close_chunk(d, epoch, seq, e, token_base);
+    copy_rows(d, slot_of(seq, d.num_slots), args, e.n, 0, 1);
+    close_chunk(d, epoch, seq, e, arg<long long>(args.token_base));
 }
 
 // A publish in three kernels, 1/3: wait until the slot is free (every destination acked its previous lap; one block).
@@ -69,15 +81,13 @@ extern "C" __global__ void ring_publish_open(const RingDesc* desc, int n_tokens,
 }
 
 // 2/3: every block copies its share of the rows into the slot.
-extern "C" __global__ void ring_publish_copy(const RingDesc* desc, const unsigned char* x, const float* x_sf,
-                                             const int* topk_idx, const float* topk_weights, int n_tokens,
-                                             long long token_base, int end_of_stream,
-                                             CHUNKRING_NULLABLE const int* valid_tokens, long long batch_rows) {
-    const RingDesc& d = *desc;
+extern "C" __global__ void ring_publish_copy(const __grid_constant__ RingPublishArgs args) {
+    require_args(args);
+    const RingDesc& d = *arg<const RingDesc*>(args.desc);
     if (!check_descriptor(d) || has_error(d)) return;
-    const ChunkExtent e = chunk_extent(d, n_tokens, token_base, end_of_stream, valid_tokens, batch_rows, false);
+    const ChunkExtent e = extent_of(d, args, false);
     if (!e.publish) return;
-    copy_rows(d, slot_of(next_seq(d), d.num_slots), x, x_sf, topk_idx, topk_weights, e.n, blockIdx.x, gridDim.x);
+    copy_rows(d, slot_of(next_seq(d), d.num_slots), args, e.n, blockIdx.x, gridDim.x);
 }
 
 // 3/3: metadata, publish, cursor (one block).

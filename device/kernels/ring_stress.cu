@@ -5,11 +5,15 @@
 // ring_stress grid: block 0 = this rank's producer, blocks [1, 1 + consumer_blocks) = its consumer (each
 // block checks every chunk; with more than one, the last to finish a chunk acknowledges it), the rest =
 // memory stress.
+#include "chunkring/layout/ring_args.cuh"
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/util/kernel_params.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;
+using chunkring::layout::arg;
+using chunkring::layout::require_args;
+using chunkring::layout::RingStressArgs;
 
 namespace {
 
@@ -170,9 +174,18 @@ __device__ bool consume_and_check(const RingDesc& d, u64 epoch, u64 seed, u32 ma
 // arrivals [world_size * num_slots] (zeroed; null when consumer_blocks is 1): the multi-block consumer's counts.
 // A multi-block consumer runs one invocation per launch: each block reads the cursors when its invocation
 // starts, which is safe only before any block can arrive and advance them (consume_invocation).
-extern "C" __global__ void ring_stress(const RingDesc* desc, const int* plan, int invocations, u64 seed,
-                                       unsigned max_delay_ns, unsigned long long* received, u64* stress, u64 stress_words,
-                                       CHUNKRING_NULLABLE unsigned* arrivals, int consumer_blocks) {
+extern "C" __global__ void ring_stress(const __grid_constant__ RingStressArgs args) {
+    require_args(args);
+    const auto* desc = arg<const RingDesc*>(args.desc);
+    const auto* plan = arg<const int*>(args.plan);
+    const int invocations = arg<int>(args.invocations);
+    const u64 seed = arg<u64>(args.seed);
+    const unsigned max_delay_ns = arg<unsigned>(args.max_delay_ns);
+    auto* received = arg<unsigned long long*>(args.received);
+    auto* stress = arg<u64*>(args.stress);
+    const u64 stress_words = arg<u64>(args.stress_words);
+    auto* arrivals = arg<unsigned*>(args.arrivals);  // null for one consumer block
+    const int consumer_blocks = arg<int>(args.consumer_blocks);
     const RingDesc& d = *desc;
     if (!check_descriptor(d)) return;
     const u64 epoch = current_epoch(d);

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import re
 
+from benchmarks import probe_weight_read
 from chunkring.jit import ArgStruct, kernel_sources, parse_kernels
 from chunkring.jit.compiler import KERNEL_DIR
 from chunkring.moe._engine import kernel_args as moe_kernel_args
+from chunkring.ring import kernel_args as ring_kernel_args
 
 __all__ = ["HEADERS", "field_reads", "kernel_bodies", "mirrors", "struct_code"]
 
-#: Each header of argument structs (under device/include): the C++ namespace of its structs and the module of their
-#: host mirrors, which names every mirror in its ``__all__``.
-HEADERS = {"chunkring/moe/kernel_args.cuh": ("chunkring::moe", moe_kernel_args)}
+#: Each header of argument structs (under device/include): the C++ namespace of its structs and the module that defines
+#: their host mirrors.
+HEADERS = {"chunkring/moe/kernel_args.cuh": ("chunkring::moe", moe_kernel_args),
+           "chunkring/moe/probe_args.cuh": ("chunkring::moe", probe_weight_read),
+           "chunkring/layout/ring_args.cuh": ("chunkring::layout", ring_kernel_args)}
 
 #: A field read: ``arg<T>(args.field)``.
 _READ = re.compile(r"\barg<\s*([^>]+?)\s*>\(\s*args\.(\w+)\s*\)")
@@ -25,8 +29,10 @@ _HELPER = re.compile(r"\b\w+\s*\([^(){};]*\bconst\s+(\w+Args)\s*&\s*args\b[^(){}
 
 
 def mirrors() -> dict[str, tuple[str, type[ArgStruct]]]:
-    """Every host mirror by its struct's name, with the header that declares the struct."""
-    return {name: (header, getattr(module, name)) for header, (_, module) in HEADERS.items() for name in module.__all__}
+    """Every host mirror (an ArgStruct subclass a module of :data:`HEADERS` defines) by its struct's name, with the
+    header that declares the struct."""
+    return {name: (header, value) for header, (_, module) in HEADERS.items() for name, value in vars(module).items()
+            if isinstance(value, type) and issubclass(value, ArgStruct) and value.__module__ == module.__name__}
 
 
 def _body(text: str, start: int) -> str:

@@ -89,8 +89,9 @@ def test_publish_chunk_accepts_exactly_the_valid_arguments(n, data, monkeypatch_
         assert not launches
     else:
         ring_io.publish_chunk(RING, **args)
-        (name, launched), = launches
+        (name, kernel_args), = launches
         assert name == "ring_publish_tensors"
+        launched = kernel_args["args"]  # a RingPublishArgs, by field
         assert (launched["n_tokens"], launched["token_base"], launched["end_of_stream"]) == \
             (rows, base, int(args["end_of_stream"]))
 

@@ -24,9 +24,7 @@ CPU = torch.device("cpu")
 LOOSE_LIMIT = 9
 #: Kernels over the limit, and why they are.
 LOOSE = {"moe_persistent_gemm": "issue 44's persistent consumer, still being written: its arguments become a struct "
-                                "once it lands",
-         **dict.fromkeys(["moe_produce_chunk", "ring_publish_tensors",
-                          "ring_publish_copy", "ring_stress", "probe_weight_read"], "TEMPORARY: converted next")}
+                                "once it lands"}
 MIRRORS = mirrors()
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.errors import ChunkringUsageError
+from chunkring.ring.kernel_args import RingPublishArgs
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 from chunkring.ring.status import AbortRecord, ErrorCode
 from chunkring.runtime import TEARDOWN_WAIT_S
@@ -157,10 +158,12 @@ def enqueue_publish(ring: Ring, x: torch.Tensor, x_sf: torch.Tensor | None, topk
     tensors: KernelArgs = {"x": x.view(torch.uint8), "x_sf": scales, "topk_idx": topk_idx, "topk_weights": topk_weights}
     grid = publish_grid(x.numel() * x.element_size())
     if grid == 1:
-        library.launch("ring_publish_tensors", block=_PUBLISH_BLOCK, stream=stream, **tensors, **extent)
+        library.launch("ring_publish_tensors", args=RingPublishArgs(**tensors, **extent), block=_PUBLISH_BLOCK,
+                       stream=stream)
         return
     library.launch("ring_publish_open", block=32, stream=stream, **extent)
-    library.launch("ring_publish_copy", grid=grid, block=_PUBLISH_BLOCK, stream=stream, **tensors, **extent)
+    library.launch("ring_publish_copy", args=RingPublishArgs(**tensors, **extent), grid=grid, block=_PUBLISH_BLOCK,
+                   stream=stream)
     library.launch("ring_publish_close", block=32, stream=stream, **extent)
 
 

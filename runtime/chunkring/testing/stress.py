@@ -10,6 +10,7 @@ import numpy as np
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit.launch import library_for
+from chunkring.ring.kernel_args import RingStressArgs
 
 if TYPE_CHECKING:
     import torch
@@ -109,10 +110,10 @@ class StressLibrary:
         stress = torch.zeros(1 << 20, dtype=torch.int64, device=device)
         arrivals = (torch.zeros(ring.spec.world_size * ring.spec.num_slots, dtype=torch.int32, device=device)
                     if consumer_blocks > 1 else None)
-        self.library.launch("ring_stress", desc=ring.desc, plan=plan_dev, invocations=plan.tokens.shape[0], seed=seed,
-                            max_delay_ns=max_delay_ns, received=received, stress=stress, stress_words=stress.numel(),
-                            arrivals=arrivals, consumer_blocks=consumer_blocks,
-                            grid=1 + consumer_blocks + stress_blocks, block=256, stream=stream)
+        self.library.launch("ring_stress", args=RingStressArgs(
+            desc=ring.desc, plan=plan_dev, invocations=plan.tokens.shape[0], seed=seed, max_delay_ns=max_delay_ns,
+            received=received, stress=stress, stress_words=stress.numel(), arrivals=arrivals,
+            consumer_blocks=consumer_blocks), grid=1 + consumer_blocks + stress_blocks, block=256, stream=stream)
         return received
 
     def run_stale_epoch(self, ring: Ring, tokens: int) -> StatusRecord:

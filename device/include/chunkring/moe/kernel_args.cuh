@@ -128,4 +128,22 @@ struct DecodeL2Args {
 static_assert(sizeof(DecodeL2Args) == 12 * sizeof(u64),
               "DecodeL2Args: runtime/chunkring/moe/_engine/kernel_args.py");
 
+// moe_produce_chunk (moe_produce.cu).
+struct ProduceChunkArgs {
+    u64 version;        // kKernelArgsVersion
+    u64 bytes;          // sizeof(ProduceChunkArgs)
+    u64 desc;           // const RingDesc*
+    u64 logits;         // const float*
+    u64 hidden;         // const __nv_bfloat16*
+    u64 num_experts;    // int
+    u64 n_tokens;       // int
+    u64 token_base;     // long long
+    u64 end_of_stream;  // int
+    u64 valid_tokens;   // CHUNKRING_NULLABLE const int*
+    u64 batch_rows;     // long long
+    u64 arrivals;       // CHUNKRING_NULLABLE unsigned*
+};
+static_assert(sizeof(ProduceChunkArgs) == 12 * sizeof(u64),
+              "ProduceChunkArgs: runtime/chunkring/moe/_engine/kernel_args.py");
+
 }  // namespace chunkring::moe

@@ -9,7 +9,7 @@ from __future__ import annotations
 from chunkring.jit import ArgStruct
 
 __all__ = ["CombinePushArgs", "CombineReduceArgs", "DecodeL1Args", "DecodeL2Args", "PlanScatterArgs",
-           "WaveGatherArgs"]
+           "ProduceChunkArgs", "WaveGatherArgs"]
 
 
 class PlanScatterArgs(ArgStruct):
@@ -61,3 +61,12 @@ class DecodeL2Args(ArgStruct):
     FIELDS = """const __nv_fp8_e4m3* w2, const float* w2_sf, long long sf_stride, const unsigned* counts,
                 long long hidden, long long inter, const __nv_fp8_e4m3* act, const float* act_sf,
                 const int* group_end, __nv_bfloat16* out"""
+
+
+class ProduceChunkArgs(ArgStruct):
+    """``moe_produce_chunk``: the fused producer's chunk - the router's logits and the hidden rows - and its extent
+    (:func:`chunkring.moe._engine.producer.enqueue_produce`)."""
+
+    FIELDS = """const RingDesc* desc, const float* logits, const __nv_bfloat16* hidden, int num_experts, int n_tokens,
+                long long token_base, int end_of_stream, CHUNKRING_NULLABLE const int* valid_tokens,
+                long long batch_rows, CHUNKRING_NULLABLE unsigned* arrivals"""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.errors import ChunkringUsageError
+from chunkring.moe._engine.kernel_args import ProduceChunkArgs
 
 if TYPE_CHECKING:
     from chunkring.jit.launch import KernelLibrary
@@ -68,7 +69,8 @@ def enqueue_produce(ring: Ring, kernels: KernelLibrary, logits: torch.Tensor, hi
     :func:`produce_grid_limit` gives it."""
     rows = hidden.shape[0]
     grid = produce_grid(rows, hidden.shape[1], max_blocks)
-    kernels.launch("moe_produce_chunk", desc=ring.desc, logits=logits, hidden=hidden, num_experts=logits.shape[1],
-                   n_tokens=rows, token_base=token_base, end_of_stream=int(end_of_stream), valid_tokens=valid_tokens,
-                   batch_rows=0 if batch_rows is None else batch_rows, arrivals=arrivals if grid > 1 else None,
-                   grid=grid, block=_PRODUCE_BLOCK, stream=stream)
+    kernels.launch("moe_produce_chunk", args=ProduceChunkArgs(
+        desc=ring.desc, logits=logits, hidden=hidden, num_experts=logits.shape[1], n_tokens=rows,
+        token_base=token_base, end_of_stream=int(end_of_stream), valid_tokens=valid_tokens,
+        batch_rows=0 if batch_rows is None else batch_rows, arrivals=arrivals if grid > 1 else None),
+        grid=grid, block=_PRODUCE_BLOCK, stream=stream)

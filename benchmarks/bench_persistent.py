@@ -1,5 +1,5 @@
-"""The persistent decode consumer (chunkring.moe.persistent, device/kernels/moe_persistent.cu) against today's decode
-kernels and DeepGEMM's path, on one GPU, on the same plans: the expert work of a call alone (L1, SwiGLU and the
+"""The persistent decode consumer (chunkring.moe._engine.persistent, device/kernels/moe_persistent.cu) against today's
+decode kernels and DeepGEMM's path, on one GPU, on the same plans: the expert work of a call alone (L1, SwiGLU and the
 activation's quantisation, L2), swept over the consumer's variants in one process.
 
     python -m benchmarks.bench_persistent [--tokens 1,8,32,128,512] [--sweep default|quick]
@@ -42,7 +42,7 @@ from benchmarks.probe_weight_read import DELAY_CYCLES, PEAK_TBPS
 from chunkring.errors import ChunkringRuntimeError
 from chunkring.jit import library_for
 from chunkring.moe.gemm import load_deep_gemm
-from chunkring.moe.persistent import TIMELINE_WORDS, PersistentGemm, PersistentVariant
+from chunkring.moe._engine.persistent import TIMELINE_WORDS, PersistentGemm, PersistentVariant
 from chunkring.testing import records
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 

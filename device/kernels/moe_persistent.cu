@@ -1,6 +1,6 @@
 // The persistent decode consumer (issue 44): one block per SM runs a call's whole expert work - L1, SwiGLU and the
 // activation's FP8 quantisation, and L2 - on the plan moe_plan_scatter builds, writing what today's decode kernels
-// write (moe_decode.cu: act / act_sf and bf16 rows). runtime/chunkring/moe/persistent.py launches it.
+// write (moe_decode.cu: act / act_sf and bf16 rows). runtime/chunkring/moe/_engine/persistent.py launches it.
 //
 //   warps 0-7    two math warpgroups: swap-AB FP8 WGMMA, scale promotion, epilogues (chunkring/moe/persistent_math.cuh)
 //   warp 8       the weight loader: each step's 16 KB weight tile by one bulk tensor copy into a ring of `stages`

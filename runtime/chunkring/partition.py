@@ -155,10 +155,10 @@ class SmPartition:
             self.producer_stream, self.consumer_stream, self.consumer_side_stream = (
                 torch.cuda.ExternalStream(int(s.handle), device=runtime.torch_device) for s in self._streams)
         except ChunkringRuntimeError:
-            self._destroy_quietly()
+            self._release_quietly()
             raise
         except Exception as exc:
-            self._destroy_quietly()
+            self._release_quietly()
             raise ChunkringRuntimeError(f"could not create the SM partitions: {exc}") from exc
         finally:
             device.set_current()  # the primary context stays current for torch and NVSHMEM
@@ -219,7 +219,7 @@ class SmPartition:
             raise ChunkringRuntimeError(f"could not destroy the SM partitions cleanly ({len(failures)} failures; "
                                         f"the first: {failures[0]})") from failures[0]
 
-    def _destroy_quietly(self) -> None:
+    def _release_quietly(self) -> None:
         """:meth:`_release` on a construction's way out: the construction's own error is the one to raise."""
         with contextlib.suppress(ChunkringRuntimeError):
             self._release()

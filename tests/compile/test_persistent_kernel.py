@@ -15,7 +15,7 @@ import pytest
 
 from chunkring.jit import build
 from chunkring.jit.compiler import ARCH_SPECIFIC_SOURCES
-from chunkring.moe.persistent import STATIC_SHARED, PersistentVariant
+from chunkring.moe._engine.persistent import STATIC_SHARED, PersistentVariant
 from tests.helpers.nvrtc import ptx_of, ptxas_report
 
 SOURCE = "moe_persistent"

@@ -1,5 +1,5 @@
-"""The persistent decode consumer (chunkring.moe.persistent, device/kernels/moe_persistent.cu) on the GPU, on the plans
-the layer builds (moe_plan_scatter through ExpertCompute.plan):
+"""The persistent decode consumer (chunkring.moe._engine.persistent, device/kernels/moe_persistent.cu) on the GPU,
+on the plans the layer builds (moe_plan_scatter through ExpertCompute.plan):
 
 * its bf16 rows match the fp32 reference of the recipe within the tolerance the decode path is held to (1e-2
   relative), and today's decode kernels' rows within it, at 1, 8, 32 and 128 tokens, hidden 4096 and 7168 - with
@@ -28,7 +28,7 @@ from chunkring.jit import library_for
 from chunkring.moe._engine.decode import DecodeGemm
 from chunkring.moe._engine.experts import ExpertCompute
 from chunkring.moe._engine.stage import Stage
-from chunkring.moe.persistent import TIMELINE_WORDS, PersistentGemm, block_units
+from chunkring.moe._engine.persistent import TIMELINE_WORDS, PersistentGemm, block_units
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.moe_helpers import rel_error
@@ -192,7 +192,7 @@ CHILD = textwrap.dedent("""
     import sys, torch, chunkring
     from chunkring import MoEConfig
     from chunkring.jit import library_for
-    from chunkring.moe.persistent import PersistentGemm
+    from chunkring.moe._engine.persistent import PersistentGemm
     from chunkring.moe.weights import quantize_weight_fp8
     runtime = chunkring.init()
     device = runtime.torch_device

@@ -26,6 +26,7 @@ ENGINE_BENCHMARKS = {
     "benchmarks.probe_producer": "the fused producer kernel alone, per chunk and grid",
     "benchmarks.bench_input_checks": "the pull kernel alone, with and without its input checks",
     "benchmarks.bench_overlap": "the producers alone (P): the router GEMM and the fused producer per chunk",
+    "benchmarks.bench_persistent": "the persistent decode consumer alone, against the decode kernels on the same plan",
 }
 
 

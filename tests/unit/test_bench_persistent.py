@@ -5,7 +5,7 @@ default the timeline is recorded for, and the figures and table come out of the 
 import pytest
 
 from benchmarks import bench_persistent as bench
-from chunkring.moe.persistent import PersistentVariant
+from chunkring.moe._engine.persistent import PersistentVariant
 
 SMS, SHARED = 132, 232448  # the H100's SMs; the shared memory a block may opt in to on the H100 and H200
 

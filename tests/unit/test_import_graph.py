@@ -243,8 +243,7 @@ def test_the_moe_engine_is_private(graph):
 MOE_FLOORS = [
     ("base", ("chunkring.moe.config", "chunkring.moe.weights", "chunkring.moe.routing", "chunkring.moe.gemm",
               "chunkring.moe.kernels", "chunkring.moe.timeline", "chunkring.moe.auto", "chunkring.moe.checkpoint")),
-    # chunkring.moe.persistent: the persistent decode consumer's launcher, engine-level, not yet called by the layer.
-    ("engine", (ENGINE, "chunkring.moe.persistent")),
+    ("engine", (ENGINE,)),
     ("layer", ("chunkring.moe.layer",)),
     ("on the layer", ("chunkring.moe.module", "chunkring.moe.op", "chunkring.moe.calibration")),
 ]

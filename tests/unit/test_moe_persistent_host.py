@@ -1,4 +1,4 @@
-"""The persistent decode consumer's host side (chunkring.moe.persistent) and what it shares with its kernel
+"""The persistent decode consumer's host side (chunkring.moe._engine.persistent) and what it shares with its kernel
 (device/kernels/moe_persistent.cu, chunkring/moe/persistent_schedule.cuh), without a GPU:
 
 * the shared-memory layout, the fault word, the variants' codes and the kernel's limits are the header's (its pinned
@@ -26,8 +26,8 @@ from chunkring import MoEConfig, PayloadFormat
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit import parse_kernels
 from chunkring.jit.launch import check_argument_names
-from chunkring.moe import persistent
-from chunkring.moe.persistent import (
+from chunkring.moe._engine import persistent
+from chunkring.moe._engine.persistent import (
     CLAIMS,
     FAULT_KINDS,
     MAX_EXPERTS,

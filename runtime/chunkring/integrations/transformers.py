@@ -332,9 +332,9 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
 
 
 def chunkring_blocks(model: nn.Module) -> Iterator[tuple[str, ChunkringMoEBlock]]:
-    """The :class:`ChunkringMoEBlock` modules of ``model`` by name (e.g. to set ``streaming`` or destroy
+    """The :class:`ChunkringMoEBlock` modules of ``model`` by name (e.g. to set ``streaming`` or close
     their layers: ``block.layer.close()`` is a collective; blocks of one shape share a layer, and
-    destroying it again does nothing)."""
+    closing it again does nothing)."""
     for name, module in model.named_modules():
         if isinstance(module, ChunkringMoEBlock):
             yield name, module

@@ -17,11 +17,11 @@ from chunkring.ring.layout import RingLayout
 from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
 from chunkring.ring.transport import TRANSPORT_MODES
 
-__all__ = ["DEFAULT_FRONT_NUM_SLOTS", "MAX_WAVES", "MoEConfig"]
+__all__ = ["DEFAULT_STREAM_SLOTS", "MAX_WAVES", "MoEConfig"]
 
 #: Slots of the default streaming ring (MoEConfig.with_default_ring): the consumer pulls each chunk within
 #: microseconds of its publish, so producers never wait for a second slot to free (docs/PERFORMANCE.md).
-DEFAULT_FRONT_NUM_SLOTS = 2
+DEFAULT_STREAM_SLOTS = 2
 
 #: Most waves of expert work per call (MoEConfig.waves): each wave reads every expert's weights that has
 #: a block in it, so more waves than a few cost more weight traffic than they hide.
@@ -142,8 +142,8 @@ class MoEConfig:
         1), so the ring's payload is half the full per-rank input region. A streamed call chunks its batch in
         any size up to the slot (``chunk=``, or what calibration measured fastest), and large batches stream
         fastest in large chunks: docs/PERFORMANCE.md gives the measurements behind both numbers."""
-        return replace(self, stream_slots=DEFAULT_FRONT_NUM_SLOTS,
-                       stream_slot_tokens=max(1, self.max_tokens_per_rank // (2 * DEFAULT_FRONT_NUM_SLOTS)))
+        return replace(self, stream_slots=DEFAULT_STREAM_SLOTS,
+                       stream_slot_tokens=max(1, self.max_tokens_per_rank // (2 * DEFAULT_STREAM_SLOTS)))
 
     def ring_spec(self, world_size: int, *, streamed: bool) -> RingSpec:
         """The spec of the streaming ring, or of the one-slot batch-ready ring. Checks the shared fields;

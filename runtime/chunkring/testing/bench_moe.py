@@ -68,7 +68,7 @@ def run(runtime: Any, open_layer: Callable[[int], AbstractContextManager[Any]], 
     ``c<chunk>_auto_streams``. A collective: every rank calls it alike.
 
     ``open_layer(chunk)`` is a context manager yielding the ``MoELayer`` to measure with slots of
-    ``chunk`` tokens (destroyed on exit). The figures that do not depend on the chunk size (batch-ready,
+    ``chunk`` tokens (closed on exit). The figures that do not depend on the chunk size (batch-ready,
     P, Q, peer) are measured once per token count, with the first chunk size's layer, and reported beside
     every chunk size. ``trace=(tokens, chunk)`` also records that shape's batch-ready and streamed
     timelines, one graph replay each; rank 0 writes every rank's records as Chrome traces

@@ -1,5 +1,5 @@
 // The persistent decode consumer's work and where it lives (device/kernels/moe_persistent.cu runs it;
-// runtime/chunkring/moe/persistent.py launches it and mirrors the shared-memory layout below).
+// runtime/chunkring/moe/_engine/persistent.py launches it and mirrors the shared-memory layout below).
 //
 // The work of one call: for every local expert with rows (the plan's groups, moe_plan_scatter), L1 + SwiGLU + FP8
 // quantisation and L2, as "units" of 128 x K weight bytes per 16 KB stage row-block:

@@ -10,7 +10,7 @@ tokens on its narrow side, so an expert's weights are streamed once per pass of 
 
 Which calls take it: a layer built with ``decode=True`` runs every call on it; ``decode="auto"`` chooses per call,
 by the call's token count (:func:`decode_fits` with ``tokens``): the decode path while an expert's mean rows are
-at most :data:`DECODE_MAX_ROWS`, DeepGEMM's above. The bound follows the newest H200 measurement of these kernels
+at most :data:`DECODE_MAX_ROWS`, DeepGEMM's above. The bound follows the newest measurements of these kernels
 against DeepGEMM's; today it sends every call with tokens to DeepGEMM's (see the constant). Both engines are fixed
 grids that loop over whatever rows a call brought, so either is correct at any routing and captures into a CUDA
 graph; only the speed depends on the rows per expert. Each rank chooses for its own consumer - the choice changes
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from chunkring.moe.config import MoEConfig
 
 __all__ = ["DECODE_MAX_ROWS", "DECODE_PASS_ROWS", "DECODE_SHARED_BYTES", "DECODE_THREADS", "L2_CHUNK_ROWS",
-           "DecodeGemm", "PlanTensors", "check_decode_config", "decode_fits", "fragment_k", "mean_rows_per_expert"]
+           "DecodeGemm", "PlanTensors", "check_decode_config", "check_plan_gemm", "decode_fits", "fragment_k",
+           "mean_rows_per_expert"]
 
 #: An expert's rows per pass over its weights (decode_gemm.cuh kPassRows: 4 token tiles of 8): an expert
 #: with more rows streams its weights once per 32 of them.
@@ -52,17 +53,17 @@ DECODE_SHARED_BYTES = 8 * 6 * 4096
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
 #: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most this.
-#: It follows the newest H200 measurement of these kernels (benchmarks/bench_decode.py, flash shape, both
-#: engines timed as graph replays in one call; docs/PERFORMANCE.md, "The decode path"): DeepGEMM's path was
-#: the faster at every size measured, 1 to 128 tokens (the decode kernels 1.06-1.35x its layer time), so no
-#: call with tokens takes the decode path by default. When the kernels first measured faster (passes of 16
-#: rows, a register pipeline) the bound was 8: 0.92x DeepGEMM's layer at a mean of 6 rows per expert.
+#: It follows the newest measurements of these kernels (benchmarks/bench_decode.py, flash shape, both engines
+#: timed as graph replays in one call; docs/PERFORMANCE.md, "The decode path"): DeepGEMM's path is the faster at
+#: 8 to 128 tokens on the H100 and at 1 to 128 on the H200 (the decode path 0.98-1.19x / 1.06-1.35x its layer
+#: time), so no call with tokens takes the decode path by default.
 DECODE_MAX_ROWS = 0
 
 
 class PlanTensors(Protocol):
-    """What the decode kernels read of a plan: :class:`chunkring.moe._engine.experts.DevicePlan` is one (a protocol, so
-    that this module, which :mod:`chunkring.moe._engine.experts` imports, need not import it back)."""
+    """What the decode kernels (and the persistent consumer's) read of a plan: :class:`chunkring.moe._engine.experts.
+    DevicePlan` is one (a protocol, so that this module, which :mod:`chunkring.moe._engine.experts` imports, need not
+    import it back)."""
 
     @property
     def counts(self) -> torch.Tensor: ...
@@ -121,6 +122,36 @@ def decode_fits(config: MoEConfig, world_size: int, *, tokens: int | None = None
     return mean_rows_per_expert(config, world_size, tokens) <= max_rows
 
 
+def check_plan_gemm(experts_per_rank: int, config: MoEConfig, plan: PlanTensors, w13: Fp8Weight, w2: Fp8Weight,
+                    out: torch.Tensor) -> None:
+    """Raise ``ChunkringUsageError`` unless the FP8 expert GEMMs on a plan (L1 + SwiGLU + L2, writing ``out``) have
+    the shapes of ``config``'s layer with ``experts_per_rank`` local experts: contiguous :class:`Fp8Weight` w13
+    [E, 2I, H] and w2 [E, H, I] on 16-byte boundaries, the plan's rows [P, H] (on 16 bytes) and scales [H / 128, P],
+    its ``counts`` and ``group_end`` [E], ``out`` bf16 [P, H]. What :class:`DecodeGemm` and the persistent consumer
+    (:mod:`chunkring.moe._engine.persistent`) both take."""
+    E, H, inter = experts_per_rank, config.hidden, config.intermediate
+    for name, w, shape in (("w13", w13, (E, 2 * inter, H)), ("w2", w2, (E, H, inter))):
+        if not isinstance(w, Fp8Weight):
+            raise ChunkringUsageError(f"expected a chunkring.moe.Fp8Weight, got {type(w).__name__}", field=name)
+        if tuple(w.data.shape) != shape:
+            raise ChunkringUsageError(f"expected data {list(shape)}, got {list(w.data.shape)}", field=name)
+        if not w.data.is_contiguous() or not w.scale.is_contiguous():
+            raise ChunkringUsageError("data and scale must be contiguous", field=name)
+        check_row_aligned(name, w.data)  # the kernels load 16 bytes at a time
+    P = plan.rows.shape[0]
+    if tuple(plan.rows.shape) != (P, H) or tuple(plan.rows_sf.shape) != (H // WEIGHT_BLOCK, P):
+        raise ChunkringUsageError(f"expected FP8 rows [P, {H}] and scales [{H // WEIGHT_BLOCK}, P], got "
+                                  f"{list(plan.rows.shape)} and {list(plan.rows_sf.shape)}", field="plan")
+    check_row_aligned("plan", plan.rows)
+    for name in ("counts", "group_end"):
+        shape = tuple(getattr(plan, name).shape)
+        if shape != (E,):
+            raise ChunkringUsageError(f"expected {name} [{E}], got {list(shape)}", field="plan")
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (P, H) or out.dtype != torch.bfloat16:
+        got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ChunkringUsageError(f"expected bfloat16 [{P}, {H}], got {got}", field="out")
+
+
 class DecodeGemm:
     """The decode path's expert GEMMs for one layer at one rank: :meth:`__call__` enqueues L1 (+ SwiGLU + FP8
     quantisation) and L2 on a plan, writing bf16 rows like the DeepGEMM path.
@@ -152,29 +183,9 @@ class DecodeGemm:
         return E * (c.intermediate // WEIGHT_BLOCK), E * (c.hidden // L2_CHUNK_ROWS)
 
     def check(self, plan: PlanTensors, w13: Fp8Weight, w2: Fp8Weight, out: torch.Tensor) -> None:
-        """Raise ``ChunkringUsageError`` unless the weights, the plan and ``out`` have this layer's shapes."""
-        E, H, inter = self.experts_per_rank, self.config.hidden, self.config.intermediate
-        for name, w, shape in (("w13", w13, (E, 2 * inter, H)), ("w2", w2, (E, H, inter))):
-            if not isinstance(w, Fp8Weight):
-                raise ChunkringUsageError(f"expected a chunkring.moe.Fp8Weight, got {type(w).__name__}", field=name)
-            if tuple(w.data.shape) != shape:
-                raise ChunkringUsageError(f"expected data {list(shape)}, got {list(w.data.shape)}", field=name)
-            if not w.data.is_contiguous() or not w.scale.is_contiguous():
-                raise ChunkringUsageError("data and scale must be contiguous", field=name)
-            check_row_aligned(name, w.data)  # the kernels load 16 bytes at a time
-        P = plan.rows.shape[0]
-        if tuple(plan.rows.shape) != (P, H) or tuple(plan.rows_sf.shape) != (H // WEIGHT_BLOCK, P):
-            raise ChunkringUsageError(f"expected FP8 rows [P, {H}] and scales [{H // WEIGHT_BLOCK}, P], got "
-                                      f"{list(plan.rows.shape)} and {list(plan.rows_sf.shape)}", field="plan")
-        if plan.rows.data_ptr() % 16:
-            raise ChunkringUsageError("rows must start on a 16-byte boundary", field="plan")
-        for name in ("counts", "group_end"):
-            shape = tuple(getattr(plan, name).shape)
-            if shape != (E,):
-                raise ChunkringUsageError(f"expected {name} [{E}], got {list(shape)}", field="plan")
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (P, H) or out.dtype != torch.bfloat16:
-            got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ChunkringUsageError(f"expected bfloat16 [{P}, {H}], got {got}", field="out")
+        """Raise ``ChunkringUsageError`` unless the weights, the plan and ``out`` have this layer's shapes
+        (:func:`check_plan_gemm`)."""
+        check_plan_gemm(self.experts_per_rank, self.config, plan, w13, w2, out)
 
     def __call__(self, plan: PlanTensors, w13: Fp8Weight, w2: Fp8Weight, out: torch.Tensor, *,
                  stream: torch.cuda.Stream | None = None) -> None:

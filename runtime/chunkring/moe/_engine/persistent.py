@@ -15,17 +15,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit.tensor_map import TensorMap, TiledArguments, encode_arguments, tiled_arguments
+from chunkring.moe._engine.decode import check_plan_gemm
 from chunkring.moe.weights import WEIGHT_BLOCK, Fp8Weight
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelLibrary
+    from chunkring.moe._engine.decode import PlanTensors
     from chunkring.moe.config import MoEConfig
 
 __all__ = ["CLAIMS", "FAULT_KINDS", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES", "PERSISTENT_THREADS",
@@ -157,19 +159,6 @@ def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid:
     return [units[b::grid] for b in range(grid)]
 
 
-class PlanTensors(Protocol):
-    """What the kernel reads of a plan (chunkring.moe's DevicePlan is one)."""
-
-    @property
-    def counts(self) -> torch.Tensor: ...
-    @property
-    def group_end(self) -> torch.Tensor: ...
-    @property
-    def rows(self) -> torch.Tensor: ...
-    @property
-    def rows_sf(self) -> torch.Tensor: ...
-
-
 class PersistentGemm:
     """The persistent decode consumer for one layer at one rank: :meth:`__call__` enqueues L1 (+ SwiGLU + FP8
     quantisation) and L2 on a plan, as :class:`DecodeGemm` does, in one launch (or two: ``fused=False``).
@@ -234,34 +223,18 @@ class PersistentGemm:
         return v.sms if v.sms is not None else self.sm_count
 
     def check(self, plan: PlanTensors, w13: Fp8Weight, w2: Fp8Weight, out: torch.Tensor) -> None:
-        """Raise ``ChunkringUsageError`` unless the weights, the plan and ``out`` have this layer's shapes and the
-        alignment the copy engine needs (16-byte rows; the scales' rows whole 16 bytes: P % 4 == 0)."""
-        E, H, inter = self.experts_per_rank, self.config.hidden, self.config.intermediate
-        for name, w, shape in (("w13", w13, (E, 2 * inter, H)), ("w2", w2, (E, H, inter))):
-            if not isinstance(w, Fp8Weight):
-                raise ChunkringUsageError(f"expected a chunkring.moe.Fp8Weight, got {type(w).__name__}", field=name)
-            if tuple(w.data.shape) != shape or not w.data.is_contiguous() or not w.scale.is_contiguous():
-                raise ChunkringUsageError(f"expected contiguous data {list(shape)} and scale, got "
-                                          f"{list(w.data.shape)}", field=name)
-            if w.data.data_ptr() % 16:
-                raise ChunkringUsageError("must start on a 16-byte boundary (the copy engine's)", field=name)
+        """Raise ``ChunkringUsageError`` unless the plan has the layout the copy engine needs - uint8 rows,
+        contiguous rows and scales, the scales' rows whole 16 bytes (P % 4 == 0) from a 16-byte boundary - and the
+        weights, the plan and ``out`` have this layer's shapes (:func:`~chunkring.moe._engine.decode.check_plan_gemm`,
+        as the decode kernels take them)."""
         P = plan.rows.shape[0]
-        if (plan.rows.dtype != torch.uint8 or tuple(plan.rows.shape) != (P, H)
-                or tuple(plan.rows_sf.shape) != (H // WEIGHT_BLOCK, P) or not plan.rows.is_contiguous()
-                or not plan.rows_sf.is_contiguous()):
-            raise ChunkringUsageError(f"expected uint8 rows [P, {H}] and scales [{H // WEIGHT_BLOCK}, P], got "
-                                      f"{plan.rows.dtype} {list(plan.rows.shape)} and {list(plan.rows_sf.shape)}",
+        if plan.rows.dtype != torch.uint8 or not plan.rows.is_contiguous() or not plan.rows_sf.is_contiguous():
+            raise ChunkringUsageError(f"expected contiguous uint8 rows and scales, got {plan.rows.dtype} rows",
                                       field="plan")
-        if P % 4 or plan.rows.data_ptr() % 16 or plan.rows_sf.data_ptr() % 16:
-            raise ChunkringUsageError(f"the plan's rows and scales must start on 16 bytes and P ({P}) be a multiple "
-                                      "of 4: the copy engine copies whole 16 bytes", field="plan")
-        for name in ("counts", "group_end"):
-            if tuple(getattr(plan, name).shape) != (E,):
-                raise ChunkringUsageError(f"expected {name} [{E}], got {list(getattr(plan, name).shape)}",
-                                          field="plan")
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (P, H) or out.dtype != torch.bfloat16:
-            got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ChunkringUsageError(f"expected bfloat16 [{P}, {H}], got {got}", field="out")
+        if P % 4 or plan.rows_sf.data_ptr() % 16:
+            raise ChunkringUsageError(f"the plan's scales must start on 16 bytes and P ({P}) be a multiple of 4: the "
+                                      "copy engine copies whole 16 bytes", field="plan")
+        check_plan_gemm(self.experts_per_rank, self.config, plan, w13, w2, out)
 
     def tensor_map(self, tensor: torch.Tensor, box: tuple[int, ...]) -> TensorMap:
         """A 128-byte-swizzled tensor map of ``tensor`` (a uint8 view), from the cache when an earlier one had the

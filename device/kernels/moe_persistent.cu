@@ -8,7 +8,8 @@
 //   warp 9       the token loader: each step's token tile (8-row tensor copies of the rows in use, 1 KB each) and
 //                their 1x128 scales (one bulk copy) into a ring of `token_stages`; before an L2 unit it waits until
 //                every L1 unit of its expert has released its activation rows (`sync`, below)
-//   warps 10-11  idle (the loaders' warpgroup gives its registers to the math: setmaxnreg 40 / 232)
+//   warps 10-11  idle (the loaders' warpgroup gives its registers to the math: setmaxnreg pc::kLoaderRegisters /
+//                pc::kMathRegisters, 56 / 224)
 // What a unit, a pass and a step are, and the order every role walks them in: chunkring/moe/persistent_schedule.cuh.
 //
 // `phases`: kPhaseBoth runs L1 and L2 in one launch, an L2 unit waiting only for its own expert's L1 units (the
@@ -21,7 +22,7 @@
 // Resident blocks: an L2 unit may wait for L1 units of other blocks, so the launch must not have more blocks than
 // can run at once (the host launches at most one per SM, and one fills an SM: its shared memory and registers).
 // Every wait is bounded: past wait_limit_ns the block records what it waited for in `fault_record` (the address of a
-// pinned host buffer of pc::kFaultWords u64, or 0) and traps (persistent_schedule.cuh, "Faults": no printf here).
+// pinned host u64, or 0) and traps (persistent_schedule.cuh, "Faults": no printf here).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -64,13 +65,6 @@ __device__ __forceinline__ bool arguments_fit(int experts, long long hidden, lon
            (w13_boxes == 1 || w13_boxes == pc::kW13Groups);
 }
 
-// A loader's wait for its ring's next stage to be free: every math warp released it on its last lap (at once on the
-// first lap).
-__device__ __forceinline__ void acquire(util::StagePipeline& pipe, const util::Cursor& c, const pc::Watch& watch,
-                                        u32 kind) {
-    pc::wait_phase(&pipe.empty[c.stage], c.parity ^ 1, watch, kind, c.stage);
-}
-
 // The weight loader (one thread): every step's weight tile, in the schedule's order. An L1 tile is one copy of the
 // interleaving 5-D map (w13_boxes 1) or 16 copies of 8 rows from a map in w13's own dimension order (w13_boxes 16):
 // the same 16 KB either way.
@@ -86,7 +80,7 @@ __device__ void load_weights(util::StagePipeline& pipe, unsigned char* ring, con
         for (u32 p = 0; p < s.passes(u); ++p)
             for (u32 h = 0; h < halves; ++h)
                 for (u32 kb = 0; kb < kblocks; ++kb) {
-                    acquire(pipe, c, watch, pc::kFaultWeightSlot);
+                    pipe.acquire(c, watch.limit_ns, pc::StageFault{watch, pc::kFaultWeightSlot});
                     pipe.commit(c, pc::kWeightStageBytes);
                     unsigned char* dst = ring + c.stage * pc::kWeightStageBytes;
                     const int k = static_cast<int>(kb * pc::kKBlock);
@@ -162,7 +156,7 @@ __device__ void load_tokens(util::StagePipeline& pipe, unsigned char* tiles, flo
             for (u32 h = 0; h < halves; ++h)
                 for (u32 kb = 0; kb < kblocks; ++kb) {
                     if (lane == 0) {
-                        acquire(pipe, c, watch, pc::kFaultTokenSlot);
+                        pipe.acquire(c, watch.limit_ns, pc::StageFault{watch, pc::kFaultTokenSlot});
                         pipe.commit(c, bytes);
                     }
                     __syncwarp();  // the transaction count is announced before any lane's copy can land

@@ -71,8 +71,8 @@ template <u32 N>
 __device__ __forceinline__ void mma_step(const MathArgs& m, u32 tile_cap, util::Cursor& wc, util::Cursor& tc, float lo,
                                          float hi, float (&acc)[N / 2]) {
     const MathLane l = math_lane();
-    wait_phase(&m.weight_pipe->full[wc.stage], wc.parity, m.watch, kFaultWeightStage, wc.stage);
-    wait_phase(&m.token_pipe->full[tc.stage], tc.parity, m.watch, kFaultTokenStage, tc.stage);
+    m.weight_pipe->wait(wc, m.watch.limit_ns, StageFault{m.watch, kFaultWeightStage});
+    m.token_pipe->wait(tc, m.watch.limit_ns, StageFault{m.watch, kFaultTokenStage});
     const u64 a = ptx::smem_desc_k_major_sw128(
         ptx::shared_address(m.weights + wc.stage * kWeightStageBytes + l.wg * (kWeightStageBytes / 2)));
     const u64 b = ptx::smem_desc_k_major_sw128(ptx::shared_address(m.tokens + tc.stage * tile_cap * kKBlock));
@@ -225,9 +225,11 @@ struct MathTimes {
 // barrier, then one add with release to the expert's counter (the token loader's wait_l1 acquires it).
 __device__ __forceinline__ void run_math(const MathArgs& m, const Schedule& s, const Active& a, MathTimes& times) {
     util::Cursor wc, tc;
-    if (threadIdx.x == 0 && s.first_unit() < s.total) {  // the first weight stage landed (the step's own wait
-        wait_phase(&m.weight_pipe->full[0], 0, m.watch, kFaultWeightStage, 0);  // returns at once: no warp releases
-        times.first_step = ptx::globaltimer_ns();                                // it before its own first step)
+    // When the first weight stage landed (the first step's own wait then returns at once: no warp releases the stage
+    // before its own first step).
+    if (threadIdx.x == 0 && s.first_unit() < s.total) {
+        m.weight_pipe->wait(wc, m.watch.limit_ns, StageFault{m.watch, kFaultWeightStage});
+        times.first_step = ptx::globaltimer_ns();
     }
     for (u32 i = s.first_unit(); i < s.total; i = s.next_unit(i)) {
         const Unit u = s.unit(i, a);

@@ -18,14 +18,13 @@
 // stages) and the two math warpgroups, which consume both rings in step.
 //
 // The units of a call form one list, every L1 unit before every L2 unit (an L2 unit waits for its expert's L1 units:
-// persistent.cuh's counters), and each block takes its units from it in list order (`claim`): so the smallest
+// moe_persistent.cu's `sync` counters), and each block takes its units from it in list order (`claim`): so the smallest
 // unfinished unit of the call never waits for one after it, and the call finishes as long as every block is
 // resident at once (one block per SM, at most the SMs' count of blocks).
 #pragma once
 
 #include <cuda/std/cstdint>
 
-#include "chunkring/ptx/mbarrier.cuh"
 #include "chunkring/ptx/ordering.cuh"
 
 namespace chunkring::moe::persistent {
@@ -94,7 +93,6 @@ static_assert(launch_shared_bytes(10, 4, 64) == 200704 && launch_shared_bytes(12
 // (warning C7510), and printf is one; DeepGEMM's WGMMA kernels trap without printing too. One packed word, not a
 // record of several: each wait site inlines the write, and wider ones cost the math warpgroups registers (spills).
 //   bits 0-7 kind, 8-19 block, 20-29 thread, 30 parity, 31-46 what (a stage, or an expert), 47-62 seen (a count)
-constexpr u32 kFaultKindBits = 8, kFaultBlockBits = 12, kFaultThreadBits = 10, kFaultWhatBits = 16;
 // What a block waited for (append-only, persistent.py FAULT_KINDS); never 0, so a written word is never 0.
 constexpr u32 kFaultArguments = 1, kFaultGroupStart = 2, kFaultWeightSlot = 3, kFaultTokenSlot = 4,
               kFaultWeightStage = 5, kFaultTokenStage = 6, kFaultL1Units = 7;
@@ -123,13 +121,15 @@ __device__ __forceinline__ void raise_fault(const Watch& w, u32 kind, u32 what, 
     __trap();
 }
 
-// Waits for the phase of parity `parity` of barrier `bar` (stage `stage` of a ring) for at most w.limit_ns.
-__device__ __forceinline__ void wait_phase(u64* bar, u32 parity, const Watch& w, u32 kind, u32 stage) {
-    if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
-    const u64 start = ptx::globaltimer_ns();
-    while (!ptx::mbarrier_try_wait_parity(bar, parity))
-        if (ptx::globaltimer_ns() - start > w.limit_ns) raise_fault(w, kind, stage, parity, 0);
-}
+// How a stage wait of the kernel gives up (util::StagePipeline's acquire and wait, for at most watch.limit_ns): the
+// fault word of `kind` naming the stage and its parity, then a trap.
+struct StageFault {
+    const Watch& watch;
+    u32 kind;
+    __device__ __forceinline__ void operator()(u32 stage, u32 parity, u64) const {
+        raise_fault(watch, kind, stage, parity, 0);
+    }
+};
 
 // The experts with rows, ascending, with their groups (in static shared memory; built once per block).
 struct Active {

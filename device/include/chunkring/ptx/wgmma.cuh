@@ -127,7 +127,7 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_f32(float (&d)[32], u64 a, 
         : "memory");
 }
 
-// The shape for a compile-time N: the one overload of the five above.
+// The shape for a compile-time N: the one of the four above.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k32_e4m3_f32(float (&d)[kAccumulators<N>], u64 a, u64 b, bool accumulate) {
     static_assert(N == 8 || N == 16 || N == 32 || N == 64, "N of 8, 16, 32 or 64");

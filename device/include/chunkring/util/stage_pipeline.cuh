@@ -7,8 +7,9 @@
 //   consumer: wait(c)    -> read the stage       -> release(c)                                   -> c.advance
 //
 // Both sides walk the stages in the same order with a Cursor each: a stage's lap alternates the parity of its
-// barriers' phases. Every wait is bounded: past `limit_ns` it prints who waited for what and traps (a lost arrival
-// or a copy whose bytes never match what was announced would otherwise hang the GPU).
+// barriers' phases. Every wait is bounded: past `limit_ns` it gives up - by default prints who waited for what and
+// traps (PrintAndTrap) - as a lost arrival or a copy whose bytes never match what was announced would otherwise hang
+// the GPU.
 #pragma once
 
 #include <cuda/std/cstdint>
@@ -35,17 +36,26 @@ struct Cursor {
     }
 };
 
-// Waits for the phase of parity `parity` of `bar` to complete, for at most limit_ns of the global timer.
-__device__ __forceinline__ void wait_phase(u64* bar, u32 parity, u64 limit_ns, const char* who, u32 stage) {
+// What a wait past its limit does unless its caller says otherwise: prints who waited for what, then traps. A
+// kernel that must hold no call (printf is one; ptxas serialises every WGMMA of such a kernel, C7510) passes its own
+// `give_up` to the waits below instead - any callable (stage, parity, limit_ns) that does not return.
+struct PrintAndTrap {
+    const char* who;
+    __device__ __forceinline__ void operator()(u32 stage, u32 parity, u64 limit_ns) const {
+        printf("chunkring: block %u thread %u (%s) waited %llu ns for stage %u, parity %u\n", blockIdx.x, threadIdx.x,
+               who, static_cast<unsigned long long>(limit_ns), stage, parity);
+        __trap();
+    }
+};
+
+// Waits for the phase of parity `parity` of `bar` (stage `stage` of a ring) to complete; past limit_ns of the global
+// timer, give_up(stage, parity, limit_ns).
+template <typename GiveUp>
+__device__ __forceinline__ void wait_phase(u64* bar, u32 stage, u32 parity, u64 limit_ns, const GiveUp& give_up) {
     if (ptx::mbarrier_try_wait_parity(bar, parity)) return;
     const u64 start = ptx::globaltimer_ns();
-    while (!ptx::mbarrier_try_wait_parity(bar, parity)) {
-        if (ptx::globaltimer_ns() - start > limit_ns) {
-            printf("chunkring: block %u thread %u (%s) waited %llu ns for stage %u, parity %u\n", blockIdx.x,
-                   threadIdx.x, who, static_cast<unsigned long long>(limit_ns), stage, parity);
-            __trap();
-        }
-    }
+    while (!ptx::mbarrier_try_wait_parity(bar, parity))
+        if (ptx::globaltimer_ns() - start > limit_ns) give_up(stage, parity, limit_ns);
 }
 
 // Lives in static shared memory; `init` by one thread, then a block barrier, before any other use.
@@ -66,8 +76,9 @@ struct StagePipeline {
 
     // Loader: waits until every consumer has released the cursor's stage from its previous lap (at once on the
     // first lap).
-    __device__ __forceinline__ void acquire(const Cursor& c, u64 limit_ns) {
-        wait_phase(&empty[c.stage], c.parity ^ 1, limit_ns, "loader", c.stage);
+    template <typename GiveUp = PrintAndTrap>
+    __device__ __forceinline__ void acquire(const Cursor& c, u64 limit_ns, const GiveUp& give_up = {"loader"}) {
+        wait_phase(&empty[c.stage], c.stage, c.parity ^ 1, limit_ns, give_up);
     }
 
     // Loader: arrives on the stage's full barrier announcing `bytes` (0: a stage that carries only what was written
@@ -82,8 +93,9 @@ struct StagePipeline {
 
     // Consumer: waits until the stage's bytes have landed (acquire: they, and what the loader wrote before its
     // commit, are visible to this thread).
-    __device__ __forceinline__ void wait(const Cursor& c, u64 limit_ns) {
-        wait_phase(&full[c.stage], c.parity, limit_ns, "consumer", c.stage);
+    template <typename GiveUp = PrintAndTrap>
+    __device__ __forceinline__ void wait(const Cursor& c, u64 limit_ns, const GiveUp& give_up = {"consumer"}) {
+        wait_phase(&full[c.stage], c.stage, c.parity, limit_ns, give_up);
     }
 
     // Consumer: one lane per consumer warp, once the warp's reads of the stage are done (their values used, then a

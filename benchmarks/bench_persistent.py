@@ -38,11 +38,12 @@ import torch.nn.functional as F
 import chunkring
 from benchmarks.bench_decode import Shape
 from benchmarks.bench_vs_megamoe import rel_err, routed_batch
-from benchmarks.probe_weight_read import DELAY_CYCLES, PEAK_TBPS
+from benchmarks.probe_weight_read import DELAY_CYCLES, L2Flush, peak_tbps
 from chunkring.errors import ChunkringRuntimeError
 from chunkring.jit import library_for
-from chunkring.moe.gemm import load_deep_gemm
 from chunkring.moe._engine.persistent import TIMELINE_WORDS, PersistentGemm, PersistentVariant
+from chunkring.moe.calibration import capture_graph
+from chunkring.moe.gemm import load_deep_gemm
 from chunkring.testing import records
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 
@@ -108,20 +109,11 @@ class Timer:
     """CUDA-graph replays after an emptied L2 and a device delay, the calls interleaved in rounds (the median kept)."""
 
     def __init__(self, device: torch.device) -> None:
-        l2 = int(torch.cuda.get_device_properties(device).L2_cache_size)
-        self.flush = torch.full((2 * l2 // 4,), 7, dtype=torch.int32, device=device)
-
-    def empty_l2(self) -> None:
-        torch.sum(self.flush, dtype=torch.int64)
+        self.empty_l2 = L2Flush(device, int(torch.cuda.get_device_properties(device).L2_cache_size))
 
     def medians_ms(self, calls: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-        graphs = {}
-        for name, call in calls.items():
-            call()  # warm: DeepGEMM's JIT, the tensor maps
-            torch.cuda.synchronize()
-            graphs[name] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[name]):
-                call()
+        # Each captured after one eager call: DeepGEMM's JIT, the tensor maps.
+        graphs = {name: capture_graph(call) for name, call in calls.items()}
         samples: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(reps):
             events = []
@@ -231,6 +223,14 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, float]:
     return found
 
 
+def write_results(path: str, rows: list[dict[str, Any]], *, incomplete: bool = False) -> None:
+    """The result file (:mod:`chunkring.testing.records`): suite ``persistent``, every row and the figures; a row
+    counts as passed where it was verified."""
+    failed = sum(not r["verified"] for r in rows)
+    records.write(path, suite="persistent", world_size=1, figures=figures(rows), records=rows, incomplete=incomplete,
+                  passed=len(rows) - failed, failed=failed)
+
+
 def report(rows: list[dict[str, Any]]) -> None:
     print("\ntokens | path       variant    |     ms |  TB/s |  % peak | rel err | vs decode | ok")
     for r in rows:
@@ -255,28 +255,23 @@ def main(argv: list[str] | None = None) -> int:
         shape = Shape("flash", max(args.tokens), runtime, load_deep_gemm(), None, megamoe=False)
         try:
             gemm = PersistentGemm(library_for(runtime, "moe_persistent"), shape.cfg, shape.cfg.num_experts)
-            name = torch.cuda.get_device_name(runtime.torch_device)
-            peak = next((tbps for key, tbps in PEAK_TBPS.items() if key in name), None)
+            peak = peak_tbps(torch.cuda.get_device_name(runtime.torch_device))
             timer = Timer(runtime.torch_device)
             for t in args.tokens:
                 rows += measure(shape, gemm, timer, t, args.variants, args.reps, peak)
                 print(", ".join(f"{r['variant']} {r['ms']:.3f} ms" for r in rows if r["tokens"] == t and "ms" in r),
                       flush=True)
                 if args.json:  # what a time limit cuts short survives
-                    records.write(args.json, suite="persistent", world_size=1, figures=figures(rows), records=rows,
-                                  incomplete=True, passed=sum(r["verified"] for r in rows),
-                                  failed=sum(not r["verified"] for r in rows))
+                    write_results(args.json, rows, incomplete=True)
                 torch.cuda.empty_cache()
         finally:
             shape.close()
     finally:
         runtime.close()
-    failed = sum(not r["verified"] for r in rows)
     if args.json:
-        records.write(args.json, suite="persistent", world_size=1, figures=figures(rows), records=rows,
-                      passed=len(rows) - failed, failed=failed)
+        write_results(args.json, rows)
     report(rows)
-    return 1 if failed else 0
+    return 1 if any(not r["verified"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -75,8 +75,7 @@ class ProbeWeightReadArgs(ArgStruct):
 #: The device delay before each timed launch, in clock cycles (about 200 us at 2 GHz): the host enqueues the launch
 #: meanwhile, so the events time the kernel, not the host (each case records its longest enqueue to compare).
 DELAY_CYCLES = 400_000
-#: How the L2 is emptied before each timed launch: ``read`` twice its size (the lines left are clean), or ``write``
-#: it (dirty lines, whose write-back then competes with the timed read for HBM).
+#: How the L2 is emptied before each timed launch (:class:`L2Flush`).
 FLUSHES = ("read", "write")
 
 AXES = ("experts", "loaders", "boxes", "stages", "claims", "sms", "swizzle")
@@ -218,7 +217,25 @@ def case_problem(case: Case, shape: dict[str, int], shared_limit: int) -> str | 
 
 
 def peak_tbps(name: str) -> float | None:
+    """The datasheet bandwidth of the card torch names ``name`` (:data:`PEAK_TBPS`), or None for another card."""
     return next((tbps for key, tbps in PEAK_TBPS.items() if key in name), None)
+
+
+class L2Flush:
+    """Empties the L2 before a timed launch, so that it reads its operands from HBM: ``read`` sums a buffer of twice
+    the L2's size (the lines left are clean), ``write`` fills it (dirty lines, whose write-back then competes with the
+    timed read for HBM)."""
+
+    def __init__(self, device: torch.device, l2_bytes: int, mode: str = "read") -> None:
+        self.mode = mode
+        self.buffer = torch.full((2 * l2_bytes // 4,), 7, dtype=torch.int32, device=device)
+
+    def __call__(self, i: int = 0) -> None:
+        """One flush (``i``: the value a ``write`` flush fills with, varied so that every one writes)."""
+        if self.mode == "write":
+            self.buffer.fill_(i)
+        else:
+            torch.sum(self.buffer, dtype=torch.int64)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -247,7 +264,7 @@ class Probe:
     def __init__(self, runtime: Any, flush: str) -> None:
         from chunkring.jit import library_for
 
-        self.runtime, self.device, self.flush_mode = runtime, runtime.torch_device, flush
+        self.runtime, self.device = runtime, runtime.torch_device
         props = runtime.device.properties
         self.name = torch.cuda.get_device_name(self.device)
         self.sm_count, self.l2_bytes = int(props.multiprocessor_count), int(props.l2_cache_size)
@@ -265,7 +282,7 @@ class Probe:
         # Each expert's words summed once; a set's checksum is the sum of its experts' mod 2^32.
         self.expert_sums = [int(self.w13[e].view(torch.int32).sum(dtype=torch.int64))
                             + int(self.w2[e].view(torch.int32).sum(dtype=torch.int64)) for e in range(E)]
-        self.flush = torch.full((2 * self.l2_bytes // 4,), 7, dtype=torch.int32, device=self.device)
+        self.empty_l2 = L2Flush(self.device, self.l2_bytes, flush)
         self.copy_dst = torch.empty(E * self.expert_bytes, dtype=torch.uint8, device=self.device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.out = torch.empty((max(self.sm_count, self.plain_grid()), RECORD_WORDS), dtype=torch.int64,
@@ -351,13 +368,6 @@ class Probe:
                 "first_stage_us": float(np.median(rec[:, FIRST_NS].astype(np.int64) - start)) / 1e3,
                 "end_spread_us": float(np.ptp(rec[:, END_NS].astype(np.int64))) / 1e3}
 
-    def empty_l2(self, i: int) -> None:
-        """Evicts the weights from the L2 (``flush_mode``, FLUSHES)."""
-        if self.flush_mode == "write":
-            self.flush.fill_(i)
-        else:
-            torch.sum(self.flush, dtype=torch.int64)
-
     def timed_ms(self, run: Any, before: Any, reps: int) -> tuple[float, float]:
         """The median time of ``run`` over ``reps`` launches, each after ``before``, the L2 flush and the device
         delay; and the longest host enqueue of one (events and launch), in µs, to compare with the delay."""
@@ -382,7 +392,7 @@ class Probe:
     def measure(self, case: Case, reps: int) -> dict[str, Any]:
         row: dict[str, Any] = {**asdict(case), "box_bytes": case.box_bytes,
                                "in_flight_kb": case.stages * case.box_bytes / 1024,
-                               "bytes": case.experts * self.expert_bytes, "flush": self.flush_mode}
+                               "bytes": case.experts * self.expert_bytes, "flush": self.empty_l2.mode}
         self.out.fill_(-1)
         self.counter.zero_()
         self.empty_l2(0)
@@ -405,11 +415,11 @@ class Probe:
         self.launch_plain(experts)
         torch.cuda.synchronize(self.device)
         grid = self.plain_grid()
-        plain = {"loader": "plain", "experts": experts, "sms": grid, "bytes": nbytes, "flush": self.flush_mode,
+        plain = {"loader": "plain", "experts": experts, "sms": grid, "bytes": nbytes, "flush": self.empty_l2.mode,
                  **self.check(grid, experts, nbytes // PLAIN_TILE_BYTES, one_per_sm=False)}
         plain["ms"], plain["enqueue_us_max"] = self.timed_ms(lambda: self.launch_plain(experts), lambda: None, reps)
         rows.append(self.rates(plain))
-        copy = {"loader": "torch_copy", "experts": experts, "bytes": nbytes, "flush": self.flush_mode,
+        copy = {"loader": "torch_copy", "experts": experts, "bytes": nbytes, "flush": self.empty_l2.mode,
                 "verified": True}
         copy["ms"], copy["enqueue_us_max"] = self.timed_ms(lambda: self.copy(experts), lambda: None, reps)
         rows.append(self.rates(copy))
@@ -435,6 +445,14 @@ def figures(rows: list[dict[str, Any]], card: dict[str, float] | None = None) ->
             if r["loader"] == "torch_copy":
                 found[f"e{experts}_copy_read_write_tbps"] = r["copy_tbps_read_write"]
     return found
+
+
+def write_results(path: str, rows: list[dict[str, Any]], card: dict[str, float], *, incomplete: bool = False) -> None:
+    """The result file (:mod:`chunkring.testing.records`): suite ``weight-read``, every row and the figures; a row
+    counts as passed where it was verified."""
+    failed = sum(not r["verified"] for r in rows)
+    records.write(path, suite="weight-read", world_size=1, figures=figures(rows, card), records=rows,
+                  incomplete=incomplete, passed=len(rows) - failed, failed=failed)
 
 
 def report(probe: Probe, rows: list[dict[str, Any]], skipped: int) -> None:
@@ -519,17 +537,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{i + 1}/{len(runnable)}, {time.perf_counter() - started:.0f} s] {case.name}: "
                       f"{rows[-1]['tbps']:.2f} TB/s", flush=True)
                 if args.json:
-                    records.write(args.json, suite="weight-read", world_size=1, figures=figures(rows, probe.card()),
-                                  records=rows, incomplete=True, passed=sum(r["verified"] for r in rows),
-                                  failed=sum(not r["verified"] for r in rows))
+                    write_results(args.json, rows, probe.card(), incomplete=True)
     finally:
         runtime.close()
-    failed = sum(not r["verified"] for r in rows)
     if args.json:
-        records.write(args.json, suite="weight-read", world_size=1, figures=figures(rows, probe.card()), records=rows,
-                      passed=len(rows) - failed, failed=failed)
+        write_results(args.json, rows, probe.card())
     report(probe, rows, skipped)
-    return 1 if failed else 0
+    return 1 if any(not r["verified"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -57,12 +57,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_job(args.job, args.config or args.job, args.overrides, json_path=args.json)
         return _launch(args, config)
-    except ChunkringError as exc:  # every problem of a config on a line of its own
-        print("\n".join(PREFIX + line for line in str(exc).splitlines()), file=sys.stderr)
+    except ChunkringError as exc:
+        _report(exc)
         return exitcodes.USAGE
     except KeyboardInterrupt:  # before the job's processes started (the launch itself catches it)
         print(f"{PREFIX}interrupted by SIGINT", file=sys.stderr)
         return exitcodes.INTERRUPTED
+
+
+def _report(exc: ChunkringError) -> None:
+    """A usage, config or setup error on stderr: every problem of it on a line of its own."""
+    print("\n".join(PREFIX + line for line in str(exc).splitlines()), file=sys.stderr)
 
 
 def _gpu_count() -> int:
@@ -111,7 +116,7 @@ def _launch(args: argparse.Namespace, config: Any) -> int:
     ranks = args.np or max(gpus, 1)
     if args.np is None:  # --np was checked above, before any GPU was counted
         check_world_size(config, ranks)
-    through_mpirun = ranks > 1 or bool(args.hostfile or args.host)
+    through_mpirun = _through_mpirun(args, ranks)
     environ = _launch_environment(args, through_mpirun)
     if args.dry_run:
         if args.np is None:
@@ -134,6 +139,12 @@ def _launch(args: argparse.Namespace, config: Any) -> int:
         if not keep_dir:
             shutil.rmtree(job_dir, ignore_errors=True)
         return status
+
+
+def _through_mpirun(args: argparse.Namespace, ranks: int) -> bool:
+    """Whether a launch of ``ranks`` ranks goes through mpirun: several ranks, or nodes named; one local rank runs
+    the worker directly."""
+    return ranks > 1 or bool(args.hostfile or args.host)
 
 
 def _launch_environment(args: argparse.Namespace, through_mpirun: bool) -> dict[str, str]:
@@ -160,11 +171,11 @@ def _dry_run_without_gpu(args: argparse.Namespace) -> None:
         print(f"{PREFIX}--dry-run: the rank count comes from the GPU count; give --np N to see the command of "
               "N ranks", file=sys.stderr)
         return
-    through_mpirun = args.np > 1 or bool(args.hostfile or args.host)
+    through_mpirun = _through_mpirun(args, args.np)
     try:
         _dry_run(args, args.np, _launch_environment(args, through_mpirun), through_mpirun)
     except ChunkringError as exc:
-        print("\n".join(PREFIX + line for line in str(exc).splitlines()), file=sys.stderr)
+        _report(exc)
 
 
 def _dry_run(args: argparse.Namespace, ranks: int, environ: dict[str, str], through_mpirun: bool) -> int:

@@ -96,8 +96,8 @@ def test_doctor_status_follows_the_checks():
 
 
 def test_doctor_is_status_1_when_more_than_the_gpu_failed():
-    """Status 3 says "only the GPU is missing" (issue 45: 3 with 8 other checks failed); the last line names the
-    other failures and the missing GPU."""
+    """Status 3 says "only the GPU is missing": with another check failed too the status is 1, and the last line
+    names the other failures and the missing GPU."""
     from chunkring_launch.doctor import NO_GPU_DETAIL, Check, summarize
 
     lines: list[str] = []
@@ -166,13 +166,9 @@ def test_help_dry_run_and_config_errors_import_no_torch(tmp_path):
     """`chunkring-launch --help`, `JOB --help`, `--dry-run` and a config error answer without importing torch,
     CUDA, NVSHMEM or MPI (each costs seconds): what makes them answer in well under a second."""
     from tests.helpers.imports import heavy_modules_after
-    from tests.helpers.launch_machine import TOOLS
+    from tests.helpers.launch_machine import stand_in_tools
 
-    bin_dir = tmp_path / "bin"  # a dry run looks these up, as a launch does
-    bin_dir.mkdir()
-    for tool in TOOLS:
-        (bin_dir / tool).write_text("#!/bin/sh\nexit 99\n")
-        (bin_dir / tool).chmod(0o755)
+    bin_dir = stand_in_tools(tmp_path / "bin")  # a dry run looks these up, as a launch does
     code = ("import contextlib, io, os\n"
             "from chunkring_launch import cli\n"
             f"os.environ['PATH'] = {str(bin_dir)!r}\n"

@@ -1,8 +1,7 @@
 """Every command README.md and docs/LAUNCHER.md show runs on the GPU at HEAD and ends with the status the documents
-give it (issue 45: `chunkring-launch bench` failed at 1 and 4 ranks and nothing ran the documented commands): the
-gpu_suite.sh `commands` part. tests/helpers/doc_commands.py lists them and says how each runs - a small preset, at
-one rank and at 4 ranks under the launcher's own MPS daemon; here each runs in a folder of its own (holding the
-hostfile ``hosts`` the dry runs name), no MPS daemon may outlive it, and its time is a figure of the record."""
+give it: the gpu_suite.sh `commands` part. tests/helpers/doc_commands.py lists them and says how each runs - a small
+preset, at one rank and at 4 ranks under the launcher's own MPS daemon; here each runs in a folder of its own (holding
+the hostfile ``hosts`` the dry runs name), no MPS daemon may outlive it, and its time is a figure of the record."""
 
 from __future__ import annotations
 

@@ -20,15 +20,6 @@ def private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("CHUNKRING_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
 
 
-def compile_probe(arch: str) -> str:
-    """The probe's cubin for ``arch``, ptxas's report on; returns the compiler's log."""
-    return ptxas_report(PROBE, arch)
-
-
-def probe_ptx() -> str:
-    return ptx_of(PROBE)
-
-
 def test_an_arch_specific_source_gets_the_a_target():
     assert PROBE in ARCH_SPECIFIC_SOURCES and "moe_decode" not in ARCH_SPECIFIC_SOURCES
     assert target_arch(PROBE, "sm_90") == target_arch(PROBE, "sm_90a") == "sm_90a"
@@ -39,11 +30,11 @@ def test_an_arch_specific_source_gets_the_a_target():
 
 def test_the_plain_target_refuses_the_probe():
     with pytest.raises(Exception, match="setmaxnreg"):
-        compile_probe("sm_90")
+        ptxas_report(PROBE, "sm_90")
 
 
 def test_the_probe_streams_with_the_copy_engine():
-    ptx = probe_ptx()
+    ptx = ptx_of(PROBE)
     for instruction in ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
                         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
                         "mbarrier.arrive.expect_tx.release.cta.shared::cta.b64", "mbarrier.try_wait.parity.acquire",
@@ -55,7 +46,7 @@ def test_the_probe_streams_with_the_copy_engine():
 
 
 def test_the_probe_holds_the_register_file_without_spilling():
-    log = compile_probe("sm_90a")
+    log = ptxas_report(PROBE, "sm_90a")
     found = {}
     for kernel in ("probe_weight_read", "probe_plain_read"):
         section = log[log.index(f"Function properties for {kernel}"):]

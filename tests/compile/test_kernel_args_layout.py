@@ -3,10 +3,8 @@ host mirror (chunkring.jit.ArgStruct) packs it at, and the struct is the mirror'
 compiler itself evaluates over the headers (device/include/chunkring/.../kernel_args.cuh), so a padding or type change
 the regex-level test (tests/unit/test_kernel_args.py) could miss fails here."""
 
-import dataclasses
-
-from chunkring.jit.compiler import program_options
 from tests.helpers.kernel_args import HEADERS, mirrors
+from tests.helpers.nvrtc import nvrtc_ptx, virtual_options
 
 
 def layout_source() -> str:
@@ -22,20 +20,7 @@ def layout_source() -> str:
 
 
 def test_every_word_is_where_its_mirror_packs_it():
-    from cuda.bindings import nvrtc
-
-    options = program_options("moe_experts", arch="sm_90")  # the kernels' include paths and language options
-    options = dataclasses.replace(options, arch="compute_90", ptxas_options=None)
-    flags = options.as_bytes("nvrtc")
     source = layout_source()
     assert source.count("static_assert") > 40  # every mirror's words
-    err, program = nvrtc.nvrtcCreateProgram(source.encode(), b"kernel_args_layout.cu", 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
-        _, size = nvrtc.nvrtcGetProgramLogSize(program)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(program, log)
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+    # the kernels' include paths and language options; NVRTC's log names a failed assert
+    nvrtc_ptx(source.encode(), "kernel_args_layout.cu", virtual_options("moe_experts"))

@@ -8,16 +8,16 @@ k block's fragments would become local-memory traffic that only a GPU profile wo
 
 import ast
 import dataclasses
-import io
 import re
 from pathlib import Path
 
 import pytest
 
 from chunkring.jit import kernel_sources, parse_kernels
-from chunkring.jit.compiler import KERNEL_DIR, program_options
+from chunkring.jit.compiler import KERNEL_DIR
 from chunkring.moe.routing import ROUTER_MAX_SLICES
 from tests.helpers.launch_sites import launch_calls
+from tests.helpers.nvrtc import ptxas_report
 
 REPO = Path(__file__).resolve().parents[2]
 REGISTERS_PER_SM = 65536
@@ -34,15 +34,6 @@ class Resources:
     registers: int
     stack_frame: int
     spill_bytes: int
-
-
-def ptxas_report(name: str) -> str:
-    from cuda.core import Program
-
-    options = dataclasses.replace(program_options(name, arch="sm_90"), ptxas_options=["-O3", "-v"])
-    log = io.StringIO()
-    Program((KERNEL_DIR / f"{name}.cu").read_text(), "c++", options).compile("cubin", logs=log)
-    return log.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,16 @@ host), the parse agrees with what NVRTC compiles (parameter count and widths of 
 and every kernel name launched from Python exists in the source it is launched from. No GPU needed."""
 
 import ast
-import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
 from chunkring.jit import kernel_sources, parse_kernels
-from chunkring.jit.compiler import KERNEL_DIR, program_options
+from chunkring.jit.compiler import KERNEL_DIR
 from tests.helpers.kernel_args import mirrors
 from tests.helpers.launch_sites import launch_calls
+from tests.helpers.nvrtc import ptx_of
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = kernel_sources()
@@ -35,27 +35,8 @@ def kernels_of(name: str) -> dict:
 def ptx_entries(name: str) -> dict[str, list[int]]:
     """Each entry point of ``<name>.cu`` as NVRTC compiles it: its parameters' widths in bytes. PTX (a
     virtual target, no ptxas) because its ``.entry`` lines spell each parameter's width out."""
-    from cuda.bindings import nvrtc
-
-    options = program_options(name, arch="sm_90")  # sm_90a for an architecture-specific source
-    options = dataclasses.replace(options, arch=options.arch.replace("sm_", "compute_"), ptxas_options=None)
-    flags = options.as_bytes("nvrtc")
-    err, program = nvrtc.nvrtcCreateProgram((KERNEL_DIR / f"{name}.cu").read_bytes(), f"{name}.cu".encode(), 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            _, size = nvrtc.nvrtcGetProgramLogSize(program)
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(program, log)
-            pytest.fail(f"NVRTC failed on {name}.cu:\n{log.decode(errors='replace')}")
-        _, size = nvrtc.nvrtcGetPTXSize(program)
-        ptx = b" " * size
-        nvrtc.nvrtcGetPTX(program, ptx)
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
     return {entry.group(1): [int(bits) // 8 * int(count or 1) for bits, count in PTX_PARAM.findall(entry.group(2))]
-            for entry in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx.decode(errors="replace"), re.S)}
+            for entry in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx_of(name), re.S)}
 
 
 @pytest.mark.parametrize("name", SOURCES)

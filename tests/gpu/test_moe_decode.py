@@ -16,70 +16,22 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from chunkring import MoEConfig, MoELayer
 from chunkring.jit import library_for
 from chunkring.moe._engine import resources
 from chunkring.moe._engine.decode import DECODE_PASS_ROWS, DecodeGemm, decode_fits
 from chunkring.moe._engine.experts import ExpertCompute
-from chunkring.moe._engine.stage import Stage
-from chunkring.moe.weights import quantize_weight_fp8
-from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.graph_helpers import MAX_TOKENS, SLOTS, Batch, check_replay, strict_capture
 from tests.gpu.graph_helpers import TOPK as GRAPH_TOPK
 from tests.gpu.graph_helpers import C as GRAPH_C
 from tests.gpu.moe_helpers import H as LAYER_H
 from tests.gpu.moe_helpers import case_inputs, layer_reference, local_weights, rel_error, tolerance, weights
+from tests.gpu.plan_helpers import ACTIVE, E_LOCAL, INTER, TOPK, expert_weights_fp8, reference, staged
 
 pytestmark = pytest.mark.gpu
 
-E_LOCAL, TOPK, INTER = 8, 4, 2048
-ACTIVE = 6  # tokens choose among experts 0..5: experts 6 and 7 never have rows
 TOLERANCE = 1e-2  # test_moe_experts.py's bound for the DeepGEMM path against the same reference
-
-
-def staged(n, hidden, device, seed):
-    """What moe_pull leaves for one rank of one: n tokens' FP8 rows and routing; and their dequantised rows."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.rand(n, ACTIVE, generator=gen).argsort(dim=1)[:, :TOPK].to(torch.int32)
-    w = torch.rand(n, TOPK, generator=gen) + 0.1
-    xq, sf = quantize_fp8_per128(torch.randn(n, hidden, generator=gen) * 3)
-    stage = Stage(xq[None].to(device), sf[None].to(device), idx[None].to(device), w[None].to(device), expert_lo=0,
-                  expert_hi=E_LOCAL)
-    return stage, dequantize_fp8_per128(xq, sf).to(device)
-
-
-def expert_weights_fp8(hidden, device, seed):
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    w13 = torch.randn(E_LOCAL, 2 * INTER, hidden, generator=gen, device=device) / hidden**0.5
-    w2 = torch.randn(E_LOCAL, hidden, INTER, generator=gen, device=device) / INTER**0.5
-    return quantize_weight_fp8(w13), quantize_weight_fp8(w2)
-
-
-def dequantized(q, e):
-    """float32 [N, K] of expert e of an Fp8Weight (one expert at a time: all of them would not fit twice)."""
-    scale = q.scale[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
-    return q.data[e].float() * scale[:q.data.shape[1], :q.data.shape[2]]
-
-
-def reference(plan, x_in, q13, q2):
-    """fp32 [rows, H] for the plan's real rows (in plan order) and their indices: the recipe's roundings
-    between the GEMMs (L1's output to bf16, the activation to e4m3 per 1x128), one expert at a time."""
-    ends, counts = plan.group_end.tolist(), plan.counts.tolist()
-    rows, outs = [], []
-    for e in range(E_LOCAL):
-        if counts[e] == 0:
-            continue
-        real = torch.arange(ends[e] - counts[e], ends[e], device=x_in.device)
-        x = x_in[plan.token[real].long()]
-        gate_up = (x @ dequantized(q13, e).t()).to(torch.bfloat16).float()
-        act = F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]
-        act = dequantize_fp8_per128(*quantize_fp8_per128(act))
-        outs.append(act @ dequantized(q2, e).t())
-        rows.append(real)
-    return torch.cat(rows), torch.cat(outs)
 
 
 def paths(runtime, cfg):
@@ -106,7 +58,7 @@ def test_decode_outputs_match_the_reference_and_the_deepgemm_path(runtime, hidde
     assert counts[ACTIVE:] == [0] * (E_LOCAL - ACTIVE), "the idle experts must have no rows"
     if n >= 128:  # a mean of n * TOPK / ACTIVE rows per expert: 85 at 128 tokens
         assert max(counts) > DECODE_PASS_ROWS, "an expert must take more than one pass"
-    real, ref = reference(plan, x_in, q13, q2)
+    real, ref, _ = reference(plan, x_in, q13, q2)
     got = out_decode[real].float()
     err_decode, err_deep = rel_error(got, ref), rel_error(out_deep[real].float(), ref)
     between = rel_error(got, out_deep[real].float())

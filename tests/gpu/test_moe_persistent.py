@@ -21,63 +21,18 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from chunkring import MoEConfig
 from chunkring.jit import library_for
 from chunkring.moe._engine.decode import DecodeGemm
 from chunkring.moe._engine.experts import ExpertCompute
-from chunkring.moe._engine.stage import Stage
 from chunkring.moe._engine.persistent import TIMELINE_WORDS, PersistentGemm, block_units
-from chunkring.moe.weights import quantize_weight_fp8
-from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from tests.gpu.moe_helpers import rel_error
+from tests.gpu.plan_helpers import ACTIVE, E_LOCAL, INTER, TOPK, expert_weights_fp8, reference, staged
 
 pytestmark = pytest.mark.gpu
 
-E_LOCAL, TOPK, INTER = 8, 4, 2048
-ACTIVE = 6  # tokens choose among experts 0..5: experts 6 and 7 never have rows
 TOLERANCE = 1e-2  # the decode path's bound against the same reference (tests/gpu/test_moe_decode.py)
-
-
-def staged(n, hidden, device, seed):
-    """What moe_pull leaves for one rank of one: n tokens' FP8 rows and routing; and their dequantised rows."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.rand(n, ACTIVE, generator=gen).argsort(dim=1)[:, :TOPK].to(torch.int32)
-    w = torch.rand(n, TOPK, generator=gen) + 0.1
-    xq, sf = quantize_fp8_per128(torch.randn(n, hidden, generator=gen) * 3)
-    stage = Stage(xq[None].to(device), sf[None].to(device), idx[None].to(device), w[None].to(device), expert_lo=0,
-                  expert_hi=E_LOCAL)
-    return stage, dequantize_fp8_per128(xq, sf).to(device)
-
-
-def expert_weights(hidden, device, seed):
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    w13 = torch.randn(E_LOCAL, 2 * INTER, hidden, generator=gen, device=device) / hidden**0.5
-    w2 = torch.randn(E_LOCAL, hidden, INTER, generator=gen, device=device) / INTER**0.5
-    return quantize_weight_fp8(w13), quantize_weight_fp8(w2)
-
-
-def dequantized(q, e):
-    scale = q.scale[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
-    return q.data[e].float() * scale[:q.data.shape[1], :q.data.shape[2]]
-
-
-def reference(plan, x_in, q13, q2):
-    """The plan's real rows (in plan order), and for them fp32 outputs and the dequantised activation: L1's output
-    rounded to bf16, SwiGLU, e4m3 per 1x128, one expert at a time."""
-    ends, counts = plan.group_end.tolist(), plan.counts.tolist()
-    rows, outs, acts = [], [], []
-    for e in range(E_LOCAL):
-        if counts[e]:
-            real = torch.arange(ends[e] - counts[e], ends[e], device=x_in.device)
-            gate_up = (x_in[plan.token[real].long()] @ dequantized(q13, e).t()).to(torch.bfloat16).float()
-            act = dequantize_fp8_per128(*quantize_fp8_per128(F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]))
-            rows.append(real)
-            acts.append(act)
-            outs.append(act @ dequantized(q2, e).t())
-    return torch.cat(rows), torch.cat(outs), torch.cat(acts)
 
 
 def setup(runtime, hidden, n, seed=0):
@@ -87,7 +42,7 @@ def setup(runtime, hidden, n, seed=0):
     decode = ExpertCompute(cfg, 1, 0, E_LOCAL, library_for(runtime, "moe_experts"), device,
                            decode=DecodeGemm(library_for(runtime, "moe_decode"), cfg, E_LOCAL))
     stage, x_in = staged(n, hidden, device, seed=n + hidden + seed)
-    q13, q2 = expert_weights(hidden, device, seed=hidden)
+    q13, q2 = expert_weights_fp8(hidden, device, seed=hidden)
     plan = decode.plan(stage)
     return plan, x_in, q13, q2, decode, PersistentGemm(library_for(runtime, "moe_persistent"), cfg, E_LOCAL)
 

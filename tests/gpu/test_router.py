@@ -37,7 +37,7 @@ def test_an_empty_batch_gives_no_logits(runtime):
 def test_routing_and_row_quantisation_capture_into_a_cuda_graph(runtime):
     """route() and quantize_rows_fp8 copy nothing from the host, so a caller may capture them (serving code that
     routes and quantises its own rows, and chunkring-launch bench, do): a replay on new rows gives the bits an
-    eager call gives. A host-to-device copy inside them failed the capture with cudaErrorStreamCaptureUnjoined."""
+    eager call gives (a host-to-device copy inside them fails the capture: cudaErrorStreamCaptureUnjoined)."""
     device = runtime.torch_device
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(300, 1024, generator=gen).to(torch.bfloat16).to(device)

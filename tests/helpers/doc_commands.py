@@ -1,7 +1,7 @@
 """Every command README.md and docs/LAUNCHER.md show, and how the GPU suite's ``commands`` part runs each: the one
-list (:data:`COMMANDS`) that tests/commands/test_doc_commands.py runs on a GPU and tests/unit/test_doc_commands.py
-holds against the documents (a command shown there but missing here fails CI, and so does an entry no document
-shows).
+list (:data:`COMMANDS`) that tests/commands/test_doc_commands.py runs on a GPU and
+tests/unit/test_documented_commands.py holds against the documents (a command shown there but missing here fails CI,
+and so does an entry no document shows).
 
 What a document shows: each line of its ``bash`` code blocks (its ``# comment`` apart) and each example of
 LAUNCHER.md's jobs table; an entry may also name a command shown inline in backticks (``scripts/main.sh --dry-run``).

@@ -7,9 +7,6 @@ decode step, hooks, references, records) runs before a GPU does."""
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +28,7 @@ from benchmarks.bench_model import (
     table,
     targets,
 )
+from tests.helpers.imports import heavy_modules_after
 
 #: A model of the presets' classes at test size (sizes the FP8 payload takes, 8 experts).
 TINY = ["--hidden", "256", "--intermediate", "128", "--experts", "8", "--topk", "2", "--vocab", "128"]
@@ -71,10 +69,7 @@ def test_a_bad_argument_costs_no_bring_up(monkeypatch):
 
 
 def test_importing_the_bench_loads_no_torch_or_transformers():
-    code = "import sys, benchmarks.bench_model; print('torch' in sys.modules, 'transformers' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.stdout.split() == ["False", "False"]
+    assert heavy_modules_after("import benchmarks.bench_model", also=("transformers",)) == []
 
 
 def test_steps_name_their_shape_and_size_the_layer():

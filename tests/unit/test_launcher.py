@@ -70,8 +70,8 @@ def test_overrides_may_follow_options(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv", [[], ["topk=8"], ["--np", "4", "topk=8"]])
 def test_a_command_line_naming_no_job_runs_the_main_job(argv, tmp_path, monkeypatch, capsys):
-    """scripts/main.sh --dry-run (issue 45 item 8: an argparse error, "the following arguments are required: job,
-    key=value"); a first key=value is the main job's."""
+    """No job named (scripts/main.sh --dry-run) is the main job, not a usage error; a first key=value is the main
+    job's."""
     stand_in_machine(monkeypatch, tmp_path)
     status, lines, _ = dry_run(capsys, *argv)
     assert status == 0
@@ -99,8 +99,8 @@ def test_without_np_the_dry_run_uses_and_names_the_gpu_count(tmp_path, monkeypat
 
 
 def test_without_a_gpu_the_dry_run_ends_as_a_launch_does(tmp_path, monkeypatch, capsys):
-    """Status 3 with the launch's message (issue 45: status 0 with a command); the command still shown when --np
-    gives the rank count, none otherwise."""
+    """Status 3 with the launch's message, as the launch itself ends; the command still shown when --np gives the
+    rank count, none otherwise."""
     stand_in_machine(monkeypatch, tmp_path, gpus=0)
     no_gpu = "chunkring-launch: no CUDA GPU is visible on this machine; the bringup job needs at least one NVIDIA GPU"
     status, lines, err = dry_run(capsys, "bringup")
@@ -117,7 +117,7 @@ def test_without_a_gpu_the_dry_run_ends_as_a_launch_does(tmp_path, monkeypatch, 
      "chunkring-launch: --mps: needs nvidia-cuda-mps-control on PATH (part of the NVIDIA driver)\n"),
 ])
 def test_the_dry_run_refuses_a_setup_a_launch_refuses(argv, tools, needle, tmp_path, monkeypatch, capsys):
-    """No mpirun, no MPS control command: status 2 with the launch's message (issue 45: status 0 and a command)."""
+    """No mpirun, no MPS control command: status 2 with the launch's message, no command, as the launch itself."""
     from chunkring_launch import cli
 
     stand_in_machine(monkeypatch, tmp_path, tools=tools)

@@ -154,7 +154,8 @@ def test_a_world_size_check_lists_both_rings():
 
 
 def test_an_unknown_key_is_a_usage_error_naming_it():
-    """Issue 45: MoEConfig(nosuch=1) raised a bare TypeError from the generated __init__."""
+    """MoEConfig(nosuch=1) is a ChunkringUsageError naming every unknown key and the keys there are, not the
+    generated __init__'s bare TypeError."""
     with pytest.raises(ChunkringUsageError) as info:
         MoEConfig(**GOOD, nosuch=1, colour="red")
     assert info.value.field == "colour"

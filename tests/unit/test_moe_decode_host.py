@@ -22,8 +22,6 @@ import torch
 
 from chunkring import MoEConfig, MoELayer, PayloadFormat
 from chunkring.errors import ChunkringUsageError
-from chunkring.jit import parse_kernels
-from chunkring.jit.launch import check_argument_names
 from chunkring.moe._engine.decode import (
     DECODE_MAX_ROWS,
     DECODE_PASS_ROWS,
@@ -36,7 +34,8 @@ from chunkring.moe._engine.decode import (
     mean_rows_per_expert,
 )
 from chunkring.moe._engine.experts import DevicePlan, ExpertCompute
-from chunkring.moe.weights import Fp8Weight, quantize_weight_fp8
+from chunkring.moe.weights import Fp8Weight
+from tests.helpers.recording_library import RecordingLibrary, small_weights
 
 DEVICE = Path(__file__).resolve().parents[2] / "device"
 HEADER = DEVICE / "include/chunkring/moe/decode_gemm.cuh"
@@ -231,23 +230,6 @@ def test_the_rule_refuses_a_bad_bound(max_rows):
     assert info.value.field == "max_rows"
 
 
-class RecordingLibrary:
-    """A KernelLibrary stand-in: checks each launch against the kernels parsed from moe_decode.cu (every
-    parameter named once, each tensor's dtype and contiguity, each integer's range) and records it."""
-
-    def __init__(self):
-        self.signatures = parse_kernels((DEVICE / "kernels/moe_decode.cu").read_text(), "moe_decode.cu")
-        self.launches, self.shared_bytes = [], []
-
-    def launch(self, name, /, *, grid, block, stream, shared_bytes=0, pdl=False, **args):
-        params = self.signatures[name]
-        check_argument_names(name, params, args)
-        for param in params:
-            param.convert(args[param.name], torch.device("cpu"))
-        self.launches.append((name, grid, block, args))
-        self.shared_bytes.append(shared_bytes)
-
-
 def cpu_plan(P, E, H):
     counts = torch.zeros(E, dtype=torch.int32)
     return DevicePlan(counts=counts, group_end=torch.zeros(E, dtype=torch.int32),
@@ -257,23 +239,20 @@ def cpu_plan(P, E, H):
                       own_row=torch.full((P,), -1, dtype=torch.int32))  # read by no decode kernel
 
 
-def small_weights(E, H, inter):
-    return quantize_weight_fp8(torch.randn(E, 2 * inter, H)), quantize_weight_fp8(torch.randn(E, H, inter))
-
-
 def test_the_launches_name_every_parameter_on_the_kernels_grids():
     E, H, inter, P = 3, 512, 256, 384
-    library = RecordingLibrary()
+    library = RecordingLibrary("moe_decode")
     gemm = DecodeGemm(library, config(num_experts=E, hidden=H, intermediate=inter, topk=2), E)
     w13, w2 = small_weights(E, H, inter)
     out = torch.empty((P, H), dtype=torch.bfloat16)
     gemm(cpu_plan(P, E, H), w13, w2, out)
-    (l1, g1, b1, launched1), (l2, g2, b2, launched2) = library.launches
-    a1, a2 = launched1["args"], launched2["args"]
-    assert (l1, g1, b1) == ("moe_decode_l1", E * inter // 128, DECODE_THREADS)
-    assert (l2, g2, b2) == ("moe_decode_l2", E * H // 256, DECODE_THREADS)
-    assert gemm.grids() == (g1, g2)
-    assert library.shared_bytes == [DECODE_SHARED_BYTES] * 2, "both kernels' warps keep their weight rings"
+    first, second = library.launches
+    a1, a2 = first["args"], second["args"]
+    assert (first["name"], first["grid"], first["block"]) == ("moe_decode_l1", E * inter // 128, DECODE_THREADS)
+    assert (second["name"], second["grid"], second["block"]) == ("moe_decode_l2", E * H // 256, DECODE_THREADS)
+    assert gemm.grids() == (first["grid"], second["grid"])
+    assert [launch["shared_bytes"] for launch in library.launches] == [DECODE_SHARED_BYTES] * 2, \
+        "both kernels' warps keep their weight rings"
     assert a1["act"] is a2["act"] and a1["act_sf"] is a2["act_sf"], "L2 reads what L1 wrote"
     assert tuple(a1["act"].shape) == (P, inter) and tuple(a1["act_sf"].shape) == (inter // 128, P)
     assert a1["sf_stride"] == a2["sf_stride"] == P and a2["out"] is out
@@ -291,7 +270,7 @@ def misaligned(data):
 
 def test_bad_arguments_are_refused_before_any_launch():
     E, H, inter, P = 2, 256, 128, 256
-    library = RecordingLibrary()
+    library = RecordingLibrary("moe_decode")
     gemm = DecodeGemm(library, config(num_experts=E, hidden=H, intermediate=inter, topk=2), E)
     w13, w2 = small_weights(E, H, inter)
     plan, out = cpu_plan(P, E, H), torch.empty((P, H), dtype=torch.bfloat16)

@@ -24,8 +24,6 @@ import torch
 
 from chunkring import MoEConfig, PayloadFormat
 from chunkring.errors import ChunkringUsageError
-from chunkring.jit import parse_kernels
-from chunkring.jit.launch import check_argument_names
 from chunkring.moe._engine import persistent
 from chunkring.moe._engine.persistent import (
     CLAIMS,
@@ -43,12 +41,12 @@ from chunkring.moe._engine.persistent import (
     shared_bytes,
     w13_view,
 )
-from chunkring.moe.weights import Fp8Weight, quantize_weight_fp8
+from chunkring.moe.weights import Fp8Weight
+from tests.helpers.recording_library import H100, RecordingLibrary, small_weights
 
 DEVICE = Path(__file__).resolve().parents[2] / "device"
 SCHEDULE = (DEVICE / "include/chunkring/moe/persistent_schedule.cuh").read_text()
 KERNEL = (DEVICE / "kernels/moe_persistent.cu").read_text()
-H100 = dict(multiprocessor_count=132, max_shared_memory_per_block_optin=232448)
 
 
 def constant(name, text=SCHEDULE):
@@ -190,24 +188,6 @@ def test_the_claim_orders_are_the_headers():
     assert blocked == [[("L1", 0, 0), ("L1", 0, 1), ("L1", 1, 0)], [("L1", 1, 1), ("L1", 2, 0), ("L1", 2, 1)]]
 
 
-class RecordingLibrary:
-    """A KernelLibrary stand-in on an H100's figures: checks each launch against the kernel parsed from
-    moe_persistent.cu (every parameter named once, each value of the kind its C type takes) and records it."""
-
-    def __init__(self):
-        self.signatures = parse_kernels(KERNEL, "moe_persistent.cu")
-        self.runtime = SimpleNamespace(device=SimpleNamespace(properties=SimpleNamespace(**H100)),
-                                       torch_device=torch.device("cpu"))
-        self.launches = []
-
-    def launch(self, name, /, *, grid, block, stream, shared_bytes=0, pdl=False, **args):
-        params = self.signatures[name]
-        check_argument_names(name, params, args)
-        for param in params:
-            param.convert(args[param.name], torch.device("cpu"))
-        self.launches.append(dict(args, name=name, grid=grid, block=block, shared_bytes=shared_bytes, pdl=pdl))
-
-
 @pytest.fixture
 def encoded(monkeypatch):
     """The tensor maps the launcher encodes (no driver here): their arguments, in order."""
@@ -232,16 +212,12 @@ def cpu_plan(P, E, H):
                            rows=torch.zeros((P, H), dtype=torch.uint8), rows_sf=torch.ones((H // 128, P)))
 
 
-def small_weights(E, H, inter):
-    return quantize_weight_fp8(torch.randn(E, 2 * inter, H)), quantize_weight_fp8(torch.randn(E, H, inter))
-
-
 E, H, INTER = 4, 512, 256
 
 
 def call_parts(P):
     """A recording library, a PersistentGemm on it, weights, a plan of P rows and an output."""
-    library = RecordingLibrary()
+    library = RecordingLibrary("moe_persistent")
     w13, w2 = small_weights(E, H, INTER)
     return (library, PersistentGemm(library, config(), E), w13, w2, cpu_plan(P, E, H),
             torch.empty((P, H), dtype=torch.bfloat16))
@@ -336,12 +312,12 @@ def test_bad_arguments_are_refused_before_any_launch(encoded):
 ])
 def test_a_config_the_kernel_cannot_run_is_refused(make, field):
     with pytest.raises(ChunkringUsageError) as info:
-        make(RecordingLibrary())
+        make(RecordingLibrary("moe_persistent"))
     assert info.value.field == field
 
 
 def test_a_recorded_fault_is_read_back():
-    gemm = PersistentGemm(RecordingLibrary(), config(), 4)
+    gemm = PersistentGemm(RecordingLibrary("moe_persistent"), config(), 4)
     assert gemm.fault() is None
     gemm.fault_word[0] = np.int64(0x3CC808305)
     assert gemm.fault() == fault_of(0x3CC808305)

@@ -1,7 +1,6 @@
-"""The test suites' output carries what the tests found, not noise (issue 45: 33 warnings in the single-process run,
-pytest-mpi's banner with empty fields in the mpirun suites): a warning raised in our code fails its test
-(pyproject.toml's filterwarnings, shown here on a probe), a third party's is reported as usual, and a --with-mpi run
-ends with one line about MPI (tests/conftest.py)."""
+"""The test suites' output carries what the tests found, not noise (no warnings of ours, no pytest-mpi banner of empty
+fields): a warning raised in our code fails its test (pyproject.toml's filterwarnings, shown here on a probe), a third
+party's is reported as usual, and a --with-mpi run ends with one line about MPI (tests/conftest.py)."""
 
 from __future__ import annotations
 

@@ -63,8 +63,8 @@ def fake_venv(folder: Path) -> tuple[Path, Path]:
 
 
 def test_main_sh_sets_up_only_when_something_changed(tmp_path):
-    """Issue 45: main.sh reinstalled the package on every call, --help included. Now once, then again only when
-    the stamp (pyproject.toml, the Python, what is installed) no longer matches."""
+    """main.sh installs once, then again only when the stamp (pyproject.toml, the Python, what is installed) no
+    longer matches: --help, doctor and --dry-run install nothing while it does."""
     venv, pip_log = fake_venv(tmp_path)
     env = {**os.environ, "CHUNKRING_VENV": str(venv)}
 

@@ -15,8 +15,8 @@
 # faults_mps runs the fault matrix (tests/faults: usage error, device error, hang x first call, streamed call, graph
 # replay, reset, destroy at $ranks ranks under MPS); faults_kill the kill cells through chunkring-launch --mps,
 # which starts its own daemon; lifetime_mps runs LIFETIME_CYCLES (default 1000) create/call/destroy cycles of a
-# small layer at 2 ranks, stopping after LIFETIME_SECONDS (default 300) with the count it reached (tests/lifetime:
-# heap, green contexts and device memory flat, output exact).
+# small layer at LIFETIME_RANKS ranks (default 4), stopping after LIFETIME_SECONDS (default 300) with the count it
+# reached (tests/lifetime: heap, green contexts and device memory flat, output exact).
 # decode_1rank runs the decode path's GPU tests, then benchmarks/bench_decode.py (decode vs DeepGEMM vs MegaMoE;
 # DECODE_ARGS, default flash at 1-128 tokens); decode_ncu records the decode kernels' achieved DRAM bandwidth with
 # Nsight Compute, then decode_stalls where one L1 and one L2 launch at 8 tokens stall, after a one-kernel probe that
@@ -419,9 +419,10 @@ faults_kill() {  # a rank killed at each phase, through chunkring-launch --mps, 
     run_suite "faults-kill-${ranks}rank-mps" "$ranks" python3 -m pytest tests/faults/test_fault_kill.py -v -rs \
         --timeout 400 --junitxml="$logs/faults-kill-${ranks}rank-mps.xml" || status=1
 }
-lifetime_mps() {  # LIFETIME_CYCLES create/call/destroy cycles at 2 ranks; the record holds the heap, the partitions
-    # and the device memory before and after
-    mpi_pytest "lifetime-2rank-mps" 2 "${LIFETIME_LIMIT_S:-420}" tests/lifetime -q -rs --timeout 420 \
+lifetime_mps() {  # LIFETIME_CYCLES create/call/destroy cycles at LIFETIME_RANKS ranks; the record holds the heap, the
+    # partitions and the device memory before and after
+    local n=${LIFETIME_RANKS:-4}
+    mpi_pytest "lifetime-${n}rank-mps" "$n" "${LIFETIME_LIMIT_S:-420}" tests/lifetime -q -rs --timeout 420 \
         -o faulthandler_timeout=400 --lifetime-cycles "${LIFETIME_CYCLES:-1000}" \
         --lifetime-seconds "${LIFETIME_SECONDS:-300}" || status=1
 }

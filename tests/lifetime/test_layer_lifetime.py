@@ -1,6 +1,6 @@
 """A MoE layer's lifetime leaves nothing behind (issue: fail closed): 1,000 (``--lifetime-cycles``) create ->
-streamed call -> destroy cycles of a small layer (2 ranks under MPS in scripts/gpu_suite.sh's ``lifetime_mps``
-part), measured, not assumed:
+streamed call -> destroy cycles of a small layer (4 ranks under MPS in scripts/gpu_suite.sh's ``lifetime_mps``
+part, ``LIFETIME_RANKS``), measured, not assumed:
 
 * NVSHMEM heap: the runtime's own account of live symmetric allocations (``Runtime.symmetric_usage``: tensors
   and bytes) is back to its size before the first layer after every destroy;

@@ -81,7 +81,7 @@ class Shape:
 
     def close(self) -> None:
         if self.buffer is not None:
-            self.buffer.close()
+            self.buffer.destroy()  # DeepGEMM names its free destroy
         for layer in self.layers.values():
             layer.close()
 

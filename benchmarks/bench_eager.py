@@ -323,7 +323,7 @@ class MegaMoE:
         return mega_moe_calls(self.dg, self.buffer, inputs, t, y, self.l1, self.l2)[1]
 
     def close(self) -> None:
-        self.buffer.close()
+        self.buffer.destroy()  # DeepGEMM names its free destroy
 
 
 def open_megamoe(shape: Shape, max_tokens: int) -> tuple[MegaMoE | None, str]:

@@ -132,7 +132,7 @@ def bench_shape(name, shape, tokens, args, runtime, dg, group) -> list[dict]:
                   f"{row['megamoe_rel_err']:.2e}", flush=True)
             torch.cuda.empty_cache()
     finally:
-        buffer.close()
+        buffer.destroy()  # DeepGEMM names its free destroy
         layer.close()
     return rows
 

@@ -738,7 +738,7 @@ def section_mega(dg, res, args, ops, budget):
             if not args.no_mega_graph:
                 graph_jobs.append((t, entry, staged_copy, y, buffer))
             elif args.mega_per_count_buffer:
-                buffer.close()
+                buffer.destroy()
                 buffer = None
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()

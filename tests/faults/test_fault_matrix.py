@@ -206,7 +206,7 @@ def recover(runtime, cell, fault, phase, me, expected, heap_before):
     if phase != "destroy":
         outcome["error"] = attempt(reset_and_call)
     cell.graph = None
-    destroyed = attempt(layer.destroy)
+    destroyed = attempt(layer.close)
     outcome["error"] = outcome["error"] or destroyed
     outcome["heap_restored"] = runtime.symmetric_usage() == heap_before
     return outcome

@@ -10,8 +10,8 @@ DeepGEMM's per-rank shape, 32 local experts, hidden 4096, intermediate 2048, top
 caller builds it (:class:`benchmarks.bench_overlap.Shape`: ``MoEConfig(...).with_default_ring()`` for the largest
 token count, default partition). Per token count, five sides on one routed FP8 batch: ``batch`` and
 ``streamed`` (``MoELayer.run(..., streaming=False / True)``, the streamed call in the slot's chunks; eager calls
-replayed from CUDA graphs: ``MoELayer(eager_graphs=True)``), ``batch_launched`` and ``streamed_launched`` (the same
-calls of a layer that launches every kernel from Python, the default: the other way to issue them) and ``megamoe``
+replayed from CUDA graphs, the default), ``batch_launched`` and ``streamed_launched`` (the same calls of a layer
+that launches every kernel from Python, ``MoELayer(eager_graphs=False)``: the other way to issue them) and ``megamoe``
 (``deep_gemm.fp8_mega_moe`` with its input staging, as benchmarks/bench_vs_megamoe.py calls it), each timed four ways:
 
 * ``host_issue_ms``: host wall time from the call to its return, no sync; each sample's call is enqueued behind a
@@ -54,7 +54,7 @@ T = TypeVar("T")
 
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 #: The layer's two call modes (its eager calls replayed from CUDA graphs: ``MoELayer(eager_graphs=True)``), the same
-#: calls of a layer that launches every kernel of every call (the default), then the peer.
+#: calls of a layer that launches every kernel of every call (``eager_graphs=False``), then the peer.
 MODES = ("batch", "streamed")
 LAUNCHED = ("batch_launched", "streamed_launched")
 PEER = "megamoe"
@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "own producers (MoEModule, as the main job calls it; MegaMoE, which routes nothing, left "
                              "out)")
     parser.add_argument("--no-megamoe", action="store_true", help="leave DeepGEMM's MegaMoE out")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                        help="after each token count's timings, CALLS more replayed batch-ready calls under cProfile "
+                             "(every rank calls; rank 0 prints where the host's time goes)")
     parser.add_argument("--json", default=None, help="the result file (rank 0 writes it)")
     args = parser.parse_args(argv)
     try:
@@ -389,8 +392,32 @@ def measure_tokens(shape: Shape, launched: Any, t: int, args: argparse.Namespace
     layer.check()
     launched.check()
     mine.update(medians(host, eager, pipelined, graph))
+    if args.host_profile:
+        profile_host(modes["batch"], args.host_profile, runtime.rank == 0, f"{t} tokens, batch-ready, replayed")
     measured = {**across_ranks(runtime.allgather_object(mine)), PEER: megamoe_setup}
     return tokens_record(shape.name, t, runtime.world_size, min(t, shape.slot), measured)
+
+
+def profile_host(call: Callable[[], object], calls: int, show: bool, what: str) -> None:
+    """``calls`` calls of ``call`` back to back under cProfile (the device keeping up: synchronised every 10);
+    where ``show``, the 25 functions with the most time of their own."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    profiler = cProfile.Profile()
+    for i in range(calls):
+        profiler.enable()
+        call()
+        profiler.disable()
+        if i % 10 == 9:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    if show:
+        print(f"host profile: {calls} calls, {what}", flush=True)
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        sys.stdout.flush()
 
 
 def progress(r: dict[str, Any]) -> str:
@@ -410,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = Shape(args.shape, runtime, max(args.tokens), partition=args.partition, eager_graphs=True)
         from chunkring import MoELayer
 
-        launched = MoELayer(runtime, shape.config, partition=args.partition)
+        launched = MoELayer(runtime, shape.config, partition=args.partition, eager_graphs=False)
         megamoe: MegaMoE | None = None
         try:
             if args.no_megamoe or args.call == "forward":

@@ -116,7 +116,8 @@ gpu_1rank() {  # the CPU suite (kernel compilation included) is CI's job; the GP
 # calls replayed from the layer's own graphs.
 smoke_tests=(tests/gpu/test_moe_experts.py tests/gpu/test_wave_claim.py tests/gpu/test_moe_blocks.py
              tests/gpu/test_fail_closed.py tests/gpu/test_abort.py tests/gpu/test_moe_decode.py
-             tests/gpu/test_moe_reduce.py tests/gpu/test_router.py tests/gpu/test_call_replay_gpu.py)
+             tests/gpu/test_moe_reduce.py tests/gpu/test_router.py tests/gpu/test_call_replay_gpu.py
+             tests/gpu/test_partition_gpu.py)
 smoke_1rank() {  # the newest device paths first, stopping at the first failure (a few minutes), before the whole suite
     run_suite smoke-1rank 1 python3 -m pytest "${smoke_tests[@]}" -x -v -rs \
         --durations=8 "${limits[@]}" --junitxml="$logs/smoke-1rank.xml" || status=1

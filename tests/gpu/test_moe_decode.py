@@ -124,7 +124,8 @@ def test_auto_runs_each_call_on_the_engine_its_size_takes(runtime, monkeypatch):
     with a bound of 8 rows per expert: its first value, which puts the crossover inside this layer's capacity."""
     monkeypatch.setattr(resources, "decode_fits", functools.partial(decode_fits, max_rows=8))
     cfg = layer_config(runtime.world_size)
-    layer = MoELayer(runtime, cfg, timeout_s=60, decode="auto")
+    # Every call launched (no replays), so that each one's engine shows in DecodeGemm's calls.
+    layer = MoELayer(runtime, cfg, timeout_s=60, decode="auto", eager_graphs=False)
     calls = []
     original = DecodeGemm.__call__
 

@@ -108,3 +108,72 @@ def test_no_partition_on_request_or_without_a_streaming_ring(runtime):
             assert layer.streams(CallMode.STREAMED) == layer.streams(CallMode.BATCH_READY)
         finally:
             layer.close()
+
+
+def _captured_kernels(graph_handle: int) -> list[tuple[str, int]]:
+    """(kernel name, the CUcontext its node runs in) of every kernel node of a captured CUDA graph."""
+    from cuda.bindings import driver
+
+    def ok(result):
+        err, *values = result
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        return values[0] if len(values) == 1 else values
+
+    graph = driver.CUgraph(graph_handle)
+    _, count = ok(driver.cuGraphGetNodes(graph, 0))
+    nodes, _ = ok(driver.cuGraphGetNodes(graph, count))
+    kernels = []
+    for node in nodes:
+        if ok(driver.cuGraphNodeGetType(node)) != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            continue
+        params = ok(driver.cuGraphKernelNodeGetParams(node))
+        # A library's kernel may be recorded as its CUkernel rather than a CUfunction.
+        name = (ok(driver.cuFuncGetName(params.func)) if int(params.func) else ok(driver.cuKernelGetName(params.kern)))
+        kernels.append((name.decode() if isinstance(name, bytes) else str(name), int(params.ctx)))
+    return kernels
+
+
+def test_a_captured_streamed_call_keeps_its_partition(runtime):
+    """A streamed call captured in a CUDA graph (a caller's capture, or the layer's own replay of eager calls) keeps
+    the partition that protects the pull's progress (docs/PROTOCOL.md, "Progress" and "CUDA graphs"): the graph's
+    pull node runs in the consumer's green context, the drain (on the producer stream) in the producer's, and the
+    expert work, which spins on nothing, in the primary context - each node's context as the driver records it at
+    capture."""
+    from cuda.bindings import driver
+
+    from chunkring import MoELayer
+    from chunkring.testing.reference import quantize_fp8_per128
+    from tests.gpu.moe_helpers import local_weights, routing, weights
+
+    def stream_context(stream: torch.cuda.Stream) -> int:
+        err, context = driver.cuStreamGetCtx(driver.CUstream(stream.cuda_stream))
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        return int(context)
+
+    cfg = _layer_config(runtime)
+    with MoELayer(runtime, cfg) as layer:
+        part = layer.partition
+        assert part is not None
+        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(3))
+        gen = torch.Generator().manual_seed(60 + runtime.rank)
+        xq, sf = quantize_fp8_per128(torch.randn(33, cfg.hidden, generator=gen))
+        idx, w = routing(33, cfg.num_experts, cfg.topk, "uniform", gen)
+        args = [t.to(runtime.torch_device) for t in (xq, sf, idx, w)]
+        experts = local_weights(layer, w13, w2)
+        eager = layer.run(*args, *experts, streaming=True)  # the mode's first call: warm-up and barrier
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph):
+            replayed = layer.run(*args, *experts, streaming=True)
+        kernels = _captured_kernels(graph.raw_cuda_graph())
+        graph.instantiate()
+        graph.replay()
+        torch.cuda.synchronize()
+        layer.check()
+        assert torch.equal(replayed, eager)
+        contexts = {name: {ctx for n, ctx in kernels if n == name} for name, _ in kernels}
+        consumer, producer = stream_context(part.consumer_stream), stream_context(part.producer_stream)
+        assert consumer != producer
+        assert contexts.get("moe_pull") == {consumer}, contexts
+        assert contexts.get("moe_drain") == {producer}, contexts
+        assert any(ctx not in (consumer, producer) for ctx in set().union(*contexts.values())), contexts

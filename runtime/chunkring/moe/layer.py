@@ -68,13 +68,9 @@ class MoELayer:
             ``DECODE_MAX_ROWS`` rows per expert on average: today none, as measured), the others on DeepGEMM's;
             ``False`` (the default): never. Streamed and batch-ready calls of one size choose alike, so they stay
             equal bit for bit; calls of different sizes may round differently.
-        eager_graphs: replay eager calls from CUDA graphs, one captured per kind of call after its first
-            (:mod:`chunkring.moe._engine.replay`): the host then pays about a graph replay, not a launch of every
-            kernel - on an H100, 0.27-0.37 ms of host time per call instead of 1.6-2.0 ms, and an eager call of
-            1 / 128 / 2,048 tokens 0.34 / 0.63 / 1.05 ms instead of 1.49 / 1.58 / 1.54
-            (``benchmarks/results/7c0a08b-eager.json``). True (the default); False: every call launches its
-            kernels, and the layer keeps no graphs (their fixed buffers: input and output rows for
-            ``max_tokens_per_rank`` tokens, and one memory pool for what the calls allocate).
+        eager_graphs: True (the default): replay eager calls from CUDA graphs, one captured per kind of call
+            after its first (:mod:`chunkring.moe._engine.replay`; docs/PERFORMANCE.md, "Eager calls"). False: every
+            call launches its kernels, and the layer keeps no graphs, their fixed rows or their memory pool.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly

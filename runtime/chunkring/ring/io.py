@@ -14,7 +14,7 @@ import torch
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.ring.kernel_args import RingPublishArgs
-from chunkring.ring.spec import FP8_SCALE_BLOCK, PayloadFormat, RingSpec
+from chunkring.ring.spec import FP8_SCALE_BLOCK, ROW_ALIGN_BYTES, PayloadFormat, RingSpec
 from chunkring.ring.status import AbortRecord, ErrorCode
 from chunkring.runtime import TEARDOWN_WAIT_S
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from chunkring.ring.ring import Ring
     from chunkring.runtime import Runtime
 
-__all__ = ["ROW_ALIGN", "GatherOutputs", "check_row_aligned", "enqueue_publish", "gather", "gather_grid_limit",
+__all__ = ["GatherOutputs", "check_row_aligned", "enqueue_publish", "gather", "gather_grid_limit",
            "kernel_library", "publish_chunk", "publish_grid", "raise_abort"]
 
 _GATHER_BLOCK = 512
@@ -56,17 +56,13 @@ def check_tensor(name: str, tensor: object, shape: Sequence[int], dtype: torch.d
         raise ChunkringUsageError("tensor must be contiguous", field=name)
 
 
-#: The alignment of a payload row's first byte that the copy kernels need: they move rows 16 bytes at a time.
-ROW_ALIGN = 16
-
-
 def check_row_aligned(name: str, tensor: torch.Tensor) -> None:
-    """A typed error naming ``name`` unless ``tensor`` starts on a :data:`ROW_ALIGN`-byte boundary (a view at an
-    odd offset into another tensor does not: ``.clone()`` it). Rows of H bytes from there stay aligned, since
-    H is a multiple of 128."""
-    if tensor.data_ptr() % ROW_ALIGN:
-        raise ChunkringUsageError(f"must start on a {ROW_ALIGN}-byte boundary, got address {tensor.data_ptr():#x} "
-                                  "(a view at an odd offset: pass .clone())", field=name)
+    """A typed error naming ``name`` unless ``tensor`` starts on a ``ROW_ALIGN_BYTES`` boundary, as the copy kernels,
+    which move rows 16 bytes at a time, need (a view at an odd offset into another tensor does not: ``.clone()``
+    it). Rows of H bytes from there stay aligned, since H is a multiple of 128."""
+    if tensor.data_ptr() % ROW_ALIGN_BYTES:
+        raise ChunkringUsageError(f"must start on a {ROW_ALIGN_BYTES}-byte boundary, got address "
+                                  f"{tensor.data_ptr():#x} (a view at an odd offset: pass .clone())", field=name)
 
 
 def publish_chunk(ring: Ring, *, x: torch.Tensor, x_sf: torch.Tensor | None, topk_idx: torch.Tensor,

@@ -21,8 +21,8 @@ from chunkring.moe._engine.experts import check_expert_weights
 from chunkring.moe._engine.producer import PRODUCE_MAX_BLOCKS, enqueue_produce
 from chunkring.moe.routing import router_logits
 from chunkring.moe.timeline import Timeline
-from chunkring.ring.io import ROW_ALIGN, check_row_aligned, check_tensor, enqueue_publish
-from chunkring.ring.spec import FP8_SCALE_BLOCK
+from chunkring.ring.io import check_row_aligned, check_tensor, enqueue_publish
+from chunkring.ring.spec import FP8_SCALE_BLOCK, ROW_ALIGN_BYTES
 
 if TYPE_CHECKING:
     from chunkring.jit import KernelLibrary
@@ -149,7 +149,7 @@ def resolve_run(layer: Layer, mode: CallMode, x: torch.Tensor, x_sf: torch.Tenso
     check_tensor("topk_idx", topk_idx, (n, config.topk), torch.int32, device)
     check_tensor("topk_weights", topk_weights, (n, config.topk), torch.float32, device)
     _check_common(layer, n, w13, w2, out, num_tokens, timeline)
-    batch = RoutedBatch(x.clone() if x.data_ptr() % ROW_ALIGN else x, x_sf, topk_idx, topk_weights)
+    batch = RoutedBatch(x.clone() if x.data_ptr() % ROW_ALIGN_BYTES else x, x_sf, topk_idx, topk_weights)
     return Call(mode, batch, n, call_chunk(config, layer.calibration, mode, n, chunk), w13, w2, out, num_tokens,
                 timeline, layer.decode_for(n))
 
@@ -165,7 +165,8 @@ def resolve_forward(layer: Layer, mode: CallMode, hidden: torch.Tensor, router_w
     check_tensor("router_weight", router_weight, (config.num_experts, config.hidden), torch.bfloat16, device)
     check_row_aligned("router_weight", router_weight)  # the router GEMM loads bf16 pairs as 4-byte words
     _check_common(layer, n, w13, w2, out, num_tokens, timeline)
-    hidden = hidden.clone() if hidden.data_ptr() % 16 else hidden  # the fused producer loads 8-byte pieces
+    # The library's one row alignment (the fused producer itself loads 8-byte pieces of a row).
+    hidden = hidden.clone() if hidden.data_ptr() % ROW_ALIGN_BYTES else hidden
     batch = HiddenBatch(hidden, router_weight, produce, arrivals, spinning_blocks)
     return Call(mode, batch, n, call_chunk(config, layer.calibration, mode, n, chunk), w13, w2, out, num_tokens,
                 timeline, layer.decode_for(n))

@@ -10,8 +10,9 @@ DeepGEMM's per-rank shape, 32 local experts, hidden 4096, intermediate 2048, top
 caller builds it (:class:`benchmarks.bench_overlap.Shape`: ``MoEConfig(...).with_default_ring()`` for the largest
 token count, default partition). Per token count, five sides on one routed FP8 batch: ``batch`` and
 ``streamed`` (``MoELayer.run(..., streaming=False / True)``, the streamed call in the slot's chunks; eager calls
-replayed from CUDA graphs, the default), ``batch_launched`` and ``streamed_launched`` (the same calls of a layer
-that launches every kernel from Python, ``MoELayer(eager_graphs=False)``: the other way to issue them) and ``megamoe``
+replayed from CUDA graphs: ``MoELayer(eager_graphs=True)``), ``batch_launched`` and ``streamed_launched`` (the same
+calls of a layer that launches every kernel from Python, ``eager_graphs=False``, the default: the other way to issue
+them) and ``megamoe``
 (``deep_gemm.fp8_mega_moe`` with its input staging, as benchmarks/bench_vs_megamoe.py calls it), each timed four ways:
 
 * ``host_issue_ms``: host wall time from the call to its return, no sync; each sample's call is enqueued behind a
@@ -54,7 +55,7 @@ T = TypeVar("T")
 
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 #: The layer's two call modes (its eager calls replayed from CUDA graphs: ``MoELayer(eager_graphs=True)``), the same
-#: calls of a layer that launches every kernel of every call (``eager_graphs=False``), then the peer.
+#: calls of a layer that launches every kernel of every call (``eager_graphs=False``, the default), then the peer.
 MODES = ("batch", "streamed")
 LAUNCHED = ("batch_launched", "streamed_launched")
 PEER = "megamoe"

@@ -138,7 +138,7 @@ class Shape:
     the GPU, and the ``MoEModule`` over them."""
 
     def __init__(self, name: str, runtime, max_tokens: int, seed: int = 0, slot: int | None = None,
-                 partition: str = "auto", eager_graphs: bool = True):
+                 partition: str = "auto", eager_graphs: bool = False):
         import torch
 
         from chunkring import MoEConfig, MoELayer, MoEModule, expert_weights

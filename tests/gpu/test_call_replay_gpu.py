@@ -1,9 +1,9 @@
 """Eager calls replayed from CUDA graphs (chunkring.moe._engine.replay) compute exactly what the same calls launched
-kernel by kernel compute: two layers of one config - one replaying its eager calls (the default), one launching
-every kernel (``eager_graphs=False``) - called alike, every output equal bit for bit, batch-ready and streamed,
-through ``run()`` and ``forward()``, at sizes inside one bucket and across buckets, ranks bringing different sizes, a
-call with a timeline (which runs directly) in between, and the replayed layer holding one graph per kind of call it
-saw. tests/unit/test_call_replay.py pins the bookkeeping on the CPU."""
+kernel by kernel compute: two layers of one config - one replaying its eager calls (``eager_graphs=True``), one
+launching every kernel (``eager_graphs=False``) - called alike, every output equal bit for bit, batch-ready and
+streamed, through ``run()`` and ``forward()``, at sizes inside one bucket and across buckets, ranks bringing
+different sizes, a call with a timeline (which runs directly) in between, and the replayed layer holding one graph
+per kind of call it saw. tests/unit/test_call_replay.py pins the bookkeeping on the CPU."""
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ def test_replayed_eager_calls_equal_launched_calls_bit_for_bit(runtime, payload)
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=8 * W, hidden=H, intermediate=INTER, topk=4, max_tokens_per_rank=256,
                     payload=payload, stream_slots=2, stream_slot_tokens=32)
-    replayed, launched = MoELayer(runtime, cfg), MoELayer(runtime, cfg, eager_graphs=False)
+    replayed, launched = MoELayer(runtime, cfg, eager_graphs=True), MoELayer(runtime, cfg, eager_graphs=False)
     try:
         w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(21))
         experts = {layer: local_weights(layer, w13, w2) for layer in (replayed, launched)}

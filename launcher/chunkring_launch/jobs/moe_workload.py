@@ -74,7 +74,7 @@ class LayerFields(CheckedConfig):
 
 @contextlib.contextmanager
 def open_layer(runtime: Runtime, fields: LayerFields, config: MoEConfig | None = None, *,
-               eager_graphs: bool = True) -> Iterator[MoELayer]:
+               eager_graphs: bool = False) -> Iterator[MoELayer]:
     """The job's ``MoELayer`` (``config``: a MoEConfig, default ``fields.layer_config()``), its streamed
     calls on the partition ``fields.producer_sms`` names (an ``SmPartition`` of N producer SMs, the layer's
     own with "auto", none with "none"), its eager calls replayed from CUDA graphs if ``eager_graphs``;

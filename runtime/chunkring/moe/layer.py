@@ -68,9 +68,9 @@ class MoELayer:
             ``DECODE_MAX_ROWS`` rows per expert on average: today none, as measured), the others on DeepGEMM's;
             ``False`` (the default): never. Streamed and batch-ready calls of one size choose alike, so they stay
             equal bit for bit; calls of different sizes may round differently.
-        eager_graphs: True (the default): replay eager calls from CUDA graphs, one captured per kind of call
-            after its first (:mod:`chunkring.moe._engine.replay`; docs/PERFORMANCE.md, "Eager calls"). False: every
-            call launches its kernels, and the layer keeps no graphs, their fixed rows or their memory pool.
+        eager_graphs: replay eager calls from CUDA graphs, one captured per kind of call after its first
+            (:mod:`chunkring.moe._engine.replay`; docs/PERFORMANCE.md, "Eager calls"). False (the default until
+            replays are tested at several ranks): every call launches its kernels, and the layer keeps no graphs.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly
@@ -91,7 +91,7 @@ class MoELayer:
 
     def __init__(self, runtime: Runtime, config: MoEConfig, *, partition: SmPartition | str = DEFAULT_PARTITION,
                  timeout_s: float | None = None, kernels: LayerKernels | None = None,
-                 decode: bool | str = False, eager_graphs: bool = True) -> None:
+                 decode: bool | str = False, eager_graphs: bool = False) -> None:
         # Given the same arguments these checks fail alike on every rank. The environment may differ: a rank with
         # lazy module loading abandons the first collective's barrier, so its peers raise at once, naming it.
         if not isinstance(config, MoEConfig):

@@ -6,9 +6,10 @@
   routed to) and experts with more rows than one pass (DECODE_PASS_ROWS);
 * a row's output does not depend on its place in the plan (the plan places rows by atomic cursor), and
   two runs are bitwise equal;
-* through the layer (``MoELayer(..., decode=True)``): streamed equals batch-ready bit for bit and both
-  match the layer's fp32 reference; CUDA-graph replays equal eager calls bit for bit; with ``decode="auto"`` each
-  call takes the engine its size does (decode_fits), either way matching the reference.
+* through the layer (``MoELayer(..., decode=True)``, whose decode path is the persistent consumer as a layer runs
+  it, LAYER_VARIANT): streamed equals batch-ready bit for bit and both match the layer's fp32 reference; CUDA-graph
+  replays equal eager calls bit for bit; with ``decode="auto"`` each call takes the engine its size does
+  (decode_fits), either way matching the reference.
 
 Records: tests/gpu_results/*-decode-1rank.json."""
 
@@ -22,6 +23,7 @@ from chunkring.jit import library_for
 from chunkring.moe._engine import resources
 from chunkring.moe._engine.decode import DECODE_PASS_ROWS, DecodeGemm, decode_fits
 from chunkring.moe._engine.experts import ExpertCompute
+from chunkring.moe._engine.persistent import PersistentGemm
 from tests.gpu.graph_helpers import MAX_TOKENS, SLOTS, Batch, check_replay, strict_capture
 from tests.gpu.graph_helpers import TOPK as GRAPH_TOPK
 from tests.gpu.graph_helpers import C as GRAPH_C
@@ -124,16 +126,17 @@ def test_auto_runs_each_call_on_the_engine_its_size_takes(runtime, monkeypatch):
     with a bound of 8 rows per expert: its first value, which puts the crossover inside this layer's capacity."""
     monkeypatch.setattr(resources, "decode_fits", functools.partial(decode_fits, max_rows=8))
     cfg = layer_config(runtime.world_size)
-    # Every call launched (no replays), so that each one's engine shows in DecodeGemm's calls.
+    # Every call launched (no replays), so that each one's engine shows in the decode path's calls.
     layer = MoELayer(runtime, cfg, timeout_s=60, decode="auto", eager_graphs=False)
+    assert isinstance(layer.resources.compute.decode, PersistentGemm)
     calls = []
-    original = DecodeGemm.__call__
+    original = PersistentGemm.__call__
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(DecodeGemm, "__call__", counted)
+    monkeypatch.setattr(PersistentGemm, "__call__", counted)
     try:
         sizes = [n for n in range(1, MAX_TOKENS + 1) if layer.resources.decode_for(n)]
         assert sizes and sizes[-1] < MAX_TOKENS, "the config must put the bound inside the layer's capacity"

@@ -111,3 +111,12 @@ def test_a_rank_out_of_memory_in_its_own_buffers_fails_every_rank_through_the_sa
     assert failed == peer == ["ring", "alloc", "free", "ring destroyed"]
     assert isinstance(failed_error, torch.OutOfMemoryError)  # its own error, unchanged
     assert isinstance(peer_error, ChunkringRuntimeError) and "rank 1: OutOfMemoryError" in str(peer_error)
+
+
+def test_auto_falls_back_to_deepgemm_where_the_decode_path_cannot_run():
+    """decode="auto" on a GPU or layer the persistent consumer cannot run (not Hopper, the bf16 payload) runs every
+    call on DeepGEMM's path; on Hopper with an FP8 layer it stays "auto"."""
+    fp8 = MoEConfig(num_experts=8, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=16)
+    assert resources.auto_decode(fp8, 2, "sm_90") == "auto"
+    assert resources.auto_decode(fp8, 2, "sm_100") is False
+    assert resources.auto_decode(CONFIG, 2, "sm_90") is False  # bf16

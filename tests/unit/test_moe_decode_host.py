@@ -15,6 +15,7 @@ What only a GPU can show (tests/gpu/test_moe_decode.py): that the kernels do wha
 import functools
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -298,18 +299,21 @@ def test_bad_arguments_are_refused_before_any_launch():
     assert info.value.field == "payload"
 
 
-def test_expert_compute_takes_only_a_decode_gemm():
+def test_expert_compute_takes_only_a_decode_engine():
     with pytest.raises(ChunkringUsageError) as info:
         ExpertCompute(config(), 1, 0, 32, None, torch.device("cpu"), decode=True)
     assert info.value.field == "decode"
 
 
-@pytest.mark.parametrize("decode,changes,field", [
-    ("yes", {}, "decode"), (1, {}, "decode"), (None, {}, "decode"),
-    (True, dict(payload=PayloadFormat.BF16), "payload"), (True, dict(hidden=1152), "hidden"),
+@pytest.mark.parametrize("decode,changes,capability,field", [
+    ("yes", {}, (9, 0), "decode"), (1, {}, (9, 0), "decode"), (None, {}, (9, 0), "decode"),
+    (True, dict(payload=PayloadFormat.BF16), (9, 0), "payload"),
+    (True, dict(num_experts=512), (9, 0), "experts_per_rank"),  # more local experts than the consumer holds
+    (True, {}, (10, 0), "decode"),  # the decode path's kernel is Hopper's alone
 ])
-def test_the_layer_refuses_a_bad_decode_choice_before_building_anything(decode, changes, field):
-    # runtime=None: the refusal comes before the layer touches its runtime
+def test_the_layer_refuses_a_bad_decode_choice_before_building_anything(decode, changes, capability, field):
+    # A stand-in runtime with nothing to build on: the refusal comes first.
+    runtime = SimpleNamespace(world_size=1, device=SimpleNamespace(compute_capability=capability))
     with pytest.raises(ChunkringUsageError) as info:
-        MoELayer(None, config(**changes), decode=decode)
+        MoELayer(runtime, config(**changes), decode=decode)
     assert info.value.field == field

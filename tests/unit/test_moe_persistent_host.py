@@ -28,6 +28,7 @@ from chunkring.moe._engine import persistent
 from chunkring.moe._engine.persistent import (
     CLAIMS,
     FAULT_KINDS,
+    LAYER_VARIANT,
     MAX_EXPERTS,
     MAX_STAGES,
     MAX_TOKEN_STAGES,
@@ -37,6 +38,7 @@ from chunkring.moe._engine.persistent import (
     PersistentGemm,
     PersistentVariant,
     block_units,
+    check_persistent_config,
     fault_of,
     shared_bytes,
     w13_view,
@@ -321,3 +323,47 @@ def test_a_recorded_fault_is_read_back():
     assert gemm.fault() is None
     gemm.fault_word[0] = np.int64(0x3CC808305)
     assert gemm.fault() == fault_of(0x3CC808305)
+
+
+@pytest.mark.parametrize("changes,experts,arch,field", [
+    (dict(payload=PayloadFormat.BF16), 4, "sm_90", "payload"),
+    (dict(hidden=520), 4, "sm_90", "hidden"),
+    (dict(intermediate=200), 4, "sm_90", "intermediate"),
+    ({}, MAX_EXPERTS + 1, "sm_90", "experts_per_rank"),
+    ({}, 4, "sm_100", "decode"),  # wgmma is Hopper's alone
+    ({}, 4, "sm_89", "decode"),
+])
+def test_a_layer_the_decode_path_cannot_run_is_named_before_any_build(changes, experts, arch, field):
+    with pytest.raises(ChunkringUsageError) as info:
+        check_persistent_config(config(**changes), experts, arch)
+    assert info.value.field == field
+    check_persistent_config(config(), MAX_EXPERTS, "sm_90")  # what it takes
+
+
+def test_a_layer_runs_the_split_launches_whose_blocks_wait_for_no_other():
+    """LAYER_VARIANT: an L1 launch then an L2 launch - the fused launch's L2 units wait for other blocks' L1 units,
+    which needs every block resident, and a layer shares its GPU (ranks under MPS, a partition's pull, the caller's
+    kernels)."""
+    assert LAYER_VARIANT.fused is False
+    LAYER_VARIANT.check(H100["multiprocessor_count"], H100["max_shared_memory_per_block_optin"])
+
+
+def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path(encoded, monkeypatch):
+    """ExpertCompute with a PersistentGemm: an FP8 call on the decode path launches the persistent kernel twice (L1,
+    then L2) on the plan, writing the call's rows."""
+    from chunkring.moe._engine.experts import ExpertCompute
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
+        multi_processor_count=H100["multiprocessor_count"]))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    library = RecordingLibrary("moe_persistent")
+    cfg = config(max_tokens_per_rank=8)
+    gemm = PersistentGemm(library, cfg, E, variant=LAYER_VARIANT)
+    compute = ExpertCompute(cfg, 1, 0, E, RecordingLibrary("moe_experts"), torch.device("cpu"), decode=gemm)
+    assert compute.decode is gemm
+    P = compute.capacity
+    w13, w2 = small_weights(E, H, INTER)
+    out = compute.experts(cpu_plan(P, E, H), w13, w2)
+    assert out.shape == (P, H) and out.dtype == torch.bfloat16
+    assert [launch["name"] for launch in library.launches] == ["moe_persistent_gemm"] * 2
+    assert [launch["phases"] for launch in library.launches] == [1, 2]  # L1, then L2

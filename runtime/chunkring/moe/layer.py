@@ -19,9 +19,10 @@ import torch
 
 from chunkring.env import check_timeout_s, module_loading_is_eager
 from chunkring.errors import ChunkringError, ChunkringUsageError
+from chunkring.jit.compiler import arch_of
 from chunkring.moe._engine import handles
 from chunkring.moe._engine.call import Call, CallMode, Layer, resolve_forward, resolve_mode, resolve_run
-from chunkring.moe._engine.decode import check_decode_config
+from chunkring.moe._engine.persistent import check_persistent_config
 from chunkring.moe._engine.replay import CallGraphs
 from chunkring.moe._engine.resources import LayerResources
 from chunkring.moe._engine.schedule import CallSchedule
@@ -63,11 +64,10 @@ class MoELayer:
         timeout_s: the rings' watchdog limit (None: ``CHUNKRING_TIMEOUT_S``, default 100 s).
         kernels: the kernel libraries (None: built for this GPU; :mod:`chunkring.testing.variants` passes
             deliberately broken ones).
-        decode: run the FP8 expert GEMMs on the decode path (the engine's own kernels, for few rows per expert)
+        decode: the FP8 expert GEMMs on the decode path (the persistent consumer, Hopper, few rows per expert)
             instead of DeepGEMM's: ``True``: every call; ``"auto"``: each call whose size suits it (at most
-            ``DECODE_MAX_ROWS`` rows per expert on average: today none, as measured), the others on DeepGEMM's;
-            ``False`` (the default): never. Streamed and batch-ready calls of one size choose alike, so they stay
-            equal bit for bit; calls of different sizes may round differently.
+            ``DECODE_MAX_ROWS`` rows per expert on average: today none, as measured); ``False`` (the default):
+            never. Streamed and batch-ready calls of one size choose alike, so they stay equal bit for bit.
         eager_graphs: replay eager calls from CUDA graphs, one captured per kind of call after its first
             (:mod:`chunkring.moe._engine.replay`; docs/PERFORMANCE.md, "Eager calls"). False (the default until
             replays are tested at several ranks): every call launches its kernels, and the layer keeps no graphs.
@@ -99,13 +99,13 @@ class MoELayer:
         check_partition_arg(partition, runtime)
         if not (isinstance(decode, bool) or decode == "auto"):
             raise ChunkringUsageError(f"expected True, False or 'auto', got {decode!r}", field="decode")
-        if decode is True:
-            check_decode_config(config)
         if not isinstance(eager_graphs, bool):
             raise ChunkringUsageError(f"expected a bool, got {eager_graphs!r}", field="eager_graphs")
         if kernels is not None and not isinstance(kernels, LayerKernels):
             raise ChunkringUsageError(f"expected LayerKernels or None, got {type(kernels).__name__}", field="kernels")
         config.check_world_size(runtime.world_size)  # every ring rule at this world size, the experts' split
+        if decode is True:
+            check_persistent_config(config, config.num_experts // runtime.world_size, arch_of(runtime.device))
         with abandoning_on_failure(runtime):
             if not module_loading_is_eager():
                 raise ChunkringUsageError(

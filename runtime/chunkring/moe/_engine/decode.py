@@ -1,6 +1,9 @@
-"""The FP8 decode path of the consumer's expert work: for few rows per expert, two "swap AB" GEMM kernels
-(device/kernels/moe_decode.cu) in place of DeepGEMM's L1, ``moe_swiglu_fp8`` and DeepGEMM's L2, on the
-same plan (:class:`~chunkring.moe._engine.experts.DevicePlan`); the combine push after them is unchanged.
+"""The FP8 decode path's rule and its first engine. Which calls take the decode path (:func:`decode_fits`,
+:data:`DECODE_MAX_ROWS`) and the operands its engines take (:func:`check_plan_gemm`); :class:`DecodeGemm`, two "swap
+AB" GEMM kernels (device/kernels/moe_decode.cu) in place of DeepGEMM's L1, ``moe_swiglu_fp8`` and DeepGEMM's L2, on
+the same plan (:class:`~chunkring.moe._engine.experts.DevicePlan`). A layer's decode path runs the persistent
+consumer (:mod:`chunkring.moe._engine.persistent`), faster on the H100 at 8 and 128 tokens; the decode kernels are
+the baseline the benchmarks and GPU tests compare it with.
 
 Why: at decode sizes (a few rows per expert) DeepGEMM's grouped GEMMs pad every expert to a 128-row
 block, and the layer measured ~2x above the time it takes to read the active experts' weights once
@@ -10,8 +13,8 @@ tokens on its narrow side, so an expert's weights are streamed once per pass of 
 
 Which calls take it: a layer built with ``decode=True`` runs every call on it; ``decode="auto"`` chooses per call,
 by the call's token count (:func:`decode_fits` with ``tokens``): the decode path while an expert's mean rows are
-at most :data:`DECODE_MAX_ROWS`, DeepGEMM's above. The bound follows the newest measurements of these kernels
-against DeepGEMM's; today it sends every call with tokens to DeepGEMM's (see the constant). Both engines are fixed
+at most :data:`DECODE_MAX_ROWS`, DeepGEMM's above. The bound follows the newest measurements of the layer on each
+engine; today it sends every call with tokens to DeepGEMM's (see the constant). Both engines are fixed
 grids that loop over whatever rows a call brought, so either is correct at any routing and captures into a CUDA
 graph; only the speed depends on the rows per expert. Each rank chooses for its own consumer - the choice changes
 how it computes its rows, not what the ranks exchange - and a streamed call chooses as the batch-ready call of its
@@ -53,10 +56,11 @@ DECODE_SHARED_BYTES = 8 * 6 * 4096
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
 #: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most this.
-#: It follows the newest measurements of these kernels (benchmarks/bench_decode.py, flash shape, both engines
-#: timed as graph replays in one call; docs/PERFORMANCE.md, "The decode path"): DeepGEMM's path is the faster at
-#: 8 to 128 tokens on the H100 and at 1 to 128 on the H200 (the decode path 0.98-1.19x / 1.06-1.35x its layer
-#: time), so no call with tokens takes the decode path by default.
+#: It follows the newest whole-layer measurements (benchmarks/bench_decode.py, flash shape, both engines timed as
+#: graph replays in one call; docs/PERFORMANCE.md, "The decode path"). Those were of the decode kernels, which
+#: DeepGEMM's path beat at 8 to 128 tokens on the H100 and at 1 to 128 on the H200 (0.98-1.19x / 1.06-1.35x its
+#: layer time); the layer on the persistent consumer has no such record yet, so no call with tokens takes the
+#: decode path by default.
 DECODE_MAX_ROWS = 0
 
 

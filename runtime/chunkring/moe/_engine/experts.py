@@ -34,6 +34,7 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.moe._engine.blocks import BlockPool
 from chunkring.moe._engine.decode import DecodeGemm
 from chunkring.moe._engine.kernel_args import CombinePushArgs, CombineReduceArgs, PlanScatterArgs, WaveGatherArgs
+from chunkring.moe._engine.persistent import PersistentGemm
 from chunkring.moe.gemm import GROUP_ALIGN, load_deep_gemm, padded_rows_bound
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.io import check_row_aligned, check_tensor
@@ -122,17 +123,19 @@ class ExpertCompute:
     """The expert work of one layer at one rank, enqueued on the current stream by :meth:`__call__`.
 
     ``capacity`` (P): the most planned rows one call can produce here, every source's full batch
-    routed to this rank's experts (:func:`~chunkring.moe.gemm.padded_rows_bound`). ``decode``: a
-    :class:`~chunkring.moe._engine.decode.DecodeGemm` to run the FP8 expert GEMMs (L1, SwiGLU, L2) instead of
-    DeepGEMM's, or None (DeepGEMM's only). ``deep_gemm_too``: with ``decode``, DeepGEMM's engine as well, each
-    call choosing (the ``decode=`` of :meth:`experts`; the layer's ``decode="auto"``); without it, every call
-    of an FP8 layer given ``decode`` takes the decode path.
+    routed to this rank's experts (:func:`~chunkring.moe.gemm.padded_rows_bound`). ``decode``: the decode path's
+    engine of the FP8 expert GEMMs (L1, SwiGLU, L2) in place of DeepGEMM's - the persistent consumer
+    (:class:`~chunkring.moe._engine.persistent.PersistentGemm`, what a layer builds) or the decode kernels
+    (:class:`~chunkring.moe._engine.decode.DecodeGemm`) - or None (DeepGEMM's only). ``deep_gemm_too``: with
+    ``decode``, DeepGEMM's engine as well, each call choosing (the ``decode=`` of :meth:`experts`; the layer's
+    ``decode="auto"``); without it, every call of an FP8 layer given ``decode`` takes the decode path.
     """
 
     def __init__(self, config, world_size: int, first_expert: int, experts_per_rank: int, kernels, device, *,
-                 decode: DecodeGemm | None = None, deep_gemm_too: bool = False):
-        if decode is not None and not isinstance(decode, DecodeGemm):
-            raise ChunkringUsageError(f"expected a DecodeGemm or None, got {type(decode).__name__}", field="decode")
+                 decode: PersistentGemm | DecodeGemm | None = None, deep_gemm_too: bool = False):
+        if decode is not None and not isinstance(decode, (PersistentGemm, DecodeGemm)):
+            raise ChunkringUsageError(f"expected a PersistentGemm, a DecodeGemm or None, got {type(decode).__name__}",
+                                      field="decode")
         if not isinstance(deep_gemm_too, bool):
             raise ChunkringUsageError(f"expected a bool, got {deep_gemm_too!r}", field="deep_gemm_too")
         self.config, self.kernels, self.device, self.decode = config, kernels, device, decode
@@ -273,7 +276,7 @@ class ExpertCompute:
         if self.fp8 and not decode and self._deep_gemm is None:
             raise ChunkringUsageError("this expert work runs every call on the decode path", field="decode")
         if decode:
-            assert self.decode is not None  # checked above; a DecodeGemm needs the FP8 payload
+            assert self.decode is not None  # checked above; either engine needs the FP8 payload
             out = self.rma_out if self.rma_out is not None else torch.empty((P, H), dtype=torch.bfloat16, device=dev)
             self.decode(plan, w13, w2, out, stream=torch.cuda.current_stream(dev))
             return out

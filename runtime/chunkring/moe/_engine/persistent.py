@@ -30,9 +30,10 @@ if TYPE_CHECKING:
     from chunkring.moe._engine.decode import PlanTensors
     from chunkring.moe.config import MoEConfig
 
-__all__ = ["CLAIMS", "FAULT_KINDS", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES", "PERSISTENT_THREADS",
-           "STATIC_SHARED", "TILE_TOKENS", "TIMELINE_WORDS", "W13_BOXES", "PersistentGemm", "PersistentVariant",
-           "block_units", "fault_of", "shared_bytes", "w13_view"]
+__all__ = ["CLAIMS", "FAULT_KINDS", "LAYER_VARIANT", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES",
+           "PERSISTENT_ARCH", "PERSISTENT_THREADS", "STATIC_SHARED", "TILE_TOKENS", "TIMELINE_WORDS", "W13_BOXES",
+           "PersistentGemm", "PersistentVariant", "block_units", "check_persistent_config", "fault_of", "shared_bytes",
+           "w13_view"]
 
 #: Threads per block: two math warpgroups and the loaders' (persistent_schedule.cuh kThreads).
 PERSISTENT_THREADS = 384
@@ -138,6 +139,36 @@ class PersistentVariant:
                                       f"{shared_limit - STATIC_SHARED}", field="stages")
 
 
+#: What a layer runs (the decode path of ``MoELayer(decode=...)``): an L1 launch then an L2 launch, so that no block
+#: waits for another's units. The fused launch's L2 units wait for other blocks' L1 units, which needs every block
+#: resident at once - not so where ranks share a GPU, a partition's pull spins on some SMs, or a caller's kernels run
+#: beside the layer's. It costs about 5 % against the fused launch on the H100 (docs/PERFORMANCE.md, "The decode
+#: path").
+LAYER_VARIANT = PersistentVariant(fused=False)
+
+
+#: The architecture the kernel is written for (wgmma and setmaxnreg: sm_90a, Hopper).
+PERSISTENT_ARCH = "sm_90"
+
+
+def check_persistent_config(config: MoEConfig, experts_per_rank: int, arch: str = PERSISTENT_ARCH) -> None:
+    """Raise ``ChunkringUsageError`` unless the persistent consumer can run ``config``'s layer with
+    ``experts_per_rank`` local experts on a GPU of ``arch`` (:func:`chunkring.jit.compiler.arch_of`): Hopper, the FP8
+    payload, ``hidden`` and ``intermediate`` multiples of 128, at most :data:`MAX_EXPERTS` local experts."""
+    if arch != PERSISTENT_ARCH:
+        raise ChunkringUsageError(f"the persistent consumer runs on {PERSISTENT_ARCH} (Hopper's wgmma), this GPU is "
+                                  f"{arch}", field="decode")
+    if not config.payload.has_scales:
+        raise ChunkringUsageError("the persistent consumer runs FP8 GEMMs: it needs the FP8 payload", field="payload")
+    for name in ("hidden", "intermediate"):
+        if getattr(config, name) % WEIGHT_BLOCK:
+            raise ChunkringUsageError(f"must be a multiple of {WEIGHT_BLOCK}, got {getattr(config, name)}", field=name)
+    if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) \
+            or not 1 <= experts_per_rank <= MAX_EXPERTS:
+        raise ChunkringUsageError(f"expected an int in [1, {MAX_EXPERTS}], got {experts_per_rank!r}",
+                                  field="experts_per_rank")
+
+
 def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid: int,
                 phases: int = _PHASE_BOTH) -> list[list[tuple[str, int, int]]]:
     """Each block's units in the order it runs them, as persistent_schedule.cuh's Schedule lists and claims them (a
@@ -180,17 +211,7 @@ class PersistentGemm:
 
     def __init__(self, kernels: KernelLibrary, config: MoEConfig, experts_per_rank: int, *,
                  variant: PersistentVariant | None = None, wait_limit_ns: int = DEFAULT_WAIT_LIMIT_NS) -> None:
-        if not config.payload.has_scales:
-            raise ChunkringUsageError("the persistent consumer runs FP8 GEMMs: it needs the FP8 payload",
-                                      field="payload")
-        for name in ("hidden", "intermediate"):
-            if getattr(config, name) % WEIGHT_BLOCK:
-                raise ChunkringUsageError(f"must be a multiple of {WEIGHT_BLOCK}, got {getattr(config, name)}",
-                                          field=name)
-        if isinstance(experts_per_rank, bool) or not isinstance(experts_per_rank, int) \
-                or not 1 <= experts_per_rank <= MAX_EXPERTS:
-            raise ChunkringUsageError(f"expected an int in [1, {MAX_EXPERTS}], got {experts_per_rank!r}",
-                                      field="experts_per_rank")
+        check_persistent_config(config, experts_per_rank)
         if isinstance(wait_limit_ns, bool) or not isinstance(wait_limit_ns, int) or wait_limit_ns < 1:
             raise ChunkringUsageError(f"expected a positive int, got {wait_limit_ns!r}", field="wait_limit_ns")
         self.kernels, self.config, self.experts_per_rank = kernels, config, experts_per_rank

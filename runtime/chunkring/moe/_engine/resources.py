@@ -21,10 +21,12 @@ import torch
 
 from chunkring.errors import ChunkringError, ChunkringRuntimeError, ChunkringUsageError
 from chunkring.jit import library_for
+from chunkring.jit.compiler import arch_of
 from chunkring.moe._engine.blocks import BlockPool, pool_shape
 from chunkring.moe._engine.call import CallMode
-from chunkring.moe._engine.decode import DecodeGemm, check_decode_config, decode_fits
+from chunkring.moe._engine.decode import decode_fits
 from chunkring.moe._engine.experts import ExpertCompute
+from chunkring.moe._engine.persistent import LAYER_VARIANT, PersistentGemm, check_persistent_config
 from chunkring.moe._engine.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
 from chunkring.moe._engine.stage import Stage
 from chunkring.moe.config import MoEConfig
@@ -84,6 +86,17 @@ def agree(runtime: Runtime, step: Callable[[], None]) -> None:
     raise kind(f"the layer could not be built on every rank ({reasons})") from error
 
 
+def auto_decode(config: MoEConfig, world_size: int, arch: str) -> bool | str:
+    """What ``decode="auto"`` is on a GPU of ``arch``: "auto", or False (DeepGEMM's path for every call) where the
+    decode path cannot run the layer (:func:`~chunkring.moe._engine.persistent.check_persistent_config`: not Hopper,
+    not FP8, shapes or experts it does not take)."""
+    try:
+        check_persistent_config(config, config.num_experts // world_size, arch)
+    except ChunkringUsageError:
+        return False
+    return "auto"
+
+
 class LayerResources:
     """Everything a :class:`~chunkring.moe.layer.MoELayer` holds at this rank (see the module's docstring).
     A collective to construct and to :meth:`free`: every rank passes the same arguments (the layer checks).
@@ -105,12 +118,7 @@ class LayerResources:
                  timeout_s: float | None = None, kernels: LayerKernels | None = None,
                  decode: bool | str = False) -> None:
         self.runtime, self.config = runtime, config
-        self.decode = decode
-        if decode == "auto":
-            try:
-                check_decode_config(config)
-            except ChunkringUsageError:  # a config the decode kernels cannot run: DeepGEMM's for every call
-                self.decode = False
+        self.decode = auto_decode(config, runtime.world_size, arch_of(runtime.device)) if decode == "auto" else decode
         self._owned = contextlib.ExitStack()  # frees what was made, in reverse order
         try:
             agree(runtime, lambda: self._prepare(kernels, partition))
@@ -137,8 +145,9 @@ class LayerResources:
         self.experts_per_rank = config.num_experts // world
         self.first_expert = runtime.rank * self.experts_per_rank
         self.kernels = kernels if kernels is not None else LayerKernels.build(runtime)
-        decode_gemm = (DecodeGemm(library_for(runtime, "moe_decode"), config, self.experts_per_rank) if self.decode
-                       else None)
+        # The decode path: the persistent consumer, as a layer runs it (LAYER_VARIANT).
+        decode_gemm = (PersistentGemm(library_for(runtime, "moe_persistent"), config, self.experts_per_rank,
+                                      variant=LAYER_VARIANT) if self.decode else None)
         self.compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank, self.kernels.experts,
                                      device, decode=decode_gemm, deep_gemm_too=self.decode == "auto")
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start would

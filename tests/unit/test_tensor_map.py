@@ -155,3 +155,25 @@ def test_the_driver_launch_lays_out_every_parameter_as_the_kernel_reads_it(monke
     with pytest.raises(ChunkringRuntimeError, match="launch of k failed"):
         launch_by_driver(SimpleNamespace(handle=1), "k", params, values, grid=1, block=1, shared_bytes=0,
                          stream_handle=0)
+
+
+def test_launch_configurations_are_reused_only_for_the_same_values(monkeypatch):
+    """The driver's launch configuration is made once per (grid, block, shared bytes, stream, pdl) and reused: a
+    launch with other values gets its own, whichever came first, and a grid given as a list keys as its tuple."""
+    from cuda.bindings import driver
+
+    params, values = (Param("n", "i32"),), [np.int32(1)]
+    seen = []
+
+    def launcher(config, function, kernel_params, extra):
+        seen.append((config, (config.gridDimX, config.gridDimY), int(config.hStream), config.numAttrs))
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(driver, "cuLaunchKernelEx", launcher)
+    for grid, stream, pdl in (((2, 3), 5, True), ((2, 3), 5, False), ([2, 3], 5, True), ((2, 3), 6, True),
+                              ((2, 3), 5, True)):
+        launch_by_driver(SimpleNamespace(handle=1), "k", params, values, grid=grid, block=32, shared_bytes=0,
+                         stream_handle=stream, pdl=pdl)
+    assert [s[1:] for s in seen] == [((2, 3), 5, 1), ((2, 3), 5, 0), ((2, 3), 5, 1), ((2, 3), 6, 1), ((2, 3), 5, 1)]
+    configs = [s[0] for s in seen]
+    assert configs[0] is configs[2] is configs[4] and len({id(c) for c in configs}) == 3

@@ -114,6 +114,45 @@ _SCALAR_CTYPES = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c
 _BY_VALUE_ALIGN = 64  # a tensor map's (CUtensorMap); an argument struct's words need 8
 
 
+#: Launch configurations made, by (grid, block, shared bytes, stream, pdl): the driver reads one at each launch and
+#: keeps nothing of it, so a layer's launches reuse a few instead of building each (a few microseconds apiece).
+_CONFIGS: dict[tuple[object, ...], Any] = {}
+_MAX_CONFIGS = 1024
+
+
+def _launch_config(grid: int | tuple[int, ...], block: int | tuple[int, ...], shared_bytes: int, stream_handle: int,
+                   pdl: bool) -> Any:
+    """The driver's CUlaunchConfig for these values (made once; ``pdl``: the programmatic-serialization attribute)."""
+    from cuda.bindings import driver
+
+    key = (_hashable(grid, "grid"), _hashable(block, "block"), shared_bytes, stream_handle, pdl)
+    config = _CONFIGS.get(key)
+    if config is not None:
+        return config
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = _dims(grid, "grid")
+    config.blockDimX, config.blockDimY, config.blockDimZ = _dims(block, "block")
+    config.sharedMemBytes = shared_bytes
+    config.hStream = driver.CUstream(stream_handle)
+    if pdl:
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attribute], 1
+    if len(_CONFIGS) >= _MAX_CONFIGS:  # streams and grids come and go: start afresh rather than grow
+        _CONFIGS.clear()
+    _CONFIGS[key] = config
+    return config
+
+
+def _hashable(value: int | tuple[int, ...], what: str) -> object:
+    """A grid or block as a key: an int or a tuple as it is, a list as its tuple; anything else :func:`_dims`
+    refuses."""
+    if isinstance(value, (int, tuple)):
+        return value
+    return tuple(value) if isinstance(value, list) else _dims(value, what)
+
+
 def _dims(value: int | tuple[int, ...], what: str) -> list[int]:
     """A grid or block as the driver's three extents (x, y, z), the missing ones 1."""
     dims = [value] if isinstance(value, int) else list(value)
@@ -147,17 +186,8 @@ def launch_by_driver(kernel: Kernel, name: str, params: tuple[Param, ...], value
     # A library's CUkernel passed as a CUfunction: the driver launches it in the stream's context, with the
     # attributes cuKernelSetAttribute gave it (allow_dynamic_shared), as cuda.core's launches do.
     function = driver.CUfunction(int(kernel.handle))
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = _dims(grid, "grid")
-    config.blockDimX, config.blockDimY, config.blockDimZ = _dims(block, "block")
-    config.sharedMemBytes = shared_bytes
-    config.hStream = driver.CUstream(stream_handle)
-    if pdl:
-        attribute = driver.CUlaunchAttribute()
-        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attribute.value.programmaticStreamSerializationAllowed = 1
-        config.attrs, config.numAttrs = [attribute], 1
-    (err,) = driver.cuLaunchKernelEx(config, function, ctypes.addressof(addresses), 0)
+    (err,) = driver.cuLaunchKernelEx(_launch_config(grid, block, shared_bytes, stream_handle, pdl), function,
+                                     ctypes.addressof(addresses), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise ChunkringRuntimeError(f"launch of {name} failed: {err}")
 

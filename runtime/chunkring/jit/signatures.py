@@ -46,6 +46,9 @@ STRUCT = "struct"
 _STRUCT_TYPE = re.compile(r"[A-Z]\w*Args")
 
 _SCALARS: dict[str, type[np.integer]] = {"i32": np.int32, "u32": np.uint32, "i64": np.int64, "u64": np.uint64}
+#: Each scalar kind's range, (min, max), read once: every launch checks its scalars against it.
+_RANGES: dict[str, tuple[int, int]] = {kind: (int(np.iinfo(t).min), int(np.iinfo(t).max))
+                                       for kind, t in _SCALARS.items()}
 
 
 @dataclass(frozen=True)
@@ -75,20 +78,7 @@ class Param:
     def convert(self, value: object, device: torch.device) -> int | np.integer | bytes:
         import torch
 
-        if self.kind == STRUCT:
-            if not isinstance(value, ArgStruct) or type(value).__name__ != self.struct:
-                raise ChunkringUsageError(f"expected a {self.struct} (a chunkring.jit.ArgStruct), got "
-                                          f"{type(value).__name__}", field=self.name)
-            return value.pack(device)
-        if self.kind == TENSOR_MAP:
-            from chunkring.jit.tensor_map import TensorMap
-
-            if not isinstance(value, TensorMap):
-                raise ChunkringUsageError(f"expected a chunkring.jit.tensor_map.TensorMap, got {type(value).__name__}",
-                                          field=self.name)
-            if value.device != device:
-                raise ChunkringUsageError(f"tensor map is of {value.device}, kernel runs on {device}", field=self.name)
-            return value.data
+        # Every launch converts every argument: the common kinds first.
         if self.kind == "ptr":
             if value is None and self.nullable:
                 return 0  # cuda.core passes a Python int as intptr_t: the null pointer
@@ -101,12 +91,26 @@ class Param:
             if value.device != device:
                 raise ChunkringUsageError(f"tensor is on {value.device}, kernel runs on {device}", field=self.name)
             return value.data_ptr()
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ChunkringUsageError(f"expected an integer, got {type(value).__name__}", field=self.name)
-        info = np.iinfo(_SCALARS[self.kind])
-        if not info.min <= int(value) <= info.max:
-            raise ChunkringUsageError(f"{value} does not fit {self.kind}", field=self.name)
-        return _SCALARS[self.kind](value)
+        if self.kind in _RANGES:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ChunkringUsageError(f"expected an integer, got {type(value).__name__}", field=self.name)
+            low, high = _RANGES[self.kind]
+            if not low <= int(value) <= high:
+                raise ChunkringUsageError(f"{value} does not fit {self.kind}", field=self.name)
+            return _SCALARS[self.kind](value)
+        if self.kind == STRUCT:
+            if not isinstance(value, ArgStruct) or type(value).__name__ != self.struct:
+                raise ChunkringUsageError(f"expected a {self.struct} (a chunkring.jit.ArgStruct), got "
+                                          f"{type(value).__name__}", field=self.name)
+            return value.pack(device)
+        from chunkring.jit.tensor_map import TensorMap  # TENSOR_MAP, the one kind left
+
+        if not isinstance(value, TensorMap):
+            raise ChunkringUsageError(f"expected a chunkring.jit.tensor_map.TensorMap, got {type(value).__name__}",
+                                      field=self.name)
+        if value.device != device:
+            raise ChunkringUsageError(f"tensor map is of {value.device}, kernel runs on {device}", field=self.name)
+        return value.data
 
 
 #: C type of a parameter (``const`` and ``__restrict__`` dropped) -> (Param kind, dtype of the tensor

@@ -108,8 +108,7 @@ class CallGraphs:
         self._load(call)
         self._count.fill_(n)
         graph.replay()
-        out = call.out if call.out is not None else torch.empty_like(self._out[:n])
-        return out.copy_(self._out[:n])
+        return self._out[:n].clone() if call.out is None else call.out.copy_(self._out[:n])
 
     def capture(self, call: Call) -> None:
         """After ``call`` ran directly: capture its kind's graph, for the next call of that kind (nothing when it is

@@ -45,6 +45,9 @@ HEADLINES = [
     r"flash_8192_megamoe_ms", r"8192_call_ms", r"8192_experts_ms", r"8192_plan_ms",
     # the weight-read probe (its best case at 6 and 26 experts, and the plain loads beside it)
     r"e6_best_tbps", r"e26_best_tbps", r"e26_best_pct_peak", r"e26_plain_tbps",
+    # eager calls (1 token: replayed against its graph and MegaMoE's eager call), the persistent consumer (8 tokens)
+    r"flash_1_batch_host_issue_ms", r"flash_1_batch_eager_over_graph", r"flash_1_batch_eager_over_megamoe_eager",
+    r"8_persistent_ms", r"8_persistent_pct_peak", r"8_persistent_over_deepgemm",
 ]
 MAX_HEADLINES = 4
 WALL_KEYS = ("suite_seconds", "suite_seconds_max_rank", "job_seconds", "rank0_wall_s")

@@ -1,5 +1,5 @@
-"""The FP8 decode path (chunkring.moe._engine.decode: swap-AB GEMMs, device/kernels/moe_decode.cu) against the DeepGEMM
-path and DeepGEMM's own SM90 MegaMoE at decode sizes, on one GPU, same inputs.
+"""The FP8 decode path (the persistent consumer as a layer runs it: chunkring.moe._engine.persistent, LAYER_VARIANT)
+against the DeepGEMM path and DeepGEMM's own SM90 MegaMoE at decode sizes, on one GPU, same inputs.
 
     python -m benchmarks.bench_decode [--shapes flash,v3] [--tokens 1,2,4,8,16,32,64,128,256,512]
         [--iterations 20] [--json benchmarks/results/<commit>-decode.json]
@@ -13,16 +13,17 @@ interleaved in rounds, ``burst_for(tokens)`` replays back to back per sample (th
 * ``layer_decode_ms`` / ``layer_deepgemm_ms``: :meth:`chunkring.MoELayer.run`, batch-ready, on a layer built
   with ``decode=True`` / ``decode=False`` (plan, expert GEMMs, combine push, reduction: the whole call);
 * ``experts_decode_ms`` / ``experts_deepgemm_ms``: the expert work alone on the call's plan
-  (:meth:`ExpertCompute.experts`: the two decode kernels / DeepGEMM L1, ``moe_swiglu_fp8``, DeepGEMM L2);
+  (:meth:`ExpertCompute.experts`: the decode path's L1 and L2 launches / DeepGEMM L1, ``moe_swiglu_fp8``, DeepGEMM
+  L2);
 * ``megamoe_ms``: ``deep_gemm.fp8_mega_moe`` with its input staging, as bench_vs_megamoe times it;
 * ``weight_bytes``: the FP8 weights and scales of the experts the batch routes to - what a call must read at
   least once - and ``*_tbps``: those bytes over each time above (HBM 4.8 TB/s is the datasheet's ceiling);
-* ``rows_max`` (the most rows one expert got: the decode kernels stream its weights once per 16 of them),
+* ``rows_max`` (the most rows one expert got: the decode path streams its weights once per pass of up to 64),
   ``layer_*_rel_err`` and ``megamoe_rel_err`` against an fp64 reference on the dequantised operands, and
   ``decode_over_deepgemm`` / ``decode_over_megamoe`` (layer times).
 
 ``--profile-once``: no timing; per token count one eager call of each path's expert work, for a profiler
-around this script (scripts/gpu_suite.sh part ``decode_ncu``: Nsight Compute on ``moe_decode_l1/l2``, their
+around this script (scripts/gpu_suite.sh part ``decode_ncu``: Nsight Compute on ``moe_persistent_gemm``, its
 achieved DRAM bandwidth).
 """
 
@@ -41,8 +42,8 @@ from benchmarks.bench_vs_megamoe import SHAPES, draw_weights, rel_err, routed_ba
 from benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_group
 from chunkring import MoEConfig, MoELayer
 from chunkring.jit import library_for
-from chunkring.moe._engine.decode import DecodeGemm
 from chunkring.moe._engine.experts import ExpertCompute
+from chunkring.moe._engine.persistent import LAYER_VARIANT, PersistentGemm
 from chunkring.moe._engine.stage import Stage
 from chunkring.moe.calibration import burst_for, replay_medians_ms
 from chunkring.moe.gemm import load_deep_gemm
@@ -62,7 +63,7 @@ class Shape:
         self.cfg = MoEConfig(num_experts=E, hidden=H, intermediate=inter, topk=K, max_tokens_per_rank=max_tokens)
         self.layers = {path: MoELayer(runtime, self.cfg, decode=path == "decode") for path in PATHS}
         experts = library_for(runtime, "moe_experts")
-        decode = DecodeGemm(library_for(runtime, "moe_decode"), self.cfg, E)
+        decode = PersistentGemm(library_for(runtime, "moe_persistent"), self.cfg, E, variant=LAYER_VARIANT)
         self.computes = {"deepgemm": ExpertCompute(self.cfg, 1, 0, E, experts, device),
                          "decode": ExpertCompute(self.cfg, 1, 0, E, experts, device, decode=decode)}
         self.gen = torch.Generator(device=device)

@@ -1,11 +1,13 @@
-"""The decode kernels' Nsight Compute record: the raw CSV of scripts/gpu_suite.sh part ``decode_ncu`` (ncu --csv --page
-raw over ``benchmarks.bench_decode --profile-once``) as a result file - per launch of moe_decode_l1 / moe_decode_l2,
-its time, DRAM bytes read and achieved DRAM bandwidth, against the card's peak.
+"""The decode path's Nsight Compute record: the raw CSV of scripts/gpu_suite.sh part ``decode_ncu`` (ncu --csv --page
+raw over ``benchmarks.bench_decode --profile-once``) as a result file - per L1 and L2 launch, its time, DRAM bytes
+read and achieved DRAM bandwidth, against the card's peak.
 
     python scripts/decode_ncu_summary.py CSV --tokens 1,8,32,128 --shape flash --json OUT.json [--gpu NAME]
 
-The profiled script runs each token count's decode kernels once, L1 then L2, in the order of ``--tokens``: the n-th
-L1 launch is the n-th token count's (DeepGEMM's path, which it also runs, does not match the kernel filter).
+The profiled script runs each token count's decode path once, L1 then L2, in the order of ``--tokens``: the n-th
+L1 launch is the n-th token count's (DeepGEMM's path, which it also runs, does not match the kernel filter). The
+persistent consumer, as a layer runs it, launches one kernel twice a call (L1, then L2); the decode kernels name
+their steps (moe_decode_l1, moe_decode_l2).
 """
 
 from __future__ import annotations
@@ -50,19 +52,29 @@ def number(row: dict, metric: str) -> float:
     return float(value) * UNITS[unit]
 
 
+#: The decode kernels' names -> their step; the persistent consumer's launches alternate L1, L2.
+STEPS = {"moe_decode_l1": "l1", "moe_decode_l2": "l2"}
+PERSISTENT = "moe_persistent_gemm"
+
+
 def summarise(rows: list[dict[str, str]], tokens: list[int], shape: str) -> list[dict]:
-    """One record per profiled launch: shape, tokens, kernel and the METRICS in the record's units."""
-    seen = {"moe_decode_l1": 0, "moe_decode_l2": 0}
+    """One record per profiled launch: shape, tokens, kernel (its step: l1 or l2) and the METRICS in the record's
+    units."""
+    seen = {"l1": 0, "l2": 0}
     out = []
     for row in rows:
-        kernel = next((k for k in seen if k in row["Kernel Name"]), None)
-        if kernel is None:
+        name = row["Kernel Name"]
+        if PERSISTENT in name:
+            step: str | None = "l1" if seen["l1"] == seen["l2"] else "l2"
+        else:
+            step = next((s for kernel, s in STEPS.items() if kernel in name), None)
+        if step is None:
             continue
-        n = seen[kernel]
-        seen[kernel] += 1
+        n = seen[step]
+        seen[step] += 1
         if n >= len(tokens):
-            raise ValueError(f"more {kernel} launches than token counts {tokens}")
-        record = {"shape": shape, "tokens": tokens[n], "kernel": kernel.removeprefix("moe_decode_")}
+            raise ValueError(f"more {step} launches than token counts {tokens}")
+        record = {"shape": shape, "tokens": tokens[n], "kernel": step}
         for metric, (name, factor) in METRICS.items():
             if metric in row:
                 record[name] = number(row, metric) * factor

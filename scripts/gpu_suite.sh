@@ -352,16 +352,17 @@ persistent_1rank() {  # PERSISTENT_ARGS / PERSISTENT_LIMIT_S override the bench'
         --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-persistent.json" 2>&1 | tee -a "$logs/persistent.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
-decode_ncu() {  # Nsight Compute on moe_decode_l1/l2: time, DRAM bytes read and achieved DRAM bandwidth per launch,
-    # 1/8/32/128 tokens at the flash shape (--profile-once also runs DeepGEMM's path, which the filter leaves out)
+decode_ncu() {  # Nsight Compute on the decode path's L1 and L2 launches (moe_persistent_gemm): time, DRAM bytes read
+    # and achieved DRAM bandwidth per launch, 1/8/32/128 tokens at the flash shape (--profile-once also runs
+    # DeepGEMM's path, which the filter leaves out)
     local ncu tokens=1,8,32,128 out=$BENCH_RESULTS/${CHUNKRING_COMMIT}-decode-ncu.csv
     ncu=$(ncu_ready) || { echo "decode_ncu: $ncu"; status=1; return; }
-    timeout 300 "$ncu" --clock-control none -k regex:moe_decode_l --csv --page raw \
+    timeout 300 "$ncu" --clock-control none -k regex:moe_persistent_gemm --csv --page raw \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_read.sum.per_second,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size \
         --log-file "$out" python3 -m benchmarks.bench_decode --profile-once --shapes flash --tokens "$tokens" \
         2>&1 | tee "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    grep -q moe_decode_l "$out" 2>/dev/null || { echo "decode_ncu: no moe_decode_l* row in $out"; status=1; }
+    grep -q moe_persistent_gemm "$out" 2>/dev/null || { echo "decode_ncu: no moe_persistent_gemm row in $out"; status=1; }
     python3 scripts/decode_ncu_summary.py "$out" --tokens "$tokens" --shape flash --json "${out%.csv}.json" \
         2>&1 | tee -a "$logs/decode_ncu.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -371,7 +372,7 @@ decode_stalls() {  # where the warps of one L1 and one L2 launch at 8 tokens wai
     # tables, source hot spots (Nsight Compute's text report)
     local ncu
     ncu=$(ncu_ready) || { echo "decode_stalls: $ncu"; status=1; return; }
-    timeout 200 "$ncu" --clock-control none -k regex:moe_decode_l -c 2 --section SpeedOfLight \
+    timeout 200 "$ncu" --clock-control none -k regex:moe_persistent_gemm -c 2 --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         --section MemoryWorkloadAnalysis_Tables --section SourceCounters --section Occupancy --section LaunchStats \
         --log-file "$BENCH_RESULTS/${CHUNKRING_COMMIT}-decode-ncu-stalls.txt" \

@@ -43,10 +43,22 @@ def test_launches_pair_with_token_counts_in_order(tmp_path):
     assert rows[2]["us"] == pytest.approx(1200.5)  # thousands separators
 
 
+def test_the_persistent_consumers_launches_alternate_l1_and_l2(tmp_path):
+    """The layer's decode path launches one kernel twice a call: its launches pair with the token counts as L1, L2."""
+    path = write_csv(tmp_path,
+                     launch(0, "moe_persistent_gemm", "150", "100", "2.6", "78", "132"),
+                     launch(1, "void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>", "44", "100", "2.2", "46", "132"),
+                     launch(2, "moe_persistent_gemm", "90", "50", "2.5", "75", "132"),
+                     launch(3, "moe_persistent_gemm", "160", "110", "2.7", "80", "132"))
+    rows = summary.summarise(summary.launches(path), [1, 8], "flash")
+    assert [(r["tokens"], r["kernel"]) for r in rows] == [(1, "l1"), (1, "l2"), (8, "l1")]
+    assert rows[1]["us"] == pytest.approx(0.09)
+
+
 def test_more_launches_than_token_counts_is_an_error(tmp_path):
     path = write_csv(tmp_path, launch(0, "moe_decode_l1", "1", "1", "1", "1", "1"),
                      launch(1, "moe_decode_l1", "1", "1", "1", "1", "1"))
-    with pytest.raises(ValueError, match="more moe_decode_l1 launches"):
+    with pytest.raises(ValueError, match="more l1 launches"):
         summary.summarise(summary.launches(path), [1], "flash")
 
 

@@ -29,30 +29,22 @@ def write_csv(tmp_path, *rows):
     return str(path)
 
 
-def test_launches_pair_with_token_counts_in_order(tmp_path):
+@pytest.mark.parametrize("l1,l2", [("moe_decode_l1", "moe_decode_l2"), ("moe_persistent_gemm", "moe_persistent_gemm")],
+                         ids=["decode-kernels", "persistent"])
+def test_launches_pair_with_token_counts_in_order(tmp_path, l1, l2):
+    """Each token count's L1 then L2 launch, whether the kernels name their step (the decode kernels) or one kernel
+    runs both (the persistent consumer as a layer launches it)."""
     path = write_csv(tmp_path,
-                     launch(0, "moe_decode_l1", "40,500", "100,700,000", "2,490,000,000,000", "51.2", "512"),
+                     launch(0, l1, "40,500", "100,700,000", "2,490,000,000,000", "51.2", "512"),
                      launch(1, "void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>", "44", "100", "2.2", "46", "132"),
-                     launch(2, "moe_decode_l2", "20,000", "50,300,000", "2,500,000,000,000", "52", "512"),
-                     launch(3, "moe_decode_l1", "1,200,500", "436", "3.6", "75", "512"))
+                     launch(2, l2, "20,000", "50,300,000", "2,500,000,000,000", "52", "512"),
+                     launch(3, l1, "1,200,500", "436", "3.6", "75", "512"))
     rows = summary.summarise(summary.launches(path), [1, 8], "flash")
     assert [(r["tokens"], r["kernel"]) for r in rows] == [(1, "l1"), (1, "l2"), (8, "l1")]
     first = rows[0]
     assert first["us"] == pytest.approx(40.5) and first["dram_read_mb"] == pytest.approx(100.7)
     assert first["dram_read_tbps"] == pytest.approx(2.49) and first["dram_pct_of_peak"] == pytest.approx(51.2)
     assert rows[2]["us"] == pytest.approx(1200.5)  # thousands separators
-
-
-def test_the_persistent_consumers_launches_alternate_l1_and_l2(tmp_path):
-    """The layer's decode path launches one kernel twice a call: its launches pair with the token counts as L1, L2."""
-    path = write_csv(tmp_path,
-                     launch(0, "moe_persistent_gemm", "150", "100", "2.6", "78", "132"),
-                     launch(1, "void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>", "44", "100", "2.2", "46", "132"),
-                     launch(2, "moe_persistent_gemm", "90", "50", "2.5", "75", "132"),
-                     launch(3, "moe_persistent_gemm", "160", "110", "2.7", "80", "132"))
-    rows = summary.summarise(summary.launches(path), [1, 8], "flash")
-    assert [(r["tokens"], r["kernel"]) for r in rows] == [(1, "l1"), (1, "l2"), (8, "l1")]
-    assert rows[1]["us"] == pytest.approx(0.09)
 
 
 def test_more_launches_than_token_counts_is_an_error(tmp_path):

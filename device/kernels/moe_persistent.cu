@@ -28,6 +28,7 @@
 
 #include <cuda/std/cstdint>
 
+#include "chunkring/moe/kernel_args.cuh"
 #include "chunkring/moe/persistent_math.cuh"
 #include "chunkring/moe/persistent_schedule.cuh"
 #include "chunkring/ptx/bulk_copy.cuh"
@@ -37,6 +38,9 @@
 #include "chunkring/util/kernel_params.cuh"
 #include "chunkring/util/stage_pipeline.cuh"
 
+using chunkring::layout::arg;
+using chunkring::layout::require_args;
+using chunkring::moe::PersistentGemmArgs;
 using chunkring::ptx::TensorMap;
 
 namespace {
@@ -201,13 +205,30 @@ __device__ void finish(unsigned* sync, u32 experts) {
 extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     moe_persistent_gemm(const __grid_constant__ TensorMap w13_map, const __grid_constant__ TensorMap w2_map,
                         const __grid_constant__ TensorMap rows_map, const __grid_constant__ TensorMap act_map,
-                        const float* w13_sf, const float* w2_sf, const float* rows_sf, float* act_sf,
-                        const unsigned* counts, const int* group_end, int experts, long long hidden,
-                        long long inter, long long sf_stride, __nv_fp8_e4m3* act, __nv_bfloat16* out,
-                        unsigned* sync, int stages, int token_stages, int tile_cap, int claim, int phases,
-                        int w13_boxes,
-                        long long wait_limit_ns, unsigned long long fault_record,
-                        CHUNKRING_NULLABLE unsigned long long* timeline) {
+                        const __grid_constant__ PersistentGemmArgs args) {
+    require_args(args);
+    const auto* w13_sf = arg<const float*>(args.w13_sf);
+    const auto* w2_sf = arg<const float*>(args.w2_sf);
+    const auto* rows_sf = arg<const float*>(args.rows_sf);
+    auto* act_sf = arg<float*>(args.act_sf);
+    const auto* counts = arg<const unsigned*>(args.counts);
+    const auto* group_end = arg<const int*>(args.group_end);
+    const int experts = arg<int>(args.experts);
+    const long long hidden = arg<long long>(args.hidden);
+    const long long inter = arg<long long>(args.inter);
+    const long long sf_stride = arg<long long>(args.sf_stride);
+    auto* act = arg<__nv_fp8_e4m3*>(args.act);
+    auto* out = arg<__nv_bfloat16*>(args.out);
+    auto* sync = arg<unsigned*>(args.sync);
+    const int stages = arg<int>(args.stages);
+    const int token_stages = arg<int>(args.token_stages);
+    const int tile_cap = arg<int>(args.tile_cap);
+    const int claim = arg<int>(args.claim);
+    const int phases = arg<int>(args.phases);
+    const int w13_boxes = arg<int>(args.w13_boxes);
+    const long long wait_limit_ns = arg<long long>(args.wait_limit_ns);
+    const unsigned long long fault_record = arg<unsigned long long>(args.fault_record);
+    auto* timeline = arg<unsigned long long*>(args.timeline);
     __shared__ util::StagePipeline weight_pipe;
     __shared__ util::StagePipeline token_pipe;
     __shared__ pc::Active active;

@@ -232,10 +232,10 @@ def test_a_fused_launch_names_every_parameter_and_maps_the_tensors_as_the_kernel
     (launch,) = library.launches
     assert (launch["name"], launch["grid"], launch["block"]) == ("moe_persistent_gemm", 132, PERSISTENT_THREADS)
     assert launch["shared_bytes"] == PersistentVariant().shared_bytes() and not launch["pdl"]
-    assert int(launch["phases"]) == 3 and int(launch["w13_boxes"]) == 1 and launch["act"] is act
-    assert launch["act_sf"] is act_sf
-    assert tuple(act.shape) == (P, inter) and tuple(act_sf.shape) == (inter // 128, P) and launch["out"] is out
-    assert int(launch["sf_stride"]) == P and int(launch["fault_record"]) == gemm.fault_word.data_ptr()
+    assert int(launch["args"]["phases"]) == 3 and int(launch["args"]["w13_boxes"]) == 1 and launch["args"]["act"] is act
+    assert launch["args"]["act_sf"] is act_sf
+    assert tuple(act.shape) == (P, inter) and tuple(act_sf.shape) == (inter // 128, P) and launch["args"]["out"] is out
+    assert int(launch["args"]["sf_stride"]) == P and int(launch["args"]["fault_record"]) == gemm.fault_word.data_ptr()
     w13_map, w2_map, rows_map, act_map = encoded
     assert (w13_map.dims, w13_map.box) == ((H, 8, 2, inter // 8, E), (128, 8, 2, 8, 1))
     assert w13_map.strides == (H, inter * H, 8 * H, 2 * inter * H) and w13_map.address == w13.data.data_ptr()
@@ -255,15 +255,16 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     timeline = torch.zeros((66, TIMELINE_WORDS), dtype=torch.int64)
     gemm(plan, w13, w2, out, variant=variant, timeline=timeline)
     first, second = library.launches
-    assert [int(first["phases"]), int(second["phases"])] == [1, 2]
+    assert [int(first["args"]["phases"]), int(second["args"]["phases"])] == [1, 2]
     for launch in (first, second):
         assert launch["grid"] == 66 and launch["shared_bytes"] == shared_bytes(3, 2, 16)
-        assert (int(launch["stages"]), int(launch["token_stages"]), int(launch["tile_cap"]), int(launch["claim"])) \
+        fields = launch["args"]
+        assert (fields["stages"], fields["token_stages"], fields["tile_cap"], fields["claim"]) \
             == (3, 2, 16, CLAIMS["blocked"])
-        assert launch["timeline"] is timeline
-    assert first["act"] is second["act"], "L2 reads what L1 wrote"
+        assert launch["args"]["timeline"] is timeline
+    assert first["args"]["act"] is second["args"]["act"], "L2 reads what L1 wrote"
     gemm(plan, w13, w2, out, variant=gemm.with_variant(w13_boxes=16))
-    assert int(library.launches[-1]["w13_boxes"]) == 16
+    assert library.launches[-1]["args"]["w13_boxes"] == 16
     w13_map = next(m for m in encoded if m.box == (128, 8, 1, 1, 1))
     assert w13_map.dims == (H, 8, INTER // 8, 2, E) and w13_map.strides == (H, 8 * H, INTER * H, 2 * INTER * H)
 
@@ -366,4 +367,4 @@ def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path
     out = compute.experts(cpu_plan(P, E, H), w13, w2)
     assert out.shape == (P, H) and out.dtype == torch.bfloat16
     assert [launch["name"] for launch in library.launches] == ["moe_persistent_gemm"] * 2
-    assert [launch["phases"] for launch in library.launches] == [1, 2]  # L1, then L2
+    assert [launch["args"]["phases"] for launch in library.launches] == [1, 2]  # L1, then L2

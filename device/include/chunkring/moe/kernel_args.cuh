@@ -146,4 +146,34 @@ struct ProduceChunkArgs {
 static_assert(sizeof(ProduceChunkArgs) == 12 * sizeof(u64),
               "ProduceChunkArgs: runtime/chunkring/moe/_engine/kernel_args.py");
 
+// moe_persistent_gemm (moe_persistent.cu): everything but its four tensor maps, which it takes by value beside this.
+struct PersistentGemmArgs {
+    u64 version;        // kKernelArgsVersion
+    u64 bytes;          // sizeof(PersistentGemmArgs)
+    u64 w13_sf;         // const float*
+    u64 w2_sf;          // const float*
+    u64 rows_sf;        // const float*
+    u64 act_sf;         // float*
+    u64 counts;         // const unsigned*
+    u64 group_end;      // const int*
+    u64 experts;        // int
+    u64 hidden;         // long long
+    u64 inter;          // long long
+    u64 sf_stride;      // long long
+    u64 act;            // __nv_fp8_e4m3*
+    u64 out;            // __nv_bfloat16*
+    u64 sync;           // unsigned*
+    u64 stages;         // int
+    u64 token_stages;   // int
+    u64 tile_cap;       // int
+    u64 claim;          // int
+    u64 phases;         // int
+    u64 w13_boxes;      // int
+    u64 wait_limit_ns;  // long long
+    u64 fault_record;   // unsigned long long
+    u64 timeline;       // CHUNKRING_NULLABLE unsigned long long*
+};
+static_assert(sizeof(PersistentGemmArgs) == 24 * sizeof(u64),
+              "PersistentGemmArgs: runtime/chunkring/moe/_engine/kernel_args.py");
+
 }  // namespace chunkring::moe

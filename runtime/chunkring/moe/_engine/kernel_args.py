@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from chunkring.jit import ArgStruct
 
-__all__ = ["CombinePushArgs", "CombineReduceArgs", "DecodeL1Args", "DecodeL2Args", "PlanScatterArgs",
-           "ProduceChunkArgs", "WaveGatherArgs"]
+__all__ = ["CombinePushArgs", "CombineReduceArgs", "DecodeL1Args", "DecodeL2Args", "PersistentGemmArgs",
+           "PlanScatterArgs", "ProduceChunkArgs", "WaveGatherArgs"]
 
 
 class PlanScatterArgs(ArgStruct):
@@ -70,3 +70,15 @@ class ProduceChunkArgs(ArgStruct):
     FIELDS = """const RingDesc* desc, const float* logits, const __nv_bfloat16* hidden, int num_experts, int n_tokens,
                 long long token_base, int end_of_stream, CHUNKRING_NULLABLE const int* valid_tokens,
                 long long batch_rows, CHUNKRING_NULLABLE unsigned* arrivals"""
+
+
+class PersistentGemmArgs(ArgStruct):
+    """``moe_persistent_gemm``: everything but its four tensor maps (passed by value beside it): the scales, the plan's
+    groups, the shapes, the activation and output, the L1 -> L2 counters, the variant, the wait limit and where a
+    block that gives up leaves its fault."""
+
+    FIELDS = """const float* w13_sf, const float* w2_sf, const float* rows_sf, float* act_sf, const unsigned* counts,
+                const int* group_end, int experts, long long hidden, long long inter, long long sf_stride,
+                __nv_fp8_e4m3* act, __nv_bfloat16* out, unsigned* sync, int stages, int token_stages, int tile_cap,
+                int claim, int phases, int w13_boxes, long long wait_limit_ns, unsigned long long fault_record,
+                CHUNKRING_NULLABLE unsigned long long* timeline"""

@@ -17,12 +17,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from chunkring.errors import ChunkringUsageError
 from chunkring.jit.tensor_map import TensorMap, TiledArguments, encode_arguments, tiled_arguments
 from chunkring.moe._engine.decode import check_plan_gemm
+from chunkring.moe._engine.kernel_args import PersistentGemmArgs
 from chunkring.moe.weights import WEIGHT_BLOCK, Fp8Weight
 
 if TYPE_CHECKING:
@@ -299,14 +299,13 @@ class PersistentGemm:
         for phases in ((_PHASE_BOTH,) if v.fused else (_PHASE_L1, _PHASE_L2)):
             self.kernels.launch(
                 "moe_persistent_gemm", w13_map=w13_map, w2_map=w2_map, rows_map=rows_map, act_map=act_map,
-                w13_sf=w13.scale, w2_sf=w2.scale, rows_sf=plan.rows_sf, act_sf=act_sf,
-                counts=plan.counts, group_end=plan.group_end, experts=np.int32(E), hidden=np.int64(H),
-                inter=np.int64(inter), sf_stride=np.int64(P), act=act, out=out, sync=self.sync,
-                stages=np.int32(v.stages), token_stages=np.int32(v.token_stages), tile_cap=np.int32(v.tile_cap),
-                claim=np.int32(CLAIMS[v.claim]), phases=np.int32(phases), w13_boxes=np.int32(v.w13_boxes),
-                wait_limit_ns=np.int64(self.wait_limit_ns),
-                fault_record=np.uint64(self.fault_word.data_ptr()), timeline=timeline, grid=grid,
-                block=PERSISTENT_THREADS, shared_bytes=v.shared_bytes(), stream=stream)
+                args=PersistentGemmArgs(
+                    w13_sf=w13.scale, w2_sf=w2.scale, rows_sf=plan.rows_sf, act_sf=act_sf, counts=plan.counts,
+                    group_end=plan.group_end, experts=E, hidden=H, inter=inter, sf_stride=P, act=act, out=out,
+                    sync=self.sync, stages=v.stages, token_stages=v.token_stages, tile_cap=v.tile_cap,
+                    claim=CLAIMS[v.claim], phases=phases, w13_boxes=v.w13_boxes, wait_limit_ns=self.wait_limit_ns,
+                    fault_record=self.fault_word.data_ptr(), timeline=timeline),
+                grid=grid, block=PERSISTENT_THREADS, shared_bytes=v.shared_bytes(), stream=stream)
         return act, act_sf
 
     def with_variant(self, **change: Any) -> PersistentVariant:

@@ -32,7 +32,9 @@ on a batch of as many tokens routed over its own 32 experts, beside one another 
 no two ranks of one GPU in a group); its record key ``megamoe`` says how it ran, or why not.
 
 Each record (one per token count) holds those figures per side, ``bitwise`` (streamed equals batch-ready bit for
-bit, on every rank), and the ratios the eager-call targets name: ``<mode>_eager_over_graph`` (target at most
+bit, on every rank, first calls), ``replayed_bitwise`` (after the timings, when the layer replays its graphs: one more
+call of every side, all equal bit for bit on every rank), ``call_graphs`` (the graphs the layer holds), and the
+ratios the eager-call targets name: ``<mode>_eager_over_graph`` (target at most
 :data:`EAGER_OVER_GRAPH_TARGET`), ``<mode>_eager_over_megamoe_eager`` (at most 1), ``<mode>_host_issue_over_target``
 (the issue time over :data:`HOST_ISSUE_TARGET_MS`). Rank 0 writes the JSON after every token count (a run cut short
 keeps what it measured, marked incomplete), and prints the table last.
@@ -252,15 +254,20 @@ def table(records: list[dict[str, Any]]) -> str:
     if any(not r["bitwise"] for r in records):
         lines.append("streamed differs from batch-ready at " + ", ".join(str(r["tokens"]) for r in records
                                                                           if not r["bitwise"]) + " tokens")
+    if any(not r.get("replayed_bitwise", True) for r in records):
+        lines.append("a replayed call differs from a launched one at " + ", ".join(
+            str(r["tokens"]) for r in records if not r.get("replayed_bitwise", True)) + " tokens")
     return "\n".join(lines)
 
 
 def write_results(path: str, world_size: int, records: list[dict[str, Any]], *, incomplete: bool = False) -> None:
     """The result file (:mod:`chunkring.testing.records`): suite ``eager``, the records and their figures; a token
-    count counts as passed where every side was measured, as failed where MegaMoE could not run."""
+    count counts as passed where every side was measured and every output agreed, as failed where MegaMoE could not
+    run or an output differed (``bitwise``, ``replayed_bitwise``)."""
     from chunkring.testing import records as record_file
 
-    failed = sum(1 for r in records if str(r.get(PEER, "")).startswith("not run"))
+    failed = sum(1 for r in records if str(r.get(PEER, "")).startswith("not run") or not r.get("bitwise", True)
+                 or not r.get("replayed_bitwise", True))
     record_file.write(path, suite="eager", world_size=world_size, figures=figures_of(records), records=records,
                       incomplete=incomplete, passed=len(records) - failed, failed=failed)
 
@@ -389,7 +396,11 @@ def measure_tokens(shape: Shape, launched: Any, t: int, args: argparse.Namespace
     pipelined = interleaved({s: partial(events_ms, call, args.pipeline) for s, call in sides.items()},
                             iterations=args.pipelined_iterations, warmup=args.warmup, before=settle)
     graph = replay_medians_ms(sides, iterations=args.iterations, warmup=args.warmup, barrier=runtime.barrier)
+    # Calls of a kind the layer has captured replay now: each side once more, all equal bit for bit.
+    again = {mode: call() for mode, call in modes.items()}
     torch.cuda.synchronize()
+    mine["replayed_bitwise"] = all(torch.equal(again["batch"], out) for out in again.values())
+    mine["call_graphs"] = layer.stats()["call_graphs"]
     layer.check()
     launched.check()
     mine.update(medians(host, eager, pipelined, graph))

@@ -2,9 +2,10 @@
 one layout in two languages: each mirror names its header struct's words in order (read as the emulation reads them,
 header_structs), has the size the header's static_assert pins, declares each field with the type the header's comment
 names and the code of its kernels reads it as (``arg<T>(args.field)``, every field, after ``require_args``); every
-header struct has a mirror and the version is the header's. No kernel takes ten or more loose parameters (LOOSE
-would name an exception with its reason; there is none). And the mirror itself: it packs each field as a launch converts a parameter of that type,
-refuses what a launch would, naming the field, and a kernel's signature takes a struct only by value."""
+header struct has a mirror and the version is the header's. No kernel takes ten or more loose parameters (LOOSE would
+name an exception with its reason; there is none). And the mirror itself: it packs each field as a launch converts a
+parameter of that type, refuses what a launch would, naming the field, and a kernel's signature takes a struct only
+by value."""
 
 import re
 import struct

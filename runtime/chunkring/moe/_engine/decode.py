@@ -111,19 +111,16 @@ def check_decode_config(config: MoEConfig) -> None:
 def decode_fits(config: MoEConfig, world_size: int, *, tokens: int | None = None,
                 max_rows: int = DECODE_MAX_ROWS) -> bool:
     """Whether a call of ``tokens`` tokens per rank (None: a full batch) of a layer of ``config`` on ``world_size``
-    ranks should take the decode path: the FP8 payload, shapes the kernels take (:func:`check_decode_config`),
-    and at most ``max_rows`` rows per expert on average (:func:`mean_rows_per_expert`). A call may still bring
-    an expert many more rows (a hot expert): it is computed correctly, in more passes. ``max_rows=0``: only a
-    call without tokens."""
+    ranks should take the decode path: the FP8 payload and at most ``max_rows`` rows per expert on average
+    (:func:`mean_rows_per_expert`). Whether the decode path can run the layer at all - its engine's rules - the layer
+    settles once, before this is asked (``MoELayer(decode="auto")`` falls back to DeepGEMM's path where it cannot).
+    A call may still bring an expert many more rows (a hot expert): it is computed correctly, in more passes.
+    ``max_rows=0``: only a call without tokens."""
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
         raise ChunkringUsageError(f"expected an int >= 0, got {max_rows!r}", field="max_rows")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
         raise ChunkringUsageError(f"expected an int >= 0 or None, got {tokens!r}", field="tokens")
-    try:
-        check_decode_config(config)
-    except ChunkringUsageError:
-        return False
-    return mean_rows_per_expert(config, world_size, tokens) <= max_rows
+    return config.payload.has_scales and mean_rows_per_expert(config, world_size, tokens) <= max_rows
 
 
 def check_plan_gemm(experts_per_rank: int, config: MoEConfig, plan: PlanTensors, w13: Fp8Weight, w2: Fp8Weight,

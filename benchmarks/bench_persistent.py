@@ -33,7 +33,6 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import chunkring
 from benchmarks.bench_decode import Shape
@@ -41,11 +40,13 @@ from benchmarks.bench_vs_megamoe import rel_err, routed_batch
 from benchmarks.probe_weight_read import DELAY_CYCLES, L2Flush, peak_tbps
 from chunkring.errors import ChunkringRuntimeError
 from chunkring.jit import library_for
+from chunkring.moe._engine.decode import DecodeGemm
+from chunkring.moe._engine.experts import ExpertCompute
 from chunkring.moe._engine.persistent import TIMELINE_WORDS, PersistentGemm, PersistentVariant
 from chunkring.moe.calibration import capture_graph
 from chunkring.moe.gemm import load_deep_gemm
 from chunkring.testing import records
-from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
+from chunkring.testing.reference import plan_reference
 
 #: Named sweeps: each a list of (name, the variant's fields). The default variant first.
 SWEEPS: dict[str, list[tuple[str, dict[str, Any]]]] = {
@@ -88,21 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.reps < 1 or any(t < 1 for t in args.tokens):
         parser.error("--reps and every token count must be >= 1")
     return args
-
-
-def plan_reference(s: Shape, plan: Any, x_deq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan's real rows (plan order) and their fp64 outputs: the recipe's roundings, one expert at a time."""
-    ends, counts = plan.group_end.tolist(), plan.counts.tolist()
-    inter = s.cfg.intermediate
-    rows, outs = [], []
-    for e, (end, count) in enumerate(zip(ends, counts, strict=True)):
-        if count:
-            real = torch.arange(end - count, end, device=x_deq.device)
-            gate_up = (x_deq[plan.token[real].long()] @ s.w13_ref[e].t()).to(torch.bfloat16).float()
-            act = dequantize_fp8_per128(*quantize_fp8_per128(F.silu(gate_up[:, :inter]) * gate_up[:, inter:]))
-            outs.append(act.double() @ s.w2_ref[e].t())
-            rows.append(real)
-    return torch.cat(rows), torch.cat(outs)
 
 
 class Timer:
@@ -157,7 +143,7 @@ def measure(s: Shape, gemm: PersistentGemm, timer: Timer, t: int, variants: list
     _, idx, w, xq, xsf = routed_batch(t, s.shape, s.router, s.gen, device)
     x_deq = (xq.double().view(t, H // 128, 128) * xsf.double().unsqueeze(-1)).view(t, H)
     plan = s.computes["deepgemm"].plan(s.stage(t, xq, xsf, idx, w))
-    real, ref = plan_reference(s, plan, x_deq)
+    real, ref, _ = plan_reference(plan, x_deq, lambda e: s.w13_ref[e], lambda e: s.w2_ref[e])
     weight_bytes = s.weight_bytes(idx)
     common: dict[str, Any] = {"shape": s.name, "tokens": t, "weight_bytes": weight_bytes,
                               "rows_max": int(plan.counts.max())}
@@ -253,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         shape = Shape("flash", max(args.tokens), runtime, load_deep_gemm(), None, megamoe=False)
+        # bench_decode's decode path is the layer's (this kernel, split): the baseline here is the decode kernels.
+        E = shape.cfg.num_experts
+        shape.computes["decode"] = ExpertCompute(shape.cfg, 1, 0, E, library_for(runtime, "moe_experts"),
+                                                 runtime.torch_device,
+                                                 decode=DecodeGemm(library_for(runtime, "moe_decode"), shape.cfg, E))
         try:
             gemm = PersistentGemm(library_for(runtime, "moe_persistent"), shape.cfg, shape.cfg.num_experts)
             peak = peak_tbps(torch.cuda.get_device_name(runtime.torch_device))

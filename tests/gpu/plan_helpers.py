@@ -4,11 +4,10 @@ first :data:`ACTIVE` of :data:`E_LOCAL` experts (the rest never have rows), FP8 
 of the recipe on the plan's real rows."""
 
 import torch
-import torch.nn.functional as F
 
 from chunkring.moe._engine.stage import Stage
 from chunkring.moe.weights import quantize_weight_fp8
-from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
+from chunkring.testing.reference import dequantize_fp8_per128, plan_reference, quantize_fp8_per128
 
 E_LOCAL, TOPK, INTER = 8, 4, 2048
 ACTIVE = 6  # tokens choose among experts 0..5: experts 6 and 7 never have rows
@@ -41,17 +40,6 @@ def dequantized(q, e):
 
 
 def reference(plan, x_in, q13, q2):
-    """The plan's real rows (in plan order), and for them fp32 outputs [rows, H] and the dequantised activation: the
-    recipe's roundings between the GEMMs (L1's output to bf16, the activation to e4m3 per 1x128), one expert at a
-    time."""
-    ends, counts = plan.group_end.tolist(), plan.counts.tolist()
-    rows, outs, acts = [], [], []
-    for e in range(E_LOCAL):
-        if counts[e]:
-            real = torch.arange(ends[e] - counts[e], ends[e], device=x_in.device)
-            gate_up = (x_in[plan.token[real].long()] @ dequantized(q13, e).t()).to(torch.bfloat16).float()
-            act = dequantize_fp8_per128(*quantize_fp8_per128(F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]))
-            rows.append(real)
-            acts.append(act)
-            outs.append(act @ dequantized(q2, e).t())
-    return torch.cat(rows), torch.cat(outs), torch.cat(acts)
+    """The plan's real rows (in plan order), and for them fp32 outputs [rows, H] and the dequantised activation
+    (:func:`chunkring.testing.reference.plan_reference`, the weights in fp32)."""
+    return plan_reference(plan, x_in, lambda e: dequantized(q13, e), lambda e: dequantized(q2, e))

@@ -146,3 +146,35 @@ def test_moe_bad_input_is_refused(changes, field):
     with pytest.raises(ChunkringUsageError) as info:
         layer_with(**changes)
     assert info.value.field == field, str(info.value)
+
+
+def test_the_plan_reference_is_the_layer_reference_row_by_row():
+    """plan_reference (the expert work on a plan, what the GPU tests and bench_persistent hold the GEMM engines to)
+    gives each planned row what moe_reference's FP8 recipe gives its token when that token has one choice of weight
+    1: the same roundings, one expert at a time, rows in plan order, padding rows left out."""
+    from types import SimpleNamespace
+
+    from chunkring.testing.reference import plan_reference
+
+    gen = torch.Generator().manual_seed(7)
+    E, H, inter, n = 3, 256, 128, 7
+    x = torch.randn(n, H, generator=gen)
+    w13, w2 = torch.randn(E, 2 * inter, H, generator=gen) / 16, torch.randn(E, H, inter, generator=gen) / 16
+    experts = [2, 0, 2, 1, 0, 2, 2]
+    # Groups in expert order, each after 2 padding rows; token t's row in its expert's group.
+    order = sorted(range(n), key=lambda t: experts[t])
+    counts = [experts.count(e) for e in range(E)]
+    group_end, token, at = [], [], 0
+    for e in range(E):
+        token += [-1, -1] + [t for t in order if experts[t] == e]
+        at += 2 + counts[e]
+        group_end.append(at)
+    plan = SimpleNamespace(counts=torch.tensor(counts, dtype=torch.int32),
+                           group_end=torch.tensor(group_end, dtype=torch.int32),
+                           token=torch.tensor(token, dtype=torch.int32))
+    rows, outs, acts = plan_reference(plan, x, lambda e: w13[e], lambda e: w2[e])
+    assert rows.tolist() == [i for i, t in enumerate(token) if t >= 0]
+    assert acts.shape == (n, inter)
+    want = moe_reference(x, torch.tensor(experts, dtype=torch.int32)[:, None], torch.ones(n, 1), w13, w2,
+                         fp8_recipe=True)
+    torch.testing.assert_close(outs, want[plan.token[rows].long()], rtol=1e-5, atol=1e-5)

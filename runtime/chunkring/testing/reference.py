@@ -9,6 +9,9 @@ block's absmax mapped to e4m3's largest finite value, 448.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +25,7 @@ __all__ = [
     "dequantize_fp8_per128",
     "layer_weights_reference",
     "moe_reference",
+    "plan_reference",
     "reference_tolerance",
     "quantize_fp8_per128",
 ]
@@ -124,6 +128,29 @@ def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
         out.index_add_(0, rows, (act @ w2[e].T) * weight[start:start + count, None])
         start += count
     return out
+
+
+def plan_reference(plan: Any, x: torch.Tensor, w13: Callable[[int], torch.Tensor],
+                   w2: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expert work on a plan under the FP8 recipe's roundings (L1's output to bf16, the activation to e4m3 per
+    1x128), one expert at a time: (the plan's real rows in plan order, their outputs [rows, H], their dequantised
+    activations [rows, I]). ``plan``: its ``counts``, ``group_end`` and ``token`` (a plan of
+    :class:`chunkring.moe._engine.experts.ExpertCompute`); ``x``: the dequantised rows by token; ``w13(e)`` /
+    ``w2(e)``: expert e's dequantised weights, [2I, H] / [H, I], in the precision the caller wants the GEMMs in."""
+    ends, counts = plan.group_end.tolist(), plan.counts.tolist()
+    rows, outs, acts = [], [], []
+    for e, (end, count) in enumerate(zip(ends, counts, strict=True)):
+        if count:
+            real = torch.arange(end - count, end, device=x.device)
+            up_rows = w13(e)
+            gate_up = (x[plan.token[real].long()].to(up_rows.dtype) @ up_rows.t()).to(torch.bfloat16).float()
+            inter = gate_up.shape[1] // 2
+            act = dequantize_fp8_per128(*quantize_fp8_per128(F.silu(gate_up[:, :inter]) * gate_up[:, inter:]))
+            down = w2(e)
+            rows.append(real)
+            acts.append(act)
+            outs.append(act.to(down.dtype) @ down.t())
+    return torch.cat(rows), torch.cat(outs), torch.cat(acts)
 
 
 def reference_tolerance(payload: PayloadFormat) -> float:

@@ -21,8 +21,9 @@ what was measured):
             pre-dispatch kernel); eager and, if capture works, CUDA graph; error vs fp64 reference.
   extras    contiguous layout with set_mk_alignment_for_contiguous_layout(64) (less padding per expert).
 
-JIT: every new kernel configuration compiles at first use (NVCC by default, cached in DG_JIT_CACHE_DIR,
-default /tmp/dg-cache); a cold run can spend minutes compiling. Run it again on the same warm machine to
+JIT: every new kernel configuration compiles at first use (NVCC by default, cached in DG_JIT_CACHE_DIR, default
+chunkring's cache, CHUNKRING_CACHE_DIR/deep_gemm, as the layer's: chunkring.moe.gemm.load_deep_gemm); a cold run can
+spend minutes compiling. Run it again on the same warm machine to
 get the rest (sections in the order given) if the budget runs out.
 """
 
@@ -34,7 +35,6 @@ import os
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ.setdefault("DG_JIT_CACHE_DIR", "/tmp/dg-cache")
 if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and os.path.isdir("/usr/local/cuda"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"  # DeepGEMM's JIT finds nvcc / headers here
 
@@ -920,19 +920,21 @@ def main():
     budget = Budget(args.budget_s)
     torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references stay fp32
-    res.fig["config"] = {"experts": E, "hidden": HIDDEN, "intermediate": INTER, "topk": TOPK,
-                         "tokens": args.tokens, "replays": args.replays, "quick": args.quick,
-                         "sections": sections, "dg_jit_cache_dir": os.environ["DG_JIT_CACHE_DIR"]}
-    res.save()
     t_import = time.perf_counter()
     try:
-        import deep_gemm as dg
+        from chunkring.moe.gemm import load_deep_gemm
+
+        dg = load_deep_gemm()  # its JIT cache where the layer's is, unless DG_JIT_CACHE_DIR names another
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         res.data["errors"].append(f"import deep_gemm: {exc!r}")
         res.data["failed"] += 1
         res.save()
         return 1
+    res.fig["config"] = {"experts": E, "hidden": HIDDEN, "intermediate": INTER, "topk": TOPK,
+                         "tokens": args.tokens, "replays": args.replays, "quick": args.quick,
+                         "sections": sections, "dg_jit_cache_dir": os.environ["DG_JIT_CACHE_DIR"]}
+    res.save()
     res.fig["config"]["import_s"] = time.perf_counter() - t_import
 
     ops = None

@@ -172,6 +172,9 @@ def test_a_captured_streamed_call_keeps_its_partition(runtime):
         layer.check()
         assert torch.equal(replayed, eager)
         contexts = {name: {ctx for n, ctx in kernels if n == name} for name, _ in kernels}
+        if not any(ctx for _, ctx in kernels):  # CUDA documents a node's context as ignored where its function is set
+            pytest.skip(f"the driver recorded no context on any of the graph's {len(kernels)} kernel nodes: the graph "
+                        "does not say where they run")
         consumer, producer = stream_context(part.consumer_stream), stream_context(part.producer_stream)
         assert consumer != producer
         assert contexts.get("moe_pull") == {consumer}, contexts

@@ -34,6 +34,20 @@ def _layer_config(runtime, streaming=True):
     return MoEConfig(num_experts=2 * W, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64, **ring)
 
 
+def _routed_call(layer, n, seed):
+    """A routed FP8 batch of ``n`` tokens for ``layer.run`` (x, x_sf, topk_idx, topk_weights on its device), drawn
+    from ``seed``, and this rank's experts of the weights seed 3 draws."""
+    from chunkring.testing.reference import quantize_fp8_per128
+    from tests.gpu.moe_helpers import local_weights, routing, weights
+
+    cfg, device = layer.config, layer.runtime.torch_device
+    w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(seed)
+    xq, sf = quantize_fp8_per128(torch.randn(n, cfg.hidden, generator=gen))
+    idx, w = routing(n, cfg.num_experts, cfg.topk, "uniform", gen)
+    return [t.to(device) for t in (xq, sf, idx, w)], local_weights(layer, w13, w2)
+
+
 def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime):
     """partition="auto" (the default): streamed calls on the runtime's partition of the size the layer needs,
     batch-ready calls on whole-GPU streams; both modes give the same output; the partition outlives the layer
@@ -42,8 +56,6 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
     from chunkring.moe import CallMode
     from chunkring.moe._engine.producer import PRODUCE_MAX_BLOCKS
     from chunkring.moe._engine.resources import PULL_GRID
-    from chunkring.testing.reference import quantize_fp8_per128
-    from tests.gpu.moe_helpers import local_weights, routing, weights
 
     cfg = _layer_config(runtime)
     layer = MoELayer(runtime, cfg)
@@ -74,12 +86,7 @@ def test_streaming_layer_confines_streamed_calls_to_a_default_partition(runtime)
         assert layer.streams(CallMode.STREAMED) == (part.producer_stream, part.consumer_stream)
         batch_streams = {s.cuda_stream for s in layer.streams(CallMode.BATCH_READY)}
         assert batch_streams.isdisjoint({part.producer_stream.cuda_stream, part.consumer_stream.cuda_stream})
-        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(3))
-        gen = torch.Generator().manual_seed(50 + runtime.rank)
-        xq, sf = quantize_fp8_per128(torch.randn(61, cfg.hidden, generator=gen))
-        idx, w = routing(61, cfg.num_experts, cfg.topk, "uniform", gen)
-        args = [t.to(runtime.torch_device) for t in (xq, sf, idx, w)]
-        experts = local_weights(layer, w13, w2)
+        args, experts = _routed_call(layer, 61, 50 + runtime.rank)
         outs = [layer.run(*args, *experts, streaming=streaming) for streaming in (False, True)]
         torch.cuda.synchronize()
         layer.check()
@@ -142,8 +149,6 @@ def test_a_captured_streamed_call_keeps_its_partition(runtime):
     from cuda.bindings import driver
 
     from chunkring import MoELayer
-    from chunkring.testing.reference import quantize_fp8_per128
-    from tests.gpu.moe_helpers import local_weights, routing, weights
 
     def stream_context(stream: torch.cuda.Stream) -> int:
         err, context = driver.cuStreamGetCtx(driver.CUstream(stream.cuda_stream))
@@ -154,12 +159,7 @@ def test_a_captured_streamed_call_keeps_its_partition(runtime):
     with MoELayer(runtime, cfg) as layer:
         part = layer.partition
         assert part is not None
-        w13, w2 = weights(cfg.num_experts, torch.Generator().manual_seed(3))
-        gen = torch.Generator().manual_seed(60 + runtime.rank)
-        xq, sf = quantize_fp8_per128(torch.randn(33, cfg.hidden, generator=gen))
-        idx, w = routing(33, cfg.num_experts, cfg.topk, "uniform", gen)
-        args = [t.to(runtime.torch_device) for t in (xq, sf, idx, w)]
-        experts = local_weights(layer, w13, w2)
+        args, experts = _routed_call(layer, 33, 60 + runtime.rank)
         eager = layer.run(*args, *experts, streaming=True)  # the mode's first call: warm-up and barrier
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph(keep_graph=True)

@@ -29,8 +29,7 @@ import pytest
 import torch
 
 from chunkring import MoEConfig, PayloadFormat
-from chunkring.moe._engine.decode import DecodeGemm
-from chunkring.moe._engine.experts import DevicePlan, ExpertCompute
+from chunkring.moe._engine.experts import DevicePlan
 from chunkring.moe.gemm import GROUP_ALIGN
 from chunkring.moe.weights import quantize_weight_fp8
 from chunkring.testing.plan import padded_rows_bound, plan_batch
@@ -38,6 +37,7 @@ from tests.helpers.emulation import decode as decode_emu
 from tests.helpers.emulation import decode_gemm as engine
 from tests.helpers.emulation.library import EmulatedLibrary
 from tests.helpers.emulation.machine import E4M3_VALUES, EmulatedMemoryError, Memory, round_bf16
+from tests.helpers.emulation.plan_layout import expert_compute
 
 U32 = 2.0**-24  # fp32's unit roundoff
 
@@ -162,12 +162,8 @@ def run(case: Case, monkeypatch, *, corrupt=None):
         memory.add(c, f"combine[{s}]")
     peer_combine = torch.tensor([c.data_ptr() for c in combine], dtype=torch.int64)
     memory.add(peer_combine, "peer_combine")
-    # No GPU: ExpertCompute asks only for the SM count (its push grid: 8 blocks per SM) and the current stream.
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
-        multi_processor_count=1))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    decode = DecodeGemm(library, config, case.experts)
-    compute = ExpertCompute(config, case.sources, 0, case.experts, library, torch.device("cpu"), decode=decode)
+    compute = expert_compute(config, case.sources, 0, case.experts, library, monkeypatch)
+    decode = compute.decode
     memory.add(compute.pushed, "pushed")  # zeroed by the layer before the call's first push
     out = compute.experts(plan, w13, w2)
     compute.combine_push(plan, out, peer_combine)

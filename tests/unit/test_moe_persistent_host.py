@@ -352,15 +352,12 @@ def test_a_layer_runs_the_split_launches_whose_blocks_wait_for_no_other():
 def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path(encoded, monkeypatch):
     """ExpertCompute with a PersistentGemm: an FP8 call on the decode path launches the persistent kernel twice (L1,
     then L2) on the plan, writing the call's rows."""
-    from chunkring.moe._engine.experts import ExpertCompute
+    from tests.helpers.emulation.plan_layout import expert_compute
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
-        multi_processor_count=H100["multiprocessor_count"]))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     library = RecordingLibrary("moe_persistent")
     cfg = config(max_tokens_per_rank=8)
     gemm = PersistentGemm(library, cfg, E, variant=LAYER_VARIANT)
-    compute = ExpertCompute(cfg, 1, 0, E, RecordingLibrary("moe_experts"), torch.device("cpu"), decode=gemm)
+    compute = expert_compute(cfg, 1, 0, E, RecordingLibrary("moe_experts"), monkeypatch, decode=gemm)
     assert compute.decode is gemm
     P = compute.capacity
     w13, w2 = small_weights(E, H, INTER)

@@ -125,14 +125,16 @@ def written_slots(combine: list[torch.Tensor]) -> set[tuple[int, int]]:
     return {(s, slot) for s, c in enumerate(combine) for slot in torch.nonzero(~c.isnan().all(-1)).flatten().tolist()}
 
 
-def expert_compute(config, sources: int, rank: int, experts: int, library, monkeypatch) -> ExpertCompute:
-    """The host's ExpertCompute of ``rank`` on the emulated ``library`` (FP8: with the decode GEMMs, which need no
-    DeepGEMM)."""
+def expert_compute(config, sources: int, rank: int, experts: int, library, monkeypatch, *,
+                   decode: object = None) -> ExpertCompute:
+    """The host's ExpertCompute of ``rank`` on ``library`` (emulated or recording), with no GPU. ``decode``: its
+    decode path's engine; None: for FP8 the decode kernels on ``library`` (which need no DeepGEMM)."""
     # No GPU: ExpertCompute asks only for the SM count (its grids: 8 blocks per SM) and the current stream.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
         multi_processor_count=1))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    decode = DecodeGemm(library, config, experts) if config.payload.has_scales else None
+    if decode is None and config.payload.has_scales:
+        decode = DecodeGemm(library, config, experts)
     return ExpertCompute(config, sources, rank * experts, experts, library, torch.device("cpu"), decode=decode)
 
 

@@ -24,9 +24,10 @@
 # first failure: a short first call of a session; smoke_mps runs them at $ranks ranks under MPS. quick_1rank runs the
 # GPU tests but the input fuzzer. call_kernels
 # lists every kernel of a small layer call's graph replay, as the GPU ran it (benchmarks/probe_call_kernels.py: where
-# a decode-sized call's time goes). megamoe_1rank runs benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and
-# the torch peer, graph with graph; MEGAMOE_ARGS); breakdown_1rank benchmarks/bench_consumer_breakdown.py (a
-# batch-ready call's steps timed alone). bisect_1rank runs the GPU tests BISECT_TESTS names (pytest arguments) on each
+# a decode-sized call's time goes). graph_launch_1rank times the host's launch of that graph, torch's replay against the
+# driver's and against a plain graph of as many kernels (benchmarks/probe_graph_launch.py). megamoe_1rank runs
+# benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and the torch peer, graph with graph; MEGAMOE_ARGS);
+# breakdown_1rank benchmarks/bench_consumer_breakdown.py (a batch-ready call's steps timed alone). bisect_1rank runs the GPU tests BISECT_TESTS names (pytest arguments) on each
 # earlier tree scripts/carry_trees.sh put in .carry/trees, in its order, until one passes: the commit after that tree
 # broke them (one summary per tree, named by its commit). decode_trees runs the decode benchmark on each such tree: an
 # earlier commit's kernels against this tree's on the same card. eager_1rank / eager_mps run benchmarks/bench_eager.py
@@ -55,7 +56,7 @@ all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
            decode_1rank decode_trees decode_ncu decode_stalls quick_1rank smoke_mps call_kernels megamoe_1rank breakdown_1rank
            bisect_1rank eager_1rank eager_mps commands commands_1rank commands_4rank weight_read_1rank model_1rank
-           model_mps persistent_1rank)
+           model_mps persistent_1rank graph_launch_1rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -275,6 +276,12 @@ call_kernels() {  # CALL_KERNELS_ARGS override the probe's arguments (default: f
     # shellcheck disable=SC2086
     timeout 180 python3 -m benchmarks.probe_call_kernels ${CALL_KERNELS_ARGS:-} \
         --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-call-kernels.json" 2>&1 | tee "$logs/call_kernels.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+graph_launch_1rank() {  # GRAPH_LAUNCH_ARGS override the probe's arguments (default: flash at 1 token)
+    # shellcheck disable=SC2086
+    timeout 150 python3 -m benchmarks.probe_graph_launch ${GRAPH_LAUNCH_ARGS:-} \
+        --json "$BENCH_RESULTS/${CHUNKRING_COMMIT}-graph-launch.json" 2>&1 | tee "$logs/graph_launch.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 megamoe_1rank() {  # MEGAMOE_ARGS / MEGAMOE_LIMIT_S override the bench's arguments (default: both shapes, 1-8,192

@@ -1,0 +1,192 @@
+"""What the host pays to launch one MoE layer call's CUDA graph: torch's ``CUDAGraph.replay()`` against the driver's
+``cuGraphLaunch`` of the same graph, and both against a graph of as many plain kernels on one stream.
+
+    python -m benchmarks.probe_graph_launch [--shape flash] [--tokens 1] [--samples 50] [--json PATH]
+
+One rank. An eager call replayed from the layer's graph (``MoELayer(eager_graphs=True)``) spends about half its host
+time in ``graph.replay()`` (a cProfile of bench_eager): this says whether that is the graph's own launch cost - its
+node count, its branches over the call's streams, its node types - or torch's wrapper around it. Sides, each the
+median host time of ``--samples`` launches, every launch enqueued behind a device-side delay (nothing of it runs
+while the host issues it, and the launch queue never fills):
+
+* ``layer_torch_us``: ``graph.replay()`` of ``MoELayer.run`` (batch-ready, pre-routed FP8 input) captured by torch;
+* ``layer_driver_us``: ``cuGraphLaunch`` of the same captured graph, instantiated and uploaded by the driver here;
+* ``plain_torch_us`` / ``plain_driver_us``: the same two launches of a graph of as many one-block torch kernels as the
+  layer's graph has kernel nodes, one after another on one stream;
+* ``run_replayed_us``: the whole eager ``MoELayer.run`` as a caller makes it, replayed from the layer's own graph.
+
+The record also counts the layer graph's nodes by type and its dependency edges. Both layer launches must give the
+eager call's output bit for bit (``bitwise``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import chunkring
+from benchmarks.bench_eager import Gate
+from benchmarks.bench_overlap import SHAPES, Shape
+from chunkring.testing import records as result_records
+
+GATE_MS = 5.0
+
+
+def ok(result: tuple) -> Any:
+    """The values of a cuda.bindings driver call, or an error naming its status."""
+    from cuda.bindings import driver
+
+    err, *values = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {err}")
+    return values[0] if len(values) == 1 else (tuple(values) or None)
+
+
+def host_us(launch: Callable[[], object], gate: Gate, samples: int) -> float:
+    """The median host time of ``launch()``, each sample behind a device-side delay, the device idle between
+    samples."""
+    times = []
+    for _ in range(samples):
+        gate()
+        start = time.perf_counter()
+        launch()
+        times.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def captured(call: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``call`` captured by torch, kept as a graph (torch's instance, instantiated) and its output."""
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.instantiate()
+    return graph, out
+
+
+class DriverGraph:
+    """A torch-captured graph instantiated and uploaded by the driver, launched with ``cuGraphLaunch`` on torch's
+    current stream. The torch graph keeps the memory its nodes use: keep it alive, and never launch both at once."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        from cuda.bindings import driver
+
+        self.driver = driver
+        self.graph = driver.CUgraph(graph.raw_cuda_graph())
+        self.exec = ok(driver.cuGraphInstantiate(self.graph, 0))
+        self.stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        ok(driver.cuGraphUpload(self.exec, self.stream))
+
+    def launch(self) -> None:
+        ok(self.driver.cuGraphLaunch(self.exec, self.stream))
+
+    def shape(self) -> dict[str, int]:
+        """The graph's nodes by type (``nodes_<type>``) and its dependency edges (``edges``)."""
+        driver = self.driver
+        count = ok(driver.cuGraphGetNodes(self.graph, 0))[1]
+        nodes = ok(driver.cuGraphGetNodes(self.graph, count))[0]
+        kinds: dict[str, int] = {}
+        for node in nodes:
+            kind = ok(driver.cuGraphNodeGetType(node)).name.removeprefix("CU_GRAPH_NODE_TYPE_").lower()
+            kinds[f"nodes_{kind}"] = kinds.get(f"nodes_{kind}", 0) + 1
+        try:
+            edges = int(ok(driver.cuGraphGetEdges(self.graph, 0))[-1])
+        except (RuntimeError, TypeError, ValueError) as error:  # the count is context, not the probe's point
+            print(f"probe_graph_launch: no edge count ({error!r}); recorded as -1", flush=True)
+            edges = -1
+        return {"nodes": len(nodes), **kinds, "edges": edges}
+
+    def close(self) -> None:
+        ok(self.driver.cuGraphExecDestroy(self.exec))
+
+
+def plain_graph(kernels: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of ``kernels`` one-element increments on one stream, and the tensor they add to."""
+    cell = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cell.add_(1)  # load the kernel outside the capture
+    torch.cuda.synchronize()
+    graph, _ = captured(lambda: [cell.add_(1) for _ in range(kernels)])
+    return graph, cell
+
+
+def probe(shape: Shape, tokens: int, samples: int, gate: Gate) -> dict:
+    _, (x, x_sf, idx, w) = shape.inputs(tokens)
+    layer = shape.layer
+
+    def run() -> torch.Tensor:
+        return layer.run(x, x_sf, idx, w, shape.w13, shape.w2)
+
+    eager = run()  # the mode's first call: warm-up and barrier, then the layer's replay graph captured
+    run()  # the first replay
+    torch.cuda.synchronize()
+    graph, out = captured(run)
+    driver_graph = DriverGraph(graph)
+    rec: dict = {"tokens": tokens, **driver_graph.shape()}
+    try:
+        graph.replay()
+        torch.cuda.synchronize()
+        bitwise = torch.equal(out, eager)
+        out.zero_()
+        driver_graph.launch()
+        torch.cuda.synchronize()
+        rec["bitwise"] = bitwise and torch.equal(out, eager)
+        layer.check()
+        rec["layer_torch_us"] = host_us(graph.replay, gate, samples)
+        rec["layer_driver_us"] = host_us(driver_graph.launch, gate, samples)
+        rec["run_replayed_us"] = host_us(run, gate, samples)
+        layer.check()
+    finally:
+        driver_graph.close()
+    plain, cell = plain_graph(rec.get("nodes_kernel", 1))
+    plain_driver = DriverGraph(plain)
+    try:
+        rec["plain_torch_us"] = host_us(plain.replay, gate, samples)
+        rec["plain_driver_us"] = host_us(plain_driver.launch, gate, samples)
+    finally:
+        plain_driver.close()
+    del cell
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="flash", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", default="1")
+    parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    runtime = chunkring.init()
+    if runtime.world_size != 1:
+        raise SystemExit("probe_graph_launch runs at one rank")
+    records: list[dict] = []
+    try:
+        shape = Shape(args.shape, runtime, max(tokens), eager_graphs=True)
+        try:
+            gate = Gate(GATE_MS)
+            for t in tokens:
+                rec = {"shape": args.shape, **probe(shape, t, args.samples, gate)}
+                records.append(rec)
+                print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()),
+                      flush=True)
+        finally:
+            shape.close()
+        if args.json:
+            figures = {f"{r['shape']}_{r['tokens']}_{k}": v for r in records for k, v in r.items()
+                       if k.endswith("_us") or k.startswith("nodes") or k == "edges"}
+            failed = sum(not r["bitwise"] for r in records)
+            result_records.write(args.json, suite="graph-launch-1rank", world_size=1, figures=figures,
+                                 records=records, passed=len(records) - failed, failed=failed)
+    finally:
+        runtime.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,10 @@ while the host issues it, and the launch queue never fills):
 * ``layer_driver_us``: ``cuGraphLaunch`` of the same captured graph, instantiated and uploaded by the driver here;
 * ``plain_torch_us`` / ``plain_driver_us``: the same two launches of a graph of as many one-block torch kernels as the
   layer's graph has kernel nodes, one after another on one stream;
-* ``run_replayed_us``: the whole eager ``MoELayer.run`` as a caller makes it, replayed from the layer's own graph.
+* ``run_replayed_us``: the whole eager ``MoELayer.run`` as a caller makes it, replayed from the layer's own graph;
+* ``<side>_again_us``: a launch right after an untimed one of the same graph, which still waits behind the delay:
+  about the delay (``GATE_MS``) where the driver makes a launch wait for the graph's previous one, as the calls back
+  to back of bench_eager's profile suggest at 128 tokens.
 
 The record also counts the layer graph's nodes by type and its dependency edges. Both layer launches must give the
 eager call's output bit for bit (``bitwise``).
@@ -48,12 +51,15 @@ def ok(result: tuple) -> Any:
     return values[0] if len(values) == 1 else (tuple(values) or None)
 
 
-def host_us(launch: Callable[[], object], gate: Gate, samples: int) -> float:
+def host_us(launch: Callable[[], object], gate: Gate, samples: int, *, again: bool = False) -> float:
     """The median host time of ``launch()``, each sample behind a device-side delay, the device idle between
-    samples."""
+    samples. ``again``: time a second launch right after an untimed first, while the first still waits behind the
+    delay (a launch that waits for the graph's previous launch to finish takes about the delay)."""
     times = []
     for _ in range(samples):
         gate()
+        if again:
+            launch()
         start = time.perf_counter()
         launch()
         times.append((time.perf_counter() - start) * 1e6)
@@ -139,6 +145,8 @@ def probe(shape: Shape, tokens: int, samples: int, gate: Gate) -> dict:
         layer.check()
         rec["layer_torch_us"] = host_us(graph.replay, gate, samples)
         rec["layer_driver_us"] = host_us(driver_graph.launch, gate, samples)
+        rec["layer_torch_again_us"] = host_us(graph.replay, gate, samples, again=True)
+        rec["layer_driver_again_us"] = host_us(driver_graph.launch, gate, samples, again=True)
         rec["run_replayed_us"] = host_us(run, gate, samples)
         layer.check()
     finally:
@@ -148,6 +156,7 @@ def probe(shape: Shape, tokens: int, samples: int, gate: Gate) -> dict:
     try:
         rec["plain_torch_us"] = host_us(plain.replay, gate, samples)
         rec["plain_driver_us"] = host_us(plain_driver.launch, gate, samples)
+        rec["plain_torch_again_us"] = host_us(plain.replay, gate, samples, again=True)
     finally:
         plain_driver.close()
     del cell

@@ -43,7 +43,8 @@
 # commands runs every command README.md and docs/LAUNCHER.md show (tests/helpers/doc_commands.py lists them) at a
 # small preset, at 1 rank and at 4 ranks under the launcher's own MPS daemon, each ending with the status the docs
 # give it: one record; commands_1rank / commands_4rank split it over two device calls (records commands-1rank and
-# commands-4rank-mps). Run it whenever device, runtime or launcher code changes.
+# commands-4rank-mps); COMMANDS_SELECT narrows any of them. Each command's status and time are printed as it ends, so
+# the log of a part cut short says what ran. Run it whenever device, runtime or launcher code changes.
 # Summaries are named <commit>-<suite>.json. The device copy has no .git, so its caller passes the commit and
 # whether the tree differs from it (git status --porcelain not empty: 1); in a checkout both come from git.
 # Commit the summaries with the indexes rebuilt: python scripts/results_index.py.
@@ -441,9 +442,18 @@ commands_part() {  # name ranks [pytest -k expression]: tests/commands (each doc
     run_suite "$name" "$n" python3 -m pytest tests/commands -v -rs --timeout 1000 ${select:+-k "$select"} \
         --junitxml="$logs/$name.xml" || status=1
 }
-commands() { commands_part commands 4 "${COMMANDS_SELECT:-}"; }  # COMMANDS_SELECT (pytest -k): a rest of them
-commands_1rank() { commands_part commands-1rank 1 "not 4rank"; }  # and those run once (doctor, bench.sh)
-commands_4rank() { commands_part commands-4rank-mps 4 "4rank"; }
+# COMMANDS_SELECT (a pytest -k expression) narrows each to some of its commands, the record then named *-selected: the
+# rest of a part that a device call's limit cut short.
+commands_selected() {  # name ranks expression: the part's commands, narrowed by COMMANDS_SELECT where set
+    if [ -n "${COMMANDS_SELECT:-}" ]; then
+        commands_part "$1-selected" "$2" "($3) and ($COMMANDS_SELECT)"
+    else
+        commands_part "$1" "$2" "$3"
+    fi
+}
+commands() { commands_selected commands 4 "1rank or 4rank or once"; }
+commands_1rank() { commands_selected commands-1rank 1 "not 4rank"; }  # and those run once (doctor, bench.sh)
+commands_4rank() { commands_selected commands-4rank-mps 4 "4rank"; }
 # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
 mps_daemon=0
 mps_up() {

@@ -41,7 +41,7 @@ def tail(text: str, lines: int = 60) -> str:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("command, variant", cases())
-def test_a_documented_command_ends_as_the_docs_say(command, variant, tmp_path, record_testsuite_property):
+def test_a_documented_command_ends_as_the_docs_say(command, variant, tmp_path, record_testsuite_property, capsys):
     if command.skip:
         pytest.skip(command.skip)
     argv = command.argv(variant)
@@ -63,7 +63,10 @@ def test_a_documented_command_ends_as_the_docs_say(command, variant, tmp_path, r
             proc.kill()
             out, _ = proc.communicate()
         pytest.fail(f"{shlex.join(argv)} ran past {limit} s:\n{tail(out)}")
-    record_testsuite_property(f"{command.name}_{variant or 'once'}_s", round(time.monotonic() - start, 1))
+    seconds = round(time.monotonic() - start, 1)
+    record_testsuite_property(f"{command.name}_{variant or 'once'}_s", seconds)
+    with capsys.disabled():  # at once, uncaptured: the log of a run cut short still says what ended, and when
+        print(f"\n{shlex.join(argv)}: status {proc.returncode} in {seconds} s", flush=True)
     print(out)
     assert proc.returncode == command.status, (f"{shlex.join(argv)} ended with status {proc.returncode}; the docs "
                                                f"say {command.status}:\n{tail(out)}")

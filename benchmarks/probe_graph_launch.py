@@ -12,13 +12,15 @@ while the host issues it, and the launch queue never fills):
 * ``layer_torch_us``: ``graph.replay()`` of ``MoELayer.run`` (batch-ready, pre-routed FP8 input) captured by torch;
 * ``layer_driver_us``: ``cuGraphLaunch`` of the same captured graph, instantiated and uploaded by the driver here;
 * ``plain_torch_us`` / ``plain_driver_us``: the same two launches of a graph of as many one-block torch kernels as the
-  layer's graph has kernel nodes, one after another on one stream;
+  layer's graph has kernel nodes, one after another on one stream; ``plain2_*``: the same kernels on two streams
+  forked from the capturing stream and joined back (a layer call's shape);
 * ``run_replayed_us``: the whole eager ``MoELayer.run`` as a caller makes it, replayed from the layer's own graph;
 * ``<side>_again_us``: a launch right after an untimed one of the same graph, which still waits behind the delay:
   about the delay (``GATE_MS``) where the driver makes a launch wait for the graph's previous one, as the calls back
   to back of bench_eager's profile suggest at 128 tokens.
 
-The record also counts the layer graph's nodes by type and its dependency edges. Both layer launches must give the
+The record also counts the layer graph's nodes by type, its dependency edges and its kernel nodes' parameter bytes
+(DeepGEMM's kernels and the persistent consumer take tensor maps by value). Both layer launches must give the
 eager call's output bit for bit (``bitwise``).
 """
 
@@ -93,14 +95,21 @@ class DriverGraph:
         ok(self.driver.cuGraphLaunch(self.exec, self.stream))
 
     def shape(self) -> dict[str, int]:
-        """The graph's nodes by type (``nodes_<type>``) and its dependency edges (``edges``)."""
+        """The graph's nodes by type (``nodes_<type>``), its dependency edges (``edges``) and the bytes of its kernel
+        nodes' parameters (``param_bytes``, the largest ``param_bytes_max``; -1 where the driver does not say)."""
         driver = self.driver
         count = ok(driver.cuGraphGetNodes(self.graph, 0))[1]
         nodes = ok(driver.cuGraphGetNodes(self.graph, count))[0]
         kinds: dict[str, int] = {}
+        param_bytes: list[int] = []
         for node in nodes:
-            kind = ok(driver.cuGraphNodeGetType(node)).name.removeprefix("CU_GRAPH_NODE_TYPE_").lower()
+            node_type = ok(driver.cuGraphNodeGetType(node))
+            kind = node_type.name.removeprefix("CU_GRAPH_NODE_TYPE_").lower()
             kinds[f"nodes_{kind}"] = kinds.get(f"nodes_{kind}", 0) + 1
+            if node_type == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+                param_bytes.append(self._param_bytes(node))
+        kinds["param_bytes"] = -1 if -1 in param_bytes else sum(param_bytes)
+        kinds["param_bytes_max"] = max(param_bytes, default=0)
         try:
             edges = int(ok(driver.cuGraphGetEdges(self.graph, 0))[-1])
         except (RuntimeError, TypeError, ValueError) as error:  # the count is context, not the probe's point
@@ -108,17 +117,48 @@ class DriverGraph:
             edges = -1
         return {"nodes": len(nodes), **kinds, "edges": edges}
 
+    def _param_bytes(self, node: Any) -> int:
+        """The device-side parameter bytes of a kernel node's function (its last parameter's end), or -1."""
+        driver = self.driver
+        try:
+            params = ok(driver.cuGraphKernelNodeGetParams(node))
+            # A library's kernel may be recorded as its CUkernel rather than a CUfunction.
+            query = ((lambda i: driver.cuFuncGetParamInfo(params.func, i)) if int(params.func)
+                     else (lambda i: driver.cuKernelGetParamInfo(params.kern, i)))
+            end = 0
+            for index in range(4096):
+                err, offset, size = query(index)
+                if err != driver.CUresult.CUDA_SUCCESS:  # past the last parameter
+                    return end
+                end = offset + size
+            return end
+        except (RuntimeError, TypeError, ValueError, AttributeError):
+            return -1
+
     def close(self) -> None:
         ok(self.driver.cuGraphExecDestroy(self.exec))
 
 
-def plain_graph(kernels: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A graph of ``kernels`` one-element increments on one stream, and the tensor they add to."""
-    cell = torch.zeros(1, dtype=torch.int32, device="cuda")
-    cell.add_(1)  # load the kernel outside the capture
+def plain_graph(kernels: int, branches: int = 1) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of ``kernels`` one-element increments, split over ``branches`` streams forked from and joined to the
+    capturing stream (as a layer call's producer and consumer streams are), and the tensor they add to."""
+    cells = torch.zeros(branches, dtype=torch.int32, device="cuda")
+    cells[0].add_(1)  # load the kernel the capture records, outside it
+    streams = [torch.cuda.Stream() for _ in range(branches)]
     torch.cuda.synchronize()
-    graph, _ = captured(lambda: [cell.add_(1) for _ in range(kernels)])
-    return graph, cell
+
+    def issue() -> None:
+        caller = torch.cuda.current_stream()
+        for b, stream in enumerate(streams):
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                for _ in range(kernels * (b + 1) // branches - kernels * b // branches):
+                    cells[b].add_(1)
+        for stream in streams:
+            caller.wait_stream(stream)
+
+    graph, _ = captured(issue)
+    return graph, cells
 
 
 def probe(shape: Shape, tokens: int, samples: int, gate: Gate) -> dict:
@@ -151,15 +191,16 @@ def probe(shape: Shape, tokens: int, samples: int, gate: Gate) -> dict:
         layer.check()
     finally:
         driver_graph.close()
-    plain, cell = plain_graph(rec.get("nodes_kernel", 1))
-    plain_driver = DriverGraph(plain)
-    try:
-        rec["plain_torch_us"] = host_us(plain.replay, gate, samples)
-        rec["plain_driver_us"] = host_us(plain_driver.launch, gate, samples)
-        rec["plain_torch_again_us"] = host_us(plain.replay, gate, samples, again=True)
-    finally:
-        plain_driver.close()
-    del cell
+    for branches, side in ((1, "plain"), (2, "plain2")):
+        plain, cells = plain_graph(rec.get("nodes_kernel", 1), branches)
+        plain_driver = DriverGraph(plain)
+        try:
+            rec[f"{side}_torch_us"] = host_us(plain.replay, gate, samples)
+            rec[f"{side}_driver_us"] = host_us(plain_driver.launch, gate, samples)
+            rec[f"{side}_torch_again_us"] = host_us(plain.replay, gate, samples, again=True)
+        finally:
+            plain_driver.close()
+        del plain, cells
     return rec
 
 
@@ -188,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             shape.close()
         if args.json:
             figures = {f"{r['shape']}_{r['tokens']}_{k}": v for r in records for k, v in r.items()
-                       if k.endswith("_us") or k.startswith("nodes") or k == "edges"}
+                       if k.endswith("_us") or k.startswith(("nodes", "param_bytes")) or k == "edges"}
             failed = sum(not r["bitwise"] for r in records)
             result_records.write(args.json, suite="graph-launch-1rank", world_size=1, figures=figures,
                                  records=records, passed=len(records) - failed, failed=failed)

@@ -412,7 +412,7 @@ def measure_tokens(shape: Shape, launched: Any, t: int, args: argparse.Namespace
 
 def profile_host(call: Callable[[], object], calls: int, show: bool, what: str) -> None:
     """``calls`` calls of ``call`` back to back under cProfile (the device keeping up: synchronised every 10);
-    where ``show``, the 25 functions with the most time of their own."""
+    where ``show``, the 25 functions with the most time of their own and the callers of the ten first."""
     import cProfile
     import pstats
 
@@ -428,7 +428,9 @@ def profile_host(call: Callable[[], object], calls: int, show: bool, what: str) 
     torch.cuda.synchronize()
     if show:
         print(f"host profile: {calls} calls, {what}", flush=True)
-        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        stats = pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime")
+        stats.print_stats(25)
+        stats.print_callers(10)  # who calls the ten costliest: where a stall inside one is entered from
         sys.stdout.flush()
 
 

@@ -1,7 +1,7 @@
 """What the host pays to launch one MoE layer call's CUDA graph: torch's ``CUDAGraph.replay()`` against the driver's
 ``cuGraphLaunch`` of the same graph, and both against a graph of as many plain kernels on one stream.
 
-    python -m benchmarks.probe_graph_launch [--shape flash] [--tokens 1] [--samples 50] [--json PATH]
+    python -m benchmarks.probe_graph_launch [--shape flash] [--tokens 1] [--samples 50] [--max-tokens 128] [--json PATH]
 
 One rank. An eager call replayed from the layer's graph (``MoELayer(eager_graphs=True)``) spends about half its host
 time in ``graph.replay()`` (a cProfile of bench_eager): this says whether that is the graph's own launch cost - its
@@ -53,7 +53,7 @@ def ok(result: tuple) -> Any:
     return values[0] if len(values) == 1 else (tuple(values) or None)
 
 
-def host_us(launch: Callable[[], object], gate: Gate, samples: int, *, again: bool = False) -> float:
+def host_us(launch: Callable[[], object], gate: Callable[[], object], samples: int, *, again: bool = False) -> float:
     """The median host time of ``launch()``, each sample behind a device-side delay, the device idle between
     samples. ``again``: time a second launch right after an untimed first, while the first still waits behind the
     delay (a launch that waits for the graph's previous launch to finish takes about the delay)."""
@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="flash", choices=sorted(SHAPES))
     parser.add_argument("--tokens", default="1")
     parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="the layer's max_tokens_per_rank (at least the largest --tokens), as bench_eager sizes it")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",") if t]
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("probe_graph_launch runs at one rank")
     records: list[dict] = []
     try:
-        shape = Shape(args.shape, runtime, max(tokens), eager_graphs=True)
+        shape = Shape(args.shape, runtime, max(args.max_tokens, *tokens), eager_graphs=True)
         try:
             gate = Gate(GATE_MS)
             for t in tokens:

@@ -1,0 +1,32 @@
+"""The graph launch probe's host pieces (benchmarks.probe_graph_launch) without a GPU: a driver call's values come back
+as the call returned them, a failed status raises naming it, and the host timing takes each sample behind a fresh
+delay, the device drained between samples, a second launch first where asked."""
+
+import pytest
+
+from benchmarks import probe_graph_launch as probe
+
+driver = pytest.importorskip("cuda.bindings.driver")
+SUCCESS = driver.CUresult.CUDA_SUCCESS
+
+
+def test_a_driver_call_gives_its_values():
+    assert probe.ok((SUCCESS,)) is None
+    assert probe.ok((SUCCESS, 7)) == 7
+    assert probe.ok((SUCCESS, "nodes", 3)) == ("nodes", 3)
+
+
+def test_a_failed_driver_call_raises_its_status():
+    with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_VALUE"):
+        probe.ok((driver.CUresult.CUDA_ERROR_INVALID_VALUE, 0))
+
+
+@pytest.mark.parametrize("again", [False, True])
+def test_host_timing_gates_each_sample(monkeypatch, again):
+    events = []
+    monkeypatch.setattr(probe.torch.cuda, "synchronize", lambda: events.append("sync"))
+    gate = lambda: events.append("gate")  # noqa: E731
+    median = probe.host_us(lambda: events.append("launch"), gate, 3, again=again)
+    sample = ["gate", "launch", "launch", "sync"] if again else ["gate", "launch", "sync"]
+    assert events == sample * 3
+    assert median >= 0.0

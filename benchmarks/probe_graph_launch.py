@@ -39,18 +39,9 @@ import chunkring
 from benchmarks.bench_eager import Gate
 from benchmarks.bench_overlap import SHAPES, Shape
 from chunkring.testing import records as result_records
+from chunkring.testing.cuda_graphs import kernel_nodes, node_types, ok
 
 GATE_MS = 5.0
-
-
-def ok(result: tuple) -> Any:
-    """The values of a cuda.bindings driver call, or an error naming its status."""
-    from cuda.bindings import driver
-
-    err, *values = result
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return values[0] if len(values) == 1 else (tuple(values) or None)
 
 
 def host_us(launch: Callable[[], object], gate: Callable[[], object], samples: int, *, again: bool = False) -> float:
@@ -97,43 +88,17 @@ class DriverGraph:
     def shape(self) -> dict[str, int]:
         """The graph's nodes by type (``nodes_<type>``), its dependency edges (``edges``) and the bytes of its kernel
         nodes' parameters (``param_bytes``, the largest ``param_bytes_max``; -1 where the driver does not say)."""
-        driver = self.driver
-        count = ok(driver.cuGraphGetNodes(self.graph, 0))[1]
-        nodes = ok(driver.cuGraphGetNodes(self.graph, count))[0]
-        kinds: dict[str, int] = {}
-        param_bytes: list[int] = []
-        for node in nodes:
-            node_type = ok(driver.cuGraphNodeGetType(node))
-            kind = node_type.name.removeprefix("CU_GRAPH_NODE_TYPE_").lower()
-            kinds[f"nodes_{kind}"] = kinds.get(f"nodes_{kind}", 0) + 1
-            if node_type == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
-                param_bytes.append(self._param_bytes(node))
-        kinds["param_bytes"] = -1 if -1 in param_bytes else sum(param_bytes)
-        kinds["param_bytes_max"] = max(param_bytes, default=0)
+        handle = int(self.graph)
+        types = node_types(handle)
+        param_bytes = [node.param_bytes for node in kernel_nodes(handle)]
         try:
-            edges = int(ok(driver.cuGraphGetEdges(self.graph, 0))[-1])
+            edges = int(ok(self.driver.cuGraphGetEdges(self.graph, 0))[-1])
         except (RuntimeError, TypeError, ValueError) as error:  # the count is context, not the probe's point
             print(f"probe_graph_launch: no edge count ({error!r}); recorded as -1", flush=True)
             edges = -1
-        return {"nodes": len(nodes), **kinds, "edges": edges}
-
-    def _param_bytes(self, node: Any) -> int:
-        """The device-side parameter bytes of a kernel node's function (its last parameter's end), or -1."""
-        driver = self.driver
-        try:
-            params = ok(driver.cuGraphKernelNodeGetParams(node))
-            # A library's kernel may be recorded as its CUkernel rather than a CUfunction.
-            query = ((lambda i: driver.cuFuncGetParamInfo(params.func, i)) if int(params.func)
-                     else (lambda i: driver.cuKernelGetParamInfo(params.kern, i)))
-            end = 0
-            for index in range(4096):
-                err, offset, size = query(index)
-                if err != driver.CUresult.CUDA_SUCCESS:  # past the last parameter
-                    return end
-                end = offset + size
-            return end
-        except (RuntimeError, TypeError, ValueError, AttributeError):
-            return -1
+        return {"nodes": sum(types.values()), **{f"nodes_{kind}": n for kind, n in types.items()},
+                "param_bytes": -1 if -1 in param_bytes else sum(param_bytes),
+                "param_bytes_max": max(param_bytes, default=0), "edges": edges}
 
     def close(self) -> None:
         ok(self.driver.cuGraphExecDestroy(self.exec))

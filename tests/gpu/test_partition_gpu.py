@@ -117,29 +117,6 @@ def test_no_partition_on_request_or_without_a_streaming_ring(runtime):
             layer.close()
 
 
-def _captured_kernels(graph_handle: int) -> list[tuple[str, int]]:
-    """(kernel name, the CUcontext its node runs in) of every kernel node of a captured CUDA graph."""
-    from cuda.bindings import driver
-
-    def ok(result):
-        err, *values = result
-        assert err == driver.CUresult.CUDA_SUCCESS, err
-        return values[0] if len(values) == 1 else values
-
-    graph = driver.CUgraph(graph_handle)
-    _, count = ok(driver.cuGraphGetNodes(graph, 0))
-    nodes, _ = ok(driver.cuGraphGetNodes(graph, count))
-    kernels = []
-    for node in nodes:
-        if ok(driver.cuGraphNodeGetType(node)) != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
-            continue
-        params = ok(driver.cuGraphKernelNodeGetParams(node))
-        # A library's kernel may be recorded as its CUkernel rather than a CUfunction.
-        name = (ok(driver.cuFuncGetName(params.func)) if int(params.func) else ok(driver.cuKernelGetName(params.kern)))
-        kernels.append((name.decode() if isinstance(name, bytes) else str(name), int(params.ctx)))
-    return kernels
-
-
 def test_a_captured_streamed_call_keeps_its_partition(runtime):
     """A streamed call captured in a CUDA graph (a caller's capture, or the layer's own replay of eager calls) keeps
     the partition that protects the pull's progress (docs/PROTOCOL.md, "Progress" and "CUDA graphs"): the graph's
@@ -149,6 +126,7 @@ def test_a_captured_streamed_call_keeps_its_partition(runtime):
     from cuda.bindings import driver
 
     from chunkring import MoELayer
+    from chunkring.testing.cuda_graphs import kernel_nodes
 
     def stream_context(stream: torch.cuda.Stream) -> int:
         err, context = driver.cuStreamGetCtx(driver.CUstream(stream.cuda_stream))
@@ -165,7 +143,7 @@ def test_a_captured_streamed_call_keeps_its_partition(runtime):
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(graph):
             replayed = layer.run(*args, *experts, streaming=True)
-        kernels = _captured_kernels(graph.raw_cuda_graph())
+        kernels = [(node.name, node.ctx) for node in kernel_nodes(graph.raw_cuda_graph())]
         graph.instantiate()
         graph.replay()
         torch.cuda.synchronize()

@@ -1,24 +1,26 @@
-"""The graph launch probe's host pieces (benchmarks.probe_graph_launch) without a GPU: a driver call's values come back
-as the call returned them, a failed status raises naming it, and the host timing takes each sample behind a fresh
-delay, the device drained between samples, a second launch first where asked."""
+"""The graph launch probe's host pieces without a GPU: a driver call's values come back as the call returned them and a
+failed status raises naming it (chunkring.testing.cuda_graphs.ok, which the probe reads graphs with), and the probe's
+host timing takes each sample behind a fresh delay, the device drained between samples, a second launch first where
+asked."""
 
 import pytest
 
 from benchmarks import probe_graph_launch as probe
+from chunkring.testing.cuda_graphs import ok
 
 driver = pytest.importorskip("cuda.bindings.driver")
 SUCCESS = driver.CUresult.CUDA_SUCCESS
 
 
 def test_a_driver_call_gives_its_values():
-    assert probe.ok((SUCCESS,)) is None
-    assert probe.ok((SUCCESS, 7)) == 7
-    assert probe.ok((SUCCESS, "nodes", 3)) == ("nodes", 3)
+    assert ok((SUCCESS,)) is None
+    assert ok((SUCCESS, 7)) == 7
+    assert ok((SUCCESS, "nodes", 3)) == ("nodes", 3)
 
 
 def test_a_failed_driver_call_raises_its_status():
     with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_VALUE"):
-        probe.ok((driver.CUresult.CUDA_ERROR_INVALID_VALUE, 0))
+        ok((driver.CUresult.CUDA_ERROR_INVALID_VALUE, 0))
 
 
 @pytest.mark.parametrize("again", [False, True])

@@ -1,7 +1,8 @@
 """What the host pays to launch one MoE layer call's CUDA graph: torch's ``CUDAGraph.replay()`` against the driver's
 ``cuGraphLaunch`` of the same graph, and both against a graph of as many plain kernels on one stream.
 
-    python -m benchmarks.probe_graph_launch [--shape flash] [--tokens 1] [--samples 50] [--max-tokens 128] [--json PATH]
+    python -m benchmarks.probe_graph_launch [--shape flash] [--tokens 1] [--samples 50] [--max-tokens 128]
+        [--partitions auto,none] [--json PATH]
 
 One rank. An eager call replayed from the layer's graph (``MoELayer(eager_graphs=True)``) spends about half its host
 time in ``graph.replay()`` (a cProfile of bench_eager): this says whether that is the graph's own launch cost - its
@@ -19,9 +20,12 @@ while the host issues it, and the launch queue never fills):
   about the delay (``GATE_MS``) where the driver makes a launch wait for the graph's previous one, as the calls back
   to back of bench_eager's profile suggest at 128 tokens.
 
-The record also counts the layer graph's nodes by type, its dependency edges and its kernel nodes' parameter bytes
-(DeepGEMM's kernels and the persistent consumer take tensor maps by value). Both layer launches must give the
-eager call's output bit for bit (``bitwise``).
+The record also counts the layer graph's nodes by type, its dependency edges, its kernel nodes' parameter bytes
+(DeepGEMM's kernels and the persistent consumer take tensor maps by value) and the contexts they run in
+(``contexts``: a layer with a green-context partition runs its consumer's kernels in the partition's context). One
+record per token count and ``--partitions`` value (the layer's ``partition=``), so that one run says whether the
+partition's context is what the launch pays for. Both layer launches must give the eager call's output bit for bit
+(``bitwise``).
 """
 
 from __future__ import annotations
@@ -90,7 +94,8 @@ class DriverGraph:
         nodes' parameters (``param_bytes``, the largest ``param_bytes_max``; -1 where the driver does not say)."""
         handle = int(self.graph)
         types = node_types(handle)
-        param_bytes = [node.param_bytes for node in kernel_nodes(handle)]
+        kernels = kernel_nodes(handle)
+        param_bytes = [node.param_bytes for node in kernels]
         try:
             edges = int(ok(self.driver.cuGraphGetEdges(self.graph, 0))[-1])
         except (RuntimeError, TypeError, ValueError) as error:  # the count is context, not the probe's point
@@ -98,7 +103,8 @@ class DriverGraph:
             edges = -1
         return {"nodes": sum(types.values()), **{f"nodes_{kind}": n for kind, n in types.items()},
                 "param_bytes": -1 if -1 in param_bytes else sum(param_bytes),
-                "param_bytes_max": max(param_bytes, default=0), "edges": edges}
+                "param_bytes_max": max(param_bytes, default=0), "edges": edges,
+                "contexts": len({node.ctx for node in kernels})}
 
     def close(self) -> None:
         ok(self.driver.cuGraphExecDestroy(self.exec))
@@ -176,27 +182,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=128,
                         help="the layer's max_tokens_per_rank (at least the largest --tokens), as bench_eager sizes it")
+    parser.add_argument("--partitions", default="auto,none",
+                        help="the layer's partition= values, one layer each (comma-separated: auto, none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",") if t]
+    partitions = [p for p in args.partitions.split(",") if p]
+    if not partitions or not set(partitions) <= {"auto", "none"}:
+        parser.error("--partitions takes auto and/or none")
     runtime = chunkring.init()
     if runtime.world_size != 1:
         raise SystemExit("probe_graph_launch runs at one rank")
     records: list[dict] = []
     try:
-        shape = Shape(args.shape, runtime, max(args.max_tokens, *tokens), eager_graphs=True)
-        try:
-            gate = Gate(GATE_MS)
-            for t in tokens:
-                rec = {"shape": args.shape, **probe(shape, t, args.samples, gate)}
-                records.append(rec)
-                print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()),
-                      flush=True)
-        finally:
-            shape.close()
+        gate = Gate(GATE_MS)
+        for partition in partitions:
+            shape = Shape(args.shape, runtime, max(args.max_tokens, *tokens), partition=partition,
+                          eager_graphs=True)
+            try:
+                for t in tokens:
+                    rec = {"shape": args.shape, "partition": partition, **probe(shape, t, args.samples, gate)}
+                    records.append(rec)
+                    print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in rec.items()), flush=True)
+            finally:
+                shape.close()
         if args.json:
-            figures = {f"{r['shape']}_{r['tokens']}_{k}": v for r in records for k, v in r.items()
-                       if k.endswith("_us") or k.startswith(("nodes", "param_bytes")) or k == "edges"}
+            figures = {f"{r['shape']}_{r['partition']}_{r['tokens']}_{k}": v for r in records for k, v in r.items()
+                       if k.endswith("_us") or k.startswith(("nodes", "param_bytes")) or k in ("edges", "contexts")}
             failed = sum(not r["bitwise"] for r in records)
             result_records.write(args.json, suite="graph-launch-1rank", world_size=1, figures=figures,
                                  records=records, passed=len(records) - failed, failed=failed)

@@ -231,9 +231,12 @@ def moe_decode_l2(memory, grid, block, shared_bytes, a) -> None:
 
 # -- moe_experts.cu -----------------------------------------------------------------------------------------------
 def group_offsets(counts, num_local: int, block_m: int, block: int, shared_bytes: int) -> list[int]:
-    """group_offsets: offsets[e] (the padded counts' exclusive scan) and offsets[E] in the dynamic shared memory."""
-    if block > 1024 or (num_local + 1) * 4 > shared_bytes:
-        raise EmulatedMemoryError("group_offsets: partial[1024] or the dynamic shared offsets overflow")
+    """group_offsets: offsets[e] (the padded counts' exclusive scan) and offsets[E] in the dynamic shared memory. Its
+    shuffle scans need whole warps, at most 32 of them."""
+    if block % 32 or block > 1024:
+        raise EmulatedMemoryError(f"group_offsets: a block of {block} threads is not whole warps, at most 32")
+    if (num_local + 1) * 4 > shared_bytes:
+        raise EmulatedMemoryError("group_offsets: the dynamic shared offsets overflow")
     per_thread = (num_local + block - 1) // block
     bounds = [(min(x * per_thread, num_local), min(min(x * per_thread, num_local) + per_thread, num_local))
               for x in range(block)]
@@ -243,7 +246,7 @@ def group_offsets(counts, num_local: int, block_m: int, block: int, shared_bytes
         return (c + block_m - 1) // block_m * block_m
 
     partial = [sum(padded(e) for e in range(lo, hi)) for lo, hi in bounds]
-    partial = [sum(partial[:x]) for x in range(block)] + [sum(partial)]  # thread 0's scan; the last: the total
+    partial = [sum(partial[:x]) for x in range(block)] + [sum(partial)]  # each thread's exclusive scan; the total
     offsets = [0] * (num_local + 1)
     offsets[num_local] = partial[block]
     for x, (lo, hi) in enumerate(bounds):

@@ -63,8 +63,9 @@ class FailureWord:
 
 
 def capturing() -> bool:
-    """Whether torch's current CUDA stream is being captured into a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether torch's current CUDA stream is being captured into a graph (False where torch has not initialised
+    CUDA: nothing can capture then). Checked on every call, so it asks torch's flag, not the driver's device count."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def raise_recorded_failure(word: int, *, rank: int, check: Callable[[], None], synchronize: Callable[[], None]) -> None:

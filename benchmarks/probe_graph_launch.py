@@ -1,8 +1,7 @@
 """What the host pays to launch one MoE layer call's CUDA graph: torch's ``CUDAGraph.replay()`` against the driver's
 ``cuGraphLaunch`` of the same graph, and both against a graph of as many plain kernels on one stream.
 
-    python -m benchmarks.probe_graph_launch [--shape flash] [--tokens 1] [--samples 50] [--max-tokens 128]
-        [--partitions auto,none] [--json PATH]
+    python -m benchmarks.probe_graph_launch [--shape flash] [--tokens 1] [--samples 50] [--max-tokens 128] [--json PATH]
 
 One rank. An eager call replayed from the layer's graph (``MoELayer(eager_graphs=True)``) spends about half its host
 time in ``graph.replay()`` (a cProfile of bench_eager): this says whether that is the graph's own launch cost - its
@@ -21,11 +20,9 @@ while the host issues it, and the launch queue never fills):
   to back of bench_eager's profile suggest at 128 tokens.
 
 The record also counts the layer graph's nodes by type, its dependency edges, its kernel nodes' parameter bytes
-(DeepGEMM's kernels and the persistent consumer take tensor maps by value) and the contexts they run in
-(``contexts``: a layer with a green-context partition runs its consumer's kernels in the partition's context). One
-record per token count and ``--partitions`` value (the layer's ``partition=``), so that one run says whether the
-partition's context is what the launch pays for. Both layer launches must give the eager call's output bit for bit
-(``bitwise``).
+(DeepGEMM's kernels and the persistent consumer take tensor maps by value) and how many contexts they run in
+(``contexts``: a batch-ready call runs on two ordinary streams, so 1 unless a kernel runs elsewhere). Both layer
+launches must give the eager call's output bit for bit (``bitwise``).
 """
 
 from __future__ import annotations
@@ -182,33 +179,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=128,
                         help="the layer's max_tokens_per_rank (at least the largest --tokens), as bench_eager sizes it")
-    parser.add_argument("--partitions", default="auto,none",
-                        help="the layer's partition= values, one layer each (comma-separated: auto, none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",") if t]
-    partitions = [p for p in args.partitions.split(",") if p]
-    if not partitions or not set(partitions) <= {"auto", "none"}:
-        parser.error("--partitions takes auto and/or none")
     runtime = chunkring.init()
     if runtime.world_size != 1:
         raise SystemExit("probe_graph_launch runs at one rank")
     records: list[dict] = []
     try:
-        gate = Gate(GATE_MS)
-        for partition in partitions:
-            shape = Shape(args.shape, runtime, max(args.max_tokens, *tokens), partition=partition,
-                          eager_graphs=True)
-            try:
-                for t in tokens:
-                    rec = {"shape": args.shape, "partition": partition, **probe(shape, t, args.samples, gate)}
-                    records.append(rec)
-                    print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                    for k, v in rec.items()), flush=True)
-            finally:
-                shape.close()
+        shape = Shape(args.shape, runtime, max(args.max_tokens, *tokens), eager_graphs=True)
+        try:
+            gate = Gate(GATE_MS)
+            for t in tokens:
+                rec = {"shape": args.shape, **probe(shape, t, args.samples, gate)}
+                records.append(rec)
+                print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()),
+                      flush=True)
+        finally:
+            shape.close()
         if args.json:
-            figures = {f"{r['shape']}_{r['partition']}_{r['tokens']}_{k}": v for r in records for k, v in r.items()
+            figures = {f"{r['shape']}_{r['tokens']}_{k}": v for r in records for k, v in r.items()
                        if k.endswith("_us") or k.startswith(("nodes", "param_bytes")) or k in ("edges", "contexts")}
             failed = sum(not r["bitwise"] for r in records)
             result_records.write(args.json, suite="graph-launch-1rank", world_size=1, figures=figures,

@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import chunkring
-from benchmarks.bench_eager import Gate
+from benchmarks.bench_eager import Gate, host_issue_sample
 from benchmarks.bench_overlap import SHAPES, Shape
 from chunkring.testing import records as result_records
 from chunkring.testing.cuda_graphs import kernel_nodes, node_types, ok
@@ -45,18 +44,23 @@ from chunkring.testing.cuda_graphs import kernel_nodes, node_types, ok
 GATE_MS = 5.0
 
 
-def host_us(launch: Callable[[], object], gate: Callable[[], object], samples: int, *, again: bool = False) -> float:
-    """The median host time of ``launch()``, each sample behind a device-side delay, the device idle between
-    samples. ``again``: time a second launch right after an untimed first, while the first still waits behind the
-    delay (a launch that waits for the graph's previous launch to finish takes about the delay)."""
-    times = []
-    for _ in range(samples):
-        gate()
+def host_us(launch: Callable[[], object], gate: Callable[[], Callable[[], bool]], samples: int, *,
+            again: bool = False) -> float:
+    """The median host time of ``launch()`` (bench_eager's :func:`host_issue_sample`), each sample behind a
+    device-side delay (``gate``, a :class:`Gate`), the device idle between samples. ``again``: time a second launch
+    right after an untimed first, while the first still waits behind the delay (a launch that waits for the graph's
+    previous launch to finish takes about the delay)."""
+
+    def gated() -> Callable[[], bool]:
+        ran_out = gate()
         if again:
             launch()
-        start = time.perf_counter()
-        launch()
-        times.append((time.perf_counter() - start) * 1e6)
+        return ran_out
+
+    times = []
+    for _ in range(samples):
+        ms, _ = host_issue_sample(launch, gated)
+        times.append(ms * 1e3)
         torch.cuda.synchronize()
     return statistics.median(times)
 

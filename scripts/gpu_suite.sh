@@ -22,12 +22,12 @@
 # Nsight Compute, then decode_stalls where one L1 and one L2 launch at 8 tokens stall, after a one-kernel probe that
 # ncu can profile here (producer_ncu likewise). smoke_1rank runs the newest device paths' tests first and stops at the
 # first failure: a short first call of a session; smoke_mps runs them at $ranks ranks under MPS. quick_1rank runs the
-# GPU tests but the input fuzzer. call_kernels
-# lists every kernel of a small layer call's graph replay, as the GPU ran it (benchmarks/probe_call_kernels.py: where
-# a decode-sized call's time goes). graph_launch_1rank times the host's launch of that graph, torch's replay against the
-# driver's and against a plain graph of as many kernels (benchmarks/probe_graph_launch.py). megamoe_1rank runs
-# benchmarks/bench_vs_megamoe.py (the layer against MegaMoE and the torch peer, graph with graph; MEGAMOE_ARGS);
-# breakdown_1rank benchmarks/bench_consumer_breakdown.py (a batch-ready call's steps timed alone). bisect_1rank runs the GPU tests BISECT_TESTS names (pytest arguments) on each
+# GPU tests but the input fuzzer. call_kernels lists every kernel of a small layer call's graph replay, as the GPU
+# ran it (benchmarks/probe_call_kernels.py: where a decode-sized call's time goes). graph_launch_1rank times the
+# host's launch of that graph, torch's replay against the driver's and against a plain graph of as many kernels
+# (benchmarks/probe_graph_launch.py). megamoe_1rank runs benchmarks/bench_vs_megamoe.py (the layer against MegaMoE
+# and the torch peer, graph with graph; MEGAMOE_ARGS); breakdown_1rank benchmarks/bench_consumer_breakdown.py (a
+# batch-ready call's steps timed alone). bisect_1rank runs the GPU tests BISECT_TESTS names (pytest arguments) on each
 # earlier tree scripts/carry_trees.sh put in .carry/trees, in its order, until one passes: the commit after that tree
 # broke them (one summary per tree, named by its commit). decode_trees runs the decode benchmark on each such tree: an
 # earlier commit's kernels against this tree's on the same card. eager_1rank / eager_mps run benchmarks/bench_eager.py

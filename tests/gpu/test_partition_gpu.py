@@ -126,12 +126,10 @@ def test_a_captured_streamed_call_keeps_its_partition(runtime):
     from cuda.bindings import driver
 
     from chunkring import MoELayer
-    from chunkring.testing.cuda_graphs import kernel_nodes
+    from chunkring.testing.cuda_graphs import kernel_nodes, ok
 
     def stream_context(stream: torch.cuda.Stream) -> int:
-        err, context = driver.cuStreamGetCtx(driver.CUstream(stream.cuda_stream))
-        assert err == driver.CUresult.CUDA_SUCCESS, err
-        return int(context)
+        return int(ok(driver.cuStreamGetCtx(driver.CUstream(stream.cuda_stream))))
 
     cfg = _layer_config(runtime)
     with MoELayer(runtime, cfg) as layer:

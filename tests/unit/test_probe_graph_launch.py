@@ -27,7 +27,10 @@ def test_a_failed_driver_call_raises_its_status():
 def test_host_timing_gates_each_sample(monkeypatch, again):
     events = []
     monkeypatch.setattr(probe.torch.cuda, "synchronize", lambda: events.append("sync"))
-    gate = lambda: events.append("gate")  # noqa: E731
+
+    def gate():
+        events.append("gate")
+        return lambda: False  # the delay still holds
     median = probe.host_us(lambda: events.append("launch"), gate, 3, again=again)
     sample = ["gate", "launch", "launch", "sync"] if again else ["gate", "launch", "sync"]
     assert events == sample * 3

@@ -8,7 +8,8 @@ and none is ever left current: work reaches a partition only through its stream.
 
 Work-queue policy (the hardware queues can still couple the partitions): keep the default number of
 connections (never ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which starved the producer even with the split),
-give the consumer its own stream, and enqueue producer work before the consumer.
+give the consumer its own stream, and enqueue nothing that waits for a spinning kernel before the work that
+kernel waits for (docs/PROTOCOL.md, "Progress" 10).
 """
 
 from __future__ import annotations

@@ -233,3 +233,29 @@ def test_the_batch_plan_is_reset_before_the_pull_on_the_stream_that_uses_it(monk
     compute = res.compute_streams[CallMode.STREAMED]
     if where(launched, "experts") == {compute.name}:  # a stream of its own: it waited for the consumer twice
         assert compute.waits[:2] == ["part.consumer", "part.consumer"]
+
+
+@pytest.mark.parametrize("waves", [1, 2])
+def test_nothing_that_waits_for_the_pull_is_enqueued_before_the_chunks_the_pull_waits_for(monkeypatch, waves):
+    """Streams share the GPU's hardware queues, which run commands in the order the host enqueued them
+    (docs/PROTOCOL.md, "Progress" 10): a wait for the pull's end enqueued ahead of a later chunk would hold that
+    chunk's publish behind a pull that needs it. So the later chunks (published with ``may_wait``) come after the
+    pull, whose acks they wait for, and before the expert work (the second wait for the consumer stream, or the
+    waves, whose claims wait for pulled rows), the held acks and the drain."""
+    schedule, res, launched = schedule_on(monkeypatch, slots=2, waves=waves)
+
+    def publish(ring, start, end, eos, valid, rows, stream, may_wait):
+        launched.append(("publish_waits" if may_wait else "publish", stream.name))
+
+    schedule.enqueue(Call(CallMode.STREAMED, SimpleNamespace(publish=publish), 61, None, None, None, None, None, None,
+                          False))
+    names = [name for name, _ in launched]
+    pull = "moe_pull_blocks" if waves > 1 else "moe_pull"
+    later = [i for i, name in enumerate(names) if name == "publish_waits"]
+    assert len(later) == 2 and names.index(pull) < later[0]
+    after_pull = [i for i, name in enumerate(names) if name in ("experts", "wave", "moe_ack_held", "moe_drain")]
+    if waves == 1:  # the compute stream's second wait for the consumer stream: the pull's end
+        waits = [i for i, entry in enumerate(launched) if entry == ("wait", "whole.compute<-part.consumer")]
+        assert len(waits) == 2 and waits[0] < names.index(pull)
+        after_pull.append(waits[1])
+    assert after_pull and min(after_pull) > later[-1]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.moe._engine.call import Call, CallMode
-from chunkring.moe._engine.experts import OwnRows
+from chunkring.moe._engine.experts import DevicePlan, OwnRows
 from chunkring.moe._engine.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
@@ -41,6 +41,9 @@ __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule"]
 
 #: The most blocks of ``moe_call_reset`` (eight words a thread below that; a grid-stride loop past it).
 _RESET_MAX_GRID = 1024
+
+#: A batch plan's buffers, reset before the pull (ExpertCompute.empty_plan), and its cursors.
+EmptyPlan = tuple[DevicePlan, torch.Tensor]
 
 #: How long a layer's first call of a mode waits at the host barrier for every rank's GEMM warm-up: several
 #: ranks compiling DeepGEMM's kernels at once take minutes at most; a rank that raised before the barrier
@@ -113,11 +116,12 @@ class CallSchedule:
                                        stream, may_wait)
                     mark(Event.PUBLISHED, index)
 
-        # Enqueue order (docs/PROTOCOL.md, "Progress"): the chunks that fit the ring first - their publishes
-        # never wait - then the consumer, then the rest. Producer work goes ahead of the consumer's spinning
-        # pull where it can (partition.py: the work-queue policy), but the host must not stay blocked behind a
-        # full launch queue of producer work that waits for acks of a consumer not yet enqueued: an eager call
-        # of many chunks would deadlock.
+        # Enqueue order (docs/PROTOCOL.md, "Progress" 10): streams share the GPU's hardware queues, which run
+        # their commands in the order the host enqueued them, so no wait on a kernel that spins may be enqueued
+        # before the work that kernel waits for. Hence: the chunks that fit the ring (their publishes never wait);
+        # the pull; the later chunks (whose publishes wait for the pull's acks); only then the expert work, which
+        # waits for the pull to end (or, with waves, claims what it pulled), and the drain, which waits for the
+        # held acks. The host never blocks on a full launch queue of later chunks either: the pull is enqueued.
         first = min(ring.spec.num_slots, len(starts))
         with torch.cuda.stream(early):
             mark(Event.CALL_BEGIN)
@@ -125,8 +129,10 @@ class CallSchedule:
         if producer is not early:
             producer.wait_stream(early)  # the later chunks in seq order, and the drain after every publish
         with torch.cuda.stream(consumer):
-            last, own = self._consume(mode, call.w13, call.w2, mark, waves, compute, call.decode)
+            last, plan = self._start_pull(mode, mark, waves, compute)
         produce_chunks(range(first, len(starts)), producer, may_wait=True)
+        with torch.cuda.stream(consumer):
+            own = self._experts_and_acks(mode, call.w13, call.w2, mark, waves, last, plan, call.decode)
         with torch.cuda.stream(producer):
             self._drain_and_reduce(mode, out, mark, last, own)
         if own is not None:
@@ -171,11 +177,12 @@ class CallSchedule:
         self.res.runtime.host_barrier(timeout_s=FIRST_CALL_BARRIER_S, what=f"the first {mode.value} call's warm-up")
         self._warm_modes.add(mode)
 
-    def _consume(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks, waves: int,
-                 compute_stream: torch.cuda.Stream, decode: bool) -> tuple[torch.cuda.Stream, OwnRows | None]:
-        """The consumer's part of a call, from the consumer stream (current): pull, experts (``decode``: their FP8
-        GEMMs on the decode path), combine push, held acks. Returns the stream its last step (the held acks)
-        runs on, and where the batch plan left this rank's own choices (None with waves, which push every row).
+    def _start_pull(self, mode: CallMode, mark: _Marks, waves: int, compute_stream: torch.cuda.Stream
+                    ) -> tuple[torch.cuda.Stream, EmptyPlan | None]:
+        """The consumer's first part, from the consumer stream (current): the call's resets and the pull (with
+        ``waves > 1``, ``moe_pull_blocks`` on the pull stream). Nothing here waits for the pull. Returns the stream
+        the expert work and the held acks run on (:meth:`_experts_and_acks`) and the batch plan, reset (None with
+        waves).
 
         Only the pull waits for other kernels (for chunks producers have not published yet), so only the pull
         runs on the consumer stream - on a partition, the SMs reserved for what spins (docs/PROTOCOL.md,
@@ -184,7 +191,7 @@ class CallSchedule:
         whole GPU's). With ``waves > 1`` the waves' claims spin beside the pull, so every wave stays on the
         consumer stream."""
         res = self.res
-        ring, stage, compute = res.rings[mode], res.stage, res.compute
+        stage, compute = res.stage, res.compute
         consumer = torch.cuda.current_stream(res.runtime.torch_device)
         # The stage's routing (-1) and held seqs and the pushes' count (which moe_ack_held counts below),
         # whatever an earlier call left, in one launch.
@@ -192,33 +199,45 @@ class CallSchedule:
         res.kernels.stream.launch("moe_call_reset", stage=stage.desc, pushed=compute.pushed,
                                   grid=max(1, min(_RESET_MAX_GRID, -(-choices // (8 * PULL_BLOCK)))), block=PULL_BLOCK,
                                   stream=consumer)
+        if waves > 1:
+            self._pull_into_blocks(mode, mark)
+            return consumer, None
+        if compute_stream is not consumer:
+            compute_stream.wait_stream(consumer)  # after the call's start (in a capture: the stream joins the graph)
+        # The plan's reset does not depend on the pull: enqueued before it, it runs while the chunks are still
+        # coming, not between the pull and the GEMMs. On the stream that uses the plan: one stream allocates, uses
+        # and frees its buffers.
+        with torch.cuda.stream(compute_stream):
+            plan = compute.empty_plan()
+        self._launch_pull(mode, mark.trace)
+        return compute_stream, plan
+
+    def _experts_and_acks(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks, waves: int,
+                          last: torch.cuda.Stream, plan: EmptyPlan | None, decode: bool) -> OwnRows | None:
+        """The consumer's second part, from the consumer stream (current), enqueued after every publish of the
+        call: the expert work (``decode``: its FP8 GEMMs on the decode path) into ``plan``, combine push and held
+        acks, on ``last`` (:meth:`_start_pull`). Returns where the batch plan left this rank's own choices (None with
+        waves, which push every row)."""
+        res = self.res
+        ring, stage, compute = res.rings[mode], res.stage, res.compute
+        consumer = torch.cuda.current_stream(res.runtime.torch_device)
         own = None
         if waves > 1:
-            self._pull_into_blocks_and_waves(mode, w13, w2, mark, res.consumer_sms[mode], decode)
-            last = consumer
+            self._waves(w13, w2, mark, res.consumer_sms[mode], decode, ring.desc)
         else:
-            last = compute_stream
-            if last is not consumer:
-                last.wait_stream(consumer)  # after the call's start (in a capture: the stream joins the graph)
-            # The plan's reset does not depend on the pull: enqueued before it, it runs while the chunks are
-            # still coming, not between the pull and the GEMMs. On the stream that uses the plan: one stream
-            # allocates, uses and frees its buffers.
-            with torch.cuda.stream(last):
-                empty = compute.empty_plan()
-            self._launch_pull(mode, mark.trace)
             if last is not consumer:
                 last.wait_stream(consumer)  # after the pull: every chunk of every source is in the stage
             with torch.cuda.stream(last):
                 mark(Event.EXPERTS_BEGIN)
                 own = compute(stage, w13, w2, res.peer_combine, lambda: mark(Event.EXPERTS_DONE), desc=ring.desc,
-                              combine=res.combine, sms=None, decode=decode, empty=empty)
+                              combine=res.combine, sms=None, decode=decode, empty=plan)
         with torch.cuda.stream(last):
             mark(Event.COMBINE_DONE)
             push_arrivals = compute.push_blocks * waves  # every wave pushes (one: the batch plan)
             res.kernels.stream.launch("moe_ack_held", desc=ring.desc, stage=stage.desc, pushed=compute.pushed,
                                       push_blocks=push_arrivals, grid=ring.spec.world_size, block=32, stream=last,
                                       pdl=True, **mark.trace)
-        return last, own
+        return own
 
     def _launch_pull(self, mode: CallMode, trace: KernelArgs) -> None:
         """Enqueue ``moe_pull`` of ``mode``'s ring into the stage, on the current stream. ``trace``: the
@@ -229,13 +248,10 @@ class CallSchedule:
                                   grid=res.pull_grid, block=PULL_BLOCK,
                                   stream=torch.cuda.current_stream(res.runtime.torch_device), **trace)
 
-    def _pull_into_blocks_and_waves(self, mode: CallMode, w13: Weight, w2: Weight, mark: _Marks,
-                                    sms: int | None, decode: bool) -> None:
-        """The consumer's incremental expert blocks, from the consumer stream (current): zero the pool's words;
-        ``moe_pull_blocks`` on the pull stream; ``waves`` waves on the consumer stream, concurrent with the pull
-        (each claim waits for sealed blocks; the last for every stream's end); then the consumer joins the pull
-        stream, so ``moe_ack_held`` (after this) reads the held seqs the pull wrote and runs after the last
-        wave's combine push. ``decode``: the waves' FP8 GEMMs on the decode path."""
+    def _pull_into_blocks(self, mode: CallMode, mark: _Marks) -> None:
+        """From the consumer stream (current), after the call's reset: zero the pool's words, then
+        ``moe_pull_blocks`` on the pull stream, which lands each row in a block of its expert (:meth:`_waves`
+        claims them)."""
         res = self.res
         pool, pull_stream, ring, stage = res.pool, res.pull_stream, res.rings[mode], res.stage
         assert pool is not None and pull_stream is not None  # only called with a pool
@@ -246,12 +262,21 @@ class CallSchedule:
         res.kernels.stream.launch("moe_pull_blocks", desc=ring.desc, arrivals=arrivals, stage=stage.desc,
                                   pool_desc=pool.desc, grid=res.pull_grid, block=PULL_BLOCK, stream=pull_stream,
                                   **mark.trace)
+
+    def _waves(self, w13: Weight, w2: Weight, mark: _Marks, sms: int | None, decode: bool, desc: torch.Tensor) -> None:
+        """``waves`` waves of expert work on the consumer stream (current), concurrent with the pull (each claim
+        waits for sealed blocks; the last for every stream's end); then the consumer joins the pull stream, so
+        ``moe_ack_held`` (after this) reads the held seqs the pull wrote and runs after the last wave's combine
+        push. ``decode``: the waves' FP8 GEMMs on the decode path."""
+        res = self.res
+        assert res.pool is not None and res.pull_stream is not None  # only called with a pool
+        consumer = torch.cuda.current_stream(res.runtime.torch_device)
         mark(Event.EXPERTS_BEGIN)
         for wave in range(res.config.waves):
-            res.compute.wave(pool, w13, w2, res.peer_combine, last=wave == res.config.waves - 1, desc=ring.desc,
+            res.compute.wave(res.pool, w13, w2, res.peer_combine, last=wave == res.config.waves - 1, desc=desc,
                              combine=res.combine, sms=sms, decode=decode)
         mark(Event.EXPERTS_DONE)
-        consumer.wait_stream(pull_stream)
+        consumer.wait_stream(res.pull_stream)
 
     def _drain_and_reduce(self, mode: CallMode, out: torch.Tensor, mark: _Marks, consumed: torch.cuda.Stream,
                           own: OwnRows | None) -> None:

@@ -4,7 +4,7 @@ each rank's ``moe_pull_blocks`` lands every local (token, k) choice in a block o
 (``ExpertCompute.wave``: moe_wave_claim, moe_wave_gather, the decode GEMMs, the combine push) run beside it, then
 ``moe_ack_held``, ``moe_drain`` and ``moe_combine_reduce`` - all as written (tests/helpers/emulation/blocks.py on
 ring.py, pull.py, waves.py, decode.py). The launches are the layer's: the pull by
-``launch`` with exactly the keyword arguments ``schedule._pull_into_blocks_and_waves`` passes (desc, arrivals,
+``launch`` with exactly the keyword arguments ``schedule._pull_into_blocks`` passes (desc, arrivals,
 stage, pool_desc, grid, block=PULL_BLOCK, stream, no trace), the waves by ``ExpertCompute.wave`` on the consumer
 stream, moe_ack_held after them, the drain and the reduction over the routed choices (``ExpertCompute.reduce`` as
 ``schedule._drain_and_reduce`` calls it) on the producer stream after the publishes (not after the consumer's
@@ -120,7 +120,7 @@ class World:
         """One call, enqueued as schedule.enqueue enqueues it, then run; returns each source's batch."""
         batches = [self.batch(n) for n in sizes]
         for r in range(self.W):
-            # _consume's reset. The layer's pull stream waits for it on the consumer stream; emulated streams have
+            # _start_pull's reset. The layer's pull stream waits for it on the consumer stream; emulated streams have
             # no waits, so it runs ahead of the pull on the pull's own stream (the waves come after the pull's
             # blocks through their claims, moe_ack_held after the waves).
             self.library.stream = ("moe_pull_blocks", self.rings[r].desc.data_ptr())
@@ -138,7 +138,7 @@ class World:
         return batches
 
     def consume(self, r: int) -> None:
-        """_pull_into_blocks_and_waves, then moe_ack_held, on rank r's consumer stream."""
+        """_pull_into_blocks and _waves, then moe_ack_held, on rank r's consumer stream."""
         ring, stage, pool, compute = self.rings[r], self.stages[r], self.pools[r], self.computes[r]
         self.library.stream = ("consumer", r)
         pool.reset()

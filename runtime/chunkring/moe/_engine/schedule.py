@@ -281,8 +281,8 @@ class CallSchedule:
     def _drain_and_reduce(self, mode: CallMode, out: torch.Tensor, mark: _Marks, consumed: torch.cuda.Stream,
                           own: OwnRows | None) -> None:
         """The producer's end of a call, on the producer stream (current): drain, then the reduction over k.
-        ``consumed``: the stream of this rank's held acks (:meth:`_consume`); ``own``: where its experts left this
-        rank's own choices (None: pushed to its combine buffer like the others)."""
+        ``consumed``: the stream of this rank's held acks (:meth:`_experts_and_acks`); ``own``: where its experts left
+        this rank's own choices (None: pushed to its combine buffer like the others)."""
         res = self.res
         producer = torch.cuda.current_stream(res.runtime.torch_device)
         # The drain spins until every destination acknowledged; started only after this rank's own consumer is

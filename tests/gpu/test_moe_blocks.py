@@ -15,6 +15,7 @@ import torch
 
 import chunkring.env
 from chunkring import ChunkringRuntimeError, MoEConfig, MoELayer, SmPartition
+from chunkring.moe import CallMode
 from chunkring.ring.spec import PayloadFormat
 from chunkring.testing.reference import dequantize_fp8_per128, quantize_fp8_per128
 from chunkring.testing.variants import mutant_layer
@@ -94,6 +95,11 @@ def test_incremental_blocks_match_the_reference_and_the_batch_plan(runtime, case
         batch.close()
 
 
+#: The seal-on-reserve control's sleep before each call's producers (GPU clock cycles, about 2.5 ms on an H100): longer
+#: than the host takes to enqueue the call's 41 publishes and its waves.
+PRODUCER_DELAY_CYCLES = 5_000_000
+
+
 def _seal_on_reserve_caught(runtime, variant):
     """Streamed calls of a ``waves=4`` layer built as ``variant``, each after poisoning the pool rows with NaN
     (e4m3 and bf16 0xFF bytes): per call, whether the output missed the reference or the call recorded an
@@ -115,6 +121,11 @@ def _seal_on_reserve_caught(runtime, variant):
             ref = layer_reference(layer, dequantize_fp8_per128(xq, sf).to(device), idx, w, w13, w2)
             args = [t.to(device) for t in (xq, sf, idx, w)]
             layer.resources.pool.x.fill_(0xFF)  # NaN in e4m3 and in bf16: a row read before it landed shows
+            # The call's producers start after a sleep on their stream, so its waves are launched and claiming before
+            # the pull reserves a row: the host enqueues the waves after every publish (docs/PROTOCOL.md, "Progress"
+            # 10), and without the sleep the rows may all have landed by then, leaving the mutant nothing to misclaim.
+            with torch.cuda.stream(layer.streams(CallMode.BATCH_READY)[0]):
+                torch.cuda._sleep(PRODUCER_DELAY_CYCLES)
             try:
                 out = layer.run(*args, w13_local, w2_local, streaming=True)
                 torch.cuda.synchronize()

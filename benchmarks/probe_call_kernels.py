@@ -8,7 +8,9 @@ with ``decode`` False and True, captured in a graph and replayed under ``torch.p
 spaced by idle gaps, and the last one is reported kernel by kernel: its offset from the replay's first kernel,
 its duration, its stream. ``span_us`` is the replay from its first kernel's start to its last kernel's end;
 ``busy_us`` the time some kernel ran (the union of their intervals), so ``span_us - busy_us`` is time with
-nothing running: launch gaps between dependent kernels.
+nothing running: launch gaps between dependent kernels. ``two_roots_second_start_us``: in a graph of two
+one-kernel roots on two forked streams, when the second kernel starts after the first (the layer call's consumer
+branch starts some 25 us after its producer's publish: the driver's, or the call's).
 """
 
 from __future__ import annotations
@@ -72,7 +74,24 @@ def busy_us(events: list[dict]) -> float:
 
 
 def profile_call(layer: MoELayer, args: tuple) -> dict:
-    graph = capture_graph(lambda: layer.run(*args))
+    out = profile_graph(capture_graph(lambda: layer.run(*args)))
+    layer.check()
+    return out
+
+
+def profile_two_roots() -> dict:
+    """A graph of two roots, one one-block kernel each (two streams forked from the capturing stream and joined
+    back, as a layer call's producer and consumer): whether the driver starts the second root with the first, or
+    later by about the delay a layer call's consumer shows (its first kernel some 25 us after the publish starts)."""
+    from benchmarks.probe_graph_launch import plain_graph
+
+    graph, _ = plain_graph(kernels=2, branches=2)
+    return profile_graph(graph)
+
+
+def profile_graph(graph: torch.cuda.CUDAGraph) -> dict:
+    """The last of ``REPLAYS`` replays of ``graph``, spaced by idle gaps, under ``torch.profiler``: its span, busy
+    time, launches and every kernel's start (from the first's) and duration."""
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -85,7 +104,6 @@ def profile_call(layer: MoELayer, args: tuple) -> dict:
                 time.sleep(GAP_S)
         prof.export_chrome_trace(path)
         events = last_replay(device_events(path), gap_us=GAP_S * 1e6 / 2)
-    layer.check()
     t0 = float(events[0]["ts"])
     span = max(float(e["ts"]) + float(e["dur"]) for e in events) - t0
     kernels = [{"name": e["name"][:80], "kind": e["cat"], "stream": e.get("args", {}).get("stream"),
@@ -126,11 +144,15 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  {k['start_us']:8.1f} +{k['dur_us']:7.1f}  s{k['stream']}  {k['name']}")
             finally:
                 layer.close()
+        roots = profile_two_roots()
+        starts = sorted(k["start_us"] for k in roots["kernels"])
+        print(f"\ntwo-root graph: kernels start at {starts} us", flush=True)
         if args.json:
             figures = {f"{r['shape']}_{r['tokens']}_{'decode' if r['decode'] else 'deepgemm'}_{key}": r[key]
                        for r in records for key in ("span_us", "busy_us", "launches")}
+            figures["two_roots_second_start_us"] = starts[1] if len(starts) > 1 else -1.0
             result_records.write(args.json, suite="call-kernels-1rank", world_size=1, figures=figures,
-                                 records=records, passed=len(records))
+                                 records=[*records, {"two_roots": roots}], passed=len(records))
     finally:
         runtime.close()
     return 0

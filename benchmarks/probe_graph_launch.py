@@ -15,6 +15,9 @@ while the host issues it, and the launch queue never fills):
   layer's graph has kernel nodes, one after another on one stream; ``plain2_*``: the same kernels on two streams
   forked from the capturing stream and joined back (a layer call's shape);
 * ``run_replayed_us``: the whole eager ``MoELayer.run`` as a caller makes it, replayed from the layer's own graph;
+* ``replay_ops_us``: the torch work such a call issues around its graph's launch, made here on buffers of the same
+  shapes - its four input copies into the first rows of ``--max-tokens``-row buffers, the token count's fill and the
+  output's clone - so ``run_replayed_us`` minus this and ``layer_torch_us`` is the layer's Python;
 * ``<side>_again_us``: a launch right after an untimed one of the same graph, which still waits behind the delay:
   about the delay (``GATE_MS``) where the driver makes a launch wait for the graph's previous one, as the calls back
   to back of bench_eager's profile suggest at 128 tokens.
@@ -133,6 +136,23 @@ def plain_graph(kernels: int, branches: int = 1) -> tuple[torch.cuda.CUDAGraph, 
     return graph, cells
 
 
+def replay_ops(rows: int, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The torch work a replayed eager call issues besides its graph's launch (``CallGraphs.replay``): each input
+    copied into the first rows of a buffer of ``rows`` rows, the token count filled in, the output's rows cloned."""
+    buffers = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in inputs]
+    count = torch.zeros(1, dtype=torch.int32, device=out.device)
+    fixed_out = torch.empty((rows, *out.shape[1:]), dtype=out.dtype, device=out.device)
+    n = out.shape[0]
+
+    def issue() -> torch.Tensor:
+        for buffer, t in zip(buffers, inputs, strict=True):
+            buffer[:n].copy_(t)
+        count.fill_(n)
+        return fixed_out[:n].clone()
+
+    return issue
+
+
 def probe(shape: Shape, tokens: int, samples: int, gate: Gate) -> dict:
     _, (x, x_sf, idx, w) = shape.inputs(tokens)
     layer = shape.layer
@@ -160,6 +180,8 @@ def probe(shape: Shape, tokens: int, samples: int, gate: Gate) -> dict:
         rec["layer_torch_again_us"] = host_us(graph.replay, gate, samples, again=True)
         rec["layer_driver_again_us"] = host_us(driver_graph.launch, gate, samples, again=True)
         rec["run_replayed_us"] = host_us(run, gate, samples)
+        rec["replay_ops_us"] = host_us(replay_ops(shape.layer.config.max_tokens_per_rank, (x, x_sf, idx, w), out),
+                                       gate, samples)
         layer.check()
     finally:
         driver_graph.close()

@@ -35,3 +35,16 @@ def test_host_timing_gates_each_sample(monkeypatch, again):
     sample = ["gate", "launch", "launch", "sync"] if again else ["gate", "launch", "sync"]
     assert events == sample * 3
     assert median >= 0.0
+
+
+def test_the_replay_ops_copy_each_input_count_the_rows_and_clone_the_output():
+    """``replay_ops`` issues what a replayed call issues around its launch, on buffers of the layer's capacity: each
+    input into its buffer's first rows, the count, a fresh copy of the output's rows."""
+    torch = pytest.importorskip("torch")
+    inputs = (torch.randn(3, 8), torch.randn(3, 2), torch.arange(6, dtype=torch.int32).view(3, 2), torch.rand(3, 2))
+    out = torch.randn(3, 8)
+    issue = probe.replay_ops(16, inputs, out)
+    cloned = issue()
+    assert cloned.shape == (3, 8) and cloned.data_ptr() != out.data_ptr()
+    again = issue()
+    assert again.data_ptr() != cloned.data_ptr()  # one clone a call, as a replayed call returns

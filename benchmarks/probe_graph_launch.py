@@ -42,7 +42,7 @@ import chunkring
 from benchmarks.bench_eager import Gate, host_issue_sample
 from benchmarks.bench_overlap import SHAPES, Shape
 from chunkring.testing import records as result_records
-from chunkring.testing.cuda_graphs import kernel_nodes, node_types, ok
+from chunkring.testing.cuda_graphs import kernel_nodes, node_types, ok, root_nodes
 
 GATE_MS = 5.0
 
@@ -93,9 +93,11 @@ class DriverGraph:
     def launch(self) -> None:
         ok(self.driver.cuGraphLaunch(self.exec, self.stream))
 
-    def shape(self) -> dict[str, int]:
-        """The graph's nodes by type (``nodes_<type>``), its dependency edges (``edges``) and the bytes of its kernel
-        nodes' parameters (``param_bytes``, the largest ``param_bytes_max``; -1 where the driver does not say)."""
+    def shape(self) -> dict[str, int | str]:
+        """The graph's nodes by type (``nodes_<type>``), its dependency edges (``edges``), the bytes of its kernel
+        nodes' parameters (``param_bytes``, the largest ``param_bytes_max``; -1 where the driver does not say), the
+        contexts its kernels run in and its root nodes (``roots``: a layer call's publish and consumer reset, unless
+        one waits for the other)."""
         handle = int(self.graph)
         types = node_types(handle)
         kernels = kernel_nodes(handle)
@@ -108,7 +110,7 @@ class DriverGraph:
         return {"nodes": sum(types.values()), **{f"nodes_{kind}": n for kind, n in types.items()},
                 "param_bytes": -1 if -1 in param_bytes else sum(param_bytes),
                 "param_bytes_max": max(param_bytes, default=0), "edges": edges,
-                "contexts": len({node.ctx for node in kernels})}
+                "contexts": len({node.ctx for node in kernels}), "roots": ",".join(root_nodes(handle))}
 
     def close(self) -> None:
         ok(self.driver.cuGraphExecDestroy(self.exec))

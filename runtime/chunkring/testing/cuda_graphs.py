@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KernelNode", "kernel_nodes", "node_types", "ok"]
+__all__ = ["KernelNode", "kernel_nodes", "node_types", "ok", "root_nodes"]
 
 
 def ok(result: tuple) -> Any:
@@ -55,21 +55,30 @@ def node_types(graph_handle: int) -> dict[str, int]:
 
 def kernel_nodes(graph_handle: int) -> list[KernelNode]:
     """Every kernel node of the graph, in the driver's order."""
+    return [_kernel_node(node) for node in _nodes(graph_handle) if _type(node) == "kernel"]
+
+
+def root_nodes(graph_handle: int) -> list[str]:
+    """The graph's nodes that depend on none: a kernel node by its function's name, any other by its type."""
     from cuda.bindings import driver
 
-    out = []
-    for node in _nodes(graph_handle):
-        if _type(node) != "kernel":
-            continue
-        params = ok(driver.cuGraphKernelNodeGetParams(node))
-        # A library's kernel may be recorded as its CUkernel rather than a CUfunction.
-        function, get_name, get_param = ((params.func, driver.cuFuncGetName, driver.cuFuncGetParamInfo)
-                                         if int(params.func) else
-                                         (params.kern, driver.cuKernelGetName, driver.cuKernelGetParamInfo))
-        name = ok(get_name(function))
-        out.append(KernelNode(name.decode() if isinstance(name, bytes) else str(name), int(params.ctx),
-                              _param_bytes(get_param, function)))
-    return out
+    graph = driver.CUgraph(graph_handle)
+    _, count = ok(driver.cuGraphGetRootNodes(graph, 0))
+    roots, _ = ok(driver.cuGraphGetRootNodes(graph, count))
+    return [_kernel_node(node).name if _type(node) == "kernel" else _type(node) for node in roots]
+
+
+def _kernel_node(node: Any) -> KernelNode:
+    from cuda.bindings import driver
+
+    params = ok(driver.cuGraphKernelNodeGetParams(node))
+    # A library's kernel may be recorded as its CUkernel rather than a CUfunction.
+    function, get_name, get_param = ((params.func, driver.cuFuncGetName, driver.cuFuncGetParamInfo)
+                                     if int(params.func) else
+                                     (params.kern, driver.cuKernelGetName, driver.cuKernelGetParamInfo))
+    name = ok(get_name(function))
+    return KernelNode(name.decode() if isinstance(name, bytes) else str(name), int(params.ctx),
+                      _param_bytes(get_param, function))
 
 
 #: A kernel's parameters take at most this many bytes, so it has at most as many parameters.

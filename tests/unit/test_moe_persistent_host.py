@@ -33,6 +33,7 @@ from chunkring.moe._engine.persistent import (
     MAX_STAGES,
     MAX_TOKEN_STAGES,
     PERSISTENT_THREADS,
+    STATIC_SHARED,
     TILE_TOKENS,
     TIMELINE_WORDS,
     PersistentGemm,
@@ -60,7 +61,7 @@ def test_the_layout_is_the_headers():
     assert len(pinned) == 3
     for stages, token_stages, cap, value in pinned:
         assert shared_bytes(int(stages), int(token_stages), int(cap)) == int(value)
-    assert PersistentVariant().shared_bytes() + 4096 <= H100["max_shared_memory_per_block_optin"]
+    assert PersistentVariant().shared_bytes() + STATIC_SHARED <= H100["max_shared_memory_per_block_optin"]
 
 
 def test_the_constants_are_the_headers():
@@ -236,6 +237,14 @@ def test_a_fused_launch_names_every_parameter_and_maps_the_tensors_as_the_kernel
     assert launch["args"]["act_sf"] is act_sf
     assert tuple(act.shape) == (P, inter) and tuple(act_sf.shape) == (inter // 128, P) and launch["args"]["out"] is out
     assert int(launch["args"]["sf_stride"]) == P and int(launch["args"]["fault_record"]) == gemm.fault_word.data_ptr()
+    fields = launch["args"]  # every other field, by identity or value: a swap of two alike ones fails here only
+    assert fields["w13_sf"] is w13.scale and fields["w2_sf"] is w2.scale and fields["rows_sf"] is plan.rows_sf
+    assert fields["counts"] is plan.counts and fields["group_end"] is plan.group_end and fields["sync"] is gemm.sync
+    assert [int(fields[k]) for k in ("experts", "hidden", "inter")] == [E, H, inter]
+    v = gemm.variant
+    assert [int(fields[k]) for k in ("stages", "token_stages", "tile_cap", "claim")] == [
+        v.stages, v.token_stages, v.tile_cap, CLAIMS[v.claim]]
+    assert int(fields["wait_limit_ns"]) == gemm.wait_limit_ns and fields["timeline"] is None
     w13_map, w2_map, rows_map, act_map = encoded
     assert (w13_map.dims, w13_map.box) == ((H, 8, 2, inter // 8, E), (128, 8, 2, 8, 1))
     assert w13_map.strides == (H, inter * H, 8 * H, 2 * inter * H) and w13_map.address == w13.data.data_ptr()
@@ -252,8 +261,10 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     P = 256
     library, gemm, w13, w2, plan, out = call_parts(P)
     variant = gemm.with_variant(fused=False, stages=3, token_stages=2, tile_cap=16, claim="blocked", sms=66)
-    timeline = torch.zeros((66, TIMELINE_WORDS), dtype=torch.int64)
-    gemm(plan, w13, w2, out, variant=variant, timeline=timeline)
+    with pytest.raises(ChunkringUsageError, match="overwrite") as info:  # two launches, one record per block
+        gemm(plan, w13, w2, out, variant=variant, timeline=torch.zeros((66, TIMELINE_WORDS), dtype=torch.int64))
+    assert info.value.field == "timeline" and not library.launches
+    gemm(plan, w13, w2, out, variant=variant)
     first, second = library.launches
     assert [int(first["args"]["phases"]), int(second["args"]["phases"])] == [1, 2]
     for launch in (first, second):
@@ -261,7 +272,7 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
         fields = launch["args"]
         assert (fields["stages"], fields["token_stages"], fields["tile_cap"], fields["claim"]) \
             == (3, 2, 16, CLAIMS["blocked"])
-        assert launch["args"]["timeline"] is timeline
+        assert launch["args"]["timeline"] is None
     assert first["args"]["act"] is second["args"]["act"], "L2 reads what L1 wrote"
     gemm(plan, w13, w2, out, variant=gemm.with_variant(w13_boxes=16))
     assert library.launches[-1]["args"]["w13_boxes"] == 16

@@ -278,8 +278,9 @@ class PersistentGemm:
         """Enqueue on ``stream`` (None: the current one) ``out[p] = w2[e] @ act(w13[e] @ row p)`` for every real row p
         of ``plan`` (bf16 [P, H]; other rows untouched), act = e4m3(silu(gate) * up) per 1x128. Returns the activation
         it wrote (``act`` e4m3 [P, I], ``act_sf`` fp32 [I / 128, P]: the groups' real rows), as moe_decode_l1 writes it.
-        ``timeline``: int64 [blocks, TIMELINE_WORDS], each block's device times, or None. No host synchronisation:
-        graph-capturable (a captured launch keeps the tensor maps of the tensors it was captured with)."""
+        ``timeline``: int64 [blocks, TIMELINE_WORDS], each block's device times (fused variants only), or None. No
+        host synchronisation: graph-capturable (a captured launch keeps the tensor maps of the tensors it was captured
+        with)."""
         v = variant if variant is not None else self.variant
         if v is not self.variant:
             v.check(self.sm_count, self.shared_limit)
@@ -288,6 +289,9 @@ class PersistentGemm:
         if timeline is not None and (timeline.dtype != torch.int64 or tuple(timeline.shape) != (grid, TIMELINE_WORDS)):
             raise ChunkringUsageError(f"expected int64 [{grid}, {TIMELINE_WORDS}], got {timeline.dtype} "
                                       f"{list(timeline.shape)}", field="timeline")
+        if timeline is not None and not v.fused:  # each launch writes every word of its blocks' records
+            raise ChunkringUsageError("a split call's L2 launch would overwrite its L1 launch's records: time a fused "
+                                      "variant", field="timeline")
         E, H, inter = self.experts_per_rank, self.config.hidden, self.config.intermediate
         P = plan.rows.shape[0]
         act = torch.empty((P, inter), dtype=torch.float8_e4m3fn, device=out.device)

@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KernelNode", "kernel_nodes", "node_types", "ok", "root_nodes"]
+__all__ = ["KernelNode", "kernel_nodes", "named_kernel_nodes", "node_types", "ok", "root_nodes"]
 
 
 def ok(result: tuple) -> Any:
@@ -56,6 +56,18 @@ def node_types(graph_handle: int) -> dict[str, int]:
 def kernel_nodes(graph_handle: int) -> list[KernelNode]:
     """Every kernel node of the graph, in the driver's order."""
     return [_kernel_node(node) for node in _nodes(graph_handle) if _type(node) == "kernel"]
+
+
+def named_kernel_nodes(graph_handle: int, names: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """The graph's kernel nodes whose function's name is one of ``names``, as (name, ``CUgraphNode``) pairs in the
+    driver's order: the handles ``cuGraphKernelNodeGetParams`` and ``cuGraphExecKernelNodeSetParams`` take."""
+    picked = []
+    for node in _nodes(graph_handle):
+        if _type(node) == "kernel":
+            name = _kernel_node(node).name
+            if name in names:
+                picked.append((name, node))
+    return picked
 
 
 def root_nodes(graph_handle: int) -> list[str]:

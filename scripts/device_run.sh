@@ -19,6 +19,11 @@ echo "gpu_suite exit $rc after $((SECONDS - start)) s" | tee -a "$LOGS/driver.lo
 # A suite that timeout cut short leaves its MPS daemon (private pipe directory, so `quit` cannot reach it from
 # here): end it by name. The device machine is this session's alone.
 pkill -f nvidia-cuda-mps 2>/dev/null
+# A failed launch leaves each rank's diagnostic in its job directory (chunkring-launch names it): keep them.
+for job in /tmp/chunkring-job-*; do
+    [ -d "$job" ] || continue
+    mkdir -p "$LOGS/jobs/${job##*/}" && cp "$job"/rank*.txt "$job"/first_failure "$LOGS/jobs/${job##*/}/" 2>/dev/null
+done
 tar -C /tmp/res -czf "$OUT/res.tgz" .
 tar -C "$CHUNKRING_CACHE_DIR" -czf "$OUT/cache.tgz" --exclude='*.lock' . 2>/dev/null
 ls -la "$OUT"

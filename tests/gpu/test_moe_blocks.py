@@ -95,9 +95,9 @@ def test_incremental_blocks_match_the_reference_and_the_batch_plan(runtime, case
         batch.close()
 
 
-#: The seal-on-reserve control's sleep before each call's producers (GPU clock cycles, about 2.5 ms on an H100): longer
-#: than the host takes to enqueue the call's 41 publishes and its waves.
-PRODUCER_DELAY_CYCLES = 5_000_000
+#: The seal-on-reserve control's sleep before each call's producers (GPU clock cycles, about 10 ms on an H100): several
+#: times what the host takes to enqueue the call's 41 publishes and its waves (some 40 launches from Python).
+PRODUCER_DELAY_CYCLES = 20_000_000
 
 
 def _seal_on_reserve_caught(runtime, variant):

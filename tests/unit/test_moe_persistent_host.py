@@ -376,3 +376,21 @@ def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path
     assert out.shape == (P, H) and out.dtype == torch.bfloat16
     assert [launch["name"] for launch in library.launches] == ["moe_persistent_gemm"] * 2
     assert [launch["args"]["phases"] for launch in library.launches] == [1, 2]  # L1, then L2
+
+
+def test_on_a_partition_the_persistent_consumer_launches_a_block_per_sm_it_has(encoded, monkeypatch):
+    """Expert work on a partition of fewer SMs than the GPU's (the waves' consumer stream): the persistent consumer
+    launches as many blocks as the partition has SMs, each launch of the layer's variant (split), where one per SM
+    of the GPU would leave the blocks past the partition to a second round; on the whole GPU, one per SM."""
+    from tests.helpers.emulation.plan_layout import expert_compute
+
+    library = RecordingLibrary("moe_persistent")
+    cfg = config(max_tokens_per_rank=8)
+    gemm = PersistentGemm(library, cfg, E, variant=LAYER_VARIANT)
+    compute = expert_compute(cfg, 1, 0, E, RecordingLibrary("moe_experts"), monkeypatch, decode=gemm)
+    w13, w2 = small_weights(E, H, INTER)
+    for sms, grid in ((40, 40), (None, gemm.grid()), (gemm.grid(), gemm.grid())):
+        library.launches.clear()
+        compute.experts(cpu_plan(compute.capacity, E, H), w13, w2, sms=sms)
+        assert [launch["grid"] for launch in library.launches] == [grid, grid], sms
+        assert [int(launch["args"]["phases"]) for launch in library.launches] == [1, 2]

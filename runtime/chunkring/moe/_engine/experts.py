@@ -34,7 +34,7 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.moe._engine.blocks import BlockPool
 from chunkring.moe._engine.decode import DecodeGemm
 from chunkring.moe._engine.kernel_args import CombinePushArgs, CombineReduceArgs, PlanScatterArgs, WaveGatherArgs
-from chunkring.moe._engine.persistent import PersistentGemm
+from chunkring.moe._engine.persistent import PersistentGemm, PersistentVariant
 from chunkring.moe.gemm import GROUP_ALIGN, load_deep_gemm, padded_rows_bound
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.io import check_row_aligned, check_tensor
@@ -153,6 +153,7 @@ class ExpertCompute:
         self.push_blocks = self._grid
         self._offsets_bytes = 4 * (experts_per_rank + 1)  # group_offsets' shared memory
         self._warm: set[int | None] = set()  # the SM counts (warm_up's sms) whose GEMM kernels are loaded
+        self._decode_variants: dict[int, PersistentVariant] = {}  # per partition size, the persistent launch's
         self._checked_stage: Stage | None = None  # the stage _check_stage accepted (a layer plans from one stage)
         # bf16 [P, H] in NVSHMEM-registered memory, set by a layer with RMA peers: the experts' output, whose
         # rows the combine push puts from (an RMA put's local buffer must be registered off-node).
@@ -187,10 +188,17 @@ class ExpertCompute:
         ``empty``: as :meth:`plan` takes it."""
         plan = self.plan(stage, empty)
         with self.gemm_sms(sms):
-            out = self.experts(plan, w13, w2, decode=decode)
+            out = self.experts(plan, w13, w2, decode=decode, sms=sms)
         on_experts_done()
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine, keep_own=True)
         return OwnRows(plan.own_row, out)
+
+    def _decode_on(self, sms: int) -> PersistentVariant:
+        """The persistent consumer's variant with ``sms`` blocks (checked once per size)."""
+        assert isinstance(self.decode, PersistentGemm)
+        if sms not in self._decode_variants:
+            self._decode_variants[sms] = self.decode.with_variant(sms=sms)
+        return self._decode_variants[sms]
 
     @contextlib.contextmanager
     def gemm_sms(self, sms: int | None) -> Iterator[None]:
@@ -263,10 +271,12 @@ class ExpertCompute:
             rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev), own_row=own_row)
         return plan, counters[2]
 
-    def experts(self, plan: DevicePlan, w13, w2, *, decode: bool | None = None) -> torch.Tensor:
+    def experts(self, plan: DevicePlan, w13, w2, *, decode: bool | None = None, sms: int | None = None) -> torch.Tensor:
         """bf16 [P, H]: w2[e] @ swiglu(w13[e] @ row) for every planned row (padding rows: unspecified). ``decode``
         (FP8): this call on the decode path (True) or on DeepGEMM's (False); None: the decode path if this
-        compute has one. The engine asked for must be one this compute was built with."""
+        compute has one. The engine asked for must be one this compute was built with. ``sms``: the SMs the current
+        stream may use (a partition's), None for the whole GPU: the persistent consumer then launches as many
+        blocks, not one per SM of the GPU (the blocks past them would run as a second round)."""
         cfg, dev, P = self.config, self.device, self.capacity
         H, inter = cfg.hidden, cfg.intermediate
         if decode is None:
@@ -278,7 +288,10 @@ class ExpertCompute:
         if decode:
             assert self.decode is not None  # checked above; either engine needs the FP8 payload
             out = self.rma_out if self.rma_out is not None else torch.empty((P, H), dtype=torch.bfloat16, device=dev)
-            self.decode(plan, w13, w2, out, stream=torch.cuda.current_stream(dev))
+            if isinstance(self.decode, PersistentGemm) and sms is not None and sms < self.decode.grid():
+                self.decode(plan, w13, w2, out, stream=torch.cuda.current_stream(dev), variant=self._decode_on(sms))
+            else:
+                self.decode(plan, w13, w2, out, stream=torch.cuda.current_stream(dev))
             return out
         if self.fp8:
             dg = self._deep_gemm
@@ -321,7 +334,7 @@ class ExpertCompute:
         self._launch("moe_wave_gather", shared=True,
                      args=WaveGatherArgs(pool_desc=pool.desc, cursors=cursors, **plan.scatter_args()))
         with self.gemm_sms(sms):
-            out = self.experts(plan, w13, w2, decode=decode)
+            out = self.experts(plan, w13, w2, decode=decode, sms=sms)
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine)
 
     def combine_push(self, plan: DevicePlan, out: torch.Tensor, peer_combine: torch.Tensor, *,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +34,7 @@ from chunkring.errors import ChunkringUsageError
 from chunkring.moe._engine.blocks import BlockPool
 from chunkring.moe._engine.decode import DecodeGemm
 from chunkring.moe._engine.kernel_args import CombinePushArgs, CombineReduceArgs, PlanScatterArgs, WaveGatherArgs
-from chunkring.moe._engine.persistent import PersistentGemm, PersistentVariant
+from chunkring.moe._engine.persistent import PersistentGemm
 from chunkring.moe.gemm import GROUP_ALIGN, load_deep_gemm, padded_rows_bound
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.io import check_row_aligned, check_tensor
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from chunkring.jit import KernelArgs
     from chunkring.moe._engine.stage import Stage
 
-__all__ = ["DevicePlan", "ExpertCompute", "OwnRows", "check_expert_weights"]
+__all__ = ["DevicePlan", "EmptyPlan", "ExpertCompute", "OwnRows", "check_expert_weights"]
 
 #: Threads per block of the expert kernels; their grids fill every SM (8 x 256 threads) and loop over rows:
 #: each row is a short dependent chain (load, compute, store), so latency hiding needs many rows in flight.
@@ -119,6 +119,10 @@ def check_expert_weights(config, experts_per_rank: int, device, w13, w2) -> None
             check_row_aligned(name, w)  # torch's grouped GEMM reads 16-byte aligned rows
 
 
+#: A plan's buffers with no rows planned and the scatter's per-expert cursors (:meth:`ExpertCompute.empty_plan`).
+EmptyPlan = tuple[DevicePlan, torch.Tensor]
+
+
 class ExpertCompute:
     """The expert work of one layer at one rank, enqueued on the current stream by :meth:`__call__`.
 
@@ -153,7 +157,6 @@ class ExpertCompute:
         self.push_blocks = self._grid
         self._offsets_bytes = 4 * (experts_per_rank + 1)  # group_offsets' shared memory
         self._warm: set[int | None] = set()  # the SM counts (warm_up's sms) whose GEMM kernels are loaded
-        self._decode_variants: dict[int, PersistentVariant] = {}  # per partition size, the persistent launch's
         self._checked_stage: Stage | None = None  # the stage _check_stage accepted (a layer plans from one stage)
         # bf16 [P, H] in NVSHMEM-registered memory, set by a layer with RMA peers: the experts' output, whose
         # rows the combine push puts from (an RMA put's local buffer must be registered off-node).
@@ -180,7 +183,7 @@ class ExpertCompute:
 
     def __call__(self, stage, w13, w2, peer_combine: torch.Tensor, on_experts_done, *,
                  desc: torch.Tensor | None = None, combine: torch.Tensor | None = None, sms: int | None = None,
-                 decode: bool | None = None, empty: tuple[DevicePlan, torch.Tensor] | None = None) -> OwnRows:
+                 decode: bool | None = None, empty: EmptyPlan | None = None) -> OwnRows:
         """Plan ``stage``'s rows (moe_pull's output), run the experts, call ``on_experts_done`` (a timeline
         mark) and push the weighted rows to each other source (:meth:`combine_push`); returns where this rank's own
         choices are, for its :meth:`reduce`. ``sms``: the SMs the current stream may use (its green-context
@@ -192,13 +195,6 @@ class ExpertCompute:
         on_experts_done()
         self.combine_push(plan, out, peer_combine, desc=desc, combine=combine, keep_own=True)
         return OwnRows(plan.own_row, out)
-
-    def _decode_on(self, sms: int) -> PersistentVariant:
-        """The persistent consumer's variant with ``sms`` blocks (checked once per size)."""
-        assert isinstance(self.decode, PersistentGemm)
-        if sms not in self._decode_variants:
-            self._decode_variants[sms] = self.decode.with_variant(sms=sms)
-        return self._decode_variants[sms]
 
     @contextlib.contextmanager
     def gemm_sms(self, sms: int | None) -> Iterator[None]:
@@ -217,7 +213,7 @@ class ExpertCompute:
         finally:
             dg.set_num_sms(before)
 
-    def plan(self, stage: Stage, empty: tuple[DevicePlan, torch.Tensor] | None = None) -> DevicePlan:
+    def plan(self, stage: Stage, empty: EmptyPlan | None = None) -> DevicePlan:
         """Every staged choice of a local expert in its expert's group, with its payload copied there. ``empty``:
         the plan to fill, as :meth:`empty_plan` made it earlier in stream order (a layer resets it before its
         pull, while the pull waits for chunks); None: one made here."""
@@ -250,7 +246,7 @@ class ExpertCompute:
             raise ChunkringUsageError(f"a stage of {stage.idx.shape[0]} x {stage.idx.shape[1]} rows can plan past "
                                       f"the {self.capacity} rows of this layer's plan", field="stage")
 
-    def empty_plan(self) -> tuple[DevicePlan, torch.Tensor]:
+    def empty_plan(self) -> EmptyPlan:
         """A plan's buffers with no rows planned (every count 0, every row padding, no own choice: ``moe_plan_reset``,
         one launch on the current stream), and the scatter's per-expert cursors (0)."""
         dev, P, E, H = self.device, self.capacity, self.experts_per_rank, self.config.hidden
@@ -289,7 +285,9 @@ class ExpertCompute:
             assert self.decode is not None  # checked above; either engine needs the FP8 payload
             out = self.rma_out if self.rma_out is not None else torch.empty((P, H), dtype=torch.bfloat16, device=dev)
             if isinstance(self.decode, PersistentGemm) and sms is not None and sms < self.decode.grid():
-                self.decode(plan, w13, w2, out, stream=torch.cuda.current_stream(dev), variant=self._decode_on(sms))
+                # Its variant with a block per SM of the partition (the call checks a variant not its own).
+                self.decode(plan, w13, w2, out, stream=torch.cuda.current_stream(dev),
+                            variant=replace(self.decode.variant, sms=sms))
             else:
                 self.decode(plan, w13, w2, out, stream=torch.cuda.current_stream(dev))
             return out

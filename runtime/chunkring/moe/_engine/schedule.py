@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.moe._engine.call import Call, CallMode
-from chunkring.moe._engine.experts import DevicePlan, OwnRows
+from chunkring.moe._engine.experts import EmptyPlan, OwnRows
 from chunkring.moe._engine.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
@@ -41,9 +41,6 @@ __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule"]
 
 #: The most blocks of ``moe_call_reset`` (eight words a thread below that; a grid-stride loop past it).
 _RESET_MAX_GRID = 1024
-
-#: A batch plan's buffers, reset before the pull (ExpertCompute.empty_plan), and its cursors.
-EmptyPlan = tuple[DevicePlan, torch.Tensor]
 
 #: How long a layer's first call of a mode waits at the host barrier for every rank's GEMM warm-up: several
 #: ranks compiling DeepGEMM's kernels at once take minutes at most; a rank that raised before the barrier

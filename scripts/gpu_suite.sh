@@ -57,7 +57,7 @@ all_parts=("${default_parts[@]}" serving_1rank serving_mps gpu_1rank_rma gpu_mps
            transport_1rank transport_mps partition_mps producer_ncu faults_mps faults_kill lifetime_mps smoke_1rank
            decode_1rank decode_trees decode_ncu decode_stalls quick_1rank smoke_mps call_kernels megamoe_1rank breakdown_1rank
            bisect_1rank eager_1rank eager_mps commands commands_1rank commands_4rank weight_read_1rank model_1rank
-           model_mps persistent_1rank graph_launch_1rank)
+           model_mps persistent_1rank graph_launch_1rank bench_variants_4rank)
 parts=("${@:3}")
 [ ${#parts[@]} -gt 0 ] || parts=("${default_parts[@]}")
 for part in "${parts[@]}"; do
@@ -454,6 +454,22 @@ commands_selected() {  # name ranks expression: the part's commands, narrowed by
 commands() { commands_selected commands 4 "1rank or 4rank or once"; }
 commands_1rank() { commands_selected commands-1rank 1 "not 4rank"; }  # and those run once (doctor, bench.sh)
 commands_4rank() { commands_selected commands-4rank-mps 4 "4rank"; }
+# BENCH_VARIANTS: key sets separated by ';', one `chunkring-launch --np 4 --mps bench` run each (a short watchdog,
+# CHUNKRING_TIMEOUT_S, 20 s unless set), its status in bench-variants.log: which shapes of a failing bench fail. Not
+# *_mps: the launcher starts its own daemon. Its records stay out of the results.
+bench_variants_4rank() {
+    local sets v i=0
+    IFS=';' read -ra sets <<< "${BENCH_VARIANTS:?BENCH_VARIANTS names the key sets}"
+    for v in "${sets[@]}"; do
+        i=$((i + 1))
+        # shellcheck disable=SC2086
+        (cd "$(mktemp -d)" && CHUNKRING_TIMEOUT_S=${CHUNKRING_TIMEOUT_S:-20} BENCH_RESULTS=. timeout 170 \
+            chunkring-launch --np 4 --mps bench $v iterations=2 warmup=1 rotate=1) > "$logs/bench-variant-$i.log" 2>&1
+        local rc=$?
+        echo "variant $i [$v]: status $rc" | tee -a "$logs/bench-variants.log"
+        [ $rc = 0 ] || status=1
+    done
+}
 # Several ranks on one GPU: an MPS daemon with private directories lets their kernels run concurrently.
 mps_daemon=0
 mps_up() {

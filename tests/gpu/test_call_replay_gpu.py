@@ -2,8 +2,12 @@
 kernel by kernel compute: two layers of one config - one replaying its eager calls (``eager_graphs=True``), one
 launching every kernel (``eager_graphs=False``) - called alike, every output equal bit for bit, batch-ready and
 streamed, through ``run()`` and ``forward()``, at sizes inside one bucket and across buckets, ranks bringing
-different sizes, a call with a timeline (which runs directly) in between, and the replayed layer holding one graph
-per kind of call it saw. tests/unit/test_call_replay.py pins the bookkeeping on the CPU."""
+different sizes, a call with a timeline (which runs directly) in between, a call into an output of the caller's, and
+the replayed layer holding one graph per kind of call it saw - its routed calls' graphs rebound to each call's own
+tensors (chunkring.moe._engine.rebind), each call's inputs at new addresses. tests/unit/test_call_replay.py and
+tests/unit/test_rebind.py pin the bookkeeping on the CPU."""
+
+import logging
 
 import pytest
 import torch
@@ -18,7 +22,8 @@ SIZES = [1, 3, 4, 5, 33, 64, 100, 256, 7, 2]
 
 
 @pytest.mark.parametrize("payload", ["fp8", "bf16"])
-def test_replayed_eager_calls_equal_launched_calls_bit_for_bit(runtime, payload):
+def test_replayed_eager_calls_equal_launched_calls_bit_for_bit(runtime, payload, caplog):
+    caplog.set_level(logging.INFO, logger="chunkring")  # why a graph copies, should one
     W, rank, device = runtime.world_size, runtime.rank, runtime.torch_device
     cfg = MoEConfig(num_experts=8 * W, hidden=H, intermediate=INTER, topk=4, max_tokens_per_rank=256,
                     payload=payload, stream_slots=2, stream_slot_tokens=32)
@@ -37,7 +42,9 @@ def test_replayed_eager_calls_equal_launched_calls_bit_for_bit(runtime, payload)
             timeline = Timeline(device) if step == 7 else None  # runs directly: the replays around it still match
             outs = {}
             for layer in (replayed, launched):
-                ran = layer.run(*args, *experts[layer], streaming=streaming, timeline=timeline)
+                out = torch.full((n, H), float("nan"), dtype=torch.bfloat16, device=device) if step % 3 == 2 else None
+                ran = layer.run(*args, *experts[layer], streaming=streaming, timeline=timeline, out=out)
+                assert out is None or ran is out
                 forwarded = layer.forward(hidden, router, *experts[layer], streaming=streaming)
                 outs[layer] = (ran, forwarded)
             torch.cuda.synchronize()
@@ -46,7 +53,10 @@ def test_replayed_eager_calls_equal_launched_calls_bit_for_bit(runtime, payload)
             for got, want in zip(outs[replayed], outs[launched], strict=True):
                 assert got.shape == (n, H) and torch.equal(got, want), f"step {step}, {n} rows"
         # One graph per kind seen: run and forward, both modes, each bucket this rank met.
-        assert replayed.stats()["call_graphs"] >= 4 and launched.stats()["call_graphs"] == 0
+        stats = replayed.stats()
+        assert stats["call_graphs"] >= 4 and launched.stats()["call_graphs"] == 0
+        # Every batch-ready run() graph (one chunk) is rebound; forward()'s copy (its router reads the rows).
+        assert 1 <= stats["call_graphs_rebound"] < stats["call_graphs"], (stats, caplog.text[-3000:])
     finally:
         replayed.close()
         launched.close()

@@ -126,7 +126,7 @@ def test_a_captured_streamed_call_keeps_its_partition(runtime):
     from cuda.bindings import driver
 
     from chunkring import MoELayer
-    from chunkring.testing.cuda_graphs import kernel_nodes, ok
+    from chunkring.jit.graph_nodes import kernel_nodes, ok
 
     def stream_context(stream: torch.cuda.Stream) -> int:
         return int(ok(driver.cuStreamGetCtx(driver.CUstream(stream.cuda_stream))))

@@ -4,10 +4,14 @@ graph and the schedule: the first call of a kind runs directly and its graph is 
 bucket - copies its inputs in, writes its count, replays and copies its rows out; what makes a kind (bucket, mode,
 chunk, engine, weights, router, batch kind) each makes another graph; the calls that need the host inside them run
 directly; a failed capture leaves its kind direct; the least recently replayed graph goes first past the limit.
+Each test runs twice: with every graph copying, and with routed calls' graphs rebound to each call's own tensors (a
+rebound replay copies nothing in or out, and leaves the fixed buffers as they were).
 
 The stand-in graph records the staged call its capture enqueued and, at a replay, computes what the layer would from
-the fixed buffers the staged call names (twice the rows, up to the device count; zeros past it), so the checks see
-exactly what the graph would read and write. tests/gpu/test_call_replay_gpu.py replays real graphs."""
+the fixed buffers the staged call names - or, rebound, from the tensors its last rebinding named - (twice the rows, up
+to the device count; zeros past it), so the checks see exactly what the graph would read and write.
+tests/unit/test_rebind.py checks how a rebinding moves a node's addresses; tests/gpu/test_call_replay_gpu.py replays
+real graphs."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from chunkring import PayloadFormat
 from chunkring.moe import CallMode, MoEConfig
 from chunkring.moe._engine import replay as replay_module
 from chunkring.moe._engine.call import Call, HiddenBatch, RoutedBatch
+from chunkring.moe._engine.rebind import NotRebindable
 from chunkring.moe._engine.replay import CallGraphs, bucket
 
 H, K, N = 128, 2, 64
@@ -44,17 +49,39 @@ class Graph:
 
     capturing: Graph | None = None
     fail = False
+    rebinds = False  # whether the fixture's rebinding rebinds routed calls' graphs
     made: list[Graph] = []
 
-    def __init__(self) -> None:
+    def __init__(self, keep_graph: bool = False) -> None:
+        assert keep_graph, "a rebinding reads the kept graph's nodes"
         self.staged: Call | None = None
+        self.bound: tuple[tuple[torch.Tensor | None, ...], int] | None = None  # the last rebinding's tensors, rows
         self.replays = 0
         Graph.made.append(self)
 
+    def instantiate(self) -> None:
+        assert self.staged is not None, "instantiated after its capture"
+
     def replay(self) -> None:
         assert self.staged is not None and self.staged.out is not None
-        self.staged.out.copy_(compute(self.staged))
+        call = self.staged
+        if self.bound is not None:
+            (x, x_sf, idx, w, out), rows = self.bound
+            call = Call(**{**call.__dict__, "batch": RoutedBatch(x, x_sf, idx, w), "n": rows, "out": out})
+        call.out.copy_(compute(call))
         self.replays += 1
+
+
+class Rebinding:
+    """A rebinding stand-in: ``apply`` points its graph at a call's own tensors, as the real one sets its nodes."""
+
+    def __init__(self, graph: Graph, buffers: tuple[torch.Tensor, ...]) -> None:
+        assert len(buffers) == 5 and buffers[-1].data_ptr() == graph.staged.out.data_ptr(), "the inputs, the output"
+        self.graph, self.buffers = graph, buffers
+
+    def apply(self, tensors: tuple[torch.Tensor | None, ...], rows: int) -> None:
+        assert len(tensors) == len(self.buffers)
+        self.graph.bound = (tensors, rows)
 
 
 class Schedule:
@@ -85,14 +112,21 @@ def graph_context(graph: Graph, pool=None, capture_error_mode="global"):
         Graph.capturing = None
 
 
-@pytest.fixture
-def graphs(monkeypatch) -> CallGraphs:
+@pytest.fixture(params=["copying", "rebound"])
+def graphs(request, monkeypatch) -> CallGraphs:
+    def rebinding(graph: Graph, buffers: tuple[torch.Tensor, ...], *, must_move: tuple[int, ...]) -> Rebinding:
+        assert must_move == (0, 4), "the rows and the output"
+        if not Graph.rebinds:
+            raise NotRebindable("the stand-in copies")
+        return Rebinding(graph, buffers)
+
+    monkeypatch.setattr(replay_module, "rebinding", rebinding)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph_context)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     stream = SimpleNamespace(wait_stream=lambda other: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    Graph.fail, Graph.made = False, []
+    Graph.fail, Graph.made, Graph.rebinds = False, [], request.param == "rebound"
     res = SimpleNamespace(config=CFG, runtime=SimpleNamespace(torch_device=torch.device("cpu")))
     return CallGraphs(res, Schedule())
 
@@ -198,7 +232,35 @@ def test_the_least_recently_replayed_graph_goes_first(graphs, monkeypatch):
         issue(graphs, routed(n))
     issue(graphs, routed(2))  # replayed: the most recent
     issue(graphs, routed(8))
-    assert len(graphs) == 2
+    assert len(graphs) == 2 and graphs.rebound == 2 * int(Graph.rebinds), "an evicted graph's rebinding goes too"
     assert graphs.replay(routed(2)) is not None and graphs.replay(routed(1)) is None
     graphs.clear()
-    assert len(graphs) == 0
+    assert len(graphs) == 0 and graphs.rebound == 0
+
+
+def test_a_rebound_replay_reads_the_calls_own_tensors_and_writes_its_own_output(graphs):
+    issue(graphs, routed(7, seed=1))  # bucket 8
+    (graph,) = Graph.made
+    fixed = [t.clone() for t in (*graph.staged.batch.__dict__.values(),) if t is not None]
+    call = routed(6, seed=3)
+    out = graphs.replay(call)
+    assert torch.equal(out, compute(call)) and graph.replays == 1
+    assert graphs.rebound == int(Graph.rebinds)
+    if Graph.rebinds:
+        tensors, rows = graph.bound
+        assert rows == 6 and tensors[:4] == (call.batch.x, call.batch.x_sf, call.batch.topk_idx,
+                                             call.batch.topk_weights)
+        assert tensors[4] is out and out.untyped_storage().data_ptr() != graph.staged.out.untyped_storage().data_ptr()
+        staged = [t for t in graph.staged.batch.__dict__.values() if t is not None]
+        assert all(torch.equal(a, b) for a, b in zip(staged, fixed, strict=True)), "nothing copied in"
+    else:
+        assert graph.bound is None
+
+
+def test_hidden_batches_copy_and_only_routed_graphs_are_rebound(graphs):
+    hidden = HiddenBatch(torch.randn(5, H).bfloat16(), torch.zeros(4, H, dtype=torch.bfloat16), None,
+                         torch.zeros(1, dtype=torch.int32), 1)
+    for call in (routed(5), Call(**{**routed(5).__dict__, "batch": hidden})):
+        issue(graphs, call)
+        assert torch.equal(graphs.replay(call), compute(call))
+    assert len(graphs) == 2 and graphs.rebound == int(Graph.rebinds)

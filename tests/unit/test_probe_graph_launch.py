@@ -1,12 +1,12 @@
 """The graph launch probe's host pieces without a GPU: a driver call's values come back as the call returned them and a
-failed status raises naming it (chunkring.testing.cuda_graphs.ok, which the probe reads graphs with), and the probe's
+failed status raises naming it (chunkring.jit.graph_nodes.ok, which the probe reads graphs with), and the probe's
 host timing takes each sample behind a fresh delay, the device drained between samples, a second launch first where
 asked."""
 
 import pytest
 
 from benchmarks import probe_graph_launch as probe
-from chunkring.testing.cuda_graphs import ok
+from chunkring.jit.graph_nodes import ok
 
 driver = pytest.importorskip("cuda.bindings.driver")
 SUCCESS = driver.CUresult.CUDA_SUCCESS

@@ -188,17 +188,17 @@ class MoELayer:
         return report
 
     def stats(self) -> dict[str, int]:
-        """What one call of this layer uses at this rank: the pull's blocks (``pull_grid``), a streamed call's
-        fused producer's blocks at most (``producer_grid_max``), the expert plan's fixed row capacity
-        (``plan_rows``), the streaming ring's chunk size and slots (0 without one), the SMs of a streamed
-        call's producer and consumer partitions (0 without one), the waves of expert work per call
-        (``waves``) and the incremental block pool's device bytes (``block_pool_bytes``, 0 with ``waves=1``),
-        the graphs its eager calls replay (``call_graphs``) and :meth:`memory`'s symmetric bytes."""
+        """What one call of this layer uses at this rank: the pull's blocks (``pull_grid``), a streamed call's fused
+        producer's blocks at most (``producer_grid_max``), the expert plan's fixed row capacity (``plan_rows``), the
+        streaming ring's chunk size and slots (0 without one), the SMs of a streamed call's producer and consumer
+        partitions (0 without one), the waves of expert work per call (``waves``) and the incremental block pool's
+        device bytes (``block_pool_bytes``, 0 with ``waves=1``), the graphs its eager calls replay (``call_graphs``;
+        ``call_graphs_rebound``: over each call's own tensors) and :meth:`memory`'s symmetric bytes."""
         res = self.resources
         streamed = res.rings.get(CallMode.STREAMED)
         part = res.partition
-        return {"pull_grid": res.pull_grid, "producer_grid_max": res.spinning_produce_blocks,
-                "plan_rows": res.compute.capacity, "call_graphs": len(self._graphs),
+        return {"pull_grid": res.pull_grid, "producer_grid_max": res.spinning_produce_blocks, "plan_rows":
+                res.compute.capacity, "call_graphs": len(self._graphs), "call_graphs_rebound": self._graphs.rebound,
                 "producer_sms": part.plan.producer_sms if part else 0, "consumer_sms": part.consumer_sms if part else 0,
                 "chunk_tokens": streamed.spec.tokens_per_slot if streamed else 0,
                 "ring_slots": streamed.spec.num_slots if streamed else 0, "waves": self.config.waves,

@@ -4,11 +4,14 @@ replay costs.
 Issuing a call's dozen kernels, its DeepGEMM calls and its stream joins from Python takes the host about a
 millisecond at any size, several times a decode call's device time. A CUDA graph replays the same work in one
 launch. So an eager call that can be replayed is: the first call of each kind runs directly (and is the call's
-output), then its graph is captured once; later calls of that kind copy their inputs into the graph's fixed
-buffers, write their token count to the device, replay, and copy the output out. The kernels already read the count
-from the device (``num_tokens``), so one graph serves every size up to its bucket: token counts round up to a power of
-two. What makes a kind: the batch (routed rows or hidden states), the mode, the bucket, the chunk size, the GEMM
-engine and the weights' (and router's) addresses - the graph reads them where they were at its capture.
+output), then its graph is captured once over fixed buffers; later calls of that kind write their token count to the
+device and replay. The kernels already read the count from the device (``num_tokens``), so one graph serves every
+size up to its bucket: token counts round up to a power of two. A routed call's graph is rebound to each call's own
+inputs and output (:mod:`chunkring.moe._engine.rebind`: two parameter sets where a call has one chunk), so such a
+replay copies nothing; any other (hidden states, whose router reads them in a torch GEMM; many chunks) copies its
+inputs into the fixed buffers and its output out. What makes a kind: the batch (routed rows or hidden states), the
+mode, the bucket, the chunk size, the GEMM engine and the weights' (and router's) addresses - the graph reads them
+where they were at its capture.
 
 A call replays only where nothing it asks for needs the host inside it: no timeline, no device count of the
 caller's (``num_tokens``: the caller manages its own graphs), not inside a caller's capture, not a mode's first call
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from chunkring.moe._engine.call import Call, HiddenBatch, RoutedBatch
+from chunkring.moe._engine.rebind import NotRebindable, Rebinding, rebinding
 from chunkring.moe.weights import Fp8Weight
 from chunkring.ring.failure import capturing
 from chunkring.ring.spec import FP8_SCALE_BLOCK
@@ -65,6 +69,7 @@ class CallGraphs:
     def __init__(self, resources: LayerResources, schedule: CallSchedule, *, enabled: bool = True) -> None:
         self.res, self.schedule, self.enabled = resources, schedule, enabled
         self._graphs: OrderedDict[Key, torch.cuda.CUDAGraph] = OrderedDict()
+        self._rebound: dict[Key, Rebinding] = {}  # the graphs pointed at each call's own tensors
         self._direct: set[Key] = set()  # kinds whose capture failed
         self._inputs: dict[str, tuple[torch.Tensor, ...]] = {}  # per batch kind, the graphs' fixed input buffers
         self._out: torch.Tensor | None = None
@@ -74,6 +79,11 @@ class CallGraphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    @property
+    def rebound(self) -> int:
+        """How many of the graphs replay over each call's own tensors (the others copy)."""
+        return len(self._rebound)
 
     def eligible(self, call: Call) -> bool:
         """Whether ``call`` may be replayed from a graph (the module's docstring says when)."""
@@ -105,8 +115,16 @@ class CallGraphs:
         self._stream = stream
         assert self._out is not None and self._count is not None  # made by the capture
         n = call.n
-        self._load(call)
         self._count.fill_(n)
+        rebound = self._rebound.get(key)
+        if rebound is not None:
+            out = call.out
+            if out is None:
+                out = torch.empty((n, self.res.config.hidden), dtype=torch.bfloat16, device=self._out.device)
+            rebound.apply((*self._own_tensors(call), out), n)
+            graph.replay()
+            return out
+        self._load(call)
         graph.replay()
         return self._out[:n].clone() if call.out is None else call.out.copy_(self._out[:n])
 
@@ -121,22 +139,32 @@ class CallGraphs:
         staged = self._staged(call, bucket(call.n, self.res.config.max_tokens_per_rank))
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # kept: a rebinding reads its nodes
         try:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self.schedule.enqueue(staged)
+            graph.instantiate()
         except Exception as exc:  # the call it followed ran directly; so will the next of its kind
             self._direct.add(key)
             log.warning("chunkring: a %s call of %d rows could not be captured for replay (%r); calls of its kind "
                         "run directly", call.mode.value, call.n, exc)
             return
         self._graphs[key] = graph
+        if isinstance(call.batch, RoutedBatch) and self._out is not None:
+            inputs = self._buffers(call)
+            try:  # at least the rows and the output must move
+                self._rebound[key] = rebinding(graph, (*inputs, self._out), must_move=(0, len(inputs)))
+            except NotRebindable as why:
+                log.info("chunkring: a %s call's graph of %d rows copies its tensors (%s)", call.mode.value,
+                         staged.n, why)
         while len(self._graphs) > MAX_GRAPHS:
-            self._graphs.popitem(last=False)
+            old, _ = self._graphs.popitem(last=False)
+            self._rebound.pop(old, None)
 
     def clear(self) -> None:
         """Drop every graph and the buffers they read (before the layer's own buffers are freed)."""
         self._graphs.clear()
+        self._rebound.clear()
         self._direct.clear()
         self._inputs.clear()
         self._out = self._count = self._pool = self._stream = None
@@ -174,6 +202,14 @@ class CallGraphs:
             else:
                 self._inputs[kind] = (torch.zeros((N, H), dtype=torch.bfloat16, device=device),)
         return self._inputs[kind]
+
+    @staticmethod
+    def _own_tensors(call: Call) -> tuple[torch.Tensor | None, ...]:
+        """``call``'s batch tensors in the order of its kind's fixed buffers."""
+        batch = call.batch
+        if isinstance(batch, RoutedBatch):
+            return batch.x, batch.x_sf, batch.topk_idx, batch.topk_weights
+        return (batch.hidden,)
 
     def _load(self, call: Call) -> None:
         """``call``'s batch into the fixed buffers' first ``n`` rows (rows past them the graph's count excludes)."""

@@ -33,7 +33,8 @@ no two ranks of one GPU in a group); its record key ``megamoe`` says how it ran,
 
 Each record (one per token count) holds those figures per side, ``bitwise`` (streamed equals batch-ready bit for
 bit, on every rank, first calls), ``replayed_bitwise`` (after the timings, when the layer replays its graphs: one more
-call of every side, all equal bit for bit on every rank), ``call_graphs`` (the graphs the layer holds), and the
+call of every side, all equal bit for bit on every rank), ``call_graphs`` (the graphs the layer holds;
+``call_graphs_rebound`` of them replayed over each call's own tensors), and the
 ratios the eager-call targets name: ``<mode>_eager_over_graph`` (target at most
 :data:`EAGER_OVER_GRAPH_TARGET`), ``<mode>_eager_over_megamoe_eager`` (at most 1), ``<mode>_host_issue_over_target``
 (the issue time over :data:`HOST_ISSUE_TARGET_MS`). Rank 0 writes the JSON after every token count (a run cut short
@@ -43,6 +44,7 @@ keeps what it measured, marked incomplete), and prints the table last.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import statistics
 import sys
@@ -400,7 +402,8 @@ def measure_tokens(shape: Shape, launched: Any, t: int, args: argparse.Namespace
     again = {mode: call() for mode, call in modes.items()}
     torch.cuda.synchronize()
     mine["replayed_bitwise"] = all(torch.equal(again["batch"], out) for out in again.values())
-    mine["call_graphs"] = layer.stats()["call_graphs"]
+    stats = layer.stats()
+    mine["call_graphs"], mine["call_graphs_rebound"] = stats["call_graphs"], stats["call_graphs_rebound"]
     layer.check()
     launched.check()
     mine.update(medians(host, eager, pipelined, graph))
@@ -444,6 +447,10 @@ def progress(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # before any GPU work: a typo costs no bring-up
     import chunkring
+
+    # Why a graph copies rather than replaying over each call's own tensors (chunkring.moe._engine.rebind).
+    logging.basicConfig(format="%(name)s: %(levelname)s: %(message)s")
+    logging.getLogger("chunkring").setLevel(logging.INFO)
 
     runtime = chunkring.init()
     records: list[dict[str, Any]] = []

@@ -44,8 +44,8 @@ import torch
 import chunkring
 from benchmarks.bench_eager import Gate, host_issue_sample
 from benchmarks.bench_overlap import SHAPES, Shape
-from chunkring.testing import records as result_records
 from chunkring.jit.graph_nodes import kernel_nodes, named_kernel_nodes, node_types, ok, root_nodes
+from chunkring.testing import records as result_records
 
 GATE_MS = 5.0
 #: The nodes a replay would point at a call's own tensors, one of each group: the publish reads the inputs and the

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from chunkring import PayloadFormat
+from chunkring.errors import ChunkringRuntimeError
 from chunkring.moe import CallMode, MoEConfig
 from chunkring.moe._engine import replay as replay_module
 from chunkring.moe._engine.call import Call, HiddenBatch, RoutedBatch
@@ -79,8 +80,12 @@ class Rebinding:
         assert len(buffers) == 5 and buffers[-1].data_ptr() == graph.staged.out.data_ptr(), "the inputs, the output"
         self.graph, self.buffers = graph, buffers
 
+    fail = False  # whether the driver refuses the next parameter set
+
     def apply(self, tensors: tuple[torch.Tensor | None, ...], rows: int) -> None:
         assert len(tensors) == len(self.buffers)
+        if Rebinding.fail:
+            raise ChunkringRuntimeError("setting moe_combine_reduce's node parameters: CUDA_ERROR_INVALID_VALUE")
         self.graph.bound = (tensors, rows)
 
 
@@ -114,8 +119,9 @@ def graph_context(graph: Graph, pool=None, capture_error_mode="global"):
 
 @pytest.fixture(params=["copying", "rebound"])
 def graphs(request, monkeypatch) -> CallGraphs:
-    def rebinding(graph: Graph, buffers: tuple[torch.Tensor, ...], *, must_move: tuple[int, ...]) -> Rebinding:
-        assert must_move == (0, 4), "the rows and the output"
+    def rebinding(graph: Graph, buffers: tuple[torch.Tensor, ...], rows: int, *,
+                  must_move: tuple[int, ...]) -> Rebinding:
+        assert must_move == (0, 4) and rows == graph.staged.n, "the rows and the output, for the bucket's rows"
         if not Graph.rebinds:
             raise NotRebindable("the stand-in copies")
         return Rebinding(graph, buffers)
@@ -126,7 +132,7 @@ def graphs(request, monkeypatch) -> CallGraphs:
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     stream = SimpleNamespace(wait_stream=lambda other: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    Graph.fail, Graph.made, Graph.rebinds = False, [], request.param == "rebound"
+    Graph.fail, Graph.made, Graph.rebinds, Rebinding.fail = False, [], request.param == "rebound", False
     res = SimpleNamespace(config=CFG, runtime=SimpleNamespace(torch_device=torch.device("cpu")))
     return CallGraphs(res, Schedule())
 
@@ -264,3 +270,19 @@ def test_hidden_batches_copy_and_only_routed_graphs_are_rebound(graphs):
         issue(graphs, call)
         assert torch.equal(graphs.replay(call), compute(call))
     assert len(graphs) == 2 and graphs.rebound == int(Graph.rebinds)
+
+
+def test_a_graph_the_driver_will_not_point_at_a_call_leaves_its_kind_direct(graphs, caplog):
+    issue(graphs, routed(7, seed=1))
+    Rebinding.fail = True
+    call = routed(6, seed=3)
+    with caplog.at_level(logging.WARNING, logger="chunkring"):
+        out = issue(graphs, call)
+    assert torch.equal(out, compute(call))
+    if Graph.rebinds:
+        assert "could not be pointed at a call" in caplog.text and len(graphs) == graphs.rebound == 0
+        assert len(graphs.schedule.direct) == 2, "run directly, and not captured again"
+        issue(graphs, call)
+        assert len(graphs.schedule.direct) == 3 and len(graphs) == 0
+    else:
+        assert len(graphs.schedule.direct) == 1, "a copying graph sets no parameters"

@@ -2,7 +2,8 @@
 stand-in graph nodes: the publishes' row fields and the reduction's output move to the same offset in the call's
 tensors and the reduction's row count becomes the call's; anything else that holds an address inside a fixed buffer
 (another kernel's parameter, a field of a rebound kernel that is not rebound, a copy, a memset) refuses the graph, as
-do an unreadable node, a struct this build does not mirror, a buffer that must move and does not, and too many nodes.
+do an unreadable node, a struct this build does not mirror, a buffer that must move and does not, too many nodes, and
+a node the driver will not set (each is set once at the capture, to what it holds).
 tests/gpu/test_call_replay_gpu.py replays rebound graphs on the GPU against calls launched kernel by kernel."""
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Driver:
 
     def __init__(self) -> None:
         self.sets: list[tuple[Node, list[int]]] = []
+        self.refuse = ""  # the kernel whose node the driver refuses to set
 
     def CUgraphExec(self, handle: int) -> int:  # noqa: N802 - the driver's name
         return handle
@@ -91,6 +93,8 @@ class Driver:
         assert graph_exec == 0x1234
         slot = ctypes.c_void_p.from_address(params.kernelParams).value
         words = len(node.arguments[0]) // 8
+        if node.name == self.refuse:
+            return (1,)
         self.sets.append((node, list((ctypes.c_uint64 * words).from_address(slot))))
         return (0,)
 
@@ -107,7 +111,12 @@ def driver(monkeypatch) -> Driver:
         return node.name, node.params, node.arguments
 
     monkeypatch.setattr(rebind, "kernel_arguments", kernel_arguments)
-    monkeypatch.setattr(rebind, "ok", lambda result: None)
+
+    def ok(result: tuple) -> None:
+        if result[0]:
+            raise RuntimeError("CUDA driver call failed: <CUresult.CUDA_ERROR_INVALID_VALUE: 1>")
+
+    monkeypatch.setattr(rebind, "ok", ok)
     fake = Driver()
     monkeypatch.setattr(rebind.Rebinding, "__init__", _init_with(fake))
     return fake
@@ -143,8 +152,12 @@ def test_moves_are_the_words_inside_a_buffer_at_their_offsets():
 
 def test_a_call_graph_rebinds_its_publish_and_reduction_to_the_calls_tensors(driver):
     graph = call_graph()
-    bound = rebinding(graph, buffers(), must_move=(0, 4))
+    bound = rebinding(graph, buffers(), 8, must_move=(0, 4))
     assert len(bound) == 2 and bound.buffers == {0, 1, 2, 3, 4}
+    captured = [struct.unpack(f"<{len(n.arguments[0]) // 8}Q", n.arguments[0]) for n in graph.nodes if n.name in
+                rebind.REBOUND]
+    assert [tuple(words) for _, words in driver.sets] == captured, "each node set once to what it holds"
+    driver.sets.clear()
     own = [Buffer(0x6000_0000 + i * 0x1000, 0x100) for i in range(5)]
     bound.apply(own, 5)
     (pub_node, pub), (red_node, red) = driver.sets
@@ -160,7 +173,8 @@ def test_a_call_graph_rebinds_its_publish_and_reduction_to_the_calls_tensors(dri
 
 def test_a_later_chunk_keeps_its_offset_in_the_calls_rows(driver):
     graph = call_graph(Node("kernel", "ring_publish_copy", [publish(16)]))
-    bound = rebinding(graph, buffers(), must_move=(0, 4))
+    bound = rebinding(graph, buffers(), 8, must_move=(0, 4))
+    driver.sets.clear()
     own = [Buffer(0x6000_0000 + i * 0x10_0000, 0x10_0000) for i in range(5)]
     bound.apply(own, 20)
     chunk = next(words for node, words in driver.sets if node.name == "ring_publish_copy")
@@ -179,23 +193,30 @@ def test_a_later_chunk_keeps_its_offset_in_the_calls_rows(driver):
 ])
 def test_anything_else_that_holds_a_fixed_address_refuses_the_graph(driver, extra, reason):
     with pytest.raises(NotRebindable, match=reason):
-        rebinding(call_graph(extra), buffers(), must_move=(0, 4))
+        rebinding(call_graph(extra), buffers(), 8, must_move=(0, 4))
+
+
+def test_a_node_the_driver_will_not_set_refuses_the_graph_at_its_capture(driver):
+    driver.refuse = "moe_combine_reduce"
+    with pytest.raises(NotRebindable, match="setting moe_combine_reduce's node parameters: .*INVALID_VALUE"):
+        rebinding(call_graph(), buffers(), 8, must_move=(0, 4))
 
 
 def test_a_buffer_that_must_move_and_does_not_refuses_the_graph(driver):
     graph = Graph([Node("kernel", "ring_publish_tensors", [publish(0)])])
     with pytest.raises(NotRebindable, match=r"fixed buffers \[4\] are in no rebound field"):
-        rebinding(graph, buffers(), must_move=(0, 4))
+        rebinding(graph, buffers(), 8, must_move=(0, 4))
 
 
 def test_more_nodes_than_a_parameter_set_is_worth_refuse_the_graph(driver):
     chunks = [Node("kernel", "ring_publish_tensors", [publish(row)]) for row in range(1, MAX_NODES)]
     with pytest.raises(NotRebindable, match=f"{MAX_NODES + 1} nodes to rebind"):
-        rebinding(call_graph(*chunks), buffers(), must_move=(0, 4))
+        rebinding(call_graph(*chunks), buffers(), 8, must_move=(0, 4))
 
 
 def test_a_call_without_a_tensor_a_rebound_node_reads_is_refused_before_any_set(driver):
-    bound = rebinding(call_graph(), buffers(), must_move=(0, 4))
+    bound = rebinding(call_graph(), buffers(), 8, must_move=(0, 4))
+    driver.sets.clear()
     own: list = [Buffer(0x6000_0000 + i * 0x1000, 0x100) for i in range(5)]
     own[1] = None
     with pytest.raises(Exception, match="must bring a tensor for each"):

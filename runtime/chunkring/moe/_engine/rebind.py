@@ -95,9 +95,10 @@ def _words(blob: bytes) -> list[int]:
 
 @dataclass(frozen=True)
 class _Patch:
-    """One rebound node: its handle, its captured parameters, its struct's captured words, the words that move and
-    the word set to the row count (None: none)."""
+    """One rebound node: its kernel's name, its handle, its captured parameters, its struct's captured words, the
+    words that move and the word set to the row count (None: none)."""
 
+    name: str
     node: Any
     params: Any
     words: tuple[int, ...]
@@ -139,14 +140,18 @@ class Rebinding:
             struct = patch.struct_for(addresses, rows)
             slot = ctypes.c_void_p(ctypes.addressof(struct))  # the driver copies the struct at the call
             patch.params.kernelParams = ctypes.addressof(slot)
-            ok(self._driver.cuGraphExecKernelNodeSetParams(self._exec, patch.node, patch.params))
+            try:
+                ok(self._driver.cuGraphExecKernelNodeSetParams(self._exec, patch.node, patch.params))
+            except RuntimeError as error:
+                raise ChunkringRuntimeError(f"setting {patch.name}'s node parameters: {error}") from None
 
 
-def rebinding(graph: torch.cuda.CUDAGraph, buffers: Sequence[torch.Tensor], *,
+def rebinding(graph: torch.cuda.CUDAGraph, buffers: Sequence[torch.Tensor], rows: int, *,
               must_move: Collection[int] = ()) -> Rebinding:
-    """The rebinding of ``graph`` (captured with ``keep_graph=True``, instantiated) over its fixed ``buffers``
-    (contiguous tensors); a :class:`NotRebindable` where a node other than a rebound field holds an address inside
-    one, where a buffer of ``must_move`` is in no rebound field, or past :data:`MAX_NODES` rebound nodes."""
+    """The rebinding of ``graph`` (captured with ``keep_graph=True`` over its fixed ``buffers``, contiguous tensors,
+    for calls of ``rows`` rows; instantiated); a :class:`NotRebindable` where a node other than a rebound field holds
+    an address inside one, where a buffer of ``must_move`` is in no rebound field, past :data:`MAX_NODES` rebound
+    nodes, or where the driver refuses to set a rebound node's parameters (tried once, to the captured values)."""
     extents = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in buffers]
     patches = []
     for node in graph_nodes(graph.raw_cuda_graph()):
@@ -169,7 +174,12 @@ def rebinding(graph: torch.cuda.CUDAGraph, buffers: Sequence[torch.Tensor], *,
         raise NotRebindable(f"fixed buffers {sorted(missing)} are in no rebound field")
     if len(patches) > MAX_NODES:
         raise NotRebindable(f"{len(patches)} nodes to rebind, past {MAX_NODES}")
-    return Rebinding(graph.raw_cuda_graph_exec(), patches)
+    bound = Rebinding(graph.raw_cuda_graph_exec(), patches)
+    try:  # every node set once to what it holds: a node the driver will not set refuses the graph here, not mid-call
+        bound.apply(buffers, rows)
+    except ChunkringRuntimeError as error:
+        raise NotRebindable(str(error)) from None
+    return bound
 
 
 def _patch(name: str, node: Any, params: Any, arguments: list[bytes],
@@ -194,4 +204,4 @@ def _patch(name: str, node: Any, params: Any, arguments: list[bytes],
     if not moves:
         return None
     rows_word = None if rebound.rows is None else rebound.struct.names.index(rebound.rows)
-    return _Patch(node, params, tuple(words), tuple(moves), rows_word)
+    return _Patch(name, node, params, tuple(words), tuple(moves), rows_word)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from chunkring.errors import ChunkringRuntimeError
 from chunkring.moe._engine.call import Call, HiddenBatch, RoutedBatch
 from chunkring.moe._engine.rebind import NotRebindable, Rebinding, rebinding
 from chunkring.moe.weights import Fp8Weight
@@ -121,7 +122,15 @@ class CallGraphs:
             out = call.out
             if out is None:
                 out = torch.empty((n, self.res.config.hidden), dtype=torch.bfloat16, device=self._out.device)
-            rebound.apply((*self._own_tensors(call), out), n)
+            try:
+                rebound.apply((*self._own_tensors(call), out), n)
+            except ChunkringRuntimeError as error:  # set once at its capture: not expected; this kind runs directly
+                log.warning("chunkring: a %s call's graph of %d rows could not be pointed at a call (%s); calls of "
+                            "its kind run directly", call.mode.value, bucket(n, self.res.config.max_tokens_per_rank),
+                            error)
+                del self._graphs[key], self._rebound[key]
+                self._direct.add(key)
+                return None
             graph.replay()
             return out
         self._load(call)
@@ -153,7 +162,7 @@ class CallGraphs:
         if isinstance(call.batch, RoutedBatch) and self._out is not None:
             inputs = self._buffers(call)
             try:  # at least the rows and the output must move
-                self._rebound[key] = rebinding(graph, (*inputs, self._out), must_move=(0, len(inputs)))
+                self._rebound[key] = rebinding(graph, (*inputs, self._out), staged.n, must_move=(0, len(inputs)))
             except NotRebindable as why:
                 log.info("chunkring: a %s call's graph of %d rows copies its tensors (%s)", call.mode.value,
                          staged.n, why)

@@ -21,6 +21,9 @@ while the host issues it, and the launch queue never fills):
 * ``replay_ops_us``: the torch work such a call issues around its graph's launch, made here on buffers of the same
   shapes - its four input copies into the first rows of ``--max-tokens``-row buffers, the token count's fill and the
   output's clone - so ``run_replayed_us`` minus this and ``layer_torch_us`` is the layer's Python;
+* ``run_replayed_after_barrier_us`` / ``run_replayed_after_idle_us``: ``run_replayed_us`` with each sample after a
+  ranks' barrier (bench_eager's settle before each of its samples) / after the host slept ``GATE_MS``: whether the
+  state a sample starts from, not the call, makes bench_eager's host issue several times this probe's;
 * ``<side>_again_us``: a launch right after an untimed one of the same graph, which still waits behind the delay:
   about the delay (``GATE_MS``) where the driver makes a launch wait for the graph's previous one, as the calls back
   to back of bench_eager's profile suggest at 128 tokens.
@@ -36,7 +39,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -55,11 +60,11 @@ PATCHED_NODES = (("ring_publish_tensors", "ring_publish_copy"), ("moe_combine_re
 
 
 def host_us(launch: Callable[[], object], gate: Callable[[], Callable[[], bool]], samples: int, *,
-            again: bool = False) -> float:
+            again: bool = False, before: Callable[[], object] | None = None) -> float:
     """The median host time of ``launch()`` (bench_eager's :func:`host_issue_sample`), each sample behind a
     device-side delay (``gate``, a :class:`Gate`), the device idle between samples. ``again``: time a second launch
     right after an untimed first, while the first still waits behind the delay (a launch that waits for the graph's
-    previous launch to finish takes about the delay)."""
+    previous launch to finish takes about the delay). ``before``: called ahead of each sample, the device idle."""
 
     def gated() -> Callable[[], bool]:
         ran_out = gate()
@@ -69,6 +74,8 @@ def host_us(launch: Callable[[], object], gate: Callable[[], Callable[[], bool]]
 
     times = []
     for _ in range(samples):
+        if before is not None:
+            before()
         ms, _ = host_issue_sample(launch, gated)
         times.append(ms * 1e3)
         torch.cuda.synchronize()
@@ -180,7 +187,7 @@ def replay_ops(rows: int, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -
     return issue
 
 
-def probe(shape: Shape, tokens: int, samples: int, gate: Gate) -> dict:
+def probe(shape: Shape, tokens: int, samples: int, gate: Gate, barrier: Callable[[], object]) -> dict:
     _, (x, x_sf, idx, w) = shape.inputs(tokens)
     layer = shape.layer
 
@@ -218,6 +225,10 @@ def probe(shape: Shape, tokens: int, samples: int, gate: Gate) -> dict:
             torch.cuda.synchronize()
             rec["bitwise"] = rec["bitwise"] and torch.equal(out, eager)
         rec["run_replayed_us"] = host_us(run, gate, samples)
+        # bench_eager's host issue samples each call after the ranks met (its settle) and after the other sides'
+        # calls: the same call after a barrier, and after the host idled as long as a gated sample keeps it waiting.
+        rec["run_replayed_after_barrier_us"] = host_us(run, gate, samples, before=barrier)
+        rec["run_replayed_after_idle_us"] = host_us(run, gate, samples, before=partial(time.sleep, GATE_MS / 1e3))
         rec["replay_ops_us"] = host_us(replay_ops(shape.layer.config.max_tokens_per_rank, (x, x_sf, idx, w), out),
                                        gate, samples)
         layer.check()
@@ -255,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             gate = Gate(GATE_MS)
             for t in tokens:
-                rec = {"shape": args.shape, **probe(shape, t, args.samples, gate)}
+                rec = {"shape": args.shape, **probe(shape, t, args.samples, gate, runtime.barrier)}
                 records.append(rec)
                 print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()),
                       flush=True)

@@ -184,14 +184,15 @@ def test_the_rule_picks_decode_while_mean_rows_per_expert_are_at_most_the_bound(
     assert not decode_fits(config(max_tokens_per_rank=17), 1, max_rows=3)
 
 
-def test_the_default_bound_sends_every_call_with_tokens_to_deepgemm():
-    """DECODE_MAX_ROWS is 0 while DeepGEMM's path measures faster at every size on the H200: "auto" takes the
-    decode path only for a call without tokens (nothing to compute either way)."""
-    assert DECODE_MAX_ROWS == 0
-    big = config(max_tokens_per_rank=8192)
-    assert decode_fits(big, 1, tokens=0)
-    assert not any(decode_fits(big, world, tokens=n) for world in (1, 8) for n in (1, 2, 8, 8192))
-    assert not decode_fits(config(max_tokens_per_rank=1, num_experts=256, topk=1), 1)  # 1/256 rows per expert
+def test_the_default_bound_is_the_largest_measured_size_the_decode_path_won():
+    """DECODE_MAX_ROWS is 24 mean rows per expert: the flash shape's 128 tokens at one rank (32 experts, top-6),
+    where the layer on the persistent consumer last measured faster than on DeepGEMM's path; 512 tokens (96 rows)
+    measured slower, and everything past 24 rows goes to DeepGEMM's."""
+    assert DECODE_MAX_ROWS == 24
+    flash = config(max_tokens_per_rank=8192, num_experts=32, topk=6)
+    assert all(decode_fits(flash, 1, tokens=n) for n in (0, 1, 8, 32, 128))
+    assert not any(decode_fits(flash, 1, tokens=n) for n in (129, 512, 2048, 8192))
+    assert not decode_fits(flash, 8, tokens=32)  # 8 ranks' tokens reach every rank's experts: 48 rows
 
 
 def test_per_call_the_rule_counts_the_calls_tokens_not_the_layers_capacity():

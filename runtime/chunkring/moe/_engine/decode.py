@@ -14,7 +14,7 @@ tokens on its narrow side, so an expert's weights are streamed once per pass of 
 Which calls take it: a layer built with ``decode=True`` runs every call on it; ``decode="auto"`` chooses per call,
 by the call's token count (:func:`decode_fits` with ``tokens``): the decode path while an expert's mean rows are
 at most :data:`DECODE_MAX_ROWS`, DeepGEMM's above. The bound follows the newest measurements of the layer on each
-engine; today it sends every call with tokens to DeepGEMM's (see the constant). Both engines are fixed
+engine (see the constant). Both engines are fixed
 grids that loop over whatever rows a call brought, so either is correct at any routing and captures into a CUDA
 graph; only the speed depends on the rows per expert. Each rank chooses for its own consumer - the choice changes
 how it computes its rows, not what the ranks exchange - and a streamed call chooses as the batch-ready call of its
@@ -56,12 +56,13 @@ DECODE_SHARED_BYTES = 8 * 6 * 4096
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
 #: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most this.
-#: It follows the newest whole-layer measurements (benchmarks/bench_decode.py, flash shape, both engines timed as
-#: graph replays in one call; docs/PERFORMANCE.md, "The decode path"). Those were of the decode kernels, which
-#: DeepGEMM's path beat at 8 to 128 tokens on the H100 and at 1 to 128 on the H200 (0.98-1.19x / 1.06-1.35x its
-#: layer time); the layer on the persistent consumer has no such record yet, so no call with tokens takes the
-#: decode path by default.
-DECODE_MAX_ROWS = 0
+#: It follows the newest whole-layer measurement (benchmarks/bench_decode.py, flash shape, both engines timed as
+#: graph replays in one call; docs/PERFORMANCE.md, "The decode path"): on the H100 the layer on the persistent
+#: consumer took 0.97 / 0.94 / 0.92 / 0.93x the time of DeepGEMM's path at 1 / 8 / 32 / 128 tokens (mean rows 0.19
+#: to 24; benchmarks/results/144240b-decode.json), and the persistent consumer's expert work alone 1.64x
+#: DeepGEMM's at 512 (96 rows; benchmarks/results/144240b-persistent.json). So the bound is the largest measured
+#: size it won at; nothing between 24 and 96 rows is measured.
+DECODE_MAX_ROWS = 24
 
 
 class PlanTensors(Protocol):

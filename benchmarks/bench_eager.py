@@ -19,6 +19,9 @@ them) and ``megamoe``
   device-side delay of ``--gate-ms`` (``torch.cuda._sleep``), so nothing of the call runs and the launch queue never
   fills while the host issues it. ``<side>_host_gate_held``: the share of samples whose delay had not run out when
   the call returned (below 1: the call outlived the delay - it waited on the device, or issuing took that long);
+* ``host_warm_ms``: the same host time in a serving loop's steady state: ``--warm-calls`` calls issued back to back
+  behind one such delay, the median of all but the first (which pays for the host's cold start: a sample's call
+  follows the device's idle and the ranks' meeting, and the host slept through the previous gated sample);
 * ``eager_ms``: CUDA events around one call, device idle and ranks met before it;
 * ``pipelined_ms``: events around ``--pipeline`` calls back to back, divided by their number;
 * ``graph_ms``: the call captured in a CUDA graph, one replay between events, device idle and ranks met before it
@@ -64,7 +67,7 @@ MODES = ("batch", "streamed")
 LAUNCHED = ("batch_launched", "streamed_launched")
 PEER = "megamoe"
 #: How each side is timed, in the order the table prints them.
-FIGURES = ("host_issue_ms", "eager_ms", "pipelined_ms", "graph_ms")
+FIGURES = ("host_issue_ms", "host_warm_ms", "eager_ms", "pipelined_ms", "graph_ms")
 #: The eager-call targets: the host's issue time per call, an eager call against its graph replay, against
 #: MegaMoE's eager call.
 HOST_ISSUE_TARGET_MS = 0.05
@@ -81,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens per rank (comma-separated)")
     parser.add_argument("--iterations", type=int, default=20, help="timed rounds of eager_ms and graph_ms")
     parser.add_argument("--host-iterations", type=int, default=50, help="timed rounds of host_issue_ms")
+    parser.add_argument("--warm-calls", type=int, default=8,
+                        help="calls back to back per host_warm_ms sample (at least 2: the first is not kept)")
     parser.add_argument("--pipelined-iterations", type=int, default=5, help="timed rounds of pipelined_ms")
     parser.add_argument("--pipeline", type=int, default=20, help="calls back to back per pipelined sample")
     parser.add_argument("--warmup", type=int, default=3, help="rounds before the timed ones")
@@ -108,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "--warmup >= 0")
     if not args.gate_ms > 0:
         parser.error("--gate-ms must be positive")
+    if args.warm_calls < 2:
+        parser.error("--warm-calls must be >= 2")
     return args
 
 
@@ -143,6 +150,19 @@ def host_issue_sample(call: Callable[[], object], gate: Callable[[], Callable[[]
     return ms, not ran_out()
 
 
+def host_warm_sample(call: Callable[[], object], gate: Callable[[], Callable[[], bool]], calls: int,
+                     clock: Callable[[], float] = time.perf_counter) -> float:
+    """The median host ms of ``calls`` calls of ``call`` issued back to back behind one device delay (``gate()``),
+    the first left out: what each call costs the host once it is issuing steadily."""
+    gate()
+    times = []
+    for _ in range(calls):
+        start = clock()
+        call()
+        times.append((clock() - start) * 1e3)
+    return statistics.median(times[1:])
+
+
 def events_ms(call: Callable[[], object], calls: int = 1, event: Callable[..., Any] | None = None) -> float:
     """Milliseconds per call of ``calls`` calls back to back between two timing events (``torch.cuda.Event``
     unless ``event`` is given), waiting for the second."""
@@ -167,13 +187,15 @@ def sleep_cycles(gate_ms: float, probe_cycles: int, probe_ms: float) -> int:
     return max(1, math.ceil(gate_ms * probe_cycles / probe_ms))
 
 
-def medians(host: Mapping[str, list[tuple[float, bool]]], eager: Mapping[str, list[float]],
-            pipelined: Mapping[str, list[float]], graph: Mapping[str, float]) -> dict[str, float]:
+def medians(host: Mapping[str, list[tuple[float, bool]]], warm: Mapping[str, list[float]],
+            eager: Mapping[str, list[float]], pipelined: Mapping[str, list[float]],
+            graph: Mapping[str, float]) -> dict[str, float]:
     """One rank's figures per side (``<side>_<figure>``) from its samples (the graph's already medians)."""
     out: dict[str, float] = {}
     for side, samples in host.items():
         out[f"{side}_host_issue_ms"] = statistics.median(ms for ms, _ in samples)
         out[f"{side}_host_gate_held"] = sum(held for _, held in samples) / len(samples)
+        out[f"{side}_host_warm_ms"] = statistics.median(warm[side])
         out[f"{side}_eager_ms"] = statistics.median(eager[side])
         out[f"{side}_pipelined_ms"] = statistics.median(pipelined[side])
         out[f"{side}_graph_ms"] = graph[side]
@@ -235,14 +257,15 @@ def figures_of(records: list[dict[str, Any]]) -> dict[str, float]:
 
 def table(records: list[dict[str, Any]]) -> str:
     """The figures per token count and side, the ratios to the targets, and whether each target is met."""
-    lines = ["tokens | side              | host issue ms | eager ms | pipelined ms | graph ms | eager/graph | "
-             "eager/MegaMoE"]
+    lines = ["tokens | side              | host issue ms | host warm ms | eager ms | pipelined ms | graph ms | "
+             "eager/graph | eager/MegaMoE"]
     for r in records:
         for side in (*MODES, *LAUNCHED, PEER):
             if f"{side}_eager_ms" not in r:
                 continue
             cells = " | ".join(f"{r[f'{side}_{f}']:{len(h)}.3f}" for f, h in
-                               zip(FIGURES, ("host issue ms", "eager ms", "pipelined ms", "graph ms"), strict=True))
+                               zip(FIGURES, ("host issue ms", "host warm ms", "eager ms", "pipelined ms", "graph ms"),
+                                   strict=True))
             versus = r.get(f"{side}_eager_over_megamoe_eager")
             lines.append(f"{r['tokens']:6d} | {side:17s} | {cells} | {r[f'{side}_eager_over_graph']:11.2f} | "
                          + (f"{versus:13.2f}" if versus is not None else f"{'-':>13s}"))
@@ -393,6 +416,8 @@ def measure_tokens(shape: Shape, launched: Any, t: int, args: argparse.Namespace
 
     host = interleaved({s: partial(host_issue_sample, call, gate) for s, call in sides.items()},
                        iterations=args.host_iterations, warmup=args.warmup, before=settle)
+    warm = interleaved({s: partial(host_warm_sample, call, gate, args.warm_calls) for s, call in sides.items()},
+                       iterations=max(1, args.host_iterations // args.warm_calls), warmup=args.warmup, before=settle)
     eager = interleaved({s: partial(events_ms, call) for s, call in sides.items()}, iterations=args.iterations,
                         warmup=args.warmup, before=settle)
     pipelined = interleaved({s: partial(events_ms, call, args.pipeline) for s, call in sides.items()},
@@ -406,7 +431,7 @@ def measure_tokens(shape: Shape, launched: Any, t: int, args: argparse.Namespace
     mine["call_graphs"], mine["call_graphs_rebound"] = stats["call_graphs"], stats["call_graphs_rebound"]
     layer.check()
     launched.check()
-    mine.update(medians(host, eager, pipelined, graph))
+    mine.update(medians(host, warm, eager, pipelined, graph))
     if args.host_profile:
         profile_host(modes["batch"], args.host_profile, runtime.rank == 0, f"{t} tokens, batch-ready, replayed")
     measured = {**across_ranks(runtime.allgather_object(mine)), PEER: megamoe_setup}

@@ -86,11 +86,8 @@ class Driver:
         self.sets: list[tuple[Node, list[int]]] = []
         self.refuse = ""  # the kernel whose node the driver refuses to set
 
-    def CUgraphExec(self, handle: int) -> int:  # noqa: N802 - the driver's name
-        return handle
-
     def cuGraphExecKernelNodeSetParams(self, graph_exec: int, node: Node, params: SimpleNamespace):  # noqa: N802
-        assert graph_exec == 0x1234
+        assert int(graph_exec) == 0x1234
         slot = ctypes.c_void_p.from_address(params.kernelParams).value
         words = len(node.arguments[0]) // 8
         if node.name == self.refuse:
@@ -123,9 +120,11 @@ def driver(monkeypatch) -> Driver:
 
 
 def _init_with(fake: Driver):
+    real = rebind.Rebinding.__init__
+
     def init(self, graph_exec: int, patches) -> None:
-        self._driver, self._exec, self._patches = fake, graph_exec, tuple(patches)
-        self.buffers = frozenset(move.buffer for patch in patches for move in patch.moves)
+        real(self, graph_exec, patches)
+        self._driver = fake
 
     return init
 
@@ -169,6 +168,13 @@ def test_a_call_graph_rebinds_its_publish_and_reduction_to_the_calls_tensors(dri
     names = CombineReduceArgs.names
     assert red[names.index("out")] == own[4].start and red[names.index("tokens")] == 5
     assert red[names.index("combine")] == COMBINE and red[names.index("hidden")] == 128
+    # The next call's set holds only its own addresses and rows (each node's struct is rewritten in place).
+    driver.sets.clear()
+    other = [Buffer(0x5000_0000 + i * 0x1000, 0x100) for i in range(5)]
+    bound.apply(other, 3)
+    (_, pub), (_, red) = driver.sets
+    assert pub[RingPublishArgs.names.index("x")] == other[0].start
+    assert (red[names.index("out")], red[names.index("tokens")]) == (other[4].start, 3)
 
 
 def test_a_later_chunk_keeps_its_offset_in_the_calls_rows(driver):

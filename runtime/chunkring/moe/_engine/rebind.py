@@ -105,14 +105,6 @@ class _Patch:
     moves: tuple[Move, ...]
     rows_word: int | None
 
-    def struct_for(self, addresses: Sequence[int], rows: int) -> ctypes.Array:
-        words = list(self.words)
-        for move in self.moves:
-            words[move.word] = addresses[move.buffer] + move.offset
-        if self.rows_word is not None:
-            words[self.rows_word] = rows
-        return (ctypes.c_uint64 * len(words))(*words)
-
 
 class Rebinding:
     """The rebound nodes of one instantiated graph (:func:`rebinding`). ``buffers``: which fixed buffers (by index)
@@ -125,6 +117,12 @@ class Rebinding:
         self._exec = driver.CUgraphExec(graph_exec)
         self._patches = tuple(patches)
         self.buffers = frozenset(move.buffer for patch in patches for move in patch.moves)
+        # Each node's struct as the captured words, in a buffer of its own that every call rewrites in place (the
+        # driver copies it at each parameter set), its one parameter pointing there for good.
+        self._structs = [(ctypes.c_uint64 * len(patch.words))(*patch.words) for patch in self._patches]
+        self._slots = [ctypes.c_void_p(ctypes.addressof(struct)) for struct in self._structs]
+        for patch, slot in zip(self._patches, self._slots, strict=True):
+            patch.params.kernelParams = ctypes.addressof(slot)
 
     def __len__(self) -> int:
         return len(self._patches)
@@ -136,10 +134,11 @@ class Rebinding:
         if not all(addresses[buffer] for buffer in self.buffers):  # a null base would move an address to its offset
             raise ChunkringRuntimeError(f"a rebound graph reads fixed buffers {sorted(self.buffers)}: a call must "
                                         "bring a tensor for each")
-        for patch in self._patches:
-            struct = patch.struct_for(addresses, rows)
-            slot = ctypes.c_void_p(ctypes.addressof(struct))  # the driver copies the struct at the call
-            patch.params.kernelParams = ctypes.addressof(slot)
+        for patch, struct in zip(self._patches, self._structs, strict=True):
+            for move in patch.moves:
+                struct[move.word] = addresses[move.buffer] + move.offset
+            if patch.rows_word is not None:
+                struct[patch.rows_word] = rows
             try:
                 ok(self._driver.cuGraphExecKernelNodeSetParams(self._exec, patch.node, patch.params))
             except RuntimeError as error:

@@ -8,8 +8,9 @@ output), then its graph is captured once over fixed buffers; later calls of that
 device and replay. The kernels already read the count from the device (``num_tokens``), so one graph serves every
 size up to its bucket: token counts round up to a power of two. A routed call's graph is rebound to each call's own
 inputs and output (:mod:`chunkring.moe._engine.rebind`: two parameter sets where a call has one chunk), so such a
-replay copies nothing; any other (hidden states, whose router reads them in a torch GEMM; many chunks) copies its
-inputs into the fixed buffers and its output out. What makes a kind: the batch (routed rows or hidden states), the
+replay copies nothing; any other (hidden states, whose router kernel reads every row of the bucket; many chunks; a
+publish on the partition's stream, which the driver will not set) copies its inputs into the fixed buffers and its
+output out. What makes a kind: the batch (routed rows or hidden states), the
 mode, the bucket, the chunk size, the GEMM engine and the weights' (and router's) addresses - the graph reads them
 where they were at its capture.
 

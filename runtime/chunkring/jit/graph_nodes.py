@@ -91,18 +91,14 @@ def kernel_arguments(node: Any) -> tuple[str, Any, list[bytes]]:
     """A kernel node's function name, its parameters as captured (``CUDA_KERNEL_NODE_PARAMS``, what
     ``cuGraphExecKernelNodeSetParams`` takes back) and each kernel parameter's bytes as the node keeps them. A
     ``RuntimeError`` where the driver does not say (no parameter sizes, or the parameters only as ``extra``)."""
-    from cuda.bindings import driver
-
-    params = ok(driver.cuGraphKernelNodeGetParams(node))
-    function, get_name, get_param = _function(params)
-    layout = _param_layout(get_param, function)
+    name, params, layout = _kernel(node)
     if layout is None:
         raise RuntimeError("the bindings cannot ask for a kernel's parameter sizes")
     if layout and not params.kernelParams:
         raise RuntimeError("the node keeps its parameters as `extra` only")
     # The node's own copy of each argument, which the driver keeps until the node's parameters are set again.
     slots = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
-    return _name(get_name, function), params, [ctypes.string_at(slots[i], size) for i, (_, size) in enumerate(layout)]
+    return name, params, [ctypes.string_at(slots[i], size) for i, (_, size) in enumerate(layout)]
 
 
 def touched_addresses(node: Any) -> list[int]:
@@ -118,28 +114,23 @@ def touched_addresses(node: Any) -> list[int]:
     return []
 
 
-def _function(params: Any) -> tuple[Any, Any, Any]:
-    """The node's function and the driver's calls that name it and lay out its parameters: a library's kernel may be
-    recorded as its CUkernel rather than a CUfunction."""
-    from cuda.bindings import driver
-
-    if int(params.func):
-        return params.func, driver.cuFuncGetName, driver.cuFuncGetParamInfo
-    return params.kern, driver.cuKernelGetName, driver.cuKernelGetParamInfo
-
-
-def _name(get_name: Any, function: Any) -> str:
-    name = ok(get_name(function))
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
-def _kernel_node(node: Any) -> KernelNode:
+def _kernel(node: Any) -> tuple[str, Any, list[tuple[int, int]] | None]:
+    """A kernel node's function name, its parameters (``CUDA_KERNEL_NODE_PARAMS``) and its parameters' layout
+    (:func:`_param_layout`)."""
     from cuda.bindings import driver
 
     params = ok(driver.cuGraphKernelNodeGetParams(node))
-    function, get_name, get_param = _function(params)
-    layout = _param_layout(get_param, function)
-    return KernelNode(_name(get_name, function), int(params.ctx),
+    # A library's kernel may be recorded as its CUkernel rather than a CUfunction.
+    function, get_name, get_param = ((params.func, driver.cuFuncGetName, driver.cuFuncGetParamInfo)
+                                     if int(params.func) else
+                                     (params.kern, driver.cuKernelGetName, driver.cuKernelGetParamInfo))
+    name = ok(get_name(function))
+    return (name.decode() if isinstance(name, bytes) else str(name)), params, _param_layout(get_param, function)
+
+
+def _kernel_node(node: Any) -> KernelNode:
+    name, params, layout = _kernel(node)
+    return KernelNode(name, int(params.ctx),
                       -1 if layout is None else max((offset + size for offset, size in layout), default=0))
 
 

@@ -160,7 +160,8 @@ class CallGraphs:
                         "run directly", call.mode.value, call.n, exc)
             return
         self._graphs[key] = graph
-        if isinstance(call.batch, RoutedBatch) and self._out is not None:
+        if isinstance(call.batch, RoutedBatch):
+            assert self._out is not None  # made by _staged
             inputs = self._buffers(call)
             try:  # at least the rows and the output must move
                 self._rebound[key] = rebinding(graph, (*inputs, self._out), staged.n, must_move=(0, len(inputs)))
@@ -223,13 +224,7 @@ class CallGraphs:
 
     def _load(self, call: Call) -> None:
         """``call``'s batch into the fixed buffers' first ``n`` rows (rows past them the graph's count excludes)."""
-        n, batch = call.n, call.batch
-        inputs = self._buffers(call)
-        if isinstance(batch, RoutedBatch):
-            inputs[0][:n].copy_(batch.x)
-            if batch.x_sf is not None:
-                inputs[1][:n].copy_(batch.x_sf)
-            inputs[2][:n].copy_(batch.topk_idx)
-            inputs[3][:n].copy_(batch.topk_weights)
-        else:
-            inputs[0][:n].copy_(batch.hidden)
+        n = call.n
+        for buffer, tensor in zip(self._buffers(call), self._own_tensors(call), strict=True):
+            if tensor is not None:  # bf16 rows carry no scales
+                buffer[:n].copy_(tensor)

@@ -55,13 +55,10 @@ DECODE_THREADS = 256
 DECODE_SHARED_BYTES = 8 * 6 * 4096
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
-#: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most this.
-#: It follows the newest whole-layer measurement (benchmarks/bench_decode.py, flash shape, both engines timed as
-#: graph replays in one call; docs/PERFORMANCE.md, "The decode path"): on the H100 the layer on the persistent
-#: consumer took 0.97 / 0.94 / 0.92 / 0.93x the time of DeepGEMM's path at 1 / 8 / 32 / 128 tokens (mean rows 0.19
-#: to 24; benchmarks/results/144240b-decode.json), and the persistent consumer's expert work alone 1.64x
-#: DeepGEMM's at 512 (96 rows; benchmarks/results/144240b-persistent.json). So the bound is the largest measured
-#: size it won at; nothing between 24 and 96 rows is measured.
+#: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most this, the
+#: largest size the layer on the persistent consumer measured faster at than on DeepGEMM's path (flash shape, H100,
+#: both engines timed as graph replays in one call: 0.92-0.97x at 1-128 tokens, mean rows up to 24; its expert work
+#: 1.64x DeepGEMM's at 96 rows; nothing between measured). The records: docs/PERFORMANCE.md, "Choice per call".
 DECODE_MAX_ROWS = 24
 
 

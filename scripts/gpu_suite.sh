@@ -115,11 +115,11 @@ gpu_1rank() {  # the CPU suite (kernel compilation included) is CI's job; the GP
 }
 # The layer's newest device paths: the MoE descriptors (plan, pull into blocks, waves), failing closed (the failure
 # word, a failed call's zeros, the abort), the decode kernels, the reduction, routing captured into a graph, eager
-# calls replayed from the layer's own graphs.
+# calls replayed from the layer's own graphs, the one-rank path.
 smoke_tests=(tests/gpu/test_moe_experts.py tests/gpu/test_wave_claim.py tests/gpu/test_moe_blocks.py
              tests/gpu/test_fail_closed.py tests/gpu/test_abort.py tests/gpu/test_moe_decode.py
              tests/gpu/test_moe_reduce.py tests/gpu/test_router.py tests/gpu/test_call_replay_gpu.py
-             tests/gpu/test_partition_gpu.py)
+             tests/gpu/test_partition_gpu.py tests/gpu/test_moe_one_rank.py)
 smoke_1rank() {  # the newest device paths first, stopping at the first failure (a few minutes), before the whole suite
     run_suite smoke-1rank 1 python3 -m pytest "${smoke_tests[@]}" -x -v -rs \
         --durations=8 "${limits[@]}" --junitxml="$logs/smoke-1rank.xml" || status=1

@@ -3,6 +3,8 @@
 //
 // One call at a destination rank, on its consumer stream:
 //   moe_call_reset     the call's consumer words: the stage's routing and held seqs, the push count
+//   moe_stage_local    (a one-rank layer's batch-ready call of routed rows, in place of the publish, the pull, the
+//                      acknowledgements and the drain) the call's rows straight into the stage
 //   moe_pull           every chunk of every source, as it arrives: copy its rows routed here into the
 //                      stage at their token index, and acknowledge it - except each source's last
 //                      chunk, whose acknowledgement is held (the ring's deferred ack)
@@ -14,6 +16,7 @@
 // So the expert weights are read once per call however many chunks the producers publish (RFC
 // dispatch option 2, cross-chunk expert groups, with the end of every stream as the one seal), while
 // pulls overlap the producers' later chunks and free each slot as soon as it was copied.
+#include "chunkring/protocol/publish.cuh"
 #include "chunkring/protocol/ring.cuh"
 #include "chunkring/protocol/validate.cuh"
 #include "chunkring/ptx/dependent_launch.cuh"
@@ -21,13 +24,17 @@
 #include "chunkring/util/kernel_params.cuh"
 #include "chunkring/moe/blocks.cuh"
 #include "chunkring/moe/descriptors.cuh"
+#include "chunkring/moe/kernel_args.cuh"
 #include "chunkring/moe/timeline.cuh"
 
 using namespace chunkring;
 using namespace chunkring::protocol;
 namespace timeline = chunkring::moe::timeline;
 using chunkring::layout::address;
+using chunkring::layout::arg;
+using chunkring::layout::require_args;
 using chunkring::moe::PoolDesc;
+using chunkring::moe::StageLocalArgs;
 using chunkring::moe::StageDesc;
 
 namespace {
@@ -52,6 +59,14 @@ __device__ void pull_routing(const RingDesc& d, u64 src, u64 slot, int* idx, flo
     fetch_block(d, w + lo * K, slot_topk_weights(d, slot) + lo * K, (hi - lo) * K * sizeof(float), src);
     for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x)
         idx[i] = checked_expert(d, src, slot, i / K, i % K, idx[i]);
+}
+
+// Whether a row's K choices name an expert in [lo, hi): a lane per choice, the warp's verdict (every lane of the
+// warp calls it).
+__device__ __forceinline__ bool routed_here(const int* choices, u64 K, long long lo, long long hi, u32 lane) {
+    bool any = false;
+    for (u64 k = lane; k < K; k += kWarp) any |= choices[k] >= lo && choices[k] < hi;
+    return __any_sync(0xffffffffu, any);
 }
 
 // consume_invocation's `acked` hook of a traced pull: one record per acknowledgement, by the grid's first thread.
@@ -130,14 +145,7 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
 
         // A warp per row: the row's K choices decide (one lane each) whether this rank needs its payload.
         const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
-        auto mine = [&](u64 row) {
-            bool any = false;
-            for (u64 k = lane; k < K; k += kWarp) {
-                const int e = idx[row * K + k];
-                any |= e >= expert_lo && e < expert_hi;
-            }
-            return __any_sync(0xffffffffu, any);
-        };
+        auto mine = [&](u64 row) { return routed_here(idx + row * K, K, expert_lo, expert_hi, lane); };
         for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
             if (!mine(row)) continue;
             fetch_warp(d, stage_x + (first_row + row) * row_bytes, slot_x(d, slot) + row * row_bytes, row_bytes, src,
@@ -158,6 +166,52 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
     };
     consume_invocation(d, current_epoch(d), whole_grid(arrivals), held_acks(address<unsigned long long>(s.held)),
                        visit, TraceAcked{trace, trace_capacity, chunk_of, first_thread});
+}
+
+// A one-rank layer's batch-ready call of routed rows (docs/PROTOCOL.md, "One rank"): the rows straight from the
+// caller's tensors into the stage at [my_pe, token], what the publish and the pull together would leave there -
+// the routing (checked) and weights of every row below the call's extent (chunk_extent: a device count may cut it
+// short), the payload of every row with a local choice, its scales checked - reporting what they would report
+// (source my_pe, slot 0: the batch-ready ring's one slot) in the ring's status words. Nothing crosses a GPU, so
+// stream order is the only ordering: moe_call_reset before it, the plan after it. Any grid, a contiguous share of
+// the rows per block.
+//   stage: layout/moe_desc.cuh (its idx -1, by moe_call_reset: rows past the extent stay planned nowhere)
+extern "C" __global__ void moe_stage_local(const __grid_constant__ StageLocalArgs args) {
+    require_args(args);
+    const RingDesc& d = *arg<const RingDesc*>(args.desc);
+    const StageDesc& s = *arg<const StageDesc*>(args.stage);
+    if (!check_descriptor(d) || !moe::check_stage(d, s)) return;
+    const int n_tokens = arg<int>(args.n_tokens);
+    const bool first_thread = threadIdx.x == 0 && blockIdx.x == 0;  // reports for the grid
+    const ChunkExtent e = chunk_extent(d, n_tokens, 0, 1, arg<const int*>(args.valid_tokens), n_tokens,
+                                       blockIdx.x == 0);
+    const u64 src = d.my_pe, slot = 0, K = d.topk;
+    const u64 n = checked_chunk_rows(d, src, slot, 0, e.n, s.token_capacity, first_thread);
+    const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x;
+    const u64 first_row = src * s.token_capacity;  // the stage's row of token 0
+    int* idx = address<int>(s.idx) + first_row * K;
+    float* w = address<float>(s.w) + first_row * K;
+    const int* topk_idx = arg<const int*>(args.topk_idx);
+    const float* topk_weights = arg<const float*>(args.topk_weights);
+    for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x) {
+        idx[i] = checked_expert(d, src, slot, i / K, i % K, topk_idx[i]);
+        w[i] = topk_weights[i];
+    }
+    __syncthreads();  // idx is read back below by other warps of the block
+
+    const auto* x = arg<const unsigned char*>(args.x);
+    const auto* x_sf = arg<const float*>(args.x_sf);  // null for bf16 rows, which carry no scales
+    auto* stage_x = address<unsigned char>(s.x) + first_row * d.x_row_bytes;
+    auto* stage_sf = address<float>(s.sf) + first_row * d.x_sf_row_floats;
+    const long long expert_lo = static_cast<long long>(s.expert_lo), expert_hi = static_cast<long long>(s.expert_hi);
+    const u64 row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats;
+    const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+    for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
+        if (!routed_here(idx + row * K, K, expert_lo, expert_hi, lane)) continue;
+        util::warp_copy16(stage_x + row * row_bytes, x + row * row_bytes, row_bytes, lane);
+        for (u64 i = lane; i < sf_floats; i += kWarp)
+            stage_sf[row * sf_floats + i] = checked_scale(d, src, slot, row, i, x_sf[row * sf_floats + i]);
+    }
 }
 
 // moe_pull with incremental expert blocks (docs/PROTOCOL.md, "Incremental expert blocks"): the same walk

@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import chunkring.moe._engine.call
 from chunkring.moe import CallMode
-from chunkring.moe._engine.call import Call
+from chunkring.moe._engine.call import Call, RoutedBatch
+from chunkring.moe._engine.experts import OwnRows
 from chunkring.moe._engine.schedule import CallSchedule
 
 N, H, K = 64, 8, 2
@@ -65,6 +67,16 @@ class Compute:
     def empty_plan(self):
         self.launched.append(("empty_plan", self.device.current.name))
         return "empty plan"
+
+    def plan(self, stage, empty):
+        self.launched.append(("plan", self.device.current.name))
+        self.empty = empty
+        return SimpleNamespace(own_row="own row")
+
+    def experts(self, plan, w13, w2, *, decode):
+        self.launched.append(("experts", self.device.current.name))
+        self.engines.append(decode)
+        return "expert rows"
 
     def reduce(self, combine, routing, weights, out, own, *, desc):
         self.launched.append(("reduce", self.device.current.name))
@@ -259,3 +271,45 @@ def test_nothing_that_waits_for_the_pull_is_enqueued_before_the_chunks_the_pull_
         assert len(waits) == 2 and waits[0] < names.index(pull)
         after_pull.append(waits[1])
     assert after_pull and min(after_pull) > later[-1]
+
+
+def routed_call(schedule, mode, n):
+    """A call of ``n`` routed rows (a :class:`RoutedBatch`, CPU tensors) through the schedule."""
+    batch = RoutedBatch(torch.zeros(n, H, dtype=torch.float8_e4m3fn), torch.ones(n, 1),
+                        torch.zeros(n, K, dtype=torch.int32), torch.ones(n, K))
+    schedule.enqueue(Call(mode, batch, n, None, None, None, None, None, None, schedule.res.decode_for(n)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 61])
+def test_a_one_rank_batch_ready_call_of_routed_rows_stages_them_itself_on_the_consumer_stream(monkeypatch, n):
+    """docs/PROTOCOL.md, "One rank": no publish, pull, acknowledgement or drain - the reset, the plan's reset,
+    moe_stage_local, the plan, the experts (on the engine the call's size takes) and the reduction, in that order,
+    all on the whole GPU's consumer stream, which joins the caller first and which the caller joins last; the
+    reduction reads the plan's own rows where the experts left them, and the ring's descriptor (zeros after an
+    error)."""
+    schedule, res, launched = schedule_on(monkeypatch, slots=2)
+    caller = torch.cuda.current_stream()
+    routed_call(schedule, CallMode.BATCH_READY, n)
+    work = [(name, stream) for name, stream in launched if name != "wait"]
+    assert [name for name, _ in work] == ["moe_call_reset", "empty_plan", "moe_stage_local", "plan", "experts",
+                                          "reduce"]
+    assert {stream for _, stream in work} == {"whole.consumer"}
+    assert res.streams[CallMode.BATCH_READY][1].waits == ["caller"] and caller.waits == ["whole.consumer"]
+    assert res.compute.empty == "empty plan" and res.compute.engines == [n <= DECODE_TOKENS]
+    assert res.compute.own == OwnRows("own row", "expert rows")
+    assert res.compute.reduce_desc is res.rings[CallMode.BATCH_READY].desc
+
+
+@pytest.mark.parametrize(("mode", "ranks"), [(CallMode.STREAMED, 1), (CallMode.BATCH_READY, 2)])
+def test_streamed_calls_and_calls_of_several_ranks_keep_the_ring(monkeypatch, mode, ranks):
+    """Only a one-rank batch-ready call of routed rows skips the ring: a streamed call of a one-rank layer publishes
+    and pulls (its chunks, its partition), and so does a batch-ready call at two ranks."""
+    schedule, res, launched = schedule_on(monkeypatch, slots=2)
+    monkeypatch.setattr(chunkring.moe._engine.call, "enqueue_publish",
+                        lambda *args: launched.append(("publish", args[-1].name)))
+    for ring in res.rings.values():
+        ring.spec.world_size = ranks
+    routed_call(schedule, mode, 61)
+    names = [name for name, _ in launched]
+    assert "moe_stage_local" not in names
+    assert {"publish", "moe_pull", "moe_ack_held", "moe_drain"} <= set(names)

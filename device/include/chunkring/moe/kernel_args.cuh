@@ -9,6 +9,22 @@ namespace chunkring::moe {
 
 using layout::u64;
 
+// moe_stage_local (moe_stream.cu): a one-rank call's rows, straight into the stage.
+struct StageLocalArgs {
+    u64 version;       // kKernelArgsVersion
+    u64 bytes;         // sizeof(StageLocalArgs)
+    u64 desc;          // const RingDesc*
+    u64 stage;         // const StageDesc*
+    u64 x;             // const unsigned char*
+    u64 x_sf;          // CHUNKRING_NULLABLE const float*
+    u64 topk_idx;      // const int*
+    u64 topk_weights;  // const float*
+    u64 n_tokens;      // int
+    u64 valid_tokens;  // CHUNKRING_NULLABLE const int*
+};
+static_assert(sizeof(StageLocalArgs) == 10 * sizeof(u64),
+              "StageLocalArgs: runtime/chunkring/moe/_engine/kernel_args.py");
+
 // moe_plan_scatter (moe_experts.cu).
 struct PlanScatterArgs {
     u64 version;     // kKernelArgsVersion

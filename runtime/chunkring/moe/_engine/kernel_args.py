@@ -9,7 +9,16 @@ from __future__ import annotations
 from chunkring.jit import ArgStruct
 
 __all__ = ["CombinePushArgs", "CombineReduceArgs", "DecodeL1Args", "DecodeL2Args", "PersistentGemmArgs",
-           "PlanScatterArgs", "ProduceChunkArgs", "WaveGatherArgs"]
+           "PlanScatterArgs", "ProduceChunkArgs", "StageLocalArgs", "WaveGatherArgs"]
+
+
+class StageLocalArgs(ArgStruct):
+    """``moe_stage_local``: a one-rank call's rows (a publish's tensors, its row count and device count) and the
+    stage they go into."""
+
+    FIELDS = """const RingDesc* desc, const StageDesc* stage, const unsigned char* x,
+                CHUNKRING_NULLABLE const float* x_sf, const int* topk_idx, const float* topk_weights, int n_tokens,
+                CHUNKRING_NULLABLE const int* valid_tokens"""
 
 
 class PlanScatterArgs(ArgStruct):

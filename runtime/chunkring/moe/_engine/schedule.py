@@ -19,6 +19,10 @@ Two streams per call (:attr:`LayerResources.streams`: a streamed call's are its 
 A source's last chunk is acknowledged only after its combine rows landed, so a drained producer knows its
 combine buffer is complete: no barrier, no global token count, no host synchronisation, and every launch
 is fixed, so a call captures into a CUDA graph.
+
+A one-rank layer's batch-ready call of routed rows has no peer to hand its rows to or to hear from: it stages them
+itself (``moe_stage_local``) and runs plan, experts and reduction on the consumer stream alone, without the ring
+(docs/PROTOCOL.md, "One rank"). Its streamed calls, and ``forward()``'s fused producer, keep the ring.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chunkring.moe._engine.call import Call, CallMode
+from chunkring.moe._engine.call import Call, CallMode, RoutedBatch
 from chunkring.moe._engine.experts import EmptyPlan, OwnRows
+from chunkring.moe._engine.kernel_args import StageLocalArgs
 from chunkring.moe._engine.resources import PULL_BLOCK, LayerResources
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
@@ -39,7 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule"]
 
-#: The most blocks of ``moe_call_reset`` (eight words a thread below that; a grid-stride loop past it).
+#: The most blocks of ``moe_call_reset`` (eight words a thread below that; a grid-stride loop past it) and of
+#: ``moe_stage_local`` (a warp per row below that).
 _RESET_MAX_GRID = 1024
 
 #: How long a layer's first call of a mode waits at the host barrier for every rank's GEMM warm-up: several
@@ -81,6 +87,8 @@ class CallSchedule:
         if out is None:
             out = torch.empty((n, res.config.hidden), dtype=torch.bfloat16, device=res.runtime.torch_device)
         caller = torch.cuda.current_stream(res.runtime.torch_device)
+        if ring.spec.world_size == 1 and mode is CallMode.BATCH_READY and isinstance(call.batch, RoutedBatch):
+            return self._enqueue_local(call, call.batch, out, caller)
         T = call.chunk if call.chunk is not None else ring.spec.tokens_per_slot
         starts = list(range(0, n, T)) if n else [0]
         waves = res.config.waves if res.pool is not None and mode is CallMode.STREAMED else 1
@@ -140,6 +148,52 @@ class CallSchedule:
         caller.wait_stream(last)
         return out
 
+    def _enqueue_local(self, call: Call, batch: RoutedBatch, out: torch.Tensor, caller: torch.cuda.Stream
+                       ) -> torch.Tensor:
+        """A one-rank layer's batch-ready call of routed rows (docs/PROTOCOL.md, "One rank"): its rows straight into
+        the stage (``moe_stage_local``: the publish's and the pull's copies and checks, without the ring's round
+        trip), the plan, the expert GEMMs and the reduction over k, one chain on the consumer stream. Every choice is
+        this rank's own, so nothing is pushed, acknowledged or drained: no kernel of the call waits for another, and
+        stream order is all the ordering. The consumer stream (the layer's, not the caller's) keeps calls made from
+        different streams from sharing the stage and the plan at once."""
+        res, mode, n = self.res, CallMode.BATCH_READY, call.n
+        ring, stage, compute = res.rings[mode], res.stage, res.compute
+        consumer = res.streams[mode][1]
+        consumer.wait_stream(caller)
+        self.warm_up(mode, consumer, call.w13, call.w2)
+        mark = _Marks(res, call.timeline)
+        with torch.cuda.stream(consumer):
+            mark(Event.CALL_BEGIN)
+            self._reset_call_words(consumer)
+            empty = compute.empty_plan()
+            mark(Event.PRODUCE_BEGIN, 0)
+            res.kernels.stream.launch("moe_stage_local", args=StageLocalArgs(
+                desc=ring.desc, stage=stage.desc, x=batch.x.view(torch.uint8), x_sf=batch.x_sf,
+                topk_idx=batch.topk_idx, topk_weights=batch.topk_weights, n_tokens=n, valid_tokens=call.num_tokens),
+                grid=max(1, min(_RESET_MAX_GRID, -(-n // (PULL_BLOCK // 32)))), block=PULL_BLOCK, stream=consumer)
+            mark(Event.PUBLISHED, 0)
+            mark(Event.EXPERTS_BEGIN)
+            plan = compute.plan(stage, empty)
+            rows = compute.experts(plan, call.w13, call.w2, decode=call.decode)
+            mark(Event.EXPERTS_DONE)
+            mark(Event.COMBINE_DONE)  # nothing pushed: the reduction reads every row where the experts left it
+            mark(Event.DRAINED)  # nothing to wait for
+            rank = res.runtime.rank
+            compute.reduce(res.combine, stage.idx[rank], stage.w[rank], out, OwnRows(plan.own_row, rows),
+                           desc=ring.desc)
+            mark(Event.OUTPUT_DONE)
+        caller.wait_stream(consumer)
+        return out
+
+    def _reset_call_words(self, stream: torch.cuda.Stream) -> None:
+        """``moe_call_reset`` on ``stream``: the stage's routing (-1) and held seqs and the pushes' count (which
+        moe_ack_held counts), whatever an earlier call left, in one launch."""
+        res = self.res
+        choices = res.stage.idx.numel()
+        res.kernels.stream.launch("moe_call_reset", stage=res.stage.desc, pushed=res.compute.pushed,
+                                  grid=max(1, min(_RESET_MAX_GRID, -(-choices // (8 * PULL_BLOCK)))), block=PULL_BLOCK,
+                                  stream=stream)
+
     def is_warm(self, mode: CallMode) -> bool:
         """Whether ``mode``'s first call ran: until then, a call of it meets every rank at its warm-up barrier."""
         return mode in self._warm_modes
@@ -188,14 +242,9 @@ class CallSchedule:
         whole GPU's). With ``waves > 1`` the waves' claims spin beside the pull, so every wave stays on the
         consumer stream."""
         res = self.res
-        stage, compute = res.stage, res.compute
+        compute = res.compute
         consumer = torch.cuda.current_stream(res.runtime.torch_device)
-        # The stage's routing (-1) and held seqs and the pushes' count (which moe_ack_held counts below),
-        # whatever an earlier call left, in one launch.
-        choices = stage.idx.numel()
-        res.kernels.stream.launch("moe_call_reset", stage=stage.desc, pushed=compute.pushed,
-                                  grid=max(1, min(_RESET_MAX_GRID, -(-choices // (8 * PULL_BLOCK)))), block=PULL_BLOCK,
-                                  stream=consumer)
+        self._reset_call_words(consumer)
         if waves > 1:
             self._pull_into_blocks(mode, mark)
             return consumer, None

@@ -87,6 +87,15 @@ class Expected:
 
     def pull(self, dest: int, src: int, batch: Batch, base: int, m: int, seq: int, held: bool) -> None:
         """``dest``'s pull of that chunk into its stage; acknowledged unless ``held``."""
+        self.stage_rows(dest, src, batch, base, m)
+        if held:
+            self.held[dest][src] = seq
+        else:
+            self.ack(dest, src, seq)
+
+    def stage_rows(self, dest: int, src: int, batch: Batch, base: int, m: int) -> None:
+        """Rows [base, base + m) of ``src``'s batch in ``dest``'s stage, as a pull (or, at one rank, moe_stage_local)
+        leaves them: out-of-range ids masked, the payload of rows with a local choice, non-finite scales zeroed."""
         stage = self.stages[dest]
         idx = batch.idx[base:base + m].clone()
         idx[(idx < -1) | (idx >= self.num_experts)] = -1
@@ -99,10 +108,6 @@ class Expected:
             sf = batch.sf[rows].clone()
             sf[~torch.isfinite(sf)] = 0.0
             self.stage_sf[dest][src, rows] = sf
-        if held:
-            self.held[dest][src] = seq
-        else:
-            self.ack(dest, src, seq)
 
     def ack(self, dest: int, src: int, seq: int) -> None:
         slot = seq % self.rings[0].spec.num_slots

@@ -9,6 +9,7 @@ import torch
 
 import chunkring.ring.io
 from chunkring import PayloadFormat, Ring, RingSpec
+from chunkring.moe._engine.kernel_args import StageLocalArgs
 from chunkring.moe._engine.resources import PULL_BLOCK
 from chunkring.moe._engine.stage import Stage
 from chunkring.ring.io import publish_chunk
@@ -115,6 +116,24 @@ class World:
                 for base, m, eos, seq in chunks:
                     self.expected.pull(dest, src, batches[src], base, m, seq, held=eos)
                 self.masked[dest] += masked_inputs(batches[src], stage)
+
+    def stage_local(self, batch: Batch, count: int | None = None) -> None:
+        """A one-rank call's rows into the stage: the call's reset of the routing, then moe_stage_local as
+        schedule._enqueue_local launches it (``count``: a device token count); the reference follows (the rows
+        below the count, the masked inputs, a count out of range reported)."""
+        n, ring, stage = batch.x.shape[0], self.rings[0], self.stages[0]
+        stage.idx.fill_(-1)
+        self.expected.stage_idx[0].fill_(-1)
+        valid = None if count is None else torch.tensor([count], dtype=torch.int32)
+        self.library.launch("moe_stage_local", args=StageLocalArgs(
+            desc=ring.desc, stage=stage.desc, x=batch.x.view(torch.uint8), x_sf=batch.sf, topk_idx=batch.idx,
+            topk_weights=batch.w, n_tokens=n, valid_tokens=valid), grid=self.grid, block=PULL_BLOCK, stream=None)
+        self.streams.run()
+        rows = n if count is None else min(max(count, 0), n)
+        self.expected.stage_rows(0, 0, batch, 0, rows)
+        below = Batch(batch.x[:rows], None if batch.sf is None else batch.sf[:rows], batch.idx[:rows],
+                      batch.w[:rows], [rows])
+        self.masked[0] += masked_inputs(below, stage) + int(count is not None and count != rows)
 
     def ack_held(self) -> None:
         """moe_ack_held as the layer launches it, the combine push's arrivals all in."""

@@ -1,7 +1,8 @@
 """The ring's data path of device/kernels/ring_host_api.cu (ring_publish_tensors; ring_publish_open, _copy, _close;
-ring_raise_abort) and moe_stream.cu (moe_call_reset, moe_pull, moe_ack_held, moe_stage_local) run on the CPU as
-written, over tests/helpers/emulation/ring.py's heap, streams and protocol words (tests/unit/test_ring_pull_emulation.py
-drives them through publish_chunk and the layer's launches, test_ring_abort_emulation.py the aborts). Each
+ring_raise_abort) and moe_stream.cu (moe_call_reset, moe_pull, moe_ack_held; moe_stage_local: stage_local.py) run on
+the CPU as written, over tests/helpers/emulation/ring.py's heap, streams and protocol words
+(tests/unit/test_ring_pull_emulation.py drives them through publish_chunk and the layer's launches,
+test_ring_abort_emulation.py the aborts). Each
 function mirrors its device function (protocol/ring.cuh begin_chunk, poll_acked, publish, end_chunk, wait_chunk,
 ack_chunk, finish_chunk, last_block_to_arrive, consume_invocation; publish.cuh chunk_extent, close_chunk;
 validate.cuh's checks; moe/descriptors.cuh check_stage) for one block, thread 0's part
@@ -15,12 +16,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tests.helpers.emulation.machine import Allocation, EmulatedMemoryError, Pointer, read_struct
+from tests.helpers.emulation.machine import EmulatedMemoryError, Pointer, read_struct
 from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS, descriptor
 from tests.helpers.emulation.ring import CONTROL, META_EOS, RingView, copy, make_gen
 from tests.helpers.emulation.waves import DESC_FIELD, ERROR
 
-__all__ = ["NO_HELD_CHUNK", "kernels", "moe_call_reset", "moe_stage_local"]
+__all__ = ["NO_HELD_CHUNK", "check_stage", "checked_chunk_rows", "chunk_extent", "kernels", "moe_call_reset"]
 
 NO_HELD_CHUNK = 2**64 - 1  # moe_stream.cu kNoHeldChunk
 
@@ -336,49 +337,6 @@ def ring_raise_abort(ring: RingView, a, part: int, parts: int):
     yield from ()
 
 
-def moe_stage_local(ring: RingView, a, part: int, parts: int):
-    """Block ``part`` of ``parts``: its share of a one-rank call's rows from the caller's tensors into the stage at
-    source my_pe, checked and reported as the pull checks them (slot 0), the extent as the publish takes it."""
-    s = read_struct(a.stage, STRUCTS["StageDesc"], "StageDesc")
-    if not ring.rank.check_descriptor() or not check_stage(ring, s):
-        return
-    d, K, src, slot = ring.d, ring.d.topk, ring.d.my_pe, 0
-    call = SimpleNamespace(n_tokens=a.n_tokens, end_of_stream=1, valid_tokens=a.valid_tokens, batch_rows=a.n_tokens,
-                           token_base=0)
-    e = chunk_extent(ring, call, part == 0)
-    _, n = checked_chunk_rows(ring, s, src, slot, SimpleNamespace(token_base=0, num_tokens=e.n), part == 0)
-    lo, hi = n * part // parts, n * (part + 1) // parts
-    first_row = src * s.token_capacity
-    idx = Pointer(ring.memory, s.idx + 4 * first_row * K, "stage idx")
-    w = Pointer(ring.memory, s.w + 4 * first_row * K, "stage w")
-    for i in range(lo * K, hi * K):
-        expert = int(a.topk_idx.load_as(np.int32, i, "topk_idx"))
-        if not -1 <= expert < d.num_experts:
-            ring.report_input("kTopkIdx", src, slot, i // K, i % K, expert)
-            expert = -1
-        idx.store_as(np.int32, i, expert, "stage idx")
-        w.store_as(np.float32, i, a.topk_weights.load_as(np.float32, i, "topk_weights"), "stage w")
-    row_bytes, sf = d.x_row_bytes, d.x_sf_row_floats
-    for row in range(lo, hi):  # a warp per row
-        choices = idx.load_as(np.int32, np.arange(row * K, (row + 1) * K), "stage idx")
-        if not ((choices >= s.expert_lo) & (choices < s.expert_hi)).any():
-            continue
-        copy(ring.memory, s.x + (first_row + row) * row_bytes, _address(a.x) + row * row_bytes, row_bytes, "x", 16)
-        scales = Pointer(ring.memory, s.sf + 4 * (first_row + row) * sf, "stage sf")
-        for i in range(sf):
-            value = a.x_sf.load_as(np.float32, row * sf + i, "x_sf")
-            if not np.isfinite(value):
-                ring.report_input("kXSf", src, slot, row, i, int(np.float32(value).view(np.uint32)))
-                value = np.float32(0)
-            scales.store_as(np.float32, i, value, "stage sf")
-    yield from ()
-
-
-def _address(pointer) -> int:
-    """Where a kernel argument points: an Allocation's base or a Pointer's address."""
-    return pointer.base if isinstance(pointer, Allocation) else pointer.address
-
-
 def moe_call_reset(memory, grid, block, shared_bytes, a) -> None:
     """The call's consumer words, every thread's grid-stride stores at once (a plain kernel: it never waits): the
     stage's idx -1, its held NO_HELD_CHUNK, the push count 0."""
@@ -390,7 +348,7 @@ def moe_call_reset(memory, grid, block, shared_bytes, a) -> None:
 
 
 KERNELS = {f.__name__: f for f in (ring_publish_tensors, ring_publish_open, ring_publish_copy, ring_publish_close,
-                                   moe_pull, moe_ack_held, moe_stage_local, ring_raise_abort)}
+                                   moe_pull, moe_ack_held, ring_raise_abort)}
 
 
 def kernels(heap, streams, only=None) -> dict:

@@ -17,6 +17,7 @@ from tests.helpers.emulation import pull as pull_emu
 from tests.helpers.emulation.machine import Memory
 from tests.helpers.emulation.pull_reference import SENTINEL, Batch, Expected
 from tests.helpers.emulation.ring import Clock, HeapRuntime, StreamLibrary, Streams, SymmetricHeap
+from tests.helpers.emulation.stage_local import moe_stage_local
 
 __all__ = ["World", "masked_inputs"]
 
@@ -37,7 +38,8 @@ class World:
             heap.unmapped = {(r, pe) for r in range(world) for pe in range(world) if r != pe}
         self.memory, self.clock = Memory(), clock
         self.streams = Streams(self.memory, seed, clock)
-        table = {**pull_emu.kernels(heap, self.streams, mutants), **(launchers(heap) if launchers else {})}
+        table = {**pull_emu.kernels(heap, self.streams, {"moe_stage_local": moe_stage_local, **(mutants or {})}),
+                 **(launchers(heap) if launchers else {})}
         self.library = StreamLibrary(self.memory, table, self.streams, ("ring_host_api.cu", "moe_stream.cu",
                                                                        "moe_experts.cu"))
         monkeypatch.setattr(chunkring.ring.io, "kernel_library", lambda runtime: self.library)

@@ -5,8 +5,9 @@ bounds, aligned, never an unwritten byte, never one byte stored twice in a launc
 formats and MMA fragments, and a stand-in library that checks each launch against the kernels' signatures. ring.py
 holds ranks' symmetric heaps in one process and runs thread blocks as coroutines interleaved by a seed; a wait that
 cannot be satisfied yields, and when nothing can progress it fails with EmulatedWaitBlocks. The kernels' emulators
-(decode, plan, waves, pull, stage_local, produce, blocks) mirror their device functions line by line, reading descriptors word
-by word in the headers' order; pull_reference.py and plan_layout.py say what memory must hold afterwards.
+(decode, plan, waves, pull, stage_local, produce, blocks) mirror their device functions line by line, reading
+descriptors word by word in the headers' order; pull_reference.py and plan_layout.py say what memory must hold
+afterwards.
 
 It is sequentially consistent, so it checks the protocols' logic and the kernels' addressing. Only a GPU shows
 memory ordering (fences, acquire/release), timing and real timeouts (ring.py's Clock only orders deadlines), the

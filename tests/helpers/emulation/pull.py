@@ -21,7 +21,8 @@ from tests.helpers.emulation.plan import LAYOUT_VERSION, STRUCTS, descriptor
 from tests.helpers.emulation.ring import CONTROL, META_EOS, RingView, copy, make_gen
 from tests.helpers.emulation.waves import DESC_FIELD, ERROR
 
-__all__ = ["NO_HELD_CHUNK", "check_stage", "checked_chunk_rows", "chunk_extent", "kernels", "moe_call_reset"]
+__all__ = ["NO_HELD_CHUNK", "check_stage", "checked_chunk_rows", "checked_expert", "checked_scale", "chunk_extent",
+           "kernels", "moe_call_reset"]
 
 NO_HELD_CHUNK = 2**64 - 1  # moe_stream.cu kNoHeldChunk
 
@@ -247,19 +248,32 @@ def checked_chunk_rows(ring: RingView, s, src: int, slot: int, meta, report: boo
     return base, n
 
 
+def checked_expert(ring: RingView, src: int, slot: int, row: int, k: int, expert: int) -> int:
+    """validate.cuh checked_expert: an expert in [-1, num_experts), or -1 (an out-of-range one reported)."""
+    if -1 <= expert < ring.d.num_experts:
+        return expert
+    ring.report_input("kTopkIdx", src, slot, row, k, expert)
+    return -1
+
+
+def checked_scale(ring: RingView, src: int, slot: int, row: int, column: int, scale: np.float32) -> np.float32:
+    """validate.cuh checked_scale: a finite scale, or 0 (reported)."""
+    if np.isfinite(scale):
+        return scale
+    ring.report_input("kXSf", src, slot, row, column, int(np.float32(scale).view(np.uint32)))
+    return np.float32(0)
+
+
 def fetch_choices(ring: RingView, s, src: int, slot: int, first_row: int, lo: int, hi: int) -> Pointer:
     """Rows lo..hi's topk_idx and topk_weights fetched into the stage at ``first_row``, each expert checked in
     place (checked_expert): the stage's idx from ``first_row``."""
-    d, K = ring.d, ring.d.topk
+    K = ring.d.topk
     idx = Pointer(ring.memory, s.idx + 4 * first_row * K, "stage idx")
     ring.fetch(idx.address + 4 * lo * K, ring.part("topk_idx", slot) + 4 * lo * K, 4 * (hi - lo) * K, src, "idx")
     ring.fetch(s.w + 4 * (first_row + lo) * K, ring.part("topk_weights", slot) + 4 * lo * K, 4 * (hi - lo) * K,
                src, "w")
     for i in range(lo * K, hi * K):
-        e = int(idx.load_as(np.int32, i, "stage idx"))
-        if not -1 <= e < d.num_experts:
-            ring.report_input("kTopkIdx", src, slot, i // K, i % K, e)
-            e = -1
+        e = checked_expert(ring, src, slot, i // K, i % K, int(idx.load_as(np.int32, i, "stage idx")))
         idx.store_as(np.int32, i, e, "stage idx", again=True)
     return idx
 
@@ -268,10 +282,7 @@ def checked_scales(ring: RingView, address: int, src: int, slot: int, row: int, 
     """checked_scale, in place: a row's scale factors at ``address``, each one not finite reported and zeroed."""
     scales = Pointer(ring.memory, address, what)
     for i in range(ring.d.x_sf_row_floats):
-        value = scales.load_as(np.float32, i, what)
-        if not np.isfinite(value):
-            ring.report_input("kXSf", src, slot, row, i, int(np.float32(value).view(np.uint32)))
-            value = np.float32(0)
+        value = checked_scale(ring, src, slot, row, i, scales.load_as(np.float32, i, what))
         scales.store_as(np.float32, i, value, what, again=True)
 
 

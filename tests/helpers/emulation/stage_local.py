@@ -1,7 +1,7 @@
 """moe_stream.cu's moe_stage_local run on the CPU as written, over tests/helpers/emulation/ring.py's heap and status
-words with pull.py's checks (chunk_extent, checked_chunk_rows, check_stage): a one-rank call's rows from the caller's
-tensors into the stage (tests/unit/test_ring_pull_emulation.py holds it to the publish's and the pull's
-reference)."""
+words with pull.py's checks (chunk_extent, checked_chunk_rows, checked_expert, checked_scale, check_stage): a one-rank
+call's rows from the caller's tensors into the stage (tests/unit/test_ring_pull_emulation.py holds it to the
+publish's and the pull's reference)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from tests.helpers.emulation.machine import Allocation, Pointer, read_struct
 from tests.helpers.emulation.plan import STRUCTS
-from tests.helpers.emulation.pull import check_stage, checked_chunk_rows, chunk_extent
+from tests.helpers.emulation.pull import check_stage, checked_chunk_rows, checked_expert, checked_scale, chunk_extent
 from tests.helpers.emulation.ring import RingView, copy
 
 __all__ = ["moe_stage_local"]
@@ -33,10 +33,7 @@ def moe_stage_local(ring: RingView, a, part: int, parts: int):
     idx = Pointer(ring.memory, s.idx + 4 * first_row * K, "stage idx")
     w = Pointer(ring.memory, s.w + 4 * first_row * K, "stage w")
     for i in range(lo * K, hi * K):
-        expert = int(a.topk_idx.load_as(np.int32, i, "topk_idx"))
-        if not -1 <= expert < d.num_experts:
-            ring.report_input("kTopkIdx", src, slot, i // K, i % K, expert)
-            expert = -1
+        expert = checked_expert(ring, src, slot, i // K, i % K, int(a.topk_idx.load_as(np.int32, i, "topk_idx")))
         idx.store_as(np.int32, i, expert, "stage idx")
         w.store_as(np.float32, i, a.topk_weights.load_as(np.float32, i, "topk_weights"), "stage w")
     row_bytes, sf = d.x_row_bytes, d.x_sf_row_floats
@@ -47,10 +44,7 @@ def moe_stage_local(ring: RingView, a, part: int, parts: int):
         copy(ring.memory, s.x + (first_row + row) * row_bytes, _address(a.x) + row * row_bytes, row_bytes, "x", 16)
         scales = Pointer(ring.memory, s.sf + 4 * (first_row + row) * sf, "stage sf")
         for i in range(sf):
-            value = a.x_sf.load_as(np.float32, row * sf + i, "x_sf")
-            if not np.isfinite(value):
-                ring.report_input("kXSf", src, slot, row, i, int(np.float32(value).view(np.uint32)))
-                value = np.float32(0)
+            value = checked_scale(ring, src, slot, row, i, a.x_sf.load_as(np.float32, row * sf + i, "x_sf"))
             scales.store_as(np.float32, i, value, "stage sf")
     yield from ()
 

@@ -1,15 +1,14 @@
 """A call's captured graph pointed at each later call's own tensors (:class:`Rebinding`), so that a replayed eager call
 copies nothing: not its inputs into the graph's fixed buffers, not its output out of them.
 
-A routed call's graph reads its inputs only in its publishes (``ring_publish_tensors``, or ``ring_publish_copy``
-between an open and a close; ``moe_stage_local`` where a one-rank call stages its rows itself) and writes its output
-only in its reduction (``moe_combine_reduce``); each takes an argument struct (:class:`chunkring.jit.ArgStruct`). At
-capture, some of those structs' pointer fields hold addresses
-inside the fixed buffers. Per call, a rebinding sets each such node's parameters in the instantiated graph to the
-same struct with every such address moved to the same offset in the call's own tensor - the buffers and the call's
-tensors are contiguous with the same rows, so a chunk's offset is the same in both - and the reduction's row count to
-the call's. The publishes read no row at or past the device count the replay writes first, so the rows past a call's
-own are never read; the reduction writes exactly the call's rows.
+A routed call's graph reads its inputs only in its publishes (``ring_publish_tensors``, or ``ring_publish_copy`` between
+an open and a close; ``moe_stage_local`` where a one-rank call stages its rows itself) and writes its output only in its
+reduction (``moe_combine_reduce``); each takes an argument struct (:class:`chunkring.jit.ArgStruct`). At capture, some
+of those structs' pointer fields hold addresses inside the fixed buffers. Per call, a rebinding sets each such node's
+parameters in the instantiated graph to the same struct with every such address moved to the same offset in the call's
+own tensor - the buffers and the call's tensors are contiguous with the same rows, so a chunk's offset is the same in
+both - and the reduction's row count to the call's. The publishes read no row at or past the device count the replay
+writes first, so the rows past a call's own are never read; the reduction writes exactly the call's rows.
 ``cuGraphExecKernelNodeSetParams`` changes the launches that follow it, never one already enqueued, so a replay still
 running is unaffected.
 

@@ -46,7 +46,7 @@ __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule"]
 
 #: The most blocks of ``moe_call_reset`` (eight words a thread below that; a grid-stride loop past it) and of
 #: ``moe_stage_local`` (a warp per row below that).
-_RESET_MAX_GRID = 1024
+_MAX_GRID = 1024
 
 #: How long a layer's first call of a mode waits at the host barrier for every rank's GEMM warm-up: several
 #: ranks compiling DeepGEMM's kernels at once take minutes at most; a rank that raised before the barrier
@@ -170,7 +170,7 @@ class CallSchedule:
             res.kernels.stream.launch("moe_stage_local", args=StageLocalArgs(
                 desc=ring.desc, stage=stage.desc, x=batch.x.view(torch.uint8), x_sf=batch.x_sf,
                 topk_idx=batch.topk_idx, topk_weights=batch.topk_weights, n_tokens=n, valid_tokens=call.num_tokens),
-                grid=max(1, min(_RESET_MAX_GRID, -(-n // (PULL_BLOCK // 32)))), block=PULL_BLOCK, stream=consumer)
+                grid=max(1, min(_MAX_GRID, -(-n // (PULL_BLOCK // 32)))), block=PULL_BLOCK, stream=consumer)
             mark(Event.PUBLISHED, 0)
             mark(Event.EXPERTS_BEGIN)
             plan = compute.plan(stage, empty)
@@ -178,9 +178,7 @@ class CallSchedule:
             mark(Event.EXPERTS_DONE)
             mark(Event.COMBINE_DONE)  # nothing pushed: the reduction reads every row where the experts left it
             mark(Event.DRAINED)  # nothing to wait for
-            rank = res.runtime.rank
-            compute.reduce(res.combine, stage.idx[rank], stage.w[rank], out, OwnRows(plan.own_row, rows),
-                           desc=ring.desc)
+            self._reduce(mode, out, OwnRows(plan.own_row, rows))
             mark(Event.OUTPUT_DONE)
         caller.wait_stream(consumer)
         return out
@@ -191,7 +189,7 @@ class CallSchedule:
         res = self.res
         choices = res.stage.idx.numel()
         res.kernels.stream.launch("moe_call_reset", stage=res.stage.desc, pushed=res.compute.pushed,
-                                  grid=max(1, min(_RESET_MAX_GRID, -(-choices // (8 * PULL_BLOCK)))), block=PULL_BLOCK,
+                                  grid=max(1, min(_MAX_GRID, -(-choices // (8 * PULL_BLOCK)))), block=PULL_BLOCK,
                                   stream=stream)
 
     def is_warm(self, mode: CallMode) -> bool:
@@ -342,6 +340,11 @@ class CallSchedule:
         # and weights are this rank's own stage rows, which its pull wrote and checked: the held acks (``consumed``)
         # come after the pull in stream order - and after the L2 that wrote the own rows - and the next call's
         # refill of the stage after this reduction.
-        rank = res.runtime.rank
-        res.compute.reduce(res.combine, res.stage.idx[rank], res.stage.w[rank], out, own, desc=res.rings[mode].desc)
+        self._reduce(mode, out, own)
         mark(Event.OUTPUT_DONE)
+
+    def _reduce(self, mode: CallMode, out: torch.Tensor, own: OwnRows | None) -> None:
+        """The reduction over k into ``out``, on the current stream: this rank's own stage routing and weights, the
+        combine rows and ``own``, zeros where ``mode``'s ring recorded an error (:meth:`ExpertCompute.reduce`)."""
+        res, rank = self.res, self.res.runtime.rank
+        res.compute.reduce(res.combine, res.stage.idx[rank], res.stage.w[rank], out, own, desc=res.rings[mode].desc)

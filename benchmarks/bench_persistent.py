@@ -53,8 +53,10 @@ SWEEPS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "default": [("s8t4c64", {}), ("s4t4c64", dict(stages=4)), ("s12t3c64", dict(stages=12, token_stages=3)),
                 ("s8t2c64", dict(token_stages=2)), ("s8t4c32", dict(tile_cap=32)), ("s8t4c16", dict(tile_cap=16)),
                 ("blocks", dict(claim="strided_blocks")), ("blocked", dict(claim="blocked")),
-                ("split", dict(fused=False)), ("w13x16", dict(w13_boxes=16))],
-    "quick": [("s8t4c64", {}), ("split", dict(fused=False))],
+                ("split", dict(fused=False)), ("w13x16", dict(w13_boxes=16)), ("halves", dict(l1_halves=True)),
+                ("split_halves", dict(fused=False, l1_halves=True))],
+    "quick": [("s8t4c64", {}), ("split", dict(fused=False)), ("halves", dict(l1_halves=True)),
+              ("split_halves", dict(fused=False, l1_halves=True))],
 }
 TOLERANCE = 1e-2
 

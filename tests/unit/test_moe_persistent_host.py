@@ -28,7 +28,6 @@ from chunkring.moe._engine import persistent
 from chunkring.moe._engine.persistent import (
     CLAIMS,
     FAULT_KINDS,
-    LAYER_VARIANT,
     MAX_EXPERTS,
     MAX_STAGES,
     MAX_TOKEN_STAGES,
@@ -41,6 +40,7 @@ from chunkring.moe._engine.persistent import (
     block_units,
     check_persistent_config,
     fault_of,
+    layer_variant,
     shared_bytes,
     w13_view,
 )
@@ -73,7 +73,7 @@ def test_the_constants_are_the_headers():
                       "blocked": constant("kBlocked")}
     assert TIMELINE_WORDS == constant("kTimelineWords", KERNEL)
     kinds = {"kFaultArguments": 1, "kFaultGroupStart": 2, "kFaultWeightSlot": 3, "kFaultTokenSlot": 4,
-             "kFaultWeightStage": 5, "kFaultTokenStage": 6, "kFaultL1Units": 7}
+             "kFaultWeightStage": 5, "kFaultTokenStage": 6, "kFaultL1Units": 7, "kFaultL1Half": 8}
     assert {name: constant(name) for name in kinds} == kinds and set(FAULT_KINDS) == set(kinds.values())
 
 
@@ -191,6 +191,18 @@ def test_the_claim_orders_are_the_headers():
     assert blocked == [[("L1", 0, 0), ("L1", 0, 1), ("L1", 1, 0)], [("L1", 1, 1), ("L1", 2, 0), ("L1", 2, 1)]]
 
 
+@pytest.mark.parametrize("claim", sorted(CLAIMS))
+def test_l1_halves_lists_each_chunk_as_two_adjacent_halves(claim):
+    counts, hidden, inter = [3, 0, 70, 1], 512, 384
+    whole = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=1)[0]
+    halves = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=1, l1_halves=True)[0]
+    doubled = [unit for unit in whole for _ in range(2 if unit[0] == "L1" else 1)]
+    assert halves == doubled
+    if claim != "blocked":  # strided: a pair's halves run side by side on neighbouring blocks
+        pairs = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=2, l1_halves=True)
+        assert [u for u in pairs[0] if u[0] == "L1"] == [u for u in pairs[1] if u[0] == "L1"]
+
+
 @pytest.fixture
 def encoded(monkeypatch):
     """The tensor maps the launcher encodes (no driver here): their arguments, in order."""
@@ -276,6 +288,11 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     assert first["args"]["act"] is second["args"]["act"], "L2 reads what L1 wrote"
     gemm(plan, w13, w2, out, variant=gemm.with_variant(w13_boxes=16))
     assert library.launches[-1]["args"]["w13_boxes"] == 16
+    assert library.launches[-1]["args"]["l1_halves"] == 0 and library.launches[-1]["args"]["pairs"] is None
+    gemm(plan, w13, w2, out, variant=gemm.with_variant(l1_halves=True))
+    pairs = library.launches[-1]["args"]["pairs"]
+    assert library.launches[-1]["args"]["l1_halves"] == 1 and pairs is gemm.pairs
+    assert pairs.numel() == P // 8 * (INTER // 128) and not pairs.any(), "zeros: one ticket per 8 rows and chunk"
     w13_map = next(m for m in encoded if m.box == (128, 8, 1, 1, 1))
     assert w13_map.dims == (H, 8, INTER // 8, 2, E) and w13_map.strides == (H, 8 * H, INTER * H, 2 * INTER * H)
 
@@ -284,7 +301,7 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     (dict(stages=0), "stages"), (dict(stages=MAX_STAGES + 1), "stages"), (dict(stages=True), "stages"),
     (dict(token_stages=9), "token_stages"), (dict(tile_cap=128), "tile_cap"), (dict(tile_cap=12), "tile_cap"),
     (dict(claim="atomic"), "claim"), (dict(fused=1), "fused"), (dict(sms=133), "sms"), (dict(sms=0), "sms"),
-    (dict(w13_boxes=2), "w13_boxes"), (dict(w13_boxes=True), "w13_boxes"),
+    (dict(w13_boxes=2), "w13_boxes"), (dict(w13_boxes=True), "w13_boxes"), (dict(l1_halves=1), "l1_halves"),
     (dict(stages=14), "stages"),  # 14 x 16 KB + the token stages: over the H100's 227 KB
 ])
 def test_a_bad_variant_is_refused(change, field):
@@ -323,6 +340,9 @@ def test_bad_arguments_are_refused_before_any_launch(encoded):
     (lambda lib: PersistentGemm(lib, config(), 0), "experts_per_rank"),
     (lambda lib: PersistentGemm(lib, config(), 4, wait_limit_ns=0), "wait_limit_ns"),
     (lambda lib: PersistentGemm(lib, config(), 4, variant=PersistentVariant(stages=40)), "stages"),
+    # the halves meet in the output's rows: 2 I bytes a row of 2 H
+    (lambda lib: PersistentGemm(lib, config(intermediate=640), 4, variant=PersistentVariant(l1_halves=True)),
+     "l1_halves"),
 ])
 def test_a_config_the_kernel_cannot_run_is_refused(make, field):
     with pytest.raises(ChunkringUsageError) as info:
@@ -353,11 +373,14 @@ def test_a_layer_the_decode_path_cannot_run_is_named_before_any_build(changes, e
 
 
 def test_a_layer_runs_the_split_launches_whose_blocks_wait_for_no_other():
-    """LAYER_VARIANT: an L1 launch then an L2 launch - the fused launch's L2 units wait for other blocks' L1 units,
+    """layer_variant: an L1 launch then an L2 launch - the fused launch's L2 units wait for other blocks' L1 units,
     which needs every block resident, and a layer shares its GPU (ranks under MPS, a partition's pull, the caller's
-    kernels)."""
-    assert LAYER_VARIANT.fused is False
-    LAYER_VARIANT.check(H100["multiprocessor_count"], H100["max_shared_memory_per_block_optin"])
+    kernels); L1 halves where intermediate <= hidden (they meet in the output's rows)."""
+    for cfg, halves in ((config(), True), (config(intermediate=640), False)):
+        variant = layer_variant(cfg)
+        assert variant.fused is False and variant.l1_halves is halves
+        variant.check(H100["multiprocessor_count"], H100["max_shared_memory_per_block_optin"])
+        PersistentGemm(RecordingLibrary("moe_persistent"), cfg, 4, variant=variant)
 
 
 def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path(encoded, monkeypatch):
@@ -367,7 +390,7 @@ def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path
 
     library = RecordingLibrary("moe_persistent")
     cfg = config(max_tokens_per_rank=8)
-    gemm = PersistentGemm(library, cfg, E, variant=LAYER_VARIANT)
+    gemm = PersistentGemm(library, cfg, E, variant=layer_variant(cfg))
     compute = expert_compute(cfg, 1, 0, E, RecordingLibrary("moe_experts"), monkeypatch, decode=gemm)
     assert compute.decode is gemm
     P = compute.capacity
@@ -386,7 +409,7 @@ def test_on_a_partition_the_persistent_consumer_launches_a_block_per_sm_it_has(e
 
     library = RecordingLibrary("moe_persistent")
     cfg = config(max_tokens_per_rank=8)
-    gemm = PersistentGemm(library, cfg, E, variant=LAYER_VARIANT)
+    gemm = PersistentGemm(library, cfg, E, variant=layer_variant(cfg))
     compute = expert_compute(cfg, 1, 0, E, RecordingLibrary("moe_experts"), monkeypatch, decode=gemm)
     w13, w2 = small_weights(E, H, INTER)
     for sms, grid in ((40, 40), (None, gemm.grid()), (gemm.grid(), gemm.grid())):

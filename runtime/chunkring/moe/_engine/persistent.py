@@ -5,7 +5,8 @@ today's decode kernels write (device/kernels/moe_persistent.cu; its design in ch
 :class:`PersistentGemm` takes the arguments :class:`DecodeGemm` takes (a plan's ``counts``, ``group_end``, ``rows``
 and ``rows_sf``, the two :class:`~chunkring.moe.weights.Fp8Weight`, a bf16 ``out``), so it can stand where that is
 called. Its variants (:class:`PersistentVariant`: ring depths, the widest token tile, the order blocks claim units in,
-one fused launch or an L1 and an L2 launch, blocks) are launch arguments, so one process measures a sweep.
+one fused launch or an L1 and an L2 launch, blocks, L1 units of half a chunk) are launch arguments, so one process
+measures a sweep.
 
 Weights are read in the checkpoint's layout: w13's gate and up rows are interleaved by 8 on the way into shared
 memory by a 5-D tensor map (:func:`w13_view`), not by a transformed copy.
@@ -30,10 +31,10 @@ if TYPE_CHECKING:
     from chunkring.moe._engine.decode import PlanTensors
     from chunkring.moe.config import MoEConfig
 
-__all__ = ["CLAIMS", "FAULT_KINDS", "LAYER_VARIANT", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES",
+__all__ = ["CLAIMS", "FAULT_KINDS", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES",
            "PERSISTENT_ARCH", "PERSISTENT_THREADS", "STATIC_SHARED", "TILE_TOKENS", "TIMELINE_WORDS", "W13_BOXES",
-           "PersistentGemm", "PersistentVariant", "block_units", "check_persistent_config", "fault_of", "shared_bytes",
-           "w13_view"]
+           "PersistentGemm", "PersistentVariant", "block_units", "check_persistent_config", "fault_of", "layer_variant",
+           "shared_bytes", "w13_view"]
 
 #: Threads per block: two math warpgroups and the loaders' (persistent_schedule.cuh kThreads).
 PERSISTENT_THREADS = 384
@@ -57,7 +58,7 @@ TIMELINE_WORDS = 8
 #: What a faulting block waited for (persistent_schedule.cuh kFault*).
 FAULT_KINDS = {1: "arguments out of range", 2: "a group not starting on 8 rows", 3: "weight loader: a free stage",
                4: "token loader: a free stage", 5: "math: a weight stage", 6: "math: a token stage",
-               7: "token loader: the expert's L1 units"}
+               7: "token loader: the expert's L1 units", 8: "math: the other half of an L1 chunk"}
 #: How long any of the kernel's waits may take before it records a fault and traps.
 DEFAULT_WAIT_LIMIT_NS = 10_000_000_000
 #: Tensor maps of per-call tensors kept (by address and shape), so a call whose tensors land where an earlier call's
@@ -101,7 +102,9 @@ class PersistentVariant:
     """One launch configuration: ``stages`` weight stages of 16 KB in flight per SM, ``token_stages`` token stages,
     passes of at most ``tile_cap`` rows (one of :data:`TILE_TOKENS`), the ``claim`` order (:data:`CLAIMS`), ``fused``
     (one launch whose L2 units wait for their expert's L1 units) or an L1 launch then an L2 launch, ``sms`` blocks
-    (None: one per SM), and ``w13_boxes`` copies per L1 tile (1 or 16: :func:`w13_view`)."""
+    (None: one per SM), ``w13_boxes`` copies per L1 tile (1 or 16: :func:`w13_view`), and ``l1_halves``: L1 units of
+    half a chunk (64 intermediate columns; the later half of each pair quantises both), which spread a call of few
+    experts over more SMs; it needs ``intermediate <= hidden`` (the halves meet in ``out``'s rows)."""
 
     stages: int = 8
     token_stages: int = 4
@@ -110,6 +113,7 @@ class PersistentVariant:
     fused: bool = True
     sms: int | None = None
     w13_boxes: int = 1
+    l1_halves: bool = False
 
     def shared_bytes(self) -> int:
         return shared_bytes(self.stages, self.token_stages, self.tile_cap)
@@ -125,8 +129,9 @@ class PersistentVariant:
             raise ChunkringUsageError(f"expected one of {TILE_TOKENS}, got {self.tile_cap!r}", field="tile_cap")
         if self.claim not in CLAIMS:
             raise ChunkringUsageError(f"expected one of {sorted(CLAIMS)}, got {self.claim!r}", field="claim")
-        if not isinstance(self.fused, bool):
-            raise ChunkringUsageError(f"expected a bool, got {self.fused!r}", field="fused")
+        for name in ("fused", "l1_halves"):
+            if not isinstance(getattr(self, name), bool):
+                raise ChunkringUsageError(f"expected a bool, got {getattr(self, name)!r}", field=name)
         if self.w13_boxes not in W13_BOXES or isinstance(self.w13_boxes, bool):
             raise ChunkringUsageError(f"expected one of {sorted(W13_BOXES)}, got {self.w13_boxes!r}", field="w13_boxes")
         if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int)
@@ -139,12 +144,14 @@ class PersistentVariant:
                                       f"{shared_limit - STATIC_SHARED}", field="stages")
 
 
-#: What a layer runs (the decode path of ``MoELayer(decode=...)``): an L1 launch then an L2 launch, so that no block
-#: waits for another's units. The fused launch's L2 units wait for other blocks' L1 units, which needs every block
-#: resident at once - not so where ranks share a GPU, a partition's pull spins on some SMs, or a caller's kernels run
-#: beside the layer's. It costs about 5 % against the fused launch on the H100 (docs/PERFORMANCE.md, "The decode
-#: path").
-LAYER_VARIANT = PersistentVariant(fused=False)
+def layer_variant(config: MoEConfig) -> PersistentVariant:
+    """What a layer of ``config`` runs (the decode path of ``MoELayer(decode=...)``): an L1 launch then an L2 launch,
+    so that no block waits for another's units - the fused launch's L2 units wait for other blocks' L1 units, which
+    needs every block resident at once, not so where ranks share a GPU, a partition's pull spins on some SMs, or a
+    caller's kernels run beside the layer's (about 5 % against the fused launch on the H100: docs/PERFORMANCE.md,
+    "The decode path"). L1 units of half a chunk where the layer allows them (``intermediate <= hidden``): a pair's
+    halves wait only for each other's arrival, never for a block that has not started."""
+    return PersistentVariant(fused=False, l1_halves=config.intermediate <= config.hidden)
 
 
 #: The architecture the kernel is written for (wgmma and setmaxnreg: sm_90a, Hopper).
@@ -169,12 +176,12 @@ def check_persistent_config(config: MoEConfig, experts_per_rank: int, arch: str 
                                   field="experts_per_rank")
 
 
-def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid: int,
-                phases: int = _PHASE_BOTH) -> list[list[tuple[str, int, int]]]:
+def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid: int, phases: int = _PHASE_BOTH,
+                l1_halves: bool = False) -> list[list[tuple[str, int, int]]]:
     """Each block's units in the order it runs them, as persistent_schedule.cuh's Schedule lists and claims them (a
     mirror: the tests check it, the benchmark reports each block's weight bytes from it): ("L1", expert, chunk) or
-    ("L2", expert, row block). ``counts``: each local expert's rows; ``phases``: the launch's (1: L1 units, 2: L2
-    units, 3: both)."""
+    ("L2", expert, row block); with ``l1_halves`` each L1 unit twice, its two halves, adjacent. ``counts``: each local
+    expert's rows; ``phases``: the launch's (1: L1 units, 2: L2 units, 3: both)."""
     active = [e for e, rows in enumerate(counts) if rows > 0]
     per = {"L1": inter // WEIGHT_BLOCK, "L2": hidden // WEIGHT_BLOCK}
     units: list[tuple[str, int, int]] = []
@@ -184,7 +191,7 @@ def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid:
         for within in range(len(active) * per[gemm]):
             slot, block = ((within % len(active), within // len(active)) if claim == "strided_blocks"
                            else (within // per[gemm], within % per[gemm]))
-            units.append((gemm, active[slot], block))
+            units.extend([(gemm, active[slot], block)] * (2 if gemm == "L1" and l1_halves else 1))
     if claim == "blocked":
         return [units[len(units) * b // grid:len(units) * (b + 1) // grid] for b in range(grid)]
     return [units[b::grid] for b in range(grid)]
@@ -220,14 +227,31 @@ class PersistentGemm:
         self.sm_count = int(props.multiprocessor_count)
         self.shared_limit = int(props.max_shared_memory_per_block_optin)
         self.variant = variant if variant is not None else PersistentVariant()
-        self.variant.check(self.sm_count, self.shared_limit)
+        self._check_variant(self.variant)
         device = kernels.runtime.torch_device
         # sync[e]: expert e's L1 units done in a launch, sync[E]: blocks done; zeros now, and the kernel's last block
         # zeroes them again for the next launch.
         self.sync = torch.zeros(experts_per_rank + 1, dtype=torch.int32, device=device)
         # Host memory, which a trap leaves readable: the kernel's fault word (fault_of).
         self.fault_word = torch.zeros(1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        # l1_halves's tickets, one per (8 plan rows, chunk): zeros, made for the first plan of P rows that needs them,
+        # and each pair's later half zeroes its own again.
+        self.pairs: torch.Tensor | None = None
         self._maps: OrderedDict[TiledArguments, bytes] = OrderedDict()
+
+    def _check_variant(self, v: PersistentVariant) -> None:
+        v.check(self.sm_count, self.shared_limit)
+        if v.l1_halves and self.config.intermediate > self.config.hidden:
+            raise ChunkringUsageError(f"L1 halves meet in the output's rows, which need intermediate "
+                                      f"({self.config.intermediate}) <= hidden ({self.config.hidden})",
+                                      field="l1_halves")
+
+    def _pairs_for(self, P: int) -> torch.Tensor:
+        """l1_halves's tickets for plans of ``P`` rows (persistent_math.cuh exchange_halves)."""
+        need = -(-P // 8) * (self.config.intermediate // WEIGHT_BLOCK)
+        if self.pairs is None or self.pairs.numel() < need:
+            self.pairs = torch.zeros(need, dtype=torch.int32, device=self.sync.device)
+        return self.pairs
 
     def __repr__(self) -> str:
         c = self.config
@@ -283,7 +307,7 @@ class PersistentGemm:
         with)."""
         v = variant if variant is not None else self.variant
         if v is not self.variant:
-            v.check(self.sm_count, self.shared_limit)
+            self._check_variant(v)
         self.check(plan, w13, w2, out)
         grid = self.grid(v)
         if timeline is not None and (timeline.dtype != torch.int64 or tuple(timeline.shape) != (grid, TIMELINE_WORDS)):
@@ -307,7 +331,8 @@ class PersistentGemm:
                     w13_sf=w13.scale, w2_sf=w2.scale, rows_sf=plan.rows_sf, act_sf=act_sf, counts=plan.counts,
                     group_end=plan.group_end, experts=E, hidden=H, inter=inter, sf_stride=P, act=act, out=out,
                     sync=self.sync, stages=v.stages, token_stages=v.token_stages, tile_cap=v.tile_cap,
-                    claim=CLAIMS[v.claim], phases=phases, w13_boxes=v.w13_boxes, wait_limit_ns=self.wait_limit_ns,
+                    claim=CLAIMS[v.claim], phases=phases, w13_boxes=v.w13_boxes, l1_halves=int(v.l1_halves),
+                    pairs=self._pairs_for(P) if v.l1_halves else None, wait_limit_ns=self.wait_limit_ns,
                     fault_record=self.fault_word.data_ptr(), timeline=timeline),
                 grid=grid, block=PERSISTENT_THREADS, shared_bytes=v.shared_bytes(), stream=stream)
         return act, act_sf
@@ -315,5 +340,5 @@ class PersistentGemm:
     def with_variant(self, **change: Any) -> PersistentVariant:
         """The default variant with ``change`` applied, checked for this GPU."""
         v = replace(self.variant, **change)
-        v.check(self.sm_count, self.shared_limit)
+        self._check_variant(v)
         return v

@@ -6,8 +6,7 @@
 * w13's 5-D view lands a box as the kernel's math reads it: 8 groups of 8 gate rows then the same columns' 8 up rows;
   through the WGMMA fragment layout, each thread then holds the gate and the up value of the intermediate column
   the L1 epilogue writes (and L2's fragments are the output columns its epilogue writes);
-* the schedule's mirror gives every unit to exactly one block, L1 units before L2 units in every block's order (the
-  rule that keeps a launch's waits finite), each claim order as the header defines it;
+* (the schedule's mirror, block_units: tests/unit/test_persistent_unit_list.py)
 * the launches name every kernel parameter with a value its signature takes (one fused launch, or L1 then L2), their
   tensor maps describe the tensors as the kernel indexes them, a second call with the same tensors encodes no map;
 * a bad variant, config or argument is refused, naming the field, before anything is launched.
@@ -37,7 +36,6 @@ from chunkring.moe._engine.persistent import (
     TIMELINE_WORDS,
     PersistentGemm,
     PersistentVariant,
-    block_units,
     check_persistent_config,
     fault_of,
     layer_variant,
@@ -162,45 +160,6 @@ def test_the_l2_fragments_are_the_output_columns_store_rows_writes():
     for (wg, in_wg, g, t, j, c), row, token in fragments():
         column = block * 128 + 64 * wg + 16 * in_wg + g + 8 * (c // 2)
         assert torch.isclose(step[row, token], w2[e, column] @ act[8 * j + 2 * t + c % 2])
-
-
-@pytest.mark.parametrize("claim", sorted(CLAIMS))
-@pytest.mark.parametrize("phases", [1, 2, 3])
-def test_every_unit_goes_to_one_block_and_l1_units_come_first(claim, phases):
-    counts, hidden, inter, grid = [3, 0, 70, 1, 0, 9], 512, 384, 5
-    blocks = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=grid, phases=phases)
-    assert len(blocks) == grid
-    taken = [unit for units in blocks for unit in units]
-    active = [e for e, c in enumerate(counts) if c]
-    want = {("L1", e, c) for e in active for c in range(inter // 128)} if phases & 1 else set()
-    want |= {("L2", e, b) for e in active for b in range(hidden // 128)} if phases & 2 else set()
-    assert len(taken) == len(set(taken)) and set(taken) == want
-    for units in blocks:
-        gemms = [g for g, _, _ in units]
-        assert gemms == sorted(gemms), "a block runs every L1 unit of its list before any L2 unit"
-    assert max(map(len, blocks)) - min(map(len, blocks)) <= 1, "unit counts differ by one at most"
-
-
-def test_the_claim_orders_are_the_headers():
-    counts = [1, 1, 1]
-    expert_major = block_units(counts, hidden=256, inter=256, claim="strided_experts", grid=2, phases=1)
-    assert expert_major == [[("L1", 0, 0), ("L1", 1, 0), ("L1", 2, 0)], [("L1", 0, 1), ("L1", 1, 1), ("L1", 2, 1)]]
-    block_major = block_units(counts, hidden=256, inter=256, claim="strided_blocks", grid=2, phases=1)
-    assert block_major == [[("L1", 0, 0), ("L1", 2, 0), ("L1", 1, 1)], [("L1", 1, 0), ("L1", 0, 1), ("L1", 2, 1)]]
-    blocked = block_units(counts, hidden=256, inter=256, claim="blocked", grid=2, phases=1)
-    assert blocked == [[("L1", 0, 0), ("L1", 0, 1), ("L1", 1, 0)], [("L1", 1, 1), ("L1", 2, 0), ("L1", 2, 1)]]
-
-
-@pytest.mark.parametrize("claim", sorted(CLAIMS))
-def test_l1_halves_lists_each_chunk_as_two_adjacent_halves(claim):
-    counts, hidden, inter = [3, 0, 70, 1], 512, 384
-    whole = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=1)[0]
-    halves = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=1, l1_halves=True)[0]
-    doubled = [unit for unit in whole for _ in range(2 if unit[0] == "L1" else 1)]
-    assert halves == doubled
-    if claim != "blocked":  # strided: a pair's halves run side by side on neighbouring blocks
-        pairs = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=2, l1_halves=True)
-        assert [u for u in pairs[0] if u[0] == "L1"] == [u for u in pairs[1] if u[0] == "L1"]
 
 
 @pytest.fixture

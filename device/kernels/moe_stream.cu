@@ -3,8 +3,9 @@
 //
 // One call at a destination rank, on its consumer stream:
 //   moe_call_reset     the call's consumer words: the stage's routing and held seqs, the push count
-//   moe_stage_local    (a one-rank layer's batch-ready call of routed rows, in place of the publish, the pull, the
-//                      acknowledgements and the drain) the call's rows straight into the stage
+//   moe_local_route,   (a one-rank layer's batch-ready call of routed rows, in place of the reset, the publish, the
+//   moe_local_scatter  pull, the acknowledgements, the drain and the plan's count and scatter) the call's routing
+//                      into the stage and its rows straight into the plan
 //   moe_pull           every chunk of every source, as it arrives: copy its rows routed here into the
 //                      stage at their token index, and acknowledge it - except each source's last
 //                      chunk, whose acknowledgement is held (the ring's deferred ack)
@@ -25,6 +26,7 @@
 #include "chunkring/moe/blocks.cuh"
 #include "chunkring/moe/descriptors.cuh"
 #include "chunkring/moe/kernel_args.cuh"
+#include "chunkring/moe/plan.cuh"
 #include "chunkring/moe/timeline.cuh"
 
 using namespace chunkring;
@@ -34,7 +36,8 @@ using chunkring::layout::address;
 using chunkring::layout::arg;
 using chunkring::layout::require_args;
 using chunkring::moe::PoolDesc;
-using chunkring::moe::StageLocalArgs;
+using chunkring::moe::LocalRouteArgs;
+using chunkring::moe::LocalScatterArgs;
 using chunkring::moe::StageDesc;
 
 namespace {
@@ -168,49 +171,147 @@ extern "C" __global__ void moe_pull(const RingDesc* desc, CHUNKRING_NULLABLE uns
                        visit, TraceAcked{trace, trace_capacity, chunk_of, first_thread});
 }
 
-// A one-rank layer's batch-ready call of routed rows (docs/PROTOCOL.md, "One rank"): the rows straight from the
-// caller's tensors into the stage at [my_pe, token], what the publish and the pull together would leave there -
-// the routing (checked) and weights of every row below the call's extent (chunk_extent: a device count may cut it
-// short), the payload of every row with a local choice, its scales checked - reporting what they would report
-// (source my_pe, slot 0: the batch-ready ring's one slot) in the ring's status words. Nothing crosses a GPU, so
-// stream order is the only ordering: moe_call_reset before it, the plan after it. Any grid, a contiguous share of
-// the rows per block.
-//   stage: layout/moe_desc.cuh (its idx -1, by moe_call_reset: rows past the extent stay planned nowhere)
-extern "C" __global__ void moe_stage_local(const __grid_constant__ StageLocalArgs args) {
+// A one-rank layer's batch-ready call of routed rows (docs/PROTOCOL.md, "One rank") is two launches on its consumer
+// stream, where the ring's call takes a reset, a publish, a pull, a plan count and a scatter: what those leave for
+// the expert work and the reduction, from the caller's tensors. Nothing crosses a GPU, so stream order (and the
+// second's dependent-launch wait) is the only ordering. Both take the call's extent from the same inputs
+// (chunk_extent: a device count may cut it short) and report what the publish and the pull would report (source
+// my_pe, slot 0: the batch-ready ring's one slot) in the ring's status words, once.
+struct LocalCall {
+    u64 n;     // the call's rows below its extent, checked against the stage (checked_chunk_rows)
+    bool ok;   // the ring's and the stage's descriptors agree: otherwise nothing is staged or planned
+};
+
+__device__ __forceinline__ LocalCall local_call(const RingDesc& d, const StageDesc& s, int n_tokens,
+                                                const int* valid_tokens, bool report) {
+    if (!check_descriptor(d) || !moe::check_stage(d, s)) return {0, false};
+    const ChunkExtent e = chunk_extent(d, n_tokens, 0, 1, valid_tokens, n_tokens, report);
+    return {checked_chunk_rows(d, d.my_pe, 0, 0, e.n, s.token_capacity, report && threadIdx.x == 0), true};
+}
+
+// The first, one block: the call's routing, checked (checked_expert, reported), into the stage rows of source my_pe
+// that the reduction reads - the routing and weights of each token below the extent, -1 (planned nowhere) for the
+// rest of the call's rows - and the plan's groups from it: counts [E_local] and group_end [E_local] written whole,
+// the scatter's cursors [E_local] zeroed. One block counts every choice in shared memory, so no reset launch and no
+// count launch come before it.
+//   stage: layout/moe_desc.cuh; of it only idx and w of source my_pe, tokens [0, min(n_tokens, N)), are written
+extern "C" __global__ void moe_local_route(const __grid_constant__ LocalRouteArgs args) {
+    ptx::release_dependents();  // moe_local_scatter waits for this grid's end before it reads anything
     require_args(args);
     const RingDesc& d = *arg<const RingDesc*>(args.desc);
     const StageDesc& s = *arg<const StageDesc*>(args.stage);
-    if (!check_descriptor(d) || !moe::check_stage(d, s)) return;
+    moe::require_descriptor(s);
     const int n_tokens = arg<int>(args.n_tokens);
-    const bool first_thread = threadIdx.x == 0 && blockIdx.x == 0;  // reports for the grid
-    const ChunkExtent e = chunk_extent(d, n_tokens, 0, 1, arg<const int*>(args.valid_tokens), n_tokens,
-                                       blockIdx.x == 0);
-    const u64 src = d.my_pe, slot = 0, K = d.topk;
-    const u64 n = checked_chunk_rows(d, src, slot, 0, e.n, s.token_capacity, first_thread);
-    const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x;
-    const u64 first_row = src * s.token_capacity;  // the stage's row of token 0
-    int* idx = address<int>(s.idx) + first_row * K;
-    float* w = address<float>(s.w) + first_row * K;
-    const int* topk_idx = arg<const int*>(args.topk_idx);
-    const float* topk_weights = arg<const float*>(args.topk_weights);
-    for (u64 i = lo * K + threadIdx.x; i < hi * K; i += blockDim.x) {
-        idx[i] = checked_expert(d, src, slot, i / K, i % K, topk_idx[i]);
-        w[i] = topk_weights[i];
+    const LocalCall call = local_call(d, s, n_tokens, arg<const int*>(args.valid_tokens), true);
+    const int expert_lo = static_cast<int>(s.expert_lo), num_local = static_cast<int>(s.expert_hi - s.expert_lo);
+    extern __shared__ unsigned shared[];  // totals [E_local], then the groups' offsets [E_local + 1]
+    unsigned* totals = shared;
+    unsigned* offsets = shared + num_local;
+    for (int e = threadIdx.x; e < num_local; e += blockDim.x) totals[e] = 0;
+    __syncthreads();
+    if (call.ok) {
+        const u64 src = d.my_pe, K = s.topk;
+        const u64 rows = min(static_cast<u64>(n_tokens), static_cast<u64>(s.token_capacity));
+        int* idx = address<int>(s.idx) + src * s.token_capacity * K;
+        float* w = address<float>(s.w) + src * s.token_capacity * K;
+        const int* topk_idx = arg<const int*>(args.topk_idx);
+        const float* topk_weights = arg<const float*>(args.topk_weights);
+        for (u64 i = threadIdx.x; i < rows * K; i += blockDim.x) {
+            int expert = -1;
+            if (i < call.n * K) {
+                expert = checked_expert(d, src, 0, i / K, i % K, topk_idx[i]);
+                w[i] = topk_weights[i];
+            }
+            idx[i] = expert;
+            if (expert >= expert_lo && expert - expert_lo < num_local) atomicAdd(totals + (expert - expert_lo), 1u);
+        }
     }
-    __syncthreads();  // idx is read back below by other warps of the block
+    __syncthreads();
+    moe::group_offsets(totals, num_local, arg<int>(args.block_m), offsets);
+    auto* counts = arg<unsigned*>(args.counts);
+    auto* group_end = arg<int*>(args.group_end);
+    auto* cursors = arg<unsigned*>(args.cursors);
+    for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+        counts[e] = totals[e];
+        group_end[e] = static_cast<int>(offsets[e] + totals[e]);
+        cursors[e] = 0;
+    }
+}
 
+// The second, any grid (a dependent launch): each row of the call with a choice of a local expert - a warp per row,
+// a contiguous share of the rows per block - its scales checked (reported once) and, for each such choice, the
+// row's payload and scales copied into the next row of its expert's group (a cursor per expert, as
+// moe_plan_scatter) with the choice's source, token, k and weight; own_row[t * K + k] is that row for every choice of
+// the call's rows below the extent, -1 where the choice is masked; every other row of the plan's plan_rows gets
+// source -1 (padding rows and past the last group, a grid-stride share of them), as moe_plan_reset leaves them.
+//   rows [plan_rows, row_bytes], rows_sf (scale j of row p at j * sf_stride + p), row_* [plan_rows]: the plan's
+//   counts, cursors [E_local]: moe_local_route's
+extern "C" __global__ void moe_local_scatter(const __grid_constant__ LocalScatterArgs args) {
+    ptx::wait_prior_grid();
+    require_args(args);
+    const RingDesc& d = *arg<const RingDesc*>(args.desc);
+    const StageDesc& s = *arg<const StageDesc*>(args.stage);
+    moe::require_descriptor(s);
+    const int num_local = static_cast<int>(s.expert_hi - s.expert_lo);
+    const auto* counts = arg<const unsigned*>(args.counts);
+    extern __shared__ unsigned offsets[];  // E_local + 1
+    moe::group_offsets(counts, num_local, arg<int>(args.block_m), offsets);
+    auto* row_src = arg<int*>(args.row_src);
+    const u64 plan_rows = arg<long long>(args.plan_rows);
+    for (u64 r = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; r < plan_rows;
+         r += static_cast<u64>(gridDim.x) * blockDim.x) {
+        int lo = 0, hi = num_local;  // the last group starting at or before r (groups may be empty)
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) / 2;
+            if (offsets[mid] <= r) lo = mid; else hi = mid;
+        }
+        if (r >= offsets[num_local] || r >= offsets[lo] + counts[lo]) row_src[r] = -1;
+    }
+    const LocalCall call = local_call(d, s, arg<int>(args.n_tokens), arg<const int*>(args.valid_tokens), false);
+    if (!call.ok) return;
+    const u64 src = d.my_pe, K = s.topk, n = call.n;
+    const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x;
+    const int* idx = address<const int>(s.idx) + src * s.token_capacity * K;
+    const float* w = address<const float>(s.w) + src * s.token_capacity * K;
     const auto* x = arg<const unsigned char*>(args.x);
     const auto* x_sf = arg<const float*>(args.x_sf);  // null for bf16 rows, which carry no scales
-    auto* stage_x = address<unsigned char>(s.x) + first_row * d.x_row_bytes;
-    auto* stage_sf = address<float>(s.sf) + first_row * d.x_sf_row_floats;
+    auto* cursors = arg<unsigned*>(args.cursors);
+    auto* rows = arg<unsigned char*>(args.rows);
+    auto* rows_sf = arg<float*>(args.rows_sf);
+    const u64 sf_stride = arg<long long>(args.sf_stride);
+    auto* row_token = arg<int*>(args.row_token);
+    auto* row_k = arg<int*>(args.row_k);
+    auto* row_weight = arg<float*>(args.row_weight);
+    auto* own_row = arg<int*>(args.own_row);
     const long long expert_lo = static_cast<long long>(s.expert_lo), expert_hi = static_cast<long long>(s.expert_hi);
     const u64 row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats;
     const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
     for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
-        if (!routed_here(idx + row * K, K, expert_lo, expert_hi, lane)) continue;
-        util::warp_copy16(stage_x + row * row_bytes, x + row * row_bytes, row_bytes, lane);
-        for (u64 i = lane; i < sf_floats; i += kWarp)
-            stage_sf[row * sf_floats + i] = checked_scale(d, src, slot, row, i, x_sf[row * sf_floats + i]);
+        const int* choices = idx + row * K;
+        if (!routed_here(choices, K, expert_lo, expert_hi, lane)) {
+            for (u64 k = lane; k < K; k += kWarp) own_row[row * K + k] = -1;
+            continue;
+        }
+        for (u64 j = lane; j < sf_floats; j += kWarp) checked_scale(d, src, 0, row, j, x_sf[row * sf_floats + j]);
+        for (u64 k0 = 0; k0 < K; k0 += kWarp) {  // a lane per choice
+            const u64 k = k0 + lane;
+            const long long e = k < K ? choices[k] - expert_lo : -1;
+            const bool local = e >= 0 && e < expert_hi - expert_lo;
+            const unsigned p = local ? offsets[e] + atomicAdd(cursors + e, 1u) : 0;
+            if (k < K) own_row[row * K + k] = local ? static_cast<int>(p) : -1;
+            if (local) {
+                row_src[p] = static_cast<int>(src);
+                row_token[p] = static_cast<int>(row);
+                row_k[p] = static_cast<int>(k);
+                row_weight[p] = w[row * K + k];
+            }
+            for (unsigned todo = __ballot_sync(0xffffffffu, local); todo != 0; todo &= todo - 1) {
+                const u64 to = __shfl_sync(0xffffffffu, p, __ffs(todo) - 1);
+                util::warp_copy16(rows + to * row_bytes, x + row * row_bytes, row_bytes, lane);
+                for (u64 j = lane; j < sf_floats; j += kWarp)
+                    rows_sf[j * sf_stride + to] = checked_scale(d, src, 0, row, j, x_sf[row * sf_floats + j], false);
+            }
+        }
     }
 }
 

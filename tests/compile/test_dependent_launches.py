@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 WAIT, RELEASE = "ptx::wait_prior_grid();", "ptx::release_dependents();"
 #: The kernels that release their dependents: each runs to its end without waiting for anything but its own
 #: stream (no ring wait, no count to poll), so a dependent's waiting blocks cannot hold it up.
-RELEASING = {"moe_plan_count", "moe_plan_scatter", "moe_decode_l1", "moe_decode_l2", "moe_combine_push"}
+RELEASING = {"moe_plan_count", "moe_plan_scatter", "moe_decode_l1", "moe_decode_l2", "moe_combine_push",
+             "moe_local_route"}
 #: The kernels that read before their wait, and the parameters they may touch there: the weights (no kernel writes
 #: them), the row counts (final once the kernel ahead let them start), scalars.
 EARLY_READS = {"moe_decode_l1": {"w13", "w13_sf", "counts", "hidden", "inter", "sf_stride"},
@@ -69,7 +70,7 @@ def before_wait(body: str) -> str:
 def test_every_dependent_launch_waits_for_the_kernel_ahead_before_touching_what_it_writes():
     bodies, params, launched = kernel_bodies(), kernel_params(), pdl_launches()
     assert launched == {"moe_plan_scatter", "moe_combine_push", "moe_decode_l1", "moe_decode_l2", "moe_ack_held",
-                        "moe_combine_reduce"}, launched
+                        "moe_combine_reduce", "moe_local_scatter"}, launched
     for name in launched - EARLY_READS.keys():
         assert statements(bodies[name])[0] == WAIT, (name, statements(bodies[name])[:2])
     for name, allowed in EARLY_READS.items():

@@ -68,6 +68,16 @@ class Compute:
         self.launched.append(("empty_plan", self.device.current.name))
         return "empty plan"
 
+    experts_per_rank = 4
+
+    def plan_buffers(self, stage):
+        self.launched.append(("plan_buffers", self.device.current.name))
+        self.stage = stage
+        rows = torch.zeros(8, dtype=torch.int32)
+        plan = SimpleNamespace(counts="counts", group_end="group end", src=rows, token="token", k="k", weight="weight",
+                               rows="rows", rows_sf="rows sf", own_row="own row")
+        return plan, "cursors"
+
     def plan(self, stage, empty):
         self.launched.append(("plan", self.device.current.name))
         self.empty = empty
@@ -281,21 +291,21 @@ def routed_call(schedule, mode, n):
 
 
 @pytest.mark.parametrize("n", [0, 1, 61])
-def test_a_one_rank_batch_ready_call_of_routed_rows_stages_them_itself_on_the_consumer_stream(monkeypatch, n):
-    """docs/PROTOCOL.md, "One rank": no publish, pull, acknowledgement or drain - the reset, the plan's reset,
-    moe_stage_local, the plan, the experts (on the engine the call's size takes) and the reduction, in that order,
-    all on the whole GPU's consumer stream, which joins the caller first and which the caller joins last; the
-    reduction reads the plan's own rows where the experts left them, and the ring's descriptor (zeros after an
-    error)."""
+def test_a_one_rank_batch_ready_call_of_routed_rows_plans_them_itself_on_the_consumer_stream(monkeypatch, n):
+    """docs/PROTOCOL.md, "One rank": no reset, publish, pull, acknowledgement or drain - the plan's buffers,
+    moe_local_route, moe_local_scatter (a dependent launch), the experts (on the engine the call's size takes) and the
+    reduction, in that order, all on the whole GPU's consumer stream, which joins the caller first and which the
+    caller joins last; the reduction reads the plan's own rows where the experts left them, and the ring's descriptor
+    (zeros after an error)."""
     schedule, res, launched = schedule_on(monkeypatch, slots=2)
     caller = torch.cuda.current_stream()
     routed_call(schedule, CallMode.BATCH_READY, n)
     work = [(name, stream) for name, stream in launched if name != "wait"]
-    assert [name for name, _ in work] == ["moe_call_reset", "empty_plan", "moe_stage_local", "plan", "experts",
+    assert [name for name, _ in work] == ["plan_buffers", "moe_local_route", "moe_local_scatter", "experts",
                                           "reduce"]
     assert {stream for _, stream in work} == {"whole.consumer"}
     assert res.streams[CallMode.BATCH_READY][1].waits == ["caller"] and caller.waits == ["whole.consumer"]
-    assert res.compute.empty == "empty plan" and res.compute.engines == [n <= DECODE_TOKENS]
+    assert res.compute.stage is res.stage and res.compute.engines == [n <= DECODE_TOKENS]
     assert res.compute.own == OwnRows("own row", "expert rows")
     assert res.compute.reduce_desc is res.rings[CallMode.BATCH_READY].desc
 
@@ -311,5 +321,5 @@ def test_streamed_calls_and_calls_of_several_ranks_keep_the_ring(monkeypatch, mo
         ring.spec.world_size = ranks
     routed_call(schedule, mode, 61)
     names = [name for name, _ in launched]
-    assert "moe_stage_local" not in names
+    assert not {"moe_local_route", "moe_local_scatter"} & set(names)
     assert {"publish", "moe_pull", "moe_ack_held", "moe_drain"} <= set(names)

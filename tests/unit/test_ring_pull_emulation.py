@@ -17,7 +17,7 @@ anywhere in the rings or stages; masked inputs counted; every read of a slot ins
 and bf16, chunks below and at tokens_per_slot, an empty source, grids of 1 and 3 blocks (arrival counting), a
 second call on the same ring (laps continue); a producer writing a slot only after every ack of its previous lap.
 Two deliberate mutants are caught: a pull that acknowledges before it reads, a publish that does not wait for acks.
-And a one-rank call's moe_stage_local against the same reference, without the ring.
+(A one-rank call's plan without the ring: tests/unit/test_local_plan_emulation.py.)
 What only a GPU shows: memory ordering (the fences), RMA peers, the timeline trace, timeouts."""
 
 from __future__ import annotations
@@ -54,19 +54,6 @@ def test_two_ranks_pull_each_other_and_a_second_call_continues_the_laps(monkeypa
     w.call([[3], [4, 4, 2]])
     w.ack_held()
     w.expected.check(w.masked)
-
-
-@pytest.mark.parametrize("payload", [PayloadFormat.FP8_E4M3, PayloadFormat.BF16])
-@pytest.mark.parametrize("grid", [1, 3])
-def test_one_rank_stages_its_rows_itself_as_the_publish_and_the_pull_would(monkeypatch, payload, grid):
-    """moe_stage_local (docs/PROTOCOL.md, "One rank") leaves in the stage what a publish and a pull of the same batch
-    leave - the same reference, masked values and their reports included - below a device count where there is one
-    (a count out of range clamped and reported), and writes nothing of the ring: no slot, ready word, ack or cursor."""
-    w = World(monkeypatch, 1, payload, grid=grid)
-    for n, count in ((4, None), (3, None), (0, None), (4, 2), (4, 9), (2, -1)):
-        w.stage_local(w.batch([n]), count)
-        w.expected.check(w.masked)
-    assert {name for name, *_ in w.library.launches} == {"moe_stage_local"}
 
 
 def test_an_empty_source_sends_one_empty_chunk_and_stalls_nobody(monkeypatch):

@@ -5,7 +5,7 @@ bounds, aligned, never an unwritten byte, never one byte stored twice in a launc
 formats and MMA fragments, and a stand-in library that checks each launch against the kernels' signatures. ring.py
 holds ranks' symmetric heaps in one process and runs thread blocks as coroutines interleaved by a seed; a wait that
 cannot be satisfied yields, and when nothing can progress it fails with EmulatedWaitBlocks. The kernels' emulators
-(decode, plan, waves, pull, stage_local, produce, blocks) mirror their device functions line by line, reading
+(decode, plan, waves, pull, local_plan, produce, blocks) mirror their device functions line by line, reading
 descriptors word by word in the headers' order; pull_reference.py and plan_layout.py say what memory must hold
 afterwards.
 

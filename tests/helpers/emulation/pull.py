@@ -1,6 +1,6 @@
 """The ring's data path of device/kernels/ring_host_api.cu (ring_publish_tensors; ring_publish_open, _copy, _close;
-ring_raise_abort) and moe_stream.cu (moe_call_reset, moe_pull, moe_ack_held; moe_stage_local: stage_local.py) run on
-the CPU as written, over tests/helpers/emulation/ring.py's heap, streams and protocol words
+ring_raise_abort) and moe_stream.cu (moe_call_reset, moe_pull, moe_ack_held; moe_local_route and moe_local_scatter:
+local_plan.py) run on the CPU as written, over tests/helpers/emulation/ring.py's heap, streams and protocol words
 (tests/unit/test_ring_pull_emulation.py drives them through publish_chunk and the layer's launches,
 test_ring_abort_emulation.py the aborts). Each
 function mirrors its device function (protocol/ring.cuh begin_chunk, poll_acked, publish, end_chunk, wait_chunk,
@@ -256,11 +256,13 @@ def checked_expert(ring: RingView, src: int, slot: int, row: int, k: int, expert
     return -1
 
 
-def checked_scale(ring: RingView, src: int, slot: int, row: int, column: int, scale: np.float32) -> np.float32:
-    """validate.cuh checked_scale: a finite scale, or 0 (reported)."""
+def checked_scale(ring: RingView, src: int, slot: int, row: int, column: int, scale: np.float32,
+                  report: bool = True) -> np.float32:
+    """validate.cuh checked_scale: a finite scale, or 0 (reported, if ``report``)."""
     if np.isfinite(scale):
         return scale
-    ring.report_input("kXSf", src, slot, row, column, int(np.float32(scale).view(np.uint32)))
+    if report:
+        ring.report_input("kXSf", src, slot, row, column, int(np.float32(scale).view(np.uint32)))
     return np.float32(0)
 
 

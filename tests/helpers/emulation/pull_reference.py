@@ -94,13 +94,10 @@ class Expected:
             self.ack(dest, src, seq)
 
     def stage_rows(self, dest: int, src: int, batch: Batch, base: int, m: int) -> None:
-        """Rows [base, base + m) of ``src``'s batch in ``dest``'s stage, as a pull (or, at one rank, moe_stage_local)
-        leaves them: out-of-range ids masked, the payload of rows with a local choice, non-finite scales zeroed."""
+        """Rows [base, base + m) of ``src``'s batch in ``dest``'s stage, as a pull leaves them: the routing
+        (:meth:`stage_routing`), the payload of rows with a local choice, non-finite scales zeroed."""
         stage = self.stages[dest]
-        idx = batch.idx[base:base + m].clone()
-        idx[(idx < -1) | (idx >= self.num_experts)] = -1
-        self.stage_idx[dest][src, base:base + m] = idx
-        self.stage_w[dest][src, base:base + m] = batch.w[base:base + m]
+        idx = self.stage_routing(dest, src, batch, base, m)
         mine = ((idx >= stage.expert_lo) & (idx < stage.expert_hi)).any(dim=1)
         rows = torch.arange(base, base + m)[mine]
         self.stage_x[dest][src, rows] = batch.x[rows].view(torch.uint8)
@@ -108,6 +105,15 @@ class Expected:
             sf = batch.sf[rows].clone()
             sf[~torch.isfinite(sf)] = 0.0
             self.stage_sf[dest][src, rows] = sf
+
+    def stage_routing(self, dest: int, src: int, batch: Batch, base: int, m: int) -> torch.Tensor:
+        """The routing and weights of rows [base, base + m) of ``src``'s batch in ``dest``'s stage (as a pull, or a
+        one-rank call's moe_local_route, leaves them): out-of-range ids masked. Returns the masked ids."""
+        idx = batch.idx[base:base + m].clone()
+        idx[(idx < -1) | (idx >= self.num_experts)] = -1
+        self.stage_idx[dest][src, base:base + m] = idx
+        self.stage_w[dest][src, base:base + m] = batch.w[base:base + m]
+        return idx
 
     def ack(self, dest: int, src: int, seq: int) -> None:
         slot = seq % self.rings[0].spec.num_slots

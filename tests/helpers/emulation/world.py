@@ -9,19 +9,22 @@ import torch
 
 import chunkring.ring.io
 from chunkring import PayloadFormat, Ring, RingSpec
-from chunkring.moe._engine.kernel_args import StageLocalArgs
+from chunkring.moe._engine.experts import DevicePlan
+from chunkring.moe._engine.kernel_args import LocalRouteArgs, LocalScatterArgs
 from chunkring.moe._engine.resources import PULL_BLOCK
 from chunkring.moe._engine.stage import Stage
+from chunkring.moe.gemm import GROUP_ALIGN
 from chunkring.ring.io import publish_chunk
+from tests.helpers.emulation import local_plan
 from tests.helpers.emulation import pull as pull_emu
 from tests.helpers.emulation.machine import Memory
 from tests.helpers.emulation.pull_reference import SENTINEL, Batch, Expected
 from tests.helpers.emulation.ring import Clock, HeapRuntime, StreamLibrary, Streams, SymmetricHeap
-from tests.helpers.emulation.stage_local import moe_stage_local
 
 __all__ = ["World", "masked_inputs"]
 
 S, T, H, K, E, N = 2, 4, 128, 2, 4, 12  # slots, tokens per slot, hidden, topk, experts, stage rows per source
+PLAN_ROWS = 3 * 128  # a one-rank plan's rows: its two local experts' groups and a group's worth past them
 
 
 class World:
@@ -38,7 +41,7 @@ class World:
             heap.unmapped = {(r, pe) for r in range(world) for pe in range(world) if r != pe}
         self.memory, self.clock = Memory(), clock
         self.streams = Streams(self.memory, seed, clock)
-        table = {**pull_emu.kernels(heap, self.streams, {"moe_stage_local": moe_stage_local, **(mutants or {})}),
+        table = {**pull_emu.kernels(heap, self.streams, mutants), **local_plan.kernels(heap, self.streams, seed),
                  **(launchers(heap) if launchers else {})}
         self.library = StreamLibrary(self.memory, table, self.streams, ("ring_host_api.cu", "moe_stream.cu",
                                                                        "moe_experts.cu"))
@@ -119,23 +122,44 @@ class World:
                     self.expected.pull(dest, src, batches[src], base, m, seq, held=eos)
                 self.masked[dest] += masked_inputs(batches[src], stage)
 
-    def stage_local(self, batch: Batch, count: int | None = None) -> None:
-        """A one-rank call's rows into the stage: the call's reset of the routing, then moe_stage_local as
-        schedule._enqueue_local launches it (``count``: a device token count); the reference follows (the rows
-        below the count, the masked inputs, a count out of range reported)."""
+    def plan_local(self, batch: Batch, count: int | None = None) -> DevicePlan:
+        """A one-rank call's routing into the stage and its rows into a fresh plan: moe_local_route then
+        moe_local_scatter as schedule._plan_local launches them (``count``: a device token count); the reference
+        follows for the stage (the routing of the rows below the count, -1 for the call's other rows, the masked
+        inputs, a count out of range reported). Returns the plan."""
         n, ring, stage = batch.x.shape[0], self.rings[0], self.stages[0]
-        stage.idx.fill_(-1)
-        self.expected.stage_idx[0].fill_(-1)
+        E_local, P = stage.expert_hi - stage.expert_lo, PLAN_ROWS
+        H_bytes = batch.x.view(torch.uint8).shape[1]
+        counters = torch.empty((3, E_local), dtype=torch.int32)
+        # torch.empty's rows as a stale plan leaves them: every source 7, which no kernel may leave on a padding row
+        plan = DevicePlan(counts=counters[0], group_end=counters[1], src=torch.full((P,), 7, dtype=torch.int32),
+                          token=torch.empty(P, dtype=torch.int32), k=torch.empty(P, dtype=torch.int32),
+                          weight=torch.empty(P), rows=torch.empty((P, H_bytes), dtype=torch.uint8),
+                          rows_sf=torch.empty((0 if batch.sf is None else H // 128, P)),
+                          own_row=torch.empty(N * K, dtype=torch.int32))
+        for name in ("counts", "src", "token", "k", "weight", "rows", "rows_sf", "own_row"):
+            if getattr(plan, name).numel() and name != "counts":
+                self.memory.add(getattr(plan, name), f"plan {name}")
+        self.memory.add(counters, "plan counters")
         valid = None if count is None else torch.tensor([count], dtype=torch.int32)
-        self.library.launch("moe_stage_local", args=StageLocalArgs(
-            desc=ring.desc, stage=stage.desc, x=batch.x.view(torch.uint8), x_sf=batch.sf, topk_idx=batch.idx,
-            topk_weights=batch.w, n_tokens=n, valid_tokens=valid), grid=self.grid, block=PULL_BLOCK, stream=None)
+        self.library.launch("moe_local_route", args=LocalRouteArgs(
+            desc=ring.desc, stage=stage.desc, topk_idx=batch.idx, topk_weights=batch.w, n_tokens=n,
+            valid_tokens=valid, block_m=GROUP_ALIGN, counts=plan.counts, group_end=plan.group_end,
+            cursors=counters[2]), grid=1, block=1024, stream=None)
+        self.streams.run()
+        self.library.launch("moe_local_scatter", args=LocalScatterArgs(
+            desc=ring.desc, stage=stage.desc, x=batch.x.view(torch.uint8), x_sf=batch.sf, n_tokens=n,
+            valid_tokens=valid, block_m=GROUP_ALIGN, counts=plan.counts, cursors=counters[2], rows=plan.rows,
+            rows_sf=plan.rows_sf, sf_stride=P, plan_rows=P, row_src=plan.src, row_token=plan.token, row_k=plan.k,
+            row_weight=plan.weight, own_row=plan.own_row), grid=self.grid, block=PULL_BLOCK, stream=None)
         self.streams.run()
         rows = n if count is None else min(max(count, 0), n)
-        self.expected.stage_rows(0, 0, batch, 0, rows)
+        self.expected.stage_routing(0, 0, batch, 0, rows)
+        self.expected.stage_idx[0][0, rows:n] = -1
         below = Batch(batch.x[:rows], None if batch.sf is None else batch.sf[:rows], batch.idx[:rows],
                       batch.w[:rows], [rows])
         self.masked[0] += masked_inputs(below, stage) + int(count is not None and count != rows)
+        return plan
 
     def ack_held(self) -> None:
         """moe_ack_held as the layer launches it, the combine push's arrivals all in."""

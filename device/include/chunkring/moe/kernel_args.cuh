@@ -9,21 +9,49 @@ namespace chunkring::moe {
 
 using layout::u64;
 
-// moe_stage_local (moe_stream.cu): a one-rank call's rows, straight into the stage.
-struct StageLocalArgs {
+// moe_local_route (moe_stream.cu): a one-rank call's routing, into the stage and the plan's groups.
+struct LocalRouteArgs {
     u64 version;       // kKernelArgsVersion
-    u64 bytes;         // sizeof(StageLocalArgs)
+    u64 bytes;         // sizeof(LocalRouteArgs)
     u64 desc;          // const RingDesc*
     u64 stage;         // const StageDesc*
-    u64 x;             // const unsigned char*
-    u64 x_sf;          // CHUNKRING_NULLABLE const float*
     u64 topk_idx;      // const int*
     u64 topk_weights;  // const float*
     u64 n_tokens;      // int
     u64 valid_tokens;  // CHUNKRING_NULLABLE const int*
+    u64 block_m;       // int
+    u64 counts;        // unsigned*
+    u64 group_end;     // int*
+    u64 cursors;       // unsigned*
 };
-static_assert(sizeof(StageLocalArgs) == 10 * sizeof(u64),
-              "StageLocalArgs: runtime/chunkring/moe/_engine/kernel_args.py");
+static_assert(sizeof(LocalRouteArgs) == 12 * sizeof(u64),
+              "LocalRouteArgs: runtime/chunkring/moe/_engine/kernel_args.py");
+
+// moe_local_scatter (moe_stream.cu): a one-rank call's rows, straight into the plan.
+struct LocalScatterArgs {
+    u64 version;       // kKernelArgsVersion
+    u64 bytes;         // sizeof(LocalScatterArgs)
+    u64 desc;          // const RingDesc*
+    u64 stage;         // const StageDesc*
+    u64 x;             // const unsigned char*
+    u64 x_sf;          // CHUNKRING_NULLABLE const float*
+    u64 n_tokens;      // int
+    u64 valid_tokens;  // CHUNKRING_NULLABLE const int*
+    u64 block_m;       // int
+    u64 counts;        // const unsigned*
+    u64 cursors;       // unsigned*
+    u64 rows;          // unsigned char*
+    u64 rows_sf;       // float*
+    u64 sf_stride;     // long long
+    u64 plan_rows;     // long long
+    u64 row_src;       // int*
+    u64 row_token;     // int*
+    u64 row_k;         // int*
+    u64 row_weight;    // float*
+    u64 own_row;       // int*
+};
+static_assert(sizeof(LocalScatterArgs) == 20 * sizeof(u64),
+              "LocalScatterArgs: runtime/chunkring/moe/_engine/kernel_args.py");
 
 // moe_plan_scatter (moe_experts.cu).
 struct PlanScatterArgs {

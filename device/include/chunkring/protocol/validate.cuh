@@ -76,11 +76,13 @@ __device__ __forceinline__ int checked_expert(const RingDesc& d, u64 src, u64 sl
     return -1;
 }
 
-// An FP8 block scale: finite, or 0 (reported).
-__device__ __forceinline__ float checked_scale(const RingDesc& d, u64 src, u64 slot, u64 row, u64 column, float scale) {
+// An FP8 block scale: finite, or 0 (reported, if `report`: a kernel that reads a scale more than once reports it
+// once).
+__device__ __forceinline__ float checked_scale(const RingDesc& d, u64 src, u64 slot, u64 row, u64 column, float scale,
+                                               bool report = true) {
     if constexpr (kMutant == Mutant::kNoInputChecks) return scale;
     if (isfinite(scale)) return scale;
-    report_input(d, InputField::kXSf, src, slot, row, column, __float_as_uint(scale));
+    if (report) report_input(d, InputField::kXSf, src, slot, row, column, __float_as_uint(scale));
     return 0.0f;
 }
 

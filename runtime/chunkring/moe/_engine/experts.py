@@ -218,14 +218,17 @@ class ExpertCompute:
         the plan to fill, as :meth:`empty_plan` made it earlier in stream order (a layer resets it before its
         pull, while the pull waits for chunks); None: one made here."""
         plan, cursors = empty if empty is not None else self.empty_plan()
-        if stage is not self._checked_stage:  # a Stage never changes its tensors or shapes: checked once
-            self._check_stage(stage, plan)
-            self._checked_stage = stage
+        self._check_stage_once(stage, plan)
         self._launch("moe_plan_count", stage=stage.desc, counts=plan.counts)
         self._launch("moe_plan_scatter", shared=True, pdl=True, args=PlanScatterArgs(
             stage=stage.desc, block_m=GROUP_ALIGN, cursors=cursors, own_rank=self.rank, own_row=plan.own_row,
             **plan.scatter_args()))
         return plan
+
+    def _check_stage_once(self, stage: Stage, plan: DevicePlan) -> None:
+        if stage is not self._checked_stage:  # a Stage never changes its tensors or shapes: checked once
+            self._check_stage(stage, plan)
+            self._checked_stage = stage
 
     def _check_stage(self, stage: Stage, plan: DevicePlan) -> None:
         """The plan kernels take the expert range and the row sizes from ``stage``'s descriptor but write into
@@ -249,23 +252,35 @@ class ExpertCompute:
     def empty_plan(self) -> EmptyPlan:
         """A plan's buffers with no rows planned (every count 0, every row padding, no own choice: ``moe_plan_reset``,
         one launch on the current stream), and the scatter's per-expert cursors (0)."""
+        plan, counters = self._new_plan()
+        self.kernels.launch("moe_plan_reset", counters=counters, counter_words=counters.numel(), row_src=plan.src,
+                            rows=self.capacity, own_row=plan.own_row, own_choices=plan.own_row.numel(),
+                            grid=max(1, min(self._grid, -(-max(self.capacity, plan.own_row.numel()) // _BLOCK))),
+                            block=_BLOCK, stream=torch.cuda.current_stream(self.device))
+        return plan, counters[2]
+
+    def plan_buffers(self, stage: Stage) -> EmptyPlan:
+        """A plan's buffers and the scatter's per-expert cursors as they come, no launch: for a one-rank call's
+        ``moe_local_route`` and ``moe_local_scatter``, which write every word the plan's readers read, from
+        ``stage`` (checked against the buffers once)."""
+        plan, counters = self._new_plan()
+        self._check_stage_once(stage, plan)
+        return plan, counters[2]
+
+    def _new_plan(self) -> tuple[DevicePlan, torch.Tensor]:
+        """A plan's buffers, unwritten, and its counters [3, E_local] (counts, group ends, cursors)."""
         dev, P, E, H = self.device, self.capacity, self.experts_per_rank, self.config.hidden
-        counters = torch.empty((3, E), dtype=torch.int32, device=dev)  # counts, group ends, cursors
-        src = torch.empty(P, dtype=torch.int32, device=dev)
-        own_row = torch.empty(self.config.max_tokens_per_rank * self.config.topk, dtype=torch.int32, device=dev)
-        self.kernels.launch("moe_plan_reset", counters=counters, counter_words=counters.numel(), row_src=src, rows=P,
-                            own_row=own_row, own_choices=own_row.numel(),
-                            grid=max(1, min(self._grid, -(-max(P, own_row.numel()) // _BLOCK))), block=_BLOCK,
-                            stream=torch.cuda.current_stream(dev))
+        counters = torch.empty((3, E), dtype=torch.int32, device=dev)
         row_bytes, sf_per_row = (H, H // FP8_SCALE_BLOCK) if self.fp8 else (2 * H, 0)
         plan = DevicePlan(
-            counts=counters[0], group_end=counters[1], src=src,
+            counts=counters[0], group_end=counters[1], src=torch.empty(P, dtype=torch.int32, device=dev),
             token=torch.empty(P, dtype=torch.int32, device=dev), k=torch.empty(P, dtype=torch.int32, device=dev),
             weight=torch.empty(P, dtype=torch.float32, device=dev),
             rows=torch.empty((P, row_bytes), dtype=torch.uint8, device=dev),
             # The GEMM's scale layout (MN-major): scale j of row p at j * P + p.
-            rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev), own_row=own_row)
-        return plan, counters[2]
+            rows_sf=torch.empty((sf_per_row, P), dtype=torch.float32, device=dev),
+            own_row=torch.empty(self.config.max_tokens_per_rank * self.config.topk, dtype=torch.int32, device=dev))
+        return plan, counters
 
     def experts(self, plan: DevicePlan, w13, w2, *, decode: bool | None = None, sms: int | None = None) -> torch.Tensor:
         """bf16 [P, H]: w2[e] @ swiglu(w13[e] @ row) for every planned row (padding rows: unspecified). ``decode``

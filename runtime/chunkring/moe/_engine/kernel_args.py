@@ -8,17 +8,27 @@ from __future__ import annotations
 
 from chunkring.jit import ArgStruct
 
-__all__ = ["CombinePushArgs", "CombineReduceArgs", "DecodeL1Args", "DecodeL2Args", "PersistentGemmArgs",
-           "PlanScatterArgs", "ProduceChunkArgs", "StageLocalArgs", "WaveGatherArgs"]
+__all__ = ["CombinePushArgs", "CombineReduceArgs", "DecodeL1Args", "DecodeL2Args", "LocalRouteArgs",
+           "LocalScatterArgs", "PersistentGemmArgs", "PlanScatterArgs", "ProduceChunkArgs", "WaveGatherArgs"]
 
 
-class StageLocalArgs(ArgStruct):
-    """``moe_stage_local``: a one-rank call's rows (a publish's tensors, its row count and device count) and the
-    stage they go into."""
+class LocalRouteArgs(ArgStruct):
+    """``moe_local_route``: a one-rank call's routing (its row count and device count), the stage it goes into and the
+    plan's groups it fills."""
+
+    FIELDS = """const RingDesc* desc, const StageDesc* stage, const int* topk_idx, const float* topk_weights,
+                int n_tokens, CHUNKRING_NULLABLE const int* valid_tokens, int block_m, unsigned* counts,
+                int* group_end, unsigned* cursors"""
+
+
+class LocalScatterArgs(ArgStruct):
+    """``moe_local_scatter``: a one-rank call's rows, straight into the plan's groups."""
 
     FIELDS = """const RingDesc* desc, const StageDesc* stage, const unsigned char* x,
-                CHUNKRING_NULLABLE const float* x_sf, const int* topk_idx, const float* topk_weights, int n_tokens,
-                CHUNKRING_NULLABLE const int* valid_tokens"""
+                CHUNKRING_NULLABLE const float* x_sf, int n_tokens, CHUNKRING_NULLABLE const int* valid_tokens,
+                int block_m, const unsigned* counts, unsigned* cursors, unsigned char* rows, float* rows_sf,
+                long long sf_stride, long long plan_rows, int* row_src, int* row_token, int* row_k, float* row_weight,
+                int* own_row"""
 
 
 class PlanScatterArgs(ArgStruct):

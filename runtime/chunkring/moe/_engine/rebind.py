@@ -2,8 +2,9 @@
 copies nothing: not its inputs into the graph's fixed buffers, not its output out of them.
 
 A routed call's graph reads its inputs only in its publishes (``ring_publish_tensors``, or ``ring_publish_copy`` between
-an open and a close; ``moe_stage_local`` where a one-rank call stages its rows itself) and writes its output only in its
-reduction (``moe_combine_reduce``); each takes an argument struct (:class:`chunkring.jit.ArgStruct`). At capture, some
+an open and a close; ``moe_local_route`` and ``moe_local_scatter`` where a one-rank call plans its rows itself) and
+writes its output only in its reduction (``moe_combine_reduce``); each takes an argument struct
+(:class:`chunkring.jit.ArgStruct`). At capture, some
 of those structs' pointer fields hold addresses inside the fixed buffers. Per call, a rebinding sets each such node's
 parameters in the instantiated graph to the same struct with every such address moved to the same offset in the call's
 own tensor - the buffers and the call's tensors are contiguous with the same rows, so a chunk's offset is the same in
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from chunkring.errors import ChunkringRuntimeError
 from chunkring.jit.graph_nodes import graph_nodes, kernel_arguments, node_type, ok, touched_addresses
 from chunkring.jit.signatures import KERNEL_ARGS_VERSION
-from chunkring.moe._engine.kernel_args import CombineReduceArgs, StageLocalArgs
+from chunkring.moe._engine.kernel_args import CombineReduceArgs, LocalRouteArgs, LocalScatterArgs
 from chunkring.ring.kernel_args import RingPublishArgs
 
 if TYPE_CHECKING:
@@ -60,7 +61,8 @@ _ROWS = frozenset({"x", "x_sf", "topk_idx", "topk_weights"})
 _PUBLISH = Rebound(RingPublishArgs, _ROWS)
 #: The kernels whose nodes are rebound, by name.
 REBOUND: Mapping[str, Rebound] = {"ring_publish_tensors": _PUBLISH, "ring_publish_copy": _PUBLISH,
-                                  "moe_stage_local": Rebound(StageLocalArgs, _ROWS),
+                                  "moe_local_route": Rebound(LocalRouteArgs, frozenset({"topk_idx", "topk_weights"})),
+                                  "moe_local_scatter": Rebound(LocalScatterArgs, frozenset({"x", "x_sf"})),
                                   "moe_combine_reduce": Rebound(CombineReduceArgs, frozenset({"out"}), "tokens")}
 
 

@@ -20,9 +20,9 @@ A source's last chunk is acknowledged only after its combine rows landed, so a d
 combine buffer is complete: no barrier, no global token count, no host synchronisation, and every launch
 is fixed, so a call captures into a CUDA graph.
 
-A one-rank layer's batch-ready call of routed rows has no peer to hand its rows to or to hear from: it stages them
-itself (``moe_stage_local``) and runs plan, experts and reduction on the consumer stream alone, without the ring
-(docs/PROTOCOL.md, "One rank"). Its streamed calls, and ``forward()``'s fused producer, keep the ring.
+A one-rank layer's batch-ready call of routed rows has no peer to hand its rows to or to hear from: it plans them
+itself (``moe_local_route``, ``moe_local_scatter``) and runs experts and reduction on the consumer stream alone,
+without the ring (docs/PROTOCOL.md, "One rank"). Its streamed calls, and ``forward()``'s fused producer, keep the ring.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkring.moe._engine.call import Call, CallMode, RoutedBatch
-from chunkring.moe._engine.experts import EmptyPlan, OwnRows
-from chunkring.moe._engine.kernel_args import StageLocalArgs
+from chunkring.moe._engine.experts import DevicePlan, EmptyPlan, OwnRows
+from chunkring.moe._engine.kernel_args import LocalRouteArgs, LocalScatterArgs
 from chunkring.moe._engine.resources import PULL_BLOCK, LayerResources
+from chunkring.moe.gemm import GROUP_ALIGN
 from chunkring.moe.timeline import Event, Timeline
 from chunkring.moe.weights import Weight
 
@@ -45,8 +46,10 @@ if TYPE_CHECKING:
 __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule"]
 
 #: The most blocks of ``moe_call_reset`` (eight words a thread below that; a grid-stride loop past it) and of
-#: ``moe_stage_local`` (a warp per row below that).
+#: ``moe_local_scatter`` (a warp per row, and eight plan rows' sources a thread, below that).
 _MAX_GRID = 1024
+#: Threads of ``moe_local_route``'s one block: every choice of a one-rank call counted in shared memory.
+_ROUTE_BLOCK = 1024
 
 #: How long a layer's first call of a mode waits at the host barrier for every rank's GEMM warm-up: several
 #: ranks compiling DeepGEMM's kernels at once take minutes at most; a rank that raised before the barrier
@@ -150,31 +153,21 @@ class CallSchedule:
 
     def _enqueue_local(self, call: Call, batch: RoutedBatch, out: torch.Tensor, caller: torch.cuda.Stream
                        ) -> torch.Tensor:
-        """A one-rank layer's batch-ready call of routed rows (docs/PROTOCOL.md, "One rank"): its rows straight into
-        the stage (``moe_stage_local``: the publish's and the pull's copies and checks, without the ring's round
-        trip), the plan, the expert GEMMs and the reduction over k, one chain on the consumer stream. Every choice is
-        this rank's own, so nothing is pushed, acknowledged or drained: no kernel of the call waits for another, and
+        """A one-rank layer's batch-ready call of routed rows (docs/PROTOCOL.md, "One rank"): its routing into the stage
+        and its rows straight into the plan (:meth:`_plan_local`: the publish's and the pull's checks, without the
+        ring's round trip), the expert GEMMs and the reduction over k, one chain on the consumer stream. Every choice
+        is this rank's own, so nothing is pushed, acknowledged or drained: no kernel of the call waits for another, and
         stream order is all the ordering. The consumer stream (the layer's, not the caller's) keeps calls made from
         different streams from sharing the stage and the plan at once."""
-        res, mode, n = self.res, CallMode.BATCH_READY, call.n
-        ring, stage, compute = res.rings[mode], res.stage, res.compute
+        res, mode = self.res, CallMode.BATCH_READY
         consumer = res.streams[mode][1]
         consumer.wait_stream(caller)
         self.warm_up(mode, consumer, call.w13, call.w2)
         mark = _Marks(res, call.timeline)
         with torch.cuda.stream(consumer):
             mark(Event.CALL_BEGIN)
-            self._reset_call_words(consumer)
-            empty = compute.empty_plan()
-            mark(Event.PRODUCE_BEGIN, 0)
-            res.kernels.stream.launch("moe_stage_local", args=StageLocalArgs(
-                desc=ring.desc, stage=stage.desc, x=batch.x.view(torch.uint8), x_sf=batch.x_sf,
-                topk_idx=batch.topk_idx, topk_weights=batch.topk_weights, n_tokens=n, valid_tokens=call.num_tokens),
-                grid=max(1, min(_MAX_GRID, -(-n // (PULL_BLOCK // 32)))), block=PULL_BLOCK, stream=consumer)
-            mark(Event.PUBLISHED, 0)
-            mark(Event.EXPERTS_BEGIN)
-            plan = compute.plan(stage, empty)
-            rows = compute.experts(plan, call.w13, call.w2, decode=call.decode)
+            plan = self._plan_local(call, batch, mark)
+            rows = res.compute.experts(plan, call.w13, call.w2, decode=call.decode)
             mark(Event.EXPERTS_DONE)
             mark(Event.COMBINE_DONE)  # nothing pushed: the reduction reads every row where the experts left it
             mark(Event.DRAINED)  # nothing to wait for
@@ -182,6 +175,32 @@ class CallSchedule:
             mark(Event.OUTPUT_DONE)
         caller.wait_stream(consumer)
         return out
+
+    def _plan_local(self, call: Call, batch: RoutedBatch, mark: _Marks) -> DevicePlan:
+        """A one-rank call's plan, two launches on the current stream: ``moe_local_route`` (one block: the routing,
+        checked, into the stage rows the reduction reads, and the plan's groups) then ``moe_local_scatter`` (a
+        dependent launch: the rows with a local choice into their groups, checked; every other plan row padding) -
+        what a reset, a publish, a pull and the plan's count and scatter leave."""
+        res, n = self.res, call.n
+        ring, stage, compute = res.rings[CallMode.BATCH_READY], res.stage, res.compute
+        stream, E = torch.cuda.current_stream(), compute.experts_per_rank
+        plan, cursors = compute.plan_buffers(stage)
+        P = plan.src.shape[0]
+        mark(Event.PRODUCE_BEGIN, 0)
+        res.kernels.stream.launch("moe_local_route", args=LocalRouteArgs(
+            desc=ring.desc, stage=stage.desc, topk_idx=batch.topk_idx, topk_weights=batch.topk_weights, n_tokens=n,
+            valid_tokens=call.num_tokens, block_m=GROUP_ALIGN, counts=plan.counts, group_end=plan.group_end,
+            cursors=cursors), grid=1, block=_ROUTE_BLOCK, shared_bytes=4 * (2 * E + 1), stream=stream)
+        mark(Event.PUBLISHED, 0)
+        mark(Event.EXPERTS_BEGIN)
+        res.kernels.stream.launch("moe_local_scatter", args=LocalScatterArgs(
+            desc=ring.desc, stage=stage.desc, x=batch.x.view(torch.uint8), x_sf=batch.x_sf, n_tokens=n,
+            valid_tokens=call.num_tokens, block_m=GROUP_ALIGN, counts=plan.counts, cursors=cursors, rows=plan.rows,
+            rows_sf=plan.rows_sf, sf_stride=P, plan_rows=P, row_src=plan.src, row_token=plan.token, row_k=plan.k,
+            row_weight=plan.weight, own_row=plan.own_row),
+            grid=max(1, min(_MAX_GRID, max(-(-n // (PULL_BLOCK // 32)), -(-P // (8 * PULL_BLOCK))))), block=PULL_BLOCK,
+            shared_bytes=4 * (E + 1), pdl=True, stream=stream)
+        return plan
 
     def _reset_call_words(self, stream: torch.cuda.Stream) -> None:
         """``moe_call_reset`` on ``stream``: the stage's routing (-1) and held seqs and the pushes' count (which

@@ -149,9 +149,8 @@ def layer_variant(config: MoEConfig) -> PersistentVariant:
     so that no block waits for another's units - the fused launch's L2 units wait for other blocks' L1 units, which
     needs every block resident at once, not so where ranks share a GPU, a partition's pull spins on some SMs, or a
     caller's kernels run beside the layer's (about 5 % against the fused launch on the H100: docs/PERFORMANCE.md,
-    "The decode path"). L1 units of half a chunk where the layer allows them (``intermediate <= hidden``): a pair's
-    halves wait only for each other's arrival, never for a block that has not started."""
-    return PersistentVariant(fused=False, l1_halves=config.intermediate <= config.hidden)
+    "The decode path"). Whole L1 units: halves measured slower in both launch forms (docs/PERFORMANCE.md)."""
+    return PersistentVariant(fused=False)
 
 
 #: The architecture the kernel is written for (wgmma and setmaxnreg: sm_90a, Hopper).

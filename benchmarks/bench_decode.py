@@ -1,4 +1,4 @@
-"""The FP8 decode path (the persistent consumer as a layer runs it: chunkring.moe._engine.persistent, layer_variant)
+"""The FP8 decode path (the persistent consumer as a layer runs it: chunkring.moe._engine.persistent, LAYER_VARIANT)
 against the DeepGEMM path and DeepGEMM's own SM90 MegaMoE at decode sizes, on one GPU, same inputs.
 
     python -m benchmarks.bench_decode [--shapes flash,v3] [--tokens 1,2,4,8,16,32,64,128,256,512]
@@ -43,7 +43,7 @@ from benchmarks.probe_deepgemm import mega_moe_calls, moe_reference, one_rank_gr
 from chunkring import MoEConfig, MoELayer
 from chunkring.jit import library_for
 from chunkring.moe._engine.experts import ExpertCompute
-from chunkring.moe._engine.persistent import PersistentGemm, layer_variant
+from chunkring.moe._engine.persistent import LAYER_VARIANT, PersistentGemm
 from chunkring.moe._engine.stage import Stage
 from chunkring.moe.calibration import burst_for, replay_medians_ms
 from chunkring.moe.gemm import load_deep_gemm
@@ -63,7 +63,7 @@ class Shape:
         self.cfg = MoEConfig(num_experts=E, hidden=H, intermediate=inter, topk=K, max_tokens_per_rank=max_tokens)
         self.layers = {path: MoELayer(runtime, self.cfg, decode=path == "decode") for path in PATHS}
         experts = library_for(runtime, "moe_experts")
-        decode = PersistentGemm(library_for(runtime, "moe_persistent"), self.cfg, E, variant=layer_variant(self.cfg))
+        decode = PersistentGemm(library_for(runtime, "moe_persistent"), self.cfg, E, variant=LAYER_VARIANT)
         self.computes = {"deepgemm": ExpertCompute(self.cfg, 1, 0, E, experts, device),
                          "decode": ExpertCompute(self.cfg, 1, 0, E, experts, device, decode=decode)}
         self.gen = torch.Generator(device=device)

@@ -7,7 +7,7 @@
 * a row's output does not depend on its place in the plan (the plan places rows by atomic cursor), and
   two runs are bitwise equal;
 * through the layer (``MoELayer(..., decode=True)``, whose decode path is the persistent consumer as a layer runs
-  it, layer_variant): streamed equals batch-ready bit for bit and both match the layer's fp32 reference; CUDA-graph
+  it, LAYER_VARIANT): streamed equals batch-ready bit for bit and both match the layer's fp32 reference; CUDA-graph
   replays equal eager calls bit for bit; with ``decode="auto"`` each call takes the engine its size does
   (decode_fits), either way matching the reference.
 

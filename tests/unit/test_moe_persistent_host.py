@@ -27,6 +27,7 @@ from chunkring.moe._engine import persistent
 from chunkring.moe._engine.persistent import (
     CLAIMS,
     FAULT_KINDS,
+    LAYER_VARIANT,
     MAX_EXPERTS,
     MAX_STAGES,
     MAX_TOKEN_STAGES,
@@ -38,7 +39,6 @@ from chunkring.moe._engine.persistent import (
     PersistentVariant,
     check_persistent_config,
     fault_of,
-    layer_variant,
     shared_bytes,
     w13_view,
 )
@@ -332,14 +332,11 @@ def test_a_layer_the_decode_path_cannot_run_is_named_before_any_build(changes, e
 
 
 def test_a_layer_runs_the_split_launches_whose_blocks_wait_for_no_other():
-    """layer_variant: an L1 launch then an L2 launch - the fused launch's L2 units wait for other blocks' L1 units,
+    """LAYER_VARIANT: an L1 launch then an L2 launch - the fused launch's L2 units wait for other blocks' L1 units,
     which needs every block resident, and a layer shares its GPU (ranks under MPS, a partition's pull, the caller's
-    kernels); whole L1 units (halves measured slower)."""
-    for cfg in (config(), config(intermediate=640)):
-        variant = layer_variant(cfg)
-        assert variant.fused is False and variant.l1_halves is False
-        variant.check(H100["multiprocessor_count"], H100["max_shared_memory_per_block_optin"])
-        PersistentGemm(RecordingLibrary("moe_persistent"), cfg, 4, variant=variant)
+    kernels); whole L1 units (halves measure slower)."""
+    assert LAYER_VARIANT.fused is False and LAYER_VARIANT.l1_halves is False
+    LAYER_VARIANT.check(H100["multiprocessor_count"], H100["max_shared_memory_per_block_optin"])
 
 
 def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path(encoded, monkeypatch):
@@ -349,7 +346,7 @@ def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path
 
     library = RecordingLibrary("moe_persistent")
     cfg = config(max_tokens_per_rank=8)
-    gemm = PersistentGemm(library, cfg, E, variant=layer_variant(cfg))
+    gemm = PersistentGemm(library, cfg, E, variant=LAYER_VARIANT)
     compute = expert_compute(cfg, 1, 0, E, RecordingLibrary("moe_experts"), monkeypatch, decode=gemm)
     assert compute.decode is gemm
     P = compute.capacity
@@ -368,7 +365,7 @@ def test_on_a_partition_the_persistent_consumer_launches_a_block_per_sm_it_has(e
 
     library = RecordingLibrary("moe_persistent")
     cfg = config(max_tokens_per_rank=8)
-    gemm = PersistentGemm(library, cfg, E, variant=layer_variant(cfg))
+    gemm = PersistentGemm(library, cfg, E, variant=LAYER_VARIANT)
     compute = expert_compute(cfg, 1, 0, E, RecordingLibrary("moe_experts"), monkeypatch, decode=gemm)
     w13, w2 = small_weights(E, H, INTER)
     for sms, grid in ((40, 40), (None, gemm.grid()), (gemm.grid(), gemm.grid())):

@@ -213,7 +213,7 @@ struct PersistentGemmArgs {
     u64 claim;          // int
     u64 phases;         // int
     u64 w13_boxes;      // int
-    u64 l1_halves;       // int
+    u64 l1_halves;      // int
     u64 pairs;          // CHUNKRING_NULLABLE unsigned*
     u64 wait_limit_ns;  // long long
     u64 fault_record;   // unsigned long long

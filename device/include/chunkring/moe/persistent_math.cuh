@@ -166,7 +166,7 @@ __device__ __forceinline__ void quantise(const MathArgs& m, const Schedule& s, c
 // already arrived and waits for nothing, so no residency is needed), zeroes the ticket for the next launch, reads the
 // parked values into v's other half and quantises as a whole unit would, with the same values.
 __device__ __forceinline__ u32* pair_ticket(const MathArgs& m, const Schedule& s, const Unit& u, const Pass& p) {
-    return reinterpret_cast<u32*>(m.pairs) + static_cast<u64>(p.row0 / kTokenBoxRows) * s.chunks() + u.block;
+    return m.pairs + static_cast<u64>(p.row0 / kTokenBoxRows) * s.chunks() + u.block;
 }
 
 // Every math thread: whether this half arrived first (the ticket taken by thread 0, for all).

@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from chunkring.moe._engine.decode import PlanTensors
     from chunkring.moe.config import MoEConfig
 
-__all__ = ["CLAIMS", "FAULT_KINDS", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES",
+__all__ = ["CLAIMS", "FAULT_KINDS", "LAYER_VARIANT", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES",
            "PERSISTENT_ARCH", "PERSISTENT_THREADS", "STATIC_SHARED", "TILE_TOKENS", "TIMELINE_WORDS", "W13_BOXES",
-           "PersistentGemm", "PersistentVariant", "block_units", "check_persistent_config", "fault_of", "layer_variant",
-           "shared_bytes", "w13_view"]
+           "PersistentGemm", "PersistentVariant", "block_units", "check_persistent_config", "fault_of", "shared_bytes",
+           "w13_view"]
 
 #: Threads per block: two math warpgroups and the loaders' (persistent_schedule.cuh kThreads).
 PERSISTENT_THREADS = 384
@@ -144,13 +144,12 @@ class PersistentVariant:
                                       f"{shared_limit - STATIC_SHARED}", field="stages")
 
 
-def layer_variant(config: MoEConfig) -> PersistentVariant:
-    """What a layer of ``config`` runs (the decode path of ``MoELayer(decode=...)``): an L1 launch then an L2 launch,
-    so that no block waits for another's units - the fused launch's L2 units wait for other blocks' L1 units, which
-    needs every block resident at once, not so where ranks share a GPU, a partition's pull spins on some SMs, or a
-    caller's kernels run beside the layer's (about 5 % against the fused launch on the H100: docs/PERFORMANCE.md,
-    "The decode path"). Whole L1 units: halves measured slower in both launch forms (docs/PERFORMANCE.md)."""
-    return PersistentVariant(fused=False)
+#: What a layer runs (the decode path of ``MoELayer(decode=...)``): an L1 launch then an L2 launch, so that no block
+#: waits for another's units. The fused launch's L2 units wait for other blocks' L1 units, which needs every block
+#: resident at once - not so where ranks share a GPU, a partition's pull spins on some SMs, or a caller's kernels run
+#: beside the layer's. It costs about 5 % against the fused launch on the H100 (docs/PERFORMANCE.md, "The decode
+#: path"). Whole L1 units: halves measure slower in both launch forms (docs/PERFORMANCE.md, "L1 units of half a chunk").
+LAYER_VARIANT = PersistentVariant(fused=False)
 
 
 #: The architecture the kernel is written for (wgmma and setmaxnreg: sm_90a, Hopper).

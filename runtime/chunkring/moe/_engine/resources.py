@@ -26,7 +26,7 @@ from chunkring.moe._engine.blocks import BlockPool, pool_shape
 from chunkring.moe._engine.call import CallMode
 from chunkring.moe._engine.decode import decode_fits
 from chunkring.moe._engine.experts import ExpertCompute
-from chunkring.moe._engine.persistent import PersistentGemm, check_persistent_config, layer_variant
+from chunkring.moe._engine.persistent import LAYER_VARIANT, PersistentGemm, check_persistent_config
 from chunkring.moe._engine.producer import PRODUCE_MAX_BLOCKS, produce_grid_limit
 from chunkring.moe._engine.stage import Stage
 from chunkring.moe.config import MoEConfig
@@ -145,9 +145,9 @@ class LayerResources:
         self.experts_per_rank = config.num_experts // world
         self.first_expert = runtime.rank * self.experts_per_rank
         self.kernels = kernels if kernels is not None else LayerKernels.build(runtime)
-        # The decode path: the persistent consumer, as a layer runs it (layer_variant).
+        # The decode path: the persistent consumer, as a layer runs it (LAYER_VARIANT).
         decode_gemm = (PersistentGemm(library_for(runtime, "moe_persistent"), config, self.experts_per_rank,
-                                      variant=layer_variant(config)) if self.decode else None)
+                                      variant=LAYER_VARIANT) if self.decode else None)
         self.compute = ExpertCompute(config, world, self.first_expert, self.experts_per_rank, self.kernels.experts,
                                      device, decode=decode_gemm, deep_gemm_too=self.decode == "auto")
         # Every block of the pull resident at once, on the consumer's SMs: a block that cannot start would

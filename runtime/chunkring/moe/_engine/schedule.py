@@ -166,7 +166,7 @@ class CallSchedule:
         mark = _Marks(res, call.timeline)
         with torch.cuda.stream(consumer):
             mark(Event.CALL_BEGIN)
-            plan = self._plan_local(call, batch, mark)
+            plan = self._plan_local(call, batch, mark, consumer)
             rows = res.compute.experts(plan, call.w13, call.w2, decode=call.decode)
             mark(Event.EXPERTS_DONE)
             mark(Event.COMBINE_DONE)  # nothing pushed: the reduction reads every row where the experts left it
@@ -176,14 +176,14 @@ class CallSchedule:
         caller.wait_stream(consumer)
         return out
 
-    def _plan_local(self, call: Call, batch: RoutedBatch, mark: _Marks) -> DevicePlan:
-        """A one-rank call's plan, two launches on the current stream: ``moe_local_route`` (one block: the routing,
-        checked, into the stage rows the reduction reads, and the plan's groups) then ``moe_local_scatter`` (a
-        dependent launch: the rows with a local choice into their groups, checked; every other plan row padding) -
+    def _plan_local(self, call: Call, batch: RoutedBatch, mark: _Marks, stream: torch.cuda.Stream) -> DevicePlan:
+        """A one-rank call's plan, two launches on ``stream`` (the current one): ``moe_local_route`` (one block: the
+        routing, checked, into the stage rows the reduction reads, and the plan's groups) then ``moe_local_scatter``
+        (a dependent launch: the rows with a local choice into their groups, checked; every other plan row padding) -
         what a reset, a publish, a pull and the plan's count and scatter leave."""
         res, n = self.res, call.n
         ring, stage, compute = res.rings[CallMode.BATCH_READY], res.stage, res.compute
-        stream, E = torch.cuda.current_stream(), compute.experts_per_rank
+        E = compute.experts_per_rank
         plan, cursors = compute.plan_buffers(stage)
         P = plan.src.shape[0]
         mark(Event.PRODUCE_BEGIN, 0)

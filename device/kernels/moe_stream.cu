@@ -191,12 +191,14 @@ __device__ __forceinline__ LocalCall local_call(const RingDesc& d, const StageDe
 
 // The first, one block: the call's routing, checked (checked_expert, reported), into the stage rows of source my_pe
 // that the reduction reads - the routing and weights of each token below the extent, -1 (planned nowhere) for the
-// rest of the call's rows - and the plan's groups from it: counts [E_local] and group_end [E_local] written whole,
-// the scatter's cursors [E_local] zeroed. One block counts every choice in shared memory, so no reset launch and no
-// count launch come before it.
+// rest of the call's rows - and the whole plan but its payload: counts and group_end [E_local]; each local choice's
+// plan row (its rank among its expert's choices, from a shared-memory counter, past its group's offset) in own_row
+// [t * K + k], with the choice's source, token, k and weight at that row; -1 in own_row for every other choice of the
+// call's rows and in row_src for each group's padding rows. The plan's rows past the last group are the scatter's.
+// One block sees every choice, so no reset launch, no count launch and no global cursor come before it.
 //   stage: layout/moe_desc.cuh; of it only idx and w of source my_pe, tokens [0, min(n_tokens, N)), are written
 extern "C" __global__ void moe_local_route(const __grid_constant__ LocalRouteArgs args) {
-    ptx::release_dependents();  // moe_local_scatter waits for this grid's end before it reads anything
+    ptx::release_dependents();  // moe_local_scatter waits for this grid's end before it reads what this one writes
     require_args(args);
     const RingDesc& d = *arg<const RingDesc*>(args.desc);
     const StageDesc& s = *arg<const StageDesc*>(args.stage);
@@ -209,109 +211,100 @@ extern "C" __global__ void moe_local_route(const __grid_constant__ LocalRouteArg
     unsigned* offsets = shared + num_local;
     for (int e = threadIdx.x; e < num_local; e += blockDim.x) totals[e] = 0;
     __syncthreads();
-    if (call.ok) {
-        const u64 src = d.my_pe, K = s.topk;
-        const u64 rows = min(static_cast<u64>(n_tokens), static_cast<u64>(s.token_capacity));
-        int* idx = address<int>(s.idx) + src * s.token_capacity * K;
-        float* w = address<float>(s.w) + src * s.token_capacity * K;
-        const int* topk_idx = arg<const int*>(args.topk_idx);
-        const float* topk_weights = arg<const float*>(args.topk_weights);
-        for (u64 i = threadIdx.x; i < rows * K; i += blockDim.x) {
-            int expert = -1;
-            if (i < call.n * K) {
-                expert = checked_expert(d, src, 0, i / K, i % K, topk_idx[i]);
-                w[i] = topk_weights[i];
-            }
-            idx[i] = expert;
-            if (expert >= expert_lo && expert - expert_lo < num_local) atomicAdd(totals + (expert - expert_lo), 1u);
+    const u64 src = d.my_pe, K = s.topk;
+    const u64 choices = call.ok ? min(static_cast<u64>(n_tokens), static_cast<u64>(s.token_capacity)) * K : 0;
+    int* idx = address<int>(s.idx) + src * s.token_capacity * K;
+    float* w = address<float>(s.w) + src * s.token_capacity * K;
+    const int* topk_idx = arg<const int*>(args.topk_idx);
+    const float* topk_weights = arg<const float*>(args.topk_weights);
+    auto* own_row = arg<int*>(args.own_row);
+    // Each thread keeps to the same choices i in both passes: a choice's rank, parked in own_row[i] by its thread,
+    // is read back by that thread only, so no fence is needed between them.
+    for (u64 i = threadIdx.x; i < choices; i += blockDim.x) {
+        int expert = -1;
+        if (i < call.n * K) {
+            expert = checked_expert(d, src, 0, i / K, i % K, topk_idx[i]);
+            w[i] = topk_weights[i];
         }
+        idx[i] = expert;
+        const bool local = expert >= expert_lo && expert - expert_lo < num_local;
+        own_row[i] = local ? static_cast<int>(atomicAdd(totals + (expert - expert_lo), 1u)) : -1;
     }
     __syncthreads();
     moe::group_offsets(totals, num_local, arg<int>(args.block_m), offsets);
+    auto* row_src = arg<int*>(args.row_src);
+    auto* row_token = arg<int*>(args.row_token);
+    auto* row_k = arg<int*>(args.row_k);
+    auto* row_weight = arg<float*>(args.row_weight);
+    for (u64 i = threadIdx.x; i < choices; i += blockDim.x) {
+        const int rank = own_row[i];
+        if (rank < 0) continue;
+        const unsigned p = offsets[idx[i] - expert_lo] + static_cast<unsigned>(rank);
+        own_row[i] = static_cast<int>(p);
+        row_src[p] = static_cast<int>(src);
+        row_token[p] = static_cast<int>(i / K);
+        row_k[p] = static_cast<int>(i % K);
+        row_weight[p] = w[i];
+    }
     auto* counts = arg<unsigned*>(args.counts);
     auto* group_end = arg<int*>(args.group_end);
-    auto* cursors = arg<unsigned*>(args.cursors);
-    for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
-        counts[e] = totals[e];
-        group_end[e] = static_cast<int>(offsets[e] + totals[e]);
-        cursors[e] = 0;
+    const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+    for (int e = threadIdx.x / kWarp; e < num_local; e += warps) {  // a warp per group: its padding rows
+        const unsigned end = offsets[e] + totals[e];
+        for (unsigned r = end + lane; r < offsets[e + 1]; r += kWarp) row_src[r] = -1;
+        if (lane == 0) {
+            counts[e] = totals[e];
+            group_end[e] = static_cast<int>(end);
+        }
     }
 }
 
-// The second, any grid (a dependent launch): each row of the call with a choice of a local expert - a warp per row,
-// a contiguous share of the rows per block - its scales checked (reported once) and, for each such choice, the
-// row's payload and scales copied into the next row of its expert's group (a cursor per expert, as
-// moe_plan_scatter) with the choice's source, token, k and weight; own_row[t * K + k] is that row for every choice of
-// the call's rows below the extent, -1 where the choice is masked; every other row of the plan's plan_rows gets
-// source -1 (padding rows and past the last group, a grid-stride share of them), as moe_plan_reset leaves them.
-//   rows [plan_rows, row_bytes], rows_sf (scale j of row p at j * sf_stride + p), row_* [plan_rows]: the plan's
-//   counts, cursors [E_local]: moe_local_route's
+// The second, any grid (a dependent launch): the plan's rows past the last group (source -1, a grid-stride share of
+// plan_rows), then each local choice's payload - a warp per choice of the call's rows below the extent, a
+// contiguous share of them per block - copied from the caller's tensors into the plan row moe_local_route gave it,
+// its scales checked on the way (reported by the warp of the row's first local choice only).
+//   rows [plan_rows, row_bytes], rows_sf (scale j of row p at j * sf_stride + p), row_src [plan_rows]: the plan's
+//   group_end, own_row: moe_local_route's
 extern "C" __global__ void moe_local_scatter(const __grid_constant__ LocalScatterArgs args) {
-    ptx::wait_prior_grid();
     require_args(args);
     const RingDesc& d = *arg<const RingDesc*>(args.desc);
     const StageDesc& s = *arg<const StageDesc*>(args.stage);
     moe::require_descriptor(s);
+    // The call's extent reads only what came before moe_local_route (the descriptors, the caller's device count),
+    // so it is taken before the wait for what that grid writes.
+    const LocalCall call = local_call(d, s, arg<int>(args.n_tokens), arg<const int*>(args.valid_tokens), false);
+    ptx::wait_prior_grid();
     const int num_local = static_cast<int>(s.expert_hi - s.expert_lo);
-    const auto* counts = arg<const unsigned*>(args.counts);
-    extern __shared__ unsigned offsets[];  // E_local + 1
-    moe::group_offsets(counts, num_local, arg<int>(args.block_m), offsets);
+    const u64 block_m = static_cast<u64>(arg<int>(args.block_m));
+    // The last group's padded end (every group starts on a multiple of block_m): the first row no group takes.
+    const u64 used = num_local > 0 ? (arg<const int*>(args.group_end)[num_local - 1] + block_m - 1) / block_m * block_m
+                                   : 0;
     auto* row_src = arg<int*>(args.row_src);
     const u64 plan_rows = arg<long long>(args.plan_rows);
-    for (u64 r = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; r < plan_rows;
-         r += static_cast<u64>(gridDim.x) * blockDim.x) {
-        int lo = 0, hi = num_local;  // the last group starting at or before r (groups may be empty)
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) / 2;
-            if (offsets[mid] <= r) lo = mid; else hi = mid;
-        }
-        if (r >= offsets[num_local] || r >= offsets[lo] + counts[lo]) row_src[r] = -1;
-    }
-    const LocalCall call = local_call(d, s, arg<int>(args.n_tokens), arg<const int*>(args.valid_tokens), false);
+    for (u64 r = used + static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; r < plan_rows;
+         r += static_cast<u64>(gridDim.x) * blockDim.x)
+        row_src[r] = -1;
     if (!call.ok) return;
-    const u64 src = d.my_pe, K = s.topk, n = call.n;
-    const u64 lo = n * blockIdx.x / gridDim.x, hi = n * (blockIdx.x + 1) / gridDim.x;
-    const int* idx = address<const int>(s.idx) + src * s.token_capacity * K;
-    const float* w = address<const float>(s.w) + src * s.token_capacity * K;
+    const u64 src = d.my_pe, K = s.topk, choices = call.n * K;
+    const u64 lo = choices * blockIdx.x / gridDim.x, hi = choices * (blockIdx.x + 1) / gridDim.x;
     const auto* x = arg<const unsigned char*>(args.x);
     const auto* x_sf = arg<const float*>(args.x_sf);  // null for bf16 rows, which carry no scales
-    auto* cursors = arg<unsigned*>(args.cursors);
+    const auto* own_row = arg<const int*>(args.own_row);
     auto* rows = arg<unsigned char*>(args.rows);
     auto* rows_sf = arg<float*>(args.rows_sf);
     const u64 sf_stride = arg<long long>(args.sf_stride);
-    auto* row_token = arg<int*>(args.row_token);
-    auto* row_k = arg<int*>(args.row_k);
-    auto* row_weight = arg<float*>(args.row_weight);
-    auto* own_row = arg<int*>(args.own_row);
-    const long long expert_lo = static_cast<long long>(s.expert_lo), expert_hi = static_cast<long long>(s.expert_hi);
     const u64 row_bytes = d.x_row_bytes, sf_floats = d.x_sf_row_floats;
     const u32 lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
-    for (u64 row = lo + threadIdx.x / kWarp; row < hi; row += warps) {
-        const int* choices = idx + row * K;
-        if (!routed_here(choices, K, expert_lo, expert_hi, lane)) {
-            for (u64 k = lane; k < K; k += kWarp) own_row[row * K + k] = -1;
-            continue;
-        }
-        for (u64 j = lane; j < sf_floats; j += kWarp) checked_scale(d, src, 0, row, j, x_sf[row * sf_floats + j]);
-        for (u64 k0 = 0; k0 < K; k0 += kWarp) {  // a lane per choice
-            const u64 k = k0 + lane;
-            const long long e = k < K ? choices[k] - expert_lo : -1;
-            const bool local = e >= 0 && e < expert_hi - expert_lo;
-            const unsigned p = local ? offsets[e] + atomicAdd(cursors + e, 1u) : 0;
-            if (k < K) own_row[row * K + k] = local ? static_cast<int>(p) : -1;
-            if (local) {
-                row_src[p] = static_cast<int>(src);
-                row_token[p] = static_cast<int>(row);
-                row_k[p] = static_cast<int>(k);
-                row_weight[p] = w[row * K + k];
-            }
-            for (unsigned todo = __ballot_sync(0xffffffffu, local); todo != 0; todo &= todo - 1) {
-                const u64 to = __shfl_sync(0xffffffffu, p, __ffs(todo) - 1);
-                util::warp_copy16(rows + to * row_bytes, x + row * row_bytes, row_bytes, lane);
-                for (u64 j = lane; j < sf_floats; j += kWarp)
-                    rows_sf[j * sf_stride + to] = checked_scale(d, src, 0, row, j, x_sf[row * sf_floats + j], false);
-            }
-        }
+    for (u64 i = lo + threadIdx.x / kWarp; i < hi; i += warps) {
+        const int p = own_row[i];
+        if (p < 0) continue;
+        const u64 row = i / K, k = i % K;
+        bool earlier = false;  // a local choice of this row before k: its warp reports the row's scales
+        for (u64 k0 = 0; k0 < k; k0 += kWarp)
+            earlier |= __any_sync(0xffffffffu, k0 + lane < k && own_row[row * K + k0 + lane] >= 0);
+        util::warp_copy16(rows + p * row_bytes, x + row * row_bytes, row_bytes, lane);
+        for (u64 j = lane; j < sf_floats; j += kWarp)
+            rows_sf[j * sf_stride + p] = checked_scale(d, src, 0, row, j, x_sf[row * sf_floats + j], !earlier);
     }
 }
 

@@ -27,9 +27,11 @@ WAIT, RELEASE = "ptx::wait_prior_grid();", "ptx::release_dependents();"
 RELEASING = {"moe_plan_count", "moe_plan_scatter", "moe_decode_l1", "moe_decode_l2", "moe_combine_push",
              "moe_local_route"}
 #: The kernels that read before their wait, and the parameters they may touch there: the weights (no kernel writes
-#: them), the row counts (final once the kernel ahead let them start), scalars.
+#: them), the row counts (final once the kernel ahead let them start), scalars; the one-rank scatter's call extent
+#: (descriptors and the caller's count, written before the route ahead of it started).
 EARLY_READS = {"moe_decode_l1": {"w13", "w13_sf", "counts", "hidden", "inter", "sf_stride"},
-               "moe_decode_l2": {"w2", "w2_sf", "counts", "hidden", "inter", "sf_stride"}}
+               "moe_decode_l2": {"w2", "w2_sf", "counts", "hidden", "inter", "sf_stride"},
+               "moe_local_scatter": {"desc", "stage", "n_tokens", "valid_tokens"}}
 #: What a kernel that waits on another rank or grid calls (protocol/ring.cuh, status.cuh, moe/blocks.cuh).
 SPINS = re.compile(r"\b(spin_until|consume_invocation|begin_chunk|poll_acked|wait_chunk|drain)\s*\(")
 
@@ -78,6 +80,9 @@ def test_every_dependent_launch_waits_for_the_kernel_ahead_before_touching_what_
         assert WAIT in bodies[name], name
         touched = {p for p in params[name] if re.search(rf"\b{p}\b", early)}
         assert touched <= allowed, f"{name} touches {sorted(touched - allowed)} before its wait"
+        if not name.startswith("moe_decode"):
+            assert "return" not in early, f"{name} ends before its wait"
+            continue
         assert "rows_of(counts" in early and not re.search(r"\bcounts\s*\[", early), \
             f"{name}: the counts are read early only by rows_of's relaxed GPU-scope load"
         returns = [m.start() for m in re.finditer(r"\breturn\b", early)]

@@ -80,6 +80,8 @@ def test_a_scatter_that_reports_a_scale_at_every_copy_is_caught(monkeypatch):
     checked = local_plan.checked_scale
     monkeypatch.setattr(local_plan, "checked_scale", always)
     w = World(monkeypatch, 1, PayloadFormat.FP8_E4M3)
-    w.plan_local(w.batch([4]))  # row 0's NaN scale, one local choice: reported at its check and again at its copy
+    batch = w.batch([4])
+    batch.idx[0] = torch.tensor([1, 2])  # row 0 and its NaN scale to both local experts: copied twice
+    w.plan_local(batch)
     with pytest.raises(AssertionError, match=r"tensor\(4\) == 3"):  # the reports counted: 2 experts, 1 scale
         w.expected.check(w.masked)

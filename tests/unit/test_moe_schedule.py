@@ -76,7 +76,7 @@ class Compute:
         rows = torch.zeros(8, dtype=torch.int32)
         plan = SimpleNamespace(counts="counts", group_end="group end", src=rows, token="token", k="k", weight="weight",
                                rows="rows", rows_sf="rows sf", own_row="own row")
-        return plan, "cursors"
+        return plan
 
     def plan(self, stage, empty):
         self.launched.append(("plan", self.device.current.name))

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from tests.helpers.emulation.decode import group_offsets
-from tests.helpers.emulation.machine import WARP, Allocation, Pointer, read_struct
+from tests.helpers.emulation.machine import Allocation, Pointer, read_struct
 from tests.helpers.emulation.plan import STRUCTS, warp_copy16
 from tests.helpers.emulation.pull import check_stage, checked_chunk_rows, checked_expert, checked_scale, chunk_extent
 from tests.helpers.emulation.ring import RingView
@@ -42,82 +42,79 @@ class _Shared:
         return dtype(self.words[element])
 
 
-def moe_local_route(ring: RingView, a, part: int, parts: int, block: int):
-    """The one block: the call's routing checked into the stage (its rows past the extent -1), every choice of a
-    local expert counted, the groups' offsets scanned, counts / group_end / cursors written whole."""
+def moe_local_route(ring: RingView, a, part: int, parts: int, block: int, order_seed: int = 0):
+    """The one block: the call's routing checked into the stage (its rows past the extent -1); each local choice's
+    rank among its expert's choices (shared-memory atomics, in an order drawn from ``order_seed``) parked in own_row;
+    the groups' offsets scanned; each such choice's plan row in own_row with its source, token, k and weight there,
+    -1 for the call's other choices; each group's padding rows source -1; counts and group_end written whole."""
     assert parts == 1, "moe_local_route is one block"
     s = read_struct(a.stage, STRUCTS["StageDesc"], "StageDesc")
     n, ok = local_call(ring, s, a, True)
     num_local = s.expert_hi - s.expert_lo
     totals = np.zeros(num_local, np.int64)
-    if ok:
-        src, K = ring.d.my_pe, s.topk
-        rows = min(a.n_tokens, s.token_capacity)
-        idx = Pointer(ring.memory, s.idx + 4 * src * s.token_capacity * K, "stage idx")
-        w = Pointer(ring.memory, s.w + 4 * src * s.token_capacity * K, "stage w")
-        for i in range(rows * K):
-            expert = -1
-            if i < n * K:
-                expert = checked_expert(ring, src, 0, i // K, i % K, int(a.topk_idx.load_as(np.int32, i, "topk_idx")))
-                w.store_as(np.float32, i, a.topk_weights.load_as(np.float32, i, "topk_weights"), "stage w")
-            idx.store_as(np.int32, i, expert, "stage idx")
-            if 0 <= expert - s.expert_lo < num_local:
-                totals[expert - s.expert_lo] += 1
+    src, K = ring.d.my_pe, s.topk
+    choices = min(a.n_tokens, s.token_capacity) * K if ok else 0
+    idx = Pointer(ring.memory, s.idx + 4 * src * s.token_capacity * K, "stage idx")
+    w = Pointer(ring.memory, s.w + 4 * src * s.token_capacity * K, "stage w")
+    experts = np.full(choices, -1, np.int64)
+    for i in range(choices):
+        if i < n * K:
+            experts[i] = checked_expert(ring, src, 0, i // K, i % K, int(a.topk_idx.load_as(np.int32, i, "topk_idx")))
+            w.store_as(np.float32, i, a.topk_weights.load_as(np.float32, i, "topk_weights"), "stage w")
+        idx.store_as(np.int32, i, experts[i], "stage idx")
+    for i in np.random.default_rng(order_seed).permutation(choices):  # the atomics, in some order
+        e = int(experts[i] - s.expert_lo)
+        local = 0 <= e < num_local
+        a.own_row.store_as(np.int32, i, totals[e] if local else -1, "own_row")
+        if local:
+            totals[e] += 1
     offsets = group_offsets(_Shared(totals), num_local, a.block_m, block, 4 * (2 * num_local + 1))
+    for i in range(choices):
+        rank = int(a.own_row.load_as(np.int32, i, "own_row"))
+        if rank < 0:
+            continue
+        p = offsets[int(idx.load_as(np.int32, i, "stage idx")) - s.expert_lo] + rank
+        a.own_row.store_as(np.int32, i, p, "own_row", again=True)  # its thread's own parked rank
+        a.row_src.store_as(np.int32, p, src, "row_src")
+        a.row_token.store_as(np.int32, p, i // K, "row_token")
+        a.row_k.store_as(np.int32, p, i % K, "row_k")
+        a.row_weight.store_as(np.float32, p, w.load_as(np.float32, i, "stage w"), "row_weight")
+    for e in range(num_local):
+        end = offsets[e] + int(totals[e])
+        a.row_src.store_as(np.int32, np.arange(end, offsets[e + 1]), -1, "row_src")
     e_all = np.arange(num_local)
     a.counts.store_as(np.uint32, e_all, totals, "counts")
     a.group_end.store_as(np.int32, e_all, np.array(offsets[:num_local], np.int64) + totals, "group_end")
-    a.cursors.store_as(np.uint32, e_all, 0, "cursors")
     yield from ()
 
 
 def moe_local_scatter(ring: RingView, a, part: int, parts: int, block: int, order_seed: int = 0):
-    """Block ``part`` of ``parts``: its grid-stride share of the plan rows no choice takes (source -1), then its share
-    of the call's rows, a warp per row: scales checked once, each local choice into the next row of its group."""
+    """Block ``part`` of ``parts``: its grid-stride share of the plan rows past the last group (source -1), then its
+    share of the call's choices, a warp per choice in some order: each local choice's payload copied into the row
+    moe_local_route gave it, its scales checked (reported by the row's first local choice)."""
     s = read_struct(a.stage, STRUCTS["StageDesc"], "StageDesc")
-    num_local = s.expert_hi - s.expert_lo
-    offsets = group_offsets(a.counts, num_local, a.block_m, block, 4 * (num_local + 1))
-    counts = a.counts.load_as(np.uint32, np.arange(num_local), "counts").astype(np.int64)
-    r = _grid_stride(part, parts, block, a.plan_rows)
-    group = np.searchsorted(np.array(offsets[:num_local]), r, side="right") - 1  # the last group starting at or before
-    padding = (r >= offsets[num_local]) | (r >= np.array(offsets[:num_local])[group] + counts[group])
-    a.row_src.store_as(np.int32, r[padding], -1, "row_src")
     n, ok = local_call(ring, s, a, False)
+    num_local = s.expert_hi - s.expert_lo
+    last_end = int(a.group_end.load_as(np.int32, num_local - 1, "group_end")) if num_local else 0
+    used = -(-last_end // a.block_m) * a.block_m
+    a.row_src.store_as(np.int32, used + _grid_stride(part, parts, block, max(0, a.plan_rows - used)), -1, "row_src")
     if not ok:
         return
     src, K = ring.d.my_pe, s.topk
-    lo, hi = n * part // parts, n * (part + 1) // parts
-    idx = Pointer(ring.memory, s.idx + 4 * src * s.token_capacity * K, "stage idx")
-    w = Pointer(ring.memory, s.w + 4 * src * s.token_capacity * K, "stage w")
+    lo, hi = n * K * part // parts, n * K * (part + 1) // parts
     row_bytes, sf_floats = ring.d.x_row_bytes, ring.d.x_sf_row_floats
     x = Pointer(ring.memory, _address(a.x), "x")
-    warps = block // WARP
-    items = [(warp, row) for warp in range(warps) for row in range(lo + warp, hi, warps)]
-    for i in np.random.default_rng(order_seed + part).permutation(len(items)):
-        _, row = items[i]
-        choices = idx.load_as(np.int32, np.arange(row * K, (row + 1) * K), "stage idx").astype(np.int64)
-        local = (choices >= s.expert_lo) & (choices < s.expert_hi)
-        if not local.any():  # routed_here
-            a.own_row.store_as(np.int32, np.arange(row * K, (row + 1) * K), -1, "own_row")
+    for i in lo + np.random.default_rng(order_seed + part).permutation(hi - lo):
+        p = int(a.own_row.load_as(np.int32, i, "own_row"))
+        if p < 0:
             continue
-        scales = [a.x_sf.load_as(np.float32, row * sf_floats + j, "x_sf") for j in range(sf_floats)]
-        for j, value in enumerate(scales):
-            checked_scale(ring, src, 0, row, j, value)
-        for k in range(K):  # lanes in lane order: each choice's cursor, then the warp's copies
-            e = int(choices[k] - s.expert_lo)
-            if not local[k]:
-                a.own_row.store_as(np.int32, row * K + k, -1, "own_row")
-                continue
-            p = offsets[e] + int(a.cursors.atomic_add_as(np.uint32, e, 1, "cursors"))
-            a.own_row.store_as(np.int32, row * K + k, p, "own_row")
-            a.row_src.store_as(np.int32, p, src, "row_src")
-            a.row_token.store_as(np.int32, p, row, "row_token")
-            a.row_k.store_as(np.int32, p, k, "row_k")
-            a.row_weight.store_as(np.float32, p, w.load_as(np.float32, row * K + k, "stage w"), "row_weight")
-            warp_copy16(a.rows, p * row_bytes, x, row * row_bytes, row_bytes)
-            for j, value in enumerate(scales):
-                a.rows_sf.store_as(np.float32, j * a.sf_stride + p,
-                                   checked_scale(ring, src, 0, row, j, value, report=False), "rows_sf")
+        row, k = divmod(int(i), K)
+        earlier = any(int(a.own_row.load_as(np.int32, row * K + j, "own_row")) >= 0 for j in range(k))
+        warp_copy16(a.rows, p * row_bytes, x, row * row_bytes, row_bytes)
+        for j in range(sf_floats):
+            value = a.x_sf.load_as(np.float32, row * sf_floats + j, "x_sf")
+            a.rows_sf.store_as(np.float32, j * a.sf_stride + p,
+                               checked_scale(ring, src, 0, row, j, value, report=not earlier), "rows_sf")
     yield from ()
 
 
@@ -138,5 +135,5 @@ def kernels(heap, streams, order_seed: int = 0) -> dict:
         return lambda memory, grid, block, a: [kernel(RingView(memory, heap, streams, a.desc, b), a, b, grid, block)
                                                for b in range(grid)]
 
-    return {"moe_local_route": launcher(moe_local_route),
+    return {"moe_local_route": launcher(lambda *args: moe_local_route(*args, order_seed=order_seed)),
             "moe_local_scatter": launcher(lambda *args: moe_local_scatter(*args, order_seed=order_seed))}

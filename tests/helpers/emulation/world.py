@@ -130,7 +130,7 @@ class World:
         n, ring, stage = batch.x.shape[0], self.rings[0], self.stages[0]
         E_local, P = stage.expert_hi - stage.expert_lo, PLAN_ROWS
         H_bytes = batch.x.view(torch.uint8).shape[1]
-        counters = torch.empty((3, E_local), dtype=torch.int32)
+        counters = torch.empty((2, E_local), dtype=torch.int32)
         # torch.empty's rows as a stale plan leaves them: every source 7, which no kernel may leave on a padding row
         plan = DevicePlan(counts=counters[0], group_end=counters[1], src=torch.full((P,), 7, dtype=torch.int32),
                           token=torch.empty(P, dtype=torch.int32), k=torch.empty(P, dtype=torch.int32),
@@ -144,14 +144,15 @@ class World:
         valid = None if count is None else torch.tensor([count], dtype=torch.int32)
         self.library.launch("moe_local_route", args=LocalRouteArgs(
             desc=ring.desc, stage=stage.desc, topk_idx=batch.idx, topk_weights=batch.w, n_tokens=n,
-            valid_tokens=valid, block_m=GROUP_ALIGN, counts=plan.counts, group_end=plan.group_end,
-            cursors=counters[2]), grid=1, block=1024, stream=None)
+            valid_tokens=valid, block_m=GROUP_ALIGN, counts=plan.counts, group_end=plan.group_end, row_src=plan.src,
+            row_token=plan.token, row_k=plan.k, row_weight=plan.weight, own_row=plan.own_row), grid=1, block=1024,
+            stream=None)
         self.streams.run()
         self.library.launch("moe_local_scatter", args=LocalScatterArgs(
             desc=ring.desc, stage=stage.desc, x=batch.x.view(torch.uint8), x_sf=batch.sf, n_tokens=n,
-            valid_tokens=valid, block_m=GROUP_ALIGN, counts=plan.counts, cursors=counters[2], rows=plan.rows,
-            rows_sf=plan.rows_sf, sf_stride=P, plan_rows=P, row_src=plan.src, row_token=plan.token, row_k=plan.k,
-            row_weight=plan.weight, own_row=plan.own_row), grid=self.grid, block=PULL_BLOCK, stream=None)
+            valid_tokens=valid, block_m=GROUP_ALIGN, group_end=plan.group_end, own_row=plan.own_row, rows=plan.rows,
+            rows_sf=plan.rows_sf, sf_stride=P, plan_rows=P, row_src=plan.src), grid=self.grid, block=PULL_BLOCK,
+            stream=None)
         self.streams.run()
         rows = n if count is None else min(max(count, 0), n)
         self.expected.stage_routing(0, 0, batch, 0, rows)

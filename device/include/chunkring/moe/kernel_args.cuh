@@ -22,9 +22,13 @@ struct LocalRouteArgs {
     u64 block_m;       // int
     u64 counts;        // unsigned*
     u64 group_end;     // int*
-    u64 cursors;       // unsigned*
+    u64 row_src;       // int*
+    u64 row_token;     // int*
+    u64 row_k;         // int*
+    u64 row_weight;    // float*
+    u64 own_row;       // int*
 };
-static_assert(sizeof(LocalRouteArgs) == 12 * sizeof(u64),
+static_assert(sizeof(LocalRouteArgs) == 16 * sizeof(u64),
               "LocalRouteArgs: runtime/chunkring/moe/_engine/kernel_args.py");
 
 // moe_local_scatter (moe_stream.cu): a one-rank call's rows, straight into the plan.
@@ -38,19 +42,15 @@ struct LocalScatterArgs {
     u64 n_tokens;      // int
     u64 valid_tokens;  // CHUNKRING_NULLABLE const int*
     u64 block_m;       // int
-    u64 counts;        // const unsigned*
-    u64 cursors;       // unsigned*
+    u64 group_end;     // const int*
+    u64 own_row;       // const int*
     u64 rows;          // unsigned char*
     u64 rows_sf;       // float*
     u64 sf_stride;     // long long
     u64 plan_rows;     // long long
     u64 row_src;       // int*
-    u64 row_token;     // int*
-    u64 row_k;         // int*
-    u64 row_weight;    // float*
-    u64 own_row;       // int*
 };
-static_assert(sizeof(LocalScatterArgs) == 20 * sizeof(u64),
+static_assert(sizeof(LocalScatterArgs) == 16 * sizeof(u64),
               "LocalScatterArgs: runtime/chunkring/moe/_engine/kernel_args.py");
 
 // moe_plan_scatter (moe_experts.cu).

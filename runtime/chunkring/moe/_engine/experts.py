@@ -259,13 +259,13 @@ class ExpertCompute:
                             block=_BLOCK, stream=torch.cuda.current_stream(self.device))
         return plan, counters[2]
 
-    def plan_buffers(self, stage: Stage) -> EmptyPlan:
-        """A plan's buffers and the scatter's per-expert cursors as they come, no launch: for a one-rank call's
-        ``moe_local_route`` and ``moe_local_scatter``, which write every word the plan's readers read, from
-        ``stage`` (checked against the buffers once)."""
-        plan, counters = self._new_plan()
+    def plan_buffers(self, stage: Stage) -> DevicePlan:
+        """A plan's buffers as they come, no launch: for a one-rank call's ``moe_local_route`` and
+        ``moe_local_scatter``, which write every word the plan's readers read, from ``stage`` (checked against the
+        buffers once)."""
+        plan, _ = self._new_plan()
         self._check_stage_once(stage, plan)
-        return plan, counters[2]
+        return plan
 
     def _new_plan(self) -> tuple[DevicePlan, torch.Tensor]:
         """A plan's buffers, unwritten, and its counters [3, E_local] (counts, group ends, cursors)."""

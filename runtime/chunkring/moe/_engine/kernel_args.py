@@ -14,21 +14,20 @@ __all__ = ["CombinePushArgs", "CombineReduceArgs", "DecodeL1Args", "DecodeL2Args
 
 class LocalRouteArgs(ArgStruct):
     """``moe_local_route``: a one-rank call's routing (its row count and device count), the stage it goes into and the
-    plan's groups it fills."""
+    plan it fills but for the rows' payload."""
 
     FIELDS = """const RingDesc* desc, const StageDesc* stage, const int* topk_idx, const float* topk_weights,
                 int n_tokens, CHUNKRING_NULLABLE const int* valid_tokens, int block_m, unsigned* counts,
-                int* group_end, unsigned* cursors"""
+                int* group_end, int* row_src, int* row_token, int* row_k, float* row_weight, int* own_row"""
 
 
 class LocalScatterArgs(ArgStruct):
-    """``moe_local_scatter``: a one-rank call's rows, straight into the plan's groups."""
+    """``moe_local_scatter``: a one-rank call's rows, straight into the plan rows ``moe_local_route`` gave them."""
 
     FIELDS = """const RingDesc* desc, const StageDesc* stage, const unsigned char* x,
                 CHUNKRING_NULLABLE const float* x_sf, int n_tokens, CHUNKRING_NULLABLE const int* valid_tokens,
-                int block_m, const unsigned* counts, unsigned* cursors, unsigned char* rows, float* rows_sf,
-                long long sf_stride, long long plan_rows, int* row_src, int* row_token, int* row_k, float* row_weight,
-                int* own_row"""
+                int block_m, const int* group_end, const int* own_row, unsigned char* rows, float* rows_sf,
+                long long sf_stride, long long plan_rows, int* row_src"""
 
 
 class PlanScatterArgs(ArgStruct):

@@ -178,28 +178,30 @@ class CallSchedule:
 
     def _plan_local(self, call: Call, batch: RoutedBatch, mark: _Marks, stream: torch.cuda.Stream) -> DevicePlan:
         """A one-rank call's plan, two launches on ``stream`` (the current one): ``moe_local_route`` (one block: the
-        routing, checked, into the stage rows the reduction reads, and the plan's groups) then ``moe_local_scatter``
-        (a dependent launch: the rows with a local choice into their groups, checked; every other plan row padding) -
-        what a reset, a publish, a pull and the plan's count and scatter leave."""
+        routing, checked, into the stage rows the reduction reads, and the plan but its payload: each choice's row
+        in its group) then ``moe_local_scatter`` (a dependent launch: each local choice's payload into its row,
+        checked; the rows past the last group padding) - what a reset, a publish, a pull and the plan's count and
+        scatter leave."""
         res, n = self.res, call.n
         ring, stage, compute = res.rings[CallMode.BATCH_READY], res.stage, res.compute
-        E = compute.experts_per_rank
-        plan, cursors = compute.plan_buffers(stage)
+        E, K = compute.experts_per_rank, res.config.topk
+        plan = compute.plan_buffers(stage)
         P = plan.src.shape[0]
         mark(Event.PRODUCE_BEGIN, 0)
         res.kernels.stream.launch("moe_local_route", args=LocalRouteArgs(
             desc=ring.desc, stage=stage.desc, topk_idx=batch.topk_idx, topk_weights=batch.topk_weights, n_tokens=n,
             valid_tokens=call.num_tokens, block_m=GROUP_ALIGN, counts=plan.counts, group_end=plan.group_end,
-            cursors=cursors), grid=1, block=_ROUTE_BLOCK, shared_bytes=4 * (2 * E + 1), stream=stream)
+            row_src=plan.src, row_token=plan.token, row_k=plan.k, row_weight=plan.weight, own_row=plan.own_row),
+            grid=1, block=_ROUTE_BLOCK, shared_bytes=4 * (2 * E + 1), stream=stream)
         mark(Event.PUBLISHED, 0)
         mark(Event.EXPERTS_BEGIN)
+        # A warp per choice; the rows past the last group (at most all P) eight to a thread.
         res.kernels.stream.launch("moe_local_scatter", args=LocalScatterArgs(
             desc=ring.desc, stage=stage.desc, x=batch.x.view(torch.uint8), x_sf=batch.x_sf, n_tokens=n,
-            valid_tokens=call.num_tokens, block_m=GROUP_ALIGN, counts=plan.counts, cursors=cursors, rows=plan.rows,
-            rows_sf=plan.rows_sf, sf_stride=P, plan_rows=P, row_src=plan.src, row_token=plan.token, row_k=plan.k,
-            row_weight=plan.weight, own_row=plan.own_row),
-            grid=max(1, min(_MAX_GRID, max(-(-n // (PULL_BLOCK // 32)), -(-P // (8 * PULL_BLOCK))))), block=PULL_BLOCK,
-            shared_bytes=4 * (E + 1), pdl=True, stream=stream)
+            valid_tokens=call.num_tokens, block_m=GROUP_ALIGN, group_end=plan.group_end, own_row=plan.own_row,
+            rows=plan.rows, rows_sf=plan.rows_sf, sf_stride=P, plan_rows=P, row_src=plan.src),
+            grid=max(1, min(_MAX_GRID, max(-(-n * K // (PULL_BLOCK // 32)), -(-P // (8 * PULL_BLOCK))))),
+            block=PULL_BLOCK, pdl=True, stream=stream)
         return plan
 
     def _reset_call_words(self, stream: torch.cuda.Stream) -> None:

@@ -54,9 +54,10 @@ SWEEPS: dict[str, list[tuple[str, dict[str, Any]]]] = {
                 ("s8t2c64", dict(token_stages=2)), ("s8t4c32", dict(tile_cap=32)), ("s8t4c16", dict(tile_cap=16)),
                 ("blocks", dict(claim="strided_blocks")), ("blocked", dict(claim="blocked")),
                 ("split", dict(fused=False)), ("w13x16", dict(w13_boxes=16)), ("halves", dict(l1_halves=True)),
-                ("split_halves", dict(fused=False, l1_halves=True))],
-    "quick": [("s8t4c64", {}), ("split", dict(fused=False)), ("halves", dict(l1_halves=True)),
-              ("split_halves", dict(fused=False, l1_halves=True))],
+                ("split_halves", dict(fused=False, l1_halves=True)), ("dynamic", dict(claim="dynamic")),
+                ("split_dynamic", dict(claim="dynamic", fused=False))],
+    "quick": [("s8t4c64", {}), ("split", dict(fused=False)), ("dynamic", dict(claim="dynamic")),
+              ("split_dynamic", dict(claim="dynamic", fused=False))],
 }
 TOLERANCE = 1e-2
 

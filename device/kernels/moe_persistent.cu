@@ -15,15 +15,18 @@
 // `phases`: kPhaseBoth runs L1 and L2 in one launch, an L2 unit waiting only for its own expert's L1 units (the
 // counters); kPhaseL1 then kPhaseL2 are two launches of the same kernel, the kernel boundary in between (no waits).
 //
-// sync [E + 1] u32: sync[e] counts expert e's quantised L1 passes in this launch (one add with release per chunk and
-// pass, after its activation stores; the token loader acquires it); sync[E] counts blocks finished. The last block to finish
-// zeroes all of them, so every launch starts from zeros (the host zeroes them once, at allocation): no reset launch.
+// sync [E + 2] u32: sync[e] counts expert e's quantised L1 passes in this launch (one add with release per chunk and
+// pass, after its activation stores; the token loader acquires it); sync[E] counts blocks finished; sync[E + 1] is the
+// dynamic claim's ticket. The last block to finish zeroes all of them, so every launch starts from zeros (the host
+// zeroes them once, at allocation): no reset launch.
 //
 // l1_halves: the two halves of a chunk's pass meet through the pair's ticket (persistent_math.cuh exchange_halves):
 // the later waits only for the earlier, which has already arrived and waits for nothing more - no residency needed.
 //
-// Resident blocks: an L2 unit may wait for L1 units of other blocks, so the launch must not have more blocks than
-// can run at once (the host launches at most one per SM, and one fills an SM: its shared memory and registers).
+// Resident blocks: an L2 unit may wait for L1 units of other blocks. Under a static claim those may belong to a block
+// not yet running, so the launch must not have more blocks than can run at once (the host launches at most one per
+// SM, and one fills an SM: its shared memory and registers); under the dynamic claim they belong to running blocks
+// (persistent_schedule.cuh), so blocks that other work keeps off their SMs only start late.
 // Every wait is bounded: past wait_limit_ns the block records what it waited for in `fault_record` (the address of a
 // pinned host u64, or 0) and traps (persistent_schedule.cuh, "Faults": no printf here).
 #include <cuda_bf16.h>
@@ -69,7 +72,7 @@ __device__ __forceinline__ bool arguments_fit(int experts, long long hidden, lon
            hidden % pc::kKBlock == 0 && inter % pc::kKBlock == 0 && stages >= 1 &&
            stages <= static_cast<int>(util::kMaxStages) && token_stages >= 1 &&
            token_stages <= static_cast<int>(pc::kMaxTokenStages) && tile && claim >= pc::kStridedExperts &&
-           claim <= pc::kBlocked && phases >= pc::kPhaseL1 && phases <= pc::kPhaseBoth &&
+           claim <= pc::kDynamic && phases >= pc::kPhaseL1 && phases <= pc::kPhaseBoth &&
            (w13_boxes == 1 || w13_boxes == pc::kW13Groups) &&
            (l1_halves == 0 || (l1_halves == 1 && pairs != nullptr && inter <= hidden));  // halves park in `out`'s rows
 }
@@ -78,12 +81,12 @@ __device__ __forceinline__ bool arguments_fit(int experts, long long hidden, lon
 // interleaving 5-D map (w13_boxes 1) or 16 copies of 8 rows from a map in w13's own dimension order (w13_boxes 16):
 // the same 16 KB either way.
 __device__ void load_weights(util::StagePipeline& pipe, unsigned char* ring, const pc::Schedule& s,
-                             const pc::Active& a, const TensorMap* w13_map, const TensorMap* w2_map, u32 stages,
-                             u32 w13_boxes, const pc::Watch& watch) {
+                             const pc::Active& a, pc::UnitWalk<true> walk, const TensorMap* w13_map,
+                             const TensorMap* w2_map, u32 stages, u32 w13_boxes, const pc::Watch& watch) {
     ptx::prefetch_tensormap(w13_map);
     ptx::prefetch_tensormap(w2_map);
     util::Cursor c;
-    for (u32 i = s.first_unit(); i < s.total; i = s.next_unit(i)) {
+    for (u32 i = walk.first(s, watch); i < s.total; i = walk.next(i, s, watch)) {
         const pc::Unit u = s.unit(i, a);
         const u32 kblocks = s.kblocks(u.gemm), h0 = s.first_half(u);
         for (u32 p = 0; p < s.passes(u); ++p)
@@ -141,14 +144,15 @@ struct TokenSource {
 // the pass's scales for the step's k block (one bulk copy of whole 8-row groups: the plan's groups start on
 // 128-row boundaries and the scales' rows are 16-byte aligned, which persistent.py checks).
 __device__ void load_tokens(util::StagePipeline& pipe, unsigned char* tiles, float* scales, const pc::Schedule& s,
-                            const pc::Active& a, const TokenSource& src, u32 token_stages, const pc::Watch& watch) {
+                            const pc::Active& a, pc::UnitWalk<false> walk, const TokenSource& src, u32 token_stages,
+                            const pc::Watch& watch) {
     const u32 lane = threadIdx.x % pc::kWarp;
     if (lane == 0) {
         ptx::prefetch_tensormap(src.rows_map);
         ptx::prefetch_tensormap(src.act_map);
     }
     util::Cursor c;
-    for (u32 i = s.first_unit(); i < s.total; i = s.next_unit(i)) {
+    for (u32 i = walk.first(s, watch); i < s.total; i = walk.next(i, s, watch)) {
         const pc::Unit u = s.unit(i, a);
         const bool l1 = u.gemm == pc::kL1;
         if (!l1 && src.wait_for_l1) {
@@ -184,12 +188,13 @@ __device__ void load_tokens(util::StagePipeline& pipe, unsigned char* tiles, flo
     }
 }
 
-// The last block to finish zeroes the counters for the next launch. NOTES: relaxed stores - the next launch reads
-// them after this kernel's end, and no block of this one reads them any more (each read before its own add).
+// The last block to finish zeroes the counters and the ticket for the next launch. NOTES: relaxed stores - the next
+// launch reads them after this kernel's end, and no block of this one reads them any more (each read, and each
+// block's last claim, before its own add).
 __device__ void finish(unsigned* sync, u32 experts) {
     u32* words = reinterpret_cast<u32*>(sync);
     if (ptx::atom_add_acq_rel_gpu(words + experts, 1) != gridDim.x - 1) return;
-    for (u32 e = 0; e <= experts; ++e) ptx::st_relaxed_gpu(words + e, 0);
+    for (u32 e = 0; e <= experts + 1; ++e) ptx::st_relaxed_gpu(words + e, 0);
 }
 
 }  // namespace
@@ -203,12 +208,12 @@ __device__ void finish(unsigned* sync, u32 experts) {
 //   rows_sf [H / 128, P], act_sf [I / 128, P]: scale j of row p at j * sf_stride + p (sf_stride = P, a multiple of 4)
 //   counts [E], group_end [E]: the plan's groups (each starting on a multiple of 8 rows; the plan's are of 128)
 //   act [P, I] e4m3, out [P, H] bf16: the groups' real rows written, others untouched
-//   sync [E + 1]: zeros before the first launch (see the top); timeline [grid, kTimelineWords] u64 or null
+//   sync [E + 2]: zeros before the first launch (see the top); timeline [grid, kTimelineWords] u64 or null
 //   wait_limit_ns: how long any wait may take; fault_record: where a block that gives up leaves its record (above)
 //   stages, token_stages, tile_cap, claim, phases, w13_boxes, l1_halves: the variants (persistent_schedule.cuh)
 //   pairs [P / 8 * I / 128] (l1_halves; else null): the halves' tickets, zeros before the first launch (each pair's
 //     later half zeroes its ticket again); l1_halves needs inter <= hidden
-// Launch: grid <= the SM count, block pc::kThreads (384), pc::launch_shared_bytes(stages, token_stages, tile_cap)
+// Launch: grid <= the SM count (static claims: every block resident at once), block pc::kThreads (384), pc::launch_shared_bytes(stages, token_stages, tile_cap)
 // bytes of dynamic shared memory; hidden % 128 == 0, inter % 128 == 0, E <= pc::kMaxExperts.
 extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     moe_persistent_gemm(const __grid_constant__ TensorMap w13_map, const __grid_constant__ TensorMap w2_map,
@@ -242,6 +247,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     __shared__ util::StagePipeline weight_pipe;
     __shared__ util::StagePipeline token_pipe;
     __shared__ pc::Active active;
+    __shared__ pc::Claims claims;
     __shared__ pc::MathTimes times;
     extern __shared__ unsigned char dynamic_shared[];
     const pc::Watch watch{fault_record, static_cast<u64>(wait_limit_ns)};
@@ -257,6 +263,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     if (threadIdx.x == 0) {
         weight_pipe.init(depth, pc::kMathWarps);
         token_pipe.init(token_depth, pc::kMathWarps);
+        claims.pipe.init(pc::kClaimDepth, pc::kClaimConsumers);
         times = pc::MathTimes{};
         times.start = ptx::globaltimer_ns();
     }
@@ -264,14 +271,15 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     __syncthreads();
     const pc::Schedule s = pc::make_schedule(active, static_cast<u64>(hidden), static_cast<u64>(inter), cap, claim,
                                              phases, static_cast<u32>(l1_halves));
+    unsigned* ticket = sync + experts + 1;
     if (warp >= pc::kMathWarps) {
         ptx::setmaxnreg_dec<pc::kLoaderRegisters>();
         if (warp == pc::kWeightLoaderWarp && lane == 0)
-            load_weights(weight_pipe, smem + layout.weights, s, active, &w13_map, &w2_map, depth,
-                         static_cast<u32>(w13_boxes), watch);
+            load_weights(weight_pipe, smem + layout.weights, s, active, pc::UnitWalk<true>{&claims, ticket},
+                         &w13_map, &w2_map, depth, static_cast<u32>(w13_boxes), watch);
         if (warp == pc::kTokenLoaderWarp)
             load_tokens(token_pipe, smem + layout.tokens, reinterpret_cast<float*>(smem + layout.token_scales), s,
-                        active,
+                        active, pc::UnitWalk<false>{&claims, nullptr},
                         TokenSource{&rows_map, &act_map, rows_sf, act_sf, static_cast<u64>(sf_stride), sync,
                                     phases == pc::kPhaseBoth},
                         token_depth, watch);
@@ -282,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
                              reinterpret_cast<float*>(smem + layout.amax), &weight_pipe, &token_pipe, depth,
                              token_depth, watch, w13_sf, w2_sf, static_cast<u64>(sf_stride), act, act_sf, out,
                              sync, pairs};
-        pc::run_math(m, s, active, times);
+        pc::run_math(m, s, active, pc::UnitWalk<false>{&claims, nullptr}, times);
     }
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -95,7 +95,10 @@ SAME_BITS = [dict(fused=False), dict(claim="strided_blocks"), dict(claim="blocke
              # L1 halves: on neighbouring blocks, in the layer's two launches, one after the other on one block
              # (blocked), a pair split across rounds (an odd grid), passes of 16 rows (several per expert)
              dict(l1_halves=True), dict(l1_halves=True, fused=False), dict(l1_halves=True, claim="blocked", sms=7),
-             dict(l1_halves=True, sms=33, claim="strided_blocks")]
+             dict(l1_halves=True, sms=33, claim="strided_blocks"),
+             # the dynamic claim: fused and in two launches, fewer blocks than experts' units, with halves
+             dict(claim="dynamic"), dict(claim="dynamic", fused=False), dict(claim="dynamic", sms=7),
+             dict(claim="dynamic", l1_halves=True)]
 
 
 def test_every_variant_gives_the_same_rows(runtime):
@@ -144,11 +147,25 @@ def test_the_timeline_holds_each_blocks_units(runtime):
         assert [int(r[5]) for r in rec] == [sum(g == "L1" for g, _, _ in units) for units in blocks]
         assert [int(r[6]) for r in rec] == [sum(g == "L2" for g, _, _ in units) for units in blocks]
         assert len(set(rec[:, 7].tolist())) == grid, "one block per SM"
-        for r, units in zip(rec.tolist(), blocks, strict=True):
-            start, first, last_l1, last_l2, end = r[:5]
-            assert start <= end and all(start <= t <= end for t in (first, last_l1, last_l2) if t)
-            if units:
-                assert first > 0 and (last_l2 if units[-1][0] == "L2" else last_l1) > 0
+        assert_spans(rec, blocks)
+    # The dynamic claim: every unit run once, by whichever block took it.
+    dynamic = gemm.with_variant(claim="dynamic")
+    timeline = torch.zeros((gemm.grid(dynamic), TIMELINE_WORDS), dtype=torch.int64, device=plan.rows.device)
+    run(gemm, plan, q13, q2, variant=dynamic, timeline=timeline)
+    units = [u for block in block_units(plan.counts.tolist(), hidden=4096, inter=INTER, claim="dynamic", grid=1)
+             for u in block]
+    rec = timeline.cpu()
+    assert int(rec[:, 5].sum()) == sum(g == "L1" for g, _, _ in units)
+    assert int(rec[:, 6].sum()) == sum(g == "L2" for g, _, _ in units)
+
+
+def assert_spans(rec: torch.Tensor, blocks: list) -> None:
+    """Each block's timestamps inside its own start and end, those of the units it ran set."""
+    for r, units in zip(rec.tolist(), blocks, strict=True):
+        start, first, last_l1, last_l2, end = r[:5]
+        assert start <= end and all(start <= t <= end for t in (first, last_l1, last_l2) if t)
+        if units:
+            assert first > 0 and (last_l2 if units[-1][0] == "L2" else last_l1) > 0
 
 
 CHILD = textwrap.dedent("""

@@ -68,10 +68,11 @@ def test_the_constants_are_the_headers():
     assert MAX_STAGES == constant("kMaxStages", (DEVICE / "include/chunkring/util/stage_pipeline.cuh").read_text())
     assert max(TILE_TOKENS) == constant("kMaxTile") and TILE_TOKENS == (8, 16, 32, 64)
     assert CLAIMS == {"strided_experts": constant("kStridedExperts"), "strided_blocks": constant("kStridedBlocks"),
-                      "blocked": constant("kBlocked")}
+                      "blocked": constant("kBlocked"), "dynamic": constant("kDynamic")}
     assert TIMELINE_WORDS == constant("kTimelineWords", KERNEL)
     kinds = {"kFaultArguments": 1, "kFaultGroupStart": 2, "kFaultWeightSlot": 3, "kFaultTokenSlot": 4,
-             "kFaultWeightStage": 5, "kFaultTokenStage": 6, "kFaultL1Units": 7, "kFaultL1Half": 8}
+             "kFaultWeightStage": 5, "kFaultTokenStage": 6, "kFaultL1Units": 7, "kFaultL1Half": 8,
+             "kFaultClaimSlot": 9, "kFaultClaim": 10}
     assert {name: constant(name) for name in kinds} == kinds and set(FAULT_KINDS) == set(kinds.values())
 
 
@@ -331,17 +332,17 @@ def test_a_layer_the_decode_path_cannot_run_is_named_before_any_build(changes, e
     check_persistent_config(config(), MAX_EXPERTS, "sm_90")  # what it takes
 
 
-def test_a_layer_runs_the_split_launches_whose_blocks_wait_for_no_other():
-    """LAYER_VARIANT: an L1 launch then an L2 launch - the fused launch's L2 units wait for other blocks' L1 units,
-    which needs every block resident, and a layer shares its GPU (ranks under MPS, a partition's pull, the caller's
-    kernels); whole L1 units (halves measure slower)."""
-    assert LAYER_VARIANT.fused is False and LAYER_VARIANT.l1_halves is False
+def test_a_layer_runs_one_launch_whose_blocks_wait_only_for_running_ones():
+    """LAYER_VARIANT: one launch, its units handed out by the dynamic claim - its L2 units wait for L1 units that
+    running blocks hold, so it needs no block resident beside another, as a layer that shares its GPU (ranks under
+    MPS, a partition's pull, the caller's kernels) cannot have; whole L1 units (halves measure slower)."""
+    assert LAYER_VARIANT.fused and LAYER_VARIANT.claim == "dynamic" and LAYER_VARIANT.l1_halves is False
     LAYER_VARIANT.check(H100["multiprocessor_count"], H100["max_shared_memory_per_block_optin"])
 
 
 def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path(encoded, monkeypatch):
-    """ExpertCompute with a PersistentGemm: an FP8 call on the decode path launches the persistent kernel twice (L1,
-    then L2) on the plan, writing the call's rows."""
+    """ExpertCompute with a PersistentGemm: an FP8 call on the decode path launches the persistent kernel once (L1 and
+    L2) on the plan, writing the call's rows."""
     from tests.helpers.emulation.plan_layout import expert_compute
 
     library = RecordingLibrary("moe_persistent")
@@ -353,14 +354,14 @@ def test_the_layers_expert_work_takes_the_persistent_consumer_as_its_decode_path
     w13, w2 = small_weights(E, H, INTER)
     out = compute.experts(cpu_plan(P, E, H), w13, w2)
     assert out.shape == (P, H) and out.dtype == torch.bfloat16
-    assert [launch["name"] for launch in library.launches] == ["moe_persistent_gemm"] * 2
-    assert [launch["args"]["phases"] for launch in library.launches] == [1, 2]  # L1, then L2
+    assert [launch["name"] for launch in library.launches] == ["moe_persistent_gemm"]
+    assert [launch["args"]["phases"] for launch in library.launches] == [3]  # L1 and L2
 
 
 def test_on_a_partition_the_persistent_consumer_launches_a_block_per_sm_it_has(encoded, monkeypatch):
     """Expert work on a partition of fewer SMs than the GPU's (the waves' consumer stream): the persistent consumer
-    launches as many blocks as the partition has SMs, each launch of the layer's variant (split), where one per SM
-    of the GPU would leave the blocks past the partition to a second round; on the whole GPU, one per SM."""
+    launches as many blocks as the partition has SMs, where one per SM of the GPU would leave the blocks past the
+    partition to a second round; on the whole GPU, one per SM."""
     from tests.helpers.emulation.plan_layout import expert_compute
 
     library = RecordingLibrary("moe_persistent")
@@ -371,5 +372,5 @@ def test_on_a_partition_the_persistent_consumer_launches_a_block_per_sm_it_has(e
     for sms, grid in ((40, 40), (None, gemm.grid()), (gemm.grid(), gemm.grid())):
         library.launches.clear()
         compute.experts(cpu_plan(compute.capacity, E, H), w13, w2, sms=sms)
-        assert [launch["grid"] for launch in library.launches] == [grid, grid], sms
-        assert [int(launch["args"]["phases"]) for launch in library.launches] == [1, 2]
+        assert [launch["grid"] for launch in library.launches] == [grid], sms
+        assert [int(launch["args"]["phases"]) for launch in library.launches] == [3]

@@ -1,6 +1,6 @@
 """The persistent consumer's unit list as its host mirror gives it (chunkring.moe._engine.persistent block_units, the
 mirror of chunkring/moe/persistent_schedule.cuh's Schedule): every unit to one block, L1 before L2 in each block's
-list, the three claim orders as the header writes them, and L1 halves as two adjacent units of one chunk."""
+list, the claim orders as the header writes them, and L1 halves as two adjacent units of one chunk."""
 
 import pytest
 
@@ -30,6 +30,8 @@ def test_the_claim_orders_are_the_headers():
     assert expert_major == [[("L1", 0, 0), ("L1", 1, 0), ("L1", 2, 0)], [("L1", 0, 1), ("L1", 1, 1), ("L1", 2, 1)]]
     block_major = block_units(counts, hidden=256, inter=256, claim="strided_blocks", grid=2, phases=1)
     assert block_major == [[("L1", 0, 0), ("L1", 2, 0), ("L1", 1, 1)], [("L1", 1, 0), ("L1", 0, 1), ("L1", 2, 1)]]
+    in_turn = block_units(counts, hidden=256, inter=256, claim="dynamic", grid=2, phases=1)
+    assert in_turn == expert_major, "the dynamic claim's list is expert-major, dealt as the blocks ask in turn"
     blocked = block_units(counts, hidden=256, inter=256, claim="blocked", grid=2, phases=1)
     assert blocked == [[("L1", 0, 0), ("L1", 0, 1), ("L1", 1, 0)], [("L1", 1, 1), ("L1", 2, 0), ("L1", 2, 1)]]
 

@@ -304,15 +304,17 @@ struct MathTimes {
 
 // The math warpgroups' whole work: every unit of this block in list order (thread 0 keeps `times`, zeroed by the
 // caller); each pass that quantises releases its rows (release_l1).
-__device__ __forceinline__ void run_math(const MathArgs& m, const Schedule& s, const Active& a, MathTimes& times) {
+__device__ __forceinline__ void run_math(const MathArgs& m, const Schedule& s, const Active& a, UnitWalk<false> walk,
+                                         MathTimes& times) {
     util::Cursor wc, tc;
+    u32 i = walk.first(s, m.watch);
     // When the first weight stage landed (the first step's own wait then returns at once: no warp releases the stage
     // before its own first step).
-    if (threadIdx.x == 0 && s.first_unit() < s.total) {
+    if (threadIdx.x == 0 && i < s.total) {
         m.weight_pipe->wait(wc, m.watch.limit_ns, StageFault{m.watch, kFaultWeightStage});
         times.first_step = ptx::globaltimer_ns();
     }
-    for (u32 i = s.first_unit(); i < s.total; i = s.next_unit(i)) {
+    for (; i < s.total; i = walk.next(i, s, m.watch)) {
         const Unit u = s.unit(i, a);
         for (u32 p = 0; p < s.passes(u); ++p) {
             if (u.gemm == kL1) {

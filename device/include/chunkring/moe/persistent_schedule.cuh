@@ -21,14 +21,18 @@
 // stages) and the two math warpgroups, which consume both rings in step.
 //
 // The units of a call form one list, every L1 unit before every L2 unit (an L2 unit waits for its expert's L1 units:
-// moe_persistent.cu's `sync` counters), and each block takes its units from it in list order (`claim`): so the smallest
-// unfinished unit of the call never waits for one after it, and the call finishes as long as every block is
-// resident at once (one block per SM, at most the SMs' count of blocks).
+// moe_persistent.cu's `sync` counters), and each block takes its units from it in list order (`claim`). A static
+// claim (strided, blocked) gives every block its units up front: the smallest unfinished unit of the call never
+// waits for one after it, so the call finishes as long as every block is resident at once (one block per SM, at most
+// the SMs' count of blocks). The dynamic claim hands out the list in order from one ticket per launch, to whichever
+// block asks next: every unit before a taken one is already taken - by a block that is running - and an L1 unit waits
+// for nothing but its own block's earlier units, all of them L1 units, so every wait ends without any residency.
 #pragma once
 
 #include <cuda/std/cstdint>
 
 #include "chunkring/ptx/ordering.cuh"
+#include "chunkring/util/stage_pipeline.cuh"
 
 namespace chunkring::moe::persistent {
 
@@ -60,6 +64,7 @@ constexpr u32 kStageAlign = 1024;                   // a 128-byte-swizzled copy'
 constexpr int kStridedExperts = 0;  // claim: units u = block, block + grid, ...; each expert's units consecutive
 constexpr int kStridedBlocks = 1;   // claim: strided; consecutive units are different experts' (block-major)
 constexpr int kBlocked = 2;         // claim: one contiguous share of the list per block, expert-major
+constexpr int kDynamic = 3;         // claim: the list in order, each unit to the block that takes the next ticket
 constexpr int kPhaseL1 = 1, kPhaseL2 = 2, kPhaseBoth = 3;  // phases: bit 0 the L1 units, bit 1 the L2 units
 constexpr u32 kL1 = 0, kL2 = 1;     // a unit's GEMM
 constexpr u32 kBothHalves = 2;      // an L1 unit's `half` when it is the whole chunk (no l1_halves)
@@ -99,7 +104,8 @@ static_assert(launch_shared_bytes(10, 4, 64) == 200704 && launch_shared_bytes(12
 //   bits 0-7 kind, 8-19 block, 20-29 thread, 30 parity, 31-46 what (a stage, or an expert), 47-62 seen (a count)
 // What a block waited for (append-only, persistent.py FAULT_KINDS); never 0, so a written word is never 0.
 constexpr u32 kFaultArguments = 1, kFaultGroupStart = 2, kFaultWeightSlot = 3, kFaultTokenSlot = 4,
-              kFaultWeightStage = 5, kFaultTokenStage = 6, kFaultL1Units = 7, kFaultL1Half = 8;
+              kFaultWeightStage = 5, kFaultTokenStage = 6, kFaultL1Units = 7, kFaultL1Half = 8, kFaultClaimSlot = 9,
+              kFaultClaim = 10;
 
 constexpr __host__ __device__ u64 fault_word(u32 kind, u32 block, u32 thread, u32 parity, u32 what, u32 seen) {
     return static_cast<u64>(kind & 0xffu) | static_cast<u64>(block & 0xfffu) << 8 |
@@ -238,5 +244,53 @@ __device__ __forceinline__ Schedule make_schedule(const Active& a, u64 hidden, u
     s.total = s.l1_units + ((phases & kPhaseL2) ? a.count * s.row_blocks() : 0);
     return s;
 }
+
+// The dynamic claim's hand-over inside a block: the weight loader takes each unit from the launch's ticket (one relaxed
+// add: the ticket orders the claims, nothing is published through it) and passes it on through a ring of
+// kClaimDepth slots to the token loader and the math warps, so that all three walk the same units; it claims at most
+// kClaimDepth units ahead of the slowest of them. The unit past the last (`total`) ends every walk.
+constexpr u32 kClaimDepth = 4;
+constexpr u32 kClaimConsumers = kMathWarps + 1;  // the math warps and the token loader's warp
+
+struct Claims {
+    util::StagePipeline pipe;  // its stages are the slots; commit(0) publishes a slot's unit
+    u32 unit[kClaimDepth];
+};
+
+// One role's walk over its block's units: first(), then next(i) until it returns s.total. A static claim's from the
+// schedule alone; a dynamic one's through `claims`, the weight loader's thread taking (kTake: from `ticket`) and every
+// other role following whole warps at a time (each warp's lane 0 releases the slot once the warp has read it).
+template <bool kTake>
+struct UnitWalk {
+    Claims* claims;
+    unsigned* ticket;  // kTake only
+    u32 taken = 0;     // hand-overs so far: the next one's slot and the parity of its lap
+
+    __device__ __forceinline__ u32 first(const Schedule& s, const Watch& w) {
+        return s.claim == kDynamic ? hand_over(s, w) : s.first_unit();
+    }
+    __device__ __forceinline__ u32 next(u32 i, const Schedule& s, const Watch& w) {
+        return s.claim == kDynamic ? hand_over(s, w) : s.next_unit(i);
+    }
+
+  private:
+    __device__ __forceinline__ u32 hand_over(const Schedule& s, const Watch& w) {
+        const util::Cursor c{taken % kClaimDepth, (taken / kClaimDepth) & 1};
+        ++taken;
+        u32 i;
+        if constexpr (kTake) {
+            claims->pipe.acquire(c, w.limit_ns, StageFault{w, kFaultClaimSlot});
+            i = min(atomicAdd(ticket, 1u), s.total);
+            claims->unit[c.stage] = i;
+            claims->pipe.commit(c, 0);  // release: the slot's unit is seen by the consumers' wait
+        } else {
+            claims->pipe.wait(c, w.limit_ns, StageFault{w, kFaultClaim});
+            i = claims->unit[c.stage];
+            __syncwarp();  // every lane has read the slot before it is released
+            if (threadIdx.x % kWarp == 0) claims->pipe.release(c);
+        }
+        return i;
+    }
+};
 
 }  // namespace chunkring::moe::persistent

@@ -45,12 +45,12 @@ MAX_STAGES, MAX_TOKEN_STAGES, MAX_EXPERTS = 32, 8, 256
 #: The shared-memory layout's constants (persistent_schedule.cuh): a 16 KB weight stage, 128 bytes of k per token
 #: row, 8 math warps, the alignment slack.
 _WEIGHT_STAGE_BYTES, _KBLOCK, _MATH_WARPS, _STAGE_ALIGN = 16384, 128, 8, 1024
-#: An upper bound of the kernel's static shared memory (barriers, the active-expert list, the math's times: 4,144
-#: bytes as ptxas builds it, tests/compile/test_persistent_kernel.py), which counts against a block's limit with the
-#: dynamic.
-STATIC_SHARED = 4224
-#: How blocks take units from the list (append-only codes: kStridedExperts, kStridedBlocks, kBlocked).
-CLAIMS = {"strided_experts": 0, "strided_blocks": 1, "blocked": 2}
+#: An upper bound of the kernel's static shared memory (barriers, the active-expert list, the dynamic claim's slots,
+#: the math's times: 4,688 bytes as ptxas builds it, tests/compile/test_persistent_kernel.py), which counts against a
+#: block's limit with the dynamic.
+STATIC_SHARED = 4736
+#: How blocks take units from the list (append-only codes: kStridedExperts, kStridedBlocks, kBlocked, kDynamic).
+CLAIMS = {"strided_experts": 0, "strided_blocks": 1, "blocked": 2, "dynamic": 3}
 _PHASE_L1, _PHASE_L2, _PHASE_BOTH = 1, 2, 3
 #: Words of a block's timeline record: start, first weight stage landed, last L1 unit, last L2 unit, end (global-timer
 #: ns), L1 and L2 units, SM.
@@ -58,7 +58,8 @@ TIMELINE_WORDS = 8
 #: What a faulting block waited for (persistent_schedule.cuh kFault*).
 FAULT_KINDS = {1: "arguments out of range", 2: "a group not starting on 8 rows", 3: "weight loader: a free stage",
                4: "token loader: a free stage", 5: "math: a weight stage", 6: "math: a token stage",
-               7: "token loader: the expert's L1 units", 8: "math: the other half of an L1 chunk"}
+               7: "token loader: the expert's L1 units", 8: "math: the other half of an L1 chunk",
+               9: "weight loader: a free claim slot", 10: "token loader or math: a claimed unit"}
 #: How long any of the kernel's waits may take before it records a fault and traps.
 DEFAULT_WAIT_LIMIT_NS = 10_000_000_000
 #: Tensor maps of per-call tensors kept (by address and shape), so a call whose tensors land where an earlier call's
@@ -144,12 +145,13 @@ class PersistentVariant:
                                       f"{shared_limit - STATIC_SHARED}", field="stages")
 
 
-#: What a layer runs (the decode path of ``MoELayer(decode=...)``): an L1 launch then an L2 launch, so that no block
-#: waits for another's units. The fused launch's L2 units wait for other blocks' L1 units, which needs every block
-#: resident at once - not so where ranks share a GPU, a partition's pull spins on some SMs, or a caller's kernels run
-#: beside the layer's. It costs about 5 % against the fused launch on the H100 (docs/PERFORMANCE.md, "The decode
-#: path"). Whole L1 units: halves measure slower in both launch forms (docs/PERFORMANCE.md, "L1 units of half a chunk").
-LAYER_VARIANT = PersistentVariant(fused=False)
+#: What a layer runs (the decode path of ``MoELayer(decode=...)``): one launch whose L2 units wait for their expert's
+#: L1 units, the units handed out in list order from the launch's ticket (the dynamic claim), so that a wait is only
+#: ever for units running blocks hold - whether or not every block is resident, which is not so where ranks share a
+#: GPU, a partition's pull spins on some SMs, or a caller's kernels run beside the layer's (docs/PERFORMANCE.md, "The
+#: decode path"). Whole L1 units: halves measure slower in both launch forms (docs/PERFORMANCE.md, "L1 units of half a
+#: chunk").
+LAYER_VARIANT = PersistentVariant(claim="dynamic")
 
 
 #: The architecture the kernel is written for (wgmma and setmaxnreg: sm_90a, Hopper).
@@ -179,7 +181,8 @@ def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid:
     """Each block's units in the order it runs them, as persistent_schedule.cuh's Schedule lists and claims them (a
     mirror: the tests check it, the benchmark reports each block's weight bytes from it): ("L1", expert, chunk) or
     ("L2", expert, row block); with ``l1_halves`` each L1 unit twice, its two halves, adjacent. ``counts``: each local
-    expert's rows; ``phases``: the launch's (1: L1 units, 2: L2 units, 3: both)."""
+    expert's rows; ``phases``: the launch's (1: L1 units, 2: L2 units, 3: both). The ``dynamic`` claim's units go to
+    whichever block asks first: given as the blocks take them asking in turn (``strided_experts``' shares)."""
     active = [e for e, rows in enumerate(counts) if rows > 0]
     per = {"L1": inter // WEIGHT_BLOCK, "L2": hidden // WEIGHT_BLOCK}
     units: list[tuple[str, int, int]] = []
@@ -205,8 +208,8 @@ class PersistentGemm:
         experts_per_rank: E_local, at most :data:`MAX_EXPERTS`.
         variant: the default launch configuration (a call may name another).
         wait_limit_ns: how long any of the kernel's waits may take before it records a fault (:meth:`fault`) and
-            traps; the L2 units' waits for other blocks' L1 units need every block resident, so nothing else may hold
-            the SMs the launch counts on.
+            traps. Under a static claim the L2 units' waits for other blocks' L1 units need every block resident, so
+            nothing else may hold the SMs the launch counts on; under the dynamic claim they do not.
 
     Launches of one PersistentGemm must not overlap (they share its L1 -> L2 counters): enqueue them on one stream.
 
@@ -227,9 +230,9 @@ class PersistentGemm:
         self.variant = variant if variant is not None else PersistentVariant()
         self._check_variant(self.variant)
         device = kernels.runtime.torch_device
-        # sync[e]: expert e's L1 units done in a launch, sync[E]: blocks done; zeros now, and the kernel's last block
-        # zeroes them again for the next launch.
-        self.sync = torch.zeros(experts_per_rank + 1, dtype=torch.int32, device=device)
+        # sync[e]: expert e's L1 units done in a launch, sync[E]: blocks done, sync[E + 1]: the dynamic claim's
+        # ticket; zeros now, and the kernel's last block zeroes them again for the next launch.
+        self.sync = torch.zeros(experts_per_rank + 2, dtype=torch.int32, device=device)
         # Host memory, which a trap leaves readable: the kernel's fault word (fault_of).
         self.fault_word = torch.zeros(1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
         # l1_halves's tickets, one per (8 plan rows, chunk): zeros, made for the first plan of P rows that needs them,

@@ -12,7 +12,10 @@ on the plans the layer builds (moe_plan_scatter through ExpertCompute.plan):
 * the device timeline: every block wrote its record on its own SM, ran the units the schedule's mirror gives it, in
   time order;
 * a wait that gives up leaves its fault word in host memory and fails the process (in a child: a trap ends the
-  context).
+  context);
+* the dynamic claim needs no block resident beside another: one block per SM of the GPU, fused, on a green context
+  of 8 SMs, gives the whole GPU's bits; the strided claim there waits for L1 units of blocks that cannot start and
+  gives up (the negative control, in a child).
 
 Records: tests/gpu_results/*-persistent-1rank.json (scripts/gpu_suite.sh part persistent_1rank)."""
 
@@ -23,7 +26,7 @@ import textwrap
 import pytest
 import torch
 
-from chunkring import MoEConfig
+from chunkring import MoEConfig, SmPartition
 from chunkring.jit import library_for
 from chunkring.moe._engine.decode import DecodeGemm
 from chunkring.moe._engine.experts import ExpertCompute
@@ -202,3 +205,46 @@ def test_a_wait_that_gives_up_leaves_its_fault_and_fails():
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "fault: block" in done.stdout, done.stdout + done.stderr
+
+
+#: Blocks a green context of this many SMs runs at once: one per SM.
+NARROW_SMS = 8
+
+
+def test_the_dynamic_claim_needs_no_block_resident_beside_another(runtime):
+    plan, _, q13, q2, _, gemm = setup(runtime, 4096, 32)
+    dynamic = gemm.with_variant(claim="dynamic")
+    assert gemm.grid(dynamic) > NARROW_SMS
+    wide, _, _ = run(gemm, plan, q13, q2, variant=dynamic)
+    real = torch.nonzero(plan.src >= 0).flatten()
+    with SmPartition(runtime, producer_sms=NARROW_SMS) as part:
+        part.producer_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(part.producer_stream):  # every block of the launch, at most 8 running at a time
+            narrow, _, _ = run(gemm, plan, q13, q2, variant=dynamic)
+    assert torch.equal(narrow[real], wide[real])
+
+
+NARROW_CHILD = textwrap.dedent(f"""
+    import os, torch, chunkring
+    from chunkring import SmPartition
+    from tests.gpu.test_moe_persistent import run, setup
+    runtime = chunkring.init()
+    plan, _, q13, q2, _, gemm = setup(runtime, 4096, 32)
+    gemm.wait_limit_ns = 2_000_000_000
+    part = SmPartition(runtime, producer_sms={NARROW_SMS})
+    with torch.cuda.stream(part.producer_stream):
+        try:
+            run(gemm, plan, q13, q2, variant=gemm.with_variant(claim="strided_experts"))
+        except Exception as exc:
+            print("launch failed:", type(exc).__name__)
+            print("fault:", gemm.fault(), flush=True)
+            os._exit(3)  # the trap took the context: no teardown
+    print("no fault")
+""")
+
+
+def test_negative_control_the_strided_claim_needs_every_block_resident():
+    done = subprocess.run([sys.executable, "-c", NARROW_CHILD], capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "token loader: the expert's L1 units" in done.stdout, done.stdout + done.stderr

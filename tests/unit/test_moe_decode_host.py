@@ -185,13 +185,15 @@ def test_the_rule_picks_decode_while_mean_rows_per_expert_are_at_most_the_bound(
 
 
 def test_the_default_bound_is_the_largest_measured_size_the_decode_path_won():
-    """DECODE_MAX_ROWS is 24 mean rows per expert: the flash shape's 128 tokens at one rank (32 experts, top-6),
-    where the layer on the persistent consumer last measured faster than on DeepGEMM's path; 512 tokens (96 rows)
-    measured slower, and everything past 24 rows goes to DeepGEMM's."""
-    assert DECODE_MAX_ROWS == 24
+    """DECODE_MAX_ROWS is 32 mean rows per expert: the V3 width's 128 tokens at one rank (32 experts, top-8), where
+    the layer on the persistent consumer last measured faster than on DeepGEMM's path; 64 rows measured slower, and
+    everything past 32 rows goes to DeepGEMM's - on the flash shape (top-6) past 170 tokens."""
+    assert DECODE_MAX_ROWS == 32
+    v3 = config(max_tokens_per_rank=8192, num_experts=32, topk=8)
+    assert decode_fits(v3, 1, tokens=128) and not decode_fits(v3, 1, tokens=129)
     flash = config(max_tokens_per_rank=8192, num_experts=32, topk=6)
-    assert all(decode_fits(flash, 1, tokens=n) for n in (0, 1, 8, 32, 128))
-    assert not any(decode_fits(flash, 1, tokens=n) for n in (129, 512, 2048, 8192))
+    assert all(decode_fits(flash, 1, tokens=n) for n in (0, 1, 8, 32, 128, 170))
+    assert not any(decode_fits(flash, 1, tokens=n) for n in (171, 256, 512, 2048, 8192))
     assert not decode_fits(flash, 8, tokens=32)  # 8 ranks' tokens reach every rank's experts: 48 rows
 
 

@@ -66,7 +66,7 @@ class MoELayer:
             deliberately broken ones).
         decode: the FP8 expert GEMMs on the decode path (the persistent consumer, Hopper, few rows per expert)
             instead of DeepGEMM's: ``True``: every call; ``"auto"``: each call whose size suits it (at most
-            ``DECODE_MAX_ROWS`` rows per expert on average: 24, as measured on the H100); ``False`` (the default):
+            ``DECODE_MAX_ROWS`` rows per expert on average: 32, as measured on the H100); ``False`` (the default):
             never. Streamed and batch-ready calls of one size choose alike, so they stay equal bit for bit.
         eager_graphs: replay eager calls from CUDA graphs, one captured per kind of call after its first
             (:mod:`chunkring.moe._engine.replay`; docs/PERFORMANCE.md, "Eager calls"). False (the default until

@@ -56,10 +56,10 @@ DECODE_SHARED_BYTES = 8 * 6 * 4096
 #: Output rows of w2 per L2 block: 8 warps x 2 m tiles of 16 (two 128-row scale blocks).
 L2_CHUNK_ROWS = 2 * WEIGHT_BLOCK
 #: The rule's default bound: the decode path is chosen while an expert's mean rows in a call are at most this, the
-#: largest size the layer on the persistent consumer measured faster at than on DeepGEMM's path (flash shape, H100,
-#: both engines timed as graph replays in one call: 0.92-0.97x at 1-128 tokens, mean rows up to 24; its expert work
-#: 1.64x DeepGEMM's at 96 rows; nothing between measured). The records: docs/PERFORMANCE.md, "Choice per call".
-DECODE_MAX_ROWS = 24
+#: largest size the layer on the persistent consumer measured faster at than on DeepGEMM's path (H100, both engines
+#: timed as graph replays in one call: 0.94x at the V3 width's 32 mean rows, 0.86x at flash's 24; even at 48, 1.29x
+#: at 64, 1.60x at 96). The records: docs/PERFORMANCE.md, "Choice per call".
+DECODE_MAX_ROWS = 32
 
 
 class PlanTensors(Protocol):

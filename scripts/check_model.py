@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Model-check docs/model/ring.pml (the chunkring protocol) and docs/model/blocks.pml (the MoE
-consumer's incremental expert blocks) with SPIN.
+"""Model-check docs/model/ring.pml (the chunkring protocol), docs/model/blocks.pml (the MoE
+consumer's incremental expert blocks) and docs/model/claim.pml (how the persistent decode consumer's
+blocks take their units) with SPIN.
 
 For every configuration -- the correct model in a few sizes, with and without
 the stale epoch-1 injector, interleaved and SERIALIZED, with one consumer block
 per rank and with two (-DBLOCKS=2, the multi-block consumer), with the MoE
 layer's held end-of-stream ack, combine and drain (-DHELD_ACK), plus one run per
 injected bug; and blocks.pml's incremental expert blocks (configurations blk_*
-and bugblk_*: reserve, land, seal, claim) -- this runs ``spin -a`` with the configuration's macros,
+and bugblk_*: reserve, land, seal, claim); and claim.pml's unit claims (claim_*, bugclaim_*: the
+dynamic claim ends at any residency) -- this runs ``spin -a`` with the configuration's macros,
 compiles ``pan.c`` with gcc and runs ``./pan``, all in a temporary directory
 (nothing is written into the repository).
 
@@ -59,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "docs" / "model"
 RING_MODEL = "ring.pml"
 BLOCKS_MODEL = "blocks.pml"
+CLAIM_MODEL = "claim.pml"
 
 DEPTH = 100_000          # pan -m; the deepest search here is < 1000 steps
 MEMLIM_MB = 3072         # pan -DMEMLIM; reaching it counts as truncation
@@ -277,7 +280,30 @@ BLOCK_CONFIGS: tuple[Config, ...] = (
          "pool of ceil(R / block_m) blocks, without the per-expert padding of padded_rows_bound: "
          "3 + 1 rows need 3 blocks"),
 )
-CONFIGS = CONFIGS + BLOCK_CONFIGS
+
+# ---- docs/model/claim.pml: how the persistent decode consumer's blocks take their units (PROTOCOL.md "The decode
+# path"): G blocks, at most R running at once, L1 units before L2 units in the list, an L2 unit waiting for its
+# expert's L1 units. The dynamic claim (a ticket) ends with any R; the strided claim needs every block resident.
+def _claim(name: str, macros: tuple[str, ...], expect: str, prop: str | None, why: str) -> Config:
+    return Config(name, macros, expect, prop, why, model=CLAIM_MODEL)
+
+
+CLAIM_CONFIGS: tuple[Config, ...] = (
+    _claim("claim_r1", (), PASS, None, "3 blocks, one running at a time: the ticket's order lets each finish"),
+    _claim("claim_r2_ahead", ("R=2", "D=2"), PASS, None,
+           "3 blocks, 2 at a time, each claiming 2 units ahead of its math"),
+    _claim("claim_resident", ("R=3", "D=2"), PASS, None, "every block resident, claiming ahead"),
+    _claim("claim_g4_r2", ("G=4", "R=2", "D=2"), PASS, None, "4 blocks on 2 SMs, claiming ahead"),
+    _claim("claim_static_resident", ("STATIC", "R=3"), PASS, None,
+           "the strided claim with every block resident: the static claims' premise"),
+    _claim("bugclaim_static", ("STATIC", "R=2", "D=2"), CEX, COMPLETION,
+           "the strided claim on 2 SMs: the running blocks wait for L1 units of a block that cannot start"),
+    _claim("bugclaim_l2_first", ("BUG_L2_FIRST",), CEX, COMPLETION,
+           "the L2 units listed first: the one running block waits for L1 units no block has taken"),
+    _claim("bugclaim_no_wait", ("BUG_NO_WAIT", "R=2"), CEX, "ORDERED",
+           "an L2 unit that does not wait for its expert's L1 units reads their activation early"),
+)
+CONFIGS = CONFIGS + BLOCK_CONFIGS + CLAIM_CONFIGS
 BY_NAME = {c.name: c for c in CONFIGS}
 
 #: Seconds each of the larger checks took (spin + gcc + pan, one core, 2026-12-04): the order to start them in,

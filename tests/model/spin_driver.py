@@ -99,3 +99,10 @@ def check_config(cfg) -> None:
         assert res.violated and res.violated.startswith(cfg.prop), (
             f"counterexample violates the wrong rule, expected {cfg.prop}: " + summary)
     assert res.ok, summary
+
+
+def assert_macros_only_in(model: str, macros: set[str]) -> None:
+    """``macros`` (one model's variant macros) are passed to no configuration of another model."""
+    for c in check_model.CONFIGS:
+        if c.model != model:
+            assert not macros & set(c.macros), c.name

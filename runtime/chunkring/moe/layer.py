@@ -69,8 +69,8 @@ class MoELayer:
             ``DECODE_MAX_ROWS`` rows per expert on average: 32, as measured on the H100); ``False`` (the default):
             never. Streamed and batch-ready calls of one size choose alike, so they stay equal bit for bit.
         eager_graphs: replay eager calls from CUDA graphs, one captured per kind of call after its first
-            (:mod:`chunkring.moe._engine.replay`; docs/PERFORMANCE.md, "Eager calls"). False (the default until
-            replays are tested at several ranks): every call launches its kernels, and the layer keeps no graphs.
+            (:mod:`chunkring.moe._engine.replay`; docs/PERFORMANCE.md, "Eager calls"), holding buffers of
+            ``max_tokens_per_rank`` rows and a graph per size, mode and weights. False (the default): no replays.
 
     Raises:
         ChunkringUsageError: a config that is not a :class:`MoEConfig`, experts that do not split evenly

@@ -213,8 +213,9 @@ __device__ void finish(unsigned* sync, u32 experts) {
 //   stages, token_stages, tile_cap, claim, phases, w13_boxes, l1_halves: the variants (persistent_schedule.cuh)
 //   pairs [P / 8 * I / 128] (l1_halves; else null): the halves' tickets, zeros before the first launch (each pair's
 //     later half zeroes its ticket again); l1_halves needs inter <= hidden
-// Launch: grid <= the SM count (static claims: every block resident at once), block pc::kThreads (384), pc::launch_shared_bytes(stages, token_stages, tile_cap)
-// bytes of dynamic shared memory; hidden % 128 == 0, inter % 128 == 0, E <= pc::kMaxExperts.
+// Launch: grid <= the SM count (static claims: every block resident at once), block pc::kThreads (384),
+// pc::launch_shared_bytes(stages, token_stages, tile_cap) bytes of dynamic shared memory; hidden % 128 == 0,
+// inter % 128 == 0, E <= pc::kMaxExperts.
 extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     moe_persistent_gemm(const __grid_constant__ TensorMap w13_map, const __grid_constant__ TensorMap w2_map,
                         const __grid_constant__ TensorMap rows_map, const __grid_constant__ TensorMap act_map,

@@ -274,11 +274,8 @@ extern "C" __global__ void moe_local_scatter(const __grid_constant__ LocalScatte
     // so it is taken before the wait for what that grid writes.
     const LocalCall call = local_call(d, s, arg<int>(args.n_tokens), arg<const int*>(args.valid_tokens), false);
     ptx::wait_prior_grid();
-    const int num_local = static_cast<int>(s.expert_hi - s.expert_lo);
-    const u64 block_m = static_cast<u64>(arg<int>(args.block_m));
-    // The last group's padded end (every group starts on a multiple of block_m): the first row no group takes.
-    const u64 used = num_local > 0 ? (arg<const int*>(args.group_end)[num_local - 1] + block_m - 1) / block_m * block_m
-                                   : 0;
+    const u64 used = moe::rows_in_use(arg<const int*>(args.group_end), static_cast<int>(s.expert_hi - s.expert_lo),
+                                      arg<int>(args.block_m));
     auto* row_src = arg<int*>(args.row_src);
     const u64 plan_rows = arg<long long>(args.plan_rows);
     for (u64 r = used + static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; r < plan_rows;

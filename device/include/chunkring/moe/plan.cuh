@@ -55,4 +55,11 @@ __device__ inline void group_offsets(const unsigned* counts, int num_local, int 
     __syncthreads();
 }
 
+// The rows the groups take, padding included (group_offsets' offsets[E]), from the group ends a plan kernel wrote:
+// the last group's end rounded up, since every group starts on a multiple of block_m (an empty last group ends where
+// the one before it ends, padded).
+__device__ __forceinline__ plan_detail::u64 rows_in_use(const int* group_end, int num_local, int block_m) {
+    return num_local > 0 ? plan_detail::round_up(static_cast<plan_detail::u64>(group_end[num_local - 1]), block_m) : 0;
+}
+
 }  // namespace chunkring::moe

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["FIRST_CALL_BARRIER_S", "CallSchedule"]
 
 #: The most blocks of ``moe_call_reset`` (eight words a thread below that; a grid-stride loop past it) and of
-#: ``moe_local_scatter`` (a warp per row, and eight plan rows' sources a thread, below that).
+#: ``moe_local_scatter`` (a warp per choice, and eight plan rows' sources a thread, below that).
 _MAX_GRID = 1024
 #: Threads of ``moe_local_route``'s one block: every choice of a one-rank call counted in shared memory.
 _ROUTE_BLOCK = 1024

@@ -12,15 +12,13 @@ on the plans the layer builds (moe_plan_scatter through ExpertCompute.plan):
 * the device timeline: every block wrote its record on its own SM, ran the units the schedule's mirror gives it, in
   time order;
 * a wait that gives up leaves its fault word in host memory and fails the process (in a child: a trap ends the
-  context);
+  context; outside MPS, whose clients a trap would all end);
 * the dynamic claim needs no block resident beside another: one block per SM of the GPU, fused, on a green context
   of 8 SMs, gives the whole GPU's bits; the strided claim there waits for L1 units of blocks that cannot start and
   gives up (the negative control, in a child).
 
 Records: tests/gpu_results/*-persistent-1rank.json (scripts/gpu_suite.sh part persistent_1rank)."""
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -33,6 +31,7 @@ from chunkring.moe._engine.experts import ExpertCompute
 from chunkring.moe._engine.persistent import TIMELINE_WORDS, PersistentGemm, block_units
 from tests.gpu.moe_helpers import rel_error
 from tests.gpu.plan_helpers import ACTIVE, E_LOCAL, INTER, TOPK, expert_weights_fp8, reference, staged
+from tests.helpers.processes import run_trapping_child
 
 pytestmark = pytest.mark.gpu
 
@@ -202,7 +201,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_a_wait_that_gives_up_leaves_its_fault_and_fails():
-    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=240, check=False)
+    done = run_trapping_child(CHILD)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "fault: block" in done.stdout, done.stdout + done.stderr
 
@@ -244,7 +243,6 @@ NARROW_CHILD = textwrap.dedent(f"""
 
 
 def test_negative_control_the_strided_claim_needs_every_block_resident():
-    done = subprocess.run([sys.executable, "-c", NARROW_CHILD], capture_output=True, text=True, timeout=240,
-                          check=False)
+    done = run_trapping_child(NARROW_CHILD)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "token loader: the expert's L1 units" in done.stdout, done.stdout + done.stderr

@@ -1,11 +1,14 @@
-"""Processes a test's job may have left behind, read from /proc (Linux)."""
+"""Processes a test's job may have left behind, read from /proc (Linux), and a child that must run outside MPS."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
-__all__ = ["live_mps_daemons", "processes_with", "zombie"]
+__all__ = ["live_mps_daemons", "processes_with", "run_trapping_child", "zombie"]
 
 
 def processes_with(needle: str, *, count_zombies: bool = True) -> list[int]:
@@ -38,3 +41,15 @@ def live_mps_daemons() -> list[int]:
 def zombie(entry: Path) -> bool:
     """Whether the process of ``/proc/<pid>`` has exited and waits to be reaped."""
     return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def run_trapping_child(code: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``code`` in a Python child whose kernel is meant to trap, on a context of its own.
+
+    Under MPS a trap in one client ends the context of every client on the GPU (the other ranks, and this test's
+    own process), so the child gets an empty MPS pipe directory: its driver finds no control daemon there and
+    creates a plain context, which the trap ends alone."""
+    with tempfile.TemporaryDirectory(prefix="no-mps-") as pipes:
+        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipes, CUDA_MPS_LOG_DIRECTORY=pipes)
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              check=False, env=env)

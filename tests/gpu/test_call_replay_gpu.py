@@ -4,7 +4,8 @@ launching every kernel (``eager_graphs=False``) - called alike, every output equ
 streamed, through ``run()`` and ``forward()``, at sizes inside one bucket and across buckets, ranks bringing
 different sizes, a call with a timeline (which runs directly) in between, a call into an output of the caller's, and
 the replayed layer holding one graph per kind of call it saw - its routed calls' graphs rebound to each call's own
-tensors (chunkring.moe._engine.rebind), each call's inputs at new addresses. tests/unit/test_call_replay.py and
+tensors (chunkring.moe._engine.rebind), each call's inputs at new addresses, then the same tensors twice with new
+values (a replay that sets nothing). tests/unit/test_call_replay.py and
 tests/unit/test_rebind.py pin the bookkeeping on the CPU."""
 
 import logging
@@ -52,6 +53,17 @@ def test_replayed_eager_calls_equal_launched_calls_bit_for_bit(runtime, payload,
                 layer.check()
             for got, want in zip(outs[replayed], outs[launched], strict=True):
                 assert got.shape == (n, H) and torch.equal(got, want), f"step {step}, {n} rows"
+        # The same tensors call after call, their values rewritten in between: a replay that sets no node and writes
+        # no count (both as the last call left them) reads the new values.
+        _, _, _, args = case_inputs(payload, 5, cfg.num_experts, cfg.topk, "uniform", 7, device)
+        for seed in (8, 9, 10):  # the first may run directly and capture: two replays follow
+            outs = [layer.run(*args, *experts[layer]) for layer in (replayed, launched)]
+            torch.cuda.synchronize()
+            assert torch.equal(*outs), f"the same tensors, seed {seed}"
+            _, _, _, fresh = case_inputs(payload, 5, cfg.num_experts, cfg.topk, "uniform", seed, device)
+            for tensor, values in zip(args, fresh, strict=True):
+                if tensor is not None:
+                    tensor.copy_(values)
         # One graph per kind seen: run and forward, both modes, each bucket this rank met.
         stats = replayed.stats()
         assert stats["call_graphs"] >= 4 and launched.stats()["call_graphs"] == 0

@@ -186,6 +186,20 @@ def test_later_calls_of_the_kind_replay_with_their_own_rows_and_count(graphs, n)
     assert again is user_out and torch.equal(user_out, compute(call))
 
 
+def test_a_replay_writes_its_count_only_where_it_differs_from_the_last_replays(graphs):
+    issue(graphs, routed(7, seed=1))  # bucket 8
+    count, fills = graphs._count, []
+    graphs._count = SimpleNamespace(fill_=lambda n: (fills.append(n), count.fill_(n)))  # the same tensor, observed
+    for n, seed in ((5, 2), (5, 3), (6, 4), (6, 5), (5, 6)):
+        call = routed(n, seed=seed)
+        assert torch.equal(graphs.replay(call), compute(call)), "each replay reads its own count"
+    assert fills == [5, 6, 5]
+    graphs.clear()
+    issue(graphs, routed(5, seed=1))
+    issue(graphs, routed(5, seed=2))
+    assert int(graphs._count[0]) == 5, "new buffers after clear(): the count written again"
+
+
 def test_what_makes_a_kind_each_makes_another_graph(graphs):
     other_weights = (torch.zeros(2, 256, H), torch.zeros(2, H, 128))
     kinds = [routed(5), routed(20), routed(5, CallMode.STREAMED, chunk=16), routed(5, CallMode.STREAMED, chunk=8),

@@ -3,7 +3,8 @@ stand-in graph nodes: the publishes' row fields and the reduction's output move 
 tensors and the reduction's row count becomes the call's; anything else that holds an address inside a fixed buffer
 (another kernel's parameter, a field of a rebound kernel that is not rebound, a copy, a memset) refuses the graph, as
 do an unreadable node, a struct this build does not mirror, a buffer that must move and does not, too many nodes, and
-a node the driver will not set (each is set once at the capture, to what it holds).
+a node the driver will not set (each is set once at the capture, to what it holds); a call sets only the nodes whose
+struct it changes, and a node the driver refused again.
 tests/gpu/test_call_replay_gpu.py replays rebound graphs on the GPU against calls launched kernel by kernel."""
 
 from __future__ import annotations
@@ -175,6 +176,33 @@ def test_a_call_graph_rebinds_its_publish_and_reduction_to_the_calls_tensors(dri
     (_, pub), (_, red) = driver.sets
     assert pub[RingPublishArgs.names.index("x")] == other[0].start
     assert (red[names.index("out")], red[names.index("tokens")]) == (other[4].start, 3)
+
+
+def test_a_node_is_set_only_where_the_call_changes_its_struct(driver):
+    bound = rebinding(call_graph(), buffers(), 8, must_move=(0, 4))
+    own = [Buffer(0x6000_0000 + i * 0x1000, 0x100) for i in range(5)]
+    bound.apply(own, 5)
+    driver.sets.clear()
+    bound.apply(own, 5)
+    assert driver.sets == [], "the graph holds both structs already"
+    bound.apply(own, 6)
+    assert [node.name for node, _ in driver.sets] == ["moe_combine_reduce"], "only the row count changed"
+    driver.sets.clear()
+    moved = [*own[:4], Buffer(0x5000_0000, 0x100)]
+    bound.apply(moved, 6)
+    assert [(node.name, words[CombineReduceArgs.names.index("out")]) for node, words in driver.sets] == [
+        ("moe_combine_reduce", 0x5000_0000)]
+    driver.sets.clear()
+    driver.refuse = "ring_publish_tensors"
+    with pytest.raises(rebind.ChunkringRuntimeError, match="ring_publish_tensors"):
+        bound.apply(buffers(), 6)
+    driver.refuse = ""
+    bound.apply(buffers(), 6)
+    assert [node.name for node, _ in driver.sets] == ["ring_publish_tensors", "moe_combine_reduce"], (
+        "the refused node set again, and the one the refusal left unset")
+    driver.sets.clear()
+    bound.apply(buffers(), 6)
+    assert driver.sets == []
 
 
 def test_a_later_chunk_keeps_its_offset_in_the_calls_rows(driver):

@@ -44,6 +44,10 @@ def _x_dtype(spec: RingSpec) -> torch.dtype:
 
 def check_tensor(name: str, tensor: object, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
     """A typed error naming ``name`` unless ``tensor`` is a contiguous ``dtype`` tensor of ``shape`` on ``device``."""
+    # Every call checks each of its tensors: the good case in one expression, the error's wording only after it fails.
+    if (isinstance(tensor, torch.Tensor) and tensor.shape == shape and tensor.dtype is dtype and tensor.device == device
+            and tensor.is_contiguous()):
+        return
     if not isinstance(tensor, torch.Tensor):
         raise ChunkringUsageError(f"expected a torch.Tensor, got {type(tensor).__name__}", field=name)
     if tuple(tensor.shape) != tuple(shape):

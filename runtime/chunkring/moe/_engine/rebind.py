@@ -11,7 +11,8 @@ own tensor - the buffers and the call's tensors are contiguous with the same row
 both - and the reduction's row count to the call's. The publishes read no row at or past the device count the replay
 writes first, so the rows past a call's own are never read; the reduction writes exactly the call's rows.
 ``cuGraphExecKernelNodeSetParams`` changes the launches that follow it, never one already enqueued, so a replay still
-running is unaffected.
+running is unaffected; what it sets stays until set again, so a node whose struct a call leaves as it is - a caller
+that passes the same tensors, or gets the same blocks back from torch's allocator, call after call - is not set.
 
 Only a graph where those fields are all that holds an address inside the fixed buffers is rebound: any other
 kernel parameter (a torch kernel's, a tensor map), copy or memset that does makes :func:`rebinding` refuse
@@ -127,26 +128,37 @@ class Rebinding:
         self._slots = [ctypes.c_void_p(ctypes.addressof(struct)) for struct in self._structs]
         for patch, slot in zip(self._patches, self._slots, strict=True):
             patch.params.kernelParams = ctypes.addressof(slot)
+        # Whether the instantiated graph holds each node's struct as it is now (False until set, and after a set the
+        # driver refused: the struct was rewritten, the node not).
+        self._in_graph = [False] * len(self._patches)
 
     def __len__(self) -> int:
         return len(self._patches)
 
     def apply(self, tensors: Sequence[torch.Tensor | None], rows: int) -> None:
         """Point the graph's next launches at ``tensors`` (one per fixed buffer, in their order; each of
-        :attr:`buffers` contiguous, with the buffer's rows) and a call of ``rows`` rows."""
+        :attr:`buffers` contiguous, with the buffer's rows) and a call of ``rows`` rows: each node whose struct
+        that changes is set."""
         addresses = [0 if t is None else t.data_ptr() for t in tensors]
         if not all(addresses[buffer] for buffer in self.buffers):  # a null base would move an address to its offset
             raise ChunkringRuntimeError(f"a rebound graph reads fixed buffers {sorted(self.buffers)}: a call must "
                                         "bring a tensor for each")
-        for patch, struct in zip(self._patches, self._structs, strict=True):
+        for index, (patch, struct) in enumerate(zip(self._patches, self._structs, strict=True)):
+            changed = not self._in_graph[index]
             for move in patch.moves:
-                struct[move.word] = addresses[move.buffer] + move.offset
-            if patch.rows_word is not None:
-                struct[patch.rows_word] = rows
+                address = addresses[move.buffer] + move.offset
+                if struct[move.word] != address:
+                    struct[move.word], changed = address, True
+            if patch.rows_word is not None and struct[patch.rows_word] != rows:
+                struct[patch.rows_word], changed = rows, True
+            if not changed:
+                continue
+            self._in_graph[index] = False
             try:
                 ok(self._driver.cuGraphExecKernelNodeSetParams(self._exec, patch.node, patch.params))
             except RuntimeError as error:
                 raise ChunkringRuntimeError(f"setting {patch.name}'s node parameters: {error}") from None
+            self._in_graph[index] = True
 
 
 def rebinding(graph: torch.cuda.CUDAGraph, buffers: Sequence[torch.Tensor], rows: int, *,

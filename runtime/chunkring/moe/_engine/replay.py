@@ -5,14 +5,14 @@ Issuing a call's dozen kernels, its DeepGEMM calls and its stream joins from Pyt
 millisecond at any size, several times a decode call's device time. A CUDA graph replays the same work in one
 launch. So an eager call that can be replayed is: the first call of each kind runs directly (and is the call's
 output), then its graph is captured once over fixed buffers; later calls of that kind write their token count to the
-device and replay. The kernels already read the count from the device (``num_tokens``), so one graph serves every
-size up to its bucket: token counts round up to a power of two. A routed call's graph is rebound to each call's own
-inputs and output (:mod:`chunkring.moe._engine.rebind`: two parameter sets where a call has one chunk), so such a
-replay copies nothing; any other (hidden states, whose router kernel reads every row of the bucket; many chunks; a
-publish on the partition's stream, which the driver will not set) copies its inputs into the fixed buffers and its
-output out. What makes a kind: the batch (routed rows or hidden states), the
-mode, the bucket, the chunk size, the GEMM engine and the weights' (and router's) addresses - the graph reads them
-where they were at its capture.
+device (where it differs from the last replay's) and replay. The kernels already read the count from the device
+(``num_tokens``), so one graph serves every size up to its bucket: token counts round up to a power of two. A routed
+call's graph is rebound to each call's own inputs and output (:mod:`chunkring.moe._engine.rebind`: a parameter set
+per node whose inputs or output moved, at most three where a call has one chunk), so such a replay copies nothing;
+any other (hidden states, whose router kernel reads every row of the bucket; many chunks; a publish on the
+partition's stream, which the driver will not set) copies its inputs into the fixed buffers and its output out. What
+makes a kind: the batch (routed rows or hidden states), the mode, the bucket, the chunk size, the GEMM engine and the
+weights' (and router's) addresses - the graph reads them where they were at its capture.
 
 A call replays only where nothing it asks for needs the host inside it: no timeline, no device count of the
 caller's (``num_tokens``: the caller manages its own graphs), not inside a caller's capture, not a mode's first call
@@ -76,6 +76,7 @@ class CallGraphs:
         self._inputs: dict[str, tuple[torch.Tensor, ...]] = {}  # per batch kind, the graphs' fixed input buffers
         self._out: torch.Tensor | None = None
         self._count: torch.Tensor | None = None  # int32 [1]: the replayed call's token count
+        self._count_holds = 0  # what the last replay wrote there (no kernel writes it): a call of as many skips it
         self._pool: Any = None  # torch.cuda.graph_pool_handle(): made at the first capture
         self._stream: torch.cuda.Stream | None = None  # where the last replay ran
 
@@ -117,7 +118,9 @@ class CallGraphs:
         self._stream = stream
         assert self._out is not None and self._count is not None  # made by the capture
         n = call.n
-        self._count.fill_(n)
+        if n != self._count_holds:
+            self._count.fill_(n)
+            self._count_holds = n
         rebound = self._rebound.get(key)
         if rebound is not None:
             out = call.out
@@ -179,6 +182,7 @@ class CallGraphs:
         self._direct.clear()
         self._inputs.clear()
         self._out = self._count = self._pool = self._stream = None
+        self._count_holds = 0
 
     def _staged(self, call: Call, rows: int) -> Call:
         """``call`` over the fixed buffers: its batch's first ``rows`` rows, its count read from the device, its

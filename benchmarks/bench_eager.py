@@ -22,6 +22,9 @@ them) and ``megamoe``
 * ``host_warm_ms``: the same host time in a serving loop's steady state: ``--warm-calls`` calls issued back to back
   behind one such delay, the median of all but the first (which pays for the host's cold start: a sample's call
   follows the device's idle and the ranks' meeting, and the host slept through the previous gated sample);
+* ``host_moved_ms`` (``run`` calls of the replayed layer only): ``host_warm_ms`` with each call's tensors at other
+  addresses than the call before's (:data:`MOVED_COPIES` copies of the batch, called in turn), so a replay sets the
+  graph's nodes that read them, as a caller whose tensors move between calls makes it;
 * ``eager_ms``: CUDA events around one call, device idle and ranks met before it;
 * ``pipelined_ms``: events around ``--pipeline`` calls back to back, divided by their number;
 * ``graph_ms``: the call captured in a CUDA graph, one replay between events, device idle and ranks met before it
@@ -47,6 +50,7 @@ keeps what it measured, marked incomplete), and prints the table last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import statistics
@@ -66,6 +70,8 @@ DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 MODES = ("batch", "streamed")
 LAUNCHED = ("batch_launched", "streamed_launched")
 PEER = "megamoe"
+#: Copies of a batch that ``host_moved_ms`` calls in turn: each call's tensors at other addresses than the last's.
+MOVED_COPIES = 4
 #: How each side is timed, in the order the table prints them.
 FIGURES = ("host_issue_ms", "host_warm_ms", "eager_ms", "pipelined_ms", "graph_ms")
 #: The eager-call targets: the host's issue time per call, an eager call against its graph replay, against
@@ -161,6 +167,12 @@ def host_warm_sample(call: Callable[[], object], gate: Callable[[], Callable[[],
         call()
         times.append((clock() - start) * 1e3)
     return statistics.median(times[1:])
+
+
+def rotating(calls: list[Callable[[], T]]) -> Callable[[], T]:
+    """One call that makes each of ``calls`` in turn, the first again after the last."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def events_ms(call: Callable[[], object], calls: int = 1, event: Callable[..., Any] | None = None) -> float:
@@ -276,6 +288,10 @@ def table(records: list[dict[str, Any]]) -> str:
             met = "met" if summary[f"met_{name}"] else "not met"
             lines.append(f"target {what} <= {summary[f'target_{name}']:g}: worst {summary[f'worst_{name}']:.3f} "
                          f"({met})")
+    for r in records:
+        if all(f"{mode}_host_moved_ms" in r for mode in MODES):
+            lines.append(f"{r['tokens']:6d} tokens, host warm with the tensors moved each call: " + " / ".join(
+                f"{mode} {r[f'{mode}_host_moved_ms']:.3f}" for mode in MODES) + " ms")
     if any(not r["bitwise"] for r in records):
         lines.append("streamed differs from batch-ready at " + ", ".join(str(r["tokens"]) for r in records
                                                                           if not r["bitwise"]) + " tokens")
@@ -418,6 +434,16 @@ def measure_tokens(shape: Shape, launched: Any, t: int, args: argparse.Namespace
                        iterations=args.host_iterations, warmup=args.warmup, before=settle)
     warm = interleaved({s: partial(host_warm_sample, call, gate, args.warm_calls) for s, call in sides.items()},
                        iterations=max(1, args.host_iterations // args.warm_calls), warmup=args.warmup, before=settle)
+    if args.call == "run":  # a replayed call whose tensors moved since the last: its graph's nodes set again
+        copies = [(x.clone(), None if x_sf is None else x_sf.clone(), idx.clone(), w.clone())
+                  for _ in range(MOVED_COPIES)]
+        moved = {mode: rotating([partial(layer.run, *copy, shape.w13, shape.w2, streaming=mode == "streamed")
+                                 for copy in copies]) for mode in MODES}
+        moved_warm = interleaved({m: partial(host_warm_sample, call, gate, args.warm_calls)
+                                  for m, call in moved.items()},
+                                 iterations=max(1, args.host_iterations // args.warm_calls), warmup=args.warmup,
+                                 before=settle)
+        mine.update({f"{m}_host_moved_ms": statistics.median(samples) for m, samples in moved_warm.items()})
     eager = interleaved({s: partial(events_ms, call) for s, call in sides.items()}, iterations=args.iterations,
                         warmup=args.warmup, before=settle)
     pipelined = interleaved({s: partial(events_ms, call, args.pipeline) for s, call in sides.items()},

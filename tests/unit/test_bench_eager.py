@@ -18,6 +18,7 @@ from benchmarks.bench_eager import (
     interleaved,
     medians,
     parse_args,
+    rotating,
     sleep_cycles,
     table,
     targets,
@@ -96,6 +97,12 @@ def test_a_warm_sample_issues_its_calls_behind_one_gate_and_leaves_the_first_out
     ms = host_warm_sample(lambda: events.append("call"), lambda: events.append("gate"), 4, clock=lambda: next(ticks))
     assert events == ["gate", "call", "call", "call", "call"]
     assert ms == pytest.approx(1.5)
+
+
+def test_a_rotating_call_makes_each_call_in_turn():
+    made = []
+    call = rotating([lambda: made.append("a") or 1, lambda: made.append("b") or 2, lambda: made.append("c") or 3])
+    assert [call() for _ in range(5)] == [1, 2, 3, 1, 2] and made == ["a", "b", "c", "a", "b"]
 
 
 def test_events_time_the_calls_between_them_per_call():
@@ -183,6 +190,10 @@ def test_the_table_shows_every_side_and_the_targets():
     assert "target host issue (ms) <= 0.05: worst 0.900 (not met)" in text
     assert "eager / MegaMoE eager" not in text  # one record lacks MegaMoE
     assert "streamed differs from batch-ready at 8 tokens" in text
+    assert "moved" not in text  # no record has the moved figures
+    moved = tokens_record("flash", 1, 1, 1, {**measured(), "batch_host_moved_ms": 0.071,
+                                             "streamed_host_moved_ms": 0.083})
+    assert "1 tokens, host warm with the tensors moved each call: batch 0.071 / streamed 0.083 ms" in table([moved])
 
 
 def test_the_result_file_holds_the_summary_fields_records_and_figures(tmp_path, monkeypatch):

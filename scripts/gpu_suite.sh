@@ -191,12 +191,17 @@ mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
 }
 # The launcher's harness tests (tests/mpi/test_launcher_mpi.py) start an mpirun of their own, which cannot start
 # inside this mpirun job on the GPU host (Open MPI 4.1.6 then looks for ssh/rsh); they need no GPU, and CI runs them.
+# GPU_TESTS narrows gpu_mps / gpu_mps_rma to those pytest paths (a device call too short for the whole suite); their
+# records are then named gpu-<N>rank-mps-selected(-rma), the paths in their command.
 gpu_mps() {
-    mpi_pytest "gpu-${ranks}rank-mps" "$ranks" 500 tests/gpu tests/mpi --ignore=tests/mpi/test_launcher_mpi.py \
-        -q -rs "${limits[*]}" || status=1
+    # shellcheck disable=SC2086
+    mpi_pytest "gpu-${ranks}rank-mps${GPU_TESTS:+-selected}" "$ranks" 500 ${GPU_TESTS:-tests/gpu tests/mpi} \
+        --ignore=tests/mpi/test_launcher_mpi.py -q -rs "${limits[*]}" || status=1
 }
 gpu_mps_rma() {
-    mpi_pytest "gpu-${ranks}rank-mps-rma" "$ranks" 500 tests/gpu --transport rma -q -rs "${limits[*]}" || status=1
+    # shellcheck disable=SC2086
+    mpi_pytest "gpu-${ranks}rank-mps${GPU_TESTS:+-selected}-rma" "$ranks" 500 ${GPU_TESTS:-tests/gpu} --transport rma \
+        -q -rs "${limits[*]}" || status=1
 }
 moe_2rank_mps() {  # the MoE layer and the transformers drop-in at a second rank count
     mpi_pytest "moe-2rank-mps" 2 300 tests/gpu/test_moe_layer.py tests/gpu/test_hf_dropin_model.py -q -rs "${limits[*]}" ||

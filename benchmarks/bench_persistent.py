@@ -2,7 +2,7 @@
 decode kernels and DeepGEMM's path, on one GPU, on the same plans: the expert work of a call alone (L1, SwiGLU and the
 activation's quantisation, L2), swept over the consumer's variants in one process.
 
-    python -m benchmarks.bench_persistent [--tokens 1,8,32,128,512] [--sweep default|quick]
+    python -m benchmarks.bench_persistent [--tokens 1,8,32,128,512] [--sweep default|quick|stages]
         [--variant stages=12,token_stages=3 ...] [--reps 15] [--json benchmarks/results/<commit>-persistent.json]
 
 The flash shape (benchmarks.bench_vs_megamoe SHAPES: 32 local experts, hidden 4096, intermediate 2048, top-6), a
@@ -58,6 +58,11 @@ SWEEPS: dict[str, list[tuple[str, dict[str, Any]]]] = {
                 ("split_dynamic", dict(claim="dynamic", fused=False))],
     "quick": [("s8t4c64", {}), ("split", dict(fused=False)), ("dynamic", dict(claim="dynamic")),
               ("split_dynamic", dict(claim="dynamic", fused=False))],
+    # The layer's variant (dynamic, fused) with more or fewer bytes in flight and narrower passes: where a card's
+    # bandwidth asks for more in flight than the H100's did (stages made no difference there).
+    "stages": [("s8t4c64", {}), ("dynamic", dict(claim="dynamic")), ("dynamic_s4", dict(claim="dynamic", stages=4)),
+               ("dynamic_s12t3", dict(claim="dynamic", stages=12, token_stages=3)),
+               ("dynamic_c32", dict(claim="dynamic", tile_cap=32))],
 }
 TOLERANCE = 1e-2
 

@@ -137,8 +137,8 @@ class Rebinding:
 
     def apply(self, tensors: Sequence[torch.Tensor | None], rows: int) -> None:
         """Point the graph's next launches at ``tensors`` (one per fixed buffer, in their order; each of
-        :attr:`buffers` contiguous, with the buffer's rows) and a call of ``rows`` rows: each node whose struct
-        that changes is set."""
+        :attr:`buffers` contiguous, with the buffer's rows) and a call of ``rows`` rows: only the nodes whose
+        struct the call changes are set."""
         addresses = [0 if t is None else t.data_ptr() for t in tensors]
         if not all(addresses[buffer] for buffer in self.buffers):  # a null base would move an address to its offset
             raise ChunkringRuntimeError(f"a rebound graph reads fixed buffers {sorted(self.buffers)}: a call must "

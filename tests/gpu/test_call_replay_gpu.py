@@ -5,8 +5,8 @@ streamed, through ``run()`` and ``forward()``, at sizes inside one bucket and ac
 different sizes, a call with a timeline (which runs directly) in between, a call into an output of the caller's, and
 the replayed layer holding one graph per kind of call it saw - its routed calls' graphs rebound to each call's own
 tensors (chunkring.moe._engine.rebind), each call's inputs at new addresses, then the same tensors twice with new
-values (a replay that sets nothing). tests/unit/test_call_replay.py and
-tests/unit/test_rebind.py pin the bookkeeping on the CPU."""
+values (a replay that sets nothing). tests/unit/test_call_replay.py and tests/unit/test_rebind.py pin the bookkeeping
+on the CPU."""
 
 import logging
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from chunkring.errors import ChunkringRuntimeError
 from chunkring.jit.signatures import KERNEL_ARGS_VERSION
 from chunkring.moe._engine import rebind
 from chunkring.moe._engine.kernel_args import CombineReduceArgs
@@ -194,7 +195,7 @@ def test_a_node_is_set_only_where_the_call_changes_its_struct(driver):
         ("moe_combine_reduce", 0x5000_0000)]
     driver.sets.clear()
     driver.refuse = "ring_publish_tensors"
-    with pytest.raises(rebind.ChunkringRuntimeError, match="ring_publish_tensors"):
+    with pytest.raises(ChunkringRuntimeError, match="ring_publish_tensors"):
         bound.apply(buffers(), 6)
     driver.refuse = ""
     bound.apply(buffers(), 6)

@@ -20,9 +20,6 @@
 // dynamic claim's ticket. The last block to finish zeroes all of them, so every launch starts from zeros (the host
 // zeroes them once, at allocation): no reset launch.
 //
-// l1_halves: the two halves of a chunk's pass meet through the pair's ticket (persistent_math.cuh exchange_halves):
-// the later waits only for the earlier, which has already arrived and waits for nothing more - no residency needed.
-//
 // Resident blocks: an L2 unit may wait for L1 units of other blocks. Under a static claim those may belong to a block
 // not yet running, so the launch must not have more blocks than can run at once (the host launches at most one per
 // SM, and one fills an SM: its shared memory and registers); under the dynamic claim they belong to running blocks
@@ -65,16 +62,14 @@ constexpr u32 kStartNs = 0, kFirstStageNs = 1, kLastL1Ns = 2, kLastL2Ns = 3, kEn
 // The launch's variants are in range (persistent.py checks them first; a kernel that indexed past its shared memory
 // would fail far from the cause).
 __device__ __forceinline__ bool arguments_fit(int experts, long long hidden, long long inter, int stages,
-                                              int token_stages, int tile_cap, int claim, int phases, int w13_boxes,
-                                              int l1_halves, const unsigned* pairs) {
+                                              int token_stages, int tile_cap, int claim, int phases, int w13_boxes) {
     const bool tile = tile_cap == 8 || tile_cap == 16 || tile_cap == 32 || tile_cap == 64;
     return experts >= 1 && experts <= static_cast<int>(pc::kMaxExperts) && hidden > 0 && inter > 0 &&
            hidden % pc::kKBlock == 0 && inter % pc::kKBlock == 0 && stages >= 1 &&
            stages <= static_cast<int>(util::kMaxStages) && token_stages >= 1 &&
            token_stages <= static_cast<int>(pc::kMaxTokenStages) && tile && claim >= pc::kStridedExperts &&
            claim <= pc::kDynamic && phases >= pc::kPhaseL1 && phases <= pc::kPhaseBoth &&
-           (w13_boxes == 1 || w13_boxes == pc::kW13Groups) &&
-           (l1_halves == 0 || (l1_halves == 1 && pairs != nullptr && inter <= hidden));  // halves park in `out`'s rows
+           (w13_boxes == 1 || w13_boxes == pc::kW13Groups);
 }
 
 // The weight loader (one thread): every step's weight tile, in the schedule's order. An L1 tile is one copy of the
@@ -88,9 +83,9 @@ __device__ void load_weights(util::StagePipeline& pipe, unsigned char* ring, con
     util::Cursor c;
     for (u32 i = walk.first(s, watch); i < s.total; i = walk.next(i, s, watch)) {
         const pc::Unit u = s.unit(i, a);
-        const u32 kblocks = s.kblocks(u.gemm), h0 = s.first_half(u);
+        const u32 kblocks = s.kblocks(u.gemm);
         for (u32 p = 0; p < s.passes(u); ++p)
-            for (u32 h = h0; h < h0 + s.halves(u); ++h)
+            for (u32 h = 0; h < s.halves(u.gemm); ++h)
                 for (u32 kb = 0; kb < kblocks; ++kb) {
                     pipe.acquire(c, watch.limit_ns, pc::StageFault{watch, pc::kFaultWeightSlot});
                     pipe.commit(c, pc::kWeightStageBytes);
@@ -162,7 +157,7 @@ __device__ void load_tokens(util::StagePipeline& pipe, unsigned char* tiles, flo
         }
         const TensorMap* map = l1 ? src.rows_map : src.act_map;
         const float* sf = l1 ? src.rows_sf : src.act_sf;
-        const u32 kblocks = s.kblocks(u.gemm), halves = s.halves(u);
+        const u32 kblocks = s.kblocks(u.gemm), halves = s.halves(u.gemm);
         for (u32 p = 0; p < s.passes(u); ++p) {
             const pc::Pass pass = s.pass(u, p);
             const u32 boxes = (pass.rows + pc::kTokenBoxRows - 1) / pc::kTokenBoxRows;
@@ -210,9 +205,7 @@ __device__ void finish(unsigned* sync, u32 experts) {
 //   act [P, I] e4m3, out [P, H] bf16: the groups' real rows written, others untouched
 //   sync [E + 2]: zeros before the first launch (see the top); timeline [grid, kTimelineWords] u64 or null
 //   wait_limit_ns: how long any wait may take; fault_record: where a block that gives up leaves its record (above)
-//   stages, token_stages, tile_cap, claim, phases, w13_boxes, l1_halves: the variants (persistent_schedule.cuh)
-//   pairs [P / 8 * I / 128] (l1_halves; else null): the halves' tickets, zeros before the first launch (each pair's
-//     later half zeroes its ticket again); l1_halves needs inter <= hidden
+//   stages, token_stages, tile_cap, claim, phases, w13_boxes: the variants (persistent_schedule.cuh)
 // Launch: grid <= the SM count (static claims: every block resident at once), block pc::kThreads (384),
 // pc::launch_shared_bytes(stages, token_stages, tile_cap) bytes of dynamic shared memory; hidden % 128 == 0,
 // inter % 128 == 0, E <= pc::kMaxExperts.
@@ -240,8 +233,6 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     const int claim = arg<int>(args.claim);
     const int phases = arg<int>(args.phases);
     const int w13_boxes = arg<int>(args.w13_boxes);
-    const int l1_halves = arg<int>(args.l1_halves);
-    auto* pairs = arg<unsigned*>(args.pairs);
     const long long wait_limit_ns = arg<long long>(args.wait_limit_ns);
     const unsigned long long fault_record = arg<unsigned long long>(args.fault_record);
     auto* timeline = arg<unsigned long long*>(args.timeline);
@@ -252,8 +243,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     __shared__ pc::MathTimes times;
     extern __shared__ unsigned char dynamic_shared[];
     const pc::Watch watch{fault_record, static_cast<u64>(wait_limit_ns)};
-    if (!arguments_fit(experts, hidden, inter, stages, token_stages, tile_cap, claim, phases, w13_boxes, l1_halves,
-                       pairs))
+    if (!arguments_fit(experts, hidden, inter, stages, token_stages, tile_cap, claim, phases, w13_boxes))
         pc::raise_fault(watch, pc::kFaultArguments, 0, 0, 0);
     const u32 warp = threadIdx.x / pc::kWarp, lane = threadIdx.x % pc::kWarp;
     const u32 depth = static_cast<u32>(stages), token_depth = static_cast<u32>(token_stages),
@@ -271,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     if (warp == 0) pc::build_active(active, counts, group_end, static_cast<u32>(experts), watch);
     __syncthreads();
     const pc::Schedule s = pc::make_schedule(active, static_cast<u64>(hidden), static_cast<u64>(inter), cap, claim,
-                                             phases, static_cast<u32>(l1_halves));
+                                             phases);
     unsigned* ticket = sync + experts + 1;
     if (warp >= pc::kMathWarps) {
         ptx::setmaxnreg_dec<pc::kLoaderRegisters>();
@@ -290,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
                              reinterpret_cast<const float*>(smem + layout.token_scales),
                              reinterpret_cast<float*>(smem + layout.amax), &weight_pipe, &token_pipe, depth,
                              token_depth, watch, w13_sf, w2_sf, static_cast<u64>(sf_stride), act, act_sf, out,
-                             sync, pairs};
+                             sync};
         pc::run_math(m, s, active, pc::UnitWalk<false>{&claims, nullptr}, times);
     }
     __syncthreads();

@@ -5,9 +5,9 @@ on the plans the layer builds (moe_plan_scatter through ExpertCompute.plan):
   relative), and today's decode kernels' rows within it, at 1, 8, 32 and 128 tokens, hidden 4096 and 7168 - with
   experts that have no rows and experts that take several passes; its activation (act, act_sf) matches the
   reference's quantised one; the plan's other rows are left as they were;
-* every variant - fused or an L1 and an L2 launch, each claim order, shallow rings, fewer blocks, w13 in 16 boxes,
-  L1 units of half a chunk - gives the same bits, and narrower token tiles (more passes) the same rows within the
-  tolerance (halves or not, the same bits); a second run gives the same bits, and a CUDA-graph replay the eager
+* every variant - fused or an L1 and an L2 launch, each claim order, shallow rings, fewer blocks, w13 in 16 boxes -
+  gives the same bits, and narrower token tiles (more passes) the same rows within the tolerance; a second run gives
+  the same bits, and a CUDA-graph replay the eager
   call's; w13 in 16 boxes matches the reference on its own;
 * the device timeline: every block wrote its record on its own SM, ran the units the schedule's mirror gives it, in
   time order;
@@ -93,14 +93,9 @@ def test_sixteen_boxes_an_l1_tile_match_the_reference(runtime):
 
 #: Variants whose arithmetic is the default's, step for step: the same bits.
 SAME_BITS = [dict(fused=False), dict(claim="strided_blocks"), dict(claim="blocked"), dict(stages=2, token_stages=1),
-             dict(stages=12, token_stages=3), dict(sms=33), dict(w13_boxes=16),
-             # L1 halves: on neighbouring blocks, in the layer's two launches, one after the other on one block
-             # (blocked), a pair split across rounds (an odd grid), passes of 16 rows (several per expert)
-             dict(l1_halves=True), dict(l1_halves=True, fused=False), dict(l1_halves=True, claim="blocked", sms=7),
-             dict(l1_halves=True, sms=33, claim="strided_blocks"),
-             # the dynamic claim: fused and in two launches, fewer blocks than experts' units, with halves
-             dict(claim="dynamic"), dict(claim="dynamic", fused=False), dict(claim="dynamic", sms=7),
-             dict(claim="dynamic", l1_halves=True)]
+             dict(stages=12, token_stages=3), dict(sms=33), dict(w13_boxes=16), dict(claim="blocked", sms=7),
+             # the dynamic claim: fused and in two launches, fewer blocks than experts' units
+             dict(claim="dynamic"), dict(claim="dynamic", fused=False), dict(claim="dynamic", sms=7)]
 
 
 def test_every_variant_gives_the_same_rows(runtime):
@@ -116,8 +111,6 @@ def test_every_variant_gives_the_same_rows(runtime):
         out, _, _ = run(gemm, plan, q13, q2, variant=gemm.with_variant(tile_cap=cap))
         assert rel_error(out[real].float(), base[real].float()) <= TOLERANCE / 10, cap
         assert rel_error(out[real].float(), ref) <= TOLERANCE, cap
-        halves, _, _ = run(gemm, plan, q13, q2, variant=gemm.with_variant(tile_cap=cap, l1_halves=True))
-        assert torch.equal(halves[real], out[real]), ("halves, several passes an expert", cap)
 
 
 def test_a_graph_replay_gives_the_eager_calls_rows(runtime):
@@ -139,13 +132,12 @@ def test_a_graph_replay_gives_the_eager_calls_rows(runtime):
 
 def test_the_timeline_holds_each_blocks_units(runtime):
     plan, _, q13, q2, _, gemm = setup(runtime, 4096, 32)
-    for variant in (gemm.variant, gemm.with_variant(claim="blocked", sms=40), gemm.with_variant(l1_halves=True)):
+    for variant in (gemm.variant, gemm.with_variant(claim="blocked", sms=40)):
         grid = gemm.grid(variant)
         timeline = torch.zeros((grid, TIMELINE_WORDS), dtype=torch.int64, device=plan.rows.device)
         run(gemm, plan, q13, q2, variant=variant, timeline=timeline)
         rec = timeline.cpu()
-        blocks = block_units(plan.counts.tolist(), hidden=4096, inter=INTER, claim=variant.claim, grid=grid,
-                             l1_halves=variant.l1_halves)
+        blocks = block_units(plan.counts.tolist(), hidden=4096, inter=INTER, claim=variant.claim, grid=grid)
         assert [int(r[5]) for r in rec] == [sum(g == "L1" for g, _, _ in units) for units in blocks]
         assert [int(r[6]) for r in rec] == [sum(g == "L2" for g, _, _ in units) for units in blocks]
         assert len(set(rec[:, 7].tolist())) == grid, "one block per SM"

@@ -71,7 +71,7 @@ def test_the_constants_are_the_headers():
                       "blocked": constant("kBlocked"), "dynamic": constant("kDynamic")}
     assert TIMELINE_WORDS == constant("kTimelineWords", KERNEL)
     kinds = {"kFaultArguments": 1, "kFaultGroupStart": 2, "kFaultWeightSlot": 3, "kFaultTokenSlot": 4,
-             "kFaultWeightStage": 5, "kFaultTokenStage": 6, "kFaultL1Units": 7, "kFaultL1Half": 8,
+             "kFaultWeightStage": 5, "kFaultTokenStage": 6, "kFaultL1Units": 7,
              "kFaultClaimSlot": 9, "kFaultClaim": 10}
     assert {name: constant(name) for name in kinds} == kinds and set(FAULT_KINDS) == set(kinds.values())
 
@@ -248,11 +248,6 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     assert first["args"]["act"] is second["args"]["act"], "L2 reads what L1 wrote"
     gemm(plan, w13, w2, out, variant=gemm.with_variant(w13_boxes=16))
     assert library.launches[-1]["args"]["w13_boxes"] == 16
-    assert library.launches[-1]["args"]["l1_halves"] == 0 and library.launches[-1]["args"]["pairs"] is None
-    gemm(plan, w13, w2, out, variant=gemm.with_variant(l1_halves=True))
-    pairs = library.launches[-1]["args"]["pairs"]
-    assert library.launches[-1]["args"]["l1_halves"] == 1 and pairs is gemm.pairs
-    assert pairs.numel() == P // 8 * (INTER // 128) and not pairs.any(), "zeros: one ticket per 8 rows and chunk"
     w13_map = next(m for m in encoded if m.box == (128, 8, 1, 1, 1))
     assert w13_map.dims == (H, 8, INTER // 8, 2, E) and w13_map.strides == (H, 8 * H, INTER * H, 2 * INTER * H)
 
@@ -261,7 +256,7 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     (dict(stages=0), "stages"), (dict(stages=MAX_STAGES + 1), "stages"), (dict(stages=True), "stages"),
     (dict(token_stages=9), "token_stages"), (dict(tile_cap=128), "tile_cap"), (dict(tile_cap=12), "tile_cap"),
     (dict(claim="atomic"), "claim"), (dict(fused=1), "fused"), (dict(sms=133), "sms"), (dict(sms=0), "sms"),
-    (dict(w13_boxes=2), "w13_boxes"), (dict(w13_boxes=True), "w13_boxes"), (dict(l1_halves=1), "l1_halves"),
+    (dict(w13_boxes=2), "w13_boxes"), (dict(w13_boxes=True), "w13_boxes"),
     (dict(stages=14), "stages"),  # 14 x 16 KB + the token stages: over the H100's 227 KB
 ])
 def test_a_bad_variant_is_refused(change, field):
@@ -300,9 +295,6 @@ def test_bad_arguments_are_refused_before_any_launch(encoded):
     (lambda lib: PersistentGemm(lib, config(), 0), "experts_per_rank"),
     (lambda lib: PersistentGemm(lib, config(), 4, wait_limit_ns=0), "wait_limit_ns"),
     (lambda lib: PersistentGemm(lib, config(), 4, variant=PersistentVariant(stages=40)), "stages"),
-    # the halves meet in the output's rows: 2 I bytes a row of 2 H
-    (lambda lib: PersistentGemm(lib, config(intermediate=640), 4, variant=PersistentVariant(l1_halves=True)),
-     "l1_halves"),
 ])
 def test_a_config_the_kernel_cannot_run_is_refused(make, field):
     with pytest.raises(ChunkringUsageError) as info:
@@ -335,8 +327,8 @@ def test_a_layer_the_decode_path_cannot_run_is_named_before_any_build(changes, e
 def test_a_layer_runs_one_launch_whose_blocks_wait_only_for_running_ones():
     """LAYER_VARIANT: one launch, its units handed out by the dynamic claim - its L2 units wait for L1 units that
     running blocks hold, so it needs no block resident beside another, as a layer that shares its GPU (ranks under
-    MPS, a partition's pull, the caller's kernels) cannot have; whole L1 units (halves measure slower)."""
-    assert LAYER_VARIANT.fused and LAYER_VARIANT.claim == "dynamic" and LAYER_VARIANT.l1_halves is False
+    MPS, a partition's pull, the caller's kernels) cannot have."""
+    assert LAYER_VARIANT.fused and LAYER_VARIANT.claim == "dynamic"
     LAYER_VARIANT.check(H100["multiprocessor_count"], H100["max_shared_memory_per_block_optin"])
 
 

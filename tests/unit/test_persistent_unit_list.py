@@ -1,6 +1,6 @@
 """The persistent consumer's unit list as its host mirror gives it (chunkring.moe._engine.persistent block_units, the
 mirror of chunkring/moe/persistent_schedule.cuh's Schedule): every unit to one block, L1 before L2 in each block's
-list, the claim orders as the header writes them, and L1 halves as two adjacent units of one chunk."""
+list, the claim orders as the header writes them."""
 
 import pytest
 
@@ -35,14 +35,3 @@ def test_the_claim_orders_are_the_headers():
     blocked = block_units(counts, hidden=256, inter=256, claim="blocked", grid=2, phases=1)
     assert blocked == [[("L1", 0, 0), ("L1", 0, 1), ("L1", 1, 0)], [("L1", 1, 1), ("L1", 2, 0), ("L1", 2, 1)]]
 
-
-@pytest.mark.parametrize("claim", sorted(CLAIMS))
-def test_l1_halves_lists_each_chunk_as_two_adjacent_halves(claim):
-    counts, hidden, inter = [3, 0, 70, 1], 512, 384
-    whole = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=1)[0]
-    halves = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=1, l1_halves=True)[0]
-    doubled = [unit for unit in whole for _ in range(2 if unit[0] == "L1" else 1)]
-    assert halves == doubled
-    if claim != "blocked":  # strided: a pair's halves run side by side on neighbouring blocks
-        pairs = block_units(counts, hidden=hidden, inter=inter, claim=claim, grid=2, l1_halves=True)
-        assert [u for u in pairs[0] if u[0] == "L1"] == [u for u in pairs[1] if u[0] == "L1"]

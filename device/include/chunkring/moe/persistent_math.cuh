@@ -51,7 +51,6 @@ struct MathArgs {
     float* act_sf;                 // [I / 128, P]
     __nv_bfloat16* out;            // [P, H]
     unsigned* done;                // [E]: the expert's quantised L1 passes in this launch
-    unsigned* pairs;               // l1_halves: [P / 8 * I / 128] the halves' tickets (exchange_halves), else null
 };
 
 // A math thread's place: warpgroup, warp in it, and its fragment coordinates (ptx/wgmma.cuh).
@@ -158,73 +157,6 @@ __device__ __forceinline__ void quantise(const MathArgs& m, const Schedule& s, c
     ptx::named_barrier_sync(kMathBarrier, kMathThreads);  // every warp read `amax` before the next pass rewrites it
 }
 
-// A half unit's pass meets the chunk's other half (the same expert, chunk and pass, on this block or another) to
-// quantise the chunk's 1x128 blocks, which span both. The pair's ticket, pairs[row0 / 8 * I / 128 + chunk] (row0
-// is unique to the pass), orders them: the first to take it parks its SwiGLU values (fp32, the thread's own column
-// and tokens) in the pass's rows of `out` - 2 I bytes a row, which L2 overwrites only after every L1 pass of the
-// expert released them - and adds 1 with release; the second waits for that add (an acquire: from a block that has
-// already arrived and waits for nothing, so no residency is needed), zeroes the ticket for the next launch, reads the
-// parked values into v's other half and quantises as a whole unit would, with the same values.
-__device__ __forceinline__ u32* pair_ticket(const MathArgs& m, const Schedule& s, const Unit& u, const Pass& p) {
-    return m.pairs + static_cast<u64>(p.row0 / kTokenBoxRows) * s.chunks() + u.block;
-}
-
-// Every math thread: whether this half arrived first (the ticket taken by thread 0, for all).
-__device__ __forceinline__ bool take_ticket(u32* ticket) {
-    __shared__ u32 seen;
-    if (threadIdx.x == 0) seen = ptx::atom_add_acq_rel_gpu(ticket, 1);
-    ptx::named_barrier_sync(kMathBarrier, kMathThreads);
-    const bool first = seen == 0;
-    ptx::named_barrier_sync(kMathBarrier, kMathThreads);  // every thread read it before a later ticket rewrites it
-    return first;
-}
-
-// The second half: waits until the first released its parked values (3: both tickets taken and the first's add),
-// then zeroes the ticket (nothing else touches it in this launch: the first's add was its last).
-__device__ __forceinline__ void wait_for_first(u32* ticket, const Watch& watch, u32 expert) {
-    if (threadIdx.x == 0) {
-        if (ptx::ld_acquire_gpu(ticket) != 3) {
-            const u64 start = ptx::globaltimer_ns();
-            while (ptx::ld_acquire_gpu(ticket) != 3)
-                if (ptx::globaltimer_ns() - start > watch.limit_ns)
-                    raise_fault(watch, kFaultL1Half, expert, 0, ptx::ld_acquire_gpu(ticket));
-        }
-        ptx::st_relaxed_gpu(ticket, 0);
-    }
-    ptx::named_barrier_sync(kMathBarrier, kMathThreads);  // thread 0's acquire, for every thread's reads after it
-}
-
-// Returns whether this half quantises the chunk (the second), with the first's values in v's other half.
-template <u32 N>
-__device__ __forceinline__ bool exchange_halves(const MathArgs& m, const Schedule& s, const Unit& u, const Pass& p,
-                                                float (&v)[2][N / 4]) {
-    const MathLane l = math_lane();
-    u32* ticket = pair_ticket(m, s, u, p);
-    // This thread's parked values: its column of the half, in the chunk's 64 floats of each row (hidden / 2 a row).
-    float* parked = reinterpret_cast<float*>(m.out + static_cast<u64>(p.row0) * s.hidden) + u.block * (kKBlock / 2) +
-                    32 * l.wg + 8 * l.in_wg + l.g;
-    const u32 row_floats = s.hidden / 2;
-    if (take_ticket(ticket)) {
-#pragma unroll
-        for (u32 i = 0; i < N / 4; ++i) {
-            const u32 token = 8 * (i / 2) + 2 * l.t + i % 2;
-            if (token < p.rows) parked[token * row_floats] = u.half == 0 ? v[0][i] : v[1][i];  // constant indices
-        }
-        ptx::fence_acq_rel_gpu();  // every thread's parked values, before thread 0's release below
-        ptx::named_barrier_sync(kMathBarrier, kMathThreads);
-        if (threadIdx.x == 0) ptx::red_add_release_gpu(ticket, 1);
-        return false;
-    }
-    wait_for_first(ticket, m.watch, u.expert);
-#pragma unroll
-    for (u32 i = 0; i < N / 4; ++i) {
-        const u32 token = 8 * (i / 2) + 2 * l.t + i % 2;
-        const float other = token < p.rows ? parked[token * row_floats] : 0.0f;
-        if (u.half == 0) v[1][i] = other; else v[0][i] = other;
-    }
-    return true;
-}
-
 // After a pass quantised a chunk's activation rows: they go to whichever block runs the expert's L2 units - every
 // thread's stores fenced for the copy engine (which reads them) and for the GPU, the warpgroups' barrier, then one
 // add with release to the expert's counter (the token loader's wait_l1 acquires it).
@@ -235,16 +167,15 @@ __device__ __forceinline__ void release_l1(const MathArgs& m, const Unit& u) {
     if (threadIdx.x == 0) ptx::red_add_release_gpu(m.done + u.expert, 1);
 }
 
-// One pass of a unit with token tile N: its steps (L1: its halves, each over H / 128 k blocks; L2: I / 128), then its
-// epilogue. The weight scales of the next k block load while the current step waits.
+// One pass of a unit with token tile N: its steps (L1: its two halves, each over H / 128 k blocks; L2: I / 128), then
+// its epilogue. The weight scales of the next k block load while the current step waits.
 template <u32 kGemm, u32 N>
 __device__ __forceinline__ void run_pass(const MathArgs& m, const Schedule& s, const Unit& u, const Pass& p,
                                       util::Cursor& wc, util::Cursor& tc) {
-    const u32 kblocks = s.kblocks(kGemm), h0 = s.first_half(u), halves = s.halves(u);
+    const u32 kblocks = s.kblocks(kGemm);
     float v[2][N / 4];  // L1: SwiGLU of each half
 #pragma unroll
     for (u32 h = 0; h < (kGemm == kL1 ? 2 : 1); ++h) {  // unrolled: v's index a constant
-        if (h < h0 || h >= h0 + halves) continue;
         const float* lo;  // the unit's scale row(s) at k block 0
         const float* hi;
         if constexpr (kGemm == kL1) {
@@ -278,10 +209,8 @@ __device__ __forceinline__ void run_pass(const MathArgs& m, const Schedule& s, c
         }
     }
     if constexpr (kGemm == kL1) {
-        if (halves == 2 || exchange_halves<N>(m, s, u, p, v)) {
-            quantise<N>(m, s, u, p, v);
-            release_l1(m, u);
-        }
+        quantise<N>(m, s, u, p, v);
+        release_l1(m, u);
     }
 }
 

@@ -7,9 +7,6 @@
 //                               w13, in two halves of 64 columns; one 1x128 scale block of the activation, so the
 //                               unit quantises its own rows' activations (no other unit holds part of the block)
 //   L2 unit (expert, row block) output columns [128 rb, 128 rb + 128): 128 rows of w2
-// With `l1_halves` an L1 unit is one half (64 columns, 128 rows of w13): 512 KB at flash's hidden, so that a call of
-// few experts spreads its L1 bytes over every SM. The two halves of a chunk, adjacent in the list, then share the
-// chunk's 1x128 scale block: the later of the two quantises both (persistent_math.cuh exchange_halves).
 // A unit runs over its expert's rows in passes of at most `tile_cap` rows, each pass one token tile of N = 8, 16, 32
 // or 64 (the smallest that holds its rows); a pass streams the unit's weights again (the unit's passes run back
 // to back on one block, so a second pass finds them in the L2 cache).
@@ -67,7 +64,6 @@ constexpr int kBlocked = 2;         // claim: one contiguous share of the list p
 constexpr int kDynamic = 3;         // claim: the list in order, each unit to the block that takes the next ticket
 constexpr int kPhaseL1 = 1, kPhaseL2 = 2, kPhaseBoth = 3;  // phases: bit 0 the L1 units, bit 1 the L2 units
 constexpr u32 kL1 = 0, kL2 = 1;     // a unit's GEMM
-constexpr u32 kBothHalves = 2;      // an L1 unit's `half` when it is the whole chunk (no l1_halves)
 
 // The token tile of a pass of `rows` rows (1 .. kMaxTile): the smallest wgmma N that holds them.
 constexpr __host__ __device__ u32 tile_for(u32 rows) { return rows <= 8 ? 8 : rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }
@@ -104,7 +100,7 @@ static_assert(launch_shared_bytes(10, 4, 64) == 200704 && launch_shared_bytes(12
 //   bits 0-7 kind, 8-19 block, 20-29 thread, 30 parity, 31-46 what (a stage, or an expert), 47-62 seen (a count)
 // What a block waited for (append-only, persistent.py FAULT_KINDS); never 0, so a written word is never 0.
 constexpr u32 kFaultArguments = 1, kFaultGroupStart = 2, kFaultWeightSlot = 3, kFaultTokenSlot = 4,
-              kFaultWeightStage = 5, kFaultTokenStage = 6, kFaultL1Units = 7, kFaultL1Half = 8, kFaultClaimSlot = 9,
+              kFaultWeightStage = 5, kFaultTokenStage = 6, kFaultL1Units = 7, kFaultClaimSlot = 9,
               kFaultClaim = 10;
 
 constexpr __host__ __device__ u64 fault_word(u32 kind, u32 block, u32 thread, u32 parity, u32 what, u32 seen) {
@@ -177,7 +173,6 @@ struct Unit {
     u32 gemm;    // kL1 or kL2
     u32 expert;  // its local expert
     u32 block;   // L1: the 128-column chunk of the intermediate; L2: the 128-row block of w2 (output columns)
-    u32 half;    // L1: 0 or 1, the chunk's half this unit computes, or kBothHalves; L2: kBothHalves
     u32 first;   // the expert's first plan row
     u32 rows;    // and its row count
 };
@@ -194,16 +189,12 @@ struct Schedule {
     u32 l1_units, total;  // L1 units first, then L2 units
     u32 active;
     int claim;
-    u32 l1_halves;  // 1: an L1 unit is half a chunk
 
     __device__ __forceinline__ u32 chunks() const { return inter / kKBlock; }        // L1 units an expert
     __device__ __forceinline__ u32 row_blocks() const { return hidden / kTileRows; }  // L2 units an expert
     __device__ __forceinline__ u32 kblocks(u32 gemm) const { return (gemm == kL1 ? hidden : inter) / kKBlock; }
-    // The halves of a unit's steps: [first_half, first_half + halves) (L2: one)
-    __device__ __forceinline__ u32 halves(const Unit& u) const {
-        return u.gemm == kL1 && u.half == kBothHalves ? 2 : 1;
-    }
-    __device__ __forceinline__ u32 first_half(const Unit& u) const { return u.half == kBothHalves ? 0 : u.half; }
+    // The 64-column halves of a pass's steps (L2: one)
+    __device__ __forceinline__ u32 halves(u32 gemm) const { return gemm == kL1 ? 2 : 1; }
     // How many quantised L1 passes release an expert of `rows` rows to its L2 units: one per chunk and pass.
     __device__ __forceinline__ u32 l1_releases(u32 rows) const { return chunks() * ((rows + tile_cap - 1) / tile_cap); }
     __device__ __forceinline__ u32 passes(const Unit& u) const { return (u.rows + tile_cap - 1) / tile_cap; }
@@ -225,22 +216,21 @@ struct Schedule {
         return u + 1 < blocked_begin(blockIdx.x + 1) ? u + 1 : total;
     }
 
-    // Unit `u` (< total) of the list: with l1_halves the two halves of each (expert, chunk), adjacent.
+    // Unit `u` (< total) of the list.
     __device__ __forceinline__ Unit unit(u32 u, const Active& a) const {
         const u32 gemm = u < l1_units ? kL1 : kL2;
-        const bool split = gemm == kL1 && l1_halves;
-        const u32 within = gemm == kL1 ? (split ? u / 2 : u) : u - l1_units;
+        const u32 within = gemm == kL1 ? u : u - l1_units;
         const u32 per = gemm == kL1 ? chunks() : row_blocks();
         const u32 slot = claim == kStridedBlocks ? within % active : within / per;
         const u32 block = claim == kStridedBlocks ? within / active : within % per;
-        return Unit{gemm, a.expert[slot], block, split ? u % 2 : kBothHalves, a.first[slot], a.rows[slot]};
+        return Unit{gemm, a.expert[slot], block, a.first[slot], a.rows[slot]};
     }
 };
 
 __device__ __forceinline__ Schedule make_schedule(const Active& a, u64 hidden, u64 inter, u32 tile_cap, int claim,
-                                                  int phases, u32 l1_halves) {
-    Schedule s{static_cast<u32>(hidden), static_cast<u32>(inter), tile_cap, 0, 0, a.count, claim, l1_halves};
-    s.l1_units = (phases & kPhaseL1) ? a.count * s.chunks() * (l1_halves ? 2 : 1) : 0;
+                                                  int phases) {
+    Schedule s{static_cast<u32>(hidden), static_cast<u32>(inter), tile_cap, 0, 0, a.count, claim};
+    s.l1_units = (phases & kPhaseL1) ? a.count * s.chunks() : 0;
     s.total = s.l1_units + ((phases & kPhaseL2) ? a.count * s.row_blocks() : 0);
     return s;
 }

@@ -92,12 +92,10 @@ class ProduceChunkArgs(ArgStruct):
 
 class PersistentGemmArgs(ArgStruct):
     """``moe_persistent_gemm``: everything but its four tensor maps (passed by value beside it): the scales, the plan's
-    groups, the shapes, the activation and output, the L1 -> L2 counters, the variant (and the L1 halves' tickets), the
-    wait limit and where a block that gives up leaves its fault."""
+    groups, the shapes, the activation and output, the L1 -> L2 counters, the variant, the wait limit and where a block that gives up leaves its fault."""
 
     FIELDS = """const float* w13_sf, const float* w2_sf, const float* rows_sf, float* act_sf, const unsigned* counts,
                 const int* group_end, int experts, long long hidden, long long inter, long long sf_stride,
                 __nv_fp8_e4m3* act, __nv_bfloat16* out, unsigned* sync, int stages, int token_stages, int tile_cap,
-                int claim, int phases, int w13_boxes, int l1_halves, CHUNKRING_NULLABLE unsigned* pairs,
-                long long wait_limit_ns, unsigned long long fault_record,
+                int claim, int phases, int w13_boxes, long long wait_limit_ns, unsigned long long fault_record,
                 CHUNKRING_NULLABLE unsigned long long* timeline"""

@@ -58,8 +58,7 @@ TIMELINE_WORDS = 8
 #: What a faulting block waited for (persistent_schedule.cuh kFault*).
 FAULT_KINDS = {1: "arguments out of range", 2: "a group not starting on 8 rows", 3: "weight loader: a free stage",
                4: "token loader: a free stage", 5: "math: a weight stage", 6: "math: a token stage",
-               7: "token loader: the expert's L1 units", 8: "math: the other half of an L1 chunk",
-               9: "weight loader: a free claim slot", 10: "token loader or math: a claimed unit"}
+               7: "token loader: the expert's L1 units", 9: "weight loader: a free claim slot", 10: "token loader or math: a claimed unit"}
 #: How long any of the kernel's waits may take before it records a fault and traps.
 DEFAULT_WAIT_LIMIT_NS = 10_000_000_000
 #: Tensor maps of per-call tensors kept (by address and shape), so a call whose tensors land where an earlier call's
@@ -103,9 +102,7 @@ class PersistentVariant:
     """One launch configuration: ``stages`` weight stages of 16 KB in flight per SM, ``token_stages`` token stages,
     passes of at most ``tile_cap`` rows (one of :data:`TILE_TOKENS`), the ``claim`` order (:data:`CLAIMS`), ``fused``
     (one launch whose L2 units wait for their expert's L1 units) or an L1 launch then an L2 launch, ``sms`` blocks
-    (None: one per SM), ``w13_boxes`` copies per L1 tile (1 or 16: :func:`w13_view`), and ``l1_halves``: L1 units of
-    half a chunk (64 intermediate columns; the later half of each pair quantises both), which spread a call of few
-    experts over more SMs; it needs ``intermediate <= hidden`` (the halves meet in ``out``'s rows)."""
+    (None: one per SM) and ``w13_boxes`` copies per L1 tile (1 or 16: :func:`w13_view`)."""
 
     stages: int = 8
     token_stages: int = 4
@@ -114,7 +111,6 @@ class PersistentVariant:
     fused: bool = True
     sms: int | None = None
     w13_boxes: int = 1
-    l1_halves: bool = False
 
     def shared_bytes(self) -> int:
         return shared_bytes(self.stages, self.token_stages, self.tile_cap)
@@ -130,9 +126,8 @@ class PersistentVariant:
             raise ChunkringUsageError(f"expected one of {TILE_TOKENS}, got {self.tile_cap!r}", field="tile_cap")
         if self.claim not in CLAIMS:
             raise ChunkringUsageError(f"expected one of {sorted(CLAIMS)}, got {self.claim!r}", field="claim")
-        for name in ("fused", "l1_halves"):
-            if not isinstance(getattr(self, name), bool):
-                raise ChunkringUsageError(f"expected a bool, got {getattr(self, name)!r}", field=name)
+        if not isinstance(self.fused, bool):
+            raise ChunkringUsageError(f"expected a bool, got {self.fused!r}", field="fused")
         if self.w13_boxes not in W13_BOXES or isinstance(self.w13_boxes, bool):
             raise ChunkringUsageError(f"expected one of {sorted(W13_BOXES)}, got {self.w13_boxes!r}", field="w13_boxes")
         if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int)
@@ -149,8 +144,7 @@ class PersistentVariant:
 #: L1 units, the units handed out in list order from the launch's ticket (the dynamic claim), so that a wait is only
 #: ever for units running blocks hold - whether or not every block is resident, which is not so where ranks share a
 #: GPU, a partition's pull spins on some SMs, or a caller's kernels run beside the layer's (docs/PERFORMANCE.md, "The
-#: decode path"). Whole L1 units: halves measure slower in both launch forms (docs/PERFORMANCE.md, "L1 units of half a
-#: chunk").
+#: decode path").
 LAYER_VARIANT = PersistentVariant(claim="dynamic")
 
 
@@ -176,11 +170,11 @@ def check_persistent_config(config: MoEConfig, experts_per_rank: int, arch: str 
                                   field="experts_per_rank")
 
 
-def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid: int, phases: int = _PHASE_BOTH,
-                l1_halves: bool = False) -> list[list[tuple[str, int, int]]]:
+def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid: int,
+                phases: int = _PHASE_BOTH) -> list[list[tuple[str, int, int]]]:
     """Each block's units in the order it runs them, as persistent_schedule.cuh's Schedule lists and claims them (a
     mirror: the tests check it, the benchmark reports each block's weight bytes from it): ("L1", expert, chunk) or
-    ("L2", expert, row block); with ``l1_halves`` each L1 unit twice, its two halves, adjacent. ``counts``: each local
+    ("L2", expert, row block). ``counts``: each local
     expert's rows; ``phases``: the launch's (1: L1 units, 2: L2 units, 3: both). The ``dynamic`` claim's units go to
     whichever block asks first: given as the blocks take them asking in turn (``strided_experts``' shares)."""
     active = [e for e, rows in enumerate(counts) if rows > 0]
@@ -192,7 +186,7 @@ def block_units(counts: list[int], *, hidden: int, inter: int, claim: str, grid:
         for within in range(len(active) * per[gemm]):
             slot, block = ((within % len(active), within // len(active)) if claim == "strided_blocks"
                            else (within // per[gemm], within % per[gemm]))
-            units.extend([(gemm, active[slot], block)] * (2 if gemm == "L1" and l1_halves else 1))
+            units.append((gemm, active[slot], block))
     if claim == "blocked":
         return [units[len(units) * b // grid:len(units) * (b + 1) // grid] for b in range(grid)]
     return [units[b::grid] for b in range(grid)]
@@ -235,24 +229,10 @@ class PersistentGemm:
         self.sync = torch.zeros(experts_per_rank + 2, dtype=torch.int32, device=device)
         # Host memory, which a trap leaves readable: the kernel's fault word (fault_of).
         self.fault_word = torch.zeros(1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
-        # l1_halves's tickets, one per (8 plan rows, chunk): zeros, made for the first plan of P rows that needs them,
-        # and each pair's later half zeroes its own again.
-        self.pairs: torch.Tensor | None = None
         self._maps: OrderedDict[TiledArguments, bytes] = OrderedDict()
 
     def _check_variant(self, v: PersistentVariant) -> None:
         v.check(self.sm_count, self.shared_limit)
-        if v.l1_halves and self.config.intermediate > self.config.hidden:
-            raise ChunkringUsageError(f"L1 halves meet in the output's rows, which need intermediate "
-                                      f"({self.config.intermediate}) <= hidden ({self.config.hidden})",
-                                      field="l1_halves")
-
-    def _pairs_for(self, P: int) -> torch.Tensor:
-        """l1_halves's tickets for plans of ``P`` rows (persistent_math.cuh exchange_halves)."""
-        need = -(-P // 8) * (self.config.intermediate // WEIGHT_BLOCK)
-        if self.pairs is None or self.pairs.numel() < need:
-            self.pairs = torch.zeros(need, dtype=torch.int32, device=self.sync.device)
-        return self.pairs
 
     def __repr__(self) -> str:
         c = self.config
@@ -332,8 +312,7 @@ class PersistentGemm:
                     w13_sf=w13.scale, w2_sf=w2.scale, rows_sf=plan.rows_sf, act_sf=act_sf, counts=plan.counts,
                     group_end=plan.group_end, experts=E, hidden=H, inter=inter, sf_stride=P, act=act, out=out,
                     sync=self.sync, stages=v.stages, token_stages=v.token_stages, tile_cap=v.tile_cap,
-                    claim=CLAIMS[v.claim], phases=phases, w13_boxes=v.w13_boxes, l1_halves=int(v.l1_halves),
-                    pairs=self._pairs_for(P) if v.l1_halves else None, wait_limit_ns=self.wait_limit_ns,
+                    claim=CLAIMS[v.claim], phases=phases, w13_boxes=v.w13_boxes, wait_limit_ns=self.wait_limit_ns,
                     fault_record=self.fault_word.data_ptr(), timeline=timeline),
                 grid=grid, block=PERSISTENT_THREADS, shared_bytes=v.shared_bytes(), stream=stream)
         return act, act_sf

@@ -92,7 +92,8 @@ class ProduceChunkArgs(ArgStruct):
 
 class PersistentGemmArgs(ArgStruct):
     """``moe_persistent_gemm``: everything but its four tensor maps (passed by value beside it): the scales, the plan's
-    groups, the shapes, the activation and output, the L1 -> L2 counters, the variant, the wait limit and where a block that gives up leaves its fault."""
+    groups, the shapes, the activation and output, the L1 -> L2 counters, the variant, the wait limit and where a block
+    that gives up leaves its fault."""
 
     FIELDS = """const float* w13_sf, const float* w2_sf, const float* rows_sf, float* act_sf, const unsigned* counts,
                 const int* group_end, int experts, long long hidden, long long inter, long long sf_stride,

@@ -58,7 +58,8 @@ TIMELINE_WORDS = 8
 #: What a faulting block waited for (persistent_schedule.cuh kFault*).
 FAULT_KINDS = {1: "arguments out of range", 2: "a group not starting on 8 rows", 3: "weight loader: a free stage",
                4: "token loader: a free stage", 5: "math: a weight stage", 6: "math: a token stage",
-               7: "token loader: the expert's L1 units", 9: "weight loader: a free claim slot", 10: "token loader or math: a claimed unit"}
+               7: "token loader: the expert's L1 units", 9: "weight loader: a free claim slot",
+               10: "token loader or math: a claimed unit"}
 #: How long any of the kernel's waits may take before it records a fault and traps.
 DEFAULT_WAIT_LIMIT_NS = 10_000_000_000
 #: Tensor maps of per-call tensors kept (by address and shape), so a call whose tensors land where an earlier call's

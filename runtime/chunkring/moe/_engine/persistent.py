@@ -223,7 +223,7 @@ class PersistentGemm:
         self.sm_count = int(props.multiprocessor_count)
         self.shared_limit = int(props.max_shared_memory_per_block_optin)
         self.variant = variant if variant is not None else PersistentVariant()
-        self._check_variant(self.variant)
+        self.variant.check(self.sm_count, self.shared_limit)
         device = kernels.runtime.torch_device
         # sync[e]: expert e's L1 units done in a launch, sync[E]: blocks done, sync[E + 1]: the dynamic claim's
         # ticket; zeros now, and the kernel's last block zeroes them again for the next launch.
@@ -231,9 +231,6 @@ class PersistentGemm:
         # Host memory, which a trap leaves readable: the kernel's fault word (fault_of).
         self.fault_word = torch.zeros(1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
         self._maps: OrderedDict[TiledArguments, bytes] = OrderedDict()
-
-    def _check_variant(self, v: PersistentVariant) -> None:
-        v.check(self.sm_count, self.shared_limit)
 
     def __repr__(self) -> str:
         c = self.config
@@ -289,7 +286,7 @@ class PersistentGemm:
         with)."""
         v = variant if variant is not None else self.variant
         if v is not self.variant:
-            self._check_variant(v)
+            v.check(self.sm_count, self.shared_limit)
         self.check(plan, w13, w2, out)
         grid = self.grid(v)
         if timeline is not None and (timeline.dtype != torch.int64 or tuple(timeline.shape) != (grid, TIMELINE_WORDS)):
@@ -321,5 +318,5 @@ class PersistentGemm:
     def with_variant(self, **change: Any) -> PersistentVariant:
         """The default variant with ``change`` applied, checked for this GPU."""
         v = replace(self.variant, **change)
-        self._check_variant(v)
+        v.check(self.sm_count, self.shared_limit)
         return v

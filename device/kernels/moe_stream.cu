@@ -274,6 +274,7 @@ extern "C" __global__ void moe_local_scatter(const __grid_constant__ LocalScatte
     // so it is taken before the wait for what that grid writes.
     const LocalCall call = local_call(d, s, arg<int>(args.n_tokens), arg<const int*>(args.valid_tokens), false);
     ptx::wait_prior_grid();
+    ptx::release_dependents();  // the expert work may start: what it reads of this grid's, it reads after its own wait
     const u64 used = moe::rows_in_use(arg<const int*>(args.group_end), static_cast<int>(s.expert_hi - s.expert_lo),
                                       arg<int>(args.block_m));
     auto* row_src = arg<int*>(args.row_src);

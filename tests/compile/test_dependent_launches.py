@@ -8,7 +8,8 @@ checked here statically, without a GPU:
 * a kernel releases its dependents (``release_dependents``) right after its wait, or at its start if it is never
   launched with pdl, so a kernel's launch implies that every kernel two or more ahead of it has completed - which
   is what makes the decode GEMMs' early read of the row counts final;
-* the kernels that release are exactly those that never spin, named here with the reason."""
+* the kernels that release are exactly those that wait for nothing outside their own grid, named here with the
+  reason."""
 
 import ast
 import re
@@ -23,15 +24,21 @@ from tests.helpers.launch_sites import launch_calls
 REPO = Path(__file__).resolve().parents[2]
 WAIT, RELEASE = "ptx::wait_prior_grid();", "ptx::release_dependents();"
 #: The kernels that release their dependents: each runs to its end without waiting for anything but its own
-#: stream (no ring wait, no count to poll), so a dependent's waiting blocks cannot hold it up.
+#: stream (no ring wait, no count to poll) - or, the persistent consumer, for its own blocks, every one of them
+#: started by the time a dependent may be placed - so a dependent's waiting blocks cannot hold it up.
 RELEASING = {"moe_plan_count", "moe_plan_scatter", "moe_decode_l1", "moe_decode_l2", "moe_combine_push",
-             "moe_local_route"}
+             "moe_local_route", "moe_local_scatter", "moe_persistent_gemm"}
 #: The kernels that read before their wait, and the parameters they may touch there: the weights (no kernel writes
 #: them), the row counts (final once the kernel ahead let them start), scalars; the one-rank scatter's call extent
 #: (descriptors and the caller's count, written before the route ahead of it started).
 EARLY_READS = {"moe_decode_l1": {"w13", "w13_sf", "counts", "hidden", "inter", "sf_stride"},
                "moe_decode_l2": {"w2", "w2_sf", "counts", "hidden", "inter", "sf_stride"},
-               "moe_local_scatter": {"desc", "stage", "n_tokens", "valid_tokens"}}
+               "moe_local_scatter": {"desc", "stage", "n_tokens", "valid_tokens"},
+               # the persistent consumer's L2 prefetch: the counts (relaxed) and the weights' maps, its shapes and
+               # variant, and where a bad variant traps to
+               "moe_persistent_gemm": {"w13_map", "w2_map", "counts", "experts", "hidden", "inter", "stages",
+                                       "token_stages", "tile_cap", "claim", "phases", "w13_boxes", "prefetch",
+                                       "wait_limit_ns", "fault_record"}}
 #: What a kernel that waits on another rank or grid calls (protocol/ring.cuh, status.cuh, moe/blocks.cuh).
 SPINS = re.compile(r"\b(spin_until|consume_invocation|begin_chunk|poll_acked|wait_chunk|drain)\s*\(")
 
@@ -72,7 +79,7 @@ def before_wait(body: str) -> str:
 def test_every_dependent_launch_waits_for_the_kernel_ahead_before_touching_what_it_writes():
     bodies, params, launched = kernel_bodies(), kernel_params(), pdl_launches()
     assert launched == {"moe_plan_scatter", "moe_combine_push", "moe_decode_l1", "moe_decode_l2", "moe_ack_held",
-                        "moe_combine_reduce", "moe_local_scatter"}, launched
+                        "moe_combine_reduce", "moe_local_scatter", "moe_persistent_gemm"}, launched
     for name in launched - EARLY_READS.keys():
         assert statements(bodies[name])[0] == WAIT, (name, statements(bodies[name])[:2])
     for name, allowed in EARLY_READS.items():
@@ -80,6 +87,8 @@ def test_every_dependent_launch_waits_for_the_kernel_ahead_before_touching_what_
         assert WAIT in bodies[name], name
         touched = {p for p in params[name] if re.search(rf"\b{p}\b", early)}
         assert touched <= allowed, f"{name} touches {sorted(touched - allowed)} before its wait"
+        if name == "moe_persistent_gemm":  # the weight loader's warp reads the counts by relaxed loads only
+            assert "prefetch_first_unit(counts" in early and not re.search(r"\bcounts\s*\[", early), name
         if not name.startswith("moe_decode"):
             assert "return" not in early, f"{name} ends before its wait"
             continue

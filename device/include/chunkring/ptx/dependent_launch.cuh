@@ -11,8 +11,10 @@
 //   kernel ahead of it has, so what follows in the stream finds every kernel ahead complete.
 // * A kernel releases its dependents only after its own wait_prior_grid (at its start if it is not launched with
 //   pdl): so once a kernel has been let start, every kernel two or more ahead of it in its stream has completed.
-// * Only kernels that never spin release: a dependent's waiting blocks hold SM resources, which a kernel that
-//   waits for other ranks' progress must not leave them to take while it spins.
+// * Only kernels that wait for nothing outside their own grid release: a dependent's waiting blocks hold SM
+//   resources, which a kernel that waits for other ranks' or grids' progress must not leave them to take while it
+//   spins. The persistent decode consumer's waits are for its own blocks, every one of which has started (and
+//   released) before its dependent may be placed.
 #pragma once
 
 namespace chunkring::ptx {

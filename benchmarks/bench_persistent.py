@@ -58,14 +58,10 @@ SWEEPS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "quick": [("s8t4c64", {}), ("split", dict(fused=False)), ("dynamic", dict(claim="dynamic")),
               ("dynamic_noprefetch", dict(claim="dynamic", prefetch=False)),
               ("split_dynamic", dict(claim="dynamic", fused=False))],
-    # The layer's variant (dynamic, fused) with more or fewer bytes in flight - weight stages, L2 requests ahead of
-    # the ring - and narrower passes: where a card's bandwidth asks for more in flight than the H100's did (stages made
-    # no difference there).
+    # The layer's variant (dynamic, fused) with more or fewer bytes in flight and narrower passes: where a card's
+    # bandwidth asks for more in flight than the H100's did (stages made no difference there).
     "stages": [("s8t4c64", {}), ("dynamic", dict(claim="dynamic")),
                ("dynamic_noprefetch", dict(claim="dynamic", prefetch=False)),
-               ("dynamic_ahead8", dict(claim="dynamic", l2_ahead=8)),
-               ("dynamic_ahead16", dict(claim="dynamic", l2_ahead=16)),
-               ("dynamic_ahead32", dict(claim="dynamic", l2_ahead=32)),
                ("dynamic_s4", dict(claim="dynamic", stages=4)),
                ("dynamic_s12t3", dict(claim="dynamic", stages=12, token_stages=3)),
                ("dynamic_c32", dict(claim="dynamic", tile_cap=32))],

@@ -23,8 +23,8 @@
 // Dependent launch (ptx/dependent_launch.cuh): the host launches it with pdl, so its blocks may start while the
 // kernel ahead (the plan's scatter) ends. Until its wait_prior_grid a block touches nothing the call's kernels write:
 // only the weight loader's warp reads the plan's counts - relaxed, and final, since the kernels that write them ran
-// two or more ahead - to ask L2 for the first `stages` + `l2_ahead` weight tiles of the block's first unit
-// (`prefetch`), which then stream in while the scatter ends. After its wait it lets its own dependent (the reduction, or the combine
+// two or more ahead - to ask L2 for the first `stages` weight tiles of the block's first unit (`prefetch`), which
+// then stream in while the scatter ends. After its wait it lets its own dependent (the reduction, or the combine
 // push) start: it waits only for its own blocks, every one of them started by the time that dependent may be placed.
 //
 // Resident blocks: an L2 unit may wait for L1 units of other blocks. Under a static claim those may belong to a block
@@ -71,15 +71,14 @@ constexpr u32 kStartNs = 0, kFirstStageNs = 1, kLastL1Ns = 2, kLastL2Ns = 3, kEn
 // would fail far from the cause).
 __device__ __forceinline__ bool arguments_fit(int experts, long long hidden, long long inter, int stages,
                                               int token_stages, int tile_cap, int claim, int phases, int w13_boxes,
-                                              int prefetch, int l2_ahead) {
+                                              int prefetch) {
     const bool tile = tile_cap == 8 || tile_cap == 16 || tile_cap == 32 || tile_cap == 64;
     return experts >= 1 && experts <= static_cast<int>(pc::kMaxExperts) && hidden > 0 && inter > 0 &&
            hidden % pc::kKBlock == 0 && inter % pc::kKBlock == 0 && stages >= 1 &&
            stages <= static_cast<int>(util::kMaxStages) && token_stages >= 1 &&
            token_stages <= static_cast<int>(pc::kMaxTokenStages) && tile && claim >= pc::kStridedExperts &&
            claim <= pc::kDynamic && phases >= pc::kPhaseL1 && phases <= pc::kPhaseBoth &&
-           (w13_boxes == 1 || w13_boxes == pc::kW13Groups) && (prefetch == 0 || prefetch == 1) && l2_ahead >= 0 &&
-           l2_ahead <= static_cast<int>(pc::kMaxL2Ahead);
+           (w13_boxes == 1 || w13_boxes == pc::kW13Groups) && (prefetch == 0 || prefetch == 1);
 }
 
 // The copies of step (h, kb) of a unit's 16 KB weight tile - L1 (expert, chunk `block`), half h, or L2 (expert, row
@@ -128,31 +127,23 @@ struct L2Prefetch {
     __device__ __forceinline__ void w2(int k, int row) const { ptx::prefetch_tile_2d(w2_map, k, row); }
 };
 
-// The weight loader (one thread): every step's weight tile, in the schedule's order. With `l2_ahead` > 0 it also
-// keeps L2 requests for the next `l2_ahead` steps of the pass in flight beyond the ring: before it waits for a stage
-// for step t, it asks L2 for step t + l2_ahead (at a pass's first step, for steps 1 .. l2_ahead), so that the ring's
-// later copies find their tiles in L2 - more bytes in flight per SM than the ring's shared memory holds.
+// The weight loader (one thread): every step's weight tile, in the schedule's order.
 __device__ void load_weights(util::StagePipeline& pipe, unsigned char* ring, const pc::Schedule& s,
                              const pc::Active& a, pc::UnitWalk<true> walk, const TensorMap* w13_map,
-                             const TensorMap* w2_map, u32 stages, u32 w13_boxes, u32 l2_ahead,
-                             const pc::Watch& watch) {
+                             const TensorMap* w2_map, u32 stages, u32 w13_boxes, const pc::Watch& watch) {
     util::Cursor c;
-    const L2Prefetch prefetch{w13_map, w2_map};
     for (u32 i = walk.first(s, watch); i < s.total; i = walk.next(i, s, watch)) {
         const pc::Unit u = s.unit(i, a);
-        const u32 kblocks = s.kblocks(u.gemm), steps = s.halves(u.gemm) * kblocks;
+        const u32 kblocks = s.kblocks(u.gemm);
         for (u32 p = 0; p < s.passes(u); ++p)
-            for (u32 t = 0; t < steps; ++t) {
-                if (l2_ahead > 0)
-                    for (u32 next = t == 0 ? 1 : t + l2_ahead; next <= t + l2_ahead && next < steps; ++next)
-                        weight_copies(s, u.gemm, u.expert, u.block, next / kblocks, next % kblocks, w13_boxes,
-                                      prefetch);
-                pipe.acquire(c, watch.limit_ns, pc::StageFault{watch, pc::kFaultWeightSlot});
-                pipe.commit(c, pc::kWeightStageBytes);
-                weight_copies(s, u.gemm, u.expert, u.block, t / kblocks, t % kblocks, w13_boxes,
-                              StageCopy{ring + c.stage * pc::kWeightStageBytes, w13_map, w2_map, pipe.full_of(c)});
-                c.advance(stages);
-            }
+            for (u32 h = 0; h < s.halves(u.gemm); ++h)
+                for (u32 kb = 0; kb < kblocks; ++kb) {
+                    pipe.acquire(c, watch.limit_ns, pc::StageFault{watch, pc::kFaultWeightSlot});
+                    pipe.commit(c, pc::kWeightStageBytes);
+                    weight_copies(s, u.gemm, u.expert, u.block, h, kb, w13_boxes,
+                                  StageCopy{ring + c.stage * pc::kWeightStageBytes, w13_map, w2_map, pipe.full_of(c)});
+                    c.advance(stages);
+                }
     }
 }
 
@@ -267,8 +258,8 @@ __device__ void finish(unsigned* sync, u32 experts) {
 //   act [P, I] e4m3, out [P, H] bf16: the groups' real rows written, others untouched
 //   sync [E + 2]: zeros before the first launch (see the top); timeline [grid, kTimelineWords] u64 or null
 //   wait_limit_ns: how long any wait may take; fault_record: where a block that gives up leaves its record (above)
-//   stages, token_stages, tile_cap, claim, phases, w13_boxes, prefetch, l2_ahead: the variants
-//     (persistent_schedule.cuh; prefetch 1: the L2 prefetch before the wait, above; l2_ahead: load_weights)
+//   stages, token_stages, tile_cap, claim, phases, w13_boxes, prefetch: the variants (persistent_schedule.cuh;
+//     prefetch 1: the L2 prefetch before the wait, above)
 // Launch: grid <= the SM count (static claims: every block resident at once), block pc::kThreads (384),
 // pc::launch_shared_bytes(stages, token_stages, tile_cap) bytes of dynamic shared memory; hidden % 128 == 0,
 // inter % 128 == 0, E <= pc::kMaxExperts.
@@ -288,7 +279,6 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     const int phases = arg<int>(args.phases);
     const int w13_boxes = arg<int>(args.w13_boxes);
     const int prefetch = arg<int>(args.prefetch);
-    const int l2_ahead = arg<int>(args.l2_ahead);
     const long long wait_limit_ns = arg<long long>(args.wait_limit_ns);
     const unsigned long long fault_record = arg<unsigned long long>(args.fault_record);
     __shared__ util::StagePipeline weight_pipe;
@@ -298,8 +288,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     __shared__ pc::MathTimes times;
     extern __shared__ unsigned char dynamic_shared[];
     const pc::Watch watch{fault_record, static_cast<u64>(wait_limit_ns)};
-    if (!arguments_fit(experts, hidden, inter, stages, token_stages, tile_cap, claim, phases, w13_boxes, prefetch,
-                       l2_ahead))
+    if (!arguments_fit(experts, hidden, inter, stages, token_stages, tile_cap, claim, phases, w13_boxes, prefetch))
         pc::raise_fault(watch, pc::kFaultArguments, 0, 0, 0);
     const u32 warp = threadIdx.x / pc::kWarp, lane = threadIdx.x % pc::kWarp;
     const u32 depth = static_cast<u32>(stages), token_depth = static_cast<u32>(token_stages),
@@ -323,8 +312,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
         }
         if (prefetch)
             prefetch_first_unit(counts, static_cast<u32>(experts), static_cast<u64>(hidden), static_cast<u64>(inter),
-                                cap, claim, phases, depth + static_cast<u32>(l2_ahead), &w13_map, &w2_map,
-                                static_cast<u32>(w13_boxes));
+                                cap, claim, phases, depth, &w13_map, &w2_map, static_cast<u32>(w13_boxes));
     }
     ptx::wait_prior_grid();
     ptx::release_dependents();
@@ -347,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
         ptx::setmaxnreg_dec<pc::kLoaderRegisters>();
         if (warp == pc::kWeightLoaderWarp && lane == 0)
             load_weights(weight_pipe, smem + layout.weights, s, active, pc::UnitWalk<true>{&claims, ticket},
-                         &w13_map, &w2_map, depth, static_cast<u32>(w13_boxes), static_cast<u32>(l2_ahead), watch);
+                         &w13_map, &w2_map, depth, static_cast<u32>(w13_boxes), watch);
         if (warp == pc::kTokenLoaderWarp)
             load_tokens(token_pipe, smem + layout.tokens, reinterpret_cast<float*>(smem + layout.token_scales), s,
                         active, pc::UnitWalk<false>{&claims, nullptr},

@@ -38,7 +38,7 @@ EARLY_READS = {"moe_decode_l1": {"w13", "w13_sf", "counts", "hidden", "inter", "
                # variant, and where a bad variant traps to
                "moe_persistent_gemm": {"w13_map", "w2_map", "counts", "experts", "hidden", "inter", "stages",
                                        "token_stages", "tile_cap", "claim", "phases", "w13_boxes", "prefetch",
-                                       "l2_ahead", "wait_limit_ns", "fault_record"}}
+                                       "wait_limit_ns", "fault_record"}}
 #: What a kernel that waits on another rank or grid calls (protocol/ring.cuh, status.cuh, moe/blocks.cuh).
 SPINS = re.compile(r"\b(spin_until|consume_invocation|begin_chunk|poll_acked|wait_chunk|drain)\s*\(")
 

@@ -6,10 +6,9 @@ on the plans the layer builds (moe_plan_scatter through ExpertCompute.plan):
   experts that have no rows and experts that take several passes; its activation (act, act_sf) matches the
   reference's quantised one; the plan's other rows are left as they were;
 * every variant - fused or an L1 and an L2 launch, each claim order, shallow rings, fewer blocks, w13 in 16 boxes,
-  with and without the L2 prefetch, with L2 requests ahead of the ring - gives the same bits, and narrower token tiles
-  (more passes) the same rows within the tolerance; a second run gives the same bits, as do launches back to back
-  (each a dependent launch), and a CUDA-graph replay the eager call's; w13 in 16 boxes matches the reference on its
-  own;
+  with and without the L2 prefetch - gives the same bits, and narrower token tiles (more passes) the same rows within
+  the tolerance; a second run gives the same bits, as do launches back to back (each a dependent launch), and a
+  CUDA-graph replay the eager call's; w13 in 16 boxes matches the reference on its own;
 * the device timeline: every block wrote its record on its own SM, ran the units the schedule's mirror gives it, in
   time order;
 * a wait that gives up leaves its fault word in host memory and fails the process (in a child: a trap ends the
@@ -29,7 +28,7 @@ from chunkring import MoEConfig, SmPartition
 from chunkring.jit import library_for
 from chunkring.moe._engine.decode import DecodeGemm
 from chunkring.moe._engine.experts import ExpertCompute
-from chunkring.moe._engine.persistent import MAX_L2_AHEAD, TIMELINE_WORDS, PersistentGemm, block_units
+from chunkring.moe._engine.persistent import TIMELINE_WORDS, PersistentGemm, block_units
 from tests.gpu.moe_helpers import rel_error
 from tests.gpu.plan_helpers import ACTIVE, E_LOCAL, INTER, TOPK, expert_weights_fp8, reference, staged
 from tests.helpers.processes import run_trapping_child
@@ -95,8 +94,7 @@ def test_sixteen_boxes_an_l1_tile_match_the_reference(runtime):
 #: Variants whose arithmetic is the default's, step for step: the same bits.
 SAME_BITS = [dict(fused=False), dict(claim="strided_blocks"), dict(claim="blocked"), dict(stages=2, token_stages=1),
              dict(stages=12, token_stages=3), dict(sms=33), dict(w13_boxes=16), dict(claim="blocked", sms=7),
-             dict(prefetch=False), dict(prefetch=False, claim="dynamic"), dict(l2_ahead=16),
-             dict(l2_ahead=MAX_L2_AHEAD, claim="dynamic"),
+             dict(prefetch=False), dict(prefetch=False, claim="dynamic"),
              # the dynamic claim: fused and in two launches, fewer blocks than experts' units
              dict(claim="dynamic"), dict(claim="dynamic", fused=False), dict(claim="dynamic", sms=7)]
 

@@ -29,7 +29,6 @@ from chunkring.moe._engine.persistent import (
     FAULT_KINDS,
     LAYER_VARIANT,
     MAX_EXPERTS,
-    MAX_L2_AHEAD,
     MAX_STAGES,
     MAX_TOKEN_STAGES,
     PERSISTENT_THREADS,
@@ -65,8 +64,7 @@ def test_the_layout_is_the_headers():
 
 def test_the_constants_are_the_headers():
     assert PERSISTENT_THREADS == constant("kMathWarps") * 32 + 128
-    assert (MAX_TOKEN_STAGES, MAX_EXPERTS, MAX_L2_AHEAD) == (constant("kMaxTokenStages"), constant("kMaxExperts"),
-                                                             constant("kMaxL2Ahead"))
+    assert (MAX_TOKEN_STAGES, MAX_EXPERTS) == (constant("kMaxTokenStages"), constant("kMaxExperts"))
     assert MAX_STAGES == constant("kMaxStages", (DEVICE / "include/chunkring/util/stage_pipeline.cuh").read_text())
     assert max(TILE_TOKENS) == constant("kMaxTile") and TILE_TOKENS == (8, 16, 32, 64)
     assert CLAIMS == {"strided_experts": constant("kStridedExperts"), "strided_blocks": constant("kStridedBlocks"),
@@ -217,8 +215,8 @@ def test_a_fused_launch_names_every_parameter_and_maps_the_tensors_as_the_kernel
     assert fields["counts"] is plan.counts and fields["group_end"] is plan.group_end and fields["sync"] is gemm.sync
     assert [int(fields[k]) for k in ("experts", "hidden", "inter")] == [E, H, inter]
     v = gemm.variant
-    assert [int(fields[k]) for k in ("stages", "token_stages", "tile_cap", "claim", "prefetch", "l2_ahead")] == [
-        v.stages, v.token_stages, v.tile_cap, CLAIMS[v.claim], 1, 0]
+    assert [int(fields[k]) for k in ("stages", "token_stages", "tile_cap", "claim", "prefetch")] == [
+        v.stages, v.token_stages, v.tile_cap, CLAIMS[v.claim], 1]
     assert int(fields["wait_limit_ns"]) == gemm.wait_limit_ns and fields["timeline"] is None
     w13_map, w2_map, rows_map, act_map = encoded
     assert (w13_map.dims, w13_map.box) == ((H, 8, 2, inter // 8, E), (128, 8, 2, 8, 1))
@@ -253,8 +251,6 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     assert library.launches[-1]["args"]["w13_boxes"] == 16
     gemm(plan, w13, w2, out, variant=gemm.with_variant(prefetch=False))
     assert library.launches[-1]["args"]["prefetch"] == 0 and library.launches[-1]["pdl"]
-    gemm(plan, w13, w2, out, variant=gemm.with_variant(l2_ahead=16))
-    assert library.launches[-1]["args"]["l2_ahead"] == 16
     w13_map = next(m for m in encoded if m.box == (128, 8, 1, 1, 1))
     assert w13_map.dims == (H, 8, INTER // 8, 2, E) and w13_map.strides == (H, 8 * H, INTER * H, 2 * INTER * H)
 
@@ -264,7 +260,6 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     (dict(token_stages=9), "token_stages"), (dict(tile_cap=128), "tile_cap"), (dict(tile_cap=12), "tile_cap"),
     (dict(claim="atomic"), "claim"), (dict(fused=1), "fused"), (dict(sms=133), "sms"), (dict(sms=0), "sms"),
     (dict(w13_boxes=2), "w13_boxes"), (dict(w13_boxes=True), "w13_boxes"), (dict(prefetch=1), "prefetch"),
-    (dict(l2_ahead=-1), "l2_ahead"), (dict(l2_ahead=MAX_L2_AHEAD + 1), "l2_ahead"), (dict(l2_ahead=2.0), "l2_ahead"),
     (dict(stages=14), "stages"),  # 14 x 16 KB + the token stages: over the H100's 227 KB
 ])
 def test_a_bad_variant_is_refused(change, field):

@@ -55,7 +55,6 @@ constexpr u32 kW13Groups = 16;                      // an L1 tile's 8-row groups
 constexpr u32 kMaxTile = 64;                        // the widest token tile (wgmma N): more rows take more passes
 constexpr u32 kMaxExperts = 256;                    // local experts a call may have (the active list's room)
 constexpr u32 kMaxTokenStages = 8;
-constexpr u32 kMaxL2Ahead = 64;                     // weight steps the loader may ask L2 for beyond its ring
 constexpr u32 kStageAlign = 1024;                   // a 128-byte-swizzled copy's destination boundary
 
 // Variants chosen at run time (append-only codes, persistent.py mirrors them).

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from chunkring.moe._engine.decode import PlanTensors
     from chunkring.moe.config import MoEConfig
 
-__all__ = ["CLAIMS", "FAULT_KINDS", "LAYER_VARIANT", "MAX_EXPERTS", "MAX_L2_AHEAD", "MAX_STAGES", "MAX_TOKEN_STAGES",
+__all__ = ["CLAIMS", "FAULT_KINDS", "LAYER_VARIANT", "MAX_EXPERTS", "MAX_STAGES", "MAX_TOKEN_STAGES",
            "PERSISTENT_ARCH", "PERSISTENT_THREADS", "STATIC_SHARED", "TILE_TOKENS", "TIMELINE_WORDS", "W13_BOXES",
            "PersistentGemm", "PersistentVariant", "block_units", "check_persistent_config", "fault_of", "shared_bytes",
            "w13_view"]
@@ -40,9 +40,8 @@ __all__ = ["CLAIMS", "FAULT_KINDS", "LAYER_VARIANT", "MAX_EXPERTS", "MAX_L2_AHEA
 PERSISTENT_THREADS = 384
 #: Token tiles (wgmma N) a pass may take; ``tile_cap`` is one of them (kMaxTile: more rows take more passes).
 TILE_TOKENS = (8, 16, 32, 64)
-#: Ring depths the kernel takes (util::kMaxStages, kMaxTokenStages), local experts it holds (kMaxExperts) and weight
-#: steps its loader may keep requested from L2 beyond its ring (kMaxL2Ahead).
-MAX_STAGES, MAX_TOKEN_STAGES, MAX_EXPERTS, MAX_L2_AHEAD = 32, 8, 256, 64
+#: Ring depths the kernel takes (util::kMaxStages, kMaxTokenStages) and local experts it holds (kMaxExperts).
+MAX_STAGES, MAX_TOKEN_STAGES, MAX_EXPERTS = 32, 8, 256
 #: The shared-memory layout's constants (persistent_schedule.cuh): a 16 KB weight stage, 128 bytes of k per token
 #: row, 8 math warps, the alignment slack.
 _WEIGHT_STAGE_BYTES, _KBLOCK, _MATH_WARPS, _STAGE_ALIGN = 16384, 128, 8, 1024
@@ -104,10 +103,8 @@ class PersistentVariant:
     """One launch configuration: ``stages`` weight stages of 16 KB in flight per SM, ``token_stages`` token stages,
     passes of at most ``tile_cap`` rows (one of :data:`TILE_TOKENS`), the ``claim`` order (:data:`CLAIMS`), ``fused``
     (one launch whose L2 units wait for their expert's L1 units) or an L1 launch then an L2 launch, ``sms`` blocks
-    (None: one per SM), ``w13_boxes`` copies per L1 tile (1 or 16: :func:`w13_view`), ``prefetch``: before a block
-    waits for the kernel ahead (a dependent launch), it asks L2 for its first unit's first ``stages + l2_ahead`` weight
-    tiles, and ``l2_ahead``: weight steps the loader keeps requested from L2 beyond its ring (0 to
-    :data:`MAX_L2_AHEAD`; more bytes in flight per SM than the ring's shared memory holds)."""
+    (None: one per SM), ``w13_boxes`` copies per L1 tile (1 or 16: :func:`w13_view`), and ``prefetch``: before a block
+    waits for the kernel ahead (a dependent launch), it asks L2 for its first unit's first ``stages`` weight tiles."""
 
     stages: int = 8
     token_stages: int = 4
@@ -117,7 +114,6 @@ class PersistentVariant:
     sms: int | None = None
     w13_boxes: int = 1
     prefetch: bool = True
-    l2_ahead: int = 0
 
     def shared_bytes(self) -> int:
         return shared_bytes(self.stages, self.token_stages, self.tile_cap)
@@ -125,11 +121,10 @@ class PersistentVariant:
     def check(self, sm_count: int, shared_limit: int) -> None:
         """``ChunkringUsageError`` naming the field the kernel cannot run with on a GPU of ``sm_count`` SMs and
         ``shared_limit`` bytes of shared memory a block may opt in to (:data:`STATIC_SHARED` comes on top)."""
-        for name, value, low, top in (("stages", self.stages, 1, MAX_STAGES),
-                                      ("token_stages", self.token_stages, 1, MAX_TOKEN_STAGES),
-                                      ("l2_ahead", self.l2_ahead, 0, MAX_L2_AHEAD)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
-                raise ChunkringUsageError(f"expected an int in [{low}, {top}], got {value!r}", field=name)
+        for name, value, top in (("stages", self.stages, MAX_STAGES), ("token_stages", self.token_stages,
+                                                                          MAX_TOKEN_STAGES)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise ChunkringUsageError(f"expected an int in [1, {top}], got {value!r}", field=name)
         if self.tile_cap not in TILE_TOKENS:
             raise ChunkringUsageError(f"expected one of {TILE_TOKENS}, got {self.tile_cap!r}", field="tile_cap")
         if self.claim not in CLAIMS:
@@ -320,8 +315,7 @@ class PersistentGemm:
                     group_end=plan.group_end, experts=E, hidden=H, inter=inter, sf_stride=P, act=act, out=out,
                     sync=self.sync, stages=v.stages, token_stages=v.token_stages, tile_cap=v.tile_cap,
                     claim=CLAIMS[v.claim], phases=phases, w13_boxes=v.w13_boxes, prefetch=int(v.prefetch),
-                    l2_ahead=v.l2_ahead, wait_limit_ns=self.wait_limit_ns, fault_record=self.fault_word.data_ptr(),
-                    timeline=timeline),
+                    wait_limit_ns=self.wait_limit_ns, fault_record=self.fault_word.data_ptr(), timeline=timeline),
                 grid=grid, block=PERSISTENT_THREADS, shared_bytes=v.shared_bytes(), pdl=True, stream=stream)
         return act, act_sf
 

@@ -22,8 +22,8 @@
 //
 // Dependent launch (ptx/dependent_launch.cuh): the host launches it with pdl, so its blocks may start while the
 // kernel ahead (the plan's scatter) ends. Until its wait_prior_grid a block touches nothing the call's kernels write:
-// only the weight loader's warp reads the plan's counts - relaxed, and final, since the kernels that write them ran
-// two or more ahead - to ask L2 for the first `stages` weight tiles of the block's first unit (`prefetch`), which
+// with `prefetch`, the weight loader's warp reads the plan's counts - relaxed, and final, since the kernels that
+// write them ran two or more ahead - to ask L2 for the first `stages` weight tiles of the block's first unit, which
 // then stream in while the scatter ends. After its wait it lets its own dependent (the reduction, or the combine
 // push) start: it waits only for its own blocks, every one of them started by the time that dependent may be placed.
 //

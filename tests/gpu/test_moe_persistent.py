@@ -94,7 +94,7 @@ def test_sixteen_boxes_an_l1_tile_match_the_reference(runtime):
 #: Variants whose arithmetic is the default's, step for step: the same bits.
 SAME_BITS = [dict(fused=False), dict(claim="strided_blocks"), dict(claim="blocked"), dict(stages=2, token_stages=1),
              dict(stages=12, token_stages=3), dict(sms=33), dict(w13_boxes=16), dict(claim="blocked", sms=7),
-             dict(prefetch=False), dict(prefetch=False, claim="dynamic"),
+             dict(prefetch=True), dict(prefetch=True, claim="dynamic"),
              # the dynamic claim: fused and in two launches, fewer blocks than experts' units
              dict(claim="dynamic"), dict(claim="dynamic", fused=False), dict(claim="dynamic", sms=7)]
 
@@ -254,4 +254,8 @@ NARROW_CHILD = textwrap.dedent(f"""
 def test_negative_control_the_strided_claim_needs_every_block_resident():
     done = run_trapping_child(NARROW_CHILD)
     assert done.returncode == 3, done.stdout + done.stderr
-    assert "token loader: the expert's L1 units" in done.stdout, done.stdout + done.stderr
+    # The block behind the missing L1 units gives up in its token loader's wait for them, or - the same stall one
+    # step on, its math held by that wait - in its weight loader's wait for a stage the math never frees: the two
+    # waits start microseconds apart, and which one's fault word is written last is a race.
+    stalled = ("token loader: the expert's L1 units", "weight loader: a free stage")
+    assert any(kind in done.stdout for kind in stalled), done.stdout + done.stderr

@@ -216,7 +216,7 @@ def test_a_fused_launch_names_every_parameter_and_maps_the_tensors_as_the_kernel
     assert [int(fields[k]) for k in ("experts", "hidden", "inter")] == [E, H, inter]
     v = gemm.variant
     assert [int(fields[k]) for k in ("stages", "token_stages", "tile_cap", "claim", "prefetch")] == [
-        v.stages, v.token_stages, v.tile_cap, CLAIMS[v.claim], 1]
+        v.stages, v.token_stages, v.tile_cap, CLAIMS[v.claim], 0]
     assert int(fields["wait_limit_ns"]) == gemm.wait_limit_ns and fields["timeline"] is None
     w13_map, w2_map, rows_map, act_map = encoded
     assert (w13_map.dims, w13_map.box) == ((H, 8, 2, inter // 8, E), (128, 8, 2, 8, 1))
@@ -249,8 +249,8 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     assert first["args"]["act"] is second["args"]["act"], "L2 reads what L1 wrote"
     gemm(plan, w13, w2, out, variant=gemm.with_variant(w13_boxes=16))
     assert library.launches[-1]["args"]["w13_boxes"] == 16
-    gemm(plan, w13, w2, out, variant=gemm.with_variant(prefetch=False))
-    assert library.launches[-1]["args"]["prefetch"] == 0 and library.launches[-1]["pdl"]
+    gemm(plan, w13, w2, out, variant=gemm.with_variant(prefetch=True))
+    assert library.launches[-1]["args"]["prefetch"] == 1 and library.launches[-1]["pdl"]
     w13_map = next(m for m in encoded if m.box == (128, 8, 1, 1, 1))
     assert w13_map.dims == (H, 8, INTER // 8, 2, E) and w13_map.strides == (H, 8 * H, INTER * H, 2 * INTER * H)
 

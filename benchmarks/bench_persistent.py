@@ -56,13 +56,10 @@ SWEEPS: dict[str, list[tuple[str, dict[str, Any]]]] = {
                 ("split", dict(fused=False)), ("w13x16", dict(w13_boxes=16)), ("dynamic", dict(claim="dynamic")),
                 ("split_dynamic", dict(claim="dynamic", fused=False))],
     "quick": [("s8t4c64", {}), ("split", dict(fused=False)), ("dynamic", dict(claim="dynamic")),
-              ("dynamic_prefetch", dict(claim="dynamic", prefetch=True)),
               ("split_dynamic", dict(claim="dynamic", fused=False))],
     # The layer's variant (dynamic, fused) with more or fewer bytes in flight and narrower passes: where a card's
     # bandwidth asks for more in flight than the H100's did (stages made no difference there).
-    "stages": [("s8t4c64", {}), ("dynamic", dict(claim="dynamic")),
-               ("dynamic_prefetch", dict(claim="dynamic", prefetch=True)),
-               ("dynamic_s4", dict(claim="dynamic", stages=4)),
+    "stages": [("s8t4c64", {}), ("dynamic", dict(claim="dynamic")), ("dynamic_s4", dict(claim="dynamic", stages=4)),
                ("dynamic_s12t3", dict(claim="dynamic", stages=12, token_stages=3)),
                ("dynamic_c32", dict(claim="dynamic", tile_cap=32))],
 }

@@ -20,12 +20,10 @@
 // dynamic claim's ticket. The last block to finish zeroes all of them, so every launch starts from zeros (the host
 // zeroes them once, at allocation): no reset launch.
 //
-// Dependent launch (ptx/dependent_launch.cuh): the host launches it with pdl, so its blocks may start while the
-// kernel ahead (the plan's scatter) ends. Until its wait_prior_grid a block touches nothing the call's kernels write:
-// with `prefetch`, the weight loader's warp reads the plan's counts - relaxed, and final, since the kernels that
-// write them ran two or more ahead - to ask L2 for the first `stages` weight tiles of the block's first unit, which
-// then stream in while the scatter ends. After its wait it lets its own dependent (the reduction, or the combine
-// push) start: it waits only for its own blocks, every one of them started by the time that dependent may be placed.
+// Dependent launch (ptx/dependent_launch.cuh): the host launches it with pdl, so its blocks may be placed while the
+// kernel ahead (the plan's scatter) ends; each waits for that kernel's end before anything else. After its wait it
+// lets its own dependent (the reduction, or the combine push) start: it waits only for its own blocks, every one of
+// them started by the time that dependent may be placed.
 //
 // Resident blocks: an L2 unit may wait for L1 units of other blocks. Under a static claim those may belong to a block
 // not yet running, so the launch must not have more blocks than can run at once (the host launches at most one per
@@ -70,67 +68,24 @@ constexpr u32 kStartNs = 0, kFirstStageNs = 1, kLastL1Ns = 2, kLastL2Ns = 3, kEn
 // The launch's variants are in range (persistent.py checks them first; a kernel that indexed past its shared memory
 // would fail far from the cause).
 __device__ __forceinline__ bool arguments_fit(int experts, long long hidden, long long inter, int stages,
-                                              int token_stages, int tile_cap, int claim, int phases, int w13_boxes,
-                                              int prefetch) {
+                                              int token_stages, int tile_cap, int claim, int phases, int w13_boxes) {
     const bool tile = tile_cap == 8 || tile_cap == 16 || tile_cap == 32 || tile_cap == 64;
     return experts >= 1 && experts <= static_cast<int>(pc::kMaxExperts) && hidden > 0 && inter > 0 &&
            hidden % pc::kKBlock == 0 && inter % pc::kKBlock == 0 && stages >= 1 &&
            stages <= static_cast<int>(util::kMaxStages) && token_stages >= 1 &&
            token_stages <= static_cast<int>(pc::kMaxTokenStages) && tile && claim >= pc::kStridedExperts &&
            claim <= pc::kDynamic && phases >= pc::kPhaseL1 && phases <= pc::kPhaseBoth &&
-           (w13_boxes == 1 || w13_boxes == pc::kW13Groups) && (prefetch == 0 || prefetch == 1);
+           (w13_boxes == 1 || w13_boxes == pc::kW13Groups);
 }
 
-// The copies of step (h, kb) of a unit's 16 KB weight tile - L1 (expert, chunk `block`), half h, or L2 (expert, row
-// block `block`) - as `copy.w13(box, c0..c4)`, the tile's 1 KB box `box` (0: the whole tile) from w13's 5-D map, or
-// `copy.w2(k, row)` from w2's 2-D map. An L1 tile is one copy of the interleaving map (w13_boxes 1) or 16 copies of 8
-// rows from a map in w13's own dimension order (w13_boxes 16): the same 16 KB either way.
-template <class Copy>
-__device__ __forceinline__ void weight_copies(const pc::Schedule& s, u32 gemm, u32 expert, u32 block, u32 h, u32 kb,
-                                              u32 w13_boxes, const Copy& copy) {
-    const int k = static_cast<int>(kb * pc::kKBlock);
-    // L1: the tile's 8 groups of 8 columns start at column 128 block + 64 h
-    const int group = static_cast<int>((block * pc::kKBlock + h * 64) / 8);
-    if (gemm == pc::kL1 && w13_boxes == 1) {
-        // w13 as [E][I / 8 groups][gate, up][8 rows][H]: the 8 groups' 16 KB in one copy
-        copy.w13(0, k, 0, 0, group, static_cast<int>(expert));
-    } else if (gemm == pc::kL1) {
-        // w13 as [E][gate, up][I / 8 groups][8 rows][H]: box 2q + gu (group + q, gate or up) at 1 KB 2q + gu, the
-        // interleaved tile's rows 16q + 8gu .. + 7
-        for (u32 box = 0; box < pc::kW13Groups; ++box)
-            copy.w13(box, k, 0, group + static_cast<int>(box / 2), static_cast<int>(box % 2), static_cast<int>(expert));
-    } else {
-        // w2 as [E * H][I]
-        copy.w2(k, static_cast<int>(expert * s.hidden + block * pc::kTileRows));
-    }
-}
-
-// A weight tile's copies into a stage of the ring, completing on its barrier.
-struct StageCopy {
-    unsigned char* dst;
-    const TensorMap* w13_map;
-    const TensorMap* w2_map;
-    u64* full;
-    __device__ __forceinline__ void w13(u32 box, int c0, int c1, int c2, int c3, int c4) const {
-        ptx::copy_tile_5d(dst + box * pc::kTokenBoxRows * pc::kKBlock, w13_map, c0, c1, c2, c3, c4, full);
-    }
-    __device__ __forceinline__ void w2(int k, int row) const { ptx::copy_tile_2d(dst, w2_map, k, row, full); }
-};
-
-// The same copies as requests to L2 (a hint: nothing lands in the block).
-struct L2Prefetch {
-    const TensorMap* w13_map;
-    const TensorMap* w2_map;
-    __device__ __forceinline__ void w13(u32, int c0, int c1, int c2, int c3, int c4) const {
-        ptx::prefetch_tile_5d(w13_map, c0, c1, c2, c3, c4);
-    }
-    __device__ __forceinline__ void w2(int k, int row) const { ptx::prefetch_tile_2d(w2_map, k, row); }
-};
-
-// The weight loader (one thread): every step's weight tile, in the schedule's order.
+// The weight loader (one thread): every step's weight tile, in the schedule's order. An L1 tile is one copy of the
+// interleaving 5-D map (w13_boxes 1) or 16 copies of 8 rows from a map in w13's own dimension order (w13_boxes 16):
+// the same 16 KB either way.
 __device__ void load_weights(util::StagePipeline& pipe, unsigned char* ring, const pc::Schedule& s,
                              const pc::Active& a, pc::UnitWalk<true> walk, const TensorMap* w13_map,
                              const TensorMap* w2_map, u32 stages, u32 w13_boxes, const pc::Watch& watch) {
+    ptx::prefetch_tensormap(w13_map);
+    ptx::prefetch_tensormap(w2_map);
     util::Cursor c;
     for (u32 i = walk.first(s, watch); i < s.total; i = walk.next(i, s, watch)) {
         const pc::Unit u = s.unit(i, a);
@@ -140,30 +95,28 @@ __device__ void load_weights(util::StagePipeline& pipe, unsigned char* ring, con
                 for (u32 kb = 0; kb < kblocks; ++kb) {
                     pipe.acquire(c, watch.limit_ns, pc::StageFault{watch, pc::kFaultWeightSlot});
                     pipe.commit(c, pc::kWeightStageBytes);
-                    weight_copies(s, u.gemm, u.expert, u.block, h, kb, w13_boxes,
-                                  StageCopy{ring + c.stage * pc::kWeightStageBytes, w13_map, w2_map, pipe.full_of(c)});
+                    unsigned char* dst = ring + c.stage * pc::kWeightStageBytes;
+                    const int k = static_cast<int>(kb * pc::kKBlock);
+                    // L1: the tile's 8 groups of 8 columns start at column 128 block + 64 h
+                    const int group = static_cast<int>((u.block * pc::kKBlock + h * 64) / 8);
+                    if (u.gemm == pc::kL1 && w13_boxes == 1) {
+                        // w13 as [E][I / 8 groups][gate, up][8 rows][H]: the 8 groups' 16 KB in one copy
+                        ptx::copy_tile_5d(dst, w13_map, k, 0, 0, group, static_cast<int>(u.expert), pipe.full_of(c));
+                    } else if (u.gemm == pc::kL1) {
+                        // w13 as [E][gate, up][I / 8 groups][8 rows][H]: box 2q + gu (group + q, gate or up) at 1 KB
+                        // 2q + gu, the interleaved tile's rows 16q + 8gu .. + 7
+                        for (u32 box = 0; box < pc::kW13Groups; ++box)
+                            ptx::copy_tile_5d(dst + box * pc::kTokenBoxRows * pc::kKBlock, w13_map, k, 0,
+                                              group + static_cast<int>(box / 2), static_cast<int>(box % 2),
+                                              static_cast<int>(u.expert), pipe.full_of(c));
+                    } else {
+                        // w2 as [E * H][I]
+                        const int row = static_cast<int>(u.expert * s.hidden + u.block * pc::kTileRows);
+                        ptx::copy_tile_2d(dst, w2_map, k, row, pipe.full_of(c));
+                    }
                     c.advance(stages);
                 }
     }
-}
-
-// The weight loader's warp, before the block waits for the kernel ahead: asks L2 for the first `tiles` weight tiles
-// of the block's first unit (the list's unit blockIdx.x - the dynamic claim's likeliest - or the blocked share's
-// first), so that they stream in while that kernel ends. The unit comes from the counts as they are then: final,
-// since the plan's kernels that write them ran two or more ahead (ptx/dependent_launch.cuh), and a hint whatever
-// they hold - nothing is read into the block.
-__device__ void prefetch_first_unit(const unsigned* counts, u32 experts, u64 hidden, u64 inter, u32 tile_cap,
-                                    int claim, int phases, u32 tiles, const TensorMap* w13_map,
-                                    const TensorMap* w2_map, u32 w13_boxes) {
-    const pc::ActiveBits bits = pc::active_bits(counts, experts);
-    const pc::Schedule s = pc::make_schedule(bits.count(), hidden, inter, tile_cap, claim, phases);
-    const u32 unit = s.first_unit();
-    if (threadIdx.x % pc::kWarp != 0 || unit >= s.total) return;
-    const pc::Place at = s.place(unit);
-    const u32 expert = bits.nth(at.slot), kblocks = s.kblocks(at.gemm);
-    for (u32 step = 0; step < tiles && step < s.halves(at.gemm) * kblocks; ++step)
-        weight_copies(s, at.gemm, expert, at.block, step / kblocks, step % kblocks, w13_boxes,
-                      L2Prefetch{w13_map, w2_map});
 }
 
 // Waits (one thread) until expert `expert`'s L1 passes (`units`: one per chunk and pass) have released their
@@ -258,8 +211,7 @@ __device__ void finish(unsigned* sync, u32 experts) {
 //   act [P, I] e4m3, out [P, H] bf16: the groups' real rows written, others untouched
 //   sync [E + 2]: zeros before the first launch (see the top); timeline [grid, kTimelineWords] u64 or null
 //   wait_limit_ns: how long any wait may take; fault_record: where a block that gives up leaves its record (above)
-//   stages, token_stages, tile_cap, claim, phases, w13_boxes, prefetch: the variants (persistent_schedule.cuh;
-//     prefetch 1: the L2 prefetch before the wait, above)
+//   stages, token_stages, tile_cap, claim, phases, w13_boxes: the variants (persistent_schedule.cuh)
 // Launch: grid <= the SM count (static claims: every block resident at once), block pc::kThreads (384),
 // pc::launch_shared_bytes(stages, token_stages, tile_cap) bytes of dynamic shared memory; hidden % 128 == 0,
 // inter % 128 == 0, E <= pc::kMaxExperts.
@@ -267,20 +219,31 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     moe_persistent_gemm(const __grid_constant__ TensorMap w13_map, const __grid_constant__ TensorMap w2_map,
                         const __grid_constant__ TensorMap rows_map, const __grid_constant__ TensorMap act_map,
                         const __grid_constant__ PersistentGemmArgs args) {
+    ptx::wait_prior_grid();
+    ptx::release_dependents();
     require_args(args);
+    const auto* w13_sf = arg<const float*>(args.w13_sf);
+    const auto* w2_sf = arg<const float*>(args.w2_sf);
+    const auto* rows_sf = arg<const float*>(args.rows_sf);
+    auto* act_sf = arg<float*>(args.act_sf);
     const auto* counts = arg<const unsigned*>(args.counts);
+    const auto* group_end = arg<const int*>(args.group_end);
     const int experts = arg<int>(args.experts);
     const long long hidden = arg<long long>(args.hidden);
     const long long inter = arg<long long>(args.inter);
+    const long long sf_stride = arg<long long>(args.sf_stride);
+    auto* act = arg<__nv_fp8_e4m3*>(args.act);
+    auto* out = arg<__nv_bfloat16*>(args.out);
+    auto* sync = arg<unsigned*>(args.sync);
     const int stages = arg<int>(args.stages);
     const int token_stages = arg<int>(args.token_stages);
     const int tile_cap = arg<int>(args.tile_cap);
     const int claim = arg<int>(args.claim);
     const int phases = arg<int>(args.phases);
     const int w13_boxes = arg<int>(args.w13_boxes);
-    const int prefetch = arg<int>(args.prefetch);
     const long long wait_limit_ns = arg<long long>(args.wait_limit_ns);
     const unsigned long long fault_record = arg<unsigned long long>(args.fault_record);
+    auto* timeline = arg<unsigned long long*>(args.timeline);
     __shared__ util::StagePipeline weight_pipe;
     __shared__ util::StagePipeline token_pipe;
     __shared__ pc::Active active;
@@ -288,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
     __shared__ pc::MathTimes times;
     extern __shared__ unsigned char dynamic_shared[];
     const pc::Watch watch{fault_record, static_cast<u64>(wait_limit_ns)};
-    if (!arguments_fit(experts, hidden, inter, stages, token_stages, tile_cap, claim, phases, w13_boxes, prefetch))
+    if (!arguments_fit(experts, hidden, inter, stages, token_stages, tile_cap, claim, phases, w13_boxes))
         pc::raise_fault(watch, pc::kFaultArguments, 0, 0, 0);
     const u32 warp = threadIdx.x / pc::kWarp, lane = threadIdx.x % pc::kWarp;
     const u32 depth = static_cast<u32>(stages), token_depth = static_cast<u32>(token_stages),
@@ -303,33 +266,10 @@ extern "C" __global__ void __launch_bounds__(pc::kThreads, 1)
         times = pc::MathTimes{};
         times.start = ptx::globaltimer_ns();
     }
-    // A dependent launch: until the wait this block may run beside the kernel ahead, so it touches nothing the call's
-    // kernels write - but the weight loader's warp asks L2 for its first weights (prefetch_first_unit).
-    if (warp == pc::kWeightLoaderWarp) {
-        if (lane == 0) {
-            ptx::prefetch_tensormap(&w13_map);
-            ptx::prefetch_tensormap(&w2_map);
-        }
-        if (prefetch)
-            prefetch_first_unit(counts, static_cast<u32>(experts), static_cast<u64>(hidden), static_cast<u64>(inter),
-                                cap, claim, phases, depth, &w13_map, &w2_map, static_cast<u32>(w13_boxes));
-    }
-    ptx::wait_prior_grid();
-    ptx::release_dependents();
-    const auto* w13_sf = arg<const float*>(args.w13_sf);
-    const auto* w2_sf = arg<const float*>(args.w2_sf);
-    const auto* rows_sf = arg<const float*>(args.rows_sf);
-    auto* act_sf = arg<float*>(args.act_sf);
-    const auto* group_end = arg<const int*>(args.group_end);
-    const long long sf_stride = arg<long long>(args.sf_stride);
-    auto* act = arg<__nv_fp8_e4m3*>(args.act);
-    auto* out = arg<__nv_bfloat16*>(args.out);
-    auto* sync = arg<unsigned*>(args.sync);
-    auto* timeline = arg<unsigned long long*>(args.timeline);
     if (warp == 0) pc::build_active(active, counts, group_end, static_cast<u32>(experts), watch);
     __syncthreads();
-    const pc::Schedule s = pc::make_schedule(active.count, static_cast<u64>(hidden), static_cast<u64>(inter), cap,
-                                             claim, phases);
+    const pc::Schedule s = pc::make_schedule(active, static_cast<u64>(hidden), static_cast<u64>(inter), cap, claim,
+                                             phases);
     unsigned* ticket = sync + experts + 1;
     if (warp >= pc::kMathWarps) {
         ptx::setmaxnreg_dec<pc::kLoaderRegisters>();

@@ -215,8 +215,8 @@ def test_a_fused_launch_names_every_parameter_and_maps_the_tensors_as_the_kernel
     assert fields["counts"] is plan.counts and fields["group_end"] is plan.group_end and fields["sync"] is gemm.sync
     assert [int(fields[k]) for k in ("experts", "hidden", "inter")] == [E, H, inter]
     v = gemm.variant
-    assert [int(fields[k]) for k in ("stages", "token_stages", "tile_cap", "claim", "prefetch")] == [
-        v.stages, v.token_stages, v.tile_cap, CLAIMS[v.claim], 0]
+    assert [int(fields[k]) for k in ("stages", "token_stages", "tile_cap", "claim")] == [
+        v.stages, v.token_stages, v.tile_cap, CLAIMS[v.claim]]
     assert int(fields["wait_limit_ns"]) == gemm.wait_limit_ns and fields["timeline"] is None
     w13_map, w2_map, rows_map, act_map = encoded
     assert (w13_map.dims, w13_map.box) == ((H, 8, 2, inter // 8, E), (128, 8, 2, 8, 1))
@@ -249,8 +249,6 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     assert first["args"]["act"] is second["args"]["act"], "L2 reads what L1 wrote"
     gemm(plan, w13, w2, out, variant=gemm.with_variant(w13_boxes=16))
     assert library.launches[-1]["args"]["w13_boxes"] == 16
-    gemm(plan, w13, w2, out, variant=gemm.with_variant(prefetch=True))
-    assert library.launches[-1]["args"]["prefetch"] == 1 and library.launches[-1]["pdl"]
     w13_map = next(m for m in encoded if m.box == (128, 8, 1, 1, 1))
     assert w13_map.dims == (H, 8, INTER // 8, 2, E) and w13_map.strides == (H, 8 * H, INTER * H, 2 * INTER * H)
 
@@ -259,7 +257,7 @@ def test_a_split_call_launches_l1_then_l2_with_one_variant(encoded):
     (dict(stages=0), "stages"), (dict(stages=MAX_STAGES + 1), "stages"), (dict(stages=True), "stages"),
     (dict(token_stages=9), "token_stages"), (dict(tile_cap=128), "tile_cap"), (dict(tile_cap=12), "tile_cap"),
     (dict(claim="atomic"), "claim"), (dict(fused=1), "fused"), (dict(sms=133), "sms"), (dict(sms=0), "sms"),
-    (dict(w13_boxes=2), "w13_boxes"), (dict(w13_boxes=True), "w13_boxes"), (dict(prefetch=1), "prefetch"),
+    (dict(w13_boxes=2), "w13_boxes"), (dict(w13_boxes=True), "w13_boxes"),
     (dict(stages=14), "stages"),  # 14 x 16 KB + the token stages: over the H100's 227 KB
 ])
 def test_a_bad_variant_is_refused(change, field):

@@ -213,12 +213,11 @@ struct PersistentGemmArgs {
     u64 claim;          // int
     u64 phases;         // int
     u64 w13_boxes;      // int
-    u64 prefetch;       // int
     u64 wait_limit_ns;  // long long
     u64 fault_record;   // unsigned long long
     u64 timeline;       // CHUNKRING_NULLABLE unsigned long long*
 };
-static_assert(sizeof(PersistentGemmArgs) == 25 * sizeof(u64),
+static_assert(sizeof(PersistentGemmArgs) == 24 * sizeof(u64),
               "PersistentGemmArgs: runtime/chunkring/moe/_engine/kernel_args.py");
 
 }  // namespace chunkring::moe

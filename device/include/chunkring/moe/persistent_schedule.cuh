@@ -168,54 +168,6 @@ __device__ __forceinline__ void build_active(Active& active, const unsigned* cou
     if (lane == 0) active.count = found;
 }
 
-// Which local experts have rows, one bit each (expert 32 w + l: bit l of word w), the same in every lane.
-struct ActiveBits {
-    u32 word[kMaxExperts / kWarp];
-
-    __device__ __forceinline__ u32 count() const {
-        u32 n = 0;
-#pragma unroll
-        for (u32 w = 0; w < kMaxExperts / kWarp; ++w) n += __popc(word[w]);
-        return n;
-    }
-    // The n-th expert with rows, ascending (n < count()): active.expert[n] of build_active's list. Unrolled, so that
-    // the words stay in registers.
-    __device__ __forceinline__ u32 nth(u32 n) const {
-        u32 expert = 0;
-        bool found = false;
-#pragma unroll
-        for (u32 w = 0; w < kMaxExperts / kWarp; ++w) {
-            const u32 here = __popc(word[w]);
-            if (!found && n < here) {
-                u32 bits = word[w];
-                for (; n > 0; --n) bits &= bits - 1;  // drop the n lowest
-                expert = kWarp * w + __ffs(bits) - 1;
-                found = true;
-            } else if (!found) {
-                n -= here;
-            }
-        }
-        return expert;
-    }
-};
-
-// Warp-wide, before the block waits for the kernel ahead (moe_persistent.cu): the first `experts` counts' bits, read
-// by relaxed GPU-scope loads - served by L2, so that no L1 line of them is left for build_active's reads after the
-// wait to hit.
-__device__ __forceinline__ ActiveBits active_bits(const unsigned* counts, u32 experts) {
-    const u32 lane = threadIdx.x % kWarp;
-    u32 rows[kMaxExperts / kWarp];
-#pragma unroll
-    for (u32 w = 0; w < kMaxExperts / kWarp; ++w) {  // every load issued before the first is used
-        const u32 e = kWarp * w + lane;
-        rows[w] = e < experts ? ptx::ld_relaxed_gpu(counts + e) : 0;
-    }
-    ActiveBits bits;
-#pragma unroll
-    for (u32 w = 0; w < kMaxExperts / kWarp; ++w) bits.word[w] = __ballot_sync(0xffffffffu, rows[w] > 0);
-    return bits;
-}
-
 // One unit of the list, resolved.
 struct Unit {
     u32 gemm;    // kL1 or kL2
@@ -223,11 +175,6 @@ struct Unit {
     u32 block;   // L1: the 128-column chunk of the intermediate; L2: the 128-row block of w2 (output columns)
     u32 first;   // the expert's first plan row
     u32 rows;    // and its row count
-};
-
-// A unit's place in the list, before its expert is looked up.
-struct Place {
-    u32 gemm, slot, block;
 };
 
 // One pass of a unit: plan rows [row0, row0 + rows), token tile `tile`.
@@ -269,29 +216,22 @@ struct Schedule {
         return u + 1 < blocked_begin(blockIdx.x + 1) ? u + 1 : total;
     }
 
-    // Where unit `u` (< total) sits: its GEMM, its expert's slot in the active list, its chunk or row block.
-    __device__ __forceinline__ Place place(u32 u) const {
+    // Unit `u` (< total) of the list.
+    __device__ __forceinline__ Unit unit(u32 u, const Active& a) const {
         const u32 gemm = u < l1_units ? kL1 : kL2;
         const u32 within = gemm == kL1 ? u : u - l1_units;
         const u32 per = gemm == kL1 ? chunks() : row_blocks();
         const u32 slot = claim == kStridedBlocks ? within % active : within / per;
         const u32 block = claim == kStridedBlocks ? within / active : within % per;
-        return Place{gemm, slot, block};
-    }
-
-    // Unit `u` (< total) of the list.
-    __device__ __forceinline__ Unit unit(u32 u, const Active& a) const {
-        const Place at = place(u);
-        return Unit{at.gemm, a.expert[at.slot], at.block, a.first[at.slot], a.rows[at.slot]};
+        return Unit{gemm, a.expert[slot], block, a.first[slot], a.rows[slot]};
     }
 };
 
-// The schedule of a launch of `phases` over `active` experts with rows.
-__device__ __forceinline__ Schedule make_schedule(u32 active, u64 hidden, u64 inter, u32 tile_cap, int claim,
+__device__ __forceinline__ Schedule make_schedule(const Active& a, u64 hidden, u64 inter, u32 tile_cap, int claim,
                                                   int phases) {
-    Schedule s{static_cast<u32>(hidden), static_cast<u32>(inter), tile_cap, 0, 0, active, claim};
-    s.l1_units = (phases & kPhaseL1) ? active * s.chunks() : 0;
-    s.total = s.l1_units + ((phases & kPhaseL2) ? active * s.row_blocks() : 0);
+    Schedule s{static_cast<u32>(hidden), static_cast<u32>(inter), tile_cap, 0, 0, a.count, claim};
+    s.l1_units = (phases & kPhaseL1) ? a.count * s.chunks() : 0;
+    s.total = s.l1_units + ((phases & kPhaseL2) ? a.count * s.row_blocks() : 0);
     return s;
 }
 

@@ -45,21 +45,6 @@ __device__ __forceinline__ void copy_tile_5d(void* dst, const TensorMap* map, in
         : "memory");
 }
 
-// Asks L2 for the box at (inner, outer) of a 2-D tensor map (copy_tile_2d's), ahead of its copy: a hint, which
-// reads nothing into the block and completes on nothing.
-__device__ __forceinline__ void prefetch_tile_2d(const TensorMap* map, int inner, int outer) {
-    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
-                 ::"l"(reinterpret_cast<u64>(map)), "r"(inner), "r"(outer)
-                 : "memory");
-}
-
-// The same for the box at (c0, c1, c2, c3, c4) of a 5-D tensor map (copy_tile_5d's).
-__device__ __forceinline__ void prefetch_tile_5d(const TensorMap* map, int c0, int c1, int c2, int c3, int c4) {
-    asm volatile("cp.async.bulk.prefetch.tensor.5d.L2.global.tile [%0, {%1, %2, %3, %4, %5}];"
-                 ::"l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-                 : "memory");
-}
-
 // `bytes` contiguous bytes of global memory at `src` into `dst`, completing on `bar`: both addresses and the size
 // multiples of 16.
 __device__ __forceinline__ void copy_bulk(void* dst, const void* src, u32 bytes, u64* bar) {

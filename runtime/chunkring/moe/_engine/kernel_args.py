@@ -98,5 +98,5 @@ class PersistentGemmArgs(ArgStruct):
     FIELDS = """const float* w13_sf, const float* w2_sf, const float* rows_sf, float* act_sf, const unsigned* counts,
                 const int* group_end, int experts, long long hidden, long long inter, long long sf_stride,
                 __nv_fp8_e4m3* act, __nv_bfloat16* out, unsigned* sync, int stages, int token_stages, int tile_cap,
-                int claim, int phases, int w13_boxes, int prefetch, long long wait_limit_ns,
-                unsigned long long fault_record, CHUNKRING_NULLABLE unsigned long long* timeline"""
+                int claim, int phases, int w13_boxes, long long wait_limit_ns, unsigned long long fault_record,
+                CHUNKRING_NULLABLE unsigned long long* timeline"""

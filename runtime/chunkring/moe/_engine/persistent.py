@@ -103,9 +103,7 @@ class PersistentVariant:
     """One launch configuration: ``stages`` weight stages of 16 KB in flight per SM, ``token_stages`` token stages,
     passes of at most ``tile_cap`` rows (one of :data:`TILE_TOKENS`), the ``claim`` order (:data:`CLAIMS`), ``fused``
     (one launch whose L2 units wait for their expert's L1 units) or an L1 launch then an L2 launch, ``sms`` blocks
-    (None: one per SM), ``w13_boxes`` copies per L1 tile (1 or 16: :func:`w13_view`), and ``prefetch``: before a block
-    waits for the kernel ahead (a dependent launch), it asks L2 for its first unit's first ``stages`` weight tiles
-    (measured 2-3 us slower in the expert work alone on an H100: off by default)."""
+    (None: one per SM) and ``w13_boxes`` copies per L1 tile (1 or 16: :func:`w13_view`)."""
 
     stages: int = 8
     token_stages: int = 4
@@ -114,7 +112,6 @@ class PersistentVariant:
     fused: bool = True
     sms: int | None = None
     w13_boxes: int = 1
-    prefetch: bool = False
 
     def shared_bytes(self) -> int:
         return shared_bytes(self.stages, self.token_stages, self.tile_cap)
@@ -130,9 +127,8 @@ class PersistentVariant:
             raise ChunkringUsageError(f"expected one of {TILE_TOKENS}, got {self.tile_cap!r}", field="tile_cap")
         if self.claim not in CLAIMS:
             raise ChunkringUsageError(f"expected one of {sorted(CLAIMS)}, got {self.claim!r}", field="claim")
-        for name in ("fused", "prefetch"):
-            if not isinstance(getattr(self, name), bool):
-                raise ChunkringUsageError(f"expected a bool, got {getattr(self, name)!r}", field=name)
+        if not isinstance(self.fused, bool):
+            raise ChunkringUsageError(f"expected a bool, got {self.fused!r}", field="fused")
         if self.w13_boxes not in W13_BOXES or isinstance(self.w13_boxes, bool):
             raise ChunkringUsageError(f"expected one of {sorted(W13_BOXES)}, got {self.w13_boxes!r}", field="w13_boxes")
         if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int)
@@ -315,8 +311,8 @@ class PersistentGemm:
                     w13_sf=w13.scale, w2_sf=w2.scale, rows_sf=plan.rows_sf, act_sf=act_sf, counts=plan.counts,
                     group_end=plan.group_end, experts=E, hidden=H, inter=inter, sf_stride=P, act=act, out=out,
                     sync=self.sync, stages=v.stages, token_stages=v.token_stages, tile_cap=v.tile_cap,
-                    claim=CLAIMS[v.claim], phases=phases, w13_boxes=v.w13_boxes, prefetch=int(v.prefetch),
-                    wait_limit_ns=self.wait_limit_ns, fault_record=self.fault_word.data_ptr(), timeline=timeline),
+                    claim=CLAIMS[v.claim], phases=phases, w13_boxes=v.w13_boxes, wait_limit_ns=self.wait_limit_ns,
+                    fault_record=self.fault_word.data_ptr(), timeline=timeline),
                 grid=grid, block=PERSISTENT_THREADS, shared_bytes=v.shared_bytes(), pdl=True, stream=stream)
         return act, act_sf
 

@@ -193,15 +193,17 @@ mpi_pytest() {  # suite ranks timeout pytest-args...: one JUnit file per rank
 # inside this mpirun job on the GPU host (Open MPI 4.1.6 then looks for ssh/rsh); they need no GPU, and CI runs them.
 # GPU_TESTS narrows gpu_mps / gpu_mps_rma to those pytest paths (a device call too short for the whole suite); their
 # records are then named gpu-<N>rank-mps-selected(-rma), the paths in their command.
+# GPU_MPS_LIMIT_S (500 s) bounds each of the two, below a device call's own limit so that a run cut short still writes
+# its record. -v: each rank's log names every test it started, so a cut run shows where each rank was.
 gpu_mps() {
     # shellcheck disable=SC2086
-    mpi_pytest "gpu-${ranks}rank-mps${GPU_TESTS:+-selected}" "$ranks" 500 ${GPU_TESTS:-tests/gpu tests/mpi} \
-        --ignore=tests/mpi/test_launcher_mpi.py -q -rs "${limits[*]}" || status=1
+    mpi_pytest "gpu-${ranks}rank-mps${GPU_TESTS:+-selected}" "$ranks" "${GPU_MPS_LIMIT_S:-500}" \
+        ${GPU_TESTS:-tests/gpu tests/mpi} --ignore=tests/mpi/test_launcher_mpi.py -v -rs "${limits[*]}" || status=1
 }
 gpu_mps_rma() {
     # shellcheck disable=SC2086
-    mpi_pytest "gpu-${ranks}rank-mps${GPU_TESTS:+-selected}-rma" "$ranks" 500 ${GPU_TESTS:-tests/gpu} --transport rma \
-        -q -rs "${limits[*]}" || status=1
+    mpi_pytest "gpu-${ranks}rank-mps${GPU_TESTS:+-selected}-rma" "$ranks" "${GPU_MPS_LIMIT_S:-500}" \
+        ${GPU_TESTS:-tests/gpu} --transport rma -v -rs "${limits[*]}" || status=1
 }
 moe_2rank_mps() {  # the MoE layer and the transformers drop-in at a second rank count
     mpi_pytest "moe-2rank-mps" 2 300 tests/gpu/test_moe_layer.py tests/gpu/test_hf_dropin_model.py -q -rs "${limits[*]}" ||

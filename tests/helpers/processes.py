@@ -43,13 +43,20 @@ def zombie(entry: Path) -> bool:
     return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+#: Prefixes of what a launcher (Open MPI, PMIx, MPICH/Hydra) tells its ranks: a child that kept them would take itself
+#: for one of the job's ranks and wait for peers that never join it.
+LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "HYDRA_")
+
+
 def run_trapping_child(code: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run ``code`` in a Python child whose kernel is meant to trap, on a context of its own.
+    """Run ``code`` in a Python child whose kernel is meant to trap, on a context of its own, as a job of one rank.
 
     Under MPS a trap in one client ends the context of every client on the GPU (the other ranks, and this test's
     own process), so the child gets an empty MPS pipe directory: its driver finds no control daemon there and
-    creates a plain context, which the trap ends alone."""
+    creates a plain context, which the trap ends alone. Started from a rank of an ``mpirun`` job, it leaves the
+    launcher's variables behind (:data:`LAUNCHER_PREFIXES`)."""
     with tempfile.TemporaryDirectory(prefix="no-mps-") as pipes:
-        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipes, CUDA_MPS_LOG_DIRECTORY=pipes)
+        env = {name: value for name, value in os.environ.items() if not name.startswith(LAUNCHER_PREFIXES)}
+        env.update(CUDA_MPS_PIPE_DIRECTORY=pipes, CUDA_MPS_LOG_DIRECTORY=pipes)
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                               check=False, env=env)

@@ -17,9 +17,9 @@ on the plans the layer builds (moe_plan_scatter through ExpertCompute.plan):
   of 8 SMs, gives the whole GPU's bits; the strided claim there waits for L1 units of blocks that cannot start and
   gives up (the negative control, in a child).
 
-Where ranks share the GPU (under MPS) their launches hold each other's SMs, which a static claim's waits cannot
-allow: there every rank runs the layer's variant (the dynamic claim) and the static claims are left to a GPU of one
-rank; the children, which show a property of one launch, run on rank 0 only.
+Where ranks share the GPU (under MPS) their launches hold each other's SMs, which a fused launch's waits under a
+static claim cannot allow: there every rank runs the layer's variant (the dynamic claim) as its default and the fused
+static ones are left to a GPU of one rank; the children, which show a property of one launch, run on rank 0 only.
 
 Records: tests/gpu_results/*-persistent-1rank.json (scripts/gpu_suite.sh part persistent_1rank)."""
 
@@ -32,7 +32,13 @@ from chunkring import MoEConfig, SmPartition
 from chunkring.jit import library_for
 from chunkring.moe._engine.decode import DecodeGemm
 from chunkring.moe._engine.experts import ExpertCompute
-from chunkring.moe._engine.persistent import LAYER_VARIANT, TIMELINE_WORDS, PersistentGemm, block_units
+from chunkring.moe._engine.persistent import (
+    LAYER_VARIANT,
+    TIMELINE_WORDS,
+    PersistentGemm,
+    PersistentVariant,
+    block_units,
+)
 from tests.gpu.moe_helpers import rel_error
 from tests.gpu.plan_helpers import ACTIVE, E_LOCAL, INTER, TOPK, expert_weights_fp8, reference, staged
 from tests.helpers.processes import run_trapping_child
@@ -51,18 +57,17 @@ def setup(runtime, hidden, n, seed=0):
     stage, x_in = staged(n, hidden, device, seed=n + hidden + seed)
     q13, q2 = expert_weights_fp8(hidden, device, seed=hidden)
     plan = decode.plan(stage)
-    variant = None if gpu_alone(runtime) else LAYER_VARIANT
+    variant = PersistentVariant()
+    if not runs_here(runtime, variant):  # the default claim is a static one
+        variant = LAYER_VARIANT
     return plan, x_in, q13, q2, decode, PersistentGemm(library_for(runtime, "moe_persistent"), cfg, E_LOCAL,
                                                        variant=variant)
 
 
-def gpu_alone(runtime) -> bool:
-    """Whether this rank has the GPU to itself, as a static claim needs (no other rank's launch holds SMs)."""
-    return runtime.gpu_ranks == 1
-
-
-def static(change: dict) -> bool:
-    return change.get("claim", "strided_experts") != "dynamic"
+def runs_here(runtime, variant: PersistentVariant) -> bool:
+    """Whether ``variant`` can run on this rank's GPU: a fused launch under a static claim has L2 units wait for
+    other blocks' L1 units, so it needs every block resident - which other ranks' launches, holding SMs, prevent."""
+    return runtime.gpu_ranks == 1 or not variant.fused or variant.claim == "dynamic"
 
 
 def run(gemm, plan, q13, q2, **kwargs):
@@ -119,9 +124,10 @@ def test_every_variant_gives_the_same_rows(runtime):
     real, ref, _ = reference(plan, x_in, q13, q2)
     again, _, _ = run(gemm, plan, q13, q2)
     assert torch.equal(again[real], base[real]), "a rerun on the same plan differs"
-    for change in SAME_BITS if gpu_alone(runtime) else [c for c in SAME_BITS if not static(c)]:
-        out, act, _ = run(gemm, plan, q13, q2, variant=gemm.with_variant(**change))
-        assert torch.equal(out[real], base[real]) and torch.equal(act[real], base_act[real]), change
+    for variant in (gemm.with_variant(**change) for change in SAME_BITS):
+        if runs_here(runtime, variant):
+            out, act, _ = run(gemm, plan, q13, q2, variant=variant)
+            assert torch.equal(out[real], base[real]) and torch.equal(act[real], base_act[real]), variant
     for cap in (8, 16):  # passes of 8 or 16 rows: other token tiles
         out, _, _ = run(gemm, plan, q13, q2, variant=gemm.with_variant(tile_cap=cap))
         assert rel_error(out[real].float(), base[real].float()) <= TOLERANCE / 10, cap
@@ -163,9 +169,9 @@ def test_launches_back_to_back_give_one_calls_bits(runtime):
 
 def test_the_timeline_holds_each_blocks_units(runtime):
     plan, _, q13, q2, _, gemm = setup(runtime, 4096, 32)
-    # A static claim's units per block, from the schedule's mirror (where the GPU is this rank's alone).
+    # A static claim's units per block, from the schedule's mirror.
     statics = (gemm.with_variant(claim="strided_experts"), gemm.with_variant(claim="blocked", sms=40))
-    for variant in statics if gpu_alone(runtime) else ():
+    for variant in [v for v in statics if runs_here(runtime, v)]:
         grid = gemm.grid(variant)
         timeline = torch.zeros((grid, TIMELINE_WORDS), dtype=torch.int64, device=plan.rows.device)
         run(gemm, plan, q13, q2, variant=variant, timeline=timeline)
@@ -225,17 +231,17 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def one_child(runtime) -> None:
+    """Skip on every rank but rank 0: a child shows a property of one launch, whatever the job's ranks."""
+    if runtime.rank > 0:
+        pytest.skip("rank 0's child shows it")
+
+
 def test_a_wait_that_gives_up_leaves_its_fault_and_fails(runtime):
     one_child(runtime)
     done = run_trapping_child(CHILD)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "fault: block" in done.stdout, done.stdout + done.stderr
-
-
-def one_child(runtime) -> None:
-    """Skip on every rank but rank 0: a child shows a property of one launch, whatever the job's ranks."""
-    if runtime.rank > 0:
-        pytest.skip("rank 0's child shows it")
 
 
 #: Blocks a green context of this many SMs runs at once: one per SM.

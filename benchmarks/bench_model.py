@@ -1,6 +1,7 @@
 """A transformers MoE model timed end to end: its own experts against chunkring's drop-in, batch-ready and streamed.
 
-    python -m benchmarks.bench_model [--arch qwen3_moe] [--layers 4] [--payload fp8] [--prefill 1x2048,8x512]
+    python -m benchmarks.bench_model [--arch qwen3_moe] [--layers 4] [--payload fp8] [--layer-decode auto]
+        [--no-eager-graphs] [--prefill 1x2048,8x512]
         [--decode 1,8,64] [--context 512] [--compile-steps prefill_1x2048,decode_8] [--compile-mode default]
         [--iterations 20] [--warmup 3] [--json OUT]
     mpirun -np N python -m benchmarks.bench_model ...      (N ranks, e.g. sharing one GPU under MPS)
@@ -16,7 +17,8 @@ top-6, 2 shared experts, MLA). Three sides, one model's weights:
   ``grouped_mm``: torch's grouped GEMM over every expert, bf16);
 * ``batch`` and ``streamed``: a second module tree sharing every weight (:func:`shared_copy`) whose MoE blocks
   :func:`chunkring.integrations.transformers.replace_moe_blocks` replaced (``payload``, a streaming ring, one
-  ``MoELayer`` for the blocks), every block's ``streaming`` False or True for the call.
+  ``MoELayer`` for the blocks, by default built with ``decode="auto"`` and ``eager_graphs=True``: ``--layer-decode
+  off`` and ``--no-eager-graphs`` time the layer's defaults), every block's ``streaming`` False or True for the call.
 
 Steps: ``prefill_BxS`` is ``model(ids [B, S], use_cache=False, logits_to_keep=1)`` - a prompt's forward and its last
 token's logits, as ``generate`` computes them, no KV cache written; ``decode_B`` is ``model(ids [B, 1], cache=...,
@@ -35,7 +37,12 @@ medians. A side whose compilation fails with fullgraph is compiled again without
 ``<side>_fullgraph_error`` say so; ``<side>_compile_error`` where it fails without too.
 
 Checks, per step on every rank, from the eager first calls: ``bitwise`` - the streamed logits equal batch-ready's
-bit for bit (``bitwise_compiled`` likewise compiled); ``blocks_vs_reference`` - the worst drop-in block's output
+bit for bit; ``bitwise_compiled`` likewise compiled, both modes compiled once more under Inductor's deterministic
+mode (``torch._inductor.config.deterministic``), their first calls compared. The timed compilations do not decide
+it: Inductor may benchmark a reduction's configs on the device while it compiles, and a reduction's block size sets
+its summation order, so two compilations of one model may round its other layers differently
+(``bitwise_compiled_autotuned``: the timed compilations' first calls, reported, not judged);
+``blocks_vs_reference`` - the worst drop-in block's output
 against chunkring's fp32 reference of the block's math on the same input
 (:func:`chunkring.testing.hf_models.block_reference`: the block's own routing, its experts as the payload carries
 them, the FP8 recipe) relative to it, held to ``tolerance`` (:func:`chunkring.testing.reference.reference_tolerance`:
@@ -120,6 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, field in (*SIZE_FLAGS, ("experts", "routed experts")):
         parser.add_argument(f"--{flag}", type=int, default=None, help=f"{field} (default: the preset's)")
     parser.add_argument("--payload", default="fp8", choices=("fp8", "bf16"), help="the drop-in's payload")
+    parser.add_argument("--layer-decode", default="auto", choices=("auto", "off"),
+                        help="the drop-in layers' decode= (auto: small calls' expert GEMMs on the decode path)")
+    parser.add_argument("--no-eager-graphs", dest="eager_graphs", action="store_false",
+                        help="the drop-in layers launch eager calls kernel by kernel (default: replayed from their "
+                             "own CUDA graphs, eager_graphs=True)")
     parser.add_argument("--own-experts", default="grouped_mm",
                         help="transformers' experts_implementation for the own side")
     parser.add_argument("--prefill", default="1x2048,8x512", help="prefill steps, BATCHxSEQ (comma-separated)")
@@ -197,7 +209,7 @@ def describe_model(args: argparse.Namespace) -> str:
     return (f"{args.arch}: {args.layers} MoE layers, hidden {fields['hidden_size']}, "
             f"{fields[EXPERTS_FIELD[args.arch]]} experts of intermediate {fields['moe_intermediate_size']}, "
             f"top-{fields['num_experts_per_tok']}, vocab {fields['vocab_size']}; own experts {args.own_experts}, "
-            f"drop-in {args.payload}")
+            f"drop-in {args.payload}, decode {args.layer_decode}, eager graphs {args.eager_graphs}")
 
 
 def expert_gib(args: argparse.Namespace) -> float:
@@ -357,11 +369,14 @@ class Bench:
         dropin = shared_copy(own)
         # The original blocks, kept: they share the own model's weights, and the checks run them.
         self.replaced = replace_moe_blocks(dropin, runtime, max_tokens_per_rank=max_tokens(args.steps),
-                                           payload=args.payload, streaming=True, timeout_s=args.timeout_s)
+                                           payload=args.payload, streaming=True, timeout_s=args.timeout_s,
+                                           decode="auto" if args.layer_decode == "auto" else False,
+                                           eager_graphs=args.eager_graphs)
         self.blocks = dict(chunkring_blocks(dropin))
         self.layers = list({id(b.layer): b.layer for b in self.blocks.values()}.values())
         self.models = {"own": own, "batch": dropin, "streamed": dropin}
         self.compiled_logits: dict[tuple[str, str], Any] = {}
+        self.fullgraph: dict[str, bool] = {}  # per side, what its timed compilation ended with
         try:
             self.inputs = {step.name: self.step_inputs(step, index) for index, step in enumerate(args.steps)}
             torch.cuda.synchronize()
@@ -503,7 +518,7 @@ class Bench:
                 state.update(fullgraph=False, compiled=self.compile(side, fullgraph=False))
                 continue
             mine[f"{side}_compile_s"] = time.perf_counter() - start
-            mine[f"{side}_fullgraph"] = state["fullgraph"]
+            mine[f"{side}_fullgraph"] = self.fullgraph[side] = state["fullgraph"]
             self.after(step)
             self.compiled_logits[side, step.name] = logits
             return True
@@ -523,13 +538,34 @@ class Bench:
             out[step.name] = combine_ranks(self.runtime.allgather_object(mine))
         return out
 
-    def bitwise_compiled(self, step: Step) -> dict[str, Any]:
+    def bitwise_compiled(self, steps: list[Step]) -> dict[str, dict[str, Any]]:
+        """Per step of ``steps``: ``bitwise_compiled`` (the two drop-in modes compiled under Inductor's deterministic
+        mode, their first calls' logits equal) and ``bitwise_compiled_autotuned`` (the timed compilations' first
+        calls), each where both modes compiled; the module's docstring says why only the first is judged."""
         import torch
 
-        batch, streamed = (self.compiled_logits.get((side, step.name)) for side in DROPIN)
-        mine = {} if batch is None or streamed is None else {"bitwise_compiled": bool(torch.equal(batch, streamed))}
-        everyone = self.runtime.allgather_object(mine)
-        return combine_ranks(everyone) if all(everyone) else {}
+        compiled_here = all(side in self.fullgraph for side in DROPIN)
+        if not all(self.runtime.allgather_object(compiled_here)):  # a mode did not compile: nothing to compare
+            return {step.name: {} for step in steps}
+        deterministic: dict[tuple[str, str], Any] = {}
+        with torch._inductor.config.patch(deterministic=True):
+            for side in DROPIN:
+                self.set_streaming(side)
+                compiled = self.compile(side, self.fullgraph[side])
+                for step in steps:
+                    self.settle()
+                    deterministic[side, step.name] = self.call(side, step, compiled).clone()
+                    self.after(step)
+        torch.compiler.reset()
+        self.check_layers()
+        out = {}
+        for step in steps:
+            mine = {"bitwise_compiled": bool(torch.equal(*(deterministic[side, step.name] for side in DROPIN)))}
+            batch, streamed = (self.compiled_logits.get((side, step.name)) for side in DROPIN)
+            if batch is not None and streamed is not None:
+                mine["bitwise_compiled_autotuned"] = bool(torch.equal(batch, streamed))
+            out[step.name] = combine_ranks(self.runtime.allgather_object(mine))
+        return out
 
     def close(self) -> None:
         import torch
@@ -582,8 +618,13 @@ def run(args: argparse.Namespace, runtime: Any, records: list[dict[str, Any]]) -
             if rank0:
                 print(progress_compiled(side, out), flush=True)
             publish(incomplete=True)
-        for step in compiled_steps:
-            measured[step.name].update(bench.bitwise_compiled(step))
+        if compiled_steps:
+            for name, figures in bench.bitwise_compiled(compiled_steps).items():
+                measured[name].update(figures)
+            if rank0:
+                print("compiled, deterministic Inductor: streamed == batch " + "; ".join(
+                    f"{step.name} {measured[step.name].get('bitwise_compiled', 'not compared')}"
+                    for step in compiled_steps), flush=True)
         publish(incomplete=False)
     finally:
         bench.close()

@@ -241,8 +241,9 @@ def test_the_eager_flow_runs_on_the_cpu_with_the_drop_in_stood_in_for(monkeypatc
     destroyed: list = []
     calls: list = []
 
-    def replace(model, runtime, *, max_tokens_per_rank, payload, streaming, timeout_s):
-        assert (max_tokens_per_rank, payload, streaming) == (12, "bf16", True)
+    def replace(model, runtime, *, max_tokens_per_rank, payload, streaming, timeout_s, decode, eager_graphs):
+        # The drop-in as the benchmark builds it by default: the decode path where it fits, eager calls replayed.
+        assert (max_tokens_per_rank, payload, streaming, decode, eager_graphs) == (12, "bf16", True, "auto", True)
         layer, replaced = StandInLayer(destroyed), {}
         for block in find_moe_blocks(model):
             parent, _, attr = block.name.rpartition(".")

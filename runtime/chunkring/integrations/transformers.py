@@ -283,7 +283,8 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_rank: int,
                        payload: PayloadFormat | str = PayloadFormat.FP8_E4M3, streaming: bool | str = False,
                        stream_slots: int | None = None, stream_slot_tokens: int | None = None,
-                       timeout_s: float | None = None) -> dict[str, nn.Module]:
+                       timeout_s: float | None = None, decode: bool | str = False,
+                       eager_graphs: bool = False) -> dict[str, nn.Module]:
     """Put a :class:`ChunkringMoEBlock` in the place of every sparse MoE block of ``model`` (Qwen3-MoE's
     ``Qwen3MoeSparseMoeBlock``, DeepSeek-V3's ``DeepseekV3MoE``), each over the :class:`MoELayer` of its
     shape, shared by every block of that shape, and holding this rank's share of its own experts, loaded from
@@ -298,6 +299,8 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
         streaming: each block's call mode (False, True, "auto").
         stream_slots, stream_slot_tokens: the streaming ring (as :func:`plan_moe_blocks` says).
         timeout_s: the layers' watchdog limit.
+        decode, eager_graphs: each layer's expert GEMMs of small calls and its replayed eager calls, as
+            :class:`MoELayer` takes them (benchmarks/bench_model.py times a model with and without).
 
     Returns:
         The replaced blocks by name, in module order: the model no longer refers to them, so dropping the
@@ -317,7 +320,8 @@ def replace_moe_blocks(model: nn.Module, runtime: Runtime, *, max_tokens_per_ran
     try:
         for block, config in plan:
             if config not in layers:
-                layers[config] = MoELayer(runtime, config, timeout_s=timeout_s)
+                layers[config] = MoELayer(runtime, config, timeout_s=timeout_s, decode=decode,
+                                          eager_graphs=eager_graphs)
             built.append((block.name, ChunkringMoEBlock(block, layers[config], streaming=streaming)))
     except BaseException:
         for layer in layers.values():

@@ -3,7 +3,8 @@ graph and the schedule: the first call of a kind runs directly and its graph is 
 (the bucket's rows, the count read from the device, the fixed output); a later call of that kind - any size up to its
 bucket - copies its inputs in, writes its count, replays and copies its rows out; what makes a kind (bucket, mode,
 chunk, engine, weights, router, batch kind) each makes another graph; the calls that need the host inside them run
-directly; a failed capture leaves its kind direct; the least recently replayed graph goes first past the limit.
+directly; a failed capture leaves its kind direct; a full cache keeps the graphs it replays and drops only a stale one
+for a new kind.
 Each test runs twice: with every graph copying, and with routed calls' graphs rebound to each call's own tensors (a
 rebound replay copies nothing in or out, and leaves the fixed buffers as they were).
 
@@ -250,14 +251,33 @@ def test_a_capture_that_fails_leaves_its_kind_direct(graphs, caplog):
     assert len(graphs) == 0 and len(graphs.schedule.direct) == 2, "not captured again"
 
 
-def test_the_least_recently_replayed_graph_goes_first(graphs, monkeypatch):
+def test_a_full_cache_keeps_replaying_what_it_holds_when_more_kinds_cycle_through_it(graphs, monkeypatch):
+    # A model's layers called in a cycle of more kinds than the cache holds: a least-recently-used cache would miss
+    # and capture on every call; this one captures the first two kinds and runs the third directly every time.
     monkeypatch.setattr(replay_module, "MAX_GRAPHS", 2)
-    for n in (1, 2, 4):
+    monkeypatch.setattr(replay_module, "STALE_CALLS", 4)
+    for _ in range(5):
+        for n in (1, 2, 4):
+            call = routed(n, seed=n)
+            assert torch.equal(issue(graphs, call), compute(call))
+    assert len(Graph.made) == 2 and len(graphs) == 2, "nothing captured past the first cycle"
+    assert [c.n for c in graphs.schedule.direct] == [1, 2] + [4] * 5
+    assert sum(graph.replays for graph in Graph.made) == 2 * 4
+
+
+def test_a_full_cache_drops_a_stale_graph_for_a_new_kind(graphs, monkeypatch):
+    monkeypatch.setattr(replay_module, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(replay_module, "STALE_CALLS", 4)
+    for n in (1, 2):
         issue(graphs, routed(n))
-    issue(graphs, routed(2))  # replayed: the most recent
-    issue(graphs, routed(8))
-    assert len(graphs) == 2 and graphs.rebound == 2 * int(Graph.rebinds), "an evicted graph's rebinding goes too"
-    assert graphs.replay(routed(2)) is not None and graphs.replay(routed(1)) is None
+    for _ in range(3):
+        issue(graphs, routed(2))
+    # The sixth replayable call: the bucket-1 graph, last used by the first, is 5 >= STALE_CALLS calls old.
+    issue(graphs, routed(8))  # runs directly, and its graph takes the stale one's place
+    assert len(graphs) == 2 and len(Graph.made) == 3
+    assert graphs.rebound == 2 * int(Graph.rebinds), "a dropped graph's rebinding goes too"
+    assert graphs.replay(routed(8)) is not None and graphs.replay(routed(2)) is not None
+    assert graphs.replay(routed(1)) is None
     graphs.clear()
     assert len(graphs) == 0 and graphs.rebound == 0
 

@@ -21,6 +21,12 @@ direct path, logged: the call it followed has already run.
 
 The graphs of one layer share one memory pool: they never run at once (each replays on the caller's stream after the
 previous call), and their inputs and output live outside the pool, in buffers of ``max_tokens_per_rank`` rows.
+
+A layer keeps at most :data:`MAX_GRAPHS` graphs. A model calls its layers in a cycle, and a cycle of more kinds than
+that would make a least-recently-used cache miss on every call and capture on every miss. So a full cache makes room
+for a new kind only by dropping a graph that is stale - not replayed in the last :data:`STALE_CALLS` replayable calls
+(weights that were freed, a size no longer called) - and otherwise runs the new kind directly, capturing nothing: the
+kinds it holds keep replaying.
 """
 
 from __future__ import annotations
@@ -44,13 +50,15 @@ if TYPE_CHECKING:
     from chunkring.moe._engine.schedule import CallSchedule
     from chunkring.moe.weights import Weight
 
-__all__ = ["MAX_GRAPHS", "CallGraphs", "bucket"]
+__all__ = ["MAX_GRAPHS", "STALE_CALLS", "CallGraphs", "bucket"]
 
 log = logging.getLogger("chunkring")
 
-#: Graphs a layer keeps at most; the least recently replayed goes first. A model that calls one layer object for
-#: several of its layers (each with its own weights) needs one graph per layer and size bucket it uses.
+#: Graphs a layer keeps at most. A model that calls one layer object for several of its layers (each with its own
+#: weights) needs one graph per layer and size bucket it uses.
 MAX_GRAPHS = 256
+#: A graph not replayed in this many replayable calls of its layer is stale: a full cache drops it for a new kind.
+STALE_CALLS = 4 * MAX_GRAPHS
 
 Key = tuple[object, ...]
 
@@ -70,7 +78,10 @@ class CallGraphs:
 
     def __init__(self, resources: LayerResources, schedule: CallSchedule, *, enabled: bool = True) -> None:
         self.res, self.schedule, self.enabled = resources, schedule, enabled
-        self._graphs: OrderedDict[Key, torch.cuda.CUDAGraph] = OrderedDict()
+        self._graphs: OrderedDict[Key, torch.cuda.CUDAGraph] = OrderedDict()  # least recently replayed first
+        self._last: dict[Key, int] = {}  # per graph, the replayable call that last replayed or captured it
+        self._calls = 0  # replayable calls so far
+        self._full_logged = False
         self._rebound: dict[Key, Rebinding] = {}  # the graphs pointed at each call's own tensors
         self._direct: set[Key] = set()  # kinds whose capture failed
         self._inputs: dict[str, tuple[torch.Tensor, ...]] = {}  # per batch kind, the graphs' fixed input buffers
@@ -107,11 +118,13 @@ class CallGraphs:
         eligible, or not captured yet: run it directly, then :meth:`capture`)."""
         if not self.eligible(call):
             return None
+        self._calls += 1
         key = self.key(call)
         graph = self._graphs.get(key)
         if graph is None:
             return None
         self._graphs.move_to_end(key)
+        self._last[key] = self._calls
         stream = torch.cuda.current_stream(self.res.runtime.torch_device)
         if self._stream is not None and stream != self._stream:
             stream.wait_stream(self._stream)  # the last replay read the fixed buffers this call overwrites
@@ -132,7 +145,7 @@ class CallGraphs:
                 log.warning("chunkring: a %s call's graph of %d rows could not be pointed at a call (%s); calls of "
                             "its kind run directly", call.mode.value, bucket(n, self.res.config.max_tokens_per_rank),
                             error)
-                del self._graphs[key], self._rebound[key]
+                self._drop(key)
                 self._direct.add(key)
                 return None
             graph.replay()
@@ -147,7 +160,7 @@ class CallGraphs:
         if not self.eligible(call):
             return
         key = self.key(call)
-        if key in self._graphs or key in self._direct:
+        if key in self._graphs or key in self._direct or not self._room(call):
             return
         staged = self._staged(call, bucket(call.n, self.res.config.max_tokens_per_rank))
         if self._pool is None:
@@ -163,6 +176,7 @@ class CallGraphs:
                         "run directly", call.mode.value, call.n, exc)
             return
         self._graphs[key] = graph
+        self._last[key] = self._calls
         if isinstance(call.batch, RoutedBatch):
             assert self._out is not None  # made by _staged
             inputs = self._buffers(call)
@@ -171,13 +185,31 @@ class CallGraphs:
             except NotRebindable as why:
                 log.info("chunkring: a %s call's graph of %d rows copies its tensors (%s)", call.mode.value,
                          staged.n, why)
-        while len(self._graphs) > MAX_GRAPHS:
-            old, _ = self._graphs.popitem(last=False)
-            self._rebound.pop(old, None)
+
+    def _room(self, call: Call) -> bool:
+        """Whether a new kind's graph may be captured: the cache has room, or its least recently replayed graph is
+        stale and goes (the module's docstring)."""
+        if len(self._graphs) < MAX_GRAPHS:
+            return True
+        oldest = next(iter(self._graphs))
+        if self._calls - self._last[oldest] >= STALE_CALLS:
+            self._drop(oldest)
+            return True
+        if not self._full_logged:
+            self._full_logged = True
+            log.info("chunkring: a layer holds %d call graphs, each replayed within its last %d replayable calls; "
+                     "new kinds of call (a %s call of %d rows first) run directly", len(self._graphs), STALE_CALLS,
+                     call.mode.value, call.n)
+        return False
+
+    def _drop(self, key: Key) -> None:
+        del self._graphs[key], self._last[key]
+        self._rebound.pop(key, None)
 
     def clear(self) -> None:
         """Drop every graph and the buffers they read (before the layer's own buffers are freed)."""
         self._graphs.clear()
+        self._last.clear()
         self._rebound.clear()
         self._direct.clear()
         self._inputs.clear()

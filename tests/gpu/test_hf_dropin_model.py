@@ -27,6 +27,9 @@ Two checks per case:
   accumulation order adds to that what reference_tolerance allows per block, diluted in the logits by the
   residual stream. A wrong expert, a lost row or a swapped gate/up moves the logits by 10 % or more (a
   swapped gate/up: 37 % per block on the CPU).
+
+And the drop-in as a serving loop builds it for eager decode (``decode="auto"``, ``eager_graphs=True``) against the
+same drop-in launching every call: equal logits bit for bit while its calls replay.
 """
 
 from __future__ import annotations
@@ -160,3 +163,35 @@ def test_logits_match_the_original_model(runtime, dropin, streaming):
     print(f"rank {rank}: {arch} {payload} {'streamed' if streaming else 'batch-ready'}: logits {err:.2e} "
           f"({int(flipped.sum())} flipped of {flipped.numel()})")
     assert err < LOGITS_TOLERANCE[payload], err
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["batch_ready", "streamed"])
+def test_a_replaying_dropin_gives_the_launching_ones_logits_bit_for_bit(runtime, streaming):
+    """The drop-in built for eager decode - the decode path where a call is small, eager calls replayed from each
+    layer's own graphs (``replace_moe_blocks(decode="auto", eager_graphs=True)``) - against the same drop-in launching
+    every call: the same logits bit for bit, step after step, sizes repeating so that later calls replay."""
+    device = runtime.torch_device
+    original = tiny_model("qwen3_moe", seed=11)
+    models: dict[bool, torch.nn.Module] = {}
+    try:
+        for replaying in (False, True):
+            model = copy.deepcopy(original)
+            replace_moe_blocks(model, runtime, max_tokens_per_rank=MAX_TOKENS, payload="fp8", streaming=streaming,
+                               timeout_s=60, decode="auto", eager_graphs=replaying)
+            models[replaying] = model.to(device)
+        gen = torch.Generator().manual_seed(200 + runtime.rank)
+        with torch.no_grad():
+            for shape in ((1, 1), (2, 3), (1, 1), (4, 1), (2, 3), (1, 1)):  # 1, 6, 1, 4, 6, 1 tokens
+                ids = torch.randint(0, 128, shape, generator=gen).to(device)
+                launched, replayed = (models[replaying](ids).logits for replaying in (False, True))
+                assert torch.equal(launched, replayed), shape
+        graphs = {replaying: [block.layer.stats()["call_graphs"] for _, block in chunkring_blocks(model)]
+                  for replaying, model in models.items()}
+        assert all(n == 0 for n in graphs[False]) and all(n > 0 for n in graphs[True]), graphs
+        for model in models.values():
+            for _, block in chunkring_blocks(model):
+                block.layer.check()
+    finally:
+        for model in models.values():
+            for _, block in chunkring_blocks(model):
+                block.layer.close()

@@ -28,6 +28,15 @@ while the host issues it, and the launch queue never fills):
   about the delay (``GATE_MS``) where the driver makes a launch wait for the graph's previous one, as the calls back
   to back of bench_eager's profile suggest at 128 tokens.
 
+``green_publish_sets`` (``--green``): which ways the driver lets a replay set the publish nodes of a streamed call
+whose later chunks publish on the partition's stream (a green context's), the nodes the eager replay cannot rebind
+today (``CUDA_ERROR_INVALID_VALUE``, so such a graph copies): a streamed ``run`` of ``--max-tokens`` tokens in chunks
+of a quarter slot captured, each publish node set in the instantiated graph to its own captured parameters through
+``cuGraphExecKernelNodeSetParams`` as captured (``kernel``), with the parameters' context cleared (``kernel_no_ctx``),
+and through ``cuGraphExecNodeSetParams`` (``node``); per node its context, whether it names a function or a library
+kernel, and each way's status (the context cleared first, so that a way that succeeds after it puts the node back).
+The graph's replay must then equal the eager call bit for bit.
+
 The record also counts the layer graph's nodes by type, its dependency edges, its kernel nodes' parameter bytes
 (DeepGEMM's kernels and the persistent consumer take tensor maps by value) and how many contexts they run in
 (``contexts``: a batch-ready call runs on two ordinary streams, so 1 unless a kernel runs elsewhere). Both layer
@@ -247,6 +256,70 @@ def probe(shape: Shape, tokens: int, samples: int, gate: Gate, barrier: Callable
     return rec
 
 
+#: The ways ``green_publish_sets`` sets a node, in order: the context cleared first, so that a later way that takes
+#: the captured parameters puts the node back in its own context before the replay.
+SET_WAYS = ("kernel_no_ctx", "kernel", "node")
+
+
+def _set_node(way: str, graph_exec: Any, node: Any, params: Any) -> str:
+    """Set ``node`` in ``graph_exec`` to ``params`` (its own captured ones) ``way``: "ok" or why not."""
+    from cuda.bindings import driver
+
+    try:
+        if way == "kernel_no_ctx":
+            params.ctx = driver.CUcontext(0)
+        if way == "node":
+            generic = driver.CUgraphNodeParams()
+            generic.type = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+            for field in ("func", "kern", "ctx", "gridDimX", "gridDimY", "gridDimZ", "blockDimX", "blockDimY",
+                          "blockDimZ", "sharedMemBytes", "kernelParams", "extra"):
+                setattr(generic.kernel, field, getattr(params, field))
+            (err,) = driver.cuGraphExecNodeSetParams(graph_exec, node, generic)
+        else:
+            (err,) = driver.cuGraphExecKernelNodeSetParams(graph_exec, node, params)
+    except Exception as error:  # a probe: what the bindings refused is the answer
+        return f"{type(error).__name__}: {error}"[:200]
+    return "ok" if err == driver.CUresult.CUDA_SUCCESS else str(err)
+
+
+def green_publish_sets(shape: Shape) -> dict:
+    """The ``--green`` probe (the module's docstring): a streamed call of the layer's capacity in chunks of a quarter
+    slot, captured; every publish node set each way of :data:`SET_WAYS`; the replay against the eager call."""
+    from cuda.bindings import driver
+
+    tokens = shape.layer.config.max_tokens_per_rank
+    chunk = max(1, shape.slot // 4)
+    _, (x, x_sf, idx, w) = shape.inputs(tokens)
+
+    def run() -> torch.Tensor:
+        return shape.layer.run(x, x_sf, idx, w, shape.w13, shape.w2, streaming=True, chunk=chunk)
+
+    eager = run()  # the mode's first call (warm-up and barrier) runs outside the capture
+    torch.cuda.synchronize()
+    graph, out = captured(run)
+    graph_exec = driver.CUgraphExec(graph.raw_cuda_graph_exec())
+    nodes = []
+    for name, node in named_kernel_nodes(graph.raw_cuda_graph(), ("ring_publish_tensors", "ring_publish_copy")):
+        params = ok(driver.cuGraphKernelNodeGetParams(node))
+        row = {"name": name, "ctx": int(params.ctx), "func": int(params.func) != 0, "kern": int(params.kern) != 0}
+        for way in SET_WAYS:  # each way from the captured parameters again
+            row[way] = _set_node(way, graph_exec, node, ok(driver.cuGraphKernelNodeGetParams(node)))
+        # Whether the node runs where it was captured at the replay below.
+        row["own_context"] = row["kernel_no_ctx"] != "ok" or "ok" in (row["kernel"], row["node"])
+        nodes.append(row)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    shape.layer.check()
+    contexts = {row["ctx"] for row in nodes}
+    rec = {"probe": "green_publish_sets", "tokens": tokens, "chunk": chunk, "publish_nodes": len(nodes),
+           "publish_contexts": len(contexts), "bitwise": bool(torch.equal(out, eager)),
+           "replayed_in_own_contexts": all(row["own_context"] for row in nodes), "per_node": nodes}
+    for way in SET_WAYS:
+        rec[f"set_{way}_ok"] = sum(row[way] == "ok" for row in nodes)
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="flash", choices=sorted(SHAPES))
@@ -254,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=128,
                         help="the layer's max_tokens_per_rank (at least the largest --tokens), as bench_eager sizes it")
+    parser.add_argument("--green", action="store_true",
+                        help="also probe the ways to set a streamed call's publish nodes (green_publish_sets)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",") if t]
@@ -270,11 +345,16 @@ def main(argv: list[str] | None = None) -> int:
                 records.append(rec)
                 print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()),
                       flush=True)
+            if args.green:
+                rec = {"shape": args.shape, **green_publish_sets(shape)}
+                records.append(rec)
+                print(rec, flush=True)
         finally:
             shape.close()
         if args.json:
             figures = {f"{r['shape']}_{r['tokens']}_{k}": v for r in records for k, v in r.items()
-                       if k.endswith("_us") or k.startswith(("nodes", "param_bytes")) or k in ("edges", "contexts")}
+                       if k.endswith(("_us", "_ok")) or k.startswith(("nodes_", "param_bytes", "publish_"))
+                       or k in ("nodes", "edges", "contexts")}
             failed = sum(not r["bitwise"] for r in records)
             result_records.write(args.json, suite="graph-launch-1rank", world_size=1, figures=figures,
                                  records=records, passed=len(records) - failed, failed=failed)

@@ -233,7 +233,10 @@ class StandInBlock(torch.nn.Module):
         return self.block(hidden_states)
 
 
-def test_the_eager_flow_runs_on_the_cpu_with_the_drop_in_stood_in_for(monkeypatch, tmp_path):
+@pytest.fixture
+def stood_in(monkeypatch):
+    """The bench's GPU side stood in for on the CPU: the drop-in's blocks compute as the blocks they replace, every
+    sample takes 1-3 ms by the count of samples; (runtime, the layers closed, the samples taken)."""
     pytest.importorskip("transformers")
     from chunkring.integrations import transformers as dropin
     from chunkring.integrations.transformers import find_moe_blocks
@@ -263,6 +266,11 @@ def test_the_eager_flow_runs_on_the_cpu_with_the_drop_in_stood_in_for(monkeypatc
     monkeypatch.setattr(bench_model, "events_ms", timed)
     runtime = SimpleNamespace(rank=0, world_size=1, torch_device=torch.device("cpu"), barrier=lambda: None,
                               allgather_object=lambda obj: [obj])
+    return runtime, destroyed, calls
+
+
+def test_the_eager_flow_runs_on_the_cpu_with_the_drop_in_stood_in_for(stood_in, tmp_path):
+    runtime, destroyed, calls = stood_in
     args = parse_args([*TINY, "--layers", "2", "--payload", "bf16", "--prefill", "2x6", "--decode", "3",
                        "--context", "5", "--compile-steps", "none", "--iterations", "2", "--warmup", "0",
                        "--json", str(tmp_path / "model.json")])
@@ -281,3 +289,34 @@ def test_the_eager_flow_runs_on_the_cpu_with_the_drop_in_stood_in_for(monkeypatc
     saved = json.loads((tmp_path / "model.json").read_text())
     assert saved["suite"] == "model" and "incomplete" not in saved and saved["passed"] == 2
     assert saved["figures"]["model_layers"] == 2
+
+
+def test_the_compiled_flow_judges_the_modes_compiled_again_under_inductors_deterministic_mode(stood_in, monkeypatch):
+    # torch.compile stood in for by the model itself, recording the Inductor mode each compilation's first call ran
+    # under: the timed compilations free to time their reductions' configs, the checking ones not.
+    runtime, _, _ = stood_in
+    modes: list[bool] = []
+
+    def compile_(model, **options):
+        assert options["fullgraph"] is True and options["dynamic"] is False
+
+        def first_then_model(*args, **kwargs):
+            if compiled.calls == 0:
+                modes.append(bool(torch._inductor.config.deterministic))
+            compiled.calls += 1
+            return model(*args, **kwargs)
+
+        compiled = SimpleNamespace(calls=0)
+        return first_then_model
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(torch.compiler, "reset", lambda: None)
+    args = parse_args([*TINY, "--layers", "2", "--payload", "bf16", "--prefill", "2x6", "--decode", "",
+                       "--compile-steps", "prefill_2x6", "--iterations", "1", "--warmup", "0"])
+    records: list = []
+    with torch.no_grad():
+        bench_model.run(args, runtime, records)
+    (r,) = records
+    assert modes == [False, False, False, True, True], "own, batch, streamed timed; batch, streamed checked"
+    assert r["bitwise_compiled"] is True and r["bitwise_compiled_autotuned"] is True and r["passed"], r
+    assert {f"{side}_compiled_ms" for side in ("own", "batch", "streamed")} <= set(r)

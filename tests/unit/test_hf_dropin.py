@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from chunkring.integrations.transformers import (  # noqa: E402
     expert_state_dict,
     find_moe_blocks,
     plan_moe_blocks,
+    replace_moe_blocks,
     route,
 )
 from chunkring.moe.weights import Fp8Weight, quantize_weight_fp8  # noqa: E402
@@ -223,3 +225,15 @@ def test_chunkring_imports_without_transformers():
     code = ("import sys, chunkring, chunkring.integrations.transformers, chunkring.testing.hf_models; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(("setting", "field"), [({"decode": "sometimes"}, "decode"),
+                                                ({"eager_graphs": 1}, "eager_graphs")])
+def test_a_bad_layer_setting_is_refused_before_any_block_is_replaced(setting, field):
+    model = tiny_model("qwen3_moe")
+    blocks = [b.module for b in find_moe_blocks(model)]
+    runtime = SimpleNamespace(rank=0, world_size=1, torch_device=torch.device("cpu"))
+    with pytest.raises(ChunkringUsageError) as info:
+        replace_moe_blocks(model, runtime, max_tokens_per_rank=64, **setting)
+    assert info.value.field == field
+    assert [b.module for b in find_moe_blocks(model)] == blocks, "the model is as it was"

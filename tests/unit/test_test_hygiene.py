@@ -44,6 +44,9 @@ TORCH_PRIVATE = {
     "torch._higher_order_ops.effects._get_effect": "as _EffectType: the only way to read an op's registered effect",
     "op._schema": "an OpOverload exposes its FunctionSchema only as _schema (test_custom_op's `op`)",
     "torch.cuda._sleep": "the only GPU-side busy wait torch offers (a delay on a stream, no host involved)",
+    "torch._inductor.config": "Inductor's deterministic mode (its `deterministic` option, torch 2.10 on) has no "
+                              "public switch; torch.use_deterministic_algorithms would change the eager model's ops "
+                              "too (benchmarks/bench_model.py's compiled check)",
     "torch.distributed._symmetric_memory": "torch's symmetric memory, which DeepGEMM's mega MoE requires "
                                            "(benchmarks/probe_deepgemm.py); torch exports it nowhere else",
 }

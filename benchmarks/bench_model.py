@@ -558,7 +558,6 @@ class Bench:
                         self.settle()
                         deterministic[side, step.name] = self.call(side, step, compiled).clone()
                         self.after(step)
-            torch.compiler.reset()
             self.check_layers()
         out = {}
         for step in steps:

@@ -299,15 +299,16 @@ def test_the_compiled_flow_judges_the_modes_compiled_again_under_inductors_deter
 
     def compile_(model, **options):
         assert options["fullgraph"] is True and options["dynamic"] is False
+        called = False
 
-        def first_then_model(*args, **kwargs):
-            if compiled.calls == 0:
+        def compiled(*args, **kwargs):
+            nonlocal called
+            if not called:  # the call that would compile
                 modes.append(bool(torch._inductor.config.deterministic))
-            compiled.calls += 1
+                called = True
             return model(*args, **kwargs)
 
-        compiled = SimpleNamespace(calls=0)
-        return first_then_model
+        return compiled
 
     monkeypatch.setattr(torch, "compile", compile_)
     monkeypatch.setattr(torch.compiler, "reset", lambda: None)
